@@ -1,0 +1,1 @@
+"""Pure values of the appliance: stdlib only, no I/O, no clock."""

@@ -1,0 +1,55 @@
+"""The one root of every error the appliance reports to a person or a client."""
+
+from __future__ import annotations
+
+
+class ApplianceError(Exception):
+    """A known failure with a stable code, the HTTP status it maps to and a one-line message.
+
+    The API renders it as OpenAI-style error JSON; the CLI prints `message` alone and exits
+    with `exit_code`. Anything that is not an ApplianceError is a bug and keeps its traceback.
+    """
+
+    code: str = "appliance_error"
+    http_status: int = 500
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, code: str | None = None, http_status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if http_status is not None:
+            self.http_status = http_status
+
+
+class ConfigError(ApplianceError):
+    """The configuration names an unknown key or a bad value; the message names the fix."""
+
+    code = "config_error"
+    http_status = 400
+    exit_code = 2
+
+
+class NotYetAvailable(ApplianceError):
+    """A command of the interface whose capability this build does not carry yet."""
+
+    code = "not_available"
+    http_status = 501
+    exit_code = 2
+
+
+class LedgerError(ApplianceError):
+    """The ledger file cannot be used as it is (not SQLite, newer schema, unwritable)."""
+
+    code = "ledger_error"
+    http_status = 500
+    exit_code = 2
+
+
+class DataDirError(ApplianceError):
+    """The data directory cannot be created or written."""
+
+    code = "data_dir_error"
+    http_status = 500
+    exit_code = 2

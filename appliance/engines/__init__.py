@@ -1,0 +1,1 @@
+"""Adapters to inference engines: the vLLM client, the worker supervisor, external endpoints."""

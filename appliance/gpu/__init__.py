@@ -1,0 +1,1 @@
+"""GPU and host probes: NVML behind one choke point, psutil, and a scripted fake."""

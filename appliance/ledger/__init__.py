@@ -1,0 +1,1 @@
+"""The SQLite ledger: schema and named migrations, one writer thread, read connections."""

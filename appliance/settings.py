@@ -1,0 +1,266 @@
+"""The appliance's settings: one typed tree, built once in bootstrap and passed down.
+
+Sources, strongest first: explicit values (CLI flags), environment variables
+(`APPLIANCE_` prefix, `__` between nested keys, e.g. `APPLIANCE_SERVER__PORT=9000`), the YAML
+file (`--config PATH` or `$APPLIANCE_CONFIG`), then the defaults below. Every field carries a
+docstring; `configs/appliance.yaml` documents the same keys with their defaults, and a test
+keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from appliance.domain.errors import ConfigError
+
+ENV_PREFIX = "APPLIANCE_"
+
+
+class Section(BaseModel):
+    """A nested settings section: unknown keys are errors, field docstrings are descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class EngineKind(StrEnum):
+    AUTO = "auto"
+    VLLM = "vllm"
+    SIM = "sim"
+    EXTERNAL = "external"
+
+
+class ServerSettings(Section):
+    host: str = "127.0.0.1"
+    """Address the HTTP API listens on. Keep 127.0.0.1 unless a proxy with TLS fronts it."""
+    port: int = Field(8080, ge=1, le=65535)
+    """TCP port of the HTTP API."""
+
+
+class EngineSettings(Section):
+    kind: EngineKind = EngineKind.AUTO
+    """auto | vllm | sim | external. auto = vLLM on NVIDIA GPUs when both are present, else sim."""
+    model: str | None = None
+    """Model path or name served by every worker (vllm); the sim engine serves it by name."""
+    served_model_name: str | None = None
+    """Name clients use in `model`; defaults to the model's directory or repo name."""
+    workers: int = Field(1, ge=1, le=64)
+    """Number of engine workers (one per GPU group)."""
+    gpus_per_worker: int = Field(1, ge=1, le=16)
+    """GPUs given to each worker through CUDA_VISIBLE_DEVICES (its tensor-parallel size)."""
+    base_port: int = Field(8100, ge=1, le=65535)
+    """HTTP port of worker 0; worker i listens on base_port + i."""
+    kv_events_base_port: int = Field(5557, ge=1, le=65535)
+    """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i."""
+    block_size: int = Field(16, ge=1, le=1024)
+    """KV block size in tokens, pinned on every worker so the router's block hashes match."""
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256_cbor"
+    """vLLM --prefix-caching-hash-algo; the router recomputes the same hashes."""
+    python_hash_seed: str = "0"
+    """PYTHONHASHSEED given to every worker and used as the router's NONE_HASH seed."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of each GPU's memory a worker may take (weights + KV cache)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Longest prompt + output in tokens; None lets vLLM use the model's own limit."""
+    extra_args: list[str] = []
+    """Extra command-line arguments passed verbatim to every `vllm serve`."""
+    external_urls: list[str] = []
+    """Base URLs of vLLM servers the appliance did not start (engine kind `external`)."""
+    external_kv_event_endpoints: list[str] = []
+    """ZMQ endpoints of those servers' KV events, in the same order as external_urls."""
+    gpu_profile: Path | None = None
+    """GPU profile JSON for the sim engine's latency model; None = the bundled H200 profile."""
+
+    @model_validator(mode="after")
+    def _external_needs_urls(self) -> EngineSettings:
+        if self.kind == EngineKind.EXTERNAL and not self.external_urls:
+            raise ValueError(
+                "engine.kind=external needs engine.external_urls: set the vLLM base URLs"
+            )
+        if self.external_kv_event_endpoints and len(self.external_kv_event_endpoints) != len(
+            self.external_urls
+        ):
+            raise ValueError(
+                "engine.external_kv_event_endpoints must have one entry per engine.external_urls"
+            )
+        return self
+
+
+class LedgerSettings(Section):
+    path: Path | None = None
+    """SQLite file of the ledger; None = ledger.db in the data dir."""
+    batch_max: int = Field(1024, ge=1, le=100_000)
+    """Most writes the writer thread commits in one transaction."""
+    synchronous: Literal["normal", "full"] = "full"
+    """SQLite synchronous mode: full survives power loss, normal survives a process crash."""
+    busy_timeout_s: float = Field(5.0, gt=0)
+    """How long a connection waits on a lock before it reports the ledger busy."""
+
+
+class CostSettings(Section):
+    mode: Literal["tokens", "gpu_seconds"] = "tokens"
+    """How turns are priced: per token (an API-like price list) or per GPU-second (self-hosted)."""
+    currency: str = "USD"
+    """Currency label shown beside every cost."""
+    fresh_per_mtok: float = Field(3.0, ge=0)
+    """Price of one million fresh (uncached) prompt tokens, tokens mode."""
+    cached_per_mtok: float = Field(0.3, ge=0)
+    """Price of one million cached prompt tokens, tokens mode."""
+    output_per_mtok: float = Field(15.0, ge=0)
+    """Price of one million output tokens, tokens mode."""
+    reasoning_per_mtok: float = Field(15.0, ge=0)
+    """Price of one million reasoning tokens, tokens mode."""
+    gpu_second: float = Field(0.0011, ge=0)
+    """Price of one GPU-second, gpu_seconds mode (about 4 USD per GPU-hour)."""
+
+
+class Settings(BaseSettings):
+    """The whole configuration of one appliance."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".local/share/appliance")
+    """Directory for ledger.db, api-keys.toml and logs ($APPLIANCE_DATA_DIR)."""
+    debug: bool = False
+    """Print tracebacks for known errors ($APPLIANCE_DEBUG=1)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Level of the appliance's own log lines."""
+    server: ServerSettings = ServerSettings()
+    engine: EngineSettings = EngineSettings()
+    ledger: LedgerSettings = LedgerSettings()
+    costs: CostSettings = CostSettings()
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.ledger.path or self.data_dir / "ledger.db"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # load() merges file, environment and flags itself, in that order of strength.
+        return (init_settings,)
+
+
+def load(config_file: Path | None = None, **flags: Any) -> Settings:
+    """Build the settings: defaults, then the YAML file, then the environment, then `flags`.
+
+    `flags` are CLI values for top-level keys or nested dicts for sections; None means "not
+    given" and never hides the file or the environment. Raises ConfigError with one line that
+    names the key, the value and the fix.
+    """
+    path = config_file or _env_config_path()
+    _check_env_keys()
+    layers = [_read_yaml(path) if path else {}, EnvSettingsSource(Settings)(), _given(flags)]
+    values: dict[str, Any] = {}
+    for layer in layers:
+        _deep_merge(values, layer)
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc, path)) from None
+
+
+def _given(flags: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, dict):
+            value = _given(value)
+        if value is not None and value != {}:
+            out[key] = value
+    return out
+
+
+def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _env_config_path() -> Path | None:
+    raw = os.environ.get(ENV_PREFIX + "CONFIG")
+    return Path(raw) if raw else None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}; pass an existing --config") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path}{where}: not valid YAML; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must be a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+# Environment variables the appliance reads itself rather than as settings keys.
+_NON_SETTING_ENV = {"CONFIG"}
+
+
+def _check_env_keys() -> None:
+    """An APPLIANCE_* variable that names no setting is a typo: say so instead of ignoring it."""
+    for name in os.environ:
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if parts[0].upper() in _NON_SETTING_ENV:
+            continue
+        model: type[BaseModel] | None = Settings
+        for part in parts:
+            fields = model.model_fields if model else {}
+            if part not in fields:
+                raise ConfigError(
+                    f"environment {name}: unknown key '{'.'.join(parts)}'; "
+                    "see `appliance config show` for the known keys"
+                )
+            annotation = fields[part].annotation
+            model = annotation if isinstance(annotation, type) and issubclass(
+                annotation, BaseModel
+            ) else None
+
+
+def _one_line(exc: ValidationError, path: Path | None) -> str:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(root)"
+    value = err.get("input")
+    source = f"config {path}" if path else "config"
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{key}'; remove it or check the spelling in configs/appliance.yaml"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {key}={value!r} is invalid: {message}"
+
+
+def dump_yaml(settings: Settings) -> str:
+    """The effective configuration as YAML, every key shown."""
+    return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""The operator console (Textual). It talks to the daemon over HTTP only."""
