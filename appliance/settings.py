@@ -210,7 +210,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}; pass an existing --config") from None
+        raise ConfigError(
+            f"config file {path}: {exc.strerror}; pass an existing --config"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -220,7 +222,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: must be a mapping of keys, not {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path}: must be a mapping of keys, not {type(data).__name__}"
+        )
     return data
 
 
@@ -245,9 +249,11 @@ def _check_env_keys() -> None:
                     "see `appliance config show` for the known keys"
                 )
             annotation = fields[part].annotation
-            model = annotation if isinstance(annotation, type) and issubclass(
-                annotation, BaseModel
-            ) else None
+            model = (
+                annotation
+                if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+                else None
+            )
 
 
 def _one_line(exc: ValidationError, path: Path | None) -> str:
@@ -256,11 +262,58 @@ def _one_line(exc: ValidationError, path: Path | None) -> str:
     value = err.get("input")
     source = f"config {path}" if path else "config"
     if err["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{key}'; remove it or check the spelling in configs/appliance.yaml"
+        return f"{source}: unknown key '{key}'; remove it or check configs/appliance.yaml"
     message = err["msg"].removeprefix("Value error, ")
-    return f"{source}: {key}={value!r} is invalid: {message}"
+    about = _describe(tuple(str(p) for p in err["loc"]))
+    fix = f"; expected: {about}" if about else ""
+    return f"{source}: {key}={value!r} is invalid: {message}{fix}"
+
+
+def _describe(loc: tuple[str, ...]) -> str | None:
+    """The docstring of the field at `loc`, the best one-line hint of what a key wants."""
+    model: type[BaseModel] = Settings
+    description = None
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            break
+        description = field.description
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            break
+        model = field.annotation
+    return description
 
 
 def dump_yaml(settings: Settings) -> str:
     """The effective configuration as YAML, every key shown."""
     return yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False)
+
+
+def documented_yaml() -> str:
+    """configs/appliance.yaml: every key with its default and its docstring as a comment."""
+    lines = [
+        "# The appliance's configuration: every key, its default and what it means.",
+        "# Pass a copy with --config PATH (or $APPLIANCE_CONFIG); environment variables",
+        "# override it: APPLIANCE_<KEY>, with __ between nested keys (APPLIANCE_SERVER__PORT).",
+        "# data_dir defaults to ~/.local/share/appliance.",
+    ]
+    _document(Settings, Settings().model_dump(mode="json"), 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _document(model: type[BaseModel], values: dict[str, Any], depth: int, out: list[str]) -> None:
+    pad = "  " * depth
+    for name, field in model.model_fields.items():
+        if name == "data_dir":
+            continue  # machine-specific default; documented in the header
+        sub = field.annotation
+        doc = field.description or (sub.__doc__ if isinstance(sub, type) else None)
+        if doc and not (isinstance(sub, type) and issubclass(sub, Section)):
+            out.append(f"{pad}# {doc}")
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            out.append("")
+            out.append(f"{pad}{name}:")
+            _document(sub, values[name], depth + 1, out)
+        else:
+            rendered = yaml.safe_dump({name: values[name]}, default_flow_style=True, width=1000)
+            out.append(pad + rendered.strip().removeprefix("{").removesuffix("}"))

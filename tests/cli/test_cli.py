@@ -1,0 +1,151 @@
+"""The `appliance` command as a user runs it: a real process, its stdout, stderr and exit code."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+APPLIANCE = Path(sys.executable).parent / "appliance"
+
+
+def run(*args: str, data_dir: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    if data_dir is not None:
+        base["APPLIANCE_DATA_DIR"] = str(data_dir)
+    return subprocess.run(
+        [str(APPLIANCE), *args], capture_output=True, text=True, env={**base, **env}, timeout=60
+    )
+
+
+def test_help_lists_every_command_of_the_interface() -> None:
+    out = run("--help").stdout
+    for command in (
+        "up",
+        "status",
+        "top",
+        "sessions",
+        "tasks",
+        "costs",
+        "replay",
+        "bench",
+        "sim",
+        "doctor",
+        "config",
+        "keys",
+    ):
+        assert f" {command} " in out, command
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["up", "--engine", "sim"],
+        ["status"],
+        ["top"],
+        ["sessions"],
+        ["tasks", "--tree"],
+        ["replay", "trace.jsonl"],
+        ["bench"],
+        ["sim"],
+    ],
+)
+def test_commands_not_in_this_build_say_so_in_one_line(args: list[str], tmp_path: Path) -> None:
+    r = run(*args, data_dir=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "not available in this build yet" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_config_show_prints_the_effective_configuration(tmp_path: Path) -> None:
+    r = run("config", "show", data_dir=tmp_path, APPLIANCE_SERVER__PORT="9123")
+    assert r.returncode == 0, r.stderr
+    assert "port: 9123" in r.stdout and f"data_dir: {tmp_path}" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "text", "needle"),
+    [
+        ({"APPLIANCE_SERVER__PORT": "eighty"}, None, "server.port='eighty' is invalid"),
+        ({}, "engine: {wrokers: 2}\n", "unknown key 'engine.wrokers'"),
+        ({}, "engine: {workers: 0}\n", "engine.workers=0 is invalid"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(
+    tmp_path: Path, env: dict[str, str], text: str | None, needle: str
+) -> None:
+    args = ["config", "show"]
+    if text is not None:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text)
+        args += ["--config", str(cfg)]
+    r = run(*args, data_dir=tmp_path, **env)
+    assert r.returncode == 2
+    assert needle in r.stderr and r.stderr.count("\n") == 1
+    assert r.stdout == ""
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    r = run("config", "show", data_dir=tmp_path, APPLIANCE_SERVER__PORT="x", APPLIANCE_DEBUG="1")
+    assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_keys_add_prints_only_the_key_and_keeps_the_file_private(tmp_path: Path) -> None:
+    r = run("keys", "add", "alice", data_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    key = r.stdout.strip()
+    assert key.startswith("sk-app-") and len(r.stdout.splitlines()) == 1
+    admin = run("keys", "add", "ops", "--admin", data_dir=tmp_path).stdout.strip()
+    assert admin.startswith("sk-admin-")
+    path = tmp_path / "api-keys.toml"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    listing = run("keys", "list", data_dir=tmp_path).stdout
+    assert "alice\ttenant" in listing and "ops\tadmin" in listing
+    assert key not in listing and admin not in listing
+    again = run("keys", "add", "alice", data_dir=tmp_path)
+    assert again.returncode == 2 and "exists already" in again.stderr
+    assert key in path.read_text()  # nothing lost by the refused add
+
+
+def test_bad_key_name_is_refused(tmp_path: Path) -> None:
+    r = run("keys", "add", "no spaces", data_dir=tmp_path)
+    assert r.returncode == 2 and "key name 'no spaces' is invalid" in r.stderr
+
+
+def test_unwritable_data_dir_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    r = run("keys", "add", "alice", data_dir=blocker / "sub")
+    assert r.returncode == 2
+    assert "data dir" in r.stderr and "cannot create it" in r.stderr
+    assert r.stderr.count("\n") == 1
+    assert blocker.read_text() == "keep me"
+
+
+def test_doctor_reports_each_check_and_fails_on_a_taken_port(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("doctor", data_dir=tmp_path, APPLIANCE_SERVER__PORT=str(port))
+    names = [line.split()[1] for line in r.stdout.splitlines()]
+    assert names[:3] == ["python", "gpus", "vllm"]
+    assert any(line.startswith("fail") and "port" in line for line in r.stdout.splitlines())
+    assert r.returncode == 1
+    free = run("doctor", data_dir=tmp_path, APPLIANCE_SERVER__PORT=str(port))
+    assert free.returncode == 0, free.stdout
+    assert f"ok    data dir  {tmp_path} writable" in free.stdout
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text().splitlines()
+    commands = [line for line in readme[:6] if line.startswith("./install.sh")]
+    assert len(commands) == 2, "README opens with exactly two commands"
+    assert "appliance up" in commands[0]
+    assert commands[1] in (ROOT / ".ci/run").read_text().splitlines()

@@ -1,0 +1,111 @@
+"""Settings: precedence of sources, and one-line errors that name the key, value and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance.domain.errors import ConfigError
+from appliance.settings import Settings, documented_yaml, load
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("APPLIANCE_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_without_any_source() -> None:
+    s = load()
+    assert s.server.port == 8080
+    assert s.engine.kind == "auto"
+    assert s.ledger_path == s.data_dir / "ledger.db"
+
+
+def test_file_then_environment_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text("server: {port: 9001, host: 127.0.0.2}\nengine: {workers: 3}\n")
+    assert load(cfg).server.port == 9001
+    monkeypatch.setenv("APPLIANCE_SERVER__PORT", "9002")
+    s = load(cfg)
+    assert (s.server.port, s.server.host, s.engine.workers) == (9002, "127.0.0.2", 3)
+    s = load(cfg, server={"port": 9003, "host": None})
+    assert (s.server.port, s.server.host) == (9003, "127.0.0.2")
+
+
+def test_config_path_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text("log_level: DEBUG\n")
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(cfg))
+    assert load().log_level == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("server: {prot: 1}\n", "unknown key 'server.prot'"),
+        ("server: {port: 70000}\n", "server.port=70000 is invalid"),
+        ("engine: {kind: gpu}\n", "engine.kind='gpu' is invalid"),
+        ("engine: {kind: external}\n", "engine.kind=external needs engine.external_urls"),
+        ("server: [1, 2\n", "not valid YAML"),
+        ("- just\n- a list\n", "must be a mapping"),
+    ],
+)
+def test_bad_file_is_one_clear_line(tmp_path: Path, text: str, expected: str) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load(cfg)
+    assert expected in err.value.message
+    assert "\n" not in err.value.message
+    assert str(cfg) in err.value.message
+
+
+def test_bad_value_names_what_is_expected(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("ledger: {synchronous: sometimes}\n")
+    with pytest.raises(ConfigError) as err:
+        load(cfg)
+    assert "'sometimes'" in err.value.message
+    assert "expected: SQLite synchronous mode" in err.value.message
+
+
+def test_unknown_environment_key_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_SERVER__PROT", "1")
+    with pytest.raises(ConfigError, match=r"APPLIANCE_SERVER__PROT: unknown key 'server\.prot'"):
+        load()
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no-such\.yaml"):
+        load(tmp_path / "no-such.yaml")
+
+
+def test_documented_file_is_current_and_holds_the_defaults() -> None:
+    text = (ROOT / "configs/appliance.yaml").read_text()
+    assert text == documented_yaml(), "regenerate configs/appliance.yaml from documented_yaml()"
+    values = yaml.safe_load(text)
+    assert Settings(**values).model_dump(exclude={"data_dir"}) == Settings().model_dump(
+        exclude={"data_dir"}
+    )
+
+
+def test_every_field_is_documented() -> None:
+    def walk(model: type, prefix: str) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+            sub = field.annotation
+            if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                missing += walk(sub, f"{prefix}{name}.")
+            elif not field.description:
+                missing.append(prefix + name)
+        return missing
+
+    assert walk(Settings, "") == []
