@@ -1,0 +1,1 @@
+"""The ASGI app: OpenAI-compatible routes, appliance routes, /metrics; and its schemas."""

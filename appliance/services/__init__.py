@@ -1,0 +1,1 @@
+"""Async loops that own side effects: router, admission, reaper, state snapshots."""
