@@ -149,3 +149,84 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert len(commands) == 2, "README opens with exactly two commands"
     assert "appliance up" in commands[0]
     assert commands[1] in (ROOT / ".ci/run").read_text().splitlines()
+
+
+def _ledger_with_one_success(path: Path) -> None:
+    """A ledger holding one verified task that cost two attempts, written by the product code."""
+    from appliance.domain.records import (
+        CostMode,
+        Price,
+        SessionId,
+        TaskEvent,
+        TaskEventType,
+        TaskId,
+        TaskRecord,
+        TenantId,
+        TurnId,
+        TurnOutcome,
+        TurnRecord,
+        WorkerId,
+    )
+    from appliance.ledger import Ledger
+
+    with Ledger.open(path) as ledger:
+        ledger.set_price(
+            Price(
+                mode=CostMode.TOKENS,
+                effective_from=0.0,
+                fresh_per_mtok=1.0,
+                cached_per_mtok=0.0,
+                output_per_mtok=2.0,
+                reasoning_per_mtok=0.0,
+                gpu_second=0.0,
+            )
+        ).result()
+        ledger.record_task(
+            TaskRecord(TaskId("t1"), TenantId("acme"), 10.0, task_class="code")
+        ).result()
+        for i, outcome in enumerate((TurnOutcome.FAILED, TurnOutcome.OK)):
+            ledger.record_turn(
+                TurnRecord(
+                    turn_id=TurnId(f"u{i}"),
+                    tenant=TenantId("acme"),
+                    task_id=TaskId("t1"),
+                    session_id=SessionId("s1"),
+                    worker=WorkerId("w0"),
+                    model="m",
+                    prompt_tokens=1_000_000,
+                    cached_tokens=0,
+                    output_tokens=500_000,
+                    outcome=outcome,
+                    started_at=11.0 + i,
+                    finished_at=11.5 + i,
+                )
+            ).result()
+        ledger.record_task_event(
+            TaskEvent(TaskId("t1"), TaskEventType.SUCCEEDED, 20.0, verified=True)
+        ).result()
+
+
+def test_costs_reads_a_ledger_file_offline(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    _ledger_with_one_success(db)
+    r = run("costs", "--db", str(db), "--json", data_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    (row,) = json.loads(r.stdout)
+    # Two attempts of 1M fresh tokens at 1/M plus 0.5M output at 2/M: 2 each, 4 in all.
+    assert row["task_class"] == "code" and row["tenant"] == "acme"
+    assert row["succeeded"] == 1 and row["attempts"] == 2
+    assert row["cost_per_success"] == pytest.approx(4.0)
+    table = run("costs", "--db", str(db), data_dir=tmp_path).stdout
+    assert "cost_per_success" in table.splitlines()[0] and "acme" in table
+
+
+def test_costs_refuses_a_file_that_is_not_a_ledger(tmp_path: Path) -> None:
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("these are my notes, not a database\n" * 10)
+    before = bogus.read_bytes()
+    r = run("costs", "--db", str(bogus), data_dir=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert str(bogus) in r.stderr and "Traceback" not in r.stderr
+    assert bogus.read_bytes() == before

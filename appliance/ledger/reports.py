@@ -1,0 +1,94 @@
+"""Reports read from a ledger file, read-only (they back `appliance costs --db FILE` and work
+while the appliance writes). The arithmetic is policy.costs' pure rule; this module only
+reads rows."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from appliance.domain.errors import ConfigError, LedgerError
+from appliance.domain.records import TaskStatus
+from appliance.ledger.connections import open_reader
+from appliance.policy.costs import GROUP_KEYS, AttemptRow, TaskRow, cost_per_success
+
+_TASKS = """SELECT task_id, tenant, created_at, parent_task_id, task_class, status, verified
+    FROM tasks"""
+# Summed per task (priced and unpriced apart): the rule only adds attempts up.
+_ATTEMPTS = """SELECT task_id, tenant, min(finished_at), count(*), sum(cost), cost IS NULL
+    FROM turns WHERE task_id IS NOT NULL GROUP BY task_id, tenant, cost IS NULL"""
+_TASKLESS = "SELECT turn_id, tenant, finished_at, cost FROM turns WHERE task_id IS NULL"
+_CURRENCY = "SELECT currency FROM prices ORDER BY effective_from DESC, price_id DESC LIMIT 1"
+
+
+def cost_report(
+    path: str | Path,
+    *,
+    by: Sequence[str] = GROUP_KEYS,
+    since: float | None = None,
+    until: float | None = None,
+    window_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """Cost per successful task per group, one dict per group with the same keys in the
+    same order: the `by` columns, window_start (only with window_s), tasks, succeeded,
+    attempts, unpriced_attempts, cost, cost_per_success (None: no verified success), currency.
+    """
+    unknown = [g for g in by if g not in GROUP_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"cost report: cannot group by {unknown[0]!r}; use task_class and/or tenant"
+        )
+    if window_s is not None and window_s <= 0:
+        raise ConfigError(f"cost report: window {window_s}s is invalid; use a positive number")
+    conn = open_reader(path)
+    try:
+        conn.execute("BEGIN")  # one snapshot for all three queries
+        tasks, attempts, currency = _read(conn)
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        raise LedgerError(f"ledger {path}: cannot read it ({exc}); try again") from None
+    finally:
+        conn.close()
+    groups = cost_per_success(tasks, attempts, by=by, since=since, until=until, window_s=window_s)
+    out = []
+    for g in groups:
+        row: dict[str, Any] = {key: getattr(g, key) for key in by}
+        if window_s is not None:
+            row["window_start"] = g.window_start
+        row |= {
+            "tasks": g.tasks,
+            "succeeded": g.succeeded,
+            "attempts": g.attempts,
+            "unpriced_attempts": g.unpriced_attempts,
+            "cost": g.cost,
+            "cost_per_success": g.cost_per_success,
+            "currency": currency,
+        }
+        out.append(row)
+    return out
+
+
+def _read(conn: sqlite3.Connection) -> tuple[list[TaskRow], list[AttemptRow], str | None]:
+    tasks = [
+        TaskRow(
+            task_id=r[0],
+            tenant=r[1],
+            created_at=r[2],
+            parent_task_id=r[3],
+            task_class=r[4],
+            status=TaskStatus(r[5]),
+            verified=None if r[6] is None else bool(r[6]),
+        )
+        for r in conn.execute(_TASKS)
+    ]
+    attempts = [
+        AttemptRow(task_id=r[0], tenant=r[1], at=r[2], attempts=r[3], cost=None if r[5] else r[4])
+        for r in conn.execute(_ATTEMPTS)
+    ]
+    attempts += [
+        AttemptRow(task_id=None, tenant=r[1], at=r[2], cost=r[3]) for r in conn.execute(_TASKLESS)
+    ]
+    row = conn.execute(_CURRENCY).fetchone()
+    return tasks, attempts, row[0] if row else None

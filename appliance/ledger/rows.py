@@ -1,0 +1,173 @@
+"""Records to rows and back: the SQL each write runs and the parameters it binds."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from appliance.domain.records import (
+    AdmissionEvent,
+    CacheReceipt,
+    CostMode,
+    Price,
+    PriceId,
+    ResidencyEvent,
+    SessionRecord,
+    TaskEvent,
+    TaskRecord,
+    TurnRecord,
+)
+
+INSERT_TASK = """INSERT INTO tasks (task_id, tenant, parent_task_id, task_class, status,
+    created_at, deadline_at, budget, max_children) VALUES (?, ?, ?, ?, 'open', ?, ?, ?, ?)"""
+
+
+def task_params(t: TaskRecord) -> tuple[Any, ...]:
+    return (
+        t.task_id,
+        t.tenant,
+        t.parent_task_id,
+        t.task_class,
+        t.created_at,
+        t.deadline_at,
+        t.budget,
+        t.max_children,
+    )
+
+
+INSERT_TASK_EVENT = """INSERT INTO task_events (task_id, type, at, verified, evidence,
+    tool_class, expected_s) VALUES (?, ?, ?, ?, ?, ?, ?)"""
+
+
+def task_event_params(e: TaskEvent) -> tuple[Any, ...]:
+    return (e.task_id, e.type.value, e.at, e.verified, e.evidence, e.tool_class, e.expected_s)
+
+
+CLOSE_TASK = """UPDATE tasks SET status = ?, verified = ?, evidence = ?, finished_at = ?
+    WHERE task_id = ?"""
+
+UPSERT_SESSION = """INSERT INTO sessions (session_id, tenant, task_id, worker, created_at,
+    last_active_at) VALUES (?, ?, ?, ?, ?, ?)
+    ON CONFLICT (session_id) DO UPDATE SET
+        task_id = coalesce(excluded.task_id, sessions.task_id),
+        worker = coalesce(excluded.worker, sessions.worker),
+        last_active_at = coalesce(excluded.last_active_at, sessions.last_active_at)"""
+
+
+def session_params(s: SessionRecord) -> tuple[Any, ...]:
+    return (s.session_id, s.tenant, s.task_id, s.worker, s.created_at, s.last_active_at)
+
+
+INSERT_TURN = """INSERT INTO turns (turn_id, tenant, task_id, session_id, parent_task_id,
+    worker, model, prompt_tokens, cached_tokens, fresh_tokens, output_tokens,
+    reasoning_tokens, predicted_cached_tokens, queue_s, ttft_s, e2e_s, gpu_s, outcome, error,
+    started_at, finished_at, tool_cost, price_id, cost)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+def turn_params(t: TurnRecord, price_id: PriceId | None, cost: float | None) -> tuple[Any, ...]:
+    return (
+        t.turn_id,
+        t.tenant,
+        t.task_id,
+        t.session_id,
+        t.parent_task_id,
+        t.worker,
+        t.model,
+        t.prompt_tokens,
+        t.cached_tokens,
+        t.fresh_tokens,
+        t.output_tokens,
+        t.reasoning_tokens,
+        t.predicted_cached_tokens,
+        t.queue_s,
+        t.ttft_s,
+        t.e2e_s,
+        t.gpu_s,
+        t.outcome.value,
+        t.error,
+        t.started_at,
+        t.finished_at,
+        t.tool_cost,
+        price_id,
+        cost,
+    )
+
+
+UPSERT_RECEIPT = """INSERT INTO cache_receipts (prefix_digest, token_count, model,
+    runtime_identity, tenant_domain, worker, tier, created_at, last_used_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+    ON CONFLICT (prefix_digest, model, runtime_identity, tenant_domain, worker, tier)
+    DO UPDATE SET token_count = excluded.token_count,
+        last_used_at = max(cache_receipts.last_used_at, excluded.last_used_at)"""
+
+
+def receipt_params(r: CacheReceipt) -> tuple[Any, ...]:
+    return (
+        r.prefix_digest,
+        r.token_count,
+        r.model,
+        r.runtime_identity,
+        r.tenant_domain,
+        r.worker,
+        r.tier.value,
+        r.created_at,
+        r.last_used_at,
+    )
+
+
+INSERT_RESIDENCY = """INSERT INTO residency_events (at, session_id, worker, action, reason,
+    tokens, tier) VALUES (?, ?, ?, ?, ?, ?, ?)"""
+
+
+def residency_params(e: ResidencyEvent) -> tuple[Any, ...]:
+    tier = e.tier.value if e.tier is not None else None
+    return (e.at, e.session_id, e.worker, e.action, e.reason, e.tokens, tier)
+
+
+INSERT_ADMISSION = """INSERT INTO admission_events (at, tenant, task_id, decision, reason,
+    queue_depth) VALUES (?, ?, ?, ?, ?, ?)"""
+
+
+def admission_params(e: AdmissionEvent) -> tuple[Any, ...]:
+    return (e.at, e.tenant, e.task_id, e.decision, e.reason, e.queue_depth)
+
+
+INSERT_PRICE = """INSERT INTO prices (effective_from, mode, currency, fresh_per_mtok,
+    cached_per_mtok, output_per_mtok, reasoning_per_mtok, gpu_second)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+def price_params(p: Price) -> tuple[Any, ...]:
+    return (
+        p.effective_from,
+        p.mode.value,
+        p.currency,
+        p.fresh_per_mtok,
+        p.cached_per_mtok,
+        p.output_per_mtok,
+        p.reasoning_per_mtok,
+        p.gpu_second,
+    )
+
+
+SELECT_PRICES = """SELECT price_id, effective_from, mode, currency, fresh_per_mtok,
+    cached_per_mtok, output_per_mtok, reasoning_per_mtok, gpu_second
+    FROM prices ORDER BY price_id"""
+
+
+def load_prices(conn: sqlite3.Connection) -> list[Price]:
+    return [
+        Price(
+            price_id=PriceId(r[0]),
+            effective_from=r[1],
+            mode=CostMode(r[2]),
+            currency=r[3],
+            fresh_per_mtok=r[4],
+            cached_per_mtok=r[5],
+            output_per_mtok=r[6],
+            reasoning_per_mtok=r[7],
+            gpu_second=r[8],
+        )
+        for r in conn.execute(SELECT_PRICES)
+    ]

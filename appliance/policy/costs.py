@@ -1,0 +1,246 @@
+"""The task cost ledger's formulas: what one attempt costs, and cost per successful task.
+
+The model of the world, in two rules:
+
+1. One attempt (a turn) costs, in tokens mode,
+       c_fresh*U + c_cached*H + c_out*O + c_reason*R + tool_cost
+   with U fresh prompt tokens, H cached prompt tokens, O output and R reasoning tokens and
+   the c_* prices per million tokens; in gpu_seconds mode, gpu_s * gpu_second + tool_cost.
+   The price is the version in effect at the attempt's end; the ledger stores the cost with
+   the price id, so a new price never rewrites history.
+
+2. Cost per successful task, per group (task_class, tenant, window of the ROOT task's
+   creation time): every attempted cost of every task tree (failed, cancelled and retried
+   attempts, discarded fan-out branches; a child task rolls up into its root) divided by
+   the number of root tasks that succeeded with verified=true. Zero such successes gives
+   None: the work bought nothing yet, which is neither free nor infinitely dear.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from appliance.domain.records import CostMode, Price, TaskStatus, TurnRecord
+
+MTOK = 1_000_000
+GROUP_KEYS = ("task_class", "tenant")
+
+
+def attempt_cost(
+    price: Price,
+    *,
+    fresh_tokens: int = 0,
+    cached_tokens: int = 0,
+    output_tokens: int = 0,
+    reasoning_tokens: int = 0,
+    gpu_s: float = 0.0,
+    tool_cost: float = 0.0,
+) -> float:
+    if price.mode is CostMode.GPU_SECONDS:
+        return gpu_s * price.gpu_second + tool_cost
+    return (
+        price.fresh_per_mtok * fresh_tokens
+        + price.cached_per_mtok * cached_tokens
+        + price.output_per_mtok * output_tokens
+        + price.reasoning_per_mtok * reasoning_tokens
+    ) / MTOK + tool_cost
+
+
+def turn_cost(turn: TurnRecord, price: Price) -> float:
+    return attempt_cost(
+        price,
+        fresh_tokens=turn.fresh_tokens,
+        cached_tokens=turn.cached_tokens,
+        output_tokens=turn.output_tokens,
+        reasoning_tokens=turn.reasoning_tokens,
+        gpu_s=turn.gpu_s,
+        tool_cost=turn.tool_cost,
+    )
+
+
+class PriceBook:
+    """The price versions, ordered by effective_from; `at(t)` is the version in effect at t
+    (the latest one that started at or before t; on a tie the one added last)."""
+
+    def __init__(self, prices: Iterable[Price] = ()) -> None:
+        self._starts: list[float] = []
+        self._prices: list[Price] = []
+        for p in prices:
+            self.add(p)
+
+    def add(self, price: Price) -> None:
+        i = bisect.bisect_right(self._starts, price.effective_from)
+        self._starts.insert(i, price.effective_from)
+        self._prices.insert(i, price)
+
+    def at(self, t: float) -> Price | None:
+        i = bisect.bisect_right(self._starts, t)
+        return self._prices[i - 1] if i else None
+
+    def latest(self) -> Price | None:
+        """The version with the latest start: the one new turns get."""
+        return self._prices[-1] if self._prices else None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    task_id: str
+    tenant: str
+    created_at: float
+    parent_task_id: str | None = None
+    task_class: str | None = None
+    status: TaskStatus = TaskStatus.OPEN
+    verified: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRow:
+    """The cost of one attempt, or of `attempts` attempts of one task summed up. cost None
+    means unpriced (no price was in effect): it counts as an attempt, adds nothing."""
+
+    task_id: str | None
+    tenant: str
+    at: float
+    cost: float | None
+    attempts: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class CostGroup:
+    task_class: str | None
+    tenant: str | None
+    window_start: float | None
+    tasks: int
+    """Root tasks created in the window."""
+    succeeded: int
+    """Root tasks that succeeded with verified=true."""
+    attempts: int
+    unpriced_attempts: int
+    cost: float
+    cost_per_success: float | None
+
+
+@dataclass(slots=True)
+class _Acc:
+    tasks: int = 0
+    succeeded: int = 0
+    attempts: int = 0
+    unpriced: int = 0
+    costs: list[float] = field(default_factory=list)
+
+
+def cost_per_success(
+    tasks: Iterable[TaskRow],
+    attempts: Iterable[AttemptRow],
+    *,
+    by: Sequence[str] = GROUP_KEYS,
+    since: float | None = None,
+    until: float | None = None,
+    window_s: float | None = None,
+) -> list[CostGroup]:
+    """Rule 2 over plain rows; groups sorted by key. `since` is inclusive, `until`
+    exclusive, both on the root's created_at; `window_s` splits that range into windows
+    starting at `since` (or 0). Attempts whose task is unknown count as one-attempt root
+    tasks of their own (their tenant, no class), so no spent money goes missing."""
+    unknown = set(by) - set(GROUP_KEYS)
+    if unknown:
+        raise ValueError(f"unknown group {sorted(unknown)[0]!r}; choose from {GROUP_KEYS}")
+    if window_s is not None and window_s <= 0:
+        raise ValueError("window_s must be positive")
+    by_id = {t.task_id: t for t in tasks}
+    roots = _Roots(by_id)
+    orphans: dict[str, TaskRow] = {}
+    spent: dict[str, list[AttemptRow]] = {}
+    for n, a in enumerate(attempts):
+        if a.task_id is not None and a.task_id in by_id:
+            root_id = roots.of(a.task_id)
+        else:
+            root_id = f"\0orphan:{a.task_id if a.task_id is not None else n}"
+            seen = orphans.get(root_id)
+            if seen is None or a.at < seen.created_at:
+                orphans[root_id] = TaskRow(root_id, a.tenant, a.at)
+        spent.setdefault(root_id, []).append(a)
+
+    groups: dict[tuple[str | None, str | None, float | None], _Acc] = {}
+    all_roots = [t for t in by_id.values() if roots.of(t.task_id) == t.task_id]
+    for root in [*all_roots, *orphans.values()]:
+        if since is not None and root.created_at < since:
+            continue
+        if until is not None and root.created_at >= until:
+            continue
+        key = (
+            root.task_class if "task_class" in by else None,
+            root.tenant if "tenant" in by else None,
+            _window(root.created_at, since, window_s),
+        )
+        acc = groups.setdefault(key, _Acc())
+        acc.tasks += 1
+        acc.succeeded += root.status is TaskStatus.SUCCEEDED and root.verified is True
+        for a in spent.get(root.task_id, ()):
+            acc.attempts += a.attempts
+            if a.cost is None:
+                acc.unpriced += a.attempts
+            else:
+                acc.costs.append(a.cost)
+
+    out = []
+    for (cls, tenant, start), acc in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
+        cost = math.fsum(acc.costs)
+        out.append(
+            CostGroup(
+                task_class=cls,
+                tenant=tenant,
+                window_start=start,
+                tasks=acc.tasks,
+                succeeded=acc.succeeded,
+                attempts=acc.attempts,
+                unpriced_attempts=acc.unpriced,
+                cost=cost,
+                cost_per_success=cost / acc.succeeded if acc.succeeded else None,
+            )
+        )
+    return out
+
+
+class _Roots:
+    """Finds each task's root by following parent links; a parent not among the rows (or a
+    cycle) ends the walk, so the topmost known task is the root."""
+
+    def __init__(self, by_id: dict[str, TaskRow]) -> None:
+        self._by_id = by_id
+        self._root: dict[str, str] = {}
+
+    def of(self, task_id: str) -> str:
+        path: list[str] = []
+        seen: set[str] = set()
+        current = task_id
+        while current not in self._root:
+            path.append(current)
+            seen.add(current)
+            parent = self._by_id[current].parent_task_id
+            if parent is None or parent not in self._by_id or parent in seen:
+                root = current
+                break
+            current = parent
+        else:
+            root = self._root[current]
+        for t in path:
+            self._root[t] = root
+        return root
+
+
+def _window(created_at: float, since: float | None, window_s: float | None) -> float | None:
+    if window_s is None:
+        return None
+    origin = since if since is not None else 0.0
+    return origin + math.floor((created_at - origin) / window_s) * window_s
+
+
+def _sort_key(key: tuple[str | None, str | None, float | None]) -> tuple[str, str, float]:
+    cls, tenant, start = key
+    return (cls or "", tenant or "", start if start is not None else -math.inf)

@@ -1,0 +1,72 @@
+"""The boundaries the services are written against. Concrete adapters live in
+appliance.ledger, appliance.engines, appliance.gpu and appliance.sim; only the composition
+root (appliance.bootstrap) names them. This module imports appliance.domain only.
+
+Still to come here (their owners add them): EngineClient, KvEventSource, GpuProbe.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol
+
+from appliance.domain.records import (
+    AdmissionEvent,
+    CacheReceipt,
+    Price,
+    PriceId,
+    ResidencyEvent,
+    SessionRecord,
+    TaskEvent,
+    TaskRecord,
+    TurnRecord,
+)
+
+
+class Clock(Protocol):
+    """Wall time in Unix seconds; replay passes a virtual clock with the same face."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class Ledger(Protocol):
+    """The durable record of what happened. Every `record_*` queues one write and returns at
+    once; its Future resolves after the transaction holding the write committed (the write
+    is then acknowledged: it survives a crash of the process) or fails with LedgerError.
+
+    The one writer applies writes in the order they were queued."""
+
+    def record_task(self, task: TaskRecord) -> Future[None]: ...
+
+    def record_task_event(self, event: TaskEvent) -> Future[None]:
+        """A terminal event (succeeded/failed/cancelled) also closes the task; on a task that
+        is not open it fails with LedgerError and records nothing."""
+        ...
+
+    def record_session(self, session: SessionRecord) -> Future[None]:
+        """Inserts the session or updates its task, worker and last activity."""
+        ...
+
+    def record_turn(self, turn: TurnRecord) -> Future[float | None]:
+        """Costs the turn with the price in effect at its end and resolves to that cost
+        (None when no price was in effect)."""
+        ...
+
+    def record_cache_receipt(self, receipt: CacheReceipt) -> Future[None]: ...
+
+    def record_residency_event(self, event: ResidencyEvent) -> Future[None]: ...
+
+    def record_admission_event(self, event: AdmissionEvent) -> Future[None]: ...
+
+    def set_price(self, price: Price) -> Future[PriceId]:
+        """Stores a new price version, unless the latest version has the same rates (then it
+        resolves to that version's id)."""
+        ...
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Returns when every write queued before the call has committed."""
+        ...
+
+    def close(self) -> None: ...
