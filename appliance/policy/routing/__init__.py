@@ -1,0 +1,40 @@
+"""Where an agent turn runs: filters -> weighted scorers -> picker.
+
+Model of the world. A turn re-sends its session's growing prefix. On the worker that still
+holds that prefix in its KV cache only the appended tokens are prefilled; anywhere else the
+whole prompt is. So each candidate worker is judged by the time the turn would wait for its
+first token there: queue wait (prefill work already routed there and not yet started) plus
+the prefill it would do (fresh tokens over the resident prefix). Scores are those seconds
+normalised by one scale per decision (the larger of the turn's cold prefill and the longest
+queue), so with equal weights the picker minimises the estimated time to first token:
+  reuse  = prefill seconds saved by the resident prefix / scale
+  queue  = 1 - queue wait / scale
+That is what keeps a session on its worker (the saving is large) until that worker's queue
+costs more than the saving (then it moves, and the decision says why). Three smaller scorers
+break ties and guard known failure modes: kv_pressure (prefer room, so a move does not evict
+someone else's hot prefix), affinity (the session's last worker, bounded: worth nothing once
+that worker carries more than `max_share` of all queued work, so heavy sessions cannot pin
+a hot spot), failures (recent errors). A stale index only costs a miss: the engine reports
+the cached tokens it really found, and the ledger keeps predicted beside actual.
+Policies are pure: no clock, no I/O; the caller passes every reading in.
+"""
+
+from appliance.policy.routing.core import (
+    Candidate,
+    PrefillCost,
+    RouteDecision,
+    RouteRequest,
+    RoutingProfile,
+    WorkerView,
+    route,
+)
+
+__all__ = [
+    "Candidate",
+    "PrefillCost",
+    "RouteDecision",
+    "RouteRequest",
+    "RoutingProfile",
+    "WorkerView",
+    "route",
+]

@@ -1,0 +1,202 @@
+"""The routing mechanism's boundary types and the default scorers (see the package docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from appliance.domain.records import WorkerId
+
+
+class PrefillCost(Protocol):
+    """Seconds to prefill `fresh` tokens on top of `reused` resident ones (a GPU profile)."""
+
+    def prefill_s(self, fresh: int, reused: int = 0) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    model: str
+    prompt_tokens: int
+    session_home: WorkerId | None = None
+    """The worker that served this session's previous turn, if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the router knows of one worker at decision time."""
+
+    worker: WorkerId
+    models: frozenset[str]
+    healthy: bool = True
+    draining: bool = False
+    resident_tokens: int = 0
+    """Leading tokens of this request's prompt resident in the worker's KV cache (index)."""
+    queue_s: float = 0.0
+    """Estimated wait before this request's prefill starts there."""
+    queued_share: float = 0.0
+    """This worker's share (0..1) of all queued work across workers."""
+    kv_usage: float = 0.0
+    recent_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker: WorkerId
+    score: float
+    scores: Mapping[str, float]
+    resident_tokens: int
+    ttft_estimate_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    worker: WorkerId | None
+    reason: str
+    candidates: tuple[Candidate, ...] = ()
+    excluded: Mapping[str, str] = field(default_factory=dict)
+    """Worker -> the filter that excluded it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Per-decision values every scorer may need."""
+
+    request: RouteRequest
+    cost: PrefillCost
+    cold_prefill_s: float
+    scale_s: float
+
+
+Filter = Callable[[RouteRequest, WorkerView], bool]
+Scorer = Callable[[Context, WorkerView], float]
+
+
+def healthy(_: RouteRequest, w: WorkerView) -> bool:
+    return w.healthy
+
+
+def not_draining(_: RouteRequest, w: WorkerView) -> bool:
+    return not w.draining
+
+
+def serves_model(req: RouteRequest, w: WorkerView) -> bool:
+    return req.model in w.models
+
+
+def _saved_s(ctx: Context, w: WorkerView) -> float:
+    reused = min(w.resident_tokens, ctx.request.prompt_tokens)
+    return ctx.cold_prefill_s - ctx.cost.prefill_s(ctx.request.prompt_tokens - reused, reused)
+
+
+def reuse(ctx: Context, w: WorkerView) -> float:
+    return _clip(_saved_s(ctx, w) / ctx.scale_s)
+
+
+def queue(ctx: Context, w: WorkerView) -> float:
+    return _clip(1.0 - w.queue_s / ctx.scale_s)
+
+
+def kv_pressure(_: Context, w: WorkerView) -> float:
+    return _clip(1.0 - w.kv_usage)
+
+
+def failures(_: Context, w: WorkerView) -> float:
+    return 1.0 / (1.0 + w.recent_failures)
+
+
+def bounded_affinity(max_share: float) -> Scorer:
+    """1 on the session's last worker unless it carries more than `max_share` of the queue."""
+
+    def affinity(ctx: Context, w: WorkerView) -> float:
+        home = ctx.request.session_home == w.worker
+        return 1.0 if home and w.queued_share <= max_share else 0.0
+
+    return affinity
+
+
+def _clip(x: float) -> float:
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingProfile:
+    name: str
+    filters: tuple[tuple[str, Filter], ...]
+    scorers: tuple[tuple[str, float, Scorer], ...]
+    """(name, weight, scorer); weights live here, never inside scorers."""
+
+
+def default_profile(
+    *,
+    reuse_weight: float = 1.0,
+    queue_weight: float = 1.0,
+    kv_pressure_weight: float = 0.1,
+    affinity_weight: float = 0.05,
+    failures_weight: float = 0.2,
+    affinity_max_share: float = 0.5,
+) -> RoutingProfile:
+    return RoutingProfile(
+        name="appliance",
+        filters=(("healthy", healthy), ("not_draining", not_draining), ("model", serves_model)),
+        scorers=(
+            ("reuse", reuse_weight, reuse),
+            ("queue", queue_weight, queue),
+            ("kv_pressure", kv_pressure_weight, kv_pressure),
+            ("affinity", affinity_weight, bounded_affinity(affinity_max_share)),
+            ("failures", failures_weight, failures),
+        ),
+    )
+
+
+def route(
+    request: RouteRequest,
+    workers: Sequence[WorkerView],
+    cost: PrefillCost,
+    profile: RoutingProfile,
+) -> RouteDecision:
+    """Pick a worker for `request`; the decision carries every candidate's scores and why."""
+    excluded: dict[str, str] = {}
+    eligible = []
+    for w in workers:
+        failed = next((name for name, keep in profile.filters if not keep(request, w)), None)
+        if failed is None:
+            eligible.append(w)
+        else:
+            excluded[w.worker] = failed
+    if not eligible:
+        return RouteDecision(None, "no eligible worker", (), excluded)
+    cold = cost.prefill_s(request.prompt_tokens, 0)
+    scale = max(cold, *(w.queue_s for w in eligible), 1e-9)
+    ctx = Context(request, cost, cold, scale)
+    candidates = []
+    for w in eligible:
+        scores = {name: scorer(ctx, w) for name, _, scorer in profile.scorers}
+        total = sum(weight * scores[name] for name, weight, _ in profile.scorers)
+        ttft = w.queue_s + cold - _saved_s(ctx, w)
+        candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft))
+    # Highest score first; ties go to the worker listed first (stable, deterministic).
+    ranked = tuple(sorted(candidates, key=lambda c: -c.score))
+    return RouteDecision(ranked[0].worker, _reason(request, ranked), ranked, excluded)
+
+
+def _reason(request: RouteRequest, ranked: Sequence[Candidate]) -> str:
+    best = ranked[0]
+    if len(ranked) == 1:
+        return "only eligible worker"
+    home = next((c for c in ranked if c.worker == request.session_home), None)
+    most_resident = max(ranked, key=lambda c: c.resident_tokens)
+    if home is not None and home.worker != best.worker:
+        return (
+            f"moved from {home.worker}: est. TTFT {best.ttft_estimate_s * 1e3:.0f} ms here vs "
+            f"{home.ttft_estimate_s * 1e3:.0f} ms there"
+        )
+    if best.resident_tokens > 0 and best.worker == most_resident.worker:
+        return f"prefix resident ({best.resident_tokens} tokens)"
+    if most_resident.resident_tokens > best.resident_tokens:
+        return (
+            f"queue at {most_resident.worker} costs more than its "
+            f"{most_resident.resident_tokens} resident tokens save"
+        )
+    return "least estimated time to first token"
