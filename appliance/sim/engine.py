@@ -1,0 +1,515 @@
+"""The simulated engine core: vLLM 0.32's scheduler over the sim's prefix cache, timed by a
+latency model instead of a GPU.
+
+Model of the world (vLLM `v1/core/sched/scheduler.py`, synchronous scheduling, one
+full-attention group, chunked prefill on, no speculative decoding, connectors or LoRA):
+every `step(now)` schedules a batch under a token budget (`max_num_batched_tokens`) and a
+cap on running requests (`max_num_seqs`). RUNNING requests go first, in order: each gets
+what it still needs (the rest of its prompt, else the one token it sampled last), cut to the
+budget; when the cache cannot hold it, the last running request (FCFS), or the one with the
+largest (priority, arrival) (policy "priority"), is preempted (blocks freed, computed
+tokens reset, put back at the head of the waiting queue) and the allocation retried, until
+it fits or the request preempted itself. Only if nobody was preempted, WAITING requests are
+admitted in queue order: look up the cached prefix, schedule the rest (a chunk if the budget
+is short) provided the whole sequence fits in the cache (`scheduler_reserve_full_isl`); the
+first that does not fit stops admission. A request whose computed tokens reach its length
+samples one token (a partial prefill chunk samples nothing); it stops on `eos_after` tokens
+("stop", when not `ignore_eos`), then on `max_tokens` or `max_model_len` ("length"), and
+its blocks are freed. A preempted request recomputes its prompt and output later, from
+whatever of it is still cached.
+
+Time: the engine never reads a clock. `step(now)` does the work at once and returns
+`duration_s`, the time the modelled GPU needs for it; the caller makes the outputs visible
+at `now + duration_s` (`clock.run_engine_loop` live, `virtual.replay` in virtual time).
+`duration_s` = sum over prefill chunks of `latency.prefill_s(chunk, tokens already computed
+or hit)`, less the fixed prefill overhead for every chunk after the first (the chunks share
+one forward pass), plus `latency.decode_step_s(decoding requests, their KV tokens)`. A cache
+hit thus shortens TTFT exactly as an earlier chunk of the same prompt would. Requests added
+or aborted while a step is in flight take effect at the next step; an abort's output
+(finish_reason "abort") comes with the next step's outputs, and the in-flight step's
+outputs may still name the aborted request (ignore them). `tests/unit/test_sim_engine.py`
+(marker `vllm`) runs scripted workloads through vLLM's own Scheduler and this engine and
+compares every step: scheduled tokens, outputs, finish reasons, cached tokens, block ids,
+preemptions and prefix-cache counters.
+
+Public API (the server builds on these names; everything else is private):
+- `SimRequest`: what to run (`eos_after` stands in for an EOS when not `ignore_eos`;
+  `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
+- `SimEngine(num_blocks=, block_size=, hasher=, latency=, max_model_len=, max_num_seqs=256,
+  max_num_batched_tokens=8192, enable_prefix_caching=True, output_token_ids=None,
+  policy="fcfs", enable_kv_events=True)` (ValueError unless max_model_len fits in the
+  cache and 1 <= max_num_seqs <= max_num_batched_tokens): `add_request(req, now)`
+  (ValueError for a duplicate id, an empty prompt, one of max_model_len tokens or more,
+  max_tokens < 1), `abort_request(request_id, now)`, `has_unfinished_requests()`,
+  `step(now) -> StepResult`, `stats -> EngineStats`, `reset_prefix_cache() -> bool`,
+  `block_ids(request_id)`, `cache` (the `PrefixCache`, to peek at; never change it).
+  `output_token_ids(req, index)` chooses the `index`-th generated token (default:
+  `default_output_token`).
+- `StepResult(duration_s, outputs, events, num_scheduled_tokens, scheduled, preempted)`:
+  `events` are this step's KV events, to publish as one batch; `scheduled` maps request id
+  to tokens scheduled (vLLM's `num_scheduled_tokens`); `preempted` lists preempted ids.
+- `RequestOutput`: request_id, new_token_ids, finished, finish_reason ("length" | "stop" |
+  "abort" | None), num_prompt_tokens, num_cached_tokens (local prefix-cache hit at the first
+  scheduling), first_token, num_preemptions, first_scheduled_s. Emitted only for requests
+  with new tokens or that finished.
+- `EngineStats`: vLLM's counters (prefix-cache queries/hits count prompt tokens of admitted
+  never-preempted requests; prompt tokens by source are counted at the first token;
+  request_success_total by finish reason, aborts included).
+
+Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
+block nor fills one skips the cache call (it would only bump a counter), so a step costs
+a few microseconds per running request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
+from appliance.domain.kv_events import KvEvent
+from appliance.sim.latency import LatencyModel
+from appliance.sim.prefix_cache import NO_HIT, CacheRequest, PrefixCache
+
+FinishReason = Literal["length", "stop", "abort"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+DEFAULT_VOCAB_SIZE = 32000
+"""Default generated token ids fall below this (a size every supported tokenizer exceeds)."""
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One generation request. Lower `priority` runs first under the priority policy."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = True
+    cache_salt: str | None = None
+    session_id: str | None = None
+    priority: int = 0
+    arrival_s: float = 0.0
+    eos_after: int | None = None
+    """When not `ignore_eos`: stop ("stop") after this many generated tokens."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    first_token: bool
+    num_preemptions: int = 0
+    """Times the request was preempted so far."""
+    first_scheduled_s: float | None = None
+    """The `now` of the step that first scheduled it (queue time = this - arrival)."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration_s: float
+    """Modelled GPU time of the step; its outputs are visible at `now + duration_s`."""
+    outputs: list[RequestOutput]
+    events: list[KvEvent]
+    """The step's KV events, oldest first: publish them as one batch."""
+    num_scheduled_tokens: int
+    scheduled: dict[str, int] = field(default_factory=dict)
+    """Request id -> tokens scheduled in this step, in schedule order (running first)."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted (sent back to waiting) in this step."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and cumulative counters (vLLM semantics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_total: int
+    prompt_tokens_by_source: dict[str, int]
+    generation_tokens_total: int
+    num_preemptions_total: int
+    request_success_total: dict[str, int]
+    num_steps_total: int = 0
+    busy_s_total: float = 0.0
+
+
+def default_output_token(req: SimRequest, index: int) -> int:
+    """A deterministic token id for the `index`-th generated token of `req`."""
+    base = zlib.crc32(req.request_id.encode())
+    return (base + 7919 * index) % DEFAULT_VOCAB_SIZE
+
+
+class _Entry:
+    """The engine's state of one unfinished request."""
+
+    __slots__ = (
+        "arrival_s",
+        "cache",
+        "first_scheduled_s",
+        "first_token_sent",
+        "num_cached_tokens",
+        "req",
+        "seq",
+    )
+
+    def __init__(self, req: SimRequest, cache: CacheRequest, arrival_s: float, seq: int):
+        self.req = req
+        self.cache = cache
+        self.arrival_s = arrival_s
+        self.seq = seq
+        self.num_cached_tokens = 0
+        self.first_token_sent = False
+        self.first_scheduled_s: float | None = None
+
+    def priority_key(self) -> tuple[int, float, str, int]:
+        """vLLM's `Request.__lt__`: priority, then arrival, then request id."""
+        return (self.req.priority, self.arrival_s, self.req.request_id, self.seq)
+
+
+class _WaitingQueue:
+    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on
+    (priority, arrival, request id), where a preempted request simply goes back in."""
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.priority = policy == "priority"
+        self._fifo: deque[_Entry] = deque()
+        self._heap: list[tuple[tuple[int, float, str, int], _Entry]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.priority else len(self._fifo)
+
+    def add(self, e: _Entry) -> None:
+        if self.priority:
+            heapq.heappush(self._heap, (e.priority_key(), e))
+        else:
+            self._fifo.append(e)
+
+    def prepend(self, e: _Entry) -> None:
+        if self.priority:
+            self.add(e)
+        else:
+            self._fifo.appendleft(e)
+
+    def peek(self) -> _Entry:
+        return self._heap[0][1] if self.priority else self._fifo[0]
+
+    def pop(self) -> _Entry:
+        return heapq.heappop(self._heap)[1] if self.priority else self._fifo.popleft()
+
+    def remove(self, e: _Entry) -> None:
+        if self.priority:
+            self._heap = [x for x in self._heap if x[1] is not e]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(e)
+
+
+@dataclass(slots=True)
+class _Counters:
+    prompt_tokens: int = 0
+    prompt_cached: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+
+
+class SimEngine:
+    """One simulated vLLM engine: a scheduler, a prefix cache and a latency model."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        hasher: BlockHasher,
+        latency: LatencyModel,
+        max_model_len: int,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
+        output_token_ids: Callable[[SimRequest, int], int] | None = None,
+        policy: SchedulingPolicy = "fcfs",
+        enable_kv_events: bool = True,
+    ) -> None:
+        if hasher.block_size != block_size:
+            raise ValueError(f"hasher block size {hasher.block_size} != block_size {block_size}")
+        if -(-max_model_len // block_size) > num_blocks - 1:
+            raise ValueError(
+                f"max_model_len {max_model_len} needs {-(-max_model_len // block_size)} blocks "
+                f"of {block_size}; the cache has {num_blocks - 1}: lower max_model_len or "
+                "give the cache more blocks"
+            )
+        if not 1 <= max_num_seqs <= max_num_batched_tokens:
+            raise ValueError(
+                f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
+                f"({max_num_batched_tokens}), as vLLM does"
+            )
+        self.block_size = block_size
+        self.hasher = hasher
+        self.latency = latency
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy: SchedulingPolicy = policy
+        self.cache = PrefixCache(
+            num_blocks,
+            block_size,
+            max_model_len=max_model_len,
+            enable_caching=enable_prefix_caching,
+            enable_events=enable_kv_events,
+        )
+        self._token = output_token_ids or default_output_token
+        self._entries: dict[str, _Entry] = {}
+        self._running: list[_Entry] = []
+        self._waiting = _WaitingQueue(policy)
+        self._pending: list[RequestOutput] = []  # abort outputs for the next step
+        self._seq = 0
+        self._n = _Counters()
+        self._fast_decode = True  # tests turn it off to check it changes nothing
+
+    # --- requests ---
+
+    def add_request(self, req: SimRequest, now: float) -> None:
+        """Queue a request; it is considered from the next step on."""
+        n = len(req.prompt_token_ids)
+        if req.request_id in self._entries:
+            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        if n == 0 or n >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens: it must be non-empty and shorter than "
+                f"max_model_len {self.max_model_len}"
+            )
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        keys = RequestKeys(cache_salt=req.cache_salt) if req.cache_salt else NO_KEYS
+        creq = CacheRequest(
+            req.request_id, req.prompt_token_ids, self.hasher, keys=keys, session_id=req.session_id
+        )
+        self._seq += 1
+        entry = _Entry(req, creq, now, self._seq)
+        self._entries[req.request_id] = entry
+        self._waiting.add(entry)
+
+    def abort_request(self, request_id: str, now: float) -> None:
+        """Drop a request wherever it is and free its blocks; unknown ids are ignored."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        if entry in self._running:
+            self._running.remove(entry)
+            self.cache.free(entry.cache)
+        else:
+            self._waiting.remove(entry)
+        self._n.success["abort"] += 1
+        self._pending.append(self._output(entry, [], "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._entries) or bool(self._pending)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The KV blocks an unfinished request holds, in token order (empty if none)."""
+        entry = self._entries.get(request_id)
+        return self.cache.block_ids(entry.cache) if entry is not None else ()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (refused while any request holds blocks)."""
+        return self.cache.reset()
+
+    @property
+    def stats(self) -> EngineStats:
+        n, cs = self._n, self.cache.stats
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=self.cache.usage,
+            prefix_cache_queries=cs.queries,
+            prefix_cache_hits=cs.hits,
+            prompt_tokens_total=n.prompt_tokens,
+            prompt_tokens_by_source={
+                "local_cache_hit": n.prompt_cached,
+                "local_compute": n.prompt_tokens - n.prompt_cached,
+            },
+            generation_tokens_total=n.generation_tokens,
+            num_preemptions_total=n.preemptions,
+            request_success_total=dict(n.success),
+            num_steps_total=n.steps,
+            busy_s_total=n.busy_s,
+        )
+
+    # --- the step ---
+
+    def step(self, now: float) -> StepResult:
+        """Schedule one batch, run it on the modelled GPU and return what it produced."""
+        scheduled: list[tuple[_Entry, int, int]] = []  # entry, tokens, computed before
+        preempted: list[str] = []
+        budget = self._schedule_running(scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget, now)
+        outputs, self._pending = self._pending, []
+        duration = self._duration(scheduled)
+        by_request: dict[str, int] = {}
+        total = 0
+        finished = False
+        for entry, n, _ in scheduled:
+            total += n
+            by_request[entry.req.request_id] = n
+            creq = entry.cache
+            if creq.num_computed_tokens == len(creq.all_token_ids):
+                out = self._sample(entry)
+                outputs.append(out)
+                finished |= out.finished
+        if finished:
+            self._running = [e for e in self._running if e.req.request_id in self._entries]
+        if total:
+            self._n.steps += 1
+            self._n.busy_s += duration
+        return StepResult(duration, outputs, self.cache.take_events(), total, by_request, preempted)
+
+    def _schedule_running(
+        self, scheduled: list[tuple[_Entry, int, int]], preempted: list[str]
+    ) -> int:
+        """Schedule running requests (preempting as needed); returns the budget left."""
+        budget = self.max_num_batched_tokens
+        running = self._running
+        bs = self.block_size
+        fast = self._fast_decode
+        i = 0
+        while i < len(running) and budget > 0:
+            entry = running[i]
+            creq = entry.cache
+            c = creq.num_computed_tokens
+            n = min(len(creq.all_token_ids) - c, budget, self.max_model_len - c - 1)
+            if n <= 0:
+                i += 1
+                continue
+            if fast and n == 1 and c % bs and (c + 1) % bs:
+                # The token lands in the request's last, partly filled block and does not
+                # fill it: exactly what allocate() would do, without its bookkeeping.
+                creq.num_computed_tokens = c + 1
+                ok = True
+            else:
+                while not (ok := self.cache.allocate(creq, n) is not None):
+                    victim = self._victim()
+                    vi = running.index(victim)
+                    del running[vi]
+                    if vi < i:  # priority policy: it was scheduled earlier in this step
+                        i -= 1
+                        for k, (e, vn, _) in enumerate(scheduled):
+                            if e is victim:
+                                budget += vn
+                                del scheduled[k]
+                                break
+                    self._preempt(victim)
+                    preempted.append(victim.req.request_id)
+                    if victim is entry:
+                        break
+            if not ok:
+                break
+            scheduled.append((entry, n, c))
+            budget -= n
+            i += 1
+        return budget
+
+    def _victim(self) -> _Entry:
+        if self.policy == "priority":
+            return max(self._running, key=lambda e: (e.req.priority, e.arrival_s))
+        return self._running[-1]
+
+    def _preempt(self, entry: _Entry) -> None:
+        self.cache.preempt(entry.cache)
+        self._n.preemptions += 1
+        self._waiting.prepend(entry)
+
+    def _schedule_waiting(
+        self, scheduled: list[tuple[_Entry, int, int]], budget: int, now: float
+    ) -> None:
+        waiting, cache = self._waiting, self.cache
+        while budget > 0 and waiting and len(self._running) < self.max_num_seqs:
+            entry = waiting.peek()
+            creq = entry.cache
+            hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
+            n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
+            if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
+                break
+            waiting.pop()
+            self._running.append(entry)
+            if creq.num_preemptions == 0:
+                entry.num_cached_tokens = hit.num_tokens
+                entry.first_scheduled_s = now
+            scheduled.append((entry, n, creq.num_computed_tokens - n))
+            budget -= n
+
+    def _duration(self, scheduled: list[tuple[_Entry, int, int]]) -> float:
+        latency = self.latency
+        prefill_s = 0.0
+        chunks = batch = context = 0
+        for entry, n, c in scheduled:
+            if n == 1 and c >= entry.cache.num_prompt_tokens:
+                batch += 1
+                context += c + 1
+            else:
+                chunks += 1
+                prefill_s += latency.prefill_s(n, c)
+        if chunks > 1:
+            prefill_s -= (chunks - 1) * latency.prefill.overhead_s
+        return prefill_s + (latency.decode_step_s(batch, context) if batch else 0.0)
+
+    def _sample(self, entry: _Entry) -> RequestOutput:
+        """Append one generated token to a request whose sequence is all computed."""
+        req, creq = entry.req, entry.cache
+        tokens = creq.all_token_ids
+        num_tokens = len(tokens) + 1
+        index = num_tokens - 1 - creq.num_prompt_tokens
+        token = self._token(req, index)
+        if self._fast_decode and num_tokens % self.block_size:
+            tokens.append(token)  # completes no block: nothing to hash
+        else:
+            creq.append_output((token,))
+        num_output = index + 1
+        self._n.generation_tokens += 1
+        first = not entry.first_token_sent
+        if first:
+            entry.first_token_sent = True
+            self._n.prompt_tokens += creq.num_prompt_tokens
+            self._n.prompt_cached += entry.num_cached_tokens
+        reason: FinishReason | None = None
+        if not req.ignore_eos and req.eos_after is not None and num_output >= req.eos_after:
+            reason = "stop"
+        elif num_output >= req.max_tokens or num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            del self._entries[req.request_id]
+            self.cache.free(creq)
+            self._n.success[reason] += 1
+        out = self._output(entry, [token], reason)
+        out.first_token = first
+        return out
+
+    @staticmethod
+    def _output(entry: _Entry, tokens: list[int], reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            entry.req.request_id,
+            tokens,
+            reason is not None,
+            reason,
+            entry.cache.num_prompt_tokens,
+            entry.num_cached_tokens,
+            False,
+            entry.cache.num_preemptions,
+            entry.first_scheduled_s,
+        )
