@@ -53,3 +53,28 @@ class DataDirError(ApplianceError):
     code = "data_dir_error"
     http_status = 500
     exit_code = 2
+
+
+class EngineError(ApplianceError):
+    """Something about the inference engines; the subclasses say what."""
+
+    code = "engine_error"
+    http_status = 503
+    exit_code = 1
+
+
+class EngineUnavailable(EngineError):
+    """A worker could not be reached (connection refused, timeout, dead engine)."""
+
+    code = "engine_unavailable"
+    http_status = 503
+
+
+class EngineRequestError(EngineError):
+    """A worker answered with an error status; `http_status` and `body` are its own."""
+
+    code = "engine_request_error"
+
+    def __init__(self, message: str, *, http_status: int, body: str = "") -> None:
+        super().__init__(message, http_status=http_status)
+        self.body = body

@@ -219,6 +219,18 @@ class AdmissionEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteDecisionRecord:
+    """Where one attempt was placed and why: every candidate with its scores."""
+
+    turn_id: TurnId
+    at: float
+    worker: WorkerId | None
+    reason: str
+    candidates_json: str
+    """[{"worker", "score", "scores": {...}, "resident_tokens", "ttft_estimate_s"}, ...]"""
+
+
+@dataclass(frozen=True, slots=True)
 class Price:
     """One version of the price list. Prices per million tokens (tokens mode) or per
     GPU-second (gpu_seconds mode). A turn is costed with the version in effect at its

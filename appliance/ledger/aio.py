@@ -12,6 +12,7 @@ from appliance.domain.records import (
     Price,
     PriceId,
     ResidencyEvent,
+    RouteDecisionRecord,
     SessionRecord,
     TaskEvent,
     TaskRecord,
@@ -55,6 +56,9 @@ class AsyncLedger:
 
     async def record_admission_event(self, event: AdmissionEvent) -> None:
         await acknowledged(self.ledger.record_admission_event(event))
+
+    async def record_route_decision(self, decision: RouteDecisionRecord) -> None:
+        await acknowledged(self.ledger.record_route_decision(decision))
 
     async def set_price(self, price: Price) -> PriceId:
         return await acknowledged(self.ledger.set_price(price))

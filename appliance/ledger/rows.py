@@ -12,6 +12,7 @@ from appliance.domain.records import (
     Price,
     PriceId,
     ResidencyEvent,
+    RouteDecisionRecord,
     SessionRecord,
     TaskEvent,
     TaskRecord,
@@ -131,6 +132,14 @@ INSERT_ADMISSION = """INSERT INTO admission_events (at, tenant, task_id, decisio
 
 def admission_params(e: AdmissionEvent) -> tuple[Any, ...]:
     return (e.at, e.tenant, e.task_id, e.decision, e.reason, e.queue_depth)
+
+
+INSERT_ROUTE_DECISION = """INSERT INTO route_decisions (turn_id, at, worker, reason, candidates)
+    VALUES (?, ?, ?, ?, ?)"""
+
+
+def route_decision_params(d: RouteDecisionRecord) -> tuple[Any, ...]:
+    return (d.turn_id, d.at, d.worker, d.reason, d.candidates_json)
 
 
 INSERT_PRICE = """INSERT INTO prices (effective_from, mode, currency, fresh_per_mtok,

@@ -150,6 +150,24 @@ def _initial(db: Database) -> None:
     )
 
 
+@migrations(name="0002_route_decisions")
+def _route_decisions(db: Database) -> None:
+    _run(
+        db,
+        [
+            """CREATE TABLE route_decisions (
+                turn_id TEXT PRIMARY KEY,
+                at REAL NOT NULL,
+                worker TEXT,
+                reason TEXT NOT NULL,
+                candidates TEXT NOT NULL
+            )""",
+            "CREATE INDEX route_decisions_at ON route_decisions (at)",
+            "PRAGMA user_version = 2",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

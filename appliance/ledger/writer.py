@@ -32,6 +32,7 @@ from appliance.domain.records import (
     Price,
     PriceId,
     ResidencyEvent,
+    RouteDecisionRecord,
     SessionRecord,
     TaskEvent,
     TaskRecord,
@@ -103,6 +104,9 @@ class Ledger:
 
     def record_admission_event(self, event: AdmissionEvent) -> Future[None]:
         return self._submit(self._write_admission, event)
+
+    def record_route_decision(self, decision: RouteDecisionRecord) -> Future[None]:
+        return self._submit(self._write_route_decision, decision)
 
     def set_price(self, price: Price) -> Future[PriceId]:
         return self._submit(self._write_price, price)
@@ -276,6 +280,9 @@ class Ledger:
 
     def _write_admission(self, event: AdmissionEvent) -> None:
         self._conn.execute(rows.INSERT_ADMISSION, rows.admission_params(event))
+
+    def _write_route_decision(self, decision: RouteDecisionRecord) -> None:
+        self._conn.execute(rows.INSERT_ROUTE_DECISION, rows.route_decision_params(decision))
 
     def _write_price(self, price: Price) -> PriceId:
         latest = self._prices.latest()
