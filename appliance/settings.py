@@ -63,14 +63,17 @@ class EngineSettings(Section):
     """HTTP port of worker 0; worker i listens on base_port + i."""
     kv_events_base_port: int = Field(5557, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i."""
-    block_size: int = Field(16, ge=1, le=1024)
-    """KV block size in tokens, pinned on every worker so the router's block hashes match."""
+    block_size: int = Field(32, ge=1, le=1024)
+    """KV block size in tokens, pinned on every worker so the router's block hashes match
+    (a multiple of 32 on vLLM's CPU build)."""
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256_cbor"
     """vLLM --prefix-caching-hash-algo; the router recomputes the same hashes."""
     python_hash_seed: str = "0"
     """PYTHONHASHSEED given to every worker and used as the router's NONE_HASH seed."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Fraction of each GPU's memory a worker may take (weights + KV cache)."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """KV cache size per worker in bytes; None sizes it from gpu_memory_utilization."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit."""
     extra_args: list[str] = []
@@ -229,7 +232,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 # Environment variables the appliance reads itself rather than as settings keys.
-_NON_SETTING_ENV = {"CONFIG"}
+_NON_SETTING_ENV = {"CONFIG", "VLLM_PYTHON", "TEST_CACHE"}
 
 
 def _check_env_keys() -> None:
@@ -309,7 +312,7 @@ def _document(model: type[BaseModel], values: dict[str, Any], depth: int, out: l
         sub = field.annotation
         doc = field.description or (sub.__doc__ if isinstance(sub, type) else None)
         if doc and not (isinstance(sub, type) and issubclass(sub, Section)):
-            out.append(f"{pad}# {doc}")
+            out.append(f"{pad}# {' '.join(doc.split())}")
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             out.append("")
             out.append(f"{pad}{name}:")

