@@ -1,0 +1,328 @@
+"""Text <-> token ids for the simulated engine, identical to vLLM's for the same model dir.
+
+Model of the world: vLLM tokenises a completion prompt with the model's Hugging Face fast
+tokenizer (`tokenizer.json`; BOS comes from its post-processor when `add_special_tokens`),
+and a chat by rendering the model's Jinja chat template to text (transformers' settings:
+sandboxed, `trim_blocks`, `lstrip_blocks`, `loopcontrols`, the special tokens as variables)
+and tokenising that text without adding special tokens. Message content that is a list of
+parts becomes its text parts joined by newlines, missing content the empty string. Given the
+same model directory, `HfTokenizer` therefore yields vLLM's token ids, which is what makes the
+simulated block hashes equal real ones. Without a model directory, `FallbackTokenizer` gives
+deterministic ids (each word hashed into the vocabulary) and a built-in template; its ids
+match nothing real, but they are stable across processes, so hashes still agree between
+simulated workers and the router.
+
+Generated text: `word_token_ids` lists tokens that decode to a short lower-case word, from
+which the engine front end draws lorem-like output that decodes cleanly token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The template of the project's tiny test model, used when no model directory is given."""
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_WORD = re.compile(r"^ ?[a-z]{2,12}$")
+
+
+class ChatTemplateError(ValueError):
+    """The chat cannot be rendered (vLLM answers 400 BadRequestError)."""
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """As transformers compiles chat templates (`_cached_compile_jinja_template`)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to the template ("string" content format)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        msg = dict(message)
+        content = msg.get("content")
+        if content is None:
+            msg["content"] = ""
+        elif isinstance(content, list):
+            msg["content"] = "\n".join(
+                str(part.get("text", ""))
+                for part in content
+                if isinstance(part, Mapping) and part.get("type", "text") == "text"
+            )
+        out.append(msg)
+    return out
+
+
+class SimTokenizer:
+    """What the simulated server needs of a tokenizer; subclasses fill in the codec."""
+
+    bos_token: str = "<s>"
+    eos_token: str = "</s>"
+    unk_token: str = "<unk>"
+    pad_token: str = "<pad>"
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    max_token_id: int = 0
+    """Largest id accepted in a token prompt (vLLM: the tokenizer's or the model's vocab)."""
+    chat_template: str = FALLBACK_CHAT_TEMPLATE
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        raise NotImplementedError
+
+    def id_to_token(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def special_ids(self) -> frozenset[int]:
+        raise NotImplementedError
+
+    def vocab_ids(self) -> range:
+        return range(self.max_token_id + 1)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        return _compile_template(self.chat_template)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat rendered to text, as transformers' `apply_chat_template` does."""
+        if not messages:
+            raise ChatTemplateError(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        chat = normalize_messages(messages)
+        if continue_final_message:
+            chat[-1]["content"] = str(chat[-1]["content"]) + _CONTINUE_TAG
+        kwargs = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "pad_token": self.pad_token,
+            **dict(template_kwargs or {}),
+        }
+        try:
+            rendered = self._template.render(
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(str(exc)) from exc
+        if continue_final_message:
+            tag = rendered.rfind(_CONTINUE_TAG.strip())
+            if tag < 0:
+                raise ChatTemplateError(
+                    "continue_final_message is set but the final message does not appear in "
+                    "the chat after applying the chat template!"
+                )
+            if rendered[tag : tag + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+                rendered = rendered[:tag]
+            else:
+                rendered = rendered[:tag].rstrip()
+        return rendered
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of a rendered chat (no special tokens added beyond the template's)."""
+        add_special = bool(kwargs.pop("add_special_tokens", False))
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=add_special)
+
+    @cached_property
+    def word_token_ids(self) -> tuple[int, ...]:
+        """Tokens that decode on their own to a short lower-case word (lorem output)."""
+        special = self.special_ids()
+        words = tuple(
+            i
+            for i in self.vocab_ids()
+            if i not in special and _WORD.match(self.decode([i], skip_special_tokens=True))
+        )
+        return words or tuple(i for i in self.vocab_ids() if i not in special)
+
+
+class HfTokenizer(SimTokenizer):
+    """A model directory's `tokenizer.json`, `tokenizer_config.json` and chat template."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer  # a dependency; imported where it is used
+
+        root = Path(model_dir)
+        self.model_dir = root
+        self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        config = _read_json(root / "tokenizer_config.json")
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(name)
+            if isinstance(value, Mapping):
+                value = value.get("content")
+            if isinstance(value, str):
+                setattr(self, name, value)
+        self.bos_token_id = self._tok.token_to_id(self.bos_token)
+        self.eos_token_id = self._tok.token_to_id(self.eos_token)
+        vocab_max = max(self._tok.get_vocab(with_added_tokens=True).values(), default=0)
+        model_vocab = _read_json(root / "config.json").get("vocab_size")
+        self.max_token_id = max(vocab_max, int(model_vocab) - 1 if model_vocab else 0)
+        template_file = root / "chat_template.jinja"
+        if template_file.is_file():
+            self.chat_template = template_file.read_text()
+        elif isinstance(config.get("chat_template"), str):
+            self.chat_template = config["chat_template"]
+        self._special = _added_specials(self._tok.get_added_tokens_decoder())
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        known = [i for i in ids if 0 <= i <= self.max_token_id]
+        return str(self._tok.decode(known, skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
+
+def _added_specials(decoder: Mapping[int, Any]) -> frozenset[int]:
+    return frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
+
+
+class FallbackTokenizer(SimTokenizer):
+    """Deterministic ids without a model: each word (with its leading space) or run of
+    punctuation hashes (CRC-32) into the vocabulary above the four special tokens."""
+
+    _PIECE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
+    _SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+    _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "da", "pe", "qui", "zo")
+
+    def __init__(self, vocab_size: int = 32_000) -> None:
+        self.vocab_size = vocab_size
+        self.max_token_id = vocab_size - 1
+        self.bos_token_id, self.eos_token_id = 1, 2
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = [1] if add_special_tokens else []
+        pos = 0
+        for special in re.finditer("|".join(map(re.escape, self._SPECIALS)), text):
+            ids += self._encode_plain(text[pos : special.start()])
+            ids.append(self._SPECIALS.index(special.group()))
+            pos = special.end()
+        return ids + self._encode_plain(text[pos:])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        span = self.vocab_size - len(self._SPECIALS)
+        return [
+            len(self._SPECIALS) + zlib.crc32(piece.encode()) % span
+            for piece in self._PIECE.findall(text)
+        ]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return "".join(
+            self.id_to_token(i)
+            for i in ids
+            if 0 <= i <= self.max_token_id and not (skip_special_tokens and i < 4)
+        )
+
+    def id_to_token(self, token_id: int) -> str:
+        if token_id < len(self._SPECIALS):
+            return self._SPECIALS[token_id]
+        n, parts = token_id, []
+        for _ in range(2 + token_id % 2):
+            n, r = divmod(n, len(self._SYLLABLES))
+            parts.append(self._SYLLABLES[r])
+        return " " + "".join(parts)
+
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(range(len(self._SPECIALS)))
+
+    def vocab_ids(self) -> range:
+        return range(len(self._SPECIALS), min(self.vocab_size, 4096))
+
+
+def load_tokenizer(model_dir: str | Path | None) -> SimTokenizer:
+    """The model directory's tokenizer, or the fallback when there is none (None, or a
+    name that is not a directory holding `tokenizer.json`)."""
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return HfTokenizer(model_dir)
+    return FallbackTokenizer()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing token sequence, holding back incomplete characters (the
+    prefix/read-offset scheme of vLLM's detokenizer)."""
+
+    def __init__(self, tokenizer: SimTokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        decode = self._tok.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before) :]
+        return ""
