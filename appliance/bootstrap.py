@@ -42,3 +42,17 @@ def add_api_key(name: str, *, admin: bool, config: Path | None, data_dir: Path |
 def list_api_keys(*, config: Path | None, data_dir: Path | None) -> list[keystore.ApiKey]:
     home = load_settings(config, data_dir=data_dir).data_dir
     return keystore.load_keys(keystore.keys_path(home))
+
+
+def up(settings: Settings) -> None:
+    from appliance import daemon  # the daemon's imports are only paid by `up`
+
+    daemon.run(settings)
+
+
+def run_sim(*, workers: int, port: int, **config: Any) -> None:
+    from appliance.sim.worker import run_workers
+
+    if config.get("gpu_profile") is not None:
+        config["gpu_profile"] = str(config["gpu_profile"])
+    run_workers(workers, port, **config)

@@ -2,13 +2,14 @@
 appliance.ledger, appliance.engines, appliance.gpu and appliance.sim; only the composition
 root (appliance.bootstrap) names them. This module imports appliance.domain only.
 
-Still to come here (their owners add them): EngineClient, KvEventSource, GpuProbe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 from appliance.domain.records import (
     AdmissionEvent,
@@ -16,11 +17,14 @@ from appliance.domain.records import (
     Price,
     PriceId,
     ResidencyEvent,
+    RouteDecisionRecord,
     SessionRecord,
     TaskEvent,
     TaskRecord,
     TurnRecord,
+    WorkerId,
 )
+from appliance.domain.worker import LoadSnapshot
 
 
 class Clock(Protocol):
@@ -60,6 +64,8 @@ class Ledger(Protocol):
 
     def record_admission_event(self, event: AdmissionEvent) -> Future[None]: ...
 
+    def record_route_decision(self, decision: RouteDecisionRecord) -> Future[None]: ...
+
     def set_price(self, price: Price) -> Future[PriceId]:
         """Stores a new price version, unless the latest version has the same rates (then it
         resolves to that version's id)."""
@@ -70,3 +76,52 @@ class Ledger(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class StreamResponse(Protocol):
+    """A worker's streaming HTTP response (an httpx.Response opened with stream=True)."""
+
+    status_code: int
+
+    def aiter_lines(self) -> Any: ...
+
+
+class EngineClient(Protocol):
+    """One worker's OpenAI-compatible HTTP face (real vLLM or the simulator).
+
+    Raises EngineUnavailable when the worker cannot be reached and EngineRequestError when it
+    answers with an error status (both in appliance.domain.errors)."""
+
+    async def post_json(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> dict[str, Any]: ...
+
+    def open_stream(
+        self, path: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> AbstractAsyncContextManager[Any]: ...
+
+
+class WorkerEndpoint(Protocol):
+    """What the router reads of one worker; the supervisor or the sim keeps it current."""
+
+    @property
+    def id(self) -> WorkerId: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def load(self) -> LoadSnapshot | None: ...
+
+    @property
+    def client(self) -> EngineClient: ...
+
+
+class KvLookup(Protocol):
+    """The KV index as the router asks it: per worker, how many leading blocks of a chain of
+    block hashes (event form) are resident."""
+
+    def lookup(self, chain: Sequence[int], *, medium: str | None = None) -> dict[WorkerId, int]: ...

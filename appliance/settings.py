@@ -82,6 +82,8 @@ class EngineSettings(Section):
     """Base URLs of vLLM servers the appliance did not start (engine kind `external`)."""
     external_kv_event_endpoints: list[str] = []
     """ZMQ endpoints of those servers' KV events, in the same order as external_urls."""
+    sim_time_scale: float = Field(1.0, gt=0)
+    """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None
     """GPU profile JSON for the sim engine's latency model; None = the bundled H200 profile."""
 

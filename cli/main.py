@@ -57,13 +57,13 @@ def up(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Start the whole appliance in the foreground."""
-    bootstrap.load_settings(
+    settings = bootstrap.load_settings(
         config,
         data_dir=data_dir,
         server={"host": host, "port": port},
         engine={"kind": engine, "workers": workers, "model": model},
     )
-    _later("up", "it serves once the router and the engine workers land")
+    bootstrap.up(settings)
 
 
 @app.command()
@@ -136,11 +136,38 @@ def bench(url: UrlOpt = DEFAULT_URL) -> None:
 
 @app.command()
 def sim(
-    port: Annotated[int, typer.Option(help="Port of the first simulated worker.")] = 8100,
+    port: Annotated[int, typer.Option(help="HTTP port of worker 0; worker i uses port+i.")] = 8100,
     workers: Annotated[int, typer.Option(help="Number of simulated workers.")] = 1,
+    gpu_profile: Annotated[
+        Path | None, typer.Option(help="GPU profile JSON (default: the bundled H200).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model directory whose tokenizer to use.")
+    ] = None,
+    served_model_name: Annotated[str, typer.Option(help="Model name clients use.")] = "sim",
+    block_size: Annotated[int, typer.Option(help="KV block size in tokens.")] = 32,
+    max_model_len: Annotated[int, typer.Option(help="Longest prompt + output.")] = 32768,
+    kv_events_endpoint: Annotated[
+        str | None, typer.Option(help="ZMQ endpoint of worker 0's KV events; worker i: port+i.")
+    ] = None,
+    hash_algo: Annotated[str, typer.Option(help="sha256 or sha256_cbor.")] = "sha256_cbor",
+    python_hash_seed: Annotated[str, typer.Option(help="The engines' PYTHONHASHSEED.")] = "0",
+    time_scale: Annotated[float, typer.Option(help="2.0 runs twice as slow as the GPU.")] = 1.0,
 ) -> None:
-    """Run simulated vLLM workers alone."""
-    _later("sim", "the simulated engine's HTTP server lands with it")
+    """Run simulated vLLM workers alone (vLLM's HTTP, metrics and KV-event protocols)."""
+    bootstrap.run_sim(
+        workers=workers,
+        port=port,
+        gpu_profile=gpu_profile,
+        model=model,
+        served_model_name=served_model_name,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        kv_events_endpoint=kv_events_endpoint,
+        hash_algo=hash_algo,
+        python_hash_seed=python_hash_seed,
+        time_scale=time_scale,
+    )
 
 
 @app.command()

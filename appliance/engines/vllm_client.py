@@ -112,7 +112,7 @@ class VllmClient:
         return await self.post_json("/v1/chat/completions", body, headers)
 
     async def post_json(
-        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
     ) -> dict[str, Any]:
         response = await self._request("POST", path, json=dict(body), headers=headers)
         return dict(response.json())

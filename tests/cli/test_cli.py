@@ -46,14 +46,12 @@ def test_help_lists_every_command_of_the_interface() -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["up", "--engine", "sim"],
         ["status"],
         ["top"],
         ["sessions"],
         ["tasks", "--tree"],
         ["replay", "trace.jsonl"],
         ["bench"],
-        ["sim"],
     ],
 )
 def test_commands_not_in_this_build_say_so_in_one_line(args: list[str], tmp_path: Path) -> None:
@@ -230,3 +228,22 @@ def test_costs_refuses_a_file_that_is_not_a_ledger(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert str(bogus) in r.stderr and "Traceback" not in r.stderr
     assert bogus.read_bytes() == before
+
+
+def test_up_on_a_taken_port_is_one_line_and_leaves_nothing_running(tmp_path: Path) -> None:
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        before = {p.pid for p in psutil.process_iter()}
+        r = run("up", "--engine", "sim", "--port", str(port), data_dir=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert f"127.0.0.1:{port}" in r.stderr and r.stderr.count("\n") == 1
+    new = [
+        p
+        for p in psutil.process_iter()
+        if p.pid not in before and "cli.main" in " ".join(p.cmdline())
+    ]
+    assert new == []

@@ -1,0 +1,235 @@
+"""The appliance's HTTP API: OpenAI-compatible model routes, tasks, admin state, metrics.
+
+Routes only translate HTTP to the services and back: authentication names the tenant,
+`requests` checks the body and headers, the router places and forwards the turn, the task
+book keeps the lifecycle. Every refusal is OpenAI-style JSON with the right status; nothing
+refused ever reaches a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from appliance.api.errors import ApiError, error_response, from_exception
+from appliance.api.requests import Tokenizer, agent_headers, parse_json_body, prompt_ids
+from appliance.domain.errors import ApplianceError
+from appliance.domain.records import SessionId, TaskEventType, TaskId, TenantId
+from appliance.ports import Clock
+from appliance.services.router import Router, TurnRequest
+from appliance.services.tasks import TaskBook
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: TenantId
+    admin: bool
+
+
+@dataclass
+class ApiContext:
+    router: Router
+    tasks: TaskBook
+    tokenizer: Tokenizer
+    keys: Mapping[str, Caller]
+    clock: Clock
+    model: str
+    max_model_len: int
+    state: Callable[[], dict[str, Any]]
+    metrics: Callable[[], str]
+
+
+def create_app(ctx: ApiContext) -> Starlette:
+    def caller(request: Request, *, admin: bool = False) -> Caller:
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        who = ctx.keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if who is None:
+            raise ApiError(
+                401,
+                "missing or unknown API key: send 'Authorization: Bearer <key>'",
+                "invalid_api_key",
+            )
+        if admin and not who.admin:
+            raise ApiError(403, "this route needs an operator key", "not_admin")
+        return who
+
+    async def model_request(request: Request) -> Response:
+        who = caller(request)
+        body = parse_json_body(await request.body())
+        hdr = agent_headers(request.headers, body)
+        ids = prompt_ids(
+            request.url.path, body, ctx.tokenizer, model=ctx.model, max_model_len=ctx.max_model_len
+        )
+        now = ctx.clock.now()
+        client_task = hdr.task_id or f"turn-{uuid.uuid4().hex[:16]}"
+        task = ctx.tasks.ensure(who.tenant, client_task, now, parent_id=hdr.parent_task_id)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
+        turn = TurnRequest(
+            tenant=who.tenant,
+            path=request.url.path,
+            body=body,
+            prompt_ids=ids,
+            task_id=task.key,
+            session_id=SessionId(hdr.session_id) if hdr.session_id else None,
+            parent_task_id=task.parent,
+            client_salt=salt,
+            tool_class=hdr.tool_class,
+            expected_wait_s=hdr.expected_wait_s,
+        )
+        task.turns += 1
+        reply = await ctx.router.handle(turn)
+        headers = {**reply.headers, "X-Task-ID": client_task}
+        if reply.chunks is not None:
+            return StreamingResponse(reply.chunks, media_type="text/event-stream", headers=headers)
+        return JSONResponse(reply.body, status_code=reply.status, headers=headers)
+
+    async def models(request: Request) -> Response:
+        caller(request)
+        card = {
+            "id": ctx.model,
+            "object": "model",
+            "owned_by": "appliance",
+            "max_model_len": ctx.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def create_task(request: Request) -> Response:
+        who = caller(request)
+        body = parse_json_body(await request.body()) if await request.body() else {}
+        client_id = body.get("task_id") or f"task-{uuid.uuid4().hex[:16]}"
+        for name, kind in (("task_id", str), ("parent_task_id", str), ("task_class", str)):
+            if body.get(name) is not None and not isinstance(body[name], kind):
+                raise ApiError(400, f"'{name}' must be a string", "invalid_type", param=name)
+        deadline = body.get("deadline_s")
+        if deadline is not None and (not isinstance(deadline, int | float) or deadline <= 0):
+            raise ApiError(
+                400, "'deadline_s' must be a number > 0", "invalid_value", param="deadline_s"
+            )
+        task = ctx.tasks.create(
+            who.tenant,
+            client_id,
+            ctx.clock.now(),
+            parent_id=body.get("parent_task_id"),
+            task_class=body.get("task_class"),
+            deadline_s=deadline,
+            budget=body.get("budget"),
+            max_children=body.get("max_children"),
+        )
+        await _written(task.written)
+        return JSONResponse(
+            {"task_id": client_id, "deadline_at": task.deadline_at, "status": task.status.value},
+            status_code=201,
+        )
+
+    async def task_event(request: Request) -> Response:
+        who = caller(request)
+        body = parse_json_body(await request.body())
+        try:
+            kind = TaskEventType(body.get("type"))
+        except ValueError:
+            allowed = ", ".join(t.value for t in TaskEventType)
+            raise ApiError(
+                400, f"'type' must be one of {allowed}", "invalid_value", param="type"
+            ) from None
+        verified = body.get("verified")
+        if verified is not None and not isinstance(verified, bool):
+            raise ApiError(
+                400, "'verified' must be true or false", "invalid_type", param="verified"
+            )
+        task = ctx.tasks.event(
+            who.tenant,
+            request.path_params["task_id"],
+            kind,
+            ctx.clock.now(),
+            verified=verified,
+            evidence=body.get("evidence"),
+            tool_class=body.get("tool_class"),
+            expected_s=body.get("expected_s"),
+        )
+        await _written(task.written)
+        return JSONResponse({"task_id": task.client_id, "status": task.status.value})
+
+    async def cancel_task(request: Request) -> Response:
+        who = caller(request)
+        cancelled = ctx.tasks.cancel(who.tenant, request.path_params["task_id"], ctx.clock.now())
+        for task in cancelled:
+            await _written(task.written)
+        return JSONResponse({"cancelled": [t.client_id for t in cancelled]})
+
+    async def get_task(request: Request) -> Response:
+        who = caller(request)
+        task = ctx.tasks.get(who.tenant, request.path_params["task_id"])
+        if task is None:
+            raise ApiError(
+                404, f"task {request.path_params['task_id']} not found", "task_not_found"
+            )
+        return JSONResponse(ctx.tasks.tree(task))
+
+    async def admin_state(request: Request) -> Response:
+        caller(request, admin=True)
+        return JSONResponse(ctx.state())
+
+    async def admin_sessions(request: Request) -> Response:
+        caller(request, admin=True)
+        return JSONResponse({"sessions": ctx.state()["sessions"]})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(ctx.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def health(request: Request) -> Response:
+        healthy = any(w["healthy"] for w in ctx.state()["workers"])
+        return JSONResponse(
+            {"status": "ok" if healthy else "no healthy worker"},
+            status_code=200 if healthy else 503,
+        )
+
+    def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def run(request: Request) -> Response:
+            try:
+                response: Response = await handler(request)
+                return response
+            except ApplianceError as exc:
+                return from_exception(exc)
+            except Exception:
+                log.exception("unexpected error on %s", request.url.path)
+                return error_response(500, "internal error; see the appliance log", "internal")
+
+        return run
+
+    routes = [
+        Route("/v1/chat/completions", guarded(model_request), methods=["POST"]),
+        Route("/v1/completions", guarded(model_request), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/tasks", guarded(create_task), methods=["POST"]),
+        Route("/v1/tasks/{task_id}", guarded(get_task), methods=["GET"]),
+        Route("/v1/tasks/{task_id}/events", guarded(task_event), methods=["POST"]),
+        Route("/v1/tasks/{task_id}/cancel", guarded(cancel_task), methods=["POST"]),
+        Route("/admin/v1/state", guarded(admin_state), methods=["GET"]),
+        Route("/admin/v1/sessions", guarded(admin_sessions), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/health", guarded(health), methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _written(fut: Any) -> None:
+    """Waits for the ledger to acknowledge a change before the client hears it is done."""
+    if fut is not None:
+        await asyncio.wrap_future(fut)
+
+
+__all__ = ["ApiContext", "Caller", "TaskId", "create_app"]

@@ -1,0 +1,44 @@
+"""OpenAI-style error responses: `{"error": {"message", "type", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from appliance.domain.errors import ApplianceError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(ApplianceError):
+    """A request the API refuses; `code` is a stable machine-readable reason."""
+
+    def __init__(self, status: int, message: str, code: str, *, param: str | None = None):
+        super().__init__(message, code=code, http_status=status)
+        self.param = param
+
+
+def error_response(
+    status: int, message: str, code: str, *, param: str | None = None
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "api_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def from_exception(exc: ApplianceError) -> JSONResponse:
+    return error_response(exc.http_status, exc.message, exc.code, param=getattr(exc, "param", None))

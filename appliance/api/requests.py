@@ -1,0 +1,180 @@
+"""Reading one model request: its body, its agent headers and its prompt's token ids.
+
+Everything a client can get wrong is checked here, before anything reaches a worker: the
+body's size and JSON, the fields the appliance relies on (model, messages or prompt,
+max_tokens, stream), the agent headers, and the prompt's length against the model's.
+The body itself travels on unchanged, so vLLM's own extra fields pass through.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from appliance.api.errors import ApiError
+
+MAX_BODY_BYTES = 8 * 2**20
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(self, messages: Any, **kwargs: Any) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHeaders:
+    session_id: str | None
+    task_id: str | None
+    parent_task_id: str | None
+    deadline_s: float | None
+    priority: int | None
+    tool_class: str | None
+    expected_wait_s: float | None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(
+            413,
+            f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
+            "body_too_large",
+        )
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    return body
+
+
+def _text_header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > 256 or not value.isprintable():
+        raise ApiError(400, f"header {name} must be 1-256 printable characters", "invalid_header")
+    return value
+
+
+def _number_header(headers: Mapping[str, str], name: str, *, integer: bool = False) -> Any:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ApiError(
+            400, f"header {name} must be {kind}, not {raw!r}", "invalid_header"
+        ) from None
+    if not integer and (not math.isfinite(value) or value < 0):
+        raise ApiError(400, f"header {name} must be a finite number >= 0", "invalid_header")
+    return value
+
+
+def agent_headers(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHeaders:
+    session = _text_header(headers, "x-session-id")
+    if session is None and body.get("session_id") is not None:
+        if not isinstance(body["session_id"], str) or not body["session_id"]:
+            raise ApiError(
+                400, "session_id must be a non-empty string", "invalid_type", param="session_id"
+            )
+        session = body["session_id"]
+    return AgentHeaders(
+        session_id=session,
+        task_id=_text_header(headers, "x-task-id"),
+        parent_task_id=_text_header(headers, "x-parent-task-id"),
+        deadline_s=_number_header(headers, "x-deadline-s"),
+        priority=_number_header(headers, "x-priority", integer=True),
+        tool_class=_text_header(headers, "x-tool-class"),
+        expected_wait_s=_number_header(headers, "x-expected-tool-wait-s"),
+    )
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
+    value = body.get(name)
+    wrong = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
+    if value is not None and wrong:
+        raise ApiError(400, f"'{name}' must be {what}", "invalid_type", param=name)
+    return value
+
+
+def prompt_ids(
+    path: str, body: dict[str, Any], tokenizer: Tokenizer, *, model: str, max_model_len: int
+) -> list[int]:
+    """The prompt's token ids as vLLM will see them; raises ApiError for any bad field."""
+    name = _field(body, "model", str, "a string")
+    if name is None:
+        raise ApiError(400, "'model' is required", "missing_field", param="model")
+    if name != model:
+        raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
+    max_tokens = _field(body, "max_tokens", int, "an integer")
+    if path.endswith("chat/completions"):
+        max_tokens = _field(body, "max_completion_tokens", int, "an integer") or max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
+    _field(body, "stream", bool, "true or false")
+    if path.endswith("chat/completions"):
+        ids = _chat_ids(body, tokenizer)
+    else:
+        ids = _completion_ids(body, tokenizer)
+    if len(ids) + (max_tokens or 1) > max_model_len:
+        raise ApiError(
+            413,
+            f"the prompt has {len(ids)} tokens and asks for {max_tokens or 1} more, above the "
+            f"model's limit of {max_model_len}; shorten the prompt or lower max_tokens",
+            "context_length_exceeded",
+        )
+    return ids
+
+
+def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "invalid_type", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(
+                400,
+                f"messages[{i}] must be an object with a 'role' string",
+                "invalid_type",
+                param="messages",
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ApiError(
+                400,
+                f"messages[{i}].content must be a string or a list of parts",
+                "invalid_type",
+                param="messages",
+            )
+    try:
+        return tokenizer.encode_chat(
+            messages, add_generation_prompt=body.get("add_generation_prompt", True)
+        )
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
+
+
+def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True))
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        return list(prompt)
+    raise ApiError(
+        400,
+        "'prompt' must be a string or a non-empty list of token ids (integers >= 0)",
+        "invalid_type",
+        param="prompt",
+    )

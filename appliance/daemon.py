@@ -1,0 +1,363 @@
+"""`appliance up`: Settings -> engine workers -> index, ledger, router -> HTTP API, until a
+signal; then drain and stop in reverse order. Part of the composition root (with
+bootstrap.py): the one place that names concrete engines, the ledger and the probes.
+
+Engines: `sim` runs the simulated workers in a child process (`appliance sim`), `vllm` has
+the supervisor start `vllm serve` workers, `external` connects to servers started elsewhere.
+Every kind ends up as the same worker handles behind the same client, KV-event subscribers
+and index, so the router cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from appliance import keystore
+from appliance.api.app import ApiContext, Caller, create_app
+from appliance.datadir import ensure_data_dir
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.errors import ConfigError
+from appliance.domain.records import CostMode, Price, TenantId, WorkerId
+from appliance.engines.errors import PortInUse
+from appliance.engines.external import connect_external
+from appliance.engines.factory import start_vllm_workers
+from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.engines.worker_process import spawn, terminate_group
+from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.gpu.nvml import NvmlProbe
+from appliance.ledger import Ledger
+from appliance.policy.routing.core import default_profile
+from appliance.services.router import Router
+from appliance.services.sessions import SessionTable
+from appliance.services.state import StateSources, metrics_text, snapshot
+from appliance.services.tasks import TaskBook
+from appliance.services.tenancy import TenantSalts
+from appliance.settings import EngineKind, Settings
+from appliance.sim.latency import LatencyModel
+from appliance.sim.profile import bundled_profile, load_profile
+from appliance.sim.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+SIM_MAX_MODEL_LEN = 32768
+REFRESH_S = 0.5
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass
+class Engines:
+    kind: EngineKind
+    workers: Sequence[WorkerHandle]
+    served_name: str
+    max_model_len: int
+    refresh: Callable[[], Awaitable[Any]]
+    """One reading of every worker's health (where the appliance does not supervise it)
+    and load."""
+
+
+def resolve_kind(settings: Settings) -> EngineKind:
+    kind = settings.engine.kind
+    if kind != EngineKind.AUTO:
+        return kind
+    gpus = NvmlProbe().snapshot().gpus
+    try:
+        import vllm  # noqa: F401
+
+        has_vllm = True
+    except ImportError:
+        has_vllm = False
+    return EngineKind.VLLM if gpus and has_vllm else EngineKind.SIM
+
+
+def served_name(settings: Settings) -> str:
+    e = settings.engine
+    return e.served_model_name or (default_served_name(e.model) if e.model else "sim")
+
+
+def _secret(data_dir: Path) -> bytes:
+    path = data_dir / "secret.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return bytes.fromhex(path.read_text().strip())
+
+
+def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
+    """`appliance sim` for worker `index`: one process per worker, as with vLLM."""
+    e = settings.engine
+    argv = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "sim",
+        "--workers",
+        "1",
+        "--port",
+        str(e.base_port + index),
+        "--block-size",
+        str(e.block_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{e.kv_events_base_port + index}",
+        "--served-model-name",
+        served_name(settings),
+        "--python-hash-seed",
+        e.python_hash_seed,
+        "--hash-algo",
+        e.hash_algo,
+        "--time-scale",
+        str(e.sim_time_scale),
+    ]
+    if e.model:
+        argv += ["--model", e.model]
+    if e.gpu_profile:
+        argv += ["--gpu-profile", str(e.gpu_profile)]
+    return argv
+
+
+@contextlib.asynccontextmanager
+async def start_engines(
+    settings: Settings, kind: EngineKind, feed: KvIndexFeed, log_dir: Path
+) -> AsyncIterator[Engines]:
+    e = settings.engine
+    name = served_name(settings)
+    if kind == EngineKind.VLLM:
+        supervisor = await start_vllm_workers(
+            e,
+            python=sys.executable,
+            log_dir=log_dir,
+            gpu_snapshot=NvmlProbe().snapshot(),
+            on_kv_batch=feed.on_batch,
+            on_kv_reset=feed.on_reset,
+            kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+        )
+
+        async def loads() -> None:
+            await asyncio.gather(*(w.refresh_load() for w in supervisor.workers if w.healthy))
+
+        try:
+            yield Engines(kind, supervisor.workers, name, e.max_model_len or 0, loads)
+        finally:
+            await supervisor.stop(drain_deadline_s=30.0)
+        return
+    urls = list(e.external_urls)
+    endpoints = list(e.external_kv_event_endpoints)
+    launches = []
+    if kind == EngineKind.SIM:
+        max_len = e.max_model_len or SIM_MAX_MODEL_LEN
+        urls = [f"http://127.0.0.1:{e.base_port + i}" for i in range(e.workers)]
+        endpoints = [f"tcp://127.0.0.1:{e.kv_events_base_port + i}" for i in range(e.workers)]
+        launches = [
+            WorkerLaunch(
+                worker=WorkerId(f"w{i}"),
+                index=i,
+                argv=tuple(sim_argv(settings, i, max_len)),
+                env=dict(os.environ),
+                port=e.base_port + i,
+                url=urls[i],
+                kv_events_endpoint=endpoints[i],
+                gpus=(),
+                cpus=(),
+            )
+            for i in range(e.workers)
+        ]
+    external = await connect_external(
+        urls, endpoints, model=name, on_kv_batch=feed.on_batch, on_kv_reset=feed.on_reset
+    )
+    procs = []
+    try:
+        for launch in launches:
+            proc, _ = await spawn(launch, log_dir / f"sim-{launch.worker}.log")
+            procs.append(proc)
+        if launches:
+            await _await_healthy(external, procs, log_dir)
+        yield Engines(
+            kind, external.workers, name, e.max_model_len or SIM_MAX_MODEL_LEN, external.refresh
+        )
+    finally:
+        await external.aclose()
+        await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs))
+
+
+async def _await_healthy(
+    external: Any, procs: list[Any], log_dir: Path, timeout_s: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await external.refresh()
+        if all(w.healthy for w in external.workers):
+            return
+        if any(p.returncode is not None for p in procs):
+            raise ConfigError(
+                f"a simulated worker exited during its start; see {log_dir}/sim-w*.log"
+            )
+        await asyncio.sleep(0.2)
+    raise ConfigError(f"the simulated workers did not answer /health in {timeout_s:.0f} s")
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(
+                f"{host}:{port} cannot be bound ({exc.strerror}); pass --port or stop what uses it"
+            ) from None
+
+
+async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> None:
+    _check_port(settings.server.host, settings.server.port)
+    data_dir = ensure_data_dir(settings.data_dir)
+    log_dir = ensure_data_dir(data_dir / "logs")
+    kind = resolve_kind(settings)
+    keys_file = keystore.keys_path(data_dir)
+    keys = {
+        k.key: Caller(TenantId(k.name), k.admin) for k in keystore.ensure_default_keys(keys_file)
+    }
+    ledger = Ledger.open(
+        settings.ledger_path,
+        synchronous=settings.ledger.synchronous,
+        batch_max=settings.ledger.batch_max,
+        busy_timeout_s=settings.ledger.busy_timeout_s,
+    )
+    c = settings.costs
+    ledger.set_price(
+        Price(
+            mode=CostMode(c.mode),
+            effective_from=time.time(),
+            currency=c.currency,
+            fresh_per_mtok=c.fresh_per_mtok,
+            cached_per_mtok=c.cached_per_mtok,
+            output_per_mtok=c.output_per_mtok,
+            reasoning_per_mtok=c.reasoning_per_mtok,
+            gpu_second=c.gpu_second,
+        )
+    ).result()
+    profile = (
+        load_profile(settings.engine.gpu_profile)
+        if settings.engine.gpu_profile
+        else (bundled_profile())
+    )
+    clock = WallClock()
+    feed = KvIndexFeed()
+    probe = NvmlProbe()
+    try:
+        async with start_engines(settings, kind, feed, log_dir) as engines:
+            tokenizer = load_tokenizer(settings.engine.model)
+            hasher = BlockHasher.for_engine(
+                HashAlgo(settings.engine.hash_algo),
+                settings.engine.block_size,
+                settings.engine.python_hash_seed,
+            )
+            router = Router(
+                workers=lambda: engines.workers,
+                index=feed,
+                sessions=SessionTable(hasher),
+                cost=LatencyModel.from_profile(profile),
+                profile=default_profile(),
+                ledger=ledger,
+                clock=clock,
+                tenant_salt=TenantSalts(_secret(data_dir)),
+                model=engines.served_name,
+            )
+            tasks = TaskBook(ledger)
+            gpu_tick: list[Any] = [probe.snapshot()]
+            sources = StateSources(
+                workers=lambda: engines.workers,
+                router=router,
+                tasks=tasks,
+                gpus=lambda: gpu_tick[0],
+                clock_now=clock.now,
+                kv_bytes_per_token=profile.kv_bytes_per_token,
+                worker_info=lambda w: {
+                    "engine": w.engine,
+                    "url": w.url,
+                    "gpus": list(w.gpus),
+                    "restarts": w.restarts,
+                },
+            )
+            app = create_app(
+                ApiContext(
+                    router=router,
+                    tasks=tasks,
+                    tokenizer=tokenizer,
+                    keys=keys,
+                    clock=clock,
+                    model=engines.served_name,
+                    max_model_len=engines.max_model_len,
+                    state=lambda: snapshot(sources),
+                    metrics=lambda: metrics_text(sources),
+                )
+            )
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    app,
+                    host=settings.server.host,
+                    port=settings.server.port,
+                    log_level="warning",
+                    lifespan="off",
+                    timeout_graceful_shutdown=30,
+                )
+            )
+            url = f"http://{settings.server.host}:{settings.server.port}"
+            print(
+                f"appliance: engine {kind.value} ({len(engines.workers)} workers, model "
+                f"{engines.served_name}); API at {url}; keys in {keys_file}",
+                flush=True,
+            )
+            refresher = asyncio.create_task(_refresh(engines, gpu_tick, probe))
+            serving = asyncio.create_task(server.serve())
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.05)
+            if ready is not None:
+                ready.set()
+            try:
+                await serving
+            finally:
+                refresher.cancel()
+    finally:
+        ledger.close()
+        probe.close()
+
+
+async def _refresh(engines: Engines, gpu_tick: list[Any], probe: NvmlProbe) -> None:
+    while True:
+        try:
+            await engines.refresh()
+            gpu_tick[0] = await asyncio.to_thread(probe.snapshot)
+        except Exception:
+            log.exception("refreshing worker and GPU readings failed")
+        await asyncio.sleep(REFRESH_S)
+
+
+def run(settings: Settings) -> None:
+    """Foreground: until Ctrl-C or SIGTERM, then a clean stop."""
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(serve(settings))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        loop.run_until_complete(main)
+    loop.close()

@@ -1,0 +1,399 @@
+"""The session router: places each agent turn and accounts for every attempt.
+
+Model of the world. A turn arrives already tokenised (the API renders it with the model's
+chat template, so the ids are the ones vLLM will see). The router hashes those ids exactly
+as vLLM does, under the tenant's salt (so no cache entry is ever shared across tenants),
+asks the KV index which workers hold how much of that prefix, estimates each worker's queue
+from the prefill work it has itself sent there and not yet seen start, and lets the routing
+policy pick (see appliance/policy/routing). The request goes to the worker with the salt and
+the namespaced session id set; nothing else of the client's body changes.
+
+Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
+attempt and the turn is retried once on the next-best worker; a stream that breaks midway
+ends with an SSE error event and a failed attempt; a 4xx from the worker goes back to the
+client as it is. Every attempt becomes one `turns` row, acknowledged by the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
+from appliance.domain.records import (
+    RouteDecisionRecord,
+    SessionId,
+    TaskId,
+    TenantId,
+    TurnId,
+    TurnOutcome,
+    TurnRecord,
+    WorkerId,
+)
+from appliance.policy.routing import (
+    PrefillCost,
+    RouteDecision,
+    RouteRequest,
+    RoutingProfile,
+    WorkerView,
+    route,
+)
+from appliance.ports import Clock, KvLookup, Ledger, WorkerEndpoint
+from appliance.services.sessions import SessionState, SessionTable
+
+log = logging.getLogger(__name__)
+
+
+class NoWorker(ApplianceError):
+    code = "no_healthy_worker"
+    http_status = 503
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequest:
+    tenant: TenantId
+    path: str
+    """/v1/chat/completions or /v1/completions."""
+    body: dict[str, Any]
+    prompt_ids: list[int]
+    task_id: TaskId
+    session_id: SessionId | None = None
+    parent_task_id: TaskId | None = None
+    client_salt: str | None = None
+    tool_class: str | None = None
+    expected_wait_s: float | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass(eq=False)
+class Attempt:
+    turn_id: TurnId
+    worker: WorkerId
+    predicted_cached: int
+    started_at: float
+    estimated_prefill_s: float
+    first_byte_at: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A finished non-streaming answer, or the head of a stream (`chunks` then yields it)."""
+
+    status: int
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    chunks: AsyncIterator[bytes] | None = None
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        workers: Callable[[], Sequence[WorkerEndpoint]],
+        index: KvLookup,
+        sessions: SessionTable,
+        cost: PrefillCost,
+        profile: RoutingProfile,
+        ledger: Ledger,
+        clock: Clock,
+        tenant_salt: Callable[[TenantId, str | None], str],
+        model: str,
+    ) -> None:
+        self._workers = workers
+        self._index = index
+        self.sessions = sessions
+        self._cost = cost
+        self._profile = profile
+        self._ledger = ledger
+        self._clock = clock
+        self._salt = tenant_salt
+        self.model = model
+        # Prefill work sent to each worker whose first byte has not come back yet.
+        self._pending: dict[WorkerId, dict[TurnId, float]] = {}
+        self.routed_by_reason: dict[str, int] = {}
+        self._mean_prefill_s = 0.0
+        """Moving average of the prefill seconds of recent turns."""
+        self.predicted_cached_total = 0
+        self.actual_cached_total = 0
+        self.first_byte_s_total = 0.0
+
+    # --- placement -------------------------------------------------------------------
+
+    def _session(self, turn: TurnRequest, now: float) -> SessionState:
+        sid = turn.session_id or SessionId(f"task:{turn.task_id}")
+        state = self.sessions.open(turn.tenant, sid, now)
+        state.task_id = turn.task_id
+        state.tool_class = turn.tool_class
+        state.expected_wait_s = turn.expected_wait_s
+        return state
+
+    def place(
+        self, turn: TurnRequest, session: SessionState, exclude: frozenset[WorkerId] = frozenset()
+    ) -> tuple[RouteDecision, dict[WorkerId, int]]:
+        salt = self._salt(turn.tenant, turn.client_salt)
+        chain = self.sessions.hash_prompt(session, turn.prompt_ids, salt)
+        resident_blocks = self._index.lookup(chain.event_hashes) if chain.hashes else {}
+        bs = chain.block_size
+        # vLLM never serves the last prompt token from cache.
+        cap = max(0, len(turn.prompt_ids) - 1) // bs * bs
+        resident = {w: min(n * bs, cap) for w, n in resident_blocks.items()}
+        session.resident_tokens = dict(resident)
+        workers = self._workers()
+        queues = {w.id: self._queue_s(w) for w in workers}
+        total_queue = sum(queues.values())
+        views = [
+            WorkerView(
+                worker=w.id,
+                models=frozenset({self.model}),
+                healthy=w.healthy and w.id not in exclude,
+                draining=w.draining,
+                resident_tokens=resident.get(w.id, 0),
+                queue_s=queues.get(w.id, 0.0),
+                queued_share=queues.get(w.id, 0.0) / total_queue if total_queue else 0.0,
+                kv_usage=w.load.kv_cache_usage_perc if w.load else 0.0,
+            )
+            for w in workers
+        ]
+        request = RouteRequest(self.model, len(turn.prompt_ids), session.home)
+        return route(request, views, self._cost, self._profile), resident
+
+    def _queue_s(self, worker: WorkerEndpoint) -> float:
+        """Prefill work ahead of a new request there: what the router sent and has not seen
+        start, or, when the worker reports more waiting requests than that (other clients,
+        a restarted router), those requests at the worker's own mean prompt length."""
+        pending = self._pending.get(worker.id, {})
+        load = worker.load
+        routed = sum(pending.values())
+        if load is None or load.waiting <= len(pending):
+            return routed
+        mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
+        per_request = self._cost.prefill_s(int(mean_prompt), 0) if mean_prompt else 0.0
+        return max(routed, load.waiting * max(per_request, self._mean_prefill_s))
+
+    # --- forwarding ------------------------------------------------------------------
+
+    async def handle(self, turn: TurnRequest) -> Reply:
+        now = self._clock.now()
+        session = self._session(turn, now)
+        session.in_flight += 1
+        session.turns += 1
+        session.last_active_at = now
+        try:
+            reply = await self._handle(turn, session)
+        except BaseException:
+            self._release(session)
+            raise
+        if reply.chunks is None:  # a stream releases the session when it ends
+            self._release(session)
+        return reply
+
+    def _release(self, session: SessionState) -> None:
+        session.in_flight -= 1
+        session.last_active_at = self._clock.now()
+
+    async def _handle(self, turn: TurnRequest, session: SessionState) -> Reply:
+        tried: set[WorkerId] = set()
+        last_error: ApplianceError | None = None
+        for _ in range(2):  # the first choice, then one retry elsewhere
+            decision, resident = self.place(turn, session, frozenset(tried))
+            if decision.worker is None:
+                break
+            worker = next(w for w in self._workers() if w.id == decision.worker)
+            attempt = self._begin(turn, worker.id, decision, resident)
+            body = self._worker_body(turn, session)
+            try:
+                if turn.stream:
+                    return await self._open_stream(turn, session, worker, attempt, body)
+                answer = await worker.client.post_json(turn.path, body)
+            except EngineUnavailable as exc:
+                self._finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
+                tried.add(worker.id)
+                last_error = exc
+                continue
+            except EngineRequestError as exc:
+                self._finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
+                if exc.http_status >= 500:
+                    tried.add(worker.id)
+                    last_error = exc
+                    continue
+                return Reply(exc.http_status, {}, _error_body(exc))
+            attempt.first_byte_at = self._clock.now()
+            attempt.usage = answer.get("usage") or {}
+            self._finish(turn, attempt, TurnOutcome.OK)
+            session.home = worker.id
+            return Reply(200, self._headers(turn, attempt), answer)
+        if last_error is not None:
+            raise NoWorker(f"no worker could serve the request: {last_error.message}")
+        raise NoWorker("no healthy worker serves this model")
+
+    def _begin(
+        self,
+        turn: TurnRequest,
+        worker: WorkerId,
+        decision: RouteDecision,
+        resident: dict[WorkerId, int],
+    ) -> Attempt:
+        predicted = resident.get(worker, 0)
+        fresh = len(turn.prompt_ids) - predicted
+        est = self._cost.prefill_s(fresh, predicted)
+        attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, self._clock.now(), est)
+        self._pending.setdefault(worker, {})[attempt.turn_id] = est
+        self._mean_prefill_s += 0.1 * (est - self._mean_prefill_s)
+        self.routed_by_reason[_reason_kind(decision.reason)] = (
+            self.routed_by_reason.get(_reason_kind(decision.reason), 0) + 1
+        )
+        record = RouteDecisionRecord(
+            attempt.turn_id, attempt.started_at, worker, decision.reason, _candidates_json(decision)
+        )
+        _log_failure(self._ledger.record_route_decision(record), "route decision")
+        return attempt
+
+    def _worker_body(self, turn: TurnRequest, session: SessionState) -> dict[str, Any]:
+        body = dict(turn.body)
+        body["cache_salt"] = self._salt(turn.tenant, turn.client_salt)
+        body["session_id"] = f"{turn.tenant}/{session.session_id}"
+        if turn.stream:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True  # the ledger needs the worker's own counts
+            body["stream_options"] = opts
+        return body
+
+    async def _open_stream(
+        self,
+        turn: TurnRequest,
+        session: SessionState,
+        worker: WorkerEndpoint,
+        attempt: Attempt,
+        body: dict[str, Any],
+    ) -> Reply:
+        stream = worker.client.open_stream(turn.path, body)
+        response = await stream.__aenter__()  # raises before the first byte: caller retries
+        session.home = worker.id
+
+        async def chunks() -> AsyncIterator[bytes]:
+            outcome, error = TurnOutcome.OK, None
+            try:
+                async for line in response.aiter_lines():
+                    if attempt.first_byte_at is None:
+                        attempt.first_byte_at = self._clock.now()
+                        self._pending.get(worker.id, {}).pop(attempt.turn_id, None)
+                    if line.startswith("data:") and '"usage"' in line:
+                        usage = _usage_of(line)
+                        if usage:
+                            attempt.usage = usage
+                    yield (line + "\n").encode()
+            except Exception as exc:  # the worker broke off midway
+                outcome, error = TurnOutcome.FAILED, f"stream broke: {exc or type(exc).__name__}"
+                event = {"error": {"message": error, "type": "stream_error", "code": 502}}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+            finally:
+                self._release(session)
+                await stream.__aexit__(None, None, None)
+                self._finish(turn, attempt, outcome, error=error)
+
+        return Reply(200, self._headers(turn, attempt), chunks=chunks())
+
+    def _headers(self, turn: TurnRequest, attempt: Attempt) -> dict[str, str]:
+        headers = {"X-Appliance-Worker": attempt.worker, "X-Task-ID": turn.task_id}
+        cached = _cached_tokens(attempt.usage)
+        headers["X-Appliance-Cached-Tokens"] = str(
+            cached if cached is not None else attempt.predicted_cached
+        )
+        return headers
+
+    def _finish(
+        self, turn: TurnRequest, attempt: Attempt, outcome: TurnOutcome, *, error: str | None = None
+    ) -> None:
+        self._pending.get(attempt.worker, {}).pop(attempt.turn_id, None)
+        end = self._clock.now()
+        usage = attempt.usage
+        prompt = int(usage.get("prompt_tokens") or len(turn.prompt_ids))
+        cached = min(_cached_tokens(usage) or 0, prompt)
+        record = TurnRecord(
+            turn_id=attempt.turn_id,
+            tenant=turn.tenant,
+            task_id=turn.task_id,
+            session_id=turn.session_id,
+            worker=attempt.worker,
+            model=self.model,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            output_tokens=int(usage.get("completion_tokens") or 0),
+            outcome=outcome,
+            started_at=attempt.started_at,
+            finished_at=max(end, attempt.started_at),
+            parent_task_id=turn.parent_task_id,
+            ttft_s=(attempt.first_byte_at - attempt.started_at) if attempt.first_byte_at else None,
+            e2e_s=max(0.0, end - attempt.started_at),
+            predicted_cached_tokens=attempt.predicted_cached,
+            error=error,
+        )
+        # Not awaited: the client's answer never waits on the disk. The writer commits it
+        # within milliseconds and shutdown flushes the ledger before it exits.
+        _log_failure(self._ledger.record_turn(record), f"turn {record.turn_id}")
+        self.predicted_cached_total += attempt.predicted_cached
+        self.actual_cached_total += cached
+        if record.ttft_s is not None:
+            self.first_byte_s_total += record.ttft_s
+
+
+def _log_failure(fut: Future[Any], what: str) -> None:
+    def check(f: Future[Any]) -> None:
+        if f.exception() is not None:
+            log.error("ledger refused %s: %s", what, f.exception())
+
+    fut.add_done_callback(check)
+
+
+def _candidates_json(decision: RouteDecision) -> str:
+    return json.dumps(
+        [
+            {
+                "worker": c.worker,
+                "score": round(c.score, 6),
+                "scores": {k: round(v, 6) for k, v in c.scores.items()},
+                "resident_tokens": c.resident_tokens,
+                "ttft_estimate_s": round(c.ttft_estimate_s, 6),
+            }
+            for c in decision.candidates
+        ]
+        + [{"worker": w, "excluded_by": f} for w, f in decision.excluded.items()]
+    )
+
+
+def _reason_kind(reason: str) -> str:
+    return reason.split(" (")[0].split(":")[0]
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(value) if value is not None else None
+
+
+def _usage_of(line: str) -> dict[str, Any] | None:
+    try:
+        chunk = json.loads(line[5:].strip())
+    except ValueError:
+        return None
+    usage = chunk.get("usage") if isinstance(chunk, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _error_body(exc: EngineRequestError) -> dict[str, Any]:
+    try:
+        body = json.loads(exc.body)
+        if isinstance(body, dict) and "error" in body:
+            return body
+    except (TypeError, ValueError):
+        pass
+    return {"error": {"message": exc.message, "type": "BadRequestError", "code": exc.http_status}}

@@ -1,0 +1,137 @@
+"""One snapshot of the running appliance for `/admin/v1/state`, the console and `/metrics`.
+
+Every number comes from a source of truth the appliance holds: worker readings (health,
+/metrics), the GPU probe's latest tick, the router's sessions (resident tokens from the KV
+index), the task book, and the router's own counters. Nothing is estimated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.domain.gpu import GpuSnapshot
+from appliance.ports import WorkerEndpoint
+from appliance.services.router import Router
+from appliance.services.tasks import TaskBook
+
+
+@dataclass
+class StateSources:
+    workers: Callable[[], Sequence[WorkerEndpoint]]
+    router: Router
+    tasks: TaskBook
+    gpus: Callable[[], GpuSnapshot | None]
+    clock_now: Callable[[], float]
+    kv_bytes_per_token: int
+    worker_info: Callable[[WorkerEndpoint], dict[str, Any]]
+    """engine, url, gpus, restarts of a worker (they live on the concrete handle)."""
+
+
+def snapshot(src: StateSources) -> dict[str, Any]:
+    now = src.clock_now()
+    workers = []
+    for w in src.workers():
+        load = w.load
+        workers.append(
+            {
+                "id": w.id,
+                **src.worker_info(w),
+                "healthy": w.healthy,
+                "draining": w.draining,
+                "running": load.running if load else None,
+                "waiting": load.waiting if load else None,
+                "kv_usage": load.kv_cache_usage_perc if load else None,
+                "prefix_hit_rate": load.prefix_hit_rate if load else None,
+            }
+        )
+    gpu = src.gpus()
+    gpus = [
+        {
+            "index": g.index,
+            "name": g.name,
+            "mem_total_bytes": g.mem_total_bytes,
+            "mem_used_bytes": g.mem_used_bytes,
+            "util": g.util,
+            "temp_c": g.temp_c,
+            "power_w": g.power_w,
+        }
+        for g in (gpu.gpus if gpu else ())
+    ]
+    sessions = []
+    for s in src.router.sessions:
+        gpu_tokens = max(s.resident_tokens.values(), default=0)
+        sessions.append(
+            {
+                "id": s.session_id,
+                "tenant": s.tenant,
+                "task_id": s.task_id.split("/", 1)[-1] if s.task_id else None,
+                "worker": s.home,
+                "resident_tokens": {"gpu": gpu_tokens, "host": 0},
+                "resident_bytes": {"gpu": gpu_tokens * src.kv_bytes_per_token, "host": 0},
+                "idle_s": round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
+                "turns": s.turns,
+                "tool_class": s.tool_class,
+                "expected_wait_s": s.expected_wait_s,
+                "decision": None,
+                "reason": "residency decisions arrive with the idle reaper",
+            }
+        )
+    tasks = [
+        {
+            "id": t.client_id,
+            "parent_id": t.parent.split("/", 1)[-1] if t.parent else None,
+            "tenant": t.tenant,
+            "task_class": t.task_class,
+            "status": t.status.value,
+            "deadline_at": t.deadline_at,
+            "tokens": t.prompt_tokens + t.output_tokens,
+            "cost": None,
+            "children": [c.split("/", 1)[-1] for c in t.children],
+        }
+        for t in src.tasks
+    ]
+    return {
+        "time": now,
+        "workers": workers,
+        "gpus": gpus,
+        "sessions": sessions,
+        "tasks": tasks,
+        "costs": {},
+        "admission": {},
+        "routing": dict(src.router.routed_by_reason),
+    }
+
+
+def metrics_text(src: StateSources) -> str:
+    """Prometheus text of the appliance's own counters (`appliance_*`)."""
+    router = src.router
+    lines = [
+        "# HELP appliance_routed_turns_total Turns placed by the router, by reason.",
+        "# TYPE appliance_routed_turns_total counter",
+    ]
+    for reason, n in sorted(router.routed_by_reason.items()):
+        lines.append(f'appliance_routed_turns_total{{reason="{_esc(reason)}"}} {n}')
+    lines += [
+        "# HELP appliance_predicted_cached_tokens_total Cached tokens the KV index predicted.",
+        "# TYPE appliance_predicted_cached_tokens_total counter",
+        f"appliance_predicted_cached_tokens_total {router.predicted_cached_total}",
+        "# HELP appliance_cached_tokens_total Cached tokens the workers reported.",
+        "# TYPE appliance_cached_tokens_total counter",
+        f"appliance_cached_tokens_total {router.actual_cached_total}",
+        "# HELP appliance_queue_seconds_total Seconds turns waited for their first byte.",
+        "# TYPE appliance_queue_seconds_total counter",
+        f"appliance_queue_seconds_total {router.first_byte_s_total:.6f}",
+        "# HELP appliance_sessions Sessions the router holds.",
+        "# TYPE appliance_sessions gauge",
+        f"appliance_sessions {len(router.sessions)}",
+        "# HELP appliance_workers_healthy Workers that accept requests.",
+        "# TYPE appliance_workers_healthy gauge",
+        f"appliance_workers_healthy {sum(1 for w in src.workers() if w.healthy)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")

@@ -1,0 +1,178 @@
+"""Tasks and their lifecycle: created explicitly or by their first turn, closed by an event.
+
+A task belongs to its tenant: ids are namespaced `tenant/id` in the ledger, so another
+tenant's id is simply another task. A task is open until one terminal event (succeeded,
+failed, cancelled); a second terminal event is a conflict. Cancelling a task cancels its
+open descendants too. Every change is written to the ledger where it is made.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from appliance.domain.errors import ApplianceError
+from appliance.domain.records import (
+    TaskEvent,
+    TaskEventType,
+    TaskId,
+    TaskRecord,
+    TaskStatus,
+    TenantId,
+    can_transition,
+)
+from appliance.ports import Ledger
+
+
+class TaskError(ApplianceError):
+    code = "task_error"
+    http_status = 400
+
+
+@dataclass(eq=False)
+class TaskState:
+    key: TaskId
+    """The ledger's id: tenant/client-id."""
+    client_id: str
+    tenant: TenantId
+    created_at: float
+    parent: TaskId | None = None
+    task_class: str | None = None
+    deadline_at: float | None = None
+    status: TaskStatus = TaskStatus.OPEN
+    verified: bool | None = None
+    children: list[TaskId] = field(default_factory=list)
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    written: Future[None] | None = None
+    """The ledger write of the latest change; await it before telling a client it is done."""
+
+
+class TaskBook:
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._tasks: dict[TaskId, TaskState] = {}
+
+    @staticmethod
+    def key(tenant: TenantId, client_id: str) -> TaskId:
+        return TaskId(f"{tenant}/{client_id}")
+
+    def get(self, tenant: TenantId, client_id: str) -> TaskState | None:
+        return self._tasks.get(self.key(tenant, client_id))
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._tasks.values()))
+
+    def create(
+        self,
+        tenant: TenantId,
+        client_id: str,
+        now: float,
+        *,
+        parent_id: str | None = None,
+        task_class: str | None = None,
+        deadline_s: float | None = None,
+        budget: float | None = None,
+        max_children: int | None = None,
+    ) -> TaskState:
+        key = self.key(tenant, client_id)
+        if key in self._tasks:
+            raise TaskError(f"task {client_id} exists already", code="task_exists", http_status=409)
+        parent = self._tasks.get(self.key(tenant, parent_id)) if parent_id else None
+        if parent_id and parent is None:
+            parent = self.ensure(tenant, parent_id, now)
+        state = TaskState(
+            key,
+            client_id,
+            tenant,
+            now,
+            parent.key if parent else None,
+            task_class,
+            now + deadline_s if deadline_s is not None else None,
+        )
+        self._tasks[key] = state
+        if parent is not None:
+            parent.children.append(key)
+        # Not awaited here: the writer keeps order, so the task row lands before its turns;
+        # the API awaits `written` where a client is told the task exists.
+        state.written = self._ledger.record_task(
+            TaskRecord(
+                key, tenant, now, state.parent, task_class, state.deadline_at, budget, max_children
+            )
+        )
+        return state
+
+    def ensure(
+        self, tenant: TenantId, client_id: str, now: float, *, parent_id: str | None = None
+    ) -> TaskState:
+        """The task a turn names, created on its first turn."""
+        return self.get(tenant, client_id) or self.create(
+            tenant, client_id, now, parent_id=parent_id
+        )
+
+    def event(
+        self,
+        tenant: TenantId,
+        client_id: str,
+        kind: TaskEventType,
+        now: float,
+        *,
+        verified: bool | None = None,
+        evidence: str | None = None,
+        tool_class: str | None = None,
+        expected_s: float | None = None,
+    ) -> TaskState:
+        state = self.get(tenant, client_id)
+        if state is None:
+            raise TaskError(f"task {client_id} not found", code="task_not_found", http_status=404)
+        new = kind.terminal_status
+        if new is not None and not can_transition(state.status, new):
+            raise TaskError(
+                f"task {client_id} is already {state.status}; it cannot become {new}",
+                code="task_closed",
+                http_status=409,
+            )
+        state.written = self._ledger.record_task_event(
+            TaskEvent(state.key, kind, now, verified, evidence, tool_class, expected_s)
+        )
+        if new is not None:
+            state.status = new
+            state.verified = verified
+        return state
+
+    def cancel(self, tenant: TenantId, client_id: str, now: float) -> list[TaskState]:
+        """Cancels the task and its open descendants; returns those it cancelled."""
+        root = self.get(tenant, client_id)
+        if root is None:
+            raise TaskError(f"task {client_id} not found", code="task_not_found", http_status=404)
+        cancelled = []
+        stack = [root]
+        while stack:
+            task = stack.pop()
+            stack.extend(self._tasks[c] for c in task.children if c in self._tasks)
+            if task.status == TaskStatus.OPEN:
+                self.event(tenant, task.client_id, TaskEventType.CANCELLED, now)
+                cancelled.append(task)
+        return cancelled
+
+    def tree(self, state: TaskState) -> dict[str, object]:
+        return {
+            "id": state.client_id,
+            "parent_id": self._tasks[state.parent].client_id
+            if state.parent in self._tasks
+            else None,
+            "tenant": state.tenant,
+            "task_class": state.task_class,
+            "status": state.status.value,
+            "verified": state.verified,
+            "deadline_at": state.deadline_at,
+            "turns": state.turns,
+            "tokens": {
+                "prompt": state.prompt_tokens,
+                "cached": state.cached_tokens,
+                "output": state.output_tokens,
+            },
+            "children": [self.tree(self._tasks[c]) for c in state.children if c in self._tasks],
+        }

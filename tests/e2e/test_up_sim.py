@@ -1,0 +1,224 @@
+"""The appliance end to end on two simulated workers, driven by the unchanged `openai` client."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import RunningAppliance
+
+pytestmark = pytest.mark.e2e
+WORDS = [
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
+    "theta", "iota", "kappa", "lambda", "mu", "nu", "xi",
+]  # fmt: skip
+
+
+def text(seed: int, n_words: int) -> str:
+    """Words no other seed shares a prefix with, so every test controls its own cache hits."""
+    rng = random.Random(seed)
+    return " ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(n_words))
+
+
+def client(app: RunningAppliance, who: str = "alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app.url}/v1", api_key=app.keys[who], max_retries=0)
+
+
+def turn(c: openai.OpenAI, messages: list[dict[str, str]], session: str, **kw: object):  # type: ignore[no-untyped-def]
+    raw = c.chat.completions.with_raw_response.create(
+        model="sim",
+        messages=messages,
+        max_tokens=8,  # type: ignore[arg-type]
+        extra_headers={"X-Session-ID": session},
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
+    return raw.headers["x-appliance-worker"], raw.parse()
+
+
+def test_a_ten_turn_session_stays_on_its_worker_and_its_cache_grows(
+    appliance_sim: RunningAppliance,
+) -> None:
+    c = client(appliance_sim)
+    messages = [{"role": "system", "content": text(1, 300)}]
+    workers, cached = [], []
+    for i in range(10):
+        messages.append({"role": "user", "content": text(100 + i, 60)})
+        worker, answer = turn(c, messages, "ten-turns")
+        workers.append(worker)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+    assert len(set(workers)) == 1, workers
+    assert cached[0] == 0
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
+
+
+def test_streaming_passes_through_with_usage(appliance_sim: RunningAppliance) -> None:
+    c = client(appliance_sim)
+    stream = c.chat.completions.create(
+        model="sim",
+        messages=[{"role": "user", "content": text(7, 50)}],
+        max_tokens=12,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    deltas = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    usage = [ch.usage for ch in chunks if ch.usage is not None]
+    assert len(deltas) == 12
+    assert usage and usage[-1].completion_tokens == 12
+    assert usage[-1].prompt_tokens_details is not None
+
+
+def test_two_tenants_never_share_a_cache_entry(appliance_sim: RunningAppliance) -> None:
+    prompt = [{"role": "user", "content": text(42, 400)}]
+    _, first = turn(client(appliance_sim, "alice"), prompt, "tenant-a")
+    _, again = turn(client(appliance_sim, "alice"), prompt, "tenant-a")
+    _, other = turn(client(appliance_sim, "bob"), prompt, "tenant-a")  # same session id too
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+
+
+def test_a_session_moves_off_an_overloaded_worker_and_the_ledger_says_why(
+    appliance_sim: RunningAppliance,
+) -> None:
+    c = client(appliance_sim)
+    messages = [{"role": "user", "content": text(5, 200)}]
+    home, _ = turn(c, messages, "mover")
+    home_port = appliance_sim.base_port + int(home.removeprefix("w"))
+    # Load the home worker behind the router's back, as another client would.
+    flood = {"model": "sim", "max_tokens": 4, "ignore_eos": True}
+    for i in range(2):  # the worker's own counters now show what its requests are like
+        httpx.post(
+            f"http://127.0.0.1:{home_port}/v1/completions",
+            json={**flood, "prompt": text(900 + i, 6000)},
+            timeout=60,
+        )
+    with ThreadPoolExecutor(24) as pool:
+        futures = [
+            pool.submit(
+                httpx.post,
+                f"http://127.0.0.1:{home_port}/v1/completions",
+                json={**flood, "prompt": text(1000 + i, 6000)},
+                timeout=120,
+            )
+            for i in range(24)
+        ]
+        time.sleep(1.5)  # the appliance reads the workers' /metrics twice a second
+        messages.append({"role": "user", "content": text(6, 20)})
+        moved_to, _ = turn(c, messages, "mover")
+        for f in futures:
+            f.result()
+    assert moved_to != home
+    with closing(sqlite3.connect(appliance_sim.ledger)) as db:
+        reasons = [
+            r
+            for (r,) in db.execute(
+                "SELECT reason FROM route_decisions WHERE worker = ? ORDER BY at DESC LIMIT 5",
+                (moved_to,),
+            )
+        ]
+    assert any(r.startswith(f"moved from {home}") for r in reasons), reasons
+
+
+def test_bad_requests_are_refused_before_any_worker(appliance_sim: RunningAppliance) -> None:
+    url = f"{appliance_sim.url}/v1/chat/completions"
+    good = {"Authorization": f"Bearer {appliance_sim.keys['alice']}"}
+    msg = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({}, {"model": "sim", "messages": msg}, 401, "invalid_api_key"),
+        (
+            {"Authorization": "Bearer nope"},
+            {"model": "sim", "messages": msg},
+            401,
+            "invalid_api_key",
+        ),
+        (good, "{not json", 400, "invalid_json"),
+        (good, {"model": "other", "messages": msg}, 404, "model_not_found"),
+        (good, {"model": "sim", "messages": "hi"}, 400, "invalid_type"),
+        (good, {"model": "sim", "messages": msg, "max_tokens": 0}, 400, "invalid_value"),
+        (good, {"model": "sim", "messages": msg, "max_tokens": "8"}, 400, "invalid_type"),
+        (
+            good,
+            {"model": "sim", "messages": [{"role": "user", "content": text(3, 80000)}]},
+            413,
+            "context_length_exceeded",
+        ),
+        (
+            {**good, "X-Deadline-S": "soon"},
+            {"model": "sim", "messages": msg},
+            400,
+            "invalid_header",
+        ),
+        (good, "x" * (10 * 2**20), 413, "body_too_large"),
+    ]
+    before = _routed(appliance_sim)
+    for headers, body, status, code in cases:
+        data = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(url, content=data, headers=headers, timeout=30)
+        assert r.status_code == status, (body if isinstance(body, dict) else body[:20], r.text)
+        err = r.json()["error"]
+        assert err["code"] == code and err["message"] and err["type"]
+    assert _routed(appliance_sim) == before  # nothing reached a worker
+
+
+def _routed(app: RunningAppliance) -> int:
+    text_ = httpx.get(f"{app.url}/metrics").text
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text_.splitlines()
+        if line.startswith("appliance_routed_turns_total")
+    )
+
+
+def test_a_killed_worker_costs_one_failed_attempt_and_the_session_goes_on(
+    appliance_sim: RunningAppliance,
+) -> None:
+    c = client(appliance_sim)
+    messages = [{"role": "user", "content": text(9, 100)}]
+    home, _ = turn(c, messages, "survivor")
+    import psutil
+
+    port = appliance_sim.base_port + int(home.removeprefix("w"))
+    victim = next(
+        p
+        for p in psutil.Process(appliance_sim.proc.pid).children(recursive=True)
+        if "--port" in p.cmdline() and str(port) in p.cmdline()
+    )
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+    messages.append({"role": "user", "content": text(10, 20)})
+    other, answer = turn(c, messages, "survivor")
+    assert other != home and answer.choices
+    rows = _session_turns(appliance_sim, "survivor", expect=3)
+    assert rows == [(home, "ok"), (home, "failed"), (other, "ok")] or rows == [
+        (home, "ok"),
+        (other, "ok"),  # the health check saw it die before the turn came
+    ], rows
+
+
+def _session_turns(app: RunningAppliance, session: str, expect: int) -> list[tuple[str, str]]:
+    """The session's turn rows; the ledger commits a turn within milliseconds of its answer."""
+    deadline = time.monotonic() + 5
+    while True:
+        with closing(sqlite3.connect(app.ledger)) as db:
+            rows = db.execute(
+                "SELECT worker, outcome FROM turns WHERE session_id = ? ORDER BY started_at",
+                (session,),
+            ).fetchall()
+        if len(rows) >= expect or time.monotonic() > deadline:
+            return [tuple(r) for r in rows]
+        time.sleep(0.05)
