@@ -40,6 +40,7 @@ from appliance.engines.worker_process import spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.nvml import NvmlProbe
 from appliance.ledger import Ledger
+from appliance.ledger.reports import cost_report
 from appliance.policy.routing.core import default_profile
 from appliance.services.router import Router
 from appliance.services.sessions import SessionTable
@@ -146,7 +147,7 @@ async def start_engines(
     if kind == EngineKind.VLLM:
         supervisor = await start_vllm_workers(
             e,
-            python=sys.executable,
+            python=e.python or sys.executable,
             log_dir=log_dir,
             gpu_snapshot=NvmlProbe().snapshot(),
             on_kv_batch=feed.on_batch,
@@ -309,6 +310,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                     max_model_len=engines.max_model_len,
                     state=lambda: snapshot(sources),
                     metrics=lambda: metrics_text(sources),
+                    costs=lambda: cost_report(settings.ledger_path),
                 )
             )
             server = uvicorn.Server(

@@ -53,6 +53,8 @@ class EngineSettings(Section):
     """auto | vllm | sim | external. auto = vLLM on NVIDIA GPUs when both are present, else sim."""
     model: str | None = None
     """Model path or name served by every worker (vllm); the sim engine serves it by name."""
+    python: str | None = None
+    """Python interpreter that has vLLM installed; None = the appliance's own."""
     served_model_name: str | None = None
     """Name clients use in `model`; defaults to the model's directory or repo name."""
     workers: int = Field(1, ge=1, le=64)

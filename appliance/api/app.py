@@ -23,7 +23,7 @@ from starlette.routing import Route
 from appliance.api.errors import ApiError, error_response, from_exception
 from appliance.api.requests import Tokenizer, agent_headers, parse_json_body, prompt_ids
 from appliance.domain.errors import ApplianceError
-from appliance.domain.records import SessionId, TaskEventType, TaskId, TenantId
+from appliance.domain.records import SessionId, TaskEventType, TenantId
 from appliance.ports import Clock
 from appliance.services.router import Router, TurnRequest
 from appliance.services.tasks import TaskBook
@@ -48,6 +48,8 @@ class ApiContext:
     max_model_len: int
     state: Callable[[], dict[str, Any]]
     metrics: Callable[[], str]
+    costs: Callable[[], list[dict[str, Any]]]
+    """Cost per successful task by task class and tenant, read from the ledger."""
 
 
 def create_app(ctx: ApiContext) -> Starlette:
@@ -187,6 +189,10 @@ def create_app(ctx: ApiContext) -> Starlette:
         caller(request, admin=True)
         return JSONResponse({"sessions": ctx.state()["sessions"]})
 
+    async def admin_costs(request: Request) -> Response:
+        caller(request, admin=True)
+        return JSONResponse({"costs": await asyncio.to_thread(ctx.costs)})
+
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(ctx.metrics(), media_type="text/plain; version=0.0.4")
 
@@ -220,6 +226,7 @@ def create_app(ctx: ApiContext) -> Starlette:
         Route("/v1/tasks/{task_id}/cancel", guarded(cancel_task), methods=["POST"]),
         Route("/admin/v1/state", guarded(admin_state), methods=["GET"]),
         Route("/admin/v1/sessions", guarded(admin_sessions), methods=["GET"]),
+        Route("/admin/v1/costs", guarded(admin_costs), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/health", guarded(health), methods=["GET"]),
     ]
@@ -230,6 +237,3 @@ async def _written(fut: Any) -> None:
     """Waits for the ledger to acknowledge a change before the client hears it is done."""
     if fut is not None:
         await asyncio.wrap_future(fut)
-
-
-__all__ = ["ApiContext", "Caller", "TaskId", "create_app"]

@@ -38,6 +38,13 @@ class RunningAppliance:
     proc: subprocess.Popen[bytes]
     base_port: int
     log: Path
+    engine: str
+    model: str
+    scale: float
+    """Prompt sizes relative to the simulated engine's (the tiny real model has 4k context)."""
+
+    def words(self, n: int) -> int:
+        return max(1, int(n * self.scale))
 
     @property
     def ledger(self) -> Path:
@@ -54,9 +61,13 @@ def _key(data_dir: Path, name: str, *extra: str) -> str:
     return out.stdout.strip()
 
 
-@pytest.fixture(scope="module")
-def appliance_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningAppliance]:
-    data_dir = tmp_path_factory.mktemp("appliance")
+@pytest.fixture(scope="module", params=["sim", pytest.param("vllm", marks=pytest.mark.vllm)])
+def appliance_up(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningAppliance]:
+    """`appliance up` on two workers: simulated, and real vLLM (CPU build, tiny model)."""
+    engine = request.param
+    data_dir = tmp_path_factory.mktemp(f"appliance-{engine}")
     keys = {n: _key(data_dir, n) for n in ("alice", "bob")}
     keys["ops"] = _key(data_dir, "ops", "--admin")
     port, base, _, kv, _ = free_ports(5)
@@ -67,6 +78,16 @@ def appliance_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningA
         APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
         APPLIANCE_ENGINE__MAX_MODEL_LEN="65536",
     )
+    model, scale = "sim", 1.0
+    if engine == "vllm":
+        model_dir = request.getfixturevalue("tiny_model_dir")
+        env.update(
+            APPLIANCE_ENGINE__MODEL=str(model_dir),
+            APPLIANCE_ENGINE__PYTHON=request.getfixturevalue("vllm_python"),
+            APPLIANCE_ENGINE__MAX_MODEL_LEN="4096",
+            APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES=str(64 * 2**20),
+        )
+        model, scale = model_dir.name, 0.25
     log = data_dir / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -85,7 +106,7 @@ def appliance_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningA
             stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 180
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -96,7 +117,7 @@ def appliance_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningA
             proc.kill()
             pytest.fail(f"appliance up did not become healthy:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
-    running = RunningAppliance(url, keys, data_dir, proc, base, log)
+    running = RunningAppliance(url, keys, data_dir, proc, base, log, engine, model, scale)
     children = psutil.Process(proc.pid).children(recursive=True)
     yield running
     proc.send_signal(signal.SIGTERM)

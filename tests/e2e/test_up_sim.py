@@ -35,9 +35,15 @@ def client(app: RunningAppliance, who: str = "alice") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app.url}/v1", api_key=app.keys[who], max_retries=0)
 
 
-def turn(c: openai.OpenAI, messages: list[dict[str, str]], session: str, **kw: object):  # type: ignore[no-untyped-def]
+def turn(
+    app: RunningAppliance,
+    c: openai.OpenAI,
+    messages: list[dict[str, str]],
+    session: str,
+    **kw: object,
+):  # type: ignore[no-untyped-def]
     raw = c.chat.completions.with_raw_response.create(
-        model="sim",
+        model=app.model,
         messages=messages,
         max_tokens=8,  # type: ignore[arg-type]
         extra_headers={"X-Session-ID": session},
@@ -48,14 +54,15 @@ def turn(c: openai.OpenAI, messages: list[dict[str, str]], session: str, **kw: o
 
 
 def test_a_ten_turn_session_stays_on_its_worker_and_its_cache_grows(
-    appliance_sim: RunningAppliance,
+    appliance_up: RunningAppliance,
 ) -> None:
-    c = client(appliance_sim)
-    messages = [{"role": "system", "content": text(1, 300)}]
+    app = appliance_up
+    c = client(appliance_up)
+    messages = [{"role": "system", "content": text(1, app.words(300))}]
     workers, cached = [], []
     for i in range(10):
-        messages.append({"role": "user", "content": text(100 + i, 60)})
-        worker, answer = turn(c, messages, "ten-turns")
+        messages.append({"role": "user", "content": text(100 + i, app.words(60))})
+        worker, answer = turn(app, c, messages, "ten-turns")
         workers.append(worker)
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
@@ -65,11 +72,12 @@ def test_a_ten_turn_session_stays_on_its_worker_and_its_cache_grows(
     assert all(b > a for a, b in itertools.pairwise(cached)), cached
 
 
-def test_streaming_passes_through_with_usage(appliance_sim: RunningAppliance) -> None:
-    c = client(appliance_sim)
+def test_streaming_passes_through_with_usage(appliance_up: RunningAppliance) -> None:
+    app = appliance_up
+    c = client(appliance_up)
     stream = c.chat.completions.create(
-        model="sim",
-        messages=[{"role": "user", "content": text(7, 50)}],
+        model=app.model,
+        messages=[{"role": "user", "content": text(7, app.words(50))}],
         max_tokens=12,
         stream=True,
         extra_body={"ignore_eos": True},
@@ -82,29 +90,32 @@ def test_streaming_passes_through_with_usage(appliance_sim: RunningAppliance) ->
     assert usage[-1].prompt_tokens_details is not None
 
 
-def test_two_tenants_never_share_a_cache_entry(appliance_sim: RunningAppliance) -> None:
-    prompt = [{"role": "user", "content": text(42, 400)}]
-    _, first = turn(client(appliance_sim, "alice"), prompt, "tenant-a")
-    _, again = turn(client(appliance_sim, "alice"), prompt, "tenant-a")
-    _, other = turn(client(appliance_sim, "bob"), prompt, "tenant-a")  # same session id too
+def test_two_tenants_never_share_a_cache_entry(appliance_up: RunningAppliance) -> None:
+    app = appliance_up
+    prompt = [{"role": "user", "content": text(42, app.words(400))}]
+    _, first = turn(app, client(appliance_up, "alice"), prompt, "tenant-a")
+    _, again = turn(app, client(appliance_up, "alice"), prompt, "tenant-a")
+    _, other = turn(app, client(appliance_up, "bob"), prompt, "tenant-a")  # same session id too
     assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
     assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
 
 
 def test_a_session_moves_off_an_overloaded_worker_and_the_ledger_says_why(
-    appliance_sim: RunningAppliance,
+    appliance_up: RunningAppliance,
 ) -> None:
-    c = client(appliance_sim)
-    messages = [{"role": "user", "content": text(5, 200)}]
-    home, _ = turn(c, messages, "mover")
-    home_port = appliance_sim.base_port + int(home.removeprefix("w"))
+    app = appliance_up
+    c = client(appliance_up)
+    messages = [{"role": "user", "content": text(5, app.words(200))}]
+    home, _ = turn(app, c, messages, "mover")
+    home_port = app.base_port + int(home.removeprefix("w"))
     # Load the home worker behind the router's back, as another client would.
-    flood = {"model": "sim", "max_tokens": 4, "ignore_eos": True}
+    flood_words = 6000 if app.engine == "sim" else 3000  # the tiny real model has 4k context
+    flood = {"model": app.model, "max_tokens": 4, "ignore_eos": True}
     for i in range(2):  # the worker's own counters now show what its requests are like
         httpx.post(
             f"http://127.0.0.1:{home_port}/v1/completions",
-            json={**flood, "prompt": text(900 + i, 6000)},
+            json={**flood, "prompt": text(900 + i, app.words(flood_words))},
             timeout=60,
         )
     with ThreadPoolExecutor(24) as pool:
@@ -112,18 +123,18 @@ def test_a_session_moves_off_an_overloaded_worker_and_the_ledger_says_why(
             pool.submit(
                 httpx.post,
                 f"http://127.0.0.1:{home_port}/v1/completions",
-                json={**flood, "prompt": text(1000 + i, 6000)},
+                json={**flood, "prompt": text(1000 + i, app.words(flood_words))},
                 timeout=120,
             )
             for i in range(24)
         ]
         time.sleep(1.5)  # the appliance reads the workers' /metrics twice a second
-        messages.append({"role": "user", "content": text(6, 20)})
-        moved_to, _ = turn(c, messages, "mover")
+        messages.append({"role": "user", "content": text(6, app.words(20))})
+        moved_to, _ = turn(app, c, messages, "mover")
         for f in futures:
             f.result()
     assert moved_to != home
-    with closing(sqlite3.connect(appliance_sim.ledger)) as db:
+    with closing(sqlite3.connect(app.ledger)) as db:
         reasons = [
             r
             for (r,) in db.execute(
@@ -134,45 +145,49 @@ def test_a_session_moves_off_an_overloaded_worker_and_the_ledger_says_why(
     assert any(r.startswith(f"moved from {home}") for r in reasons), reasons
 
 
-def test_bad_requests_are_refused_before_any_worker(appliance_sim: RunningAppliance) -> None:
-    url = f"{appliance_sim.url}/v1/chat/completions"
-    good = {"Authorization": f"Bearer {appliance_sim.keys['alice']}"}
+def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningAppliance) -> None:
+    app = appliance_up
+    url = f"{app.url}/v1/chat/completions"
+    good = {"Authorization": f"Bearer {app.keys['alice']}"}
     msg = [{"role": "user", "content": "hi"}]
     cases = [
-        ({}, {"model": "sim", "messages": msg}, 401, "invalid_api_key"),
+        ({}, {"model": app.model, "messages": msg}, 401, "invalid_api_key"),
         (
             {"Authorization": "Bearer nope"},
-            {"model": "sim", "messages": msg},
+            {"model": app.model, "messages": msg},
             401,
             "invalid_api_key",
         ),
         (good, "{not json", 400, "invalid_json"),
         (good, {"model": "other", "messages": msg}, 404, "model_not_found"),
-        (good, {"model": "sim", "messages": "hi"}, 400, "invalid_type"),
-        (good, {"model": "sim", "messages": msg, "max_tokens": 0}, 400, "invalid_value"),
-        (good, {"model": "sim", "messages": msg, "max_tokens": "8"}, 400, "invalid_type"),
+        (good, {"model": app.model, "messages": "hi"}, 400, "invalid_type"),
+        (good, {"model": app.model, "messages": msg, "max_tokens": 0}, 400, "invalid_value"),
+        (good, {"model": app.model, "messages": msg, "max_tokens": "8"}, 400, "invalid_type"),
         (
             good,
-            {"model": "sim", "messages": [{"role": "user", "content": text(3, 80000)}]},
+            {
+                "model": app.model,
+                "messages": [{"role": "user", "content": text(3, app.words(80000))}],
+            },
             413,
             "context_length_exceeded",
         ),
         (
             {**good, "X-Deadline-S": "soon"},
-            {"model": "sim", "messages": msg},
+            {"model": app.model, "messages": msg},
             400,
             "invalid_header",
         ),
         (good, "x" * (10 * 2**20), 413, "body_too_large"),
     ]
-    before = _routed(appliance_sim)
+    before = _routed(appliance_up)
     for headers, body, status, code in cases:
         data = body if isinstance(body, str) else json.dumps(body)
         r = httpx.post(url, content=data, headers=headers, timeout=30)
         assert r.status_code == status, (body if isinstance(body, dict) else body[:20], r.text)
         err = r.json()["error"]
         assert err["code"] == code and err["message"] and err["type"]
-    assert _routed(appliance_sim) == before  # nothing reached a worker
+    assert _routed(appliance_up) == before  # nothing reached a worker
 
 
 def _routed(app: RunningAppliance) -> int:
@@ -185,25 +200,26 @@ def _routed(app: RunningAppliance) -> int:
 
 
 def test_a_killed_worker_costs_one_failed_attempt_and_the_session_goes_on(
-    appliance_sim: RunningAppliance,
+    appliance_up: RunningAppliance,
 ) -> None:
-    c = client(appliance_sim)
-    messages = [{"role": "user", "content": text(9, 100)}]
-    home, _ = turn(c, messages, "survivor")
+    app = appliance_up
+    c = client(appliance_up)
+    messages = [{"role": "user", "content": text(9, app.words(100))}]
+    home, _ = turn(app, c, messages, "survivor")
     import psutil
 
-    port = appliance_sim.base_port + int(home.removeprefix("w"))
+    port = app.base_port + int(home.removeprefix("w"))
     victim = next(
         p
-        for p in psutil.Process(appliance_sim.proc.pid).children(recursive=True)
+        for p in psutil.Process(app.proc.pid).children(recursive=True)
         if "--port" in p.cmdline() and str(port) in p.cmdline()
     )
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(10)
-    messages.append({"role": "user", "content": text(10, 20)})
-    other, answer = turn(c, messages, "survivor")
+    messages.append({"role": "user", "content": text(10, app.words(20))})
+    other, answer = turn(app, c, messages, "survivor")
     assert other != home and answer.choices
-    rows = _session_turns(appliance_sim, "survivor", expect=3)
+    rows = _session_turns(appliance_up, "survivor", expect=3)
     assert rows == [(home, "ok"), (home, "failed"), (other, "ok")] or rows == [
         (home, "ok"),
         (other, "ok"),  # the health check saw it die before the turn came
@@ -222,3 +238,45 @@ def _session_turns(app: RunningAppliance, session: str, expect: int) -> list[tup
         if len(rows) >= expect or time.monotonic() > deadline:
             return [tuple(r) for r in rows]
         time.sleep(0.05)
+
+
+def test_a_verified_task_closes_the_loop_to_cost_per_success(
+    appliance_up: RunningAppliance,
+) -> None:
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['bob']}"}
+    r = httpx.post(
+        f"{app.url}/v1/tasks",
+        headers=auth,
+        json={"task_id": "fix-bug", "task_class": "swe", "deadline_s": 600},
+    )
+    assert r.status_code == 201 and r.json()["task_id"] == "fix-bug"
+    c = client(appliance_up, "bob")
+    for i in range(2):
+        c.chat.completions.create(
+            model=app.model,
+            messages=[{"role": "user", "content": text(70 + i, app.words(50))}],
+            max_tokens=4,
+            extra_headers={"X-Task-ID": "fix-bug", "X-Session-ID": "fix-bug"},
+        )
+    done = httpx.post(
+        f"{app.url}/v1/tasks/fix-bug/events",
+        headers=auth,
+        json={"type": "succeeded", "verified": True},
+    )
+    assert done.json()["status"] == "succeeded"
+    again = httpx.post(f"{app.url}/v1/tasks/fix-bug/events", headers=auth, json={"type": "failed"})
+    assert again.status_code == 409
+    task = httpx.get(f"{app.url}/v1/tasks/fix-bug", headers=auth).json()
+    assert task["status"] == "succeeded" and task["turns"] == 2
+    ops = {"Authorization": f"Bearer {app.keys['ops']}"}
+    assert httpx.get(f"{app.url}/admin/v1/costs", headers=auth).status_code == 403
+    deadline = time.monotonic() + 5
+    while True:
+        rows = httpx.get(f"{app.url}/admin/v1/costs", headers=ops).json()["costs"]
+        swe = [r for r in rows if r["task_class"] == "swe" and r["tenant"] == "bob"]
+        if (swe and swe[0]["attempts"] == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert swe[0]["succeeded"] == 1 and swe[0]["attempts"] == 2
+    assert swe[0]["cost_per_success"] == pytest.approx(swe[0]["cost"]) and swe[0]["cost"] > 0

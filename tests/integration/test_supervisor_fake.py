@@ -30,6 +30,7 @@ from appliance.engines.errors import WorkerStartFailed
 from appliance.engines.launch import Device, LaunchSpec
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.worker_process import group_alive, process_running
+from tests.processes import live_children_since
 
 FAKE_WORKER = r"""
 import argparse, http.server, json, os, signal, subprocess, sys, threading, time
@@ -107,6 +108,12 @@ FAST = SupervisorTimings(
     term_grace_s=2,
     poll_s=0.05,
 )
+_TEST_START = [0.0]
+
+
+@pytest.fixture(autouse=True)
+def _note_test_start() -> None:
+    _TEST_START[0] = time.time()
 
 
 def free_port_block(n: int) -> int:
@@ -166,7 +173,7 @@ def assert_no_process_left(sup: Supervisor, groups: set[int]) -> None:
     assert sup.process_groups() == frozenset()
     for pgid in groups:
         assert not group_alive(pgid), f"process group {pgid} survived"
-    assert not [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    assert not live_children_since(_TEST_START[0])
 
 
 def test_killed_worker_is_restarted_with_backoff_and_reported(spec, tmp_path) -> None:
@@ -219,7 +226,7 @@ def test_killed_worker_is_restarted_with_backoff_and_reported(spec, tmp_path) ->
 def assert_no_process_left_after(groups: set[int]) -> None:
     for pgid in groups:
         assert not group_alive(pgid), f"process group {pgid} survived"
-    assert not [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    assert not live_children_since(_TEST_START[0])
 
 
 def test_gives_up_after_failed_starts_in_a_row(spec, tmp_path) -> None:

@@ -32,6 +32,7 @@ from appliance.engines.preflight import probe_vllm
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.worker_process import group_alive
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from tests.processes import live_children_since
 
 pytestmark = pytest.mark.vllm
 T = TypeVar("T")
@@ -62,6 +63,8 @@ class Workers:
         self.sup, self.feed, self.events = sup, feed, events
         self.groups: set[int] = set()
         self.startup_s = 0.0
+        self.started_at = 0.0
+        """When the fixture began: every process the supervisor spawned is younger."""
 
     @property
     def w0(self) -> WorkerHandle:
@@ -83,6 +86,7 @@ def loop() -> Iterator[LoopThread]:
 def workers(
     loop: LoopThread, vllm_python: str, tiny_model_dir: Path, tmp_path_factory
 ) -> Iterator[Workers]:
+    t0 = time.time()
     install = probe_vllm(vllm_python)
     assert install.device == Device.CPU
     spec = LaunchSpec(
@@ -115,6 +119,7 @@ def workers(
         ),
     )
     handle = Workers(sup, feed, events)
+    handle.started_at = t0
     started = time.monotonic()
     loop.run(sup.start())
     handle.startup_s = time.monotonic() - started
@@ -338,5 +343,5 @@ def test_drain_on_shutdown_finishes_the_stream_and_leaves_no_process(
     assert kinds[-4:].count(WorkerEventKind.STOPPED) == 2
     for pgid in workers.groups:
         assert not group_alive(pgid), f"process group {pgid} left running"
-    ours = [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    ours = live_children_since(workers.started_at)
     assert not ours, ours
