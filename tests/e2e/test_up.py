@@ -1,4 +1,5 @@
-"""The appliance end to end on two simulated workers, driven by the unchanged `openai` client."""
+"""The appliance end to end on two workers (simulated, and real vLLM), driven by the unchanged
+`openai` client."""
 
 from __future__ import annotations
 
