@@ -247,3 +247,25 @@ def test_up_on_a_taken_port_is_one_line_and_leaves_nothing_running(tmp_path: Pat
         if p.pid not in before and "cli.main" in " ".join(p.cmdline())
     ]
     assert new == []
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--model", "/no/such/model"], {}, "model path /no/such/model does not exist"),
+        (["--model", "/no/such/model"], {"APPLIANCE_ENGINE__PYTHON": "/no/python"}, "/no/python"),
+        ([], {}, "engine.model is not set"),
+    ],
+)
+def test_up_with_vllm_refuses_bad_input_in_one_line(
+    args: list[str], env: dict[str, str], needle: str, tmp_path: Path, vllm_python: str
+) -> None:
+    env = {"APPLIANCE_ENGINE__PYTHON": vllm_python, **env}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    r = run("up", "--engine", "vllm", "--port", port, *args, data_dir=tmp_path, **env)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and r.stderr.count("\n") == 1
+    assert "Traceback" not in r.stderr
