@@ -104,6 +104,22 @@ class EngineSettings(Section):
         return self
 
 
+class RoutingSettings(Section):
+    reuse_weight: float = Field(1.0, ge=0)
+    """Weight of the prefill seconds a worker's resident prefix saves (scaled to 0..1)."""
+    queue_weight: float = Field(1.0, ge=0)
+    """Weight of the queued prefill seconds ahead of the turn (scaled to 0..1). Equal reuse
+    and queue weights make the router minimise the estimated time to first token."""
+    kv_pressure_weight: float = Field(0.1, ge=0)
+    """Weight of free KV cache room (a tie-breaker: do not evict others' hot prefixes)."""
+    affinity_weight: float = Field(0.05, ge=0)
+    """Weight of staying on the session's previous worker (a tie-breaker)."""
+    affinity_max_share: float = Field(0.5, ge=0, le=1)
+    """Affinity counts only while that worker holds at most this share of all queued work."""
+    failures_weight: float = Field(0.2, ge=0)
+    """Weight of a worker's recent failures (fewer is better)."""
+
+
 class LedgerSettings(Section):
     path: Path | None = None
     """SQLite file of the ledger; None = ledger.db in the data dir."""
@@ -151,6 +167,7 @@ class Settings(BaseSettings):
     """Level of the appliance's own log lines."""
     server: ServerSettings = ServerSettings()
     engine: EngineSettings = EngineSettings()
+    routing: RoutingSettings = RoutingSettings()
     ledger: LedgerSettings = LedgerSettings()
     costs: CostSettings = CostSettings()
 
