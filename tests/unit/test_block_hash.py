@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import random
-import time
 
 import cbor2
 import pytest
@@ -218,18 +216,3 @@ def test_block_size_must_be_positive(block_size: int) -> None:
 def test_unknown_algorithm_is_refused() -> None:
     with pytest.raises(ValueError):
         BlockHasher.for_engine("xxhash", 16, None)
-
-
-@pytest.mark.parametrize("algo", list(HashAlgo))
-def test_a_32k_prompt_hashes_in_well_under_50ms(algo: HashAlgo) -> None:
-    rng = random.Random(1)
-    tokens = [rng.randrange(128_256) for _ in range(32_768)]
-    hasher = BlockHasher(algo, 16)
-    hasher.hash_blocks(tokens)  # warm the token-encoding memo
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        hashes = hasher.hash_blocks(tokens)
-        best = min(best, time.perf_counter() - t0)
-    assert len(hashes) == 2048
-    assert best < 0.050, f"{algo}: {best * 1000:.1f} ms for 32k tokens"
