@@ -3,6 +3,7 @@ concrete ledger, engines and probes; the CLI calls the functions here and nothin
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from appliance import doctor as _doctor
 from appliance import keystore
 from appliance import settings as _settings
 from appliance.datadir import ensure_data_dir
+from appliance.domain.errors import ConfigError
 from appliance.settings import Settings
 
 
@@ -56,3 +58,16 @@ def run_sim(*, workers: int, port: int, **config: Any) -> None:
     if config.get("gpu_profile") is not None:
         config["gpu_profile"] = str(config["gpu_profile"])
     run_workers(workers, port, **config)
+
+
+def replay(trace: Path, **options: Any) -> str:
+    """`appliance replay`: the comparison table; the JSON report goes where `report` says."""
+    from appliance.replay import render_table, run_replay
+
+    if not trace.is_file():
+        raise ConfigError(f"trace {trace} does not exist; pass a Mooncake .jsonl or Azure .csv")
+    try:
+        result = run_replay(trace, progress=sys.stderr.isatty(), **options)
+    except ValueError as exc:
+        raise ConfigError(f"replay: {exc}") from None
+    return render_table(result)

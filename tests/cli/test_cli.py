@@ -50,7 +50,6 @@ def test_help_lists_every_command_of_the_interface() -> None:
         ["top"],
         ["sessions"],
         ["tasks", "--tree"],
-        ["replay", "trace.jsonl"],
         ["bench"],
     ],
 )
@@ -269,3 +268,34 @@ def test_up_with_vllm_refuses_bad_input_in_one_line(
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and r.stderr.count("\n") == 1
     assert "Traceback" not in r.stderr
+
+
+def test_replay_prints_the_comparison_and_writes_the_report(tmp_path: Path) -> None:
+    from tests.paths import MOONCAKE
+
+    out = tmp_path / "report.json"
+    r = run("replay", str(MOONCAKE), "--limit", "200", "--workers", "2", "--policy", "appliance",
+            "--policy", "round-robin", "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "appliance" in r.stdout and "round-robin" in r.stdout
+    import json
+
+    report = json.loads(out.read_text())
+    assert set(report["bounds"]) == {"no_cache", "unbounded", "optimal"}
+    assert set(report["policies"]) == {"appliance", "round-robin"}
+    for name in ("no_cache", "unbounded", "optimal"):
+        assert report["bounds"][name]["fresh_prefill_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["no-such-trace.jsonl"], "does not exist"),
+        (["{trace}", "--policy", "magic"], "unknown routing policy magic"),
+    ],
+)
+def test_replay_bad_input_is_one_line(args: list[str], needle: str, tmp_path: Path) -> None:
+    from tests.paths import MOONCAKE
+
+    r = run("replay", *[a.format(trace=MOONCAKE) for a in args], data_dir=tmp_path)
+    assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1

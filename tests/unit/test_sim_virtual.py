@@ -29,10 +29,10 @@ from appliance.sim.virtual import (
     round_robin,
     session_hash,
 )
+from tests.paths import MOONCAKE as TRACE
 
 LAT = LatencyModel.from_profile(bundled_profile())
 BS = 16
-TRACE = Path("/work/shared/traces/mooncake_fast25/conversation_trace.jsonl")
 
 
 def engines(n: int, **kw: Any) -> list[SimEngine]:
@@ -174,15 +174,16 @@ def test_block_tokens_are_fixed_per_id_and_distinct_across_ids() -> None:
 
 def test_load_mooncake_and_recover_conversations(tmp_path: Path) -> None:
     rows = [
-        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]},
-        {"timestamp": 250, "input_length": 1000, "output_length": 0, "hash_ids": [0, 2]},
-        {"timestamp": 1000, "input_length": 1400, "output_length": 9, "hash_ids": [0, 1, 3]},
-        {"timestamp": 1500, "input_length": 2000, "output_length": 9, "hash_ids": [0, 1, 3, 5]},
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 250, "input_length": 1000, "output_length": 0, "hash_ids": [0, 3]},
+        # continues request 0: its ids less the last (a partial block) begin these
+        {"timestamp": 1000, "input_length": 1800, "output_length": 9, "hash_ids": [0, 1, 4, 5]},
+        {"timestamp": 1500, "input_length": 2200, "output_length": 9, "hash_ids": [0, 1, 4, 6, 7]},
     ]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     records = load_mooncake(path)
-    assert records[1] == TraceRecord(1, 0.25, 1000, 0, (0, 2))
+    assert records[1] == TraceRecord(1, 0.25, 1000, 0, (0, 3))
     assert load_mooncake(path, limit=2) == records[:2]
     assert conversation_ids(records) == ["conv-0", "conv-1", "conv-0", "conv-0"]
     arrivals = trace_arrivals(records, BlockTokens(), sessions=conversation_ids(records))
@@ -196,7 +197,6 @@ def test_load_mooncake_and_recover_conversations(tmp_path: Path) -> None:
         load_mooncake(path)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not mounted")
 def test_the_real_trace_replays_with_prefix_hits() -> None:
     records = load_mooncake(TRACE, limit=150)
     sessions = conversation_ids(records)

@@ -1,0 +1,89 @@
+"""Per-policy figures from one replay: prefill, cache hits, latency tails, balance.
+
+Definitions (times in virtual seconds, token counts in tokens):
+- fresh_prefill_tokens: prompt tokens computed at a request's first scheduling, i.e.
+  prompt minus `cached_tokens`, the local prefix-cache hit then (vLLM's
+  `prompt_tokens_by_source`); recomputation after a preemption is not included.
+- ttft: first token minus arrival. step: finish minus arrival (one agent step, one LLM
+  call). session: the last finish of a session minus its first arrival (tool and think
+  time between turns included, as the trace spaces them).
+- imbalance: the busiest worker's GPU time over the mean (1.0 = even); requests_imbalance
+  the same over requests routed.
+- vs_optimal: fresh_prefill_tokens over the optimal bound's (1.0 = as good as Belady).
+Percentiles are nearest-rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from appliance.sim.virtual import ReplayResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(int(q * len(s)), len(s) - 1)]
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _max_over_mean(values: Sequence[float]) -> float | None:
+    mean = sum(values) / len(values) if values else 0.0
+    return round(max(values) / mean, 4) if mean else None
+
+
+def policy_metrics(
+    result: ReplayResult,
+    sessions: dict[str, str],
+    *,
+    optimal_fresh: int | None = None,
+    workers: int,
+) -> dict[str, object]:
+    """`sessions` maps request id to session id."""
+    recs = result.records
+    prompt = sum(r.prompt_tokens for r in recs)
+    cached = sum(r.cached_tokens for r in recs)
+    fresh = prompt - cached
+    ttft = [t for r in recs if (t := r.ttft_s) is not None]
+    step = [r.finish_s - r.arrival_s for r in recs if r.finish_s is not None]
+    span: dict[str, list[float]] = {}
+    for r in recs:
+        if r.finish_s is None:
+            continue
+        s = span.setdefault(sessions.get(r.request_id, r.request_id), [r.arrival_s, r.finish_s])
+        s[0] = min(s[0], r.arrival_s)
+        s[1] = max(s[1], r.finish_s)
+    session_s = [b - a for a, b in span.values()]
+    per_worker = [0] * workers
+    for r in recs:
+        per_worker[r.worker] += 1
+    stats = result.engine_stats
+    return {
+        "requests": len(recs),
+        "finished": len(step),
+        "prompt_tokens": prompt,
+        "fresh_prefill_tokens": fresh,
+        "cached_tokens": cached,
+        "hit_ratio": round(cached / prompt, 6) if prompt else 0.0,
+        "vs_optimal": round(fresh / optimal_fresh, 4) if optimal_fresh else None,
+        "ttft_p50_s": _r(percentile(ttft, 0.50)),
+        "ttft_p95_s": _r(percentile(ttft, 0.95)),
+        "ttft_p99_s": _r(percentile(ttft, 0.99)),
+        "ttft_mean_s": _r(sum(ttft) / len(ttft) if ttft else None),
+        "step_p50_s": _r(percentile(step, 0.50)),
+        "step_p95_s": _r(percentile(step, 0.95)),
+        "step_p99_s": _r(percentile(step, 0.99)),
+        "session_p50_s": _r(percentile(session_s, 0.50), 2),
+        "session_p95_s": _r(percentile(session_s, 0.95), 2),
+        "sessions": len(session_s),
+        "imbalance": _max_over_mean([s.busy_s_total for s in stats]),
+        "requests_imbalance": _max_over_mean([float(x) for x in per_worker]),
+        "preemptions": sum(s.num_preemptions_total for s in stats),
+        "generated_tokens": sum(s.generation_tokens_total for s in stats),
+        "engine_steps": result.num_steps,
+        "sim_span_s": round(result.end_s, 3),
+    }

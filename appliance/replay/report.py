@@ -1,0 +1,102 @@
+"""The replay report: JSON (bounds, per-policy metrics, the check against the trace's own
+statistics) and the comparison table as text.
+
+Report layout (token counts in tokens, times in seconds):
+    {"trace": {...}, "setup": {...},
+     "bounds": {"no_cache" | "unbounded" | "optimal":
+                {"fresh_prefill_tokens", "cached_tokens", "hit_ratio", "capacity_blocks"}},
+     "trace_stats_check": {"no_cache" | "unbounded":
+                {"expected_fresh_tokens", "replayed_fresh_tokens", "relative_error",
+                 "within_1pct"}},                      # when *.stats.json sits beside it
+     "policies": {NAME: {"fresh_prefill_tokens", "cached_tokens", "hit_ratio",
+                         "vs_optimal", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
+                         "step_p50_s", "step_p95_s", "step_p99_s", "session_p50_s",
+                         "session_p95_s", "imbalance", "requests_imbalance",
+                         "preemptions", ...}}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    # header, key, format
+    ("fresh Mtok", "fresh_prefill_tokens", lambda v: f"{v / 1e6:.2f}"),
+    ("hit", "hit_ratio", lambda v: f"{v:.1%}"),
+    ("x opt", "vs_optimal", lambda v: f"{v:.3f}"),
+    ("TTFT p50", "ttft_p50_s", lambda v: f"{v:.3f}"),
+    ("TTFT p95", "ttft_p95_s", lambda v: f"{v:.2f}"),
+    ("TTFT p99", "ttft_p99_s", lambda v: f"{v:.2f}"),
+    ("step p95", "step_p95_s", lambda v: f"{v:.1f}"),
+    ("imbal", "imbalance", lambda v: f"{v:.3f}"),
+    ("preempt", "preemptions", lambda v: f"{v}"),
+)
+
+
+def render_table(report: Mapping[str, Any]) -> str:
+    """The per-policy comparison, the bounds and the trace-statistics check, as text."""
+    policies: Mapping[str, Mapping[str, Any]] = report.get("policies", {})
+    rows = [["policy", *(h for h, _, _ in COLUMNS)]]
+    for name, m in policies.items():
+        rows.append([name, *(_cell(m.get(key), fmt) for _, key, fmt in COLUMNS)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    bounds: Mapping[str, Mapping[str, Any]] = report.get("bounds", {})
+    if bounds:
+        parts = []
+        for name in ("no_cache", "unbounded", "optimal"):
+            b = bounds.get(name)
+            if b is None:
+                continue
+            cap = f", {b['capacity_blocks']} blocks pooled" if b.get("capacity_blocks") else ""
+            parts.append(
+                f"{name} {b['fresh_prefill_tokens'] / 1e6:.2f} Mtok ({b['hit_ratio']:.1%} hit{cap})"
+            )
+        lines.append("bounds (fresh prefill): " + "; ".join(parts))
+    check: Mapping[str, Any] = report.get("trace_stats_check", {})
+    checks = [
+        f"{name} {c['relative_error']:+.3%}"
+        for name in ("no_cache", "unbounded")
+        if isinstance(c := check.get(name), Mapping)
+    ]
+    if checks:
+        ok = all(check[n]["within_1pct"] for n in ("no_cache", "unbounded") if n in check)
+        verdict = "within 1%" if ok else "NOT within 1%"
+        lines.append(f"vs the trace's own statistics: {', '.join(checks)} ({verdict})")
+    setup: Mapping[str, Any] = report.get("setup", {})
+    trace: Mapping[str, Any] = report.get("trace", {})
+    if setup and trace:
+        lines.append(
+            f"{trace.get('requests')} requests, {trace.get('sessions')} sessions; "
+            f"{setup.get('workers')} workers x {setup.get('kv_gib_per_worker')} GiB KV "
+            f"({setup.get('kv_blocks_per_worker')} blocks of {setup.get('block_size')}), "
+            f"profile {setup.get('gpu_profile')}"
+        )
+    return "\n".join(lines)
+
+
+def _cell(value: object, fmt: Any) -> str:
+    return "-" if value is None else str(fmt(value))
+
+
+def write_report(report: Mapping[str, Any], path: Path) -> list[Path]:
+    """Write the JSON report and, when matplotlib is importable, the plot beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    written = [path]
+    from appliance.replay.plot import plot_report  # matplotlib is optional
+
+    png = plot_report(report, path.with_suffix(".png"))
+    if png is not None:
+        written.append(png)
+    return written

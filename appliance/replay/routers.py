@@ -1,0 +1,205 @@
+"""Routing callbacks for the virtual-time replay: one router per policy, with what it knows.
+
+Model of the world: a router in front of the simulated engines sees each arrival's prompt
+and the engines' gauges (waiting queue, KV usage), and keeps what a real router keeps: an
+index of resident blocks fed by the engines' KV events (applied when a step's outputs
+become visible, as vLLM publishes them after the step), and its own account of the work it
+routed: requests in flight, prefill not yet started (tokens for Dynamo, estimated seconds
+for the appliance) and the blocks of active sequences. First tokens and finishes reach it
+through `on_step`. The policy itself is the appliance's `route` or an anchor policy, called
+unchanged: this module only builds their inputs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from appliance.domain.block_hash import BlockHasher, event_block_hash
+from appliance.domain.kv_index import KvIndex
+from appliance.domain.records import WorkerId
+from appliance.policy.routing import RouteRequest, WorkerView, route
+from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
+from appliance.policy.routing.core import default_profile
+from appliance.sim.engine import SimRequest, StepResult
+from appliance.sim.latency import LatencyModel
+from appliance.sim.virtual import EngineView
+
+_NUMBERS = re.compile(r"\d[\d.,]*")
+APPLIANCE = "appliance"
+MODEL = "replay"
+POLICY_NAMES = (APPLIANCE, *ANCHORS)
+_USES_INDEX = {APPLIANCE, "llm-d-precise", "dynamo-kv"}
+_USES_KEYS = _USES_INDEX | {"sglang-cache-aware"}
+
+
+def worker_url(i: int) -> str:
+    return f"http://127.0.0.1:{8100 + i}"
+
+
+@dataclass(slots=True)
+class _Live:
+    worker: int
+    fresh_tokens: int
+    keys: tuple[int, ...]
+    session: str | None
+    prefilling: bool = True
+
+
+class PolicyRouter:
+    """`route(request, views) -> engine` for `virtual.replay`, plus `on_step` to watch."""
+
+    def __init__(
+        self,
+        policy: str,
+        *,
+        workers: int,
+        hasher: BlockHasher,
+        latency: LatencyModel,
+    ) -> None:
+        if policy not in POLICY_NAMES:
+            known = ", ".join(POLICY_NAMES)
+            raise ValueError(f"unknown routing policy {policy!r}; known: {known}")
+        self.name = policy
+        self.n = workers
+        self.hasher = hasher
+        self.bs = hasher.block_size
+        self.latency = latency
+        self.index = KvIndex() if policy in _USES_INDEX else None
+        self.ids = [WorkerId(f"w{i}") for i in range(workers)]
+        self.in_flight = [0] * workers
+        self.prefill_tokens = [0] * workers
+        self.pending_s: list[dict[str, float]] = [{} for _ in range(workers)]
+        self.active: list[Counter[int]] = [Counter() for _ in range(workers)]
+        self.live: dict[str, _Live] = {}
+        self.home: dict[str, int] = {}
+        self.reasons: Counter[str] = Counter()
+        if policy == APPLIANCE:
+            self.profile = default_profile()
+        else:
+            self.anchor = ANCHORS[policy]()
+            self.state = self.anchor.initial_state([worker_url(i) for i in range(workers)])
+
+    # --- routing ---
+
+    def __call__(self, req: SimRequest, views: Sequence[EngineView]) -> int:
+        keys = self._keys(req) if self.name in _USES_KEYS else ()
+        resident = self._resident(keys)
+        n = len(req.prompt_token_ids)
+        if self.name == APPLIANCE:
+            w, reason = self._appliance(req, views, resident)
+        else:
+            w, reason = self._anchor(req, views, keys, resident)
+        self.reasons[_NUMBERS.sub("N", reason)] += 1
+        cached = min(resident[w] * self.bs, (n - 1) // self.bs * self.bs)
+        fresh = n - cached
+        self.in_flight[w] += 1
+        self.prefill_tokens[w] += fresh
+        if self.name == APPLIANCE:
+            self.pending_s[w][req.request_id] = self.latency.prefill_s(fresh, cached)
+        full = keys[: n // self.bs]
+        if self.name == "dynamo-kv":
+            self.active[w].update(full)
+        self.live[req.request_id] = _Live(w, fresh, full, req.session_id)
+        return w
+
+    def _keys(self, req: SimRequest) -> tuple[int, ...]:
+        """Event hashes of the prompt's full blocks (what KV events name)."""
+        digests = self.hasher.hash_blocks(req.prompt_token_ids)
+        return tuple(event_block_hash(d) for d in digests)
+
+    def _resident(self, keys: tuple[int, ...]) -> list[int]:
+        if self.index is None or not keys:
+            return [0] * self.n
+        found = self.index.lookup(keys)
+        return [found.get(wid, 0) for wid in self.ids]
+
+    def _appliance(
+        self, req: SimRequest, views: Sequence[EngineView], resident: list[int]
+    ) -> tuple[int, str]:
+        n = len(req.prompt_token_ids)
+        cap = (n - 1) // self.bs * self.bs
+        queues = [sum(p.values()) for p in self.pending_s]
+        total = sum(queues)
+        home = self.home.get(req.session_id) if req.session_id else None
+        workers = [
+            WorkerView(
+                worker=self.ids[v.index],
+                models=frozenset({MODEL}),
+                resident_tokens=min(resident[v.index] * self.bs, cap),
+                queue_s=queues[v.index],
+                queued_share=queues[v.index] / total if total else 0.0,
+                kv_usage=v.kv_cache_usage,
+            )
+            for v in views
+        ]
+        request = RouteRequest(MODEL, n, self.ids[home] if home is not None else None)
+        decision = route(request, workers, self.latency, self.profile)
+        if decision.worker is None:
+            raise RuntimeError(f"the appliance's policy placed nothing: {decision.reason}")
+        return self.ids.index(decision.worker), decision.reason
+
+    def _anchor(
+        self,
+        req: SimRequest,
+        views: Sequence[EngineView],
+        keys: tuple[int, ...],
+        resident: list[int],
+    ) -> tuple[int, str]:
+        n = len(req.prompt_token_ids)
+        blocks = keys
+        if n % self.bs and self.name == "sglang-cache-aware":
+            tail = tuple(req.prompt_token_ids[len(keys) * self.bs :])
+            blocks = (*keys, hash((keys[-1] if keys else 0, tail)))
+        areq = AnchorRequest(req.request_id, n, req.session_id, blocks, self.bs)
+        workers = [
+            AnchorWorker(
+                index=v.index,
+                url=worker_url(v.index),
+                in_flight=self.in_flight[v.index],
+                waiting=v.num_waiting,
+                kv_usage=v.kv_cache_usage,
+                cached_blocks=resident[v.index],
+                prefill_tokens=self.prefill_tokens[v.index],
+                active_blocks=len(self.active[v.index]),
+                shared_active_blocks=self._shared(v.index, keys[: n // self.bs]),
+            )
+            for v in views
+        ]
+        now = req.arrival_s
+        self.anchor.advance(self.state, now)
+        decision = self.anchor.route(areq, workers, self.state)
+        self.anchor.record(self.state, areq, decision, now)
+        return decision.worker, decision.reason
+
+    def _shared(self, w: int, full: tuple[int, ...]) -> int:
+        active = self.active[w]
+        return sum(1 for k in full if k in active) if active else 0
+
+    # --- watching ---
+
+    def on_step(self, i: int, now: float, result: StepResult) -> None:
+        if self.index is not None:
+            for event in result.events:
+                self.index.apply(self.ids[i], event)
+        for out in result.outputs:
+            live = self.live.get(out.request_id)
+            if live is None:
+                continue
+            if out.first_token and live.prefilling:
+                live.prefilling = False
+                self.prefill_tokens[live.worker] -= live.fresh_tokens
+                self.pending_s[live.worker].pop(out.request_id, None)
+                if live.session is not None:
+                    self.home[live.session] = live.worker
+            if out.finished:
+                del self.live[out.request_id]
+                self.in_flight[live.worker] -= 1
+                active = self.active[live.worker]
+                for k in live.keys if self.name == "dynamo-kv" else ():
+                    if active[k] <= 1:
+                        del active[k]
+                    else:
+                        active[k] -= 1

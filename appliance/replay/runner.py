@@ -1,0 +1,145 @@
+"""Replay a trace through each routing policy on the same simulated workers.
+
+Model of the world: N identical GPUs, each a `SimEngine` (vLLM's scheduler and prefix cache,
+timed by the latency model fitted to one GPU profile) with a KV cache of `hbm_gib` per
+worker (default: what vLLM would leave at gpu_memory_utilization 0.9 after bf16 weights).
+The trace's arrivals come at their recorded times, in virtual time (`sim.virtual.replay`);
+each one asks the policy under test which worker takes it (`routers.PolicyRouter`), and
+every policy sees the same arrivals, the same prompts (block id -> fixed tokens), the same
+engines and the same session ids. Engines run at block size 512, the trace's own block
+granularity (vLLM's default 16 would also hit inside a turn's trimmed last block, and costs
+32x the bookkeeping). Prompts that do not fit `max_model_len` are left out of the replay and
+of the bounds, and counted. The bounds (`bounds.py`) use the same prompts and block size,
+with the workers' caches pooled; a policy's `vs_optimal` is its fresh prefill over the
+optimal bound's. Nothing reads a wall clock but the progress bar and `wall_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.replay.metrics import policy_metrics
+from appliance.replay.progress import ProgressBar
+from appliance.replay.routers import PolicyRouter
+from appliance.replay.traces import Trace
+from appliance.sim.engine import SimEngine
+from appliance.sim.latency import LatencyModel
+from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
+from appliance.sim.trace import BlockTokens, trace_arrivals
+from appliance.sim.virtual import replay
+from appliance.sim.worker import default_num_gpu_blocks
+
+GIB = 1 << 30
+DEFAULT_BLOCK_SIZE = 512
+DEFAULT_MAX_MODEL_LEN = 131072
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySetup:
+    """The simulated hardware every policy runs on."""
+
+    workers: int
+    block_size: int
+    kv_blocks_per_worker: int
+    """Usable blocks per worker (vLLM's count less the null block)."""
+    kv_gib_per_worker: float
+    max_model_len: int
+    gpu_profile: str
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    token_seed: int = 0
+
+    @property
+    def pooled_blocks(self) -> int:
+        return self.workers * self.kv_blocks_per_worker
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def make_setup(
+    *,
+    workers: int,
+    gpu_profile: Path | None = None,
+    hbm_gib: float | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+) -> tuple[ReplaySetup, LatencyModel]:
+    if workers < 1:
+        raise ValueError(f"need at least one worker, got {workers}")
+    profile: GpuProfile = load_profile(gpu_profile) if gpu_profile else bundled_profile()
+    latency = LatencyModel.from_profile(profile)
+    if hbm_gib is not None:
+        if hbm_gib <= 0:
+            raise ValueError(f"--hbm-gib must be positive, got {hbm_gib}")
+        usable = int(hbm_gib * GIB) // (block_size * profile.kv_bytes_per_token)
+    else:
+        usable = default_num_gpu_blocks(profile, block_size, 0.9) - 1
+    if usable < 2:
+        raise ValueError(f"a KV cache of {usable} blocks of {block_size} tokens cannot serve")
+    setup = ReplaySetup(
+        workers=workers,
+        block_size=block_size,
+        kv_blocks_per_worker=usable,
+        kv_gib_per_worker=round(usable * block_size * profile.kv_bytes_per_token / GIB, 3),
+        max_model_len=min(max_model_len, usable * block_size),
+        gpu_profile=str(gpu_profile) if gpu_profile else profile.name,
+    )
+    return setup, latency
+
+
+def fitting(trace: Trace, setup: ReplaySetup) -> Trace:
+    """The trace without prompts an engine of `max_model_len` refuses."""
+    keep = [r for r in trace.records if r.input_length < setup.max_model_len]
+    if len(keep) == len(trace.records):
+        return trace
+    return Trace(trace.path, trace.format, keep, trace.sessions, trace.session_source)
+
+
+def make_engines(setup: ReplaySetup, latency: LatencyModel) -> list[SimEngine]:
+    hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)
+    return [
+        SimEngine(
+            num_blocks=setup.kv_blocks_per_worker + 1,
+            block_size=setup.block_size,
+            hasher=hasher,
+            latency=latency,
+            max_model_len=setup.max_model_len,
+            max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+        )
+        for _ in range(setup.workers)
+    ]
+
+
+def replay_policy(
+    trace: Trace,
+    policy: str,
+    setup: ReplaySetup,
+    latency: LatencyModel,
+    *,
+    optimal_fresh: int | None = None,
+    progress: bool = False,
+) -> dict[str, object]:
+    """Replay `trace` with `policy` routing; returns its metrics (`metrics.py`)."""
+    engines = make_engines(setup, latency)
+    router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
+    arrivals = trace_arrivals(
+        trace.records, BlockTokens(seed=setup.token_seed), sessions=trace.sessions
+    )
+    bar = ProgressBar(policy, len(trace.records)) if progress else None
+    t0 = time.perf_counter()
+    result = replay(
+        engines, bar.wrap(arrivals) if bar else arrivals, router, on_step=router.on_step
+    )
+    wall_s = time.perf_counter() - t0
+    if bar:
+        bar.close()
+    sessions = {f"req-{r.index}": trace.sessions[r.index] for r in trace.records}
+    out = policy_metrics(result, sessions, optimal_fresh=optimal_fresh, workers=setup.workers)
+    out["routed_by_reason"] = dict(router.reasons.most_common(8))
+    out["wall_s"] = round(wall_s, 2)
+    return out

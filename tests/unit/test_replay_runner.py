@@ -1,0 +1,209 @@
+"""The replay runner end to end on small hand-made traces: every policy on the same simulated
+workers, the bounds beside them, and the replayed figures against the trace's own."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from appliance.replay import POLICY_NAMES, render_table, run_replay
+from appliance.replay.bounds import compute_bounds
+from appliance.replay.progress import ProgressBar
+from appliance.replay.routers import PolicyRouter
+from appliance.replay.runner import fitting, make_engines, make_setup, replay_policy
+from appliance.replay.traces import load_trace
+from appliance.sim.trace import BlockTokens, trace_arrivals
+from appliance.sim.virtual import replay
+from tests.paths import MOONCAKE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def agent_trace(path: Path, *, sessions: int = 6, turns: int = 5, seed: int = 1) -> Path:
+    """Sessions that share a 3-block system prefix and re-send their growing history every
+    ~20 s; each turn's last block is partial and re-hashed by the next turn (as Mooncake)."""
+    rng = random.Random(seed)
+    next_id = 100
+    rows = []
+    for s in range(sessions):
+        history: list[int] = []
+        t = s * 3.0
+        for _ in range(turns):
+            history += list(range(next_id, next_id + rng.randint(1, 3)))
+            next_id += 4
+            tail = next_id
+            next_id += 1
+            ids = [0, 1, 2, *history, tail]
+            n = 512 * (len(ids) - 1) + rng.randint(50, 400)
+            rows.append((t, ids, n))
+            t += rng.uniform(15.0, 25.0)
+    rows.sort(key=lambda r: r[0])
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": int(t * 1000),
+                    "input_length": n,
+                    "output_length": 40,
+                    "hash_ids": ids,
+                }
+            )
+            + "\n"
+            for t, ids, n in rows
+        )
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return agent_trace(tmp_path_factory.mktemp("replay") / "agents.jsonl")
+
+
+@pytest.fixture(scope="module")
+def report(small: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("report") / "replay.json"
+    return run_replay(
+        small,
+        policies=None,
+        workers=3,
+        gpu_profile=None,
+        hbm_gib=4.0,
+        report=out,
+        progress=False,
+    )
+
+
+def test_report_has_bounds_and_every_policy(report: dict) -> None:
+    assert list(report["policies"]) == list(POLICY_NAMES)
+    assert report["trace"]["requests"] == 30 and report["trace"]["sessions"] == 6
+    b = report["bounds"]
+    no_cache = b["no_cache"]["fresh_prefill_tokens"]
+    assert no_cache == report["trace"]["input_tokens"]
+    assert b["unbounded"]["fresh_prefill_tokens"] <= b["optimal"]["fresh_prefill_tokens"]
+    assert b["optimal"]["fresh_prefill_tokens"] <= no_cache
+    assert b["optimal"]["capacity_blocks"] == 3 * report["setup"]["kv_blocks_per_worker"]
+    for name, m in report["policies"].items():
+        assert m["requests"] == m["finished"] == 30, name
+        # The replayed no-cache figure is the prompt total; nothing beats an unbounded cache.
+        assert m["prompt_tokens"] == no_cache
+        assert m["fresh_prefill_tokens"] + m["cached_tokens"] == no_cache
+        assert m["fresh_prefill_tokens"] >= b["unbounded"]["fresh_prefill_tokens"], name
+        assert m["vs_optimal"] == pytest.approx(
+            m["fresh_prefill_tokens"] / b["optimal"]["fresh_prefill_tokens"], abs=1e-3
+        )
+        assert 0 < m["ttft_p50_s"] <= m["ttft_p95_s"] <= m["ttft_p99_s"] <= m["step_p99_s"]
+        assert m["imbalance"] >= 1.0 and m["preemptions"] >= 0
+    saved = json.loads(Path(report["files"][0]).read_text())
+    assert saved["policies"].keys() == report["policies"].keys()
+
+
+def test_cache_aware_policies_reuse_more_than_cache_blind_ones(report: dict) -> None:
+    hit = {name: m["hit_ratio"] for name, m in report["policies"].items()}
+    blind = max(hit["round-robin"], hit["least-loaded"])
+    for name in ("appliance", "sglang-cache-aware", "llm-d-precise", "dynamo-kv", "session-hash"):
+        assert hit[name] > blind, (name, hit)
+    assert report["policies"]["appliance"]["routed_by_reason"].get("prefix resident (N tokens)")
+
+
+def test_table_lists_policies_bounds_and_setup(report: dict) -> None:
+    table = render_table(report)
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["policy", "fresh", "Mtok"]
+    for name in POLICY_NAMES:
+        assert any(line.startswith(name) for line in lines)
+    assert "bounds (fresh prefill): no_cache" in table and "optimal" in table
+    assert "3 workers" in table
+
+
+def test_session_hash_keeps_every_session_on_one_worker(small: Path) -> None:
+    setup, latency = make_setup(workers=4, hbm_gib=1.0)
+    trace = fitting(load_trace(small), setup)
+    engines = make_engines(setup, latency)
+    router = PolicyRouter("session-hash", workers=4, hasher=engines[0].hasher, latency=latency)
+    arrivals = trace_arrivals(trace.records, BlockTokens(), sessions=trace.sessions)
+    result = replay(engines, arrivals, router, on_step=router.on_step)
+    where = defaultdict(set)
+    for rec in result.records:
+        where[trace.sessions[int(rec.request_id.removeprefix("req-"))]].add(rec.worker)
+    assert all(len(ws) == 1 for ws in where.values())
+    assert len({next(iter(ws)) for ws in where.values()}) > 1
+    assert not router.live and sum(router.in_flight) == 0  # every request accounted back
+
+
+def test_replay_is_deterministic(small: Path) -> None:
+    setup, latency = make_setup(workers=2, hbm_gib=1.0)
+    trace = load_trace(small)
+    for policy in ("sglang-cache-aware", "dynamo-kv", "appliance"):
+        a = replay_policy(trace, policy, setup, latency)
+        b = replay_policy(trace, policy, setup, latency)
+        a.pop("wall_s"), b.pop("wall_s")
+        assert a == b, policy
+
+
+def test_unknown_policy_and_bad_sizes(small: Path) -> None:
+    with pytest.raises(ValueError, match="unknown routing policy nope"):
+        run_replay(small, policies=["nope"], workers=2, gpu_profile=None, hbm_gib=1.0,
+                   report=None, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="hbm-gib"):
+        make_setup(workers=2, hbm_gib=-1.0)
+    with pytest.raises(ValueError, match="at least one worker"):
+        make_setup(workers=0)
+
+
+def test_prompts_longer_than_the_cache_are_left_out(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]})
+        + "\n"
+        + json.dumps(
+            {"timestamp": 1, "input_length": 9000, "output_length": 5, "hash_ids": list(range(18))}
+        )
+        + "\n"
+    )
+    out = run_replay(path, policies=["round-robin"], workers=1, gpu_profile=None,
+                     hbm_gib=0.5, report=None, progress=False)  # fmt: skip
+    assert out["setup"]["max_model_len"] == 8 * 512
+    assert out["trace"]["requests"] == 1 and out["trace"]["skipped_requests"] == 1
+    assert out["policies"]["round-robin"]["prompt_tokens"] == 600
+
+
+def test_progress_bar_draws_on_its_stream() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar("dynamo-kv", 4, stream=stream, width=8)
+    assert list(bar.wrap(range(4))) == [0, 1, 2, 3]
+    bar.close()
+    assert "[########] 100% 4/4" in stream.getvalue()
+
+
+def test_replayed_unbounded_cache_matches_the_bound_on_a_slice() -> None:
+    """One simulated worker whose cache never fills replays the first 300 requests: its
+    cache hits are the unbounded bound's within 1% (the bound is what the full-trace test
+    checks against the trace's statistics), and no-cache is its prompt total."""
+    trace = load_trace(MOONCAKE, limit=300)
+    setup, latency = make_setup(workers=1, hbm_gib=1200.0)
+    bounds = compute_bounds(trace, setup.block_size, setup.pooled_blocks)
+    m = replay_policy(trace, "round-robin", setup, latency)
+    assert m["prompt_tokens"] == bounds["no_cache"].fresh_prefill_tokens
+    expected = bounds["unbounded"].fresh_prefill_tokens
+    assert abs(m["fresh_prefill_tokens"] - expected) / expected < 0.01
+
+
+def test_plot_is_written_beside_the_report(report: dict) -> None:
+    png = Path(report["files"][1])
+    assert png.suffix == ".png" and png.with_suffix(".json") == Path(report["files"][0])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_no_plot_without_matplotlib(report: dict, tmp_path: Path, monkeypatch) -> None:
+    from appliance.replay.plot import plot_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot_report(report, tmp_path / "x.png") is None
+    assert not (tmp_path / "x.png").exists()
