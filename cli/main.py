@@ -66,32 +66,68 @@ def up(
     bootstrap.up(settings)
 
 
-@app.command()
-def status(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
-    """Workers, sessions and tasks in a few lines."""
-    _later("status", "it reads the running appliance's state API, which lands with the router")
+KeyOpt = Annotated[
+    str | None,
+    typer.Option("--key", help="Operator key (default: the first admin key in the data dir)."),
+]
+
+
+def _view(view: str, url: str, key: str | None, data_dir: Path | None, as_json: bool,
+          **kw: bool) -> None:  # fmt: skip
+    from tui import client, tables  # the console's renderers; loaded only for these commands
+
+    try:
+        state = client.fetch_state(url, client.resolve_api_key(key, data_dir))
+    except client.ConsoleError as exc:
+        print(f"appliance: {exc.message}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(tables.json_view(state, view))  # type: ignore[arg-type]
+        return
+    render = {
+        "status": tables.render_status,
+        "sessions": tables.render_sessions,
+        "tasks": lambda s: tables.render_tasks(s, tree=kw.get("tree", False)),
+    }[view]
+    typer.echo(render(state))
 
 
 @app.command()
-def top(url: UrlOpt = DEFAULT_URL) -> None:
+def status(
+    url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:  # fmt: skip
+    """Workers, sessions and tasks in a few lines; exit 1 if the appliance is not reachable."""
+    _view("status", url, key, data_dir, as_json)
+
+
+@app.command()
+def top(url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None) -> None:
     """The operator console."""
-    _later("top", "the console lands after the router's state API")
+    from tui.app import run_console
+
+    run_console(url, key, data_dir)
 
 
 @app.command()
-def sessions(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+def sessions(
+    url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:  # fmt: skip
     """Agent sessions of the running appliance."""
-    _later("sessions", "it reads the running appliance's state API, which lands with the router")
+    _view("sessions", url, key, data_dir, as_json)
 
 
 @app.command()
 def tasks(
     url: UrlOpt = DEFAULT_URL,
     tree: Annotated[bool, typer.Option("--tree", help="Show fan-out trees.")] = False,
+    key: KeyOpt = None,
+    data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Tasks of the running appliance."""
-    _later("tasks", "it reads the running appliance's state API, which lands with the router")
+    _view("tasks", url, key, data_dir, as_json, tree=tree)
 
 
 @app.command()

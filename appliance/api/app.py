@@ -21,7 +21,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from appliance.api.errors import ApiError, error_response, from_exception
-from appliance.api.requests import Tokenizer, agent_headers, parse_json_body, prompt_ids
+from appliance.api.requests import (
+    Tokenizer,
+    agent_headers,
+    chat_encoder,
+    parse_json_body,
+    prompt_tokens,
+)
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskEventType, TenantId
 from appliance.ports import Clock
@@ -53,6 +59,8 @@ class ApiContext:
 
 
 def create_app(ctx: ApiContext) -> Starlette:
+    encoder = chat_encoder(ctx.tokenizer)  # one per app: it remembers long prompt pieces
+
     def caller(request: Request, *, admin: bool = False) -> Caller:
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
@@ -71,8 +79,19 @@ def create_app(ctx: ApiContext) -> Starlette:
         who = caller(request)
         body = parse_json_body(await request.body())
         hdr = agent_headers(request.headers, body)
-        ids = prompt_ids(
-            request.url.path, body, ctx.tokenizer, model=ctx.model, max_model_len=ctx.max_model_len
+        session_id = SessionId(hdr.session_id) if hdr.session_id else None
+        known_task = ctx.tasks.get(who.tenant, hdr.task_id) if hdr.task_id else None
+        session = ctx.router.known_session(
+            who.tenant, session_id, known_task.key if known_task else None
+        )
+        ids, chat = prompt_tokens(
+            request.url.path,
+            body,
+            ctx.tokenizer,
+            model=ctx.model,
+            max_model_len=ctx.max_model_len,
+            previous=session.chat if session else None,
+            encoder=encoder,
         )
         now = ctx.clock.now()
         client_task = hdr.task_id or f"turn-{uuid.uuid4().hex[:16]}"
@@ -86,11 +105,12 @@ def create_app(ctx: ApiContext) -> Starlette:
             body=body,
             prompt_ids=ids,
             task_id=task.key,
-            session_id=SessionId(hdr.session_id) if hdr.session_id else None,
+            session_id=session_id,
             parent_task_id=task.parent,
             client_salt=salt,
             tool_class=hdr.tool_class,
             expected_wait_s=hdr.expected_wait_s,
+            chat=chat,
         )
         task.turns += 1
         reply = await ctx.router.handle(turn)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from appliance.api.errors import ApiError
+from appliance.services.sessions import ChatEncoder, ChatTokens
 
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -109,6 +110,23 @@ def prompt_ids(
     path: str, body: dict[str, Any], tokenizer: Tokenizer, *, model: str, max_model_len: int
 ) -> list[int]:
     """The prompt's token ids as vLLM will see them; raises ApiError for any bad field."""
+    return prompt_tokens(path, body, tokenizer, model=model, max_model_len=max_model_len)[0]
+
+
+def prompt_tokens(
+    path: str,
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    *,
+    model: str,
+    max_model_len: int,
+    previous: ChatTokens | None = None,
+    encoder: ChatEncoder | None = None,
+) -> tuple[list[int], ChatTokens | None]:
+    """`prompt_ids`, plus the rendered chat to keep for the session's next turn (None when
+    the tokenizer cannot tokenise incrementally, or for a completion): a chat is tokenised
+    only past what it shares with `previous`, the session's last turn, by `encoder` (give
+    the same one every time: it remembers long pieces) or else a new `chat_encoder`."""
     name = _field(body, "model", str, "a string")
     if name is None:
         raise ApiError(400, "'model' is required", "missing_field", param="model")
@@ -120,8 +138,9 @@ def prompt_ids(
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
     _field(body, "stream", bool, "true or false")
+    chat = None
     if path.endswith("chat/completions"):
-        ids = _chat_ids(body, tokenizer)
+        ids, chat = _chat_ids(body, tokenizer, previous, encoder or chat_encoder(tokenizer))
     else:
         ids = _completion_ids(body, tokenizer)
     if len(ids) + (max_tokens or 1) > max_model_len:
@@ -131,10 +150,24 @@ def prompt_ids(
             f"model's limit of {max_model_len}; shorten the prompt or lower max_tokens",
             "context_length_exceeded",
         )
-    return ids
+    return ids, chat
 
 
-def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def chat_encoder(tokenizer: Tokenizer) -> ChatEncoder | None:
+    """An incremental encoder for a tokenizer that declares `split_before` (see
+    `SimTokenizer.split_before`) and renders chats itself; None for any other."""
+    split_before = getattr(tokenizer, "split_before", ())
+    if not split_before or not callable(getattr(tokenizer, "render_chat", None)):
+        return None
+    return ChatEncoder(lambda text: tokenizer.encode(text, add_special_tokens=False), split_before)
+
+
+def _chat_ids(
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    previous: ChatTokens | None,
+    encoder: ChatEncoder | None,
+) -> tuple[list[int], ChatTokens | None]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "invalid_type", param="messages")
@@ -154,10 +187,13 @@ def _chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
                 "invalid_type",
                 param="messages",
             )
+    add_generation_prompt = body.get("add_generation_prompt", True)
     try:
-        return tokenizer.encode_chat(
-            messages, add_generation_prompt=body.get("add_generation_prompt", True)
-        )
+        if encoder is not None:
+            render = tokenizer.render_chat  # type: ignore[attr-defined]
+            chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
+            return chat.ids, chat
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
 

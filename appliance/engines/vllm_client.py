@@ -26,6 +26,7 @@ from appliance.engines.metrics import load_snapshot
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=30.0)
 PROBE_TIMEOUT_S = 5.0
+KEEPALIVE_S = 2.0
 
 
 class VllmClient:
@@ -42,7 +43,13 @@ class VllmClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=32)
+        # Idle connections are dropped well before the server's keep-alive timeout (uvicorn's,
+        # and so vLLM's, is 5 s): reusing one the server is closing fails the request.
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_S,
+        )
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, transport=transport, limits=limits
         )

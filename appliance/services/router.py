@@ -44,7 +44,7 @@ from appliance.policy.routing import (
     route,
 )
 from appliance.ports import Clock, KvLookup, Ledger, WorkerEndpoint
-from appliance.services.sessions import SessionState, SessionTable
+from appliance.services.sessions import ChatTokens, SessionState, SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class TurnRequest:
     client_salt: str | None = None
     tool_class: str | None = None
     expected_wait_s: float | None = None
+    chat: ChatTokens | None = None
+    """The rendered chat behind `prompt_ids`, kept so the session's next turn tokenises only
+    what it appends."""
 
     @property
     def stream(self) -> bool:
@@ -128,12 +131,21 @@ class Router:
 
     # --- placement -------------------------------------------------------------------
 
+    def known_session(
+        self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
+    ) -> SessionState | None:
+        """The session a turn with these ids continues, when the router already has it."""
+        sid = session_id or (SessionId(f"task:{task_id}") if task_id else None)
+        return self.sessions.get(tenant, sid) if sid else None
+
     def _session(self, turn: TurnRequest, now: float) -> SessionState:
         sid = turn.session_id or SessionId(f"task:{turn.task_id}")
         state = self.sessions.open(turn.tenant, sid, now)
         state.task_id = turn.task_id
         state.tool_class = turn.tool_class
         state.expected_wait_s = turn.expected_wait_s
+        if turn.chat is not None:
+            state.chat = turn.chat
         return state
 
     def place(

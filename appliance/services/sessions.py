@@ -2,19 +2,133 @@
 block hashes, so a new turn tokenises and hashes only what it appended.
 
 A session key is (tenant, session id): another tenant's session id opens a new session,
-never someone else's. Each turn re-sends the whole prompt; when the new prompt starts with
-the previous one's tokens, the chain is extended by the appended tokens alone; when it does
-not (the client rewrote history), the chain is rebuilt from scratch. Either way the hashes
-are exactly vLLM's for these token ids and this tenant's salt.
+never someone else's. Each turn re-sends the whole prompt; the chain keeps the hashes of the
+full blocks the new prompt shares with the previous one and hashes only the blocks after
+them (a chat template's last tokens often change when a reply is appended, so the shared
+part is usually all but the last block; a client that rewrote history shares less). A
+session's first turn starts from the latest chain of the same salt whose first block is the
+same (sessions sharing a system prompt or context). Either way the hashes are exactly
+vLLM's for these token ids and this tenant's salt.
+
+Tokenising: `encode_chat_text` turns a rendered chat into token ids reusing the previous
+turn's `ChatTokens`, for tokenizers that declare `split_before` (strings before which their
+`encode` cuts the text and tokenises each piece on its own). The text up to the last such
+cut that the new text shares is not tokenised again, and the ids are the ones a whole
+`encode` gives; `ChatEncoder` also remembers long pieces across sessions. A tokenizer
+without the declaration is always tokenised whole.
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from appliance.domain.block_hash import BlockHashChain, BlockHasher, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTokens:
+    """A rendered chat and its token ids, with `cuts`: (text offset, token offset) of each
+    place where the tokenizer's `split_before` strings cut the text, in order."""
+
+    text: str
+    ids: list[int]
+    cuts: tuple[tuple[int, int], ...]
+
+
+def encode_chat_text(
+    text: str,
+    encode: Callable[[str], list[int]],
+    split_before: Sequence[str],
+    previous: ChatTokens | None = None,
+) -> ChatTokens:
+    """`encode(text)`, for a tokenizer with `encode(a + b) == encode(a) + encode(b)` whenever
+    `b` starts with one of `split_before`: tokenises only what follows the last cut of
+    `previous` that `text` shares, piece by piece, recording the cuts for the next turn."""
+    splitter = _splitter(tuple(split_before))
+    ids: list[int] = []
+    cuts: list[tuple[int, int]] = []
+    start = 0
+    if previous is not None:
+        shared = _shared_cut(previous, text, splitter)
+        if shared is not None:
+            start, n_ids = previous.cuts[shared]
+            ids = previous.ids[:n_ids]
+            cuts = list(previous.cuts[:shared])
+    bounds = [start, *(m.start() for m in splitter.finditer(text, start) if m.start() > start)]
+    for a, b in zip(bounds, [*bounds[1:], len(text)], strict=True):
+        cuts.append((a, len(ids)))
+        if b > a:
+            ids.extend(encode(text[a:b]))
+    return ChatTokens(text, ids, tuple(cuts))
+
+
+class ChatEncoder:
+    """`encode_chat_text` for one tokenizer, remembering the ids of long pieces (a system
+    prompt or context that many sessions share) so that a new session's first turn does
+    not tokenise them again. Bounded: the least recently used piece goes first."""
+
+    def __init__(
+        self,
+        encode: Callable[[str], list[int]],
+        split_before: Sequence[str],
+        *,
+        min_chars: int = 2048,
+        max_pieces: int = 256,
+    ) -> None:
+        self._encode = encode
+        self.split_before = tuple(split_before)
+        self._min_chars = min_chars
+        self._max_pieces = max_pieces
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+
+    def __call__(self, text: str, previous: ChatTokens | None = None) -> ChatTokens:
+        return encode_chat_text(text, self._piece, self.split_before, previous)
+
+    def _piece(self, text: str) -> list[int]:
+        if len(text) < self._min_chars:
+            return self._encode(text)
+        ids = self._pieces.get(text)
+        if ids is not None:
+            self._pieces.move_to_end(text)
+            return ids  # never mutated: encode_chat_text copies it into its own list
+        ids = self._pieces[text] = self._encode(text)
+        if len(self._pieces) > self._max_pieces:
+            self._pieces.popitem(last=False)
+        return ids
+
+
+def _shared_cut(previous: ChatTokens, text: str, splitter: re.Pattern[str]) -> int | None:
+    """Index of the last cut of `previous` whose text before it `text` repeats and after
+    which `text` also starts with a split string; None when there is none."""
+    cuts = previous.cuts
+    lo, hi = 0, len(cuts) - 1
+    if hi < 0 or not text.startswith(previous.text[: cuts[0][0]]):
+        return None
+    while lo < hi:  # the shared prefix only shrinks as the cut moves right
+        mid = (lo + hi + 1) // 2
+        if text.startswith(previous.text[: cuts[mid][0]]):
+            lo = mid
+        else:
+            hi = mid - 1
+    for i in range(lo, -1, -1):
+        offset = cuts[i][0]
+        if offset == 0 or splitter.match(text, offset):
+            return i
+    return None
+
+
+_SPLITTERS: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
+def _splitter(strings: tuple[str, ...]) -> re.Pattern[str]:
+    pattern = _SPLITTERS.get(strings)
+    if pattern is None:
+        pattern = _SPLITTERS[strings] = re.compile("|".join(map(re.escape, strings)))
+    return pattern
 
 
 @dataclass(eq=False)
@@ -34,15 +148,24 @@ class SessionState:
     expected_wait_s: float | None = None
     resident_tokens: dict[WorkerId, int] = field(default_factory=dict)
     last_reason: str | None = None
+    chat: ChatTokens | None = None
+    """The last turn's rendered chat and ids, for `encode_chat_text` on the next turn."""
 
 
 class SessionTable:
     """Sessions by (tenant, id), least recently used first; bounded so memory stays flat."""
 
-    def __init__(self, hasher: BlockHasher, *, max_sessions: int = 100_000) -> None:
+    def __init__(
+        self, hasher: BlockHasher, *, max_sessions: int = 100_000, max_donors: int = 256
+    ) -> None:
         self._hasher = hasher
         self._max = max_sessions
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
+        self._donors: OrderedDict[tuple[str, tuple[int, ...]], tuple[list[int], BlockHashChain]]
+        self._donors = OrderedDict()
+        """The latest prompt (ids, chain) by salt and first block: a new session's first turn
+        starts from the hashes of what it shares with it (a common system prompt)."""
+        self._max_donors = max_donors
 
     def get(self, tenant: TenantId, session_id: SessionId) -> SessionState | None:
         return self._sessions.get((tenant, session_id))
@@ -58,21 +181,29 @@ class SessionTable:
         return state
 
     def hash_prompt(self, state: SessionState, token_ids: list[int], salt: str) -> BlockHashChain:
-        """The prompt's block hashes, reusing the session's chain when the prompt extends it."""
+        """The prompt's block hashes, reusing the session's chain (or, on its first turn, the
+        latest chain of the same salt that starts with the same block) for what it shares."""
         keys = RequestKeys(cache_salt=salt)
-        chain = state.chain
-        old = state.token_ids
-        if (
-            chain is not None
-            and chain.keys == keys
-            and len(token_ids) >= len(old)
-            and token_ids[: len(old)] == old
-        ):
+        bs = self._hasher.block_size
+        donor = (salt, tuple(token_ids[:bs])) if len(token_ids) >= bs else None
+        chain, old = state.chain, state.token_ids
+        if (chain is None or chain.keys != keys) and donor is not None:
+            old, chain = self._donors.get(donor) or ([], None)
+        if chain is None or chain.keys != keys:
+            chain = self._hasher.chain(token_ids, keys=keys)
+        elif len(token_ids) >= len(old) and token_ids[: len(old)] == old:
             chain = self._hasher.extend(chain, token_ids[len(old) :])
         else:
-            chain = self._hasher.chain(token_ids, keys=keys)
+            keep = _shared_blocks(old, token_ids, bs, len(chain.hashes))
+            kept = BlockHashChain(bs, chain.hashes[:keep], (), keys)
+            chain = self._hasher.extend(kept, token_ids[keep * bs :])
         state.chain = chain
         state.token_ids = list(token_ids)
+        if donor is not None:
+            self._donors[donor] = (state.token_ids, chain)
+            self._donors.move_to_end(donor)
+            if len(self._donors) > self._max_donors:
+                self._donors.popitem(last=False)
         return chain
 
     def _evict_idle(self) -> None:
@@ -90,3 +221,19 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+
+def _shared_blocks(old: list[int], new: list[int], block_size: int, limit: int) -> int:
+    """How many leading full blocks (at most `limit`) `old` and `new` have in common."""
+    hi = min(limit, len(new) // block_size, len(old) // block_size)
+    if old[: hi * block_size] == new[: hi * block_size]:
+        return hi
+    lo = 0  # blocks [0, lo) are shared, block hi is not
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if old[: mid * block_size] == new[: mid * block_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -104,6 +104,11 @@ class SimTokenizer:
     max_token_id: int = 0
     """Largest id accepted in a token prompt (vLLM: the tokenizer's or the model's vocab)."""
     chat_template: str = FALLBACK_CHAT_TEMPLATE
+    split_before: tuple[str, ...] = ()
+    """Strings before which `encode` cuts the text and tokenises the pieces on their own:
+    `encode(a + b, add_special_tokens=False) == encode(a, ...) + encode(b, ...)` whenever
+    `b` starts with one of them. A router may then tokenise a growing chat incrementally.
+    Empty: no such promise (a Hugging Face tokenizer makes none here)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -244,6 +249,7 @@ class FallbackTokenizer(SimTokenizer):
 
     _PIECE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
     _SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+    split_before = _SPECIALS  # encode tokenises the text between specials piece by piece
     _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "da", "pe", "qui", "zo")
 
     def __init__(self, vocab_size: int = 32_000) -> None:

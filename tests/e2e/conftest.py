@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,9 @@ import httpx
 import psutil
 import pytest
 
+from tests.ports import free_port, free_port_block
+
 BIN = Path(sys.executable).parent
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -70,7 +60,7 @@ def appliance_up(
     data_dir = tmp_path_factory.mktemp(f"appliance-{engine}")
     keys = {n: _key(data_dir, n) for n in ("alice", "bob")}
     keys["ops"] = _key(data_dir, "ops", "--admin")
-    port, base, _, kv, _ = free_ports(5)
+    port, base, kv = free_port(), free_port_block(2), free_port_block(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env.update(
         APPLIANCE_DATA_DIR=str(data_dir),

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from appliance.engines.errors import WorkerStartFailed
 from appliance.engines.launch import Device, LaunchSpec
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.worker_process import group_alive, process_running
+from tests.ports import free_port_block
 from tests.processes import live_children_since
 
 FAKE_WORKER = r"""
@@ -114,26 +114,6 @@ _TEST_START = [0.0]
 @pytest.fixture(autouse=True)
 def _note_test_start() -> None:
     _TEST_START[0] = time.time()
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n < 65535 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import itertools
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -32,6 +31,7 @@ from appliance.engines.preflight import probe_vllm
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.worker_process import group_alive
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from tests.ports import free_port_block
 from tests.processes import live_children_since
 
 pytestmark = pytest.mark.vllm
@@ -128,26 +128,6 @@ def workers(
         yield handle
     finally:
         loop.run(sup.stop(drain_deadline_s=0))
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n < 65535 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def token_ids(seed: int, n: int) -> list[int]:

@@ -1,0 +1,197 @@
+"""The console's schema is the server's: a snapshot built by appliance/services/state.py
+validates, every key it sends is a field the schema knows (nothing silently dropped), and the
+console's fast msgspec structs (tui/state.py) are the pydantic models' exact twins."""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+from pydantic import BaseModel
+
+from appliance.api import schemas
+from appliance.api.schemas import AdminState
+from appliance.domain.gpu import GpuReading, GpuSnapshot
+from appliance.domain.records import SessionId, TenantId, WorkerId
+from appliance.domain.worker import LoadSnapshot
+from appliance.services.sessions import SessionState
+from appliance.services.state import StateSources, snapshot
+from appliance.services.tasks import TaskBook
+from tui.state import MIRRORS, convert_state, decode_state
+
+
+class _Ledger:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _sources(with_gpu: bool) -> StateSources:
+    now = 1000.0
+    workers = [
+        SimpleNamespace(
+            id=WorkerId("w0"),
+            healthy=True,
+            draining=False,
+            load=LoadSnapshot(
+                time=now,
+                running=2,
+                waiting=1,
+                kv_cache_usage_perc=0.25,
+                prefix_cache_queries_tokens=100,
+                prefix_cache_hits_tokens=40,
+            ),
+        ),
+        SimpleNamespace(id=WorkerId("w1"), healthy=False, draining=True, load=None),
+    ]
+    sessions = [
+        SessionState(
+            tenant=TenantId("alice"),
+            session_id=SessionId("s1"),
+            created_at=now - 50,
+            task_id=None,
+            home=WorkerId("w0"),
+            turns=3,
+            last_active_at=now - 5,
+            tool_class="shell",
+            expected_wait_s=2.0,
+            resident_tokens={WorkerId("w0"): 1024},
+        )
+    ]
+    tasks = TaskBook(_Ledger())  # type: ignore[arg-type]
+    tasks.create(TenantId("alice"), "root", now - 10, task_class="code", deadline_s=60)
+    tasks.create(TenantId("alice"), "child", now - 9, parent_id="root")
+    sessions[0].task_id = tasks.key(TenantId("alice"), "child")
+    gpus = GpuSnapshot(
+        time=now,
+        driver="560" if with_gpu else None,
+        gpus=(
+            GpuReading(0, "NVIDIA H200", "GPU-0", 141 << 30, 80 << 30, 61 << 30, 0.5, 55.0, 400.0),
+        )
+        if with_gpu
+        else (),
+        host=None,
+    )
+    router = SimpleNamespace(sessions=sessions, routed_by_reason={"affinity": 3})
+    return StateSources(
+        workers=lambda: workers,  # type: ignore[arg-type, return-value]
+        router=router,  # type: ignore[arg-type]
+        tasks=tasks,
+        gpus=lambda: gpus,
+        clock_now=lambda: now,
+        kv_bytes_per_token=131072,
+        worker_info=lambda w: {"engine": "sim", "url": "http://x", "gpus": [], "restarts": 0},
+    )
+
+
+def unknown_keys(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
+    """Keys of `data` the model has no field for, recursively through nested models."""
+    out = []
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            out.append(f"{where}{key}")
+            continue
+        nested = _model_of(field.annotation)
+        if nested is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                out += unknown_keys(nested, item, f"{where}{key}[{i}].")
+    return out
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def test_the_servers_snapshot_is_the_schemas() -> None:
+    for with_gpu in (True, False):
+        payload = json.loads(json.dumps(snapshot(_sources(with_gpu))))
+        state = AdminState.model_validate(payload)
+        assert unknown_keys(AdminState, payload) == []
+        assert len(state.gpus) == (1 if with_gpu else 0)
+        assert state.sessions[0].resident_tokens.gpu == 1024
+        assert state.sessions[0].resident_bytes.gpu == 1024 * 131072
+        assert state.sessions[0].task_id == "child"
+        assert {t.id: t.parent_id for t in state.tasks} == {"root": None, "child": "root"}
+        assert state.tasks[0].children == ["child"]
+        assert state.workers[0].prefix_hit_rate == 0.4
+        assert state.workers[1].running is None
+
+
+def test_the_unknown_key_check_can_fail() -> None:
+    payload = json.loads(json.dumps(snapshot(_sources(True))))
+    payload["sessions"][0]["pinned"] = True
+    payload["spare"] = 1
+    assert unknown_keys(AdminState, payload) == ["sessions[0].pinned", "spare"]
+
+
+# -- the console's fast structs are the schema's twins -------------------------------------
+def _norm(tp: Any) -> Any:
+    """A type with every model/struct class replaced by its name, so both sides compare."""
+    if isinstance(tp, type) and (issubclass(tp, BaseModel) or issubclass(tp, msgspec.Struct)):
+        return tp.__name__
+    args = typing.get_args(tp)
+    if not args:
+        return tp
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return ("union", frozenset(_norm(a) for a in args))
+    return (origin, tuple(_norm(a) for a in args))
+
+
+@pytest.mark.parametrize("name", sorted(MIRRORS))
+def test_the_consoles_structs_mirror_the_schema(name: str) -> None:
+    model: type[BaseModel] = getattr(schemas, name)
+    struct = MIRRORS[name]
+    fields = {f.name: f for f in msgspec.structs.fields(struct)}
+    assert set(fields) == set(model.model_fields), "the same field names"
+    for field_name, info in model.model_fields.items():
+        mirror = fields[field_name]
+        assert _norm(mirror.type) == _norm(info.annotation), field_name
+        assert mirror.required == info.is_required(), field_name
+        if not info.is_required():
+            default = (
+                mirror.default
+                if mirror.default is not msgspec.NODEFAULT
+                else mirror.default_factory()
+            )
+            expected = info.get_default(call_default_factory=True)
+            if isinstance(expected, BaseModel):
+                expected = expected.model_dump()
+            assert msgspec.to_builtins(default) == expected, field_name
+
+
+def test_both_read_a_full_snapshot_the_same() -> None:
+    from tests.tui.test_snapshots import snapshot_state
+
+    body = json.dumps(snapshot_state()).encode()
+    fast = msgspec.to_builtins(decode_state(body))
+    checked = schemas.AdminState.model_validate_json(body).model_dump(mode="json")
+    assert fast == checked
+    server = json.loads(json.dumps(snapshot(_sources(True))))
+    assert msgspec.to_builtins(convert_state(server)) == schemas.AdminState.model_validate(
+        server
+    ).model_dump(mode="json")
+
+
+def test_the_drift_check_can_fail() -> None:
+    class Wrong(msgspec.Struct):
+        gpu: float = 0.0
+        host: int = 0
+
+    assert _norm(msgspec.structs.fields(Wrong)[0].type) != _norm(
+        schemas.Tiers.model_fields["gpu"].annotation
+    )

@@ -1,0 +1,125 @@
+"""The console's looks, pinned as SVG snapshots at 80x24 and 160x48 (pytest-textual-snapshot).
+
+After a deliberate change of looks: `pytest tests/tui/test_snapshots.py --snapshot-update`,
+then look at the new SVGs before committing them. The console talks to a fake appliance over
+real HTTP; its address is shown as a fixed name so the pictures do not depend on the port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+
+import httpx
+import pytest
+from textual.pilot import Pilot
+
+from tests.tui.conftest import screen_text, wait_until
+from tests.tui.fakes import ADMIN_KEY, FakeAppliance, make_state
+from tui.app import ConsoleApp
+from tui.client import Backoff, Lost, Poller, StateClient
+
+SHOWN_URL = "http://appliance.test:8080"
+SIZES = [(80, 24), (160, 48)]
+
+
+class ToFake(httpx.AsyncBaseTransport):
+    """Sends requests for SHOWN_URL to the fake appliance's real port."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(host="127.0.0.1", port=self.port)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def snapshot_state() -> dict[str, object]:
+    state = make_state(n_sessions=60, n_tasks=14)
+    t = float(state["time"])  # type: ignore[arg-type]
+    state["costs"] = {
+        "currency": "USD",
+        "groups": [
+            {"task_class": "code", "tenant": "alice", "tasks": 12, "succeeded": 9,
+             "attempts": 40, "cost": 2.7, "cost_per_success": 0.3},
+            {"task_class": "research", "tenant": "bob", "tasks": 5, "succeeded": 2,
+             "attempts": 17, "unpriced_attempts": 2, "cost": 1.1, "cost_per_success": 0.55},
+        ],
+        "series": [
+            {"window_start": t - 60 * (12 - i), "cost_per_success": 0.2 + 0.03 * (i % 5)}
+            for i in range(12)
+        ],
+    }  # fmt: skip
+    state["events"] = [
+        {"time": t - 3, "kind": "rejection", "tenant": "bob", "detail": "deadline infeasible"},
+        {"time": t - 40, "kind": "release", "session_id": "sess-00004", "detail": "operator"},
+        {"time": t - 95, "kind": "restart", "worker": "w1", "detail": "exit code 137"},
+    ]
+    return state
+
+
+@pytest.fixture
+def appliance() -> Iterator[FakeAppliance]:
+    fake = FakeAppliance(snapshot_state()).up()
+    yield fake
+    fake.down()
+
+
+def app_for(fake: FakeAppliance) -> ConsoleApp:
+    client = StateClient(SHOWN_URL, ADMIN_KEY, transport=ToFake(fake.port))
+    poller = Poller(client, interval_s=60.0, backoff=Backoff(first_s=30.0, max_s=30.0))
+    return ConsoleApp(client, label="appliance.test:8080", poller=poller)
+
+
+def after(*keys: str) -> Callable[[Pilot[None]], Awaitable[None]]:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await wait_until(pilot, lambda: pilot.app.state is not None, what="a snapshot")  # type: ignore[attr-defined]
+        await pilot.press(*keys)
+        await pilot.pause(0.1)
+
+    return run_before
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("tab", ["1", "2", "3", "4", "5"])
+def test_tabs(snap_compare, appliance: FakeAppliance, tab: str, size: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(app_for(appliance), terminal_size=size, run_before=after(tab))
+
+
+def test_overview_without_gpus(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+    appliance.set_state(make_state(gpus=0, workers=2))
+    assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=after())
+
+
+def test_session_detail(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+    async def run_before(pilot: Pilot[None]) -> None:
+        await after("2", "enter")(pilot)
+        await wait_until(pilot, lambda: "404 Not Found" in screen_text(pilot.app))
+
+    assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_release_confirmation(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=after("2", "x"))
+
+
+def test_help(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(
+        app_for(appliance), terminal_size=(80, 24), run_before=after("2", "question_mark")
+    )
+
+
+def test_connection_lost_banner(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+    async def run_before(pilot: Pilot[None]) -> None:
+        await after("2")(pilot)
+        appliance.down()
+        app = pilot.app
+        assert isinstance(app, ConsoleApp)
+        app.poller.wake()
+        await wait_until(pilot, lambda: isinstance(app.link, Lost), what="the outage")
+        await pilot.pause(0.1)
+
+    assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=run_before)

@@ -1,0 +1,173 @@
+"""The terminal tables of `appliance status/sessions/tasks/costs`: pure text from a snapshot."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tests.tui.fakes import T0
+from tui import format as fmt
+from tui.tables import json_view, render_costs, render_sessions, render_status, render_tasks
+
+
+def small_state() -> dict[str, Any]:
+    return {
+        "time": T0,
+        "workers": [
+            {"id": "w0", "engine": "vllm", "url": "http://127.0.0.1:8100", "gpus": [0],
+             "restarts": 2, "healthy": True, "draining": False, "running": 3, "waiting": 1,
+             "kv_usage": 0.5, "prefix_hit_rate": 0.25},
+            {"id": "w1", "engine": "vllm", "url": "http://127.0.0.1:8101", "gpus": [1],
+             "restarts": 0, "healthy": False, "draining": False, "running": None,
+             "waiting": None, "kv_usage": None, "prefix_hit_rate": None},
+        ],
+        "gpus": [
+            {"index": 0, "name": "NVIDIA H200", "mem_total_bytes": 141 << 30,
+             "mem_used_bytes": 100 << 30, "util": 0.9, "temp_c": 60.0, "power_w": 500.0},
+        ],
+        "sessions": [
+            {"id": "s-small", "tenant": "bob", "task_id": "kid", "worker": "w0",
+             "resident_tokens": {"gpu": 10, "host": 0}, "resident_bytes": {"gpu": 1280, "host": 0},
+             "idle_s": 1.25, "turns": 1, "tool_class": None, "expected_wait_s": None,
+             "decision": None, "reason": "pending"},
+            {"id": "s-big", "tenant": "alice", "task_id": "root", "worker": "w0",
+             "resident_tokens": {"gpu": 2048, "host": 0},
+             "resident_bytes": {"gpu": 2048 * 1024, "host": 0}, "idle_s": 75.0, "turns": 4,
+             "tool_class": "shell", "expected_wait_s": 3.0, "decision": None, "reason": None},
+        ],
+        "tasks": [
+            {"id": "root", "parent_id": None, "tenant": "alice", "task_class": "code",
+             "status": "open", "deadline_at": T0 + 30, "tokens": 500, "cost": None,
+             "children": ["kid", "kid2"]},
+            {"id": "kid", "parent_id": "root", "tenant": "alice", "task_class": None,
+             "status": "succeeded", "deadline_at": T0 - 2, "tokens": 40, "cost": 0.25,
+             "children": ["grandkid"]},
+            {"id": "grandkid", "parent_id": "kid", "tenant": "alice", "task_class": None,
+             "status": "failed", "deadline_at": None, "tokens": 1, "cost": None, "children": []},
+            {"id": "kid2", "parent_id": "root", "tenant": "alice", "task_class": None,
+             "status": "open", "deadline_at": None, "tokens": 2, "cost": None, "children": []},
+        ],
+        "costs": {},
+        "admission": {},
+        "routing": {},
+    }  # fmt: skip
+
+
+def test_status() -> None:
+    assert render_status(small_state()) == "\n".join(
+        [
+            "appliance state at 00:00:00Z",
+            "",
+            "worker  engine  gpus  health  running  waiting   kv  prefix  restarts",
+            "w0      vllm    0     ok            3        1  50%     25%         2",
+            "w1      vllm    1     down          -        -    -       -         0",
+            "",
+            "gpu  name         hbm used         kv GiB  util  temp  power",
+            "0    NVIDIA H200  100.0/141.0 GiB  -        90%   60C   500W",
+            "",
+            "sessions: 2, resident on GPU 2,058 tokens (2.0 MiB)",
+            "tasks: 4, 1 failed, 2 open, 1 succeeded",
+        ]
+    )
+
+
+def test_status_without_gpus_or_workers() -> None:
+    state = small_state() | {"gpus": [], "workers": []}
+    text = render_status(state)
+    assert "workers: none" in text
+    assert "gpus: none reported (NVML sees no NVIDIA GPU on the appliance's host)" in text
+
+
+def test_sessions_most_resident_first() -> None:
+    lines = render_sessions(small_state()).splitlines()
+    assert lines[0].split() == [
+        "session", "tenant", "task", "worker", "gpu_tokens", "host_tokens", "gpu_bytes",
+        "host_bytes", "idle", "turns", "tool", "wait", "decision", "reason",
+    ]  # fmt: skip
+    assert lines[1].split() == [
+        "s-big", "alice", "root", "w0", "2048", "0", "2.0", "MiB", "0", "B", "1m15s", "4",
+        "shell", "3.0s", "-", "-",
+    ]  # fmt: skip
+    assert lines[2].split()[0] == "s-small" and lines[2].endswith("pending")
+    assert render_sessions(small_state() | {"sessions": []}) == "no sessions"
+
+
+def test_tasks_flat_and_as_a_tree() -> None:
+    flat = render_tasks(small_state()).splitlines()
+    assert [line.split()[:2] for line in flat[1:]] == [
+        ["root", "-"],
+        ["kid", "root"],
+        ["grandkid", "kid"],
+        ["kid2", "root"],
+    ]
+    assert render_tasks(small_state(), tree=True) == "\n".join(
+        [
+            "task            tenant  class  status     slack  tokens    cost  children",
+            "root            alice   code   open         30s     500       -         2",
+            "├─ kid          alice   -      succeeded  -2.0s      40  0.2500         1",
+            "│  └─ grandkid  alice   -      failed         -       1       -         0",
+            "└─ kid2         alice   -      open           -       2       -         0",
+        ]
+    )
+
+
+def test_a_task_cycle_is_printed_once() -> None:
+    state = small_state()
+    state["tasks"][2]["children"] = ["root"]  # bad data must not loop forever
+    assert render_tasks(state, tree=True).count("root") == 1
+
+
+def test_costs_not_reported_and_reported() -> None:
+    assert render_costs(small_state()).startswith("costs: not reported")
+    state = small_state()
+    state["costs"] = {"currency": "EUR", "groups": []}
+    assert render_costs(state) == "costs: no finished tasks yet"
+    state["costs"]["groups"] = [
+        {"task_class": "code", "tenant": "alice", "tasks": 3, "succeeded": 2, "attempts": 9,
+         "cost": 1.5, "cost_per_success": 0.75},
+    ]  # fmt: skip
+    assert render_costs(state).splitlines()[1].split() == [
+        "code", "alice", "3", "2", "9", "1.50", "0.7500", "EUR",
+    ]  # fmt: skip
+
+
+def test_json_views() -> None:
+    state = small_state()
+    assert json.loads(json_view(state, "status")) == state
+    assert json.loads(json_view(state, "sessions")) == {"sessions": state["sessions"]}
+    assert json.loads(json_view(state, "tasks")) == {"tasks": state["tasks"]}
+    assert json.loads(json_view(state, "costs")) == {}
+
+
+def test_a_snapshot_of_another_shape_is_refused() -> None:
+    state = small_state()
+    del state["workers"][0]["healthy"]
+    with pytest.raises(ValidationError):
+        render_status(state)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(None, "-"), (0, "0"), (9999, "9999"), (12_345, "12.3k"), (1_572_600, "1.57M")],
+)
+def test_token_counts(value: int | None, text: str) -> None:
+    assert fmt.tokens(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(None, "-"), (0.04, "0.0s"), (9.95, "9.9s"), (42.4, "42s"), (185, "3m05s"), (7440, "2h04m")],
+)
+def test_durations(value: float | None, text: str) -> None:
+    assert fmt.seconds(value) == text
+
+
+def test_sizes_and_percentages() -> None:
+    assert [fmt.size(v) for v in (None, 0, 1023, 1024, 3 << 30)] == [
+        "-", "0 B", "1023 B", "1.0 KiB", "3.0 GiB",
+    ]  # fmt: skip
+    assert fmt.pct(None) == "-" and fmt.pct(0.416) == "42%"
+    assert fmt.clock(T0 + 3661) == "01:01:01Z"

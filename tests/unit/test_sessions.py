@@ -1,0 +1,128 @@
+"""A session's incremental tokenising and hashing give exactly what doing it whole gives."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pytest import MonkeyPatch
+
+from appliance.api.requests import prompt_tokens
+from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
+from appliance.domain.records import SessionId, TenantId
+from appliance.services.sessions import ChatEncoder, SessionTable, encode_chat_text
+from appliance.sim.tokenizer import FallbackTokenizer
+
+TOK = FallbackTokenizer()
+PIECES = ["alpha", " beta", "\n", "  ", "<s>", "</s>", "<pad>", "<unk>", "<", "/s>", "!?", "é"]
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(n))
+
+
+def _encode(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32))
+def test_a_growing_chat_tokenises_as_a_whole_encode_does(seed: int) -> None:
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": _text(rng, 30)}]
+    previous = None
+    for _ in range(6):
+        if rng.random() < 0.2 and len(messages) > 1:  # the client rewrites history
+            messages[rng.randrange(len(messages))]["content"] = _text(rng, 10)
+        messages.append({"role": "user", "content": _text(rng, 12)})
+        text = TOK.render_chat(messages, add_generation_prompt=True)
+        chat = encode_chat_text(text, _encode, TOK.split_before, previous)
+        assert chat.ids == TOK.encode_chat(messages, add_generation_prompt=True)
+        messages.append({"role": "assistant", "content": _text(rng, 8)})
+        previous = chat
+
+
+def test_a_new_turn_tokenises_only_what_it_appends() -> None:
+    seen: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(text)
+        return _encode(text)
+
+    messages = [{"role": "system", "content": "context " * 500}, {"role": "user", "content": "a"}]
+    first = encode_chat_text(TOK.render_chat(messages), encode, TOK.split_before)
+    messages += [{"role": "assistant", "content": " reply"}, {"role": "user", "content": "b"}]
+    seen.clear()
+    second = encode_chat_text(TOK.render_chat(messages), encode, TOK.split_before, first)
+    assert second.ids == TOK.encode_chat(messages)
+    assert sum(map(len, seen)) < 100
+
+
+def test_a_tokenizer_without_split_points_is_tokenised_whole() -> None:
+    class Whole(FallbackTokenizer):
+        split_before = ()
+
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}]}
+    path = "/v1/chat/completions"
+    ids, chat = prompt_tokens(path, body, Whole(), model="sim", max_model_len=100)
+    assert chat is None and ids == TOK.encode_chat(body["messages"])
+    ids2, chat2 = prompt_tokens(path, body, TOK, model="sim", max_model_len=100)
+    assert chat2 is not None and ids2 == ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32))
+def test_a_session_chain_equals_the_whole_prompts_chain(seed: int) -> None:
+    rng = random.Random(seed)
+    hasher = BlockHasher.for_engine(HashAlgo.SHA256_CBOR, 4, "0")
+    table = SessionTable(hasher)
+    state = table.open(TenantId("t"), SessionId("s"), 0.0)
+    ids = [rng.randrange(50) for _ in range(rng.randrange(0, 30))]
+    for _ in range(8):
+        keep = rng.randrange(len(ids) + 1) if rng.random() < 0.5 else len(ids)
+        ids = ids[:keep] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+        salt = "a" if rng.random() < 0.9 else "b"
+        chain = table.hash_prompt(state, ids, salt)
+        assert chain == hasher.chain(ids, keys=RequestKeys(cache_salt=salt))
+
+
+def test_a_new_session_reuses_a_long_piece_another_session_tokenised() -> None:
+    seen: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(text)
+        return _encode(text)
+
+    encoder = ChatEncoder(encode, TOK.split_before, min_chars=100)
+    system = {"role": "system", "content": "shared context " * 200}
+    for question in ("first?", "second?"):
+        seen.clear()
+        messages = [system, {"role": "user", "content": question}]
+        assert encoder(TOK.render_chat(messages)).ids == TOK.encode_chat(messages)
+    assert max(map(len, seen)) < 100  # the second session tokenised only its question
+
+
+def test_a_new_sessions_chain_starts_from_a_shared_prefix(monkeypatch: MonkeyPatch) -> None:
+    hasher = BlockHasher.for_engine(HashAlgo.SHA256_CBOR, 4, "0")
+    table = SessionTable(hasher)
+    hashed: list[int] = []
+    run = BlockHasher._hash_run
+
+    def counting(self: BlockHasher, tokens, first, parent, keys):  # type: ignore[no-untyped-def]
+        hashed.append(len(tokens) // self.block_size)
+        return run(self, tokens, first, parent, keys)
+
+    monkeypatch.setattr(BlockHasher, "_hash_run", counting)
+    shared = list(range(100, 140))  # 10 blocks
+    a = table.open(TenantId("t"), SessionId("a"), 0.0)
+    table.hash_prompt(a, [*shared, 1, 2, 3, 4, 5], "salt")
+    b = table.open(TenantId("t"), SessionId("b"), 0.0)
+    hashed.clear()
+    chain = table.hash_prompt(b, [*shared, 9, 9, 9, 9], "salt")
+    assert sum(hashed) == 1
+    assert chain == hasher.chain([*shared, 9, 9, 9, 9], keys=RequestKeys(cache_salt="salt"))
+    c = table.open(TenantId("u"), SessionId("c"), 0.0)  # another salt shares nothing
+    hashed.clear()
+    table.hash_prompt(c, [*shared, 9, 9, 9, 9], "other")
+    assert sum(hashed) == 11

@@ -1,0 +1,80 @@
+"""Number formats shared by the console and the terminal tables. A missing reading is "-"."""
+
+from __future__ import annotations
+
+import time
+
+DASH = "-"
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def num(value: int | None) -> str:
+    return DASH if value is None else f"{value:,}"
+
+
+def tokens(value: int | None) -> str:
+    """12,345 -> 12.3k, 1,572,600 -> 1.57M; exact below 10,000."""
+    if value is None:
+        return DASH
+    if value < 10_000:
+        return str(value)
+    if value < 1_000_000:
+        return f"{value / 1000:.1f}k"
+    return f"{value / 1_000_000:.2f}M"
+
+
+def size(value: int | None) -> str:
+    if value is None:
+        return DASH
+    amount = float(value)
+    for unit in _UNITS:
+        if abs(amount) < 1024 or unit == _UNITS[-1]:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def gib(value: int | None) -> str:
+    return DASH if value is None else f"{value / 2**30:.1f}"
+
+
+def pct(fraction: float | None, digits: int = 0) -> str:
+    return DASH if fraction is None else f"{fraction * 100:.{digits}f}%"
+
+
+def seconds(value: float | None) -> str:
+    """Short durations: 0.4s, 12s, 3m05s, 2h04m."""
+    if value is None:
+        return DASH
+    if value < 10:
+        return f"{value:.1f}s"
+    if value < 60:
+        return f"{value:.0f}s"
+    whole = int(value)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def signed_seconds(value: float | None) -> str:
+    if value is None:
+        return DASH
+    return seconds(value) if value >= 0 else "-" + seconds(-value)
+
+
+def clock(unix_s: float | None) -> str:
+    """UTC wall time of a snapshot, HH:MM:SSZ (UTC, so every operator reads the same)."""
+    if unix_s is None:
+        return DASH
+    return time.strftime("%H:%M:%SZ", time.gmtime(unix_s))
+
+
+def money(value: float | None, currency: str | None = None) -> str:
+    if value is None:
+        return DASH
+    text = f"{value:.4f}" if abs(value) < 1 else f"{value:,.2f}"
+    return f"{text} {currency}" if currency else text
+
+
+def text(value: object) -> str:
+    return DASH if value is None or value == "" else str(value)

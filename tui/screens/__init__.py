@@ -1,0 +1,1 @@
+"""Screens of the console: one per tab, the session detail and the dialogs."""

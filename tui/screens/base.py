@@ -1,0 +1,61 @@
+"""What every tab of the console shares: the tab line, the connection banner, the footer,
+and being handed each new snapshot by the app (`show_state`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, cast
+
+from textual.app import ComposeResult
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from tui.state import AdminState
+from tui.widgets.chrome import Banner, TopBar
+
+if TYPE_CHECKING:
+    from tui.app import ConsoleApp
+
+
+class StateScreen(Screen[None]):
+    """A screen drawn from the latest snapshot. The app calls `show_state` on every screen of
+    the current stack when a snapshot arrives; a screen that comes back into view draws the
+    latest one it missed."""
+
+    TAB: ClassVar[str] = "overview"
+
+    @property
+    def console(self) -> ConsoleApp:
+        return cast("ConsoleApp", self.app)
+
+    def compose(self) -> ComposeResult:
+        yield TopBar(self.TAB, self.console.label, id="topbar")
+        yield Banner(self.console.url, id="banner")
+        yield from self.compose_body()
+        yield Footer(show_command_palette=False)
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    ready = False
+    """True once composed and mounted: from then on the app hands it every snapshot."""
+
+    def on_mount(self) -> None:
+        self.ready = True
+        state = self.console.state
+        if state is not None:
+            self.show_state(state)
+
+    def on_screen_resume(self) -> None:
+        state = self.console.state
+        if state is not None and state is not self._shown:
+            self.show_state(state)
+
+    _shown: AdminState | None = None
+
+    def show_state(self, state: AdminState) -> None:
+        self._shown = state
+        self.query_one(TopBar).set_time(state.time)
+        self.update_body(state)
+
+    def update_body(self, state: AdminState) -> None:
+        """Draw `state`; subclasses fill their widgets."""

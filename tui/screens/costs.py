@@ -1,0 +1,78 @@
+"""Costs: cost per successful task by task class and tenant, and a small chart over time."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from tui import format as fmt
+from tui.screens.base import StateScreen
+from tui.state import AdminState, Costs
+
+NOT_REPORTED = (
+    "This appliance does not report costs in its state yet. "
+    "`appliance costs` reads them from the ledger."
+)
+
+
+def cost_table(costs: Costs) -> Table | Text:
+    if costs.groups is None:
+        return Text(NOT_REPORTED, style="dim")
+    if not costs.groups:
+        return Text("No tasks have finished yet.", style="dim")
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    table.add_column("task class", no_wrap=True)
+    table.add_column("tenant", no_wrap=True)
+    table.add_column("tasks", justify="right")
+    table.add_column("succeeded", justify="right")
+    table.add_column("attempts", justify="right")
+    table.add_column("cost", justify="right")
+    table.add_column("per success", justify="right", style="bold")
+    for g in costs.groups:
+        currency = g.currency or costs.currency
+        table.add_row(
+            fmt.text(g.task_class),
+            fmt.text(g.tenant),
+            fmt.num(g.tasks),
+            fmt.num(g.succeeded),
+            fmt.num(g.attempts)
+            + (f" ({g.unpriced_attempts} unpriced)" if g.unpriced_attempts else ""),
+            fmt.money(g.cost, currency),
+            fmt.money(g.cost_per_success, currency),
+        )
+    return table
+
+
+class CostsScreen(StateScreen):
+    TAB = "costs"
+
+    def compose_body(self) -> ComposeResult:
+        with VerticalScroll(id="costs"):
+            yield Static("Cost per successful task", classes="section")
+            yield Static(id="cost-table")
+            yield Static("Over time (cost per success)", classes="section")
+            yield Static(id="cost-chart-caption", classes="status")
+            yield Sparkline([], id="cost-chart")
+
+    def update_body(self, state: AdminState) -> None:
+        costs = state.costs
+        self.query_one("#cost-table", Static).update(cost_table(costs))
+        series = [p.cost_per_success for p in costs.series or () if p.cost_per_success is not None]
+        caption = self.query_one("#cost-chart-caption", Static)
+        chart = self.query_one(Sparkline)
+        chart.display = bool(series)
+        if not series:
+            caption.update(
+                Text("no history reported" if costs.series is None else "no data yet", "dim")
+            )
+            return
+        points = costs.series or []
+        caption.update(
+            f"last {fmt.money(series[-1], costs.currency)} · min {fmt.money(min(series))} · "
+            f"max {fmt.money(max(series))} · {len(series)} windows from "
+            f"{fmt.clock(points[0].window_start)} to {fmt.clock(points[-1].window_start)}"
+        )
+        chart.data = series

@@ -1,0 +1,84 @@
+"""Events: restarts, rejections, evictions and releases, newest first."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.widgets import Static
+
+from tui import format as fmt
+from tui.screens.base import StateScreen
+from tui.state import AdminState, Event
+from tui.widgets.grid import Column, Grid
+
+NOT_REPORTED = "this appliance does not report events in its state yet"
+
+
+def _event_key(e: Event) -> str:
+    return f"{e.time}/{e.kind}/{e.session_id}/{e.task_id}/{e.worker}"
+
+
+def _event_text(e: Event) -> str:
+    return " ".join(
+        (e.kind, e.worker or "", e.session_id or "", e.task_id or "", e.tenant or "", e.detail)
+    ).lower()
+
+
+EVENT_COLUMNS: list[Column[Event]] = [
+    Column("time", "time", 9, lambda e: fmt.clock(e.time), lambda e: e.time, priority=100),
+    Column("kind", "kind", 10, lambda e: e.kind, lambda e: e.kind, priority=90),
+    Column(
+        "worker", "worker", 6, lambda e: fmt.text(e.worker), lambda e: e.worker or "", priority=60
+    ),
+    Column(
+        "session",
+        "session",
+        14,
+        lambda e: fmt.text(e.session_id),
+        lambda e: e.session_id or "",
+        priority=50,
+    ),
+    Column(
+        "task", "task", 12, lambda e: fmt.text(e.task_id), lambda e: e.task_id or "", priority=40
+    ),
+    Column(
+        "tenant", "tenant", 8, lambda e: fmt.text(e.tenant), lambda e: e.tenant or "", priority=30
+    ),
+    Column("detail", "detail", 20, lambda e: e.detail, None, priority=80, flex=True),
+]
+
+
+class EventsScreen(StateScreen):
+    TAB = "events"
+
+    def compose_body(self) -> ComposeResult:
+        yield Grid(
+            EVENT_COLUMNS,
+            row_key=_event_key,
+            search_text=_event_text,
+            sort="time",
+            reverse=True,
+            empty="no events yet",
+            id="events",
+        )
+        yield Static(id="events-status", classes="status")
+
+    def on_mount(self) -> None:
+        self.query_one(Grid).focus()
+
+    def update_body(self, state: AdminState) -> None:
+        grid: Grid[Event] = self.query_one(Grid)
+        status = self.query_one("#events-status", Static)
+        if state.events is None:
+            grid.empty_text = NOT_REPORTED
+            grid.set_rows([])
+            status.update(NOT_REPORTED)
+            return
+        grid.empty_text = "no events yet"
+        grid.set_rows(state.events)
+        kinds: dict[str, int] = {}
+        for e in state.events:
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+        status.update(
+            f"{len(state.events):,} events"
+            + "".join(f" · {n:,} {kind}" for kind, n in sorted(kinds.items()))
+        )

@@ -1,0 +1,153 @@
+"""One session: what it holds where, its task and tool wait, the reaper's decision, its turns.
+
+The fields come from each snapshot; the turns from `GET /admin/v1/sessions/{id}`, fetched
+when the screen opens and on `r`. An appliance without that route says so in place.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from appliance.api.schemas import SessionDetail
+from tui import format as fmt
+from tui.client import ConsoleError
+from tui.screens.base import StateScreen
+from tui.screens.sessions import confirm_release
+from tui.state import AdminState, SessionState
+
+
+def session_fields(s: SessionState, tasks: dict[str, str]) -> Table:
+    table = Table(box=None, show_header=False, padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    rows = [
+        ("session", s.id),
+        ("tenant", s.tenant),
+        ("task", f"{fmt.text(s.task_id)}  ({tasks.get(s.task_id or '', 'not in the state')})"),
+        ("worker", fmt.text(s.worker)),
+        (
+            "resident GPU",
+            f"{fmt.num(s.resident_tokens.gpu)} tokens · {fmt.size(s.resident_bytes.gpu)}",
+        ),
+        (
+            "resident host",
+            f"{fmt.num(s.resident_tokens.host)} tokens · {fmt.size(s.resident_bytes.host)}",
+        ),
+        ("idle", fmt.seconds(s.idle_s)),
+        ("turns", str(s.turns)),
+        ("tool", f"{fmt.text(s.tool_class)} · expected wait {fmt.seconds(s.expected_wait_s)}"),
+        ("decision", fmt.text(s.decision)),
+        ("reason", fmt.text(s.reason)),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def turns_table(detail: SessionDetail) -> RenderableType:
+    if not detail.turns:
+        return Text("no turns recorded", style="dim")
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    for name, justify in (
+        ("turn", "left"),
+        ("started", "left"),
+        ("worker", "left"),
+        ("prompt", "right"),
+        ("cached", "right"),
+        ("output", "right"),
+        ("TTFT", "right"),
+        ("e2e", "right"),
+        ("cost", "right"),
+        ("outcome", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for t in detail.turns:
+        table.add_row(
+            t.turn_id,
+            fmt.clock(t.started_at),
+            fmt.text(t.worker),
+            fmt.num(t.prompt_tokens),
+            fmt.num(t.cached_tokens),
+            fmt.num(t.output_tokens),
+            fmt.seconds(t.ttft_s),
+            fmt.seconds(t.e2e_s),
+            fmt.money(t.cost),
+            fmt.text(t.outcome),
+        )
+    return table
+
+
+class SessionDetailScreen(StateScreen):
+    TAB = "sessions"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,backspace", "back", "Back"),
+        Binding("x", "release", "Release KV"),
+        Binding("t", "turns", "Reload turns"),
+    ]
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.session: SessionState | None = None
+
+    def compose_body(self) -> ComposeResult:
+        with VerticalScroll(id="detail"):
+            yield Static(Text(f"Session {self.session_id}", style="bold"), classes="section")
+            yield Static(id="fields")
+            yield Static("Turns", classes="section")
+            yield Static(Text("loading …", style="dim"), id="turns")
+
+    def on_mount(self) -> None:
+        self.load_turns()
+
+    def update_body(self, state: AdminState) -> None:
+        found = next((s for s in state.sessions if s.id == self.session_id), None)
+        self.session = found
+        fields = self.query_one("#fields", Static)
+        if found is None:
+            fields.update(
+                Text("This session is no longer in the appliance's state.", style="yellow")
+            )
+            return
+        task_status = {t.id: t.status for t in state.tasks}
+        fields.update(session_fields(found, task_status))
+
+    @work(exclusive=True, group="turns")
+    async def load_turns(self) -> None:
+        target = self.query_one("#turns", Static)
+        try:
+            detail = await self.console.client.session_detail(self.session_id)
+        except ConsoleError as exc:
+            lines = [
+                Text("The appliance did not give this session's turns:", style="dim"),
+                Text(exc.message, style="yellow"),
+            ]
+            if exc.status == 404:
+                lines.append(
+                    Text(
+                        "(it has no GET /admin/v1/sessions/{id} route, or the session is gone)",
+                        style="dim",
+                    )
+                )
+            target.update(Group(*lines))
+            return
+        target.update(turns_table(detail))
+
+    def action_back(self) -> None:
+        self.dismiss()
+
+    def action_turns(self) -> None:
+        self.load_turns()
+
+    def action_release(self) -> None:
+        if self.session is not None:
+            confirm_release(self, self.session)

@@ -1,0 +1,237 @@
+"""The terminal tables of `appliance status`, `sessions`, `tasks [--tree]` and `costs`.
+
+Pure functions: a `/admin/v1/state` snapshot (the JSON as a dict) in, text out; no Textual,
+no terminal codes, so the output pipes and diffs cleanly. `json_view` is what `--json`
+prints. A reading the appliance does not have is "-".
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from appliance.api.schemas import AdminState, Costs, TaskState
+from tui import format as fmt
+
+View = Literal["status", "sessions", "tasks", "costs"]
+
+
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int] | None = None
+) -> str:
+    """Columns two spaces apart; the columns in `right` are right-aligned."""
+    right = right or set()
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        out = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def _state(state: dict[str, Any] | AdminState) -> AdminState:
+    return state if isinstance(state, AdminState) else AdminState.model_validate(state)
+
+
+def render_status(state: dict[str, Any] | AdminState) -> str:
+    """Workers (engine, GPUs, health, load, KV use), GPUs, sessions and tasks in a few lines."""
+    s = _state(state)
+    out = [f"appliance state at {fmt.clock(s.time)}"]
+    if s.workers:
+        rows = [
+            [
+                w.id,
+                fmt.text(w.engine),
+                ",".join(map(str, w.gpus)) or "-",
+                "down" if not w.healthy else ("draining" if w.draining else "ok"),
+                fmt.num(w.running),
+                fmt.num(w.waiting),
+                fmt.pct(w.kv_usage),
+                fmt.pct(w.prefix_hit_rate),
+                str(w.restarts),
+            ]
+            for w in s.workers
+        ]
+        out += [
+            "",
+            table(
+                [
+                    "worker",
+                    "engine",
+                    "gpus",
+                    "health",
+                    "running",
+                    "waiting",
+                    "kv",
+                    "prefix",
+                    "restarts",
+                ],
+                rows,
+                right={4, 5, 6, 7, 8},
+            ),
+        ]
+    else:
+        out += ["", "workers: none"]
+    if s.gpus:
+        rows = [
+            [
+                str(g.index),
+                g.name,
+                f"{fmt.gib(g.mem_used_bytes)}/{fmt.gib(g.mem_total_bytes)} GiB",
+                fmt.gib(g.kv_bytes),
+                fmt.pct(g.util),
+                "-" if g.temp_c is None else f"{g.temp_c:.0f}C",
+                "-" if g.power_w is None else f"{g.power_w:.0f}W",
+            ]
+            for g in s.gpus
+        ]
+        out += [
+            "",
+            table(["gpu", "name", "hbm used", "kv GiB", "util", "temp", "power"], rows, {4, 5, 6}),
+        ]
+    else:
+        out += ["", "gpus: none reported (NVML sees no NVIDIA GPU on the appliance's host)"]
+    gpu_tokens = sum(x.resident_tokens.gpu for x in s.sessions)
+    gpu_bytes = sum(x.resident_bytes.gpu for x in s.sessions)
+    statuses = Counter(t.status for t in s.tasks)
+    out += [
+        "",
+        f"sessions: {len(s.sessions):,}, resident on GPU {gpu_tokens:,} tokens "
+        f"({fmt.size(gpu_bytes)})",
+        f"tasks: {len(s.tasks):,}"
+        + "".join(f", {n:,} {status}" for status, n in sorted(statuses.items())),
+    ]
+    return "\n".join(out)
+
+
+def render_sessions(state: dict[str, Any] | AdminState) -> str:
+    """One row per session, the most GPU-resident first."""
+    s = _state(state)
+    if not s.sessions:
+        return "no sessions"
+    ordered = sorted(s.sessions, key=lambda x: (-x.resident_tokens.gpu, x.id))
+    rows = [
+        [
+            x.id,
+            x.tenant,
+            fmt.text(x.task_id),
+            fmt.text(x.worker),
+            str(x.resident_tokens.gpu),
+            str(x.resident_tokens.host),
+            fmt.size(x.resident_bytes.gpu),
+            fmt.size(x.resident_bytes.host),
+            fmt.seconds(x.idle_s),
+            str(x.turns),
+            fmt.text(x.tool_class),
+            fmt.seconds(x.expected_wait_s),
+            fmt.text(x.decision),
+            fmt.text(x.reason),
+        ]
+        for x in ordered
+    ]
+    headers = [
+        "session", "tenant", "task", "worker", "gpu_tokens", "host_tokens", "gpu_bytes",
+        "host_bytes", "idle", "turns", "tool", "wait", "decision", "reason",
+    ]  # fmt: skip
+    return table(headers, rows, right={4, 5, 6, 7, 8, 9, 11})
+
+
+def _task_row(t: TaskState, now: float) -> list[str]:
+    slack = None if t.deadline_at is None else t.deadline_at - now
+    return [
+        t.tenant,
+        fmt.text(t.task_class),
+        t.status,
+        fmt.signed_seconds(slack),
+        str(t.tokens),
+        fmt.money(t.cost),
+        str(len(t.children)),
+    ]
+
+
+TASK_HEADERS = ["tenant", "class", "status", "slack", "tokens", "cost", "children"]
+
+
+def render_tasks(state: dict[str, Any] | AdminState, *, tree: bool = False) -> str:
+    """Tasks in the appliance's order; with `tree`, each root followed by its fan-out."""
+    s = _state(state)
+    if not s.tasks:
+        return "no tasks"
+    if not tree:
+        rows = [[t.id, fmt.text(t.parent_id), *_task_row(t, s.time)] for t in s.tasks]
+        return table(["task", "parent", *TASK_HEADERS], rows, right={5, 6, 7, 8})
+    by_id = {t.id: t for t in s.tasks}
+    roots = [t for t in s.tasks if t.parent_id is None or t.parent_id not in by_id]
+    rows = []
+    placed: set[str] = set()
+
+    def walk(t: TaskState, prefix: str, last: bool, depth: int) -> None:
+        placed.add(t.id)
+        branch = "" if depth == 0 else ("└─ " if last else "├─ ")
+        rows.append([prefix + branch + t.id, *_task_row(t, s.time)])
+        kids = [by_id[c] for c in t.children if c in by_id and c not in placed]
+        below = prefix + ("" if depth == 0 else ("   " if last else "│  "))
+        for i, kid in enumerate(kids):
+            if kid.id not in placed:
+                walk(kid, below, i == len(kids) - 1, depth + 1)
+
+    for root in roots:
+        if root.id not in placed:
+            walk(root, "", True, 0)
+    return table(["task", *TASK_HEADERS], rows, right={4, 5, 6, 7})
+
+
+def render_costs(state: dict[str, Any] | AdminState) -> str:
+    """Cost per successful task by task class and tenant."""
+    costs: Costs = _state(state).costs
+    if costs.groups is None:
+        return (
+            "costs: not reported in the appliance's state yet "
+            "(`appliance costs --db` reads the ledger)"
+        )
+    if not costs.groups:
+        return "costs: no finished tasks yet"
+    rows = [
+        [
+            fmt.text(g.task_class),
+            fmt.text(g.tenant),
+            str(g.tasks),
+            str(g.succeeded),
+            str(g.attempts),
+            fmt.money(g.cost),
+            fmt.money(g.cost_per_success),
+            fmt.text(g.currency or costs.currency),
+        ]
+        for g in costs.groups
+    ]
+    headers = [
+        "task_class",
+        "tenant",
+        "tasks",
+        "succeeded",
+        "attempts",
+        "cost",
+        "per_success",
+        "currency",
+    ]
+    return table(headers, rows, right={2, 3, 4, 5, 6})
+
+
+def json_view(state: dict[str, Any], view: View) -> str:
+    """What `--json` prints: the whole snapshot for status, else its one section."""
+    if view == "status":
+        data: Any = state
+    elif view == "costs":
+        data = state.get("costs", {})
+    else:
+        data = {view: state.get(view, [])}
+    return json.dumps(data, indent=2)

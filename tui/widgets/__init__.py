@@ -1,0 +1,1 @@
+"""Widgets of the console: the virtual table, bars, panels and the frame."""

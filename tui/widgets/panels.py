@@ -1,0 +1,178 @@
+"""The Overview's panels: GPUs with HBM bars, workers, and the admission/routing summary.
+
+Each panel holds the latest snapshot and draws it at its own width; `update_state` is cheap
+(a few dozen lines at most), so the Overview redraws whole panels on every snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.app import RenderResult
+from textual.widget import Widget
+
+from tui import format as fmt
+from tui.state import AdminState, GpuState, WorkerState
+from tui.widgets.bars import FREE, FULL, PART, fill_bar, hbm_bar
+
+
+class Panel(Widget):
+    DEFAULT_CSS = """
+    Panel { height: auto; }
+    """
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.state: AdminState | None = None
+
+    def update_state(self, state: AdminState) -> None:
+        self.state = state
+        self.clear_cached_dimensions()  # the height follows the number of GPUs and workers
+        self.refresh(layout=True)
+
+
+class GpuPanel(Panel):
+    """One line per GPU: an HBM bar (KV, other used, free), used of total, util, temp, power."""
+
+    def render(self) -> RenderResult:
+        state = self.state
+        if state is None:
+            return Text("waiting for the first snapshot …", style="dim")
+        if not state.gpus:
+            return Text(
+                "No NVIDIA GPU reported: NVML sees none on this host. "
+                "Workers run without one (simulated or CPU engine).",
+                style="dim",
+            )
+        width = self.size.width
+        lines = [self._line(g, width) for g in state.gpus]
+        kv_known = any(g.kv_bytes is not None for g in state.gpus)
+        legend = Text(style="dim")
+        legend.append(FULL, style="magenta")
+        legend.append(" KV  " if kv_known else " KV (not reported)  ")
+        legend.append(PART, style="yellow")
+        legend.append(" used  ")
+        legend.append(FREE, style="dim green")
+        legend.append(" free")
+        return Group(*lines, legend)
+
+    @staticmethod
+    def _line(g: GpuState, width: int) -> Text:
+        head = f"GPU{g.index} {g.name.removeprefix('NVIDIA ')[:10]:<10} "
+        used = f" {fmt.gib(g.mem_used_bytes):>5}/{fmt.gib(g.mem_total_bytes)} GiB"
+        kv = f" KV {fmt.gib(g.kv_bytes)}" if g.kv_bytes is not None else " KV -"
+        util = f"  util {fmt.pct(g.util):>4}"
+        temp = f" {g.temp_c:.0f}°C" if g.temp_c is not None else " -°C"
+        power = f" {g.power_w:.0f} W" if g.power_w is not None else " - W"
+        tail = used + kv + util + temp + power
+        bar_width = max(8, width - len(head) - len(tail))
+        line = Text(head, style="bold", no_wrap=True, overflow="ellipsis")
+        line.append_text(hbm_bar(bar_width, g.mem_total_bytes, g.mem_used_bytes, g.kv_bytes))
+        line.append(tail)
+        return line
+
+
+def _health(w: WorkerState) -> Text:
+    if not w.healthy:
+        return Text("down", style="bold red")
+    if w.draining:
+        return Text("draining", style="yellow")
+    return Text("ok", style="green")
+
+
+class WorkersPanel(Panel):
+    """Per worker: health, running/waiting, KV use, prefix hit rate, restarts."""
+
+    def render(self) -> RenderResult:
+        state = self.state
+        if state is None:
+            return Text("")
+        if not state.workers:
+            return Text("No workers: the appliance reports none.", style="dim")
+        wide = self.size.width >= 110
+        table = Table(box=None, padding=(0, 1), expand=False, show_edge=False)
+        table.add_column("worker", style="bold", no_wrap=True)
+        table.add_column("engine", no_wrap=True)
+        table.add_column("health", no_wrap=True)
+        table.add_column("run", justify="right", no_wrap=True)
+        table.add_column("wait", justify="right", no_wrap=True)
+        table.add_column("KV use", no_wrap=True)
+        table.add_column("prefix", justify="right", no_wrap=True)
+        table.add_column("restarts", justify="right", no_wrap=True)
+        table.add_column("GPUs", no_wrap=True)
+        if wide:
+            table.add_column("url", style="dim", no_wrap=True)
+        for w in state.workers:
+            kv = fill_bar(10, w.kv_usage) + Text(f" {fmt.pct(w.kv_usage):>4}")
+            cells: list[RenderableType] = [
+                w.id,
+                fmt.text(w.engine),
+                _health(w),
+                fmt.num(w.running),
+                fmt.num(w.waiting),
+                kv,
+                fmt.pct(w.prefix_hit_rate),
+                Text(str(w.restarts), style="bold yellow" if w.restarts else ""),
+                ",".join(str(i) for i in w.gpus) or "-",
+            ]
+            if wide:
+                cells.append(fmt.text(w.url))
+            table.add_row(*cells)
+        return table
+
+
+class SummaryPanel(Panel):
+    """Sessions and what they hold, tasks by status, admission, routing."""
+
+    def render(self) -> RenderResult:
+        state = self.state
+        if state is None:
+            return Text("")
+        gpu_tokens = sum(s.resident_tokens.gpu for s in state.sessions)
+        host_tokens = sum(s.resident_tokens.host for s in state.sessions)
+        gpu_bytes = sum(s.resident_bytes.gpu for s in state.sessions)
+        statuses = Counter(t.status for t in state.tasks)
+        lines = [
+            _kv(
+                "sessions",
+                f"{len(state.sessions):,} · resident {fmt.tokens(gpu_tokens)} tok on GPU "
+                f"({fmt.size(gpu_bytes)}) · {fmt.tokens(host_tokens)} on host",
+            ),
+            _kv(
+                "tasks",
+                f"{len(state.tasks):,}"
+                + "".join(f" · {n:,} {status}" for status, n in sorted(statuses.items())),
+            ),
+            _kv("admission", _admission(state)),
+            _kv(
+                "routing",
+                " · ".join(f"{reason} {n:,}" for reason, n in sorted(state.routing.items()))
+                or "no turns routed yet",
+            ),
+        ]
+        return Group(*lines)
+
+
+def _kv(key: str, value: str) -> Text:
+    line = Text(f"{key:<10} ", style="bold", no_wrap=True, overflow="ellipsis")
+    line.append(value, style="")
+    return line
+
+
+def _admission(state: AdminState) -> str:
+    a = state.admission
+    if a.accepted is None and a.rejected is None and a.accept_rate_per_s is None:
+        return "not reported by this appliance yet"
+    parts = []
+    if a.accept_rate_per_s is not None or a.reject_rate_per_s is not None:
+        accept = "-" if a.accept_rate_per_s is None else f"{a.accept_rate_per_s:.1f}/s"
+        reject = "-" if a.reject_rate_per_s is None else f"{a.reject_rate_per_s:.1f}/s"
+        parts.append(f"accept {accept} · reject {reject}")
+    if a.accepted is not None or a.rejected is not None:
+        parts.append(f"accepted {fmt.num(a.accepted)} · rejected {fmt.num(a.rejected)}")
+    if a.reasons:
+        parts.append(", ".join(f"{r} {n:,}" for r, n in sorted(a.reasons.items())))
+    return " · ".join(parts)
