@@ -95,6 +95,13 @@ def served_name(settings: Settings) -> str:
     return e.served_model_name or (default_served_name(e.model) if e.model else "sim")
 
 
+def runtime_identity(settings: Settings, kind: EngineKind) -> str:
+    """What a cached prefix is valid against: engine, model, block size, hash and seed."""
+    e = settings.engine
+    return (f"{kind.value}:{served_name(settings)}:bs{e.block_size}:{e.hash_algo}"
+            f":seed{e.python_hash_seed}")  # fmt: skip
+
+
 def _secret(data_dir: Path) -> bytes:
     path = data_dir / "secret.key"
     if not path.exists():
@@ -272,6 +279,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 settings.engine.block_size,
                 settings.engine.python_hash_seed,
             )
+            tasks = TaskBook(ledger)
             router = Router(
                 workers=lambda: engines.workers,
                 index=feed,
@@ -282,8 +290,9 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 clock=clock,
                 tenant_salt=TenantSalts(_secret(data_dir)),
                 model=engines.served_name,
+                runtime_identity=runtime_identity(settings, kind),
+                on_turn=tasks.add_turn,
             )
-            tasks = TaskBook(ledger)
             gpu_tick: list[Any] = [probe.snapshot()]
             sources = StateSources(
                 workers=lambda: engines.workers,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from typing import Any
 
 from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
 from appliance.domain.records import (
+    CacheReceipt,
+    CacheTier,
     RouteDecisionRecord,
     SessionId,
     TaskId,
@@ -47,6 +50,7 @@ from appliance.ports import Clock, KvLookup, Ledger, WorkerEndpoint
 from appliance.services.sessions import ChatTokens, SessionState, SessionTable
 
 log = logging.getLogger(__name__)
+FAILURE_WINDOW_S = 60.0
 
 
 class NoWorker(ApplianceError):
@@ -85,6 +89,9 @@ class Attempt:
     estimated_prefill_s: float
     first_byte_at: float | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    prefix_digest: str | None = None
+    """Hex digest of the prompt's last full block: names the cached prefix in a receipt."""
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,8 @@ class Router:
         clock: Clock,
         tenant_salt: Callable[[TenantId, str | None], str],
         model: str,
+        runtime_identity: str = "",
+        on_turn: Callable[[TurnRecord, Future[float | None]], None] | None = None,
     ) -> None:
         self._workers = workers
         self._index = index
@@ -120,6 +129,10 @@ class Router:
         self._clock = clock
         self._salt = tenant_salt
         self.model = model
+        self._runtime = runtime_identity
+        self._on_turn = on_turn
+        # Failed attempts per worker in the last FAILURE_WINDOW_S, oldest first.
+        self._failures: dict[WorkerId, deque[float]] = {}
         # Prefill work sent to each worker whose first byte has not come back yet.
         self._pending: dict[WorkerId, dict[TurnId, float]] = {}
         self.routed_by_reason: dict[str, int] = {}
@@ -172,11 +185,21 @@ class Router:
                 queue_s=queues.get(w.id, 0.0),
                 queued_share=queues.get(w.id, 0.0) / total_queue if total_queue else 0.0,
                 kv_usage=w.load.kv_cache_usage_perc if w.load else 0.0,
+                recent_failures=self._recent_failures(w.id),
             )
             for w in workers
         ]
         request = RouteRequest(self.model, len(turn.prompt_ids), session.home)
         return route(request, views, self._cost, self._profile), resident
+
+    def _recent_failures(self, worker: WorkerId) -> int:
+        seen = self._failures.get(worker)
+        if not seen:
+            return 0
+        horizon = self._clock.now() - FAILURE_WINDOW_S
+        while seen and seen[0] < horizon:
+            seen.popleft()
+        return len(seen)
 
     def _queue_s(self, worker: WorkerEndpoint) -> float:
         """Prefill work ahead of a new request there: what the router sent and has not seen
@@ -221,6 +244,11 @@ class Router:
                 break
             worker = next(w for w in self._workers() if w.id == decision.worker)
             attempt = self._begin(turn, worker.id, decision, resident)
+            chain = session.chain
+            if chain is not None and chain.hashes:
+                # The last full block's hash commits to the whole prefix and the tenant salt.
+                attempt.prefix_digest = chain.hashes[-1].hex()
+                attempt.prefix_tokens = len(chain.hashes) * chain.block_size
             body = self._worker_body(turn, session)
             try:
                 if turn.stream:
@@ -351,7 +379,25 @@ class Router:
         )
         # Not awaited: the client's answer never waits on the disk. The writer commits it
         # within milliseconds and shutdown flushes the ledger before it exits.
-        _log_failure(self._ledger.record_turn(record), f"turn {record.turn_id}")
+        written = self._ledger.record_turn(record)
+        _log_failure(written, f"turn {record.turn_id}")
+        if self._on_turn is not None:
+            self._on_turn(record, written)
+        if outcome == TurnOutcome.FAILED:
+            self._failures.setdefault(attempt.worker, deque()).append(end)
+        elif outcome == TurnOutcome.OK and attempt.prefix_digest is not None:
+            receipt = CacheReceipt(
+                prefix_digest=attempt.prefix_digest,
+                token_count=attempt.prefix_tokens,
+                model=self.model,
+                runtime_identity=self._runtime,
+                tenant_domain=turn.tenant,
+                worker=attempt.worker,
+                tier=CacheTier.GPU,
+                created_at=end,
+                last_used_at=end,
+            )
+            _log_failure(self._ledger.record_cache_receipt(receipt), "cache receipt")
         self.predicted_cached_total += attempt.predicted_cached
         self.actual_cached_total += cached
         if record.ttft_s is not None:

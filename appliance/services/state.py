@@ -87,7 +87,7 @@ def snapshot(src: StateSources) -> dict[str, Any]:
             "status": t.status.value,
             "deadline_at": t.deadline_at,
             "tokens": t.prompt_tokens + t.output_tokens,
-            "cost": None,
+            "cost": t.cost,
             "children": [c.split("/", 1)[-1] for c in t.children],
         }
         for t in src.tasks

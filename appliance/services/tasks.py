@@ -19,6 +19,7 @@ from appliance.domain.records import (
     TaskRecord,
     TaskStatus,
     TenantId,
+    TurnRecord,
     can_transition,
 )
 from appliance.ports import Ledger
@@ -46,6 +47,8 @@ class TaskState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    cost: float = 0.0
+    """Sum of the ledger's costs of this task's attempts (children not included)."""
     written: Future[None] | None = None
     """The ledger write of the latest change; await it before telling a client it is done."""
 
@@ -157,6 +160,22 @@ class TaskBook:
                 cancelled.append(task)
         return cancelled
 
+    def add_turn(self, turn: TurnRecord, cost: Future[float | None]) -> None:
+        """Counts an attempt's tokens, and its cost once the ledger has priced it."""
+        task = self._tasks.get(turn.task_id) if turn.task_id else None
+        if task is None:
+            return
+        task.prompt_tokens += turn.prompt_tokens
+        task.cached_tokens += turn.cached_tokens
+        task.output_tokens += turn.output_tokens
+
+        def priced(f: Future[float | None]) -> None:
+            # Runs on the ledger's writer thread; one float addition under the GIL.
+            if f.exception() is None and f.result() is not None:
+                task.cost += f.result() or 0.0
+
+        cost.add_done_callback(priced)
+
     def tree(self, state: TaskState) -> dict[str, object]:
         return {
             "id": state.client_id,
@@ -169,6 +188,7 @@ class TaskBook:
             "verified": state.verified,
             "deadline_at": state.deadline_at,
             "turns": state.turns,
+            "cost": state.cost,
             "tokens": {
                 "prompt": state.prompt_tokens,
                 "cached": state.cached_tokens,

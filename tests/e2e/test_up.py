@@ -271,6 +271,14 @@ def test_a_verified_task_closes_the_loop_to_cost_per_success(
     assert again.status_code == 409
     task = httpx.get(f"{app.url}/v1/tasks/fix-bug", headers=auth).json()
     assert task["status"] == "succeeded" and task["turns"] == 2
+    assert task["tokens"]["prompt"] > 0 and task["tokens"]["output"] == 8
+    with closing(sqlite3.connect(app.ledger)) as db:
+        receipts = db.execute(
+            "SELECT token_count, runtime_identity, tier FROM cache_receipts"
+            " WHERE tenant_domain = 'bob'"
+        ).fetchall()
+    assert receipts and all(n > 0 and tier == "gpu" for n, _, tier in receipts)
+    assert all(f"bs{32}" in identity for _, identity, _ in receipts)
     ops = {"Authorization": f"Bearer {app.keys['ops']}"}
     assert httpx.get(f"{app.url}/admin/v1/costs", headers=auth).status_code == 403
     deadline = time.monotonic() + 5
