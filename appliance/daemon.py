@@ -301,6 +301,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 gpus=lambda: gpu_tick[0],
                 clock_now=clock.now,
                 kv_bytes_per_token=profile.kv_bytes_per_token,
+                currency=settings.costs.currency,
                 worker_info=lambda w: {
                     "engine": w.engine,
                     "url": w.url,

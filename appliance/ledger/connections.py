@@ -80,7 +80,9 @@ def open_reader(path: str | Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Con
     path = Path(path).expanduser().absolute()
     if not path.exists():
         raise LedgerError(f"ledger {path} does not exist; pass the path of an existing ledger")
-    schema.check_header(path)
+    # No check_header() here: closing any other descriptor of the database file would drop
+    # this process's POSIX locks, the writer's included. A read-only connection cannot harm
+    # a file that is not SQLite; check_version() below refuses it in one line.
     try:
         conn = sqlite3.connect(
             f"{path.as_uri()}?mode=ro", uri=True, check_same_thread=False, isolation_level=None
@@ -89,6 +91,13 @@ def open_reader(path: str | Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Con
         raise LedgerError(f"ledger {path}: cannot open it to read ({exc})") from None
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        except sqlite3.DatabaseError:
+            raise LedgerError(
+                f"ledger {path} is not an SQLite database; move the file away or point "
+                "ledger.path (or --db) at another file"
+            ) from None
         done = schema.check_version(conn, path)
     except BaseException:
         conn.close()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.domain.gpu import GpuSnapshot
+from appliance.policy.costs import AttemptRow, TaskRow, cost_per_success
 from appliance.ports import WorkerEndpoint
 from appliance.services.router import Router
 from appliance.services.tasks import TaskBook
@@ -27,6 +28,7 @@ class StateSources:
     kv_bytes_per_token: int
     worker_info: Callable[[WorkerEndpoint], dict[str, Any]]
     """engine, url, gpus, restarts of a worker (they live on the concrete handle)."""
+    currency: str
 
 
 def snapshot(src: StateSources) -> dict[str, Any]:
@@ -98,7 +100,7 @@ def snapshot(src: StateSources) -> dict[str, Any]:
         "gpus": gpus,
         "sessions": sessions,
         "tasks": tasks,
-        "costs": {},
+        "costs": {"currency": src.currency, "groups": cost_groups(src.tasks, src.currency)},
         "admission": {},
         "routing": dict(src.router.routed_by_reason),
     }
@@ -135,3 +137,32 @@ def metrics_text(src: StateSources) -> str:
 
 def _esc(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def cost_groups(tasks: TaskBook, currency: str) -> list[dict[str, Any]]:
+    """Cost per successful task by task class and tenant over the tasks this run has seen,
+    by the same rule as the ledger's report (children roll up into their root), from the
+    costs the ledger priced each attempt at."""
+    rows = [
+        TaskRow(t.key, t.tenant, t.created_at, t.parent, t.task_class, t.status, t.verified)
+        for t in tasks
+    ]
+    attempts = [
+        AttemptRow(t.key, t.tenant, t.created_at, t.cost, attempts=t.turns)
+        for t in tasks
+        if t.turns
+    ]
+    return [
+        {
+            "task_class": g.task_class,
+            "tenant": g.tenant,
+            "tasks": g.tasks,
+            "succeeded": g.succeeded,
+            "attempts": g.attempts,
+            "unpriced_attempts": g.unpriced_attempts,
+            "cost": g.cost,
+            "cost_per_success": g.cost_per_success,
+            "currency": currency,
+        }
+        for g in cost_per_success(rows, attempts)
+    ]

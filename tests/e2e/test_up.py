@@ -228,6 +228,16 @@ def test_a_killed_worker_costs_one_failed_attempt_and_the_session_goes_on(
     ], rows
 
 
+class _AnyWorker(str):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and other.startswith("w")
+
+    __hash__ = str.__hash__
+
+
+ANY_WORKER = _AnyWorker("w?")
+
+
 def _session_turns(app: RunningAppliance, session: str, expect: int) -> list[tuple[str, str]]:
     """The session's turn rows; the ledger commits a turn within milliseconds of its answer."""
     deadline = time.monotonic() + 5
@@ -291,6 +301,9 @@ def test_a_verified_task_closes_the_loop_to_cost_per_success(
     # Two turns; a retried attempt (a worker that failed before its first byte) counts too.
     assert swe[0]["succeeded"] == 1 and swe[0]["attempts"] >= 2
     assert swe[0]["cost_per_success"] == pytest.approx(swe[0]["cost"]) and swe[0]["cost"] > 0
+    # Reading the report must not disturb the ledger's writer (POSIX locks are per process).
+    turn(app, c, [{"role": "user", "content": text(79, app.words(20))}], "after-report")
+    assert _session_turns(app, "after-report", expect=1) == [(ANY_WORKER, "ok")]
 
 
 def test_status_sessions_and_tasks_read_the_running_appliance(
