@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from appliance.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, conversation_ids
+from appliance.sim.trace import (
+    TRACE_BLOCK_TOKENS,
+    TraceRecord,
+    conversation_ids,
+    read_mooncake,
+)
 
 SESSION_FIELDS = ("session_id", "conversation_id", "chat_id", "SessionId", "session")
 
@@ -75,26 +79,9 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> Trace:
 
 
 def load_mooncake_trace(path: Path, *, limit: int | None = None) -> Trace:
-    records: list[TraceRecord] = []
-    explicit: list[str | None] = []
-    with path.open() as f:
-        for line in f:
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            ids = tuple(int(x) for x in row["hash_ids"])
-            n = int(row["input_length"])
-            if not ids or not 0 < n <= len(ids) * TRACE_BLOCK_TOKENS:
-                raise ValueError(
-                    f"{path}:{len(records) + 1}: input_length {n} does not fit "
-                    f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS}"
-                )
-            t = float(row["timestamp"]) / 1000.0
-            records.append(TraceRecord(len(records), t, n, int(row["output_length"]), ids))
-            sid = _session_field(row)
-            explicit.append(None if sid is None else str(sid))
+    rows = read_mooncake(path, limit=limit)
+    records = [record for record, _ in rows]
+    explicit = [None if (sid := _session_field(row)) is None else str(sid) for _, row in rows]
     _check_order(path, records)
     if records and all(s is not None for s in explicit):
         return Trace(path, "mooncake", records, [s or "" for s in explicit], "explicit")

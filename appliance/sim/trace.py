@@ -21,6 +21,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from appliance.sim.engine import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.virtual import Arrival
@@ -40,10 +41,17 @@ class TraceRecord:
 
 def load_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceRecord]:
     """Read a Mooncake jsonl trace (the first `limit` lines, if given)."""
-    records: list[TraceRecord] = []
+    return [record for record, _ in read_mooncake(path, limit=limit)]
+
+
+def read_mooncake(
+    path: str | Path, *, limit: int | None = None
+) -> list[tuple[TraceRecord, dict[str, Any]]]:
+    """Each line's record beside its raw fields (for fields beyond the format's four)."""
+    out: list[tuple[TraceRecord, dict[str, Any]]] = []
     with Path(path).open() as f:
         for line in f:
-            if limit is not None and len(records) >= limit:
+            if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
                 continue
@@ -52,15 +60,12 @@ def load_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceRe
             n = int(row["input_length"])
             if not ids or not 0 < n <= len(ids) * TRACE_BLOCK_TOKENS:
                 raise ValueError(
-                    f"{path}:{len(records) + 1}: input_length {n} does not fit "
+                    f"{path}:{len(out) + 1}: input_length {n} does not fit "
                     f"{len(ids)} blocks of {TRACE_BLOCK_TOKENS}"
                 )
-            records.append(
-                TraceRecord(
-                    len(records), row["timestamp"] / 1000.0, n, int(row["output_length"]), ids
-                )
-            )
-    return records
+            t = float(row["timestamp"]) / 1000.0
+            out.append((TraceRecord(len(out), t, n, int(row["output_length"]), ids), row))
+    return out
 
 
 class BlockTokens:

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import psutil
 import pytest
 
-from tests.ports import free_port, free_port_block
+from tests.running import BIN, add_key, appliance_process
 
-BIN = Path(sys.executable).parent
+__all__ = ["BIN", "RunningAppliance"]
 
 
 @dataclass
@@ -41,16 +35,6 @@ class RunningAppliance:
         return self.data_dir / "ledger.db"
 
 
-def _key(data_dir: Path, name: str, *extra: str) -> str:
-    out = subprocess.run(
-        [str(BIN / "appliance"), "keys", "add", name, *extra, "--data-dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
-
-
 @pytest.fixture(scope="module", params=["sim", pytest.param("vllm", marks=pytest.mark.vllm)])
 def appliance_up(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -58,16 +42,9 @@ def appliance_up(
     """`appliance up` on two workers: simulated, and real vLLM (CPU build, tiny model)."""
     engine = request.param
     data_dir = tmp_path_factory.mktemp(f"appliance-{engine}")
-    keys = {n: _key(data_dir, n) for n in ("alice", "bob")}
-    keys["ops"] = _key(data_dir, "ops", "--admin")
-    port, base, kv = free_port(), free_port_block(2), free_port_block(2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env.update(
-        APPLIANCE_DATA_DIR=str(data_dir),
-        APPLIANCE_ENGINE__BASE_PORT=str(base),
-        APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
-        APPLIANCE_ENGINE__MAX_MODEL_LEN="65536",
-    )
+    keys = {n: add_key(data_dir, n) for n in ("alice", "bob")}
+    keys["ops"] = add_key(data_dir, "ops", "--admin")
+    env = {"APPLIANCE_ENGINE__MAX_MODEL_LEN": "65536"}
     model, scale = "sim", 1.0
     if engine == "vllm":
         model_dir = request.getfixturevalue("tiny_model_dir")
@@ -78,44 +55,7 @@ def appliance_up(
             APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES=str(64 * 2**20),
         )
         model, scale = model_dir.name, 0.25
-    log = data_dir / "up.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(BIN / "appliance"),
-                "up",
-                "--engine",
-                "sim",
-                "--workers",
-                "2",
-                "--port",
-                str(port),
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
+    with appliance_process(data_dir, engine=engine, env=env) as up:
+        yield RunningAppliance(
+            up.url, keys, data_dir, up.proc, up.base_port, up.log, engine, model, scale
         )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"appliance up did not become healthy:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    running = RunningAppliance(url, keys, data_dir, proc, base, log, engine, model, scale)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    yield running
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("appliance up did not stop within 60 s of SIGTERM")
-    time.sleep(0.5)
-    left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not left, f"processes left after stop: {left}"

@@ -13,7 +13,6 @@ import inspect
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -26,11 +25,10 @@ import httpx
 import pytest
 
 from appliance.api.schemas import AdminState
-from tests.ports import free_port, free_port_block
+from tests.running import BIN, add_key, appliance_process
 from tests.tui.test_schemas import unknown_keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
-BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 TMUX = shutil.which("tmux") or "/usr/bin/tmux"
 AGENTS = 3
@@ -45,52 +43,13 @@ class Appliance:
     admin_key: str
 
 
-def _add_key(data_dir: Path, name: str, *extra: str) -> str:
-    out = subprocess.run(
-        [str(BIN / "appliance"), "keys", "add", name, *extra, "--data-dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     data_dir = tmp_path_factory.mktemp("appliance-top")
-    tenant = _add_key(data_dir, "agents")
-    admin = _add_key(data_dir, "ops", "--admin")
-    port, base, kv = free_port(), free_port_block(2), free_port_block(2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env.update(
-        APPLIANCE_DATA_DIR=str(data_dir),
-        APPLIANCE_ENGINE__BASE_PORT=str(base),
-        APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
-    )
-    log = data_dir / "up.log"
-    argv = [str(BIN / "appliance"), "up", "--engine", "sim", "--workers", "2", "--port", str(port)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"appliance up did not become healthy:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    try:
-        yield Appliance(url, data_dir, tenant, admin)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    tenant = add_key(data_dir, "agents")
+    admin = add_key(data_dir, "ops", "--admin")
+    with appliance_process(data_dir, startup_s=120) as up:
+        yield Appliance(up.url, data_dir, tenant, admin)
 
 
 class AgentLoad:

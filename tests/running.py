@@ -1,0 +1,90 @@
+"""`appliance up` as a user starts it, for the tests that drive a whole appliance: a real
+process on free local ports with its own data dir, stopped with SIGTERM like Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.ports import free_port, free_port_block
+
+BIN = Path(sys.executable).parent
+
+
+def add_key(data_dir: Path, name: str, *extra: str) -> str:
+    out = subprocess.run(
+        [str(BIN / "appliance"), "keys", "add", name, *extra, "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+@dataclass
+class Started:
+    url: str
+    proc: subprocess.Popen[bytes]
+    base_port: int
+    log: Path
+
+
+@contextmanager
+def appliance_process(
+    data_dir: Path,
+    *,
+    engine: str = "sim",
+    workers: int = 2,
+    env: Mapping[str, str] | None = None,
+    startup_s: float = 180,
+) -> Iterator[Started]:
+    """Runs `appliance up`; on exit stops it and fails if any of its processes is left."""
+    port, base, kv = free_port(), free_port_block(workers), free_port_block(workers)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    full.update(
+        APPLIANCE_DATA_DIR=str(data_dir),
+        APPLIANCE_ENGINE__BASE_PORT=str(base),
+        APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
+        **(env or {}),
+    )
+    argv = [str(BIN / "appliance"), "up", "--engine", engine, "--workers", str(workers),
+            "--port", str(port)]  # fmt: skip
+    log = data_dir / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=full, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"appliance up did not become healthy:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        yield Started(url, proc, base, log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("appliance up did not stop within 60 s of SIGTERM")
+    time.sleep(0.5)
+    left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes left after stop: {left}"
