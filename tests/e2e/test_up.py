@@ -323,3 +323,38 @@ def test_status_sessions_and_tasks_read_the_running_appliance(
     sessions = json.loads(cli("sessions", "--json").stdout)["sessions"]
     assert any(s["id"] == "listed" for s in sessions)
     assert cli("tasks", "--tree").returncode == 0
+
+
+def test_the_state_shows_only_numbers_the_ledger_supports(appliance_up: RunningAppliance) -> None:
+    app = appliance_up
+    c = client(app, "alice")
+    messages = [{"role": "system", "content": text(301, app.words(200))}]
+    for i in range(3):
+        messages.append({"role": "user", "content": text(310 + i, app.words(40))})
+        c.chat.completions.create(
+            model=app.model, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+            extra_headers={"X-Session-ID": "audited", "X-Task-ID": "audit"},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        messages.append({"role": "assistant", "content": "ok"})
+    _session_turns(app, "audited", expect=3)
+    ops = {"Authorization": f"Bearer {app.keys['ops']}"}
+    state = httpx.get(f"{app.url}/admin/v1/state", headers=ops).json()
+    task = next(t for t in state["tasks"] if t["id"] == "audit" and t["tenant"] == "alice")
+    session = next(s for s in state["sessions"] if s["id"] == "audited")
+    with closing(sqlite3.connect(app.ledger)) as db:
+        tokens, cost, attempts = db.execute(
+            "SELECT SUM(prompt_tokens) + SUM(output_tokens), SUM(cost), COUNT(*) FROM turns"
+            " WHERE task_id = 'alice/audit'"
+        ).fetchone()
+        last_predicted, last_worker = db.execute(
+            "SELECT predicted_cached_tokens, worker FROM turns WHERE session_id = 'audited'"
+            " ORDER BY started_at DESC LIMIT 1"
+        ).fetchone()
+    assert attempts == 3
+    assert task["tokens"] == tokens
+    assert task["cost"] == pytest.approx(cost)
+    assert session["turns"] == 3 and session["worker"] == last_worker
+    # The KV index's view when the last turn was placed, as the ledger recorded it.
+    assert session["resident_tokens"]["gpu"] == last_predicted > 0
+    assert session["resident_bytes"]["gpu"] > 0
