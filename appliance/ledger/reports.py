@@ -12,7 +12,7 @@ from typing import Any
 from appliance.domain.errors import ConfigError, LedgerError
 from appliance.domain.records import TaskStatus
 from appliance.ledger.connections import open_reader
-from appliance.policy.costs import GROUP_KEYS, AttemptRow, TaskRow, cost_per_success
+from appliance.policy.costs import GROUP_KEYS, AttemptRow, TaskRow, cost_per_success, group_row
 
 _TASKS = """SELECT task_id, tenant, created_at, parent_task_id, task_class, status, verified
     FROM tasks"""
@@ -52,22 +52,7 @@ def cost_report(
     finally:
         conn.close()
     groups = cost_per_success(tasks, attempts, by=by, since=since, until=until, window_s=window_s)
-    out = []
-    for g in groups:
-        row: dict[str, Any] = {key: getattr(g, key) for key in by}
-        if window_s is not None:
-            row["window_start"] = g.window_start
-        row |= {
-            "tasks": g.tasks,
-            "succeeded": g.succeeded,
-            "attempts": g.attempts,
-            "unpriced_attempts": g.unpriced_attempts,
-            "cost": g.cost,
-            "cost_per_success": g.cost_per_success,
-            "currency": currency,
-        }
-        out.append(row)
-    return out
+    return [group_row(g, by=by, currency=currency, windowed=window_s is not None) for g in groups]
 
 
 def _read(conn: sqlite3.Connection) -> tuple[list[TaskRow], list[AttemptRow], str | None]:

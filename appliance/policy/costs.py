@@ -244,3 +244,22 @@ def _window(created_at: float, since: float | None, window_s: float | None) -> f
 def _sort_key(key: tuple[str | None, str | None, float | None]) -> tuple[str, str, float]:
     cls, tenant, start = key
     return (cls or "", tenant or "", start if start is not None else -math.inf)
+
+
+def group_row(
+    g: CostGroup, *, by: Sequence[str], currency: str | None, windowed: bool = False
+) -> dict[str, object]:
+    """One group as a report row: the `by` columns (and window_start), then the figures."""
+    row: dict[str, object] = {key: getattr(g, key) for key in by}
+    if windowed:
+        row["window_start"] = g.window_start
+    row |= {
+        "tasks": g.tasks,
+        "succeeded": g.succeeded,
+        "attempts": g.attempts,
+        "unpriced_attempts": g.unpriced_attempts,
+        "cost": g.cost,
+        "cost_per_success": g.cost_per_success,
+        "currency": currency,
+    }
+    return row

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.domain.gpu import GpuSnapshot
-from appliance.policy.costs import AttemptRow, TaskRow, cost_per_success
+from appliance.policy.costs import (
+    GROUP_KEYS,
+    AttemptRow,
+    TaskRow,
+    cost_per_success,
+    group_row,
+)
 from appliance.ports import WorkerEndpoint
 from appliance.services.router import Router
 from appliance.services.tasks import TaskBook
@@ -153,16 +159,5 @@ def cost_groups(tasks: TaskBook, currency: str) -> list[dict[str, Any]]:
         if t.turns
     ]
     return [
-        {
-            "task_class": g.task_class,
-            "tenant": g.tenant,
-            "tasks": g.tasks,
-            "succeeded": g.succeeded,
-            "attempts": g.attempts,
-            "unpriced_attempts": g.unpriced_attempts,
-            "cost": g.cost,
-            "cost_per_success": g.cost_per_success,
-            "currency": currency,
-        }
-        for g in cost_per_success(rows, attempts)
+        group_row(g, by=GROUP_KEYS, currency=currency) for g in cost_per_success(rows, attempts)
     ]
