@@ -85,6 +85,7 @@ def _sources(with_gpu: bool) -> StateSources:
         clock_now=lambda: now,
         kv_bytes_per_token=131072,
         worker_info=lambda w: {"engine": "sim", "url": "http://x", "gpus": [], "restarts": 0},
+        currency="USD",
     )
 
 
