@@ -51,6 +51,7 @@ from appliance.services.sessions import ChatTokens, SessionState, SessionTable
 
 log = logging.getLogger(__name__)
 FAILURE_WINDOW_S = 60.0
+SPAN_MEMORY_S = 30.0  # longer than any worker reading can be old
 
 
 class NoWorker(ApplianceError):
@@ -133,6 +134,8 @@ class Router:
         self._on_turn = on_turn
         # Failed attempts per worker in the last FAILURE_WINDOW_S, oldest first.
         self._failures: dict[WorkerId, deque[float]] = {}
+        # When each recent attempt ran at each worker: (start, end or None while in flight).
+        self._spans: dict[WorkerId, dict[TurnId, tuple[float, float | None]]] = {}
         # Prefill work sent to each worker whose first byte has not come back yet.
         self._pending: dict[WorkerId, dict[TurnId, float]] = {}
         self.routed_by_reason: dict[str, int] = {}
@@ -203,16 +206,29 @@ class Router:
 
     def _queue_s(self, worker: WorkerEndpoint) -> float:
         """Prefill work ahead of a new request there: what the router sent and has not seen
-        start, or, when the worker reports more waiting requests than that (other clients,
-        a restarted router), those requests at the worker's own mean prompt length."""
+        start, or, when the worker reports waiting requests that are not the router's own
+        (other clients, a restarted router), those requests at the worker's mean prompt.
+
+        The reading is up to a refresh old, so the router's own requests are counted as they
+        were when it was taken; a stale reading of its own queue must never look like load.
+        """
         pending = self._pending.get(worker.id, {})
         load = worker.load
         routed = sum(pending.values())
-        if load is None or load.waiting <= len(pending):
+        foreign = load.waiting - self._own_at(worker.id, load.time) if load else 0
+        if load is None or foreign <= 0:
             return routed
         mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
         per_request = self._cost.prefill_s(int(mean_prompt), 0) if mean_prompt else 0.0
-        return max(routed, load.waiting * max(per_request, self._mean_prefill_s))
+        return max(routed, foreign * max(per_request, self._mean_prefill_s))
+
+    def _own_at(self, worker: WorkerId, t: float) -> int:
+        """The router's attempts in flight at `worker` at time `t` (recent ones are kept)."""
+        spans = self._spans.get(worker, {})
+        horizon = self._clock.now() - SPAN_MEMORY_S
+        for turn_id in [k for k, (_, end) in spans.items() if end is not None and end < horizon]:
+            del spans[turn_id]
+        return sum(1 for start, end in spans.values() if start <= t and (end is None or end > t))
 
     # --- forwarding ------------------------------------------------------------------
 
@@ -287,6 +303,7 @@ class Router:
         est = self._cost.prefill_s(fresh, predicted)
         attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, self._clock.now(), est)
         self._pending.setdefault(worker, {})[attempt.turn_id] = est
+        self._spans.setdefault(worker, {})[attempt.turn_id] = (attempt.started_at, None)
         self._mean_prefill_s += 0.1 * (est - self._mean_prefill_s)
         self.routed_by_reason[_reason_kind(decision.reason)] = (
             self.routed_by_reason.get(_reason_kind(decision.reason), 0) + 1
@@ -355,6 +372,7 @@ class Router:
     ) -> None:
         self._pending.get(attempt.worker, {}).pop(attempt.turn_id, None)
         end = self._clock.now()
+        self._spans.setdefault(attempt.worker, {})[attempt.turn_id] = (attempt.started_at, end)
         usage = attempt.usage
         prompt = int(usage.get("prompt_tokens") or len(turn.prompt_ids))
         cached = min(_cached_tokens(usage) or 0, prompt)

@@ -1,0 +1,112 @@
+"""The router's queue estimate: its own requests in a stale worker reading are not load;
+requests the worker reports beyond them are, at the worker's mean prompt length."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.domain.worker import LoadSnapshot
+from appliance.policy.routing.core import default_profile
+from appliance.services.router import Router, TurnRequest
+from appliance.services.sessions import SessionTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class LinearCost:
+    def prefill_s(self, fresh: int, reused: int = 0) -> float:
+        return fresh * 1e-3 + reused * 1e-4
+
+
+@dataclass
+class Client:
+    clock: Clock
+
+    async def post_json(self, path: str, body: Any, headers: Any = None) -> dict[str, Any]:
+        self.clock.t += 1.0  # the worker takes a second
+        return {"usage": {"prompt_tokens": 100, "completion_tokens": 1}}
+
+
+@dataclass
+class Worker:
+    id: WorkerId
+    client: Client
+    load: LoadSnapshot | None = None
+    healthy: bool = True
+    draining: bool = False
+
+
+class Ledger:
+    def __getattr__(self, name: str) -> Any:
+        def record(*_: Any) -> Future[Any]:
+            done: Future[Any] = Future()
+            done.set_result(None)
+            return done
+
+        return record
+
+
+@dataclass
+class Index:
+    blocks: dict[WorkerId, int] = field(default_factory=dict)
+
+    def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
+        return self.blocks
+
+
+def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
+    return LoadSnapshot(time=at, running=0, waiting=waiting, kv_cache_usage_perc=0.0,
+                        prompt_tokens=mean_prompt * 4, ttft_count=4)  # fmt: skip
+
+
+def setup() -> tuple[Router, list[Worker]]:
+    clock = Clock()
+    workers = [Worker(WorkerId("w0"), Client(clock)), Worker(WorkerId("w1"), Client(clock))]
+    router = Router(
+        workers=lambda: workers, index=Index(), sessions=SessionTable(BlockHasher(
+            HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(), profile=default_profile(),
+        ledger=Ledger(), clock=clock, tenant_salt=lambda t, c: f"salt-{t}", model="m",
+    )  # fmt: skip
+    return router, workers
+
+
+def turn() -> TurnRequest:
+    return TurnRequest(TenantId("a"), "/v1/completions", {"model": "m"}, list(range(100)),
+                       TaskId("a/t"), SessionId("s"))  # fmt: skip
+
+
+def queue_scores(router: Router) -> dict[str, float]:
+    session = router.sessions.open(TenantId("a"), SessionId("s"), 0.0)
+    decision, _ = router.place(turn(), session)
+    return {c.worker: c.scores["queue"] for c in decision.candidates}
+
+
+def test_the_routers_own_request_in_a_stale_reading_is_not_load() -> None:
+    router, (w0, w1) = setup()
+    reply = asyncio.run(router.handle(turn()))  # runs on w0 from t=100 to t=101
+    assert reply.headers["X-Appliance-Worker"] == "w0"
+    w0.load, w1.load = reading(100.5, waiting=1), reading(100.5, waiting=0)
+    assert queue_scores(router) == {"w0": 1.0, "w1": 1.0}
+
+
+def test_waiting_requests_that_are_not_the_routers_count_at_the_mean_prompt() -> None:
+    router, (w0, w1) = setup()
+    asyncio.run(router.handle(turn()))
+    w0.load, w1.load = reading(100.5, waiting=4), reading(100.5, waiting=0)
+    scores = queue_scores(router)
+    # 3 foreign requests x 1000 tokens x 1 ms = 3 s queued, the scale of this decision.
+    assert scores["w0"] == 0.0 and scores["w1"] == 1.0
