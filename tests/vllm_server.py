@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ import httpx
 import msgspec
 import psutil
 import zmq
+
+from tests.ports import free_port
 
 VLLM_PYTHON_ENV = "APPLIANCE_VLLM_PYTHON"
 TINY_MODEL_SCRIPT = Path(__file__).resolve().parent / "fixtures" / "tiny_model.py"
@@ -61,12 +62,6 @@ def _has_vllm(python: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probed.returncode == 0
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def ensure_tiny_model(python: str, cache_dir: Path, seed: int = 0) -> Path:
@@ -164,7 +159,7 @@ class VllmServer:
 
     def __init__(self, config: VllmServerConfig) -> None:
         self.config = config
-        self.port = config.port or free_tcp_port(config.host)
+        self.port = config.port or free_port()
         self.base_url = f"http://{config.host}:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopped = False

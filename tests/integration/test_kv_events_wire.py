@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
@@ -13,13 +12,7 @@ import pytest
 from appliance.domain import kv_events as ev
 from appliance.engines.kv_events import KvEventSubscriber, decode_batch, decode_event
 from appliance.sim.kv_publisher import KvEventPublisher, encode_batch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from tests.ports import free_port
 
 STORED = ev.BlockStored(
     block_hashes=(1, 2**64 - 1),

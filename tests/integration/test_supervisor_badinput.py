@@ -22,12 +22,7 @@ from appliance.engines.errors import GpuNotFound, ModelNotFound, PortInUse, Vllm
 from appliance.engines.launch import Device, LaunchSpec
 from appliance.engines.preflight import check_model, parse_probe, probe_vllm
 from appliance.engines.supervisor import Supervisor
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.ports import free_port
 
 
 @pytest.fixture

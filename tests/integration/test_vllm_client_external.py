@@ -7,7 +7,6 @@ for byte vLLM's) for its KV events; against real vLLM see test_supervisor_vllm.p
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +20,7 @@ from appliance.domain.worker import WorkerState
 from appliance.engines.external import connect_external
 from appliance.engines.workers import KvIndexFeed
 from appliance.sim.kv_publisher import KvEventPublisher
+from tests.ports import free_port
 
 METRICS = (Path(__file__).parents[1] / "unit" / "data" / "vllm_metrics.txt").read_bytes()
 
@@ -45,12 +45,6 @@ def server_url():
     yield f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
     server.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 STORED = ev.BlockStored(

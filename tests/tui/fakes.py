@@ -273,9 +273,3 @@ def _error(status: int, message: str, code: str) -> Reply:
 
 def json_reply(status: int, body: dict[str, Any]) -> Reply:
     return Reply(status, json.dumps(body).encode())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
