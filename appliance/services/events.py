@@ -1,0 +1,51 @@
+"""The operator's event feed: worker restarts, admission rejections, evictions and releases.
+
+Every component that makes such a change records it here in the same place it makes the
+change (and writes its ledger row there too, where the change has one). The feed keeps the
+newest `capacity` events in memory for `/admin/v1/state` and the console's Events screen;
+the ledger, not this feed, is the history.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_CAPACITY = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    at: float
+    kind: str
+    """"worker_restart", "worker_down", "rejection", "eviction", "release", ..."""
+    subject: str
+    """What it happened to: a worker id, a session id, a task id."""
+    detail: str
+    """One line an operator can read: why it happened."""
+    tenant: str | None = None
+
+
+class EventFeed:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._events: deque[Event] = deque(maxlen=capacity)
+        self.counts: dict[str, int] = {}
+        """Events of each kind since start (not bounded by the capacity)."""
+
+    def record(
+        self, at: float, kind: str, subject: str, detail: str, *, tenant: str | None = None
+    ) -> Event:
+        event = Event(at, kind, subject, detail, tenant)
+        self._events.append(event)
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        return event
+
+    def recent(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Newest first, as JSON-ready dicts."""
+        newest = reversed(self._events)
+        out = [asdict(e) for e in newest]
+        return out if limit is None else out[:limit]
+
+    def __len__(self) -> int:
+        return len(self._events)

@@ -1,0 +1,19 @@
+from appliance.services.events import EventFeed
+
+
+def test_feed_keeps_the_newest_events_first_and_counts_every_kind() -> None:
+    feed = EventFeed(capacity=3)
+    for i in range(5):
+        feed.record(float(i), "eviction" if i % 2 else "rejection", f"s{i}", f"why {i}")
+    recent = feed.recent()
+    assert [e["subject"] for e in recent] == ["s4", "s3", "s2"]
+    assert recent[0] == {
+        "at": 4.0,
+        "kind": "rejection",
+        "subject": "s4",
+        "detail": "why 4",
+        "tenant": None,
+    }
+    assert feed.counts == {"rejection": 3, "eviction": 2}
+    assert [e["subject"] for e in feed.recent(limit=1)] == ["s4"]
+    assert len(feed) == 3
