@@ -6,11 +6,12 @@ root (appliance.bootstrap) names them. This module imports appliance.domain only
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
+from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.records import (
     AdmissionEvent,
     CacheReceipt,
@@ -78,12 +79,23 @@ class Ledger(Protocol):
     def close(self) -> None: ...
 
 
+class GpuProbe(Protocol):
+    """The GPUs and the host, one reading per call: NVML on a GPU host, the simulated
+    engine's model of its GPUs under `--engine sim`."""
+
+    def snapshot(self) -> GpuSnapshot: ...
+
+    def close(self) -> None: ...
+
+
 class StreamResponse(Protocol):
-    """A worker's streaming HTTP response (an httpx.Response opened with stream=True)."""
+    """A worker's streaming HTTP answer, status already checked."""
 
     status_code: int
 
-    def aiter_lines(self) -> Any: ...
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive, to relay unchanged."""
+        ...
 
 
 class EngineClient(Protocol):
@@ -98,7 +110,7 @@ class EngineClient(Protocol):
 
     def open_stream(
         self, path: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
-    ) -> AbstractAsyncContextManager[Any]: ...
+    ) -> AbstractAsyncContextManager[StreamResponse]: ...
 
 
 class WorkerEndpoint(Protocol):

@@ -151,6 +151,7 @@ class StampedApp:
 
 def serve_worker(port: int, kv_endpoint: str, max_model_len: int) -> None:
     """One simulated worker as `appliance up --engine sim` starts it, behind StampedApp."""
+    from appliance import eventloop
     from appliance.sim.server import create_app, make_server
     from appliance.sim.worker import SimWorker, WorkerConfig
 
@@ -173,7 +174,7 @@ def serve_worker(port: int, kv_endpoint: str, max_model_len: int) -> None:
         finally:
             await worker.stop()
 
-    asyncio.run(main())
+    eventloop.run(main())
 
 
 # --- processes ------------------------------------------------------------------------------

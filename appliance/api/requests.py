@@ -8,11 +8,12 @@ The body itself travels on unchanged, so vLLM's own extra fields pass through.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import orjson
 
 from appliance.api.errors import ApiError
 from appliance.services.sessions import ChatEncoder, ChatTokens
@@ -45,7 +46,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
             "body_too_large",
         )
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):

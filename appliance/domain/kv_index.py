@@ -146,22 +146,27 @@ class KvIndex:
 
         Workers holding not even the first block are left out.
         """
-        result: dict[WorkerId, int] = {}
-        candidates: set[WorkerId] | None = None
+        first = self._blocks.get(chain[0]) if chain else None
+        if first is None:
+            return {}
+        return {w: self._leading(w, chain, medium) for w in self._holders(first, medium)}
+
+    def _leading(self, worker: WorkerId, chain: Sequence[int], medium: str | None) -> int:
+        """How many leading blocks of `chain` the worker holds (the router's hot path: one
+        set probe per block)."""
+        if medium is None:
+            held = self._by_worker.get(worker, set())
+            for i, h in enumerate(chain):
+                if h not in held:
+                    return i
+            return len(chain)
+        key = (worker, medium)
+        blocks = self._blocks
         for i, h in enumerate(chain):
-            block = self._blocks.get(h)
-            holders = self._holders(block, medium) if block is not None else set()
-            if candidates is None:
-                candidates = holders
-            else:
-                for gone in candidates - holders:
-                    result[gone] = i
-                candidates &= holders
-            if not candidates:
-                return result
-        for worker in candidates or ():
-            result[worker] = len(chain)
-        return result
+            block = blocks.get(h)
+            if block is None or key not in block.refs:
+                return i
+        return len(chain)
 
     @staticmethod
     def _holders(block: _Block, medium: str | None) -> set[WorkerId]:

@@ -338,16 +338,16 @@ class Router:
 
         async def chunks() -> AsyncIterator[bytes]:
             outcome, error = TurnOutcome.OK, None
+            usage = UsageScanner()
             try:
-                async for line in response.aiter_lines():
+                async for data in response.chunks():  # relayed as they come, unparsed
                     if attempt.first_byte_at is None:
                         attempt.first_byte_at = self._clock.now()
                         self._pending.get(worker.id, {}).pop(attempt.turn_id, None)
-                    if line.startswith("data:") and '"usage"' in line:
-                        usage = _usage_of(line)
-                        if usage:
-                            attempt.usage = usage
-                    yield (line + "\n").encode()
+                    usage.feed(data)
+                    yield data
+                if usage.last:
+                    attempt.usage = usage.last
             except Exception as exc:  # the worker broke off midway
                 outcome, error = TurnOutcome.FAILED, f"stream broke: {exc or type(exc).__name__}"
                 event = {"error": {"message": error, "type": "stream_error", "code": 502}}
@@ -456,9 +456,30 @@ def _cached_tokens(usage: dict[str, Any]) -> int | None:
     return int(value) if value is not None else None
 
 
-def _usage_of(line: str) -> dict[str, Any] | None:
+class UsageScanner:
+    """Finds the `usage` of an SSE stream in the bytes relayed to the client, parsing only
+    the complete `data:` lines that mention it (the last such line wins)."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.last: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> None:
+        buffer = self._tail + data
+        end = buffer.rfind(b"\n") + 1
+        complete, self._tail = buffer[:end], buffer[end:]
+        if b'"usage"' not in complete:
+            return
+        for line in complete.split(b"\n"):
+            if line.startswith(b"data:") and b'"usage"' in line:
+                usage = _usage_of(line[5:])
+                if usage:
+                    self.last = usage
+
+
+def _usage_of(data: bytes) -> dict[str, Any] | None:
     try:
-        chunk = json.loads(line[5:].strip())
+        chunk = json.loads(data)
     except ValueError:
         return None
     usage = chunk.get("usage") if isinstance(chunk, dict) else None

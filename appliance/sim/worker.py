@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import uvicorn
 
+from appliance import eventloop
 from appliance.domain.block_hash import BlockHasher
 from appliance.sim.clock import run_engine_loop
 from appliance.sim.engine import RequestOutput, SimEngine, SimRequest, StepResult
@@ -395,7 +396,7 @@ class ThreadedWorker:
             self._started.set()
 
         try:
-            asyncio.run(serve_worker(self.worker, on_started=on_started))
+            eventloop.run(serve_worker(self.worker, on_started=on_started))
         except BaseException as exc:  # reported by start()
             self._error = exc
         finally:
@@ -448,4 +449,4 @@ async def serve_workers(n: int, base_port: int, **config: Any) -> None:
 def run_workers(n: int, base_port: int, **config: Any) -> None:
     """Blocking entry point for `appliance sim`: serve until interrupted."""
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_workers(n, base_port, **config))
+        eventloop.run(serve_workers(n, base_port, **config))

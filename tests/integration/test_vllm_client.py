@@ -1,4 +1,4 @@
-"""The vLLM client against a scripted server (httpx MockTransport) and a closed port.
+"""The vLLM client against a scripted server on a real local port, and a closed port.
 
 The same client against real vLLM is covered in test_supervisor_vllm.py.
 """
@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
 import pytest
+from aiohttp import web
 
 from appliance.engines.errors import EngineRequestError, EngineUnavailable
 from appliance.engines.vllm_client import VllmClient, parse_sse_line
@@ -24,39 +26,59 @@ CHUNKS = [
 ]
 
 
-def handler(request: httpx.Request) -> httpx.Response:
-    path = request.url.path
+async def handler(request: web.Request) -> web.StreamResponse:
+    path = request.path
     if path == "/health":
-        return httpx.Response(200)
+        return web.Response(status=200)
     if path == "/metrics":
-        return httpx.Response(200, text=METRICS)
+        return web.Response(text=METRICS)
     if path == "/v1/models":
-        return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
     if path == "/tokenize":
-        body = json.loads(request.content)
+        body = await request.json()
         n = len(body.get("prompt") or body["messages"][0]["content"])
-        return httpx.Response(200, json={"count": n, "tokens": list(range(n))})
+        return web.json_response({"count": n, "tokens": list(range(n))})
     if path == "/v1/completions":
-        body = json.loads(request.content)
+        body = await request.json()
         if body.get("max_tokens", 1) > 100:
-            return httpx.Response(
-                400,
-                json={"error": {"message": "max_tokens is too large", "code": 400}},
+            return web.json_response(
+                {"error": {"message": "max_tokens is too large", "code": 400}}, status=400
             )
         if not body.get("stream"):
-            return httpx.Response(
-                200, json={"echo": body, "session": request.headers.get("x-session-id")}
-            )
-        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in CHUNKS) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=": keep-alive\n\n" + sse,
-                              headers={"content-type": "text/event-stream"})  # fmt: skip
-    return httpx.Response(404, text="not found")
+            return web.json_response({"echo": body, "session": request.headers.get("x-session-id")})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b": keep-alive\n\n")
+        for chunk in CHUNKS:  # one write per event, as a server sends them
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    return web.Response(status=404, text="not found")
 
 
-def client(**kw) -> VllmClient:
-    return VllmClient(
-        "http://vllm.test/", model="tiny", transport=httpx.MockTransport(handler), **kw
-    )
+@asynccontextmanager
+async def served(
+    handle: Callable[[web.Request], object] = handler,
+) -> AsyncIterator[str]:
+    """A real HTTP server on a free local port, answering with `handle`."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)  # type: ignore[arg-type]
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def client(**kw) -> AsyncIterator[VllmClient]:
+    async with served() as url, VllmClient(url + "/", model="tiny", **kw) as c:
+        yield c
 
 
 def run(coro):
@@ -66,7 +88,7 @@ def run(coro):
 def test_probes_and_reads() -> None:
     async def go():
         async with client() as c:
-            assert c.base_url == "http://vllm.test"
+            assert c.base_url.startswith("http://127.0.0.1:") and not c.base_url.endswith("/")
             assert await c.health()
             assert (await c.models())[0]["id"] == "tiny"
             assert await c.tokenize("abc") == [0, 1, 2]
@@ -167,10 +189,11 @@ def test_parse_sse_line(line: str, expected) -> None:
     ],
 )
 def test_error_messages_are_one_line(status: int, body: str, expected: str) -> None:
-    transport = httpx.MockTransport(lambda request: httpx.Response(status, text=body))
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=status, text=body)
 
     async def go() -> None:
-        async with VllmClient("http://x", transport=transport) as c:
+        async with served(answer) as url, VllmClient(url) as c:
             with pytest.raises(EngineRequestError) as err:
                 await c.models()
             assert err.value.message == f"vLLM /v1/models {expected}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.worker import LoadSnapshot
-from appliance.engines.metrics import cache_config, load_snapshot, parse
+from appliance.engines.metrics import LOAD_FAMILIES, cache_config, load_snapshot, parse
 
 REAL = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 
@@ -54,6 +54,15 @@ def test_real_vllm_metrics_to_load_snapshot() -> None:
     )
     assert snap.prefix_hit_rate == pytest.approx(2336 / 3720)
     assert not snap.busy
+
+
+def test_a_scrape_reads_only_the_load_families_and_loses_nothing_of_the_snapshot() -> None:
+    only = parse(REAL, LOAD_FAMILIES)
+    assert {s.name for s in only.samples} <= LOAD_FAMILIES
+    assert len(only.samples) < len(parse(REAL).samples) // 4
+    assert load_snapshot(only, now=1.0, model_name="tiny") == load_snapshot(
+        parse(REAL), now=1.0, model_name="tiny"
+    )
 
 
 def test_other_model_name_reads_nothing() -> None:
