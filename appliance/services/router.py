@@ -176,7 +176,7 @@ class Router:
         resident = {w: min(n * bs, cap) for w, n in resident_blocks.items()}
         session.resident_tokens = dict(resident)
         workers = self._workers()
-        queues = {w.id: self._queue_s(w) for w in workers}
+        queues = {w.id: self.queue_s(w) for w in workers}
         total_queue = sum(queues.values())
         views = [
             WorkerView(
@@ -204,7 +204,7 @@ class Router:
             seen.popleft()
         return len(seen)
 
-    def _queue_s(self, worker: WorkerEndpoint) -> float:
+    def queue_s(self, worker: WorkerEndpoint) -> float:
         """Prefill work ahead of a new request there: what the router sent and has not seen
         start, or, when the worker reports waiting requests that are not the router's own
         (other clients, a restarted router), those requests at the worker's mean prompt.

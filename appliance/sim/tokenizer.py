@@ -108,7 +108,8 @@ class SimTokenizer:
     """Strings before which `encode` cuts the text and tokenises the pieces on their own:
     `encode(a + b, add_special_tokens=False) == encode(a, ...) + encode(b, ...)` whenever
     `b` starts with one of them. A router may then tokenise a growing chat incrementally.
-    Empty: no such promise (a Hugging Face tokenizer makes none here)."""
+    Empty: no such promise. A Hugging Face tokenizer promises it for the special tokens
+    its chat template uses, when a probe at load time confirms it (see `HfTokenizer`)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -224,6 +225,42 @@ class HfTokenizer(SimTokenizer):
         elif isinstance(config.get("chat_template"), str):
             self.chat_template = config["chat_template"]
         self._special = _added_specials(self._tok.get_added_tokens_decoder())
+        self.split_before = self._split_points()
+
+    def _split_points(self) -> tuple[str, ...]:
+        """The special tokens of the chat template at which `encode` provably cuts.
+
+        Hugging Face tokenizers split the input at added tokens and tokenise the pieces
+        between them on their own, which is the promise, unless the token strips the
+        whitespace beside it or the normaliser or pre-tokeniser treats the start of the
+        input differently (SentencePiece's "prepend a space to the first piece"). Rather
+        than trusting configuration, each candidate is probed with texts that end and
+        start in every way a chat does; one mismatch and it is not a split point."""
+        try:
+            chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+            rendered = self.render_chat(chat) + self.chat_template
+        except ChatTemplateError:
+            rendered = self.chat_template
+        candidates = [
+            t.content
+            for t in self._tok.get_added_tokens_decoder().values()
+            if t.special and not (t.lstrip or t.rstrip or t.single_word)
+            if t.content and t.content in rendered
+        ]
+        heads = ("", "x", "hello world", "a\n", "b ", " \n\t", "é.")
+        tails = ("", "\n", "user\nhi there", " x", "\n\n", "é")
+
+        def encode(text: str) -> list[int]:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+        def splits(token: str) -> bool:
+            return all(
+                encode(head + token + tail) == encode(head) + encode(token + tail)
+                for head in heads
+                for tail in tails
+            )
+
+        return tuple(sorted(t for t in candidates if splits(t)))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
