@@ -13,6 +13,7 @@ summed, the KV-cache usage is the fullest engine's. Names of older vLLM releases
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping
@@ -23,7 +24,6 @@ from appliance.domain.worker import LoadSnapshot
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _SAMPLE = re.compile(rf"^({_NAME})(?:\{{(.*)\}})?\s+(\S+)(?:\s+(\S+))?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
-_NAME_END = re.compile(r"[{\s]")
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
@@ -103,10 +103,12 @@ def _value(text: str) -> float | None:
 
 
 def parse(text: str, only: Collection[str] | None = None) -> Metrics:
-    """All samples of a Prometheus text exposition (or only those named in `only`, which
-    skips the other lines unread); unreadable lines are counted in `skipped`."""
+    """All samples of a Prometheus text exposition, or only the samples named in `only`
+    (found by one regular-expression scan; the other lines, and the comments, are not
+    read); unreadable lines are counted in `skipped`."""
     out = Metrics()
-    for raw in text.splitlines():
+    lines = _lines_of(frozenset(only)).findall(text) if only is not None else text.splitlines()
+    for raw in lines:
         line = raw.strip()
         if not line:
             continue
@@ -114,8 +116,6 @@ def parse(text: str, only: Collection[str] | None = None) -> Metrics:
             parts = line.split(None, 3)
             if len(parts) >= 4 and parts[1] == "TYPE":
                 out.types[parts[2]] = parts[3].strip()
-            continue
-        if only is not None and _NAME_END.split(line, 1)[0] not in only:
             continue
         match = _SAMPLE.match(line)
         labels = _labels(match.group(2) or "") if match else None
@@ -125,6 +125,13 @@ def parse(text: str, only: Collection[str] | None = None) -> Metrics:
             continue
         out.samples.append(Sample(match.group(1), labels, value))
     return out
+
+
+@functools.cache
+def _lines_of(names: frozenset[str]) -> re.Pattern[str]:
+    """Whole sample lines of these metric names (a name ends at `{` or a blank)."""
+    alternatives = "|".join(map(re.escape, sorted(names)))
+    return re.compile(rf"^[ \t]*(?:{alternatives})[{{ \t][^\n]*", re.MULTILINE)
 
 
 def _int(value: float) -> int:

@@ -63,6 +63,9 @@ def test_a_scrape_reads_only_the_load_families_and_loses_nothing_of_the_snapshot
     assert load_snapshot(only, now=1.0, model_name="tiny") == load_snapshot(
         parse(REAL), now=1.0, model_name="tiny"
     )
+    broken = "vllm:num_requests_running{bad 1\nvllm:num_requests_waiting 3\nother{a} x\n"
+    picked = parse(broken, LOAD_FAMILIES)
+    assert picked.skipped == 1 and [s.value for s in picked.samples] == [3.0]
 
 
 def test_other_model_name_reads_nothing() -> None:
