@@ -190,10 +190,24 @@ class BlockHashChain:
         """Tokens covered: the full blocks plus the partial tail."""
         return len(self.hashes) * self.block_size + len(self.tail)
 
-    @property
-    def event_hashes(self) -> tuple[int, ...]:
-        """The chain's hashes as KV events carry them."""
-        return tuple(event_block_hash(h) for h in self.hashes)
+    event_hashes: tuple[int, ...] = ()
+    """The chain's hashes as KV events carry them (filled in when not given; `extend`
+    passes them on so a growing session converts only its new blocks)."""
+
+    def __post_init__(self) -> None:
+        if len(self.event_hashes) != len(self.hashes):
+            events = tuple(event_block_hash(h) for h in self.hashes)
+            object.__setattr__(self, "event_hashes", events)
+
+    def prefix(self, n_blocks: int) -> BlockHashChain:
+        """The chain of its first `n_blocks` full blocks (no tail)."""
+        return BlockHashChain(
+            self.block_size,
+            self.hashes[:n_blocks],
+            (),
+            self.keys,
+            self.event_hashes[:n_blocks],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,9 +276,14 @@ class BlockHasher:
         parent = chain.hashes[-1] if chain.hashes else None
         new = self._hash_run(pending, len(chain.hashes), parent, chain.keys)
         if not new:
-            return BlockHashChain(self.block_size, chain.hashes, pending, chain.keys)
+            return BlockHashChain(
+                self.block_size, chain.hashes, pending, chain.keys, chain.event_hashes
+            )
         cut = len(new) * self.block_size
-        return BlockHashChain(self.block_size, (*chain.hashes, *new), pending[cut:], chain.keys)
+        events = (*chain.event_hashes, *(event_block_hash(h) for h in new))
+        return BlockHashChain(
+            self.block_size, (*chain.hashes, *new), pending[cut:], chain.keys, events
+        )
 
     def _hash_run(
         self,

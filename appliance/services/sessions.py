@@ -195,8 +195,7 @@ class SessionTable:
             chain = self._hasher.extend(chain, token_ids[len(old) :])
         else:
             keep = _shared_blocks(old, token_ids, bs, len(chain.hashes))
-            kept = BlockHashChain(bs, chain.hashes[:keep], (), keys)
-            chain = self._hasher.extend(kept, token_ids[keep * bs :])
+            chain = self._hasher.extend(chain.prefix(keep), token_ids[keep * bs :])
         state.chain = chain
         state.token_ids = list(token_ids)
         if donor is not None:
