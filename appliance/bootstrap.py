@@ -60,14 +60,37 @@ def run_sim(*, workers: int, port: int, **config: Any) -> None:
     run_workers(workers, port, **config)
 
 
-def replay(trace: Path, **options: Any) -> str:
-    """`appliance replay`: the comparison table; the JSON report goes where `report` says."""
-    from appliance.replay import render_table, run_replay
+def replay(
+    trace: Path | None, *, workload: Path | None = None, tasks: int = 100, **options: Any
+) -> str:
+    """`appliance replay`: the comparison table of a trace, or of a closed-loop workload of
+    `tasks` root tasks generated from the `workload` spec (priced at the configured
+    GPU-second); the JSON report goes where `report` says."""
+    from appliance.replay import render_table, run_replay, run_workload
 
-    if not trace.is_file():
-        raise ConfigError(f"trace {trace} does not exist; pass a Mooncake .jsonl or Azure .csv")
+    if (trace is None) == (workload is None):
+        raise ConfigError("replay: give a TRACE or --workload FILE, one of the two")
     try:
-        result = run_replay(trace, progress=sys.stderr.isatty(), **options)
+        if workload is not None:
+            from appliance.workload import generate, load_spec
+
+            if options.pop("limit", None) is not None:
+                raise ConfigError("replay: --limit cuts a trace; a workload takes --tasks N")
+            generated = generate(load_spec(workload), root_tasks=tasks)
+            result = run_workload(
+                generated.tasks,
+                gpu_second=load_settings().costs.gpu_second,
+                source=str(workload),
+                progress=sys.stderr.isatty(),
+                **options,
+            )
+        else:
+            assert trace is not None
+            if not trace.is_file():
+                raise ConfigError(
+                    f"trace {trace} does not exist; pass a Mooncake .jsonl or Azure .csv"
+                )
+            result = run_replay(trace, progress=sys.stderr.isatty(), **options)
     except ValueError as exc:
         raise ConfigError(f"replay: {exc}") from None
     return render_table(result)

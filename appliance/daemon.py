@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from appliance import keystore
+from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.app import ApiContext, Caller, create_app
 from appliance.datadir import ensure_data_dir
 from appliance.domain.block_hash import BlockHasher, HashAlgo
@@ -38,22 +39,35 @@ from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
 from appliance.engines.worker_process import spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
+from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
 from appliance.ledger import Ledger
 from appliance.ledger.reports import cost_report
+from appliance.ledger.session_history import session_turns
+from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
+from appliance.ports import GpuProbe, WorkerEndpoint
+from appliance.services.admission import AdmissionService
+from appliance.services.cost_series import CostSeries
+from appliance.services.events import EventFeed
 from appliance.services.router import Router
+from appliance.services.session_admin import SessionReleases
 from appliance.services.sessions import SessionTable
 from appliance.services.state import StateSources, metrics_text, snapshot
 from appliance.services.tasks import TaskBook
 from appliance.services.tenancy import TenantSalts
+from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
 from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile, load_profile
+from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
 from appliance.sim.tokenizer import load_tokenizer
+from appliance.sim.worker import WorkerConfig, default_num_gpu_blocks
 
 log = logging.getLogger(__name__)
 SIM_MAX_MODEL_LEN = 32768
+SIM_FALLBACK_HBM_BYTES = 80 * 2**30
+"""A profile without a memory reading: the GPU size the simulated worker then assumes."""
 REFRESH_S = 0.5
 
 
@@ -100,6 +114,30 @@ def runtime_identity(settings: Settings, kind: EngineKind) -> str:
     e = settings.engine
     return (f"{kind.value}:{served_name(settings)}:bs{e.block_size}:{e.hash_algo}"
             f":seed{e.python_hash_seed}")  # fmt: skip
+
+
+def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
+    """The GPU each simulated worker stands for, split as the worker splits it: vLLM's
+    memory budget (utilisation x HBM) less the KV pool the worker sizes is weights and
+    runtime."""
+    utilization = WorkerConfig().gpu_memory_utilization
+    total_bytes = profile.memory_bytes or SIM_FALLBACK_HBM_BYTES
+    blocks = default_num_gpu_blocks(profile, block_size, utilization)
+    kv_bytes = blocks * block_size * profile.kv_bytes_per_token
+    baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)
+    return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes)
+
+
+def gpu_probe(
+    kind: EngineKind,
+    profile: GpuProfile,
+    block_size: int,
+    workers: Callable[[], Sequence[WorkerEndpoint]],
+) -> GpuProbe:
+    """NVML; under the simulated engine, the model of the GPUs its workers stand for."""
+    if kind == EngineKind.SIM:
+        return SimulatedGpuProbe(simulated_gpu(profile, block_size), workers)
+    return NvmlProbe()
 
 
 def _secret(data_dir: Path) -> bytes:
@@ -270,16 +308,18 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
     )
     clock = WallClock()
     feed = KvIndexFeed()
-    probe = NvmlProbe()
+    events = EventFeed()
+    probe: GpuProbe | None = None
     try:
         async with start_engines(settings, kind, feed, log_dir) as engines:
+            probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
             tokenizer = load_tokenizer(settings.engine.model)
             hasher = BlockHasher.for_engine(
                 HashAlgo(settings.engine.hash_algo),
                 settings.engine.block_size,
                 settings.engine.python_hash_seed,
             )
-            tasks = TaskBook(ledger)
+            tasks = TaskBook(ledger, events)
             router = Router(
                 workers=lambda: engines.workers,
                 index=feed,
@@ -293,6 +333,17 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 runtime_identity=runtime_identity(settings, kind),
                 on_turn=tasks.add_turn,
             )
+            admission = AdmissionService(
+                limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
+                ledger=ledger,
+                clock=clock,
+                workers=lambda: engines.workers,
+                queue_s=router.queue_s,  # the router's queued prefill ahead of new work
+                cost=LatencyModel.from_profile(profile),
+                task_idle_s=settings.admission.task_idle_s,
+                events=events,
+            )
+            releases = SessionReleases(router.sessions, ledger, events, profile.kv_bytes_per_token)
             gpu_tick: list[Any] = [probe.snapshot()]
             sources = StateSources(
                 workers=lambda: engines.workers,
@@ -302,6 +353,10 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 clock_now=clock.now,
                 kv_bytes_per_token=profile.kv_bytes_per_token,
                 currency=settings.costs.currency,
+                events=events,
+                releases=releases,
+                cost_series=CostSeries(),
+                admission=admission,
                 worker_info=lambda w: {
                     "engine": w.engine,
                     "url": w.url,
@@ -321,6 +376,13 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                     state=lambda: snapshot(sources),
                     metrics=lambda: metrics_text(sources),
                     costs=lambda: cost_report(settings.ledger_path),
+                    admission=admission,
+                    sessions_admin=SessionAdmin(
+                        releases,
+                        lambda tenant, sid, limit: session_turns(
+                            settings.ledger_path, tenant, sid, limit=limit
+                        ),
+                    ),
                 )
             )
             server = uvicorn.Server(
@@ -329,6 +391,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                     host=settings.server.host,
                     port=settings.server.port,
                     log_level="warning",
+                    access_log=False,
                     lifespan="off",
                     timeout_graceful_shutdown=30,
                 )
@@ -339,7 +402,8 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 f"{engines.served_name}); API at {url}; keys in {keys_file}",
                 flush=True,
             )
-            refresher = asyncio.create_task(_refresh(engines, gpu_tick, probe))
+            watch = WorkerWatch(events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
+            refresher = asyncio.create_task(_refresh(engines, gpu_tick, probe, watch, clock))
             serving = asyncio.create_task(server.serve())
             while not server.started and not serving.done():
                 await asyncio.sleep(0.05)
@@ -351,13 +415,17 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 refresher.cancel()
     finally:
         ledger.close()
-        probe.close()
+        if probe is not None:
+            probe.close()
 
 
-async def _refresh(engines: Engines, gpu_tick: list[Any], probe: NvmlProbe) -> None:
+async def _refresh(
+    engines: Engines, gpu_tick: list[Any], probe: GpuProbe, watch: WorkerWatch, clock: WallClock
+) -> None:
     while True:
         try:
             await engines.refresh()
+            watch.observe(engines.workers, clock.now())
             gpu_tick[0] = await asyncio.to_thread(probe.snapshot)
         except Exception:
             log.exception("refreshing worker and GPU readings failed")
@@ -366,7 +434,7 @@ async def _refresh(engines: Engines, gpu_tick: list[Any], probe: NvmlProbe) -> N
 
 def run(settings: Settings) -> None:
     """Foreground: until Ctrl-C or SIGTERM, then a clean stop."""
-    loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     main = loop.create_task(serve(settings))
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main.cancel)

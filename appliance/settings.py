@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -148,6 +155,61 @@ class CostSettings(Section):
     """Price of one GPU-second, gpu_seconds mode (about 4 USD per GPU-hour)."""
 
 
+class AdmissionSettings(Section):
+    """Which tasks and turns enter the box (appliance/policy/admission.py states the model)."""
+
+    turns_per_worker: int = Field(64, ge=1)
+    """In-flight turns per healthy worker at which the box counts as saturated; then a
+    tenant at or above its weighted share of them is refused (429 tenant_over_share)."""
+    max_open_tasks: int = Field(1024, ge=1)
+    """Open tasks at which the box counts as saturated for new tasks (shared by weight too)."""
+    default_weight: float = Field(1.0, gt=0)
+    """Fair-share weight of a tenant not named in tenant_weights."""
+    tenant_weights: dict[str, PositiveFloat] = {}
+    """Fair-share weight by tenant (its key name); a tenant with weight 2 gets twice the
+    share of one with weight 1 when the box is saturated. A tenant alone may use it all."""
+    max_children_per_task: int = Field(64, ge=0)
+    """Open children a task may have when it sets no max_children, and the most a task's own
+    max_children may allow (429 children_cap)."""
+    max_depth: int = Field(8, ge=0)
+    """Deepest a task may sit below its root task (a root is depth 0; 429 depth_cap)."""
+    max_queue_s: float = Field(30.0, gt=0)
+    """When every healthy worker's estimated queue exceeds this at priority 0, new work is
+    refused early (503 overloaded)."""
+    queue_s_per_priority: float = Field(10.0, ge=0)
+    """Seconds of queue each priority level adds to (or, below 0, takes from) max_queue_s:
+    higher priority tolerates a longer queue."""
+    default_priority_ceiling: int = 0
+    """Highest X-Priority a tenant not named in priority_ceilings may use (higher is clipped)."""
+    priority_ceilings: dict[str, int] = {}
+    """Highest X-Priority by tenant (its key name); higher requests are clipped to it."""
+    retry_after_s: float = Field(1.0, gt=0)
+    """Retry-After sent with a refusal whose wait cannot be estimated (at least 1 s is sent)."""
+    task_idle_s: float = Field(600.0, gt=0)
+    """An open task with no turn and no new child for this long stops counting toward its
+    tenant's open tasks and its parent's children (clients that never close tasks)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AdmissionSettings:
+        if self.max_children_per_task > self.max_open_tasks:
+            raise ValueError(
+                f"admission.max_children_per_task={self.max_children_per_task} exceeds "
+                f"admission.max_open_tasks={self.max_open_tasks}: lower the first or raise "
+                "the second"
+            )
+        ceilings = {"default_priority_ceiling": self.default_priority_ceiling}
+        ceilings |= {f"priority_ceilings.{t}": c for t, c in self.priority_ceilings.items()}
+        for name, ceiling in ceilings.items():
+            if self.max_queue_s + ceiling * self.queue_s_per_priority <= 0:
+                raise ValueError(
+                    f"admission.{name}={ceiling} leaves a queue bound of 0 s (max_queue_s + "
+                    "ceiling * queue_s_per_priority), so that tenant is refused whenever any "
+                    "work is queued: raise the ceiling or max_queue_s, or lower "
+                    "queue_s_per_priority"
+                )
+        return self
+
+
 class Settings(BaseSettings):
     """The whole configuration of one appliance."""
 
@@ -170,6 +232,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = RoutingSettings()
     ledger: LedgerSettings = LedgerSettings()
     costs: CostSettings = CostSettings()
+    admission: AdmissionSettings = AdmissionSettings()
 
     @property
     def ledger_path(self) -> Path:
@@ -289,7 +352,7 @@ def _one_line(exc: ValidationError, path: Path | None) -> str:
         return f"{source}: unknown key '{key}'; remove it or check configs/appliance.yaml"
     message = err["msg"].removeprefix("Value error, ")
     about = _describe(tuple(str(p) for p in err["loc"]))
-    fix = f"; expected: {about}" if about else ""
+    fix = f"; expected: {' '.join(about.split())}" if about else ""
     return f"{source}: {key}={value!r} is invalid: {message}{fix}"
 
 

@@ -1,14 +1,19 @@
-"""Replay the Mooncake conversation trace through every routing policy and the bounds.
+"""Replay the Mooncake conversation trace through every routing policy under every residency
+baseline, and the bounds.
 
     .venv/bin/python benchmarks/replay_all.py [--trace FILE] [--workers 8] [--hbm-gib X]
-        [--gpu-profile FILE] [--jobs 2] [--limit N] [--report FILE] [--replay-bounds] [--quiet]
+        [--gpu-profile FILE] [--policy NAME ...] [--residency NAME ...] [--jobs 2]
+        [--limit N] [--report FILE] [--replay-bounds] [--quiet]
 
-Every policy (the appliance's own and the anchors': round-robin, least-loaded, session-hash,
-sglang-cache-aware, llm-d-precise, dynamo-kv) replays the same 12,031 requests on the same
-simulated H200s (`appliance/replay/runner.py`); `--jobs` replays run side by side (results do
-not depend on it). Prints the comparison table, the bounds and the check of the replayed
-no-cache and unbounded-cache prefill against the trace's `*.stats.json` (exit status 1 when
-either is off by more than 1%), and writes the JSON report and the plot beside it.
+Every routing policy (the appliance's own and the anchors': round-robin, least-loaded,
+session-hash, sglang-cache-aware, llm-d-precise, dynamo-kv) under every residency policy
+(default: `lru`, vLLM's own eviction, and `ttl-pin`, Continuum's pin with a fixed 60 s TTL;
+`ttl-pin:SECONDS` for another TTL) replays the same 12,031 requests on the same simulated
+H200s (`appliance/replay/runner.py`); a row is `ROUTING` under `lru`, `ROUTING+RESIDENCY`
+otherwise. `--jobs` replays run side by side (results do not depend on it). Prints the
+comparison table, the bounds and the check of the replayed no-cache and unbounded-cache
+prefill against the trace's `*.stats.json` (exit status 1 when either is off by more than
+1%), and writes the JSON report and the plot beside it.
 `--replay-bounds` also replays the trace on one simulated worker whose KV cache never fills
 and checks its fresh prefill against the same statistics.
 """
@@ -23,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from appliance.replay import POLICY_NAMES, render_table, run_replay
+from appliance.replay import POLICY_NAMES, RESIDENCY_NAMES, render_table, run_replay
 from appliance.replay.bounds import compute_bounds
 from appliance.replay.runner import make_setup, replay_policy
 from appliance.replay.traces import load_trace, trace_stats_file
@@ -67,6 +72,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, default=default_trace())
     p.add_argument("--policy", action="append", choices=POLICY_NAMES, help="default: all")
+    p.add_argument(
+        "--residency", action="append", help="lru, ttl-pin, ttl-pin:S (default: lru, ttl-pin)"
+    )
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--hbm-gib", type=float, default=None, help="KV cache per worker")
     p.add_argument("--gpu-profile", type=Path, default=None)
@@ -82,6 +90,7 @@ def main() -> int:
     report = run_replay(
         args.trace,
         policies=args.policy,
+        residencies=args.residency or list(RESIDENCY_NAMES),
         workers=args.workers,
         gpu_profile=args.gpu_profile,
         hbm_gib=args.hbm_gib,

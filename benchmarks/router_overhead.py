@@ -198,10 +198,23 @@ class Procs:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
+    ) -> None:
+        """Starts `argv`; with `cpus`, every thread it will have runs on those CPUs only."""
         log = (self.log_dir / f"{name}.log").open("wb")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.procs[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=pin,
         )
 
     def check(self) -> None:
@@ -654,11 +667,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep-logs", type=Path, default=None, help="Copy the process logs here.")
     p.add_argument(
+        "--router-cpus",
+        default=None,
+        help="CPUs for the routers alone (e.g. 1): the appliance and vllm-router run there, "
+        "the client and the workers on the others, as a router on cores of its own would.",
+    )
+    p.add_argument(
         "--serve-worker", nargs=3, metavar=("PORT", "KV", "MAXLEN"), help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
     args.think_s = tuple(float(x) for x in args.think_s.split(","))
     args.target_ms = tuple(float(x) for x in args.target_ms.split(","))
+    args.router_cpus = {int(c) for c in args.router_cpus.split(",")} if args.router_cpus else None
     return args
 
 
@@ -675,6 +695,11 @@ def main(argv: list[str] | None = None) -> None:
     if vr_bin is None and "vllm-router" in paths:
         print(f"vllm-router not found at {args.vllm_router}; its rows are left out", flush=True)
         paths.remove("vllm-router")
+    if args.router_cpus:  # the client and the workers it starts keep to the other CPUs
+        others = os.sched_getaffinity(0) - args.router_cpus
+        if not others:
+            raise SystemExit(f"--router-cpus {sorted(args.router_cpus)} leaves no CPU for the rest")
+        os.sched_setaffinity(0, others)
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     procs = Procs(tmp)
     t_start = time.monotonic()
@@ -742,7 +767,7 @@ async def run(
             argv += ["-m", "cli.main", *up]
         else:
             argv = [str(BIN / "appliance"), *up]
-        procs.start("appliance", argv, env=env)
+        procs.start("appliance", argv, env=env, cpus=args.router_cpus)
         wait_http(f"http://127.0.0.1:{app_port}/health", procs)
         if args.py_spy:
             folded = args.out.with_suffix(".appliance.folded").resolve()
@@ -759,6 +784,7 @@ async def run(
             [vr_bin, "--worker-urls", *worker_urls, "--host", "127.0.0.1", "--port",
              str(vr_port), "--prometheus-port", str(vr_prom), "--log-level", "warning",
              "--policy", args.vllm_router_policy],
+            cpus=args.router_cpus,
         )  # fmt: skip
         wait_http(f"http://127.0.0.1:{vr_port}/health", procs)
         vr_version = _vr_version(vr_bin)
@@ -859,6 +885,7 @@ async def run(
             },
             "appliance_pythonpath": args.appliance_pythonpath,
             "cpus": os.cpu_count(),
+            "router_cpus": sorted(args.router_cpus) if args.router_cpus else None,
         },
         "rows": rows,
     }

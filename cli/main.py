@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from appliance import bootstrap
-from appliance.domain.errors import ApplianceError, NotYetAvailable
+from appliance.domain.errors import ApplianceError
 
 app = typer.Typer(
     name="appliance",
@@ -40,10 +40,6 @@ DataDirOpt = Annotated[
 UrlOpt = Annotated[str, typer.Option("--url", help="Base URL of a running appliance.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 DEFAULT_URL = "http://127.0.0.1:8080"
-
-
-def _later(what: str, issue_area: str) -> None:
-    raise NotYetAvailable(f"`appliance {what}` is not available in this build yet ({issue_area})")
 
 
 @app.command()
@@ -88,6 +84,7 @@ def _view(view: str, url: str, key: str | None, data_dir: Path | None, as_json: 
         "status": tables.render_status,
         "sessions": tables.render_sessions,
         "tasks": lambda s: tables.render_tasks(s, tree=kw.get("tree", False)),
+        "events": tables.render_events,
     }[view]
     typer.echo(render(state))
 
@@ -131,6 +128,16 @@ def tasks(
 
 
 @app.command()
+def events(
+    url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:  # fmt: skip
+    """Recent events of the running appliance (restarts, releases, cancellations), newest
+    first."""
+    _view("events", url, key, data_dir, as_json)
+
+
+@app.command()
 def costs(
     db: Annotated[
         Path | None,
@@ -158,10 +165,24 @@ def costs(
 
 @app.command()
 def replay(
-    trace: Annotated[Path, typer.Argument(help="Trace file (Mooncake jsonl or Azure csv).")],
+    trace: Annotated[
+        Path | None, typer.Argument(help="Trace file (Mooncake jsonl or Azure csv).")
+    ] = None,
+    workload: Annotated[
+        Path | None,
+        typer.Option(help="Replay a closed-loop agent workload from this spec (YAML) instead."),
+    ] = None,
+    tasks: Annotated[int, typer.Option(help="Root tasks generated from --workload.")] = 100,
     policy: Annotated[
         list[str] | None,
         typer.Option("--policy", help="Routing policy to replay (repeat; default: all)."),
+    ] = None,
+    residency: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--residency",
+            help="Residency policy: lru, ttl-pin or ttl-pin:SECONDS (repeat; default: lru).",
+        ),
     ] = None,
     workers: Annotated[int, typer.Option(help="Simulated workers.")] = 8,
     gpu_profile: Annotated[
@@ -176,11 +197,14 @@ def replay(
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
     jobs: Annotated[int, typer.Option(help="Policies replayed at once (processes).")] = 1,
 ) -> None:
-    """Replay a trace through every routing policy in virtual time, against the bounds."""
+    """Replay a trace (or an agent workload) through every routing policy in virtual time."""
     typer.echo(
         bootstrap.replay(
             trace,
+            workload=workload,
+            tasks=tasks,
             policies=policy,
+            residencies=residency,
             workers=workers,
             gpu_profile=gpu_profile,
             hbm_gib=hbm_gib,
@@ -192,9 +216,56 @@ def replay(
 
 
 @app.command()
-def bench(url: UrlOpt = DEFAULT_URL) -> None:
-    """Drive a running appliance with concurrent agent sessions."""
-    _later("bench", "it drives the HTTP API, which lands with the router")
+def bench(
+    url: UrlOpt = DEFAULT_URL,
+    trace: Annotated[
+        Path | None,
+        typer.Option(help="Drive a recorded trace (Mooncake jsonl, Azure csv) instead."),
+    ] = None,
+    duration: Annotated[
+        float, typer.Option(help="Seconds during which new turns start.", min=0.001)
+    ] = 60.0,
+    workload: Annotated[
+        Path | None,
+        typer.Option(help="Workload YAML (default: configs/workload.yaml)."),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(help="Root tasks running at once (children add to them).", min=1)
+    ] = 8,
+    seed: Annotated[int | None, typer.Option(help="Workload seed (default: the file's).")] = None,
+    time_scale: Annotated[
+        float, typer.Option(help="Multiplies tool waits (0.01: tools 100x faster).", min=0)
+    ] = 1.0,
+    drain: Annotated[
+        float, typer.Option(help="Seconds in-flight turns may finish after the duration.", min=0)
+    ] = 30.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="API key for every tenant (default: each tenant's from the data dir)."),
+    ] = None,
+    data_dir: DataDirOpt = None,
+    as_json: JsonOpt = False,
+    report: Annotated[Path | None, typer.Option(help="Also write the JSON report here.")] = None,
+) -> None:
+    """Drive a running appliance with concurrent agent sessions; report step and task latency."""
+    from appliance.bench import run_bench  # the HTTP client side; loaded only for this command
+
+    typer.echo(
+        run_bench(
+            url=url,
+            workload=workload,
+            trace=trace,
+            duration_s=duration,
+            concurrency=concurrency,
+            seed=seed,
+            time_scale=time_scale,
+            drain_s=drain,
+            api_key=api_key,
+            data_dir=data_dir,
+            as_json=as_json,
+            report=report,
+        )
+    )
 
 
 @app.command()

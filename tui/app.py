@@ -117,9 +117,9 @@ class ConsoleApp(App[None]):
             self.push_screen(HelpScreen(self.screen))
 
     @work(group="release")
-    async def release_session(self, session_id: str) -> None:
+    async def release_session(self, session_id: str, tenant: str | None = None) -> None:
         try:
-            result = await self.client.release_session(session_id)
+            result = await self.client.release_session(session_id, tenant)
         except ConsoleError as exc:
             self.post_message(ReleaseFinished(session_id, False, exc.message))
             return

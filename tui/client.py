@@ -4,8 +4,8 @@ No Textual here. `StateClient` makes the requests and turns every failure into a
 `ConsoleError` whose message is one line an operator can act on. `Poller` is the console's
 one poll loop: fetch a snapshot, hand it over, sleep to the next tick (2 Hz by default);
 after a failure, say so once per attempt and retry with a capped backoff until the
-appliance answers again, then say that it is back. The sync helpers at the bottom serve the
-terminal tables (`appliance status/sessions/tasks/costs`).
+appliance answers again, then say that it is back. The sync functions at the bottom serve the
+terminal tables (`appliance status/sessions/tasks/events`).
 """
 
 from __future__ import annotations
@@ -124,9 +124,11 @@ class StateClient:
             transport=transport,
         )
 
-    async def _request(self, method: str, path: str) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, params: dict[str, str] | None = None
+    ) -> httpx.Response:
         try:
-            response = await self._http.request(method, path)
+            response = await self._http.request(method, path, params=params)
         except httpx.HTTPError as exc:
             raise _unreachable(self.url, exc) from None
         if response.status_code >= 400:
@@ -143,17 +145,19 @@ class StateClient:
                 f"({exc}); are the console and the appliance the same version?"
             ) from None
 
-    async def release_session(self, session_id: str) -> ReleaseResult:
+    async def release_session(self, session_id: str, tenant: str | None = None) -> ReleaseResult:
+        """`POST /admin/v1/sessions/{id}/release?tenant=T` (session ids are per tenant)."""
         path = f"/admin/v1/sessions/{quote(session_id, safe='')}/release"
-        response = await self._request("POST", path)
+        response = await self._request("POST", path, _tenant(tenant))
         try:
             return ReleaseResult.model_validate_json(response.content or b"{}")
         except ValidationError:
-            return ReleaseResult(session_id=session_id)
+            return ReleaseResult(session_id=session_id, tenant=tenant)
 
-    async def session_detail(self, session_id: str) -> SessionDetail:
+    async def session_detail(self, session_id: str, tenant: str | None = None) -> SessionDetail:
+        """`GET /admin/v1/sessions/{id}?tenant=T`: the session, its residency, its turns."""
         path = f"/admin/v1/sessions/{quote(session_id, safe='')}"
-        response = await self._request("GET", path)
+        response = await self._request("GET", path, _tenant(tenant))
         try:
             return SessionDetail.model_validate_json(response.content)
         except ValidationError as exc:
@@ -163,6 +167,10 @@ class StateClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def _tenant(tenant: str | None) -> dict[str, str] | None:
+    return {"tenant": tenant} if tenant is not None else None
 
 
 class Backoff:

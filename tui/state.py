@@ -93,28 +93,35 @@ class Costs(msgspec.Struct, frozen=True):
     series: list[CostPoint] | None = None
 
 
+class TenantAdmission(msgspec.Struct, frozen=True):
+    in_flight_turns: int = 0
+    open_tasks: int = 0
+
+
 class Admission(msgspec.Struct, frozen=True):
     accepted: int | None = None
     rejected: int | None = None
     accept_rate_per_s: float | None = None
     reject_rate_per_s: float | None = None
-    reasons: dict[str, int] = {}
+    by_reason: dict[str, int] = {}
+    in_flight_turns: int | None = None
+    open_tasks: int | None = None
+    tenants: dict[str, TenantAdmission] = {}
 
 
 class Event(msgspec.Struct, frozen=True):
-    time: float
+    at: float
     kind: str
-    worker: str | None = None
-    session_id: str | None = None
-    task_id: str | None = None
-    tenant: str | None = None
+    subject: str
     detail: str = ""
+    tenant: str | None = None
 
 
 class AdminState(msgspec.Struct, frozen=True):
     time: float
     workers: list[WorkerState] = []
     gpus: list[GpuState] = []
+    gpu_driver: str | None = None
     sessions: list[SessionState] = []
     tasks: list[TaskState] = []
     costs: Costs = Costs()
@@ -145,6 +152,7 @@ MIRRORS = {
     "CostGroup": CostGroup,
     "CostPoint": CostPoint,
     "Costs": Costs,
+    "TenantAdmission": TenantAdmission,
     "Admission": Admission,
     "Event": Event,
     "AdminState": AdminState,

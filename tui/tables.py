@@ -1,4 +1,5 @@
-"""The terminal tables of `appliance status`, `sessions`, `tasks [--tree]` and `costs`.
+"""The terminal tables of `appliance status`, `sessions`, `tasks [--tree]`, `costs` and
+`events`.
 
 Pure functions: a `/admin/v1/state` snapshot (the JSON as a dict) in, text out; no Textual,
 no terminal codes, so the output pipes and diffs cleanly. `json_view` is what `--json`
@@ -15,7 +16,7 @@ from typing import Any, Literal
 from appliance.api.schemas import AdminState, Costs, TaskState
 from tui import format as fmt
 
-View = Literal["status", "sessions", "tasks", "costs"]
+View = Literal["status", "sessions", "tasks", "costs", "events"]
 
 
 def table(
@@ -98,6 +99,8 @@ def render_status(state: dict[str, Any] | AdminState) -> str:
             "",
             table(["gpu", "name", "hbm used", "kv GiB", "util", "temp", "power"], rows, {4, 5, 6}),
         ]
+        if s.gpu_driver is not None and s.gpu_driver.startswith("simulated"):
+            out.append(f"gpus: {s.gpu_driver}")
     else:
         out += ["", "gpus: none reported (NVML sees no NVIDIA GPU on the appliance's host)"]
     gpu_tokens = sum(x.resident_tokens.gpu for x in s.sessions)
@@ -224,6 +227,17 @@ def render_costs(state: dict[str, Any] | AdminState) -> str:
         "currency",
     ]
     return table(headers, rows, right={2, 3, 4, 5, 6})
+
+
+def render_events(state: dict[str, Any] | AdminState) -> str:
+    """The appliance's recent events, newest first."""
+    events = _state(state).events
+    if events is None:
+        return "events: not reported in the appliance's state yet"
+    if not events:
+        return "no events"
+    rows = [[fmt.clock(e.at), e.kind, e.subject, fmt.text(e.tenant), e.detail] for e in events]
+    return table(["time", "kind", "subject", "tenant", "detail"], rows)
 
 
 def json_view(state: dict[str, Any], view: View) -> str:

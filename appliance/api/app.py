@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.api.admin_sessions import SessionAdmin, session_routes
 from appliance.api.errors import ApiError, error_response, from_exception
 from appliance.api.requests import (
+    AgentHeaders,
     Tokenizer,
     agent_headers,
     chat_encoder,
@@ -31,7 +34,9 @@ from appliance.api.requests import (
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskEventType, TenantId
 from appliance.ports import Clock
+from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
 from appliance.services.router import Router, TurnRequest
+from appliance.services.sessions import SessionState
 from appliance.services.tasks import TaskBook
 
 log = logging.getLogger(__name__)
@@ -56,6 +61,10 @@ class ApiContext:
     metrics: Callable[[], str]
     costs: Callable[[], list[dict[str, Any]]]
     """Cost per successful task by task class and tenant, read from the ledger."""
+    admission: AdmissionService | None = None
+    """Judges every new task and model turn before anything reaches a worker; None: all pass."""
+    sessions_admin: SessionAdmin | None = None
+    """One session's detail and its release (`/admin/v1/sessions/{id}`); None: no routes."""
 
 
 def create_app(ctx: ApiContext) -> Starlette:
@@ -95,29 +104,63 @@ def create_app(ctx: ApiContext) -> Starlette:
         )
         now = ctx.clock.now()
         client_task = hdr.task_id or f"turn-{uuid.uuid4().hex[:16]}"
-        task = ctx.tasks.ensure(who.tenant, client_task, now, parent_id=hdr.parent_task_id)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
-        turn = TurnRequest(
-            tenant=who.tenant,
-            path=request.url.path,
-            body=body,
-            prompt_ids=ids,
-            task_id=task.key,
-            session_id=session_id,
-            parent_task_id=task.parent,
-            client_salt=salt,
-            tool_class=hdr.tool_class,
-            expected_wait_s=hdr.expected_wait_s,
-            chat=chat,
+        ticket = await admit_turn(who.tenant, client_task, hdr, len(ids), session)
+        streaming = False
+        try:
+            task = ctx.tasks.ensure(who.tenant, client_task, now, parent_id=hdr.parent_task_id)
+            turn = TurnRequest(
+                tenant=who.tenant,
+                path=request.url.path,
+                body=body,
+                prompt_ids=ids,
+                task_id=task.key,
+                session_id=session_id,
+                parent_task_id=task.parent,
+                client_salt=salt,
+                tool_class=hdr.tool_class,
+                expected_wait_s=hdr.expected_wait_s,
+                chat=chat,
+            )
+            task.turns += 1
+            reply = await ctx.router.handle(turn)
+            headers = {**reply.headers, "X-Task-ID": client_task}
+            if reply.chunks is not None:  # the turn is released when the stream ends
+                streaming = True
+                return StreamingResponse(
+                    ticket.guard(reply.chunks) if ticket else reply.chunks,
+                    media_type="text/event-stream",
+                    headers=headers,
+                    background=BackgroundTask(ticket.release) if ticket else None,
+                )
+            return JSONResponse(reply.body, status_code=reply.status, headers=headers)
+        finally:
+            if ticket is not None and not streaming:
+                ticket.release()
+
+    async def admit_turn(
+        tenant: TenantId,
+        client_task: str,
+        hdr: AgentHeaders,
+        n_prompt: int,
+        session: SessionState | None,
+    ) -> TurnTicket | None:
+        """Admission's ticket for this turn (None without admission); raises when refused."""
+        if ctx.admission is None:
+            return None
+        parent = ctx.tasks.key(tenant, hdr.parent_task_id) if hdr.parent_task_id else None
+        return await ctx.admission.admit_turn(
+            tenant,
+            ctx.tasks.key(tenant, client_task),
+            parent=parent,
+            one_turn=hdr.task_id is None,
+            deadline_s=hdr.deadline_s,
+            priority=hdr.priority,
+            prompt_tokens=n_prompt,
+            resident_tokens=resident_hint(session, n_prompt),
         )
-        task.turns += 1
-        reply = await ctx.router.handle(turn)
-        headers = {**reply.headers, "X-Task-ID": client_task}
-        if reply.chunks is not None:
-            return StreamingResponse(reply.chunks, media_type="text/event-stream", headers=headers)
-        return JSONResponse(reply.body, status_code=reply.status, headers=headers)
 
     async def models(request: Request) -> Response:
         caller(request)
@@ -141,15 +184,32 @@ def create_app(ctx: ApiContext) -> Starlette:
             raise ApiError(
                 400, "'deadline_s' must be a number > 0", "invalid_value", param="deadline_s"
             )
+        max_children = body.get("max_children")
+        if max_children is not None and (
+            not isinstance(max_children, int) or isinstance(max_children, bool) or max_children < 0
+        ):
+            raise ApiError(
+                400, "'max_children' must be an integer >= 0", "invalid_value", param="max_children"
+            )
+        parent_id = body.get("parent_task_id")
+        if ctx.admission is not None:
+            await ctx.admission.admit_task(
+                who.tenant,
+                ctx.tasks.key(who.tenant, client_id),
+                parent=ctx.tasks.key(who.tenant, parent_id) if parent_id else None,
+                max_children=max_children,
+                deadline_s=deadline,
+                priority=agent_headers(request.headers, {}).priority,
+            )
         task = ctx.tasks.create(
             who.tenant,
             client_id,
             ctx.clock.now(),
-            parent_id=body.get("parent_task_id"),
+            parent_id=parent_id,
             task_class=body.get("task_class"),
             deadline_s=deadline,
             budget=body.get("budget"),
-            max_children=body.get("max_children"),
+            max_children=max_children,
         )
         await _written(task.written)
         return JSONResponse(
@@ -182,6 +242,8 @@ def create_app(ctx: ApiContext) -> Starlette:
             tool_class=body.get("tool_class"),
             expected_s=body.get("expected_s"),
         )
+        if ctx.admission is not None and kind.terminal_status is not None:
+            ctx.admission.task_closed(task.key)
         await _written(task.written)
         return JSONResponse({"task_id": task.client_id, "status": task.status.value})
 
@@ -189,6 +251,8 @@ def create_app(ctx: ApiContext) -> Starlette:
         who = caller(request)
         cancelled = ctx.tasks.cancel(who.tenant, request.path_params["task_id"], ctx.clock.now())
         for task in cancelled:
+            if ctx.admission is not None:
+                ctx.admission.task_closed(task.key)
             await _written(task.written)
         return JSONResponse({"cancelled": [t.client_id for t in cancelled]})
 
@@ -247,6 +311,11 @@ def create_app(ctx: ApiContext) -> Starlette:
         Route("/admin/v1/state", guarded(admin_state), methods=["GET"]),
         Route("/admin/v1/sessions", guarded(admin_sessions), methods=["GET"]),
         Route("/admin/v1/costs", guarded(admin_costs), methods=["GET"]),
+        *(
+            session_routes(ctx.sessions_admin, ctx.clock, lambda r: caller(r, admin=True), guarded)
+            if ctx.sessions_admin is not None
+            else []
+        ),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/health", guarded(health), methods=["GET"]),
     ]

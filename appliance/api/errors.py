@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from starlette.responses import JSONResponse
 
 from appliance.domain.errors import ApplianceError
@@ -27,8 +29,14 @@ class ApiError(ApplianceError):
 
 
 def error_response(
-    status: int, message: str, code: str, *, param: str | None = None
+    status: int,
+    message: str,
+    code: str,
+    *,
+    param: str | None = None,
+    retry_after_s: float | None = None,
 ) -> JSONResponse:
+    """The error JSON; `retry_after_s` becomes a `Retry-After` header in whole seconds (>= 1)."""
     body = {
         "error": {
             "message": message,
@@ -37,8 +45,17 @@ def error_response(
             "code": code,
         }
     }
-    return JSONResponse(body, status_code=status)
+    headers = None
+    if retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def from_exception(exc: ApplianceError) -> JSONResponse:
-    return error_response(exc.http_status, exc.message, exc.code, param=getattr(exc, "param", None))
+    return error_response(
+        exc.http_status,
+        exc.message,
+        exc.code,
+        param=getattr(exc, "param", None),
+        retry_after_s=getattr(exc, "retry_after_s", None),
+    )

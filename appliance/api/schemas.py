@@ -4,7 +4,8 @@
 Every number here is one the appliance read from a source of truth; a reading it does not
 have is `None`, never a guess, and the console shows it as "-". Sections the server does not
 report yet (`events`, parts of `costs` and `admission`) are `None` or empty so that an older
-server still validates; unknown keys are ignored so that a newer one does too.
+server still validates; unknown keys are ignored so that a newer one does too. Under the
+simulated engine the GPUs are modelled, not measured, and `gpu_driver` says so.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class GpuState(_Model):
     temp_c: float | None = None
     power_w: float | None = None
     kv_bytes: int | None = None
-    """Bytes of `mem_used_bytes` that hold KV cache; None while the server does not say."""
+    """Bytes of `mem_used_bytes` that hold KV cache in use; None where the probe cannot tell
+    (NVML)."""
 
 
 class SessionState(_Model):
@@ -109,25 +111,38 @@ class Costs(_Model):
     """Cost per successful task over time, oldest first; None: not reported."""
 
 
+class TenantAdmission(_Model):
+    """What one tenant holds now, as admission counts it."""
+
+    in_flight_turns: int = 0
+    open_tasks: int = 0
+
+
 class Admission(_Model):
+    """Admission's counters; empty ({}) where the appliance has no admission control."""
+
     accepted: int | None = None
     rejected: int | None = None
     accept_rate_per_s: float | None = None
     reject_rate_per_s: float | None = None
-    reasons: dict[str, int] = Field(default_factory=dict)
+    by_reason: dict[str, int] = Field(default_factory=dict)
     """Rejections by reason."""
+    in_flight_turns: int | None = None
+    open_tasks: int | None = None
+    tenants: dict[str, TenantAdmission] = Field(default_factory=dict)
 
 
 class Event(_Model):
-    """Something an operator should know happened: a restart, rejection, eviction, release."""
+    """Something an operator should know happened: a worker restart or outage, a rejection,
+    an eviction, a release, a cancelled task (appliance/services/events.py)."""
 
-    time: float
+    at: float
     kind: str
-    worker: str | None = None
-    session_id: str | None = None
-    task_id: str | None = None
-    tenant: str | None = None
+    """worker_restart, worker_down, worker_up, task_cancelled, release, rejection, eviction."""
+    subject: str
+    """What it happened to: a worker id, a session id, a task id."""
     detail: str = ""
+    tenant: str | None = None
 
 
 class AdminState(_Model):
@@ -137,6 +152,9 @@ class AdminState(_Model):
     workers: list[WorkerState] = Field(default_factory=list)
     gpus: list[GpuState] = Field(default_factory=list)
     """Empty on a host without NVIDIA GPUs: a normal state."""
+    gpu_driver: str | None = None
+    """The NVIDIA driver's version as NVML reports it; under the simulated engine a text
+    starting with "simulated": the GPUs are the simulator's model, not measured."""
     sessions: list[SessionState] = Field(default_factory=list)
     tasks: list[TaskState] = Field(default_factory=list)
     costs: Costs = Costs()
@@ -162,19 +180,34 @@ class SessionTurn(_Model):
     outcome: str | None = None
 
 
+class SessionResidency(_Model):
+    """Where a session's prefix is resident: tokens of it on one worker, in one tier."""
+
+    worker: str
+    tier: str = "gpu"
+    tokens: int = 0
+    bytes: int = 0
+
+
 class SessionDetail(_Model):
-    """`GET /admin/v1/sessions/{id}`: one session and its turns, oldest first."""
+    """`GET /admin/v1/sessions/{id}?tenant=T`: one session as the state shows it, its
+    residency per worker, and its newest turns from the ledger, oldest first."""
 
     session: SessionState | None = None
+    residency: list[SessionResidency] = Field(default_factory=list)
     turns: list[SessionTurn] = Field(default_factory=list)
 
 
 class ReleaseResult(_Model):
-    """`POST /admin/v1/sessions/{id}/release`."""
+    """`POST /admin/v1/sessions/{id}/release?tenant=T`."""
 
     session_id: str | None = None
+    tenant: str | None = None
     released_tokens: int | None = None
+    """Tokens the session held on the GPU when it was released."""
     released_bytes: int | None = None
+    decision: str | None = None
+    reason: str | None = None
 
 
 class ErrorDetail(_Model):
@@ -201,9 +234,11 @@ __all__ = [
     "GpuState",
     "ReleaseResult",
     "SessionDetail",
+    "SessionResidency",
     "SessionState",
     "SessionTurn",
     "TaskState",
+    "TenantAdmission",
     "Tiers",
     "WorkerState",
 ]

@@ -24,6 +24,9 @@ class GpuReading:
     temp_c: float | None
     power_w: float | None
     processes: tuple[GpuProcess, ...] = ()
+    kv_bytes: int | None = None
+    """Bytes of `mem_used_bytes` that hold KV cache in use; None where the probe cannot tell
+    (NVML sees one allocation per process)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,6 +168,17 @@ def _route_decisions(db: Database) -> None:
     )
 
 
+@migrations(name="0003_turns_by_session")
+def _turns_by_session(db: Database) -> None:
+    _run(
+        db,
+        [
+            "CREATE INDEX turns_session ON turns (tenant, session_id, started_at)",
+            "PRAGMA user_version = 3",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

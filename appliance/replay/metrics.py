@@ -8,8 +8,16 @@ Definitions (times in virtual seconds, token counts in tokens):
   call). session: the last finish of a session minus its first arrival (tool and think
   time between turns included, as the trace spaces them).
 - imbalance: the busiest worker's GPU time over the mean (1.0 = even); requests_imbalance
-  the same over requests routed.
+  and prefill_imbalance the same over requests routed and fresh prefill tokens computed.
 - vs_optimal: fresh_prefill_tokens over the optimal bound's (1.0 = as good as Belady).
+- preemptions: requests the engines sent back to waiting; pins, pins_expired,
+  pins_resumed, pins_reclaimed: residency holds taken, and how they ended (their TTL ran
+  out; the session came back; an allocation took them back early).
+- Tasks (closed-loop workloads only; null for a trace, which has neither deadlines nor
+  outcomes): deadline_goodput is the share of tasks with a deadline that finished all their
+  turns by it (null when no task has one); cost_per_success is `appliance.policy.costs`'s
+  rule, all tasks' GPU-seconds priced per GPU-second over root tasks that succeeded with
+  verified=true (null when none did).
 Percentiles are nearest-rank.
 """
 
@@ -17,7 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from appliance.domain.records import CostMode, Price, TaskStatus
+from appliance.policy.costs import AttemptRow, TaskRow, attempt_cost, cost_per_success
+from appliance.replay.closed_loop import TaskOutcome
 from appliance.sim.virtual import ReplayResult
+
+TASK_KEYS = ("tasks", "tasks_completed", "deadline_goodput", "gpu_s", "cost_per_success")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -42,8 +55,10 @@ def policy_metrics(
     *,
     optimal_fresh: int | None = None,
     workers: int,
+    tasks: dict[str, object] | None = None,
 ) -> dict[str, object]:
-    """`sessions` maps request id to session id."""
+    """`sessions` maps request id to session id; `tasks` is `task_metrics` of a
+    closed-loop workload (None: a trace, whose task figures are null)."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
     cached = sum(r.cached_tokens for r in recs)
@@ -59,8 +74,10 @@ def policy_metrics(
         s[1] = max(s[1], r.finish_s)
     session_s = [b - a for a, b in span.values()]
     per_worker = [0] * workers
+    fresh_per_worker = [0] * workers
     for r in recs:
         per_worker[r.worker] += 1
+        fresh_per_worker[r.worker] += r.prompt_tokens - r.cached_tokens
     stats = result.engine_stats
     return {
         "requests": len(recs),
@@ -82,8 +99,47 @@ def policy_metrics(
         "sessions": len(session_s),
         "imbalance": _max_over_mean([s.busy_s_total for s in stats]),
         "requests_imbalance": _max_over_mean([float(x) for x in per_worker]),
+        "prefill_imbalance": _max_over_mean([float(x) for x in fresh_per_worker]),
         "preemptions": sum(s.num_preemptions_total for s in stats),
+        "pins": sum(s.pins_total for s in stats),
+        "pins_expired": sum(s.pins_expired_total for s in stats),
+        "pins_resumed": sum(s.pins_resumed_total for s in stats),
+        "pins_reclaimed": sum(s.pins_reclaimed_total for s in stats),
+        **(tasks if tasks is not None else dict.fromkeys(TASK_KEYS)),
         "generated_tokens": sum(s.generation_tokens_total for s in stats),
         "engine_steps": result.num_steps,
         "sim_span_s": round(result.end_s, 3),
+    }
+
+
+def task_metrics(outcomes: Sequence[TaskOutcome], *, gpu_second: float) -> dict[str, object]:
+    """Deadline goodput and cost per successful task of a closed-loop workload's tasks, each
+    task's GPU-seconds priced at `gpu_second` (gpu_seconds mode)."""
+    with_deadline = [o for o in outcomes if o.deadline_s is not None]
+    met = sum(1 for o in with_deadline if o.met_deadline)
+    price = Price(CostMode.GPU_SECONDS, effective_from=0.0, gpu_second=gpu_second)
+    rows = [
+        TaskRow(
+            task_id=o.task_id,
+            tenant=o.tenant,
+            created_at=o.start_s,
+            parent_task_id=o.parent_id,
+            task_class=o.task_class,
+            status=TaskStatus.SUCCEEDED if o.completed and o.succeeds else TaskStatus.FAILED,
+            verified=o.verified,
+        )
+        for o in outcomes
+    ]
+    attempts = [
+        AttemptRow(o.task_id, o.tenant, o.start_s, attempt_cost(price, gpu_s=o.gpu_s), o.turns_done)
+        for o in outcomes
+    ]
+    groups = cost_per_success(rows, attempts, by=())
+    per_success = groups[0].cost_per_success if groups else None
+    return {
+        "tasks": len(outcomes),
+        "tasks_completed": sum(1 for o in outcomes if o.completed),
+        "deadline_goodput": round(met / len(with_deadline), 6) if with_deadline else None,
+        "gpu_s": round(sum(o.gpu_s for o in outcomes), 3),
+        "cost_per_success": None if per_success is None else round(per_success, 8),
     }

@@ -33,7 +33,8 @@ def plot_report(report: Mapping[str, Any], path: Path) -> Path | None:
         ax1.axhline(b["fresh_prefill_tokens"] / 1e6, color=color, ls=style, lw=1.2, label=label)
     ax1.set_ylabel("fresh prefill (M tokens)")
     ax1.set_title("Prefill work (lower is better)")
-    ax1.legend(fontsize=8, loc="lower right")
+    if report.get("bounds"):
+        ax1.legend(fontsize=8, loc="lower right")
     width = 0.27
     top = 0.0
     for k, (key, color) in enumerate(

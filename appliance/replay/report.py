@@ -12,7 +12,12 @@ Report layout (token counts in tokens, times in seconds):
                          "vs_optimal", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
                          "step_p50_s", "step_p95_s", "step_p99_s", "session_p50_s",
                          "session_p95_s", "imbalance", "requests_imbalance",
-                         "preemptions", ...}}}
+                         "prefill_imbalance", "preemptions", "pins", "pins_expired",
+                         "pins_resumed", "pins_reclaimed", "tasks", "tasks_completed",
+                         "deadline_goodput", "gpu_s", "cost_per_success",
+                         "routed_by_reason", "residency_by_reason", ...}}}
+NAME is the routing policy, `+RESIDENCY` when that is not `lru` (`appliance+ttl-pin`). The
+task figures are null for a trace; a closed-loop workload has no bounds.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ COLUMNS = (
     ("TTFT p95", "ttft_p95_s", lambda v: f"{v:.2f}"),
     ("TTFT p99", "ttft_p99_s", lambda v: f"{v:.2f}"),
     ("step p95", "step_p95_s", lambda v: f"{v:.1f}"),
+    ("sess p50", "session_p50_s", lambda v: f"{v:.1f}"),
+    ("sess p95", "session_p95_s", lambda v: f"{v:.1f}"),
     ("imbal", "imbalance", lambda v: f"{v:.3f}"),
     ("preempt", "preemptions", lambda v: f"{v}"),
+    ("goodput", "deadline_goodput", lambda v: f"{v:.1%}"),
+    ("cost/success", "cost_per_success", lambda v: f"{v:.4f}"),
 )
 
 

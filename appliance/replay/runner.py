@@ -12,20 +12,28 @@ granularity (vLLM's default 16 would also hit inside a turn's trimmed last block
 of the bounds, and counted. The bounds (`bounds.py`) use the same prompts and block size,
 with the workers' caches pooled; a policy's `vs_optimal` is its fresh prefill over the
 optimal bound's. Nothing reads a wall clock but the progress bar and `wall_s`.
+
+Each row is a routing policy with a residency policy (`residency.py`): `lru` is vLLM as
+shipped and keeps the routing policy's own name; any other is named `ROUTING+RESIDENCY`.
+A closed-loop workload (`closed_loop.py`) replays the same way, its turns released by
+completions instead of a trace's timestamps, with the tasks' deadlines and outcomes.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
-from appliance.replay.metrics import policy_metrics
+from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
+from appliance.replay.metrics import policy_metrics, task_metrics
 from appliance.replay.progress import ProgressBar
+from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
-from appliance.sim.engine import SimEngine
+from appliance.sim.engine import SimEngine, StepResult
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
 from appliance.sim.trace import BlockTokens, trace_arrivals
@@ -35,6 +43,14 @@ from appliance.sim.worker import default_num_gpu_blocks
 GIB = 1 << 30
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_MAX_MODEL_LEN = 131072
+DEFAULT_RESIDENCY = "lru"
+DEFAULT_GPU_SECOND = 0.0011
+"""Price of a GPU-second for cost per successful task (the `costs.gpu_second` default)."""
+
+
+def row_name(policy: str, residency: str) -> str:
+    """A report row's name: the routing policy's, with `+RESIDENCY` unless it is `lru`."""
+    return policy if residency == DEFAULT_RESIDENCY else f"{policy}+{residency}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,9 @@ def fitting(trace: Trace, setup: ReplaySetup) -> Trace:
     return Trace(trace.path, trace.format, keep, trace.sessions, trace.session_source)
 
 
-def make_engines(setup: ReplaySetup, latency: LatencyModel) -> list[SimEngine]:
+def make_engines(
+    setup: ReplaySetup, latency: LatencyModel, residency: PolicyResidency | None = None
+) -> list[SimEngine]:
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)
     return [
         SimEngine(
@@ -110,6 +128,7 @@ def make_engines(setup: ReplaySetup, latency: LatencyModel) -> list[SimEngine]:
             max_model_len=setup.max_model_len,
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
+            residency=residency,
         )
         for _ in range(setup.workers)
     ]
@@ -121,16 +140,19 @@ def replay_policy(
     setup: ReplaySetup,
     latency: LatencyModel,
     *,
+    residency: str = DEFAULT_RESIDENCY,
     optimal_fresh: int | None = None,
     progress: bool = False,
 ) -> dict[str, object]:
-    """Replay `trace` with `policy` routing; returns its metrics (`metrics.py`)."""
-    engines = make_engines(setup, latency)
+    """Replay `trace` with `policy` routing and `residency` holding; returns its metrics
+    (`metrics.py`)."""
+    hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size)
+    engines = make_engines(setup, latency, hold)
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
     arrivals = trace_arrivals(
         trace.records, BlockTokens(seed=setup.token_seed), sessions=trace.sessions
     )
-    bar = ProgressBar(policy, len(trace.records)) if progress else None
+    bar = ProgressBar(row_name(policy, hold.name), len(trace.records)) if progress else None
     t0 = time.perf_counter()
     result = replay(
         engines, bar.wrap(arrivals) if bar else arrivals, router, on_step=router.on_step
@@ -141,5 +163,44 @@ def replay_policy(
     sessions = {f"req-{r.index}": trace.sessions[r.index] for r in trace.records}
     out = policy_metrics(result, sessions, optimal_fresh=optimal_fresh, workers=setup.workers)
     out["routed_by_reason"] = dict(router.reasons.most_common(8))
+    out["residency_by_reason"] = dict(hold.reasons.most_common(8))
+    out["wall_s"] = round(wall_s, 2)
+    return out
+
+
+def replay_workload(
+    tasks: Sequence[AgentTaskLike],
+    policy: str,
+    setup: ReplaySetup,
+    latency: LatencyModel,
+    *,
+    residency: str = DEFAULT_RESIDENCY,
+    gpu_second: float = DEFAULT_GPU_SECOND,
+) -> dict[str, object]:
+    """Replay a closed-loop workload with `policy` routing and `residency` holding: each
+    task's next turn arrives when its last one finished plus its tool wait. Returns the same
+    metrics as `replay_policy`, the task figures filled in."""
+    loop = ClosedLoop(tasks, max_model_len=setup.max_model_len, seed=setup.token_seed)
+    hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size, hints=loop.hint)
+    engines = make_engines(setup, latency, hold)
+    router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
+    gpu = GpuSeconds()
+
+    def on_step(i: int, now: float, result: StepResult) -> None:
+        router.on_step(i, now, result)
+        gpu.on_step(i, now, result)
+
+    t0 = time.perf_counter()
+    result = replay(engines, loop.arrivals(), router, on_step=on_step, on_finish=loop.on_finish)
+    wall_s = time.perf_counter() - t0
+    outcomes = loop.outcomes(gpu.by_request)
+    out = policy_metrics(
+        result,
+        loop.sessions(),
+        workers=setup.workers,
+        tasks=task_metrics(outcomes, gpu_second=gpu_second),
+    )
+    out["routed_by_reason"] = dict(router.reasons.most_common(8))
+    out["residency_by_reason"] = dict(hold.reasons.most_common(8))
     out["wall_s"] = round(wall_s, 2)
     return out

@@ -2,7 +2,11 @@
 
 Every number comes from a source of truth the appliance holds: worker readings (health,
 /metrics), the GPU probe's latest tick, the router's sessions (resident tokens from the KV
-index), the task book, and the router's own counters. Nothing is estimated here.
+index), the task book, and the router's own counters. Nothing is estimated here. Beside
+them: the operator's event feed (newest first), each session's release by an operator
+(shown as its residency decision until its next turn), and the cost-per-success series,
+which every snapshot extends. Under the simulated engine the GPU probe is the simulator's
+model, and `gpu_driver` says so.
 """
 
 from __future__ import annotations
@@ -20,8 +24,16 @@ from appliance.policy.costs import (
     group_row,
 )
 from appliance.ports import WorkerEndpoint
+from appliance.services.admission import AdmissionService
+from appliance.services.cost_series import CostSeries, overall
+from appliance.services.events import EventFeed
 from appliance.services.router import Router
+from appliance.services.session_admin import RELEASE_REASON, RELEASED, Release, SessionReleases
+from appliance.services.sessions import SessionState
 from appliance.services.tasks import TaskBook
+
+EVENTS_SHOWN = 100
+NO_REAPER_REASON = "residency decisions arrive with the idle reaper"
 
 
 @dataclass
@@ -35,6 +47,10 @@ class StateSources:
     worker_info: Callable[[WorkerEndpoint], dict[str, Any]]
     """engine, url, gpus, restarts of a worker (they live on the concrete handle)."""
     currency: str
+    events: EventFeed | None = None
+    releases: SessionReleases | None = None
+    cost_series: CostSeries | None = None
+    admission: AdmissionService | None = None
 
 
 def snapshot(src: StateSources) -> dict[str, Any]:
@@ -64,28 +80,15 @@ def snapshot(src: StateSources) -> dict[str, Any]:
             "util": g.util,
             "temp_c": g.temp_c,
             "power_w": g.power_w,
+            "kv_bytes": g.kv_bytes,
         }
         for g in (gpu.gpus if gpu else ())
     ]
-    sessions = []
-    for s in src.router.sessions:
-        gpu_tokens = max(s.resident_tokens.values(), default=0)
-        sessions.append(
-            {
-                "id": s.session_id,
-                "tenant": s.tenant,
-                "task_id": s.task_id.split("/", 1)[-1] if s.task_id else None,
-                "worker": s.home,
-                "resident_tokens": {"gpu": gpu_tokens, "host": 0},
-                "resident_bytes": {"gpu": gpu_tokens * src.kv_bytes_per_token, "host": 0},
-                "idle_s": round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
-                "turns": s.turns,
-                "tool_class": s.tool_class,
-                "expected_wait_s": s.expected_wait_s,
-                "decision": None,
-                "reason": "residency decisions arrive with the idle reaper",
-            }
-        )
+    releases = src.releases
+    sessions = [
+        session_row(s, now, src.kv_bytes_per_token, releases.in_effect(s) if releases else None)
+        for s in src.router.sessions
+    ]
     tasks = [
         {
             "id": t.client_id,
@@ -100,15 +103,43 @@ def snapshot(src: StateSources) -> dict[str, Any]:
         }
         for t in src.tasks
     ]
+    groups = cost_groups(src.tasks, src.currency)
+    costs: dict[str, Any] = {"currency": src.currency, "groups": groups}
+    if src.cost_series is not None:
+        src.cost_series.observe(now, *overall(groups))
+        costs["series"] = src.cost_series.points()
     return {
         "time": now,
         "workers": workers,
         "gpus": gpus,
+        "gpu_driver": gpu.driver if gpu else None,
         "sessions": sessions,
         "tasks": tasks,
-        "costs": {"currency": src.currency, "groups": cost_groups(src.tasks, src.currency)},
-        "admission": {},
+        "costs": costs,
+        "events": src.events.recent(EVENTS_SHOWN) if src.events is not None else None,
+        "admission": src.admission.snapshot() if src.admission is not None else {},
         "routing": dict(src.router.routed_by_reason),
+    }
+
+
+def session_row(
+    s: SessionState, now: float, kv_bytes_per_token: int, release: Release | None = None
+) -> dict[str, Any]:
+    """One session as the state shows it (and `GET /admin/v1/sessions/{id}`)."""
+    gpu_tokens = max(s.resident_tokens.values(), default=0)
+    return {
+        "id": s.session_id,
+        "tenant": s.tenant,
+        "task_id": s.task_id.split("/", 1)[-1] if s.task_id else None,
+        "worker": s.home,
+        "resident_tokens": {"gpu": gpu_tokens, "host": 0},
+        "resident_bytes": {"gpu": gpu_tokens * kv_bytes_per_token, "host": 0},
+        "idle_s": round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
+        "turns": s.turns,
+        "tool_class": s.tool_class,
+        "expected_wait_s": s.expected_wait_s,
+        "decision": RELEASED if release is not None else None,
+        "reason": RELEASE_REASON if release is not None else NO_REAPER_REASON,
     }
 
 
@@ -138,6 +169,8 @@ def metrics_text(src: StateSources) -> str:
         "# TYPE appliance_workers_healthy gauge",
         f"appliance_workers_healthy {sum(1 for w in src.workers() if w.healthy)}",
     ]
+    if src.admission is not None:
+        lines += src.admission.metrics_lines()
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,9 @@
 A task belongs to its tenant: ids are namespaced `tenant/id` in the ledger, so another
 tenant's id is simply another task. A task is open until one terminal event (succeeded,
 failed, cancelled); a second terminal event is a conflict. Cancelling a task cancels its
-open descendants too. Every change is written to the ledger where it is made.
+open descendants too. Every change is written to the ledger where it is made; a
+cancellation is also told to the operator's event feed (one event per cancel, naming how
+many open descendants went with it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from appliance.domain.records import (
     can_transition,
 )
 from appliance.ports import Ledger
+from appliance.services.events import EventFeed
 
 
 class TaskError(ApplianceError):
@@ -54,8 +57,9 @@ class TaskState:
 
 
 class TaskBook:
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, events: EventFeed | None = None) -> None:
         self._ledger = ledger
+        self._events = events
         self._tasks: dict[TaskId, TaskState] = {}
 
     @staticmethod
@@ -126,7 +130,10 @@ class TaskBook:
         evidence: str | None = None,
         tool_class: str | None = None,
         expected_s: float | None = None,
+        announce: bool = True,
     ) -> TaskState:
+        """Records the event; a terminal one closes the task. `announce`: a cancellation
+        goes to the event feed (the cascade of `cancel` announces once, itself)."""
         state = self.get(tenant, client_id)
         if state is None:
             raise TaskError(f"task {client_id} not found", code="task_not_found", http_status=404)
@@ -143,6 +150,10 @@ class TaskBook:
         if new is not None:
             state.status = new
             state.verified = verified
+        if kind == TaskEventType.CANCELLED and announce and self._events is not None:
+            self._events.record(
+                now, "task_cancelled", client_id, "reported cancelled by its client", tenant=tenant
+            )
         return state
 
     def cancel(self, tenant: TenantId, client_id: str, now: float) -> list[TaskState]:
@@ -156,8 +167,16 @@ class TaskBook:
             task = stack.pop()
             stack.extend(self._tasks[c] for c in task.children if c in self._tasks)
             if task.status == TaskStatus.OPEN:
-                self.event(tenant, task.client_id, TaskEventType.CANCELLED, now)
+                self.event(tenant, task.client_id, TaskEventType.CANCELLED, now, announce=False)
                 cancelled.append(task)
+        if cancelled and self._events is not None:
+            more = len(cancelled) - (1 if root in cancelled else 0)
+            kids = f"{more} open descendant{'' if more == 1 else 's'}"
+            if root not in cancelled:
+                detail = f"{kids} cancelled; the task itself was closed already"
+            else:
+                detail = f"cancelled with {kids}" if more else "cancelled"
+            self._events.record(now, "task_cancelled", client_id, detail, tenant=tenant)
         return cancelled
 
     def add_turn(self, turn: TurnRecord, cost: Future[float | None]) -> None:

@@ -37,12 +37,13 @@ Public API (the server builds on these names; everything else is private):
   `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
 - `SimEngine(num_blocks=, block_size=, hasher=, latency=, max_model_len=, max_num_seqs=256,
   max_num_batched_tokens=8192, enable_prefix_caching=True, output_token_ids=None,
-  policy="fcfs", enable_kv_events=True)` (ValueError unless max_model_len fits in the
-  cache and 1 <= max_num_seqs <= max_num_batched_tokens): `add_request(req, now)`
-  (ValueError for a duplicate id, an empty prompt, one of max_model_len tokens or more,
-  max_tokens < 1), `abort_request(request_id, now)`, `has_unfinished_requests()`,
-  `step(now) -> StepResult`, `stats -> EngineStats`, `reset_prefix_cache() -> bool`,
-  `block_ids(request_id)`, `cache` (the `PrefixCache`, to peek at; never change it).
+  policy="fcfs", enable_kv_events=True, residency=None)` (ValueError unless
+  max_model_len fits in the cache and 1 <= max_num_seqs <= max_num_batched_tokens):
+  `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
+  max_model_len tokens or more, max_tokens < 1), `abort_request(request_id, now)`,
+  `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`,
+  `reset_prefix_cache() -> bool`, `block_ids(request_id)`, `cache` (the `PrefixCache`, to
+  peek at; never change it).
   `output_token_ids(req, index)` chooses the `index`-th generated token (default:
   `default_output_token`).
 - `StepResult(duration_s, outputs, events, num_scheduled_tokens, scheduled, preempted)`:
@@ -54,7 +55,15 @@ Public API (the server builds on these names; everything else is private):
   with new tokens or that finished.
 - `EngineStats`: vLLM's counters (prefix-cache queries/hits count prompt tokens of admitted
   never-preempted requests; prompt tokens by source are counted at the first token;
-  request_success_total by finish reason, aborts included).
+  request_success_total by finish reason, aborts included; pin counters with a residency).
+
+Residency (`residency=`, default none: vLLM as above): when a request finishes (not
+aborted), `residency.hold_until(TurnEnd(...))` may return a time until which its cached
+blocks stay pinned (`PrefixCache.pin`, owner: its session, else its id); pins due by a
+step's `now` are released at the start of that step, except those of sessions whose next
+request is already waiting; a session's pin is released when its next request is admitted
+(that request then holds what it reuses); and under pressure the cache gives pins back in
+`residency.pin_priority` order before the scheduler would preempt or stop admitting.
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
@@ -66,14 +75,14 @@ from __future__ import annotations
 import heapq
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
 from appliance.domain.kv_events import KvEvent
 from appliance.sim.latency import LatencyModel
-from appliance.sim.prefix_cache import NO_HIT, CacheRequest, PrefixCache
+from appliance.sim.prefix_cache import NO_HIT, CacheRequest, Pin, PrefixCache
 
 FinishReason = Literal["length", "stop", "abort"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -144,6 +153,33 @@ class EngineStats:
     request_success_total: dict[str, int]
     num_steps_total: int = 0
     busy_s_total: float = 0.0
+    pinned_blocks: int = 0
+    """Blocks held by residency pins now (they count as used in `kv_cache_usage`)."""
+    pins_total: int = 0
+    pins_expired_total: int = 0
+    pins_resumed_total: int = 0
+    pins_reclaimed_total: int = 0
+    """Pins given back early because an allocation was short."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEnd:
+    """A request that has just finished, as a residency hook sees it."""
+
+    request: SimRequest
+    resident_tokens: int
+    """Tokens in the request's cached (pinnable) blocks."""
+    kv_usage: float
+    now_s: float
+
+
+class Residency(Protocol):
+    """What the engine asks about a finished request's blocks, and the order in which pins
+    are given back under pressure (lowest first)."""
+
+    def hold_until(self, end: TurnEnd) -> float | None: ...
+
+    def pin_priority(self, pin: Pin, now: float) -> float: ...
 
 
 def default_output_token(req: SimRequest, index: int) -> int:
@@ -190,6 +226,9 @@ class _WaitingQueue:
 
     def __len__(self) -> int:
         return len(self._heap) if self.priority else len(self._fifo)
+
+    def __iter__(self) -> Iterator[_Entry]:
+        return (e for _, e in self._heap) if self.priority else iter(self._fifo)
 
     def add(self, e: _Entry) -> None:
         if self.priority:
@@ -245,6 +284,7 @@ class SimEngine:
         output_token_ids: Callable[[SimRequest, int], int] | None = None,
         policy: SchedulingPolicy = "fcfs",
         enable_kv_events: bool = True,
+        residency: Residency | None = None,
     ) -> None:
         if hasher.block_size != block_size:
             raise ValueError(f"hasher block size {hasher.block_size} != block_size {block_size}")
@@ -273,6 +313,9 @@ class SimEngine:
             enable_caching=enable_prefix_caching,
             enable_events=enable_kv_events,
         )
+        self._residency = residency
+        if residency is not None:
+            self.cache.pin_priority = residency.pin_priority
         self._token = output_token_ids or default_output_token
         self._entries: dict[str, _Entry] = {}
         self._running: list[_Entry] = []
@@ -349,7 +392,20 @@ class SimEngine:
             request_success_total=dict(n.success),
             num_steps_total=n.steps,
             busy_s_total=n.busy_s,
+            **self._pin_fields(),
         )
+
+    def _pin_fields(self) -> dict[str, int]:
+        if self._residency is None:
+            return {}
+        p = self.cache.pin_stats
+        return {
+            "pinned_blocks": self.cache.num_pinned_blocks,
+            "pins_total": p.pinned,
+            "pins_expired_total": p.expired,
+            "pins_resumed_total": p.resumed,
+            "pins_reclaimed_total": p.reclaimed,
+        }
 
     # --- the step ---
 
@@ -357,6 +413,8 @@ class SimEngine:
         """Schedule one batch, run it on the modelled GPU and return what it produced."""
         scheduled: list[tuple[_Entry, int, int]] = []  # entry, tokens, computed before
         preempted: list[str] = []
+        if self._residency is not None:
+            self._expire_pins(now)
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
             self._schedule_waiting(scheduled, budget, now)
@@ -370,7 +428,7 @@ class SimEngine:
             by_request[entry.req.request_id] = n
             creq = entry.cache
             if creq.num_computed_tokens == len(creq.all_token_ids):
-                out = self._sample(entry)
+                out = self._sample(entry, now)
                 outputs.append(out)
                 finished |= out.finished
         if finished:
@@ -448,6 +506,8 @@ class SimEngine:
                 break
             waiting.pop()
             self._running.append(entry)
+            if self._residency is not None:
+                cache.unpin(self._owner(entry.req))
             if creq.num_preemptions == 0:
                 entry.num_cached_tokens = hit.num_tokens
                 entry.first_scheduled_s = now
@@ -469,7 +529,27 @@ class SimEngine:
             prefill_s -= (chunks - 1) * latency.prefill.overhead_s
         return prefill_s + (latency.decode_step_s(batch, context) if batch else 0.0)
 
-    def _sample(self, entry: _Entry) -> RequestOutput:
+    @staticmethod
+    def _owner(req: SimRequest) -> str:
+        return req.session_id if req.session_id is not None else req.request_id
+
+    def _expire_pins(self, now: float) -> None:
+        due = self.cache.next_pin_expiry_s()
+        if due is None or due > now:
+            return
+        self.cache.expire_pins(now, keep={self._owner(e.req) for e in self._waiting})
+
+    def _hold(self, entry: _Entry, now: float) -> None:
+        """Ask the residency hook about a finished request; pin its blocks if it says so."""
+        assert self._residency is not None
+        creq = entry.cache
+        cached = sum(1 for i in self.cache.block_ids(creq) if self.cache.pool.blocks[i].block_hash)
+        end = TurnEnd(entry.req, cached * self.block_size, self.cache.usage, now)
+        until = self._residency.hold_until(end)
+        if until is not None and until > now:
+            self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=until)
+
+    def _sample(self, entry: _Entry, now: float) -> RequestOutput:
         """Append one generated token to a request whose sequence is all computed."""
         req, creq = entry.req, entry.cache
         tokens = creq.all_token_ids
@@ -494,6 +574,8 @@ class SimEngine:
             reason = "length"
         if reason is not None:
             del self._entries[req.request_id]
+            if self._residency is not None:
+                self._hold(entry, now)
             self.cache.free(creq)
             self._n.success[reason] += 1
         out = self._output(entry, [token], reason)

@@ -12,11 +12,22 @@ of scheduled tokens: prompt blocks at prefill, decode blocks as generated tokens
 Freeing a request (finished or preempted) returns its blocks tail-first to the free queue,
 where cached ones stay findable until evicted. Prefix-cache counters count tokens, as
 vLLM's `vllm:prefix_cache_queries` / `_hits` do, recorded once per admission.
+
+Pins (for residency policies; none unless a caller pins, and then nothing above changes):
+`pin(owner, request, ...)` takes one reference on each cached block of a request that is
+about to be freed, so those blocks leave the free queue and no allocation evicts them; a
+cache hit on a pinned block shares it as on any held block. `unpin` and `expire_pins` drop
+the references: blocks nobody else holds go to the free queue's tail, as a request's free
+would put them then, and are ordinary LRU blocks from there on. A pin never makes an
+allocation fail: when `allocate` is short it first gives pins back, lowest
+`pin_priority` first (never the requesting session's own pin), but only if giving all of
+them back would make room; otherwise nothing is released and it refuses as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
@@ -147,6 +158,43 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """One owner's pinned blocks: what the eviction order among pins sees."""
+
+    owner: str
+    num_blocks: int
+    pinned_at_s: float
+    until_s: float
+    """When `expire_pins` releases it on its own."""
+    seq: int = 0
+    """Order of pinning (the mechanism's bookkeeping)."""
+
+
+PinPriority = Callable[[Pin, float], float]
+"""(pin, now) -> rank: under pressure the lowest-ranked pin is given back first."""
+
+
+def latest_expiry_first(pin: Pin, now: float) -> float:
+    """The default order under pressure: the pin with the most time left goes first."""
+    return -pin.until_s
+
+
+@dataclass(frozen=True, slots=True)
+class PinStats:
+    """Cumulative pin counters: pins taken and how each ended."""
+
+    pinned: int = 0
+    expired: int = 0
+    """Released by `expire_pins` at their time."""
+    resumed: int = 0
+    """Released because the owner came back (`unpin`)."""
+    reclaimed: int = 0
+    """Given back early because an allocation was short."""
+    replaced: int = 0
+    """Superseded by a newer pin of the same owner."""
+
+
 class PrefixCache:
     """vLLM's KVCacheManager for one full-attention group, over a `BlockPool`.
 
@@ -161,6 +209,7 @@ class PrefixCache:
         max_model_len: int | None = None,
         enable_caching: bool = True,
         enable_events: bool = True,
+        pin_priority: PinPriority = latest_expiry_first,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -173,6 +222,12 @@ class PrefixCache:
         self._req_blocks: dict[str, list[Block]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self._stats = PrefixCacheStats()
+        self.pin_priority = pin_priority
+        self._pins: dict[str, tuple[Pin, list[Block]]] = {}
+        self._expiry: list[tuple[float, int, str]] = []  # (until_s, seq, owner), lazily pruned
+        self._pin_seq = 0
+        self._pin_stats = PinStats()
+        self._pin_now = 0.0  # the latest `now` a caller gave (for `pin_priority`)
 
     # --- queries ---
 
@@ -195,6 +250,20 @@ class PrefixCache:
     @property
     def stats(self) -> PrefixCacheStats:
         return self._stats
+
+    @property
+    def pin_stats(self) -> PinStats:
+        return self._pin_stats
+
+    @property
+    def pins(self) -> tuple[Pin, ...]:
+        """The standing pins, oldest first."""
+        return tuple(pin for pin, _ in self._pins.values())
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks some pin holds (a block two pins share counts once)."""
+        return len({b.block_id for _, blocks in self._pins.values() for b in blocks})
 
     def block_ids(self, request: CacheRequest) -> tuple[int, ...]:
         """The blocks a request holds, in token order."""
@@ -304,7 +373,7 @@ class PrefixCache:
         hit_blocks = self._resolve_hit(request, hit_)
         if not self.can_allocate(
             request, num_new_tokens, hit_, full_sequence_must_fit=full_sequence_must_fit
-        ):
+        ) and not self._reclaim_pins(request, num_new_tokens, hit_, full_sequence_must_fit):
             return None
 
         req_blocks = self._req_blocks.setdefault(request.request_id, [])
@@ -338,6 +407,62 @@ class PrefixCache:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
 
+    def pin(self, owner: str, request: CacheRequest, *, now_s: float, until_s: float) -> int:
+        """Hold the cached blocks of a request about to be freed, under `owner`, until
+        `until_s` (call before `free`); an earlier pin of the owner is released after the new
+        one holds its blocks. Returns the number of blocks pinned (0: nothing is pinned)."""
+        self._pin_now = now_s
+        held = self._req_blocks.get(request.request_id, [])
+        blocks = [b for b in held if b.block_hash is not None and not b.is_null]
+        old = self._pins.pop(owner, None)
+        if blocks:
+            self.pool.touch(blocks)
+            self._pin_seq += 1
+            self._pins[owner] = (Pin(owner, len(blocks), now_s, until_s, self._pin_seq), blocks)
+            heapq.heappush(self._expiry, (until_s, self._pin_seq, owner))
+            self._bump(pinned=1)
+        if old is not None:
+            self.pool.free_blocks(reversed(old[1]))
+            self._bump(replaced=1)
+        return len(blocks)
+
+    def unpin(self, owner: str) -> bool:
+        """Release `owner`'s pin because the owner is back (its request now holds what it
+        reuses); False if it had none."""
+        if not self._release(owner):
+            return False
+        self._bump(resumed=1)
+        return True
+
+    def expire_pins(self, now_s: float, *, keep: Collection[str] = ()) -> list[str]:
+        """Release pins due by `now_s`, the earliest first, except those of `keep` (owners
+        whose next request is already waiting: Continuum keeps those). Returns the owners."""
+        self._pin_now = now_s
+        heap, due, kept = self._expiry, [], []
+        while heap and heap[0][0] <= now_s:
+            entry = heapq.heappop(heap)
+            _, seq, owner = entry
+            pin = self._pins.get(owner)
+            if pin is None or pin[0].seq != seq:
+                continue  # released or replaced since
+            if owner in keep:
+                kept.append(entry)
+            else:
+                self._release(owner)
+                due.append(owner)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if due:
+            self._bump(expired=len(due))
+        return due
+
+    def next_pin_expiry_s(self) -> float | None:
+        """When the earliest standing pin is due (None: no pins)."""
+        heap = self._expiry
+        while heap and ((pin := self._pins.get(heap[0][2])) is None or pin[0].seq != heap[0][1]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
     def reset(self) -> bool:
         """Clear the prefix cache (AllBlocksCleared); refused while any request holds
         blocks, as in vLLM."""
@@ -351,6 +476,46 @@ class PrefixCache:
         return self.pool.take_events()
 
     # --- internals ---
+
+    def _release(self, owner: str) -> bool:
+        entry = self._pins.pop(owner, None)
+        if entry is None:
+            return False
+        self.pool.free_blocks(reversed(entry[1]))  # tail block first, as a request's free
+        return True
+
+    def _bump(self, **counts: int) -> None:
+        s = self._pin_stats
+        self._pin_stats = replace(s, **{k: getattr(s, k) + v for k, v in counts.items()})
+
+    def _reclaim_pins(
+        self, request: CacheRequest, num_new_tokens: int, hit: CacheHit, full: bool
+    ) -> bool:
+        """Give pins back, lowest `pin_priority` first, until the allocation fits; only
+        when giving all of them back (the requester's own excepted) would make it fit."""
+        owner = request.session_id
+        victims = [(o, pin, blocks) for o, (pin, blocks) in self._pins.items() if o != owner]
+        if not victims:
+            return False
+        holders: dict[int, int] = {}
+        for _, _, blocks in victims:
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        reused = set(hit.block_ids)  # released, these would only be revived by the request
+        freeable = sum(
+            1 for i, n in holders.items() if self.pool.blocks[i].ref_cnt == n and i not in reused
+        )
+        need = self.blocks_needed(request, num_new_tokens, hit, full_sequence_must_fit=full)
+        if need > self.num_free_blocks + freeable:
+            return False
+        now = self._pin_now
+        victims.sort(key=lambda v: self.pin_priority(v[1], now))
+        for o, _, _ in victims:
+            self._release(o)
+            self._bump(reclaimed=1)
+            if self.can_allocate(request, num_new_tokens, hit, full_sequence_must_fit=full):
+                return True
+        return self.can_allocate(request, num_new_tokens, hit, full_sequence_must_fit=full)
 
     def _check_block_size(self, request: CacheRequest) -> None:
         if request.block_size != self.block_size:

@@ -13,6 +13,11 @@ Arrivals are consumed lazily, in time order (an iterator of 12k prompts of 100k 
 would not fit in memory as a list). An arrival names its engine, or the `route` callback
 picks one: `route(request, views) -> engine index`, where `views` shows each engine's
 index, load and cache (see `EngineView`); `round_robin()` and `session_hash()` are provided.
+
+Closed loops: `on_finish(record)` sees each request as it finishes and may return more
+arrivals (an agent's next turn after its tool wait), at that time or later; they join the
+heap like any other arrival, so a workload whose turns wait on each other's completions
+runs in the same virtual time.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ def session_hash() -> Route:
 
 
 _ARRIVAL, _STEP_DONE = 0, 1
+_FOLLOW = -2  # the engine slot of an arrival `on_finish` returned (-1: from `arrivals`)
 
 
 def replay(
@@ -108,9 +114,11 @@ def replay(
     route: Route | None = None,
     *,
     on_step: Callable[[int, float, StepResult], None] | None = None,
+    on_finish: Callable[[RequestRecord], Iterable[Arrival]] | None = None,
 ) -> ReplayResult:
     """Run every arrival to completion; `on_step(engine, time, result)` sees each step as
-    its outputs become visible (KV events included)."""
+    its outputs become visible (KV events included); `on_finish(record)` may answer a
+    finished request with new arrivals (not before its finish)."""
     if not engines:
         raise ValueError("replay needs at least one engine")
     router = route or round_robin()
@@ -158,7 +166,8 @@ def replay(
     while heap:
         now, _, _, i, payload = heapq.heappop(heap)
         if isinstance(payload, Arrival):
-            push_next_arrival()
+            if i != _FOLLOW:
+                push_next_arrival()
             req = payload.request
             w = payload.worker
             if w is None:
@@ -184,6 +193,14 @@ def replay(
                 rec.finish_s = now
                 rec.finish_reason = out.finish_reason
                 del records[out.request_id]
+                for follow in on_finish(rec) if on_finish is not None else ():
+                    if follow.time_s < now:
+                        raise ValueError(
+                            f"{follow.request.request_id} at {follow.time_s} would arrive "
+                            f"before {rec.request_id} finished at {now}"
+                        )
+                    seq += 1
+                    heapq.heappush(heap, (follow.time_s, _ARRIVAL, seq, _FOLLOW, follow))
         if on_step is not None:
             on_step(i, now, payload)
         if engines[i].has_unfinished_requests():

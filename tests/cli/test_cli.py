@@ -43,14 +43,6 @@ def test_help_lists_every_command_of_the_interface() -> None:
         assert f" {command} " in out, command
 
 
-@pytest.mark.parametrize("args", [["bench"]])
-def test_commands_not_in_this_build_say_so_in_one_line(args: list[str], tmp_path: Path) -> None:
-    r = run(*args, data_dir=tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.count("\n") == 1 and "not available in this build yet" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
 def test_config_show_prints_the_effective_configuration(tmp_path: Path) -> None:
     r = run("config", "show", data_dir=tmp_path, APPLIANCE_SERVER__PORT="9123")
     assert r.returncode == 0, r.stderr

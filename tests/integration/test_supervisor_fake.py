@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -318,7 +319,8 @@ def test_unresponsive_worker_is_marked_then_restarted(spec, tmp_path) -> None:
             spec, log_dir=tmp_path / "logs", on_event=events.append, timings=FAST
         ) as sup:
             (w0,) = sup.workers
-            await w0.client._http.post("/sick", json={})
+            async with httpx.AsyncClient() as http:
+                await http.post(w0.client.base_url + "/sick", json={})
             await wait_for(lambda: w0.state == WorkerState.UNHEALTHY)
             assert not w0.accepts_requests
             await wait_for(lambda: w0.restarts == 1 and w0.healthy)

@@ -20,6 +20,10 @@ T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: snapshots show UTC times, so looks
 GIB = 1 << 30
 TOOLS = ["shell", "browser", "python", "search", None]
 STATUSES = ["open", "open", "succeeded", "failed"]
+SIM_DRIVER = "simulated (the sim engine's GPU model; not measured)"
+SIM_HBM_BYTES = 150_754_820_096  # the bundled H200 profile's memory
+SIM_BASELINE_BYTES = 16_061_374_136  # weights and runtime of its model
+SIM_KV_POOL_BYTES = 122_633_060_352
 
 
 def make_state(
@@ -31,10 +35,13 @@ def make_state(
     seed: int = 7,
     time_s: float = T0,
     tick: int = 0,
+    simulated: bool = False,
 ) -> dict[str, Any]:
     """A plausible snapshot shaped exactly as appliance/services/state.py builds one.
 
     `tick` moves the clock and idle times forward so that successive snapshots differ.
+    `simulated`: the simulated engine's state: one modelled GPU per worker, said so in
+    `gpu_driver`.
     """
     rng = random.Random(seed)
     now = time_s + tick * 0.5
@@ -66,6 +73,22 @@ def make_state(
         }
         for i in range(gpus)
     ]
+    if simulated:
+        for w in ws:
+            w["gpus"] = []
+        gs = [
+            {
+                "index": i,
+                "name": "NVIDIA H200 sim",
+                "mem_total_bytes": SIM_HBM_BYTES,
+                "mem_used_bytes": SIM_BASELINE_BYTES + round(w["kv_usage"] * SIM_KV_POOL_BYTES),
+                "util": w["running"] / (w["running"] + 1),
+                "temp_c": 40.0,
+                "power_w": 100.0,
+                "kv_bytes": round(w["kv_usage"] * SIM_KV_POOL_BYTES),
+            }
+            for i, w in enumerate(ws)
+        ]
     n_tasks = n_tasks if n_tasks is not None else max(1, n_sessions // 2)
     tasks: list[dict[str, Any]] = []
     for i in range(n_tasks):
@@ -112,6 +135,7 @@ def make_state(
         "time": now,
         "workers": ws,
         "gpus": gs,
+        "gpu_driver": SIM_DRIVER if simulated else ("580.159.04" if gs else None),
         "sessions": sessions,
         "tasks": tasks,
         "costs": {},

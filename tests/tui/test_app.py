@@ -49,6 +49,29 @@ async def test_overview_shows_gpu_bars_workers_and_the_summary(fake: FakeApplian
         assert "routing    affinity 40 · least_loaded 9" in text
 
 
+async def test_overview_says_the_simulated_gpus_are_simulated(fake: FakeAppliance) -> None:
+    state = make_state(simulated=True)
+    state["admission"] = {
+        "accepted": 120,
+        "rejected": 7,
+        "accept_rate_per_s": 2.5,
+        "reject_rate_per_s": 0.1,
+        "by_reason": {"deadline_infeasible": 5, "queue_full": 2},
+    }
+    fake.set_state(state)
+    app = console(fake.url)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(app, pilot)
+        text = screen_text(app)
+        assert "GPU0 H200 sim" in text and "GPU1 H200 sim" in text
+        assert "61.8/140.4 GiB KV 46.8" in text  # 15.0 GiB baseline + 41% of the KV pool
+        assert "█" in text and "▓" in text and "░" in text
+        assert "simulated by the sim engine's GPU model, not measured" in text
+        assert "KV (not reported)" not in text
+        assert "accept 2.5/s · reject 0.1/s · accepted 120 · rejected 7" in text
+        assert "deadline_infeasible 5, queue_full 2" in text
+
+
 async def test_overview_without_gpus_says_so_calmly(fake: FakeAppliance) -> None:
     fake.set_state(make_state(gpus=0))
     app = console(fake.url)
@@ -143,7 +166,10 @@ async def test_enter_opens_the_session_and_escape_goes_back(fake: FakeAppliance)
         await until_text(pilot, "404 Not Found")  # this appliance has no turns route yet
         text = screen_text(app)
         assert "residency decisions arrive with the idle reaper" in text
-        assert f"GET /admin/v1/sessions/{first}" in [f"{r.method} {r.path}" for r in fake.requests]
+        tenant = next(x["tenant"] for x in fake.state["sessions"] if x["id"] == first)
+        assert f"GET /admin/v1/sessions/{first}?tenant={tenant}" in [
+            f"{r.method} {r.path}" for r in fake.requests
+        ]
         await pilot.press("escape")
         await wait_until(pilot, lambda: isinstance(app.screen, SessionsScreen))
 
@@ -154,6 +180,7 @@ async def test_session_detail_shows_turns_when_the_appliance_has_them(
     first = "sess-00003"
     turns = {
         "session": None,
+        "residency": [{"worker": "w1", "tier": "gpu", "tokens": 4608, "bytes": 4608 * 131072}],
         "turns": [
             {
                 "turn_id": "t-1",
@@ -177,6 +204,7 @@ async def test_session_detail_shows_turns_when_the_appliance_has_them(
         await until_text(pilot, "t-1")
         text = screen_text(app)
         assert "4,096" in text and "0.0021" in text and "ok" in text
+        assert "w1      gpu    4,608  576.0 MiB" in text
         fake.set_state(make_state(n_sessions=2))
         await until_text(pilot, "This session is no longer in the appliance's state.")
 
@@ -208,7 +236,7 @@ async def test_release_confirmed_shows_the_servers_404(fake: FakeAppliance) -> N
         await pilot.press("x")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")
-        path = f"/admin/v1/sessions/{target.id}/release"
+        path = f"/admin/v1/sessions/{target.id}/release?tenant={target.tenant}"
         await wait_until(pilot, lambda: any(r.path == path for r in fake.requests))
         await wait_until(pilot, lambda: bool(app._notifications), what="a notification")
         note = list(app._notifications)[-1]
@@ -222,13 +250,13 @@ async def test_release_confirmed_shows_the_servers_404(fake: FakeAppliance) -> N
 async def test_release_confirmed_from_the_detail_view_reports_success(
     fake: FakeAppliance,
 ) -> None:
-    fake.routes[("POST", "/admin/v1/sessions/sess-00001/release")] = json_reply(
-        200, {"session_id": "sess-00001", "released_tokens": 5120}
+    fake.routes[("POST", "/admin/v1/sessions/sess-00001/release?tenant=bob")] = json_reply(
+        200, {"session_id": "sess-00001", "tenant": "bob", "released_tokens": 5120}
     )
     app = console(fake.url)
     async with app.run_test(size=(120, 36), notifications=True) as pilot:
         await started(app, pilot)
-        app.push_screen(SessionDetailScreen("sess-00001"))
+        app.push_screen(SessionDetailScreen("sess-00001", "bob"))
         await until_text(pilot, "Session sess-00001")
         await pilot.press("x")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
@@ -349,14 +377,18 @@ async def test_events_newest_first(fake: FakeAppliance) -> None:
         state = make_state()
         t = state["time"]
         state["events"] = [
-            {"time": t - 30, "kind": "restart", "worker": "w1", "detail": "exit code 1"},
-            {"time": t - 5, "kind": "rejection", "tenant": "bob", "detail": "deadline"},
-            {"time": t - 10, "kind": "release", "session_id": "sess-00002", "detail": "operator"},
+            {"at": t - 30, "kind": "worker_restart", "subject": "w1", "detail": "exit code 1"},
+            {"at": t - 5, "kind": "task_cancelled", "subject": "task-0001", "tenant": "bob"},
+            {"at": t - 10, "kind": "release", "subject": "sess-00002", "tenant": "carol"},
         ]
         fake.set_state(state)
         await until_text(pilot, "3 events")
         lines = [line for line in screen_text(app).splitlines() if "Z " in line[:10]]
-        assert [line.split()[1] for line in lines] == ["rejection", "release", "restart"]
+        assert [line.split()[1:3] for line in lines] == [
+            ["task_cancelled", "task-0001"],
+            ["release", "sess-00002"],
+            ["worker_restart", "w1"],
+        ]
 
 
 # -- help, keys, quitting ------------------------------------------------------------------

@@ -127,6 +127,26 @@ def test_release_reads_the_answer(fake: FakeAppliance) -> None:
     assert run(go()) == 4096
 
 
+def test_release_and_detail_name_the_sessions_tenant(fake: FakeAppliance) -> None:
+    fake.routes[("POST", "/admin/v1/sessions/s%2F1/release?tenant=acme")] = json_reply(
+        200, {"session_id": "s/1", "tenant": "acme", "released_tokens": 64}
+    )
+    fake.routes[("GET", "/admin/v1/sessions/s%2F1?tenant=acme")] = json_reply(
+        200, {"residency": [{"worker": "w1", "tokens": 64, "bytes": 8192}], "turns": []}
+    )
+
+    async def go() -> tuple[int | None, list[str]]:
+        client = StateClient(fake.url, ADMIN_KEY)
+        try:
+            released = await client.release_session("s/1", "acme")
+            detail = await client.session_detail("s/1", "acme")
+            return released.released_tokens, [r.worker for r in detail.residency]
+        finally:
+            await client.aclose()
+
+    assert run(go()) == (64, ["w1"])
+
+
 def test_backoff_doubles_to_its_cap_and_resets() -> None:
     b = Backoff(first_s=0.5, max_s=3.0)
     assert [b.next_delay() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]

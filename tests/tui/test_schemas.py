@@ -19,6 +19,8 @@ from appliance.api.schemas import AdminState
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot
+from appliance.services.cost_series import CostSeries
+from appliance.services.events import EventFeed
 from appliance.services.sessions import SessionState
 from appliance.services.state import StateSources, snapshot
 from appliance.services.tasks import TaskBook
@@ -71,12 +73,27 @@ def _sources(with_gpu: bool) -> StateSources:
         driver="560" if with_gpu else None,
         gpus=(
             GpuReading(0, "NVIDIA H200", "GPU-0", 141 << 30, 80 << 30, 61 << 30, 0.5, 55.0, 400.0),
+            GpuReading(
+                1,
+                "H200 sim",
+                "SIM-w1",
+                140 << 30,
+                20 << 30,
+                120 << 30,
+                0.0,
+                40.0,
+                100.0,
+                kv_bytes=5 << 30,
+            ),
         )
         if with_gpu
         else (),
         host=None,
     )
     router = SimpleNamespace(sessions=sessions, routed_by_reason={"affinity": 3})
+    events = EventFeed()
+    events.record(now - 1, "worker_restart", "w1", "restarted")
+    events.record(now, "release", "s1", "released by operator", tenant="alice")
     return StateSources(
         workers=lambda: workers,  # type: ignore[arg-type, return-value]
         router=router,  # type: ignore[arg-type]
@@ -86,6 +103,8 @@ def _sources(with_gpu: bool) -> StateSources:
         kv_bytes_per_token=131072,
         worker_info=lambda w: {"engine": "sim", "url": "http://x", "gpus": [], "restarts": 0},
         currency="USD",
+        events=events,
+        cost_series=CostSeries(),
     )
 
 
@@ -122,7 +141,15 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
         payload = json.loads(json.dumps(snapshot(_sources(with_gpu))))
         state = AdminState.model_validate(payload)
         assert unknown_keys(AdminState, payload) == []
-        assert len(state.gpus) == (1 if with_gpu else 0)
+        assert len(state.gpus) == (2 if with_gpu else 0)
+        assert [g.kv_bytes for g in state.gpus] == ([None, 5 << 30] if with_gpu else [])
+        assert state.gpu_driver == ("560" if with_gpu else None)
+        assert state.events is not None
+        assert [(e.kind, e.subject, e.tenant) for e in state.events] == [
+            ("release", "s1", "alice"),
+            ("worker_restart", "w1", None),
+        ]
+        assert state.costs.series is not None and len(state.costs.series) == 1
         assert state.sessions[0].resident_tokens.gpu == 1024
         assert state.sessions[0].resident_bytes.gpu == 1024 * 131072
         assert state.sessions[0].task_id == "child"

@@ -14,7 +14,7 @@ import pytest
 from textual.pilot import Pilot
 
 from tests.tui.conftest import screen_text, wait_until
-from tests.tui.fakes import ADMIN_KEY, FakeAppliance, make_state
+from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state
 from tui.app import ConsoleApp
 from tui.client import Backoff, Lost, Poller, StateClient
 
@@ -49,15 +49,23 @@ def snapshot_state() -> dict[str, object]:
              "attempts": 17, "unpriced_attempts": 2, "cost": 1.1, "cost_per_success": 0.55},
         ],
         "series": [
-            {"window_start": t - 60 * (12 - i), "cost_per_success": 0.2 + 0.03 * (i % 5)}
+            {"window_start": t - 60 * (12 - i), "cost_per_success": 0.2 + 0.03 * (i % 5),
+             "succeeded": 2 + i}
             for i in range(12)
         ],
     }  # fmt: skip
+    state["admission"] = {
+        "accepted": 120, "rejected": 7, "accept_rate_per_s": 2.5, "reject_rate_per_s": 0.1,
+        "by_reason": {"deadline_infeasible": 5, "queue_full": 2},
+    }  # fmt: skip
     state["events"] = [
-        {"time": t - 3, "kind": "rejection", "tenant": "bob", "detail": "deadline infeasible"},
-        {"time": t - 40, "kind": "release", "session_id": "sess-00004", "detail": "operator"},
-        {"time": t - 95, "kind": "restart", "worker": "w1", "detail": "exit code 137"},
-    ]
+        {"at": t - 3, "kind": "task_cancelled", "subject": "task-0007", "tenant": "bob",
+         "detail": "cancelled with 2 open descendants"},
+        {"at": t - 40, "kind": "release", "subject": "sess-00004", "tenant": "bob",
+         "detail": "released by operator: 5,120 tokens held on w1"},
+        {"at": t - 95, "kind": "worker_restart", "subject": "w1",
+         "detail": "restarted; 1 restarts since the appliance started"},
+    ]  # fmt: skip
     return state
 
 
@@ -94,12 +102,36 @@ def test_overview_without_gpus(snap_compare, appliance: FakeAppliance) -> None: 
     assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=after())
 
 
-def test_session_detail(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+def test_overview_with_simulated_gpus(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
+    appliance.set_state(make_state(simulated=True))
+    assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=after())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_session_detail(snap_compare, appliance: FakeAppliance, size: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    t = float(appliance.state["time"])  # type: ignore[arg-type]
+    turns = [
+        {"turn_id": f"{i:032x}", "started_at": t - 30 + 10 * i, "worker": "w1",
+         "prompt_tokens": 50_000 + 2_000 * i, "cached_tokens": 48_000 + 2_000 * i,
+         "output_tokens": 120, "ttft_s": 0.08, "e2e_s": 1.9, "cost": 0.0012, "outcome": "ok"}
+        for i in range(3)
+    ]  # fmt: skip
+    detail = {
+        "residency": [
+            {"worker": "w1", "tier": "gpu", "tokens": 57_300, "bytes": 57_300 * 131072},
+            {"worker": "w0", "tier": "gpu", "tokens": 8_192, "bytes": 8_192 * 131072},
+        ],
+        "turns": turns,
+    }
+    appliance.routes[("GET", "/admin/v1/sessions/sess-00051?tenant=alice")] = json_reply(
+        200, detail
+    )
+
     async def run_before(pilot: Pilot[None]) -> None:
         await after("2", "enter")(pilot)
-        await wait_until(pilot, lambda: "404 Not Found" in screen_text(pilot.app))
+        await wait_until(pilot, lambda: "8,192" in screen_text(pilot.app))
 
-    assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=run_before)
+    assert snap_compare(app_for(appliance), terminal_size=size, run_before=run_before)
 
 
 def test_release_confirmation(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]

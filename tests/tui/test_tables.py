@@ -8,9 +8,16 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tests.tui.fakes import T0
+from tests.tui.fakes import SIM_DRIVER, T0, make_state
 from tui import format as fmt
-from tui.tables import json_view, render_costs, render_sessions, render_status, render_tasks
+from tui.tables import (
+    json_view,
+    render_costs,
+    render_events,
+    render_sessions,
+    render_status,
+    render_tasks,
+)
 
 
 def small_state() -> dict[str, Any]:
@@ -118,6 +125,28 @@ def test_a_task_cycle_is_printed_once() -> None:
     state = small_state()
     state["tasks"][2]["children"] = ["root"]  # bad data must not loop forever
     assert render_tasks(state, tree=True).count("root") == 1
+
+
+def test_status_says_when_the_gpus_are_simulated() -> None:
+    assert SIM_DRIVER not in render_status(make_state())
+    assert f"gpus: {SIM_DRIVER}" in render_status(make_state(simulated=True)).splitlines()
+
+
+def test_events_newest_first_as_the_appliance_sends_them() -> None:
+    state = small_state()
+    assert render_events(state).startswith("events: not reported")
+    state["events"] = []
+    assert render_events(state) == "no events"
+    state["events"] = [
+        {"at": T0 - 1, "kind": "release", "subject": "s-big", "tenant": "alice",
+         "detail": "released by operator"},
+        {"at": T0 - 60, "kind": "worker_restart", "subject": "w1", "detail": "restarted"},
+    ]  # fmt: skip
+    lines = render_events(state).splitlines()
+    assert lines[0].split() == ["time", "kind", "subject", "tenant", "detail"]
+    assert lines[1].split()[:4] == ["23:59:59Z", "release", "s-big", "alice"]
+    assert lines[2].split()[:4] == ["23:59:00Z", "worker_restart", "w1", "-"]
+    assert json.loads(json_view(state, "events")) == {"events": state["events"]}
 
 
 def test_costs_not_reported_and_reported() -> None:

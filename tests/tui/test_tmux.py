@@ -1,15 +1,19 @@
 """The console in a real terminal: `appliance top` in tmux against `appliance up --engine sim`
 under a live agent load, read back with `tmux capture-pane`.
 
-Agents open a root task, fan it out to child tasks and run multi-turn sessions in them the
-whole time the console runs; the test reads the Overview (workers and their KV bars, GPU
-bars or the calm no-GPU line), the Sessions table and the Tasks tree, sees them change, and
-quits with `q`. It also checks the real appliance's snapshot against the console's schema.
+Agents open a root task, fan it out to child tasks and run multi-turn sessions in them while
+the console runs; the test reads the Overview (workers and their KV bars, the simulated
+GPUs' HBM bars), the Sessions table and the Tasks tree and sees them change; once the agents
+stop it opens a session's detail, releases it, finds the release in the Sessions table and
+on the Events screen, and quits with `q`. It also checks the real appliance's snapshot
+against the console's schema, and the session routes and their ledger row over HTTP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -25,6 +29,7 @@ import httpx
 import pytest
 
 from appliance.api.schemas import AdminState
+from appliance.ledger import open_reader
 from tests.running import BIN, add_key, appliance_process
 from tests.tui.test_schemas import unknown_keys
 
@@ -191,23 +196,40 @@ def test_the_real_snapshot_is_the_consoles_schema(appliance: Appliance) -> None:
     assert unknown_keys(AdminState, r.json()) == []
 
 
+GPU_LINE = re.compile(
+    r"^(GPU\d) H200 sim\s+([█▓░]+) +(\d+\.\d)/(\d+\.\d) GiB KV (\d+\.\d)\s+util\s+(\d+%)"
+)
+
+
+TURN_ROW = re.compile(r"^\s*[0-9a-f]{32}\s+\d\d:\d\d:\d\dZ\s+w[01]\s.*\sok\b", re.M)
+"""A row of the session detail's turns: turn id, start, worker, ..., outcome ok."""
+
+
+def gpu_lines(screen: str) -> dict[str, tuple[str, ...]]:
+    """The simulated GPUs' lines: bar, used GiB, total GiB, KV GiB, util, by GPU."""
+    found = (GPU_LINE.match(line.strip()) for line in screen.splitlines())
+    return {m.group(1): m.groups()[1:] for m in found if m}
+
+
 def test_top_in_a_real_terminal_under_agent_load(appliance: Appliance, terminal: Terminal) -> None:
+    ops = {"Authorization": f"Bearer {appliance.admin_key}"}
     with AgentLoad(appliance) as load:
-        # Overview: both workers with KV bars; GPU bars, or the calm line on a GPU-less host.
+        # Overview: both workers with KV bars, and one simulated GPU per worker with its
+        # HBM bar, said to be simulated.
         screen = terminal.wait_for(
-            lambda s: "w0" in s and "w1" in s and "Workers" in s, "the Overview"
+            lambda s: "w0" in s and "w1" in s and set(gpu_lines(s)) == {"GPU0", "GPU1"},
+            "the Overview with the simulated GPUs' bars",
         )
-        gpus = httpx.get(
-            f"{appliance.url}/admin/v1/state",
-            headers={"Authorization": f"Bearer {appliance.admin_key}"},
-            timeout=10,
-        ).json()["gpus"]
-        if gpus:
-            screen = terminal.wait_for(
-                lambda s: "GPU0" in s and "GiB" in s and ("▓" in s or "░" in s), "GPU bars"
-            )
-        else:
-            assert "No NVIDIA GPU reported" in screen
+        state = httpx.get(f"{appliance.url}/admin/v1/state", headers=ops, timeout=10).json()
+        assert state["gpu_driver"].startswith("simulated") and len(state["gpus"]) == 2
+        assert "simulated by the sim engine's GPU model, not measured" in screen
+        first = gpu_lines(screen)
+        for bar, used, total, kv, _util in first.values():
+            assert float(total) == round(state["gpus"][0]["mem_total_bytes"] / 2**30, 1)
+            assert float(used) >= 1.0 and float(kv) <= float(used) < float(total)
+            assert "▓" in bar and "░" in bar
+        # The bars follow the agents' load: used memory, KV and utilisation move.
+        terminal.wait_for(lambda s: gpu_lines(s) not in ({}, first), "the GPU bars to update")
         assert re.search(r"w0\s+\S+\s+ok", screen) and ("█" in screen or "░" in screen)
         assert load.errors == []
 
@@ -247,6 +269,36 @@ def test_top_in_a_real_terminal_under_agent_load(appliance: Appliance, terminal:
         )
         assert load.errors == []
 
+    # The agents stopped: open the most resident session, see its residency and turns,
+    # release it, and find the release in the table and among the events.
+    terminal.press("2")
+    terminal.wait_for(lambda s: "GPU tok▼" in s and "agent-" in s, "the Sessions table")
+    terminal.press("Enter")
+    screen = terminal.wait_for(
+        lambda s: "Residency" in s and TURN_ROW.search(s) is not None,
+        "the session's detail with its residency and turns",
+    )
+    session = re.search(r"Session (agent-\S+)", screen)
+    assert session, screen
+    assert re.search(r"^\s*w[01]\s+gpu\s+[\d,]+\s+\d", screen, re.M), screen
+    terminal.press("x")
+    terminal.wait_for(lambda s: "Release the KV cache held by session" in s, "the confirmation")
+    terminal.press("y")
+    terminal.wait_for(lambda s: f"Session {session.group(1)}: released (" in s, "the release")
+    terminal.press("Escape")
+    terminal.wait_for(
+        lambda s: (
+            re.search(rf"^{session.group(1)}\s.*\sreleased\s+released by operator", s, re.M)
+            is not None
+        ),
+        "the released session in the table",
+    )
+    terminal.press("5")
+    terminal.wait_for(
+        lambda s: re.search(rf"\srelease\s+{session.group(1)}\s+agents\s", s) is not None,
+        "the release on the Events screen",
+    )
+
     # `q` quits and gives the terminal back.
     status_file = appliance.data_dir / "top.status"
     terminal.press("q")
@@ -257,3 +309,67 @@ def test_top_in_a_real_terminal_under_agent_load(appliance: Appliance, terminal:
     time.sleep(0.1)
     assert status_file.read_text().strip() == "0", terminal.screen()
     assert "Traceback" not in terminal.screen()
+
+
+def test_session_detail_and_release_over_http(appliance: Appliance) -> None:
+    tenant = {"Authorization": f"Bearer {appliance.tenant_key}"}
+    ops = {"Authorization": f"Bearer {appliance.admin_key}"}
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hello " * 300}]}
+    for _ in range(2):
+        r = httpx.post(
+            f"{appliance.url}/v1/chat/completions",
+            json=body | {"max_tokens": 4},
+            headers=tenant | {"X-Session-ID": "ops/check 1"},
+            timeout=30,
+        )
+        r.raise_for_status()
+    path = f"{appliance.url}/admin/v1/sessions/ops%2Fcheck%201"
+    deadline = time.monotonic() + 10  # the ledger commits a turn just after its answer
+    while True:
+        detail = httpx.get(path, params={"tenant": "agents"}, headers=ops, timeout=10)
+        assert detail.status_code == 200, detail.text
+        data = detail.json()
+        if len(data["turns"]) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert data["session"]["id"] == "ops/check 1" and data["session"]["turns"] == 2
+    assert [t["outcome"] for t in data["turns"]] == ["ok", "ok"]
+    assert data["turns"][1]["cached_tokens"] > 0
+    assert sum(r["tokens"] for r in data["residency"]) > 0
+
+    assert httpx.post(f"{path}/release", headers=tenant, timeout=10).status_code == 403
+    missing = httpx.get(f"{appliance.url}/admin/v1/sessions/nope", headers=ops, timeout=10)
+    assert missing.status_code == 404
+    released = httpx.post(f"{path}/release", params={"tenant": "agents"}, headers=ops, timeout=10)
+    assert released.status_code == 200, released.text
+    assert released.json()["released_tokens"] == data["session"]["resident_tokens"]["gpu"]
+
+    state = httpx.get(f"{appliance.url}/admin/v1/state", headers=ops, timeout=10).json()
+    (row,) = [s for s in state["sessions"] if s["id"] == "ops/check 1"]
+    assert (row["decision"], row["reason"]) == ("released", "released by operator")
+    assert any(
+        e["kind"] == "release" and e["subject"] == "ops/check 1" and e["tenant"] == "agents"
+        for e in state["events"]
+    )
+    # The terminal commands carry the same: `events` lists the release, `status --json`
+    # the whole snapshot with the simulated GPUs, the cost series and the events.
+    cli = [str(BIN / "appliance"), "--url", appliance.url, "--key", appliance.admin_key]
+    listed = subprocess.run(
+        [cli[0], "events", *cli[1:], "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert any(e["subject"] == "ops/check 1" for e in json.loads(listed.stdout)["events"])
+    status = subprocess.run(
+        [cli[0], "status", *cli[1:], "--json"], capture_output=True, text=True, timeout=60
+    )
+    full = json.loads(status.stdout)
+    assert full["gpu_driver"].startswith("simulated") and full["costs"]["series"]
+    assert any(e["kind"] == "release" for e in full["events"])
+    with contextlib.closing(open_reader(appliance.data_dir / "ledger.db")) as conn:
+        rows = conn.execute(
+            "SELECT action, reason, tokens FROM residency_events WHERE session_id = ?",
+            ["agents/ops/check 1"],
+        ).fetchall()
+    assert [tuple(r) for r in rows] == [
+        ("release", "released by operator", released.json()["released_tokens"])
+    ]

@@ -74,5 +74,6 @@ class CostsScreen(StateScreen):
             f"last {fmt.money(series[-1], costs.currency)} · min {fmt.money(min(series))} · "
             f"max {fmt.money(max(series))} · {len(series)} windows from "
             f"{fmt.clock(points[0].window_start)} to {fmt.clock(points[-1].window_start)}"
+            f" · {points[-1].succeeded:,} successes"
         )
         chart.data = series

@@ -1,4 +1,5 @@
-"""Events: restarts, rejections, evictions and releases, newest first."""
+"""Events: worker restarts and outages, rejections, evictions, releases and cancelled tasks,
+newest first (the appliance keeps the newest hundred in its state)."""
 
 from __future__ import annotations
 
@@ -14,32 +15,17 @@ NOT_REPORTED = "this appliance does not report events in its state yet"
 
 
 def _event_key(e: Event) -> str:
-    return f"{e.time}/{e.kind}/{e.session_id}/{e.task_id}/{e.worker}"
+    return f"{e.at}/{e.kind}/{e.subject}/{e.tenant}"
 
 
 def _event_text(e: Event) -> str:
-    return " ".join(
-        (e.kind, e.worker or "", e.session_id or "", e.task_id or "", e.tenant or "", e.detail)
-    ).lower()
+    return " ".join((e.kind, e.subject, e.tenant or "", e.detail)).lower()
 
 
 EVENT_COLUMNS: list[Column[Event]] = [
-    Column("time", "time", 9, lambda e: fmt.clock(e.time), lambda e: e.time, priority=100),
-    Column("kind", "kind", 10, lambda e: e.kind, lambda e: e.kind, priority=90),
-    Column(
-        "worker", "worker", 6, lambda e: fmt.text(e.worker), lambda e: e.worker or "", priority=60
-    ),
-    Column(
-        "session",
-        "session",
-        14,
-        lambda e: fmt.text(e.session_id),
-        lambda e: e.session_id or "",
-        priority=50,
-    ),
-    Column(
-        "task", "task", 12, lambda e: fmt.text(e.task_id), lambda e: e.task_id or "", priority=40
-    ),
+    Column("time", "time", 9, lambda e: fmt.clock(e.at), lambda e: e.at, priority=100),
+    Column("kind", "kind", 14, lambda e: e.kind, lambda e: e.kind, priority=90),
+    Column("subject", "subject", 16, lambda e: e.subject, lambda e: e.subject, priority=70),
     Column(
         "tenant", "tenant", 8, lambda e: fmt.text(e.tenant), lambda e: e.tenant or "", priority=30
     ),

@@ -1,7 +1,8 @@
 """One session: what it holds where, its task and tool wait, the reaper's decision, its turns.
 
-The fields come from each snapshot; the turns from `GET /admin/v1/sessions/{id}`, fetched
-when the screen opens and on `r`. An appliance without that route says so in place.
+The fields come from each snapshot; its residency per worker and its turns from
+`GET /admin/v1/sessions/{id}?tenant=T`, fetched when the screen opens and on `t`. An
+appliance without that route says so in place.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.api.schemas import SessionDetail
+from appliance.api.schemas import SessionDetail, SessionResidency
 from tui import format as fmt
 from tui.client import ConsoleError
 from tui.screens.base import StateScreen
@@ -56,9 +57,10 @@ def session_fields(s: SessionState, tasks: dict[str, str]) -> Table:
 def turns_table(detail: SessionDetail) -> RenderableType:
     if not detail.turns:
         return Text("no turns recorded", style="dim")
-    table = Table(box=None, padding=(0, 1), header_style="bold")
+    table = Table(box=None, padding=(0, 1), collapse_padding=True, header_style="bold")
+    # The turn id gives way first on a narrow screen (cut with an ellipsis).
+    table.add_column("turn", no_wrap=False, min_width=8)
     for name, justify in (
-        ("turn", "left"),
         ("started", "left"),
         ("worker", "left"),
         ("prompt", "right"),
@@ -72,7 +74,7 @@ def turns_table(detail: SessionDetail) -> RenderableType:
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for t in detail.turns:
         table.add_row(
-            t.turn_id,
+            Text(t.turn_id, no_wrap=True, overflow="ellipsis"),
             fmt.clock(t.started_at),
             fmt.text(t.worker),
             fmt.num(t.prompt_tokens),
@@ -86,6 +88,19 @@ def turns_table(detail: SessionDetail) -> RenderableType:
     return table
 
 
+def residency_table(residency: list[SessionResidency]) -> RenderableType:
+    if not residency:
+        return Text("no worker holds a prefix of this session", style="dim")
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    table.add_column("worker", no_wrap=True)
+    table.add_column("tier", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    for r in residency:
+        table.add_row(r.worker, r.tier, fmt.num(r.tokens), fmt.size(r.bytes))
+    return table
+
+
 class SessionDetailScreen(StateScreen):
     TAB = "sessions"
     BINDINGS: ClassVar[list[BindingType]] = [
@@ -94,15 +109,19 @@ class SessionDetailScreen(StateScreen):
         Binding("t", "turns", "Reload turns"),
     ]
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, tenant: str | None = None) -> None:
         super().__init__()
         self.session_id = session_id
+        self.tenant = tenant
+        """None: the one tenant that has a session of this id."""
         self.session: SessionState | None = None
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="detail"):
             yield Static(Text(f"Session {self.session_id}", style="bold"), classes="section")
             yield Static(id="fields")
+            yield Static("Residency", classes="section")
+            yield Static(Text("loading …", style="dim"), id="residency")
             yield Static("Turns", classes="section")
             yield Static(Text("loading …", style="dim"), id="turns")
 
@@ -110,7 +129,14 @@ class SessionDetailScreen(StateScreen):
         self.load_turns()
 
     def update_body(self, state: AdminState) -> None:
-        found = next((s for s in state.sessions if s.id == self.session_id), None)
+        found = next(
+            (
+                s
+                for s in state.sessions
+                if s.id == self.session_id and self.tenant in (None, s.tenant)
+            ),
+            None,
+        )
         self.session = found
         fields = self.query_one("#fields", Static)
         if found is None:
@@ -124,9 +150,11 @@ class SessionDetailScreen(StateScreen):
     @work(exclusive=True, group="turns")
     async def load_turns(self) -> None:
         target = self.query_one("#turns", Static)
+        residency = self.query_one("#residency", Static)
         try:
-            detail = await self.console.client.session_detail(self.session_id)
+            detail = await self.console.client.session_detail(self.session_id, self.tenant)
         except ConsoleError as exc:
+            residency.update(Text("-", style="dim"))
             lines = [
                 Text("The appliance did not give this session's turns:", style="dim"),
                 Text(exc.message, style="yellow"),
@@ -140,6 +168,7 @@ class SessionDetailScreen(StateScreen):
                 )
             target.update(Group(*lines))
             return
+        residency.update(residency_table(detail.residency))
         target.update(turns_table(detail))
 
     def action_back(self) -> None:

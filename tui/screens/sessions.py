@@ -24,8 +24,9 @@ def _search_text(s: SessionState) -> str:
     ).lower()
 
 
-def _session_key(s: SessionState) -> str:
-    return s.id
+def session_key(s: SessionState) -> str:
+    """Session ids are per tenant: the row key is tenant/id (unique)."""
+    return f"{s.tenant}/{s.id}"
 
 
 SESSION_COLUMNS: list[Column[SessionState]] = [
@@ -141,7 +142,7 @@ class SessionsScreen(StateScreen):
         yield Input(placeholder="filter: session, tenant, task, worker, tool …  (/)", id="filter")
         yield SessionGrid(
             SESSION_COLUMNS,
-            row_key=_session_key,
+            row_key=session_key,
             search_text=_search_text,
             sort="gpu_tokens",
             reverse=True,
@@ -194,7 +195,9 @@ class SessionsScreen(StateScreen):
     def _open(self, event: Grid.Selected) -> None:
         from tui.screens.session_detail import SessionDetailScreen
 
-        self.app.push_screen(SessionDetailScreen(event.key))
+        session = self.grid.selected
+        if session is not None and session_key(session) == event.key:
+            self.app.push_screen(SessionDetailScreen(session.id, session.tenant))
 
     def action_filter(self) -> None:
         self.query_one(Input).focus()
@@ -228,6 +231,6 @@ def confirm_release(screen: StateScreen, session: SessionState) -> None:
 
     def answered(yes: bool | None) -> None:
         if yes:
-            screen.console.release_session(session.id)
+            screen.console.release_session(session.id, session.tenant)
 
     screen.app.push_screen(ConfirmScreen(question, confirm="Release"), answered)

@@ -57,6 +57,8 @@ class GpuPanel(Panel):
         legend.append(" used  ")
         legend.append(FREE, style="dim green")
         legend.append(" free")
+        if is_simulated(state.gpu_driver):
+            legend.append("  · simulated by the sim engine's GPU model, not measured", "italic")
         return Group(*lines, legend)
 
     @staticmethod
@@ -73,6 +75,11 @@ class GpuPanel(Panel):
         line.append_text(hbm_bar(bar_width, g.mem_total_bytes, g.mem_used_bytes, g.kv_bytes))
         line.append(tail)
         return line
+
+
+def is_simulated(gpu_driver: str | None) -> bool:
+    """The appliance runs the simulated engine: its GPU readings are a model."""
+    return gpu_driver is not None and gpu_driver.startswith("simulated")
 
 
 def _health(w: WorkerState) -> Text:
@@ -173,6 +180,10 @@ def _admission(state: AdminState) -> str:
         parts.append(f"accept {accept} · reject {reject}")
     if a.accepted is not None or a.rejected is not None:
         parts.append(f"accepted {fmt.num(a.accepted)} · rejected {fmt.num(a.rejected)}")
-    if a.reasons:
-        parts.append(", ".join(f"{r} {n:,}" for r, n in sorted(a.reasons.items())))
+    if a.by_reason:
+        parts.append(", ".join(f"{r} {n:,}" for r, n in sorted(a.by_reason.items())))
+    if a.in_flight_turns is not None or a.open_tasks is not None:
+        parts.append(
+            f"{fmt.num(a.in_flight_turns)} turns in flight · {fmt.num(a.open_tasks)} open tasks"
+        )
     return " · ".join(parts)

@@ -1,0 +1,151 @@
+"""`appliance bench`: one call that checks its inputs, runs the agents and returns the report.
+
+Model of the world: the workload comes from `configs/workload.yaml` (or `--workload FILE`,
+or the built-in defaults when the file is not installed), or from a recorded trace
+(`--trace`); the seed makes the tasks the same run after run. Each tenant of the workload
+sends with the API key of the same name from the data dir's `api-keys.toml` unless
+`--api-key` is given (then every tenant sends as that key's tenant). Before any load the
+appliance must answer `GET /v1/models` with that key: that tells the model name and its
+context limit. Task and session ids of a run share a fresh `run_tag`, so the run's rows in
+the ledger can be told apart from every other run's; `started_at`/`finished_at` (Unix
+seconds) bound the interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from appliance.bench.agents import Agents, RunPlan
+from appliance.bench.client import ApplianceClient, BadInput, BenchError, probe
+from appliance.bench.report import Recorder, build_report, render, to_json
+from appliance.keystore import KEYS_FILE, load_keys
+from appliance.workload import TaskTree, WorkloadSpec, iter_trees, load_spec
+from appliance.workload.trace import load_trace_workload
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workload.yaml"
+
+
+def run_bench(
+    *,
+    url: str,
+    workload: Path | None = None,
+    trace: Path | None = None,
+    duration_s: float = 60.0,
+    concurrency: int = 8,
+    seed: int | None = None,
+    time_scale: float = 1.0,
+    drain_s: float = 30.0,
+    api_key: str | None = None,
+    data_dir: Path | None = None,
+    as_json: bool = False,
+    report: Path | None = None,
+) -> str:
+    """Run the benchmark; returns the table (or JSON) and writes `report` when given."""
+    if duration_s <= 0 or drain_s < 0 or concurrency < 1 or time_scale < 0:
+        raise BadInput(
+            "bench: --duration must be > 0, --drain >= 0, --concurrency >= 1 and --time-scale >= 0"
+        )
+    url = url.rstrip("/").removesuffix("/v1")
+    spec = load_spec(workload) if workload else _default_spec()
+    seed = spec.seed if seed is None else seed
+    if trace is not None:
+        tenant = spec.tenants[0].name
+        trees: Iterator[TaskTree] = iter(
+            load_trace_workload(
+                trace, tenant=tenant, max_context_tokens=spec.max_context_tokens
+            ).trees
+        )
+        tenants = [tenant]
+    else:
+        trees = iter_trees(spec, seed=seed)
+        tenants = [t.name for t in spec.tenants]
+    keys = resolve_keys(tenants, api_key=api_key, data_dir=data_dir)
+    run: dict[str, Any] = {
+        "url": url,
+        "workload": str(trace or workload or DEFAULT_WORKLOAD),
+        "seed": seed,
+        "concurrency": concurrency,
+        "duration_s": duration_s,
+        "drain_s": drain_s,
+        "time_scale": time_scale,
+        "run_tag": f"bench-{secrets.token_hex(4)}",
+    }
+    result = asyncio.run(_run(run, trees, keys))
+    if report is not None:
+        try:
+            report.write_text(to_json(result) + "\n")
+        except OSError as exc:
+            raise BadInput(f"bench: cannot write {report} ({exc.strerror or exc})") from None
+    if result["steps"]["ok"] == 0 and result["errors"]:
+        first = next(iter(result["errors"]))
+        raise BenchError(f"bench: no model call succeeded; the first error: {first}")
+    return to_json(result) if as_json else render(result)
+
+
+def _default_spec() -> WorkloadSpec:
+    return load_spec(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD.is_file() else WorkloadSpec()
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("APPLIANCE_DATA_DIR")
+    return Path(env) if env else Path.home() / ".local/share/appliance"
+
+
+def resolve_keys(
+    tenants: list[str], *, api_key: str | None, data_dir: Path | None
+) -> dict[str, str]:
+    """Tenant -> API key: `api_key` for all, else each tenant's own key from the data dir."""
+    if api_key:
+        return dict.fromkeys(tenants, api_key)
+    path = (data_dir or default_data_dir()).expanduser() / KEYS_FILE
+    if not path.is_file():
+        raise BadInput(
+            f"bench: no API key: {path} does not exist; pass --api-key or --data-dir "
+            "(the appliance's data dir)"
+        )
+    own = {k.name: k.key for k in load_keys(path) if not k.admin}
+    for tenant in tenants:
+        if tenant not in own:
+            raise BadInput(
+                f"bench: no API key named '{tenant}' in {path} (the workload's tenant); "
+                f"add one with `appliance keys add {tenant}` or pass --api-key"
+            )
+    return {t: own[t] for t in tenants}
+
+
+async def _run(
+    run: dict[str, Any], trees: Iterator[TaskTree], keys: dict[str, str]
+) -> dict[str, Any]:
+    url = run["url"]
+    card = None
+    for tenant, key in keys.items():
+        card = await probe(url, key, tenant=tenant)
+    assert card is not None
+    run = {**run, "model": card.name, "max_model_len": card.max_model_len}
+    clients = {
+        key: ApplianceClient(url, key, model=card.name) for key in dict.fromkeys(keys.values())
+    }
+    by_tenant = {tenant: clients[key] for tenant, key in keys.items()}
+    plan = RunPlan(
+        run_tag=run["run_tag"],
+        duration_s=run["duration_s"],
+        drain_s=run["drain_s"],
+        time_scale=run["time_scale"],
+        max_model_len=card.max_model_len,
+    )
+    rec = Recorder()
+    started_at, t0 = time.time(), time.perf_counter()
+    try:
+        await Agents(by_tenant, plan, rec).run(trees, run["concurrency"])
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    wall_s = time.perf_counter() - t0
+    run = {**run, "started_at": round(started_at, 3), "finished_at": round(time.time(), 3)}
+    return build_report(rec, run, wall_s)

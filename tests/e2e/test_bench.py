@@ -1,0 +1,186 @@
+"""`appliance bench` against `appliance up --engine sim` on two workers: what the benchmark
+counts is what the ledger's rows of the same run and interval say."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.running import BIN, add_key, appliance_process
+
+pytestmark = pytest.mark.e2e
+
+DURATION_S = 15
+# Short tasks, so a short run finishes many of them: two tenants, fan-out from the first
+# turn of the first roots (seed 1), deadlines, both outcomes, verified and not.
+WORKLOAD = """
+seed: 1
+max_context_tokens: 30000
+root_tasks_per_s: 1.0
+tenants: [{name: alice, weight: 2}, {name: bob, weight: 1}]
+tool_classes:
+  api: {median: 0.5, p95: 2, min: 0.01, max: 5}
+  test: {median: 5, p95: 20, min: 1, max: 60}
+task_classes:
+  - name: quick
+    weight: 1
+    prefix_tokens: 800
+    statement_tokens: {median: 100, p95: 300, min: 10, max: 600}
+    turns: {median: 3, p95: 6, min: 1, max: 10}
+    observation_tokens: {median: 80, p95: 300, min: 5, max: 600}
+    output_tokens: {median: 12, p95: 30, min: 1, max: 60}
+    tools: {api: 3, test: 1}
+    success_rate: 0.7
+    verified_rate: 0.8
+    deadline: {probability: 0.5, min_s: 30, max_s: 120}
+    fanout:
+      probability: 0.4
+      min_children: 2
+      max_children: 3
+      child_turns: {median: 2, p95: 4, min: 1, max: 6}
+"""
+
+
+@dataclass
+class BenchRun:
+    report: dict[str, Any]
+    stdout: str
+    bad_key: subprocess.CompletedProcess[str]
+    ledger: Path
+
+
+def bench(url: str, data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "appliance"), "bench", "--url", url, "--data-dir", str(data_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=DURATION_S + 120,
+    )
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchRun]:
+    data_dir = tmp_path_factory.mktemp("appliance-bench")
+    for tenant in ("alice", "bob"):
+        add_key(data_dir, tenant)
+    workload = data_dir / "workload.yaml"
+    workload.write_text(WORKLOAD)
+    report_file = data_dir / "bench.json"
+    with appliance_process(data_dir, workers=2) as up:
+        bad_key = bench(up.url, data_dir, "--api-key", "sk-wrong", "--duration", "1")
+        r = bench(
+            up.url,
+            data_dir,
+            *("--workload", str(workload), "--duration", str(DURATION_S)),
+            *("--concurrency", "6", "--time-scale", "0.1", "--drain", "30"),
+            *("--report", str(report_file)),
+        )
+        assert r.returncode == 0, r.stderr
+    # The appliance has stopped: every acknowledged row is in the file.
+    yield BenchRun(json.loads(report_file.read_text()), r.stdout, bad_key, data_dir / "ledger.db")
+
+
+def query(ledger: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    with closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+        return db.execute(sql, params).fetchall()
+
+
+def test_the_bench_counts_agree_with_the_ledgers_turn_rows(bench_run: BenchRun) -> None:
+    rep = bench_run.report
+    run = f"%/{rep['run_tag']}-%"
+    (n_rows, n_ok, prompt, cached, output, first, last) = query(
+        bench_run.ledger,
+        "SELECT count(*), sum(outcome = 'ok'), "
+        "sum(CASE WHEN outcome = 'ok' THEN prompt_tokens END), "
+        "sum(CASE WHEN outcome = 'ok' THEN cached_tokens END), "
+        "sum(CASE WHEN outcome = 'ok' THEN output_tokens END), "
+        "min(started_at), max(finished_at) FROM turns WHERE task_id LIKE ?",
+        run,
+    )[0]
+    steps, tokens = rep["steps"], rep["tokens"]
+    assert steps["ok"] > 0
+    assert n_ok == steps["ok"]
+    assert n_rows == steps["ok"] + steps["failed"] + steps["abandoned"]
+    assert (prompt, cached, output) == (tokens["prompt"], tokens["cached"], tokens["output"])
+    assert rep["started_at"] <= first and last <= rep["finished_at"]
+    (in_interval,) = query(
+        bench_run.ledger,
+        "SELECT count(*) FROM turns WHERE started_at >= ? AND finished_at <= ?",
+        rep["started_at"],
+        rep["finished_at"],
+    )[0]
+    assert in_interval == n_rows  # the interval holds this run's rows and nothing else
+    assert cached > 0  # later turns and other tasks reuse the shared prefix
+
+
+def test_the_bench_task_outcomes_agree_with_the_ledgers_tasks(bench_run: BenchRun) -> None:
+    rep = bench_run.report["tasks"]
+    run = f"%/{bench_run.report['run_tag']}-%"
+    rows = dict(
+        query(
+            bench_run.ledger,
+            "SELECT status, count(*) FROM tasks WHERE task_id LIKE ? GROUP BY status",
+            run,
+        )
+    )
+    assert rep["succeeded"] > 0
+    assert rows.get("succeeded", 0) == rep["succeeded"]
+    assert rows.get("failed", 0) == rep["failed"]
+    assert rows.get("cancelled", 0) == rep["unfinished"]
+    assert rows.get("open", 0) == 0  # the run cancels what it leaves unfinished
+    (verified,) = query(
+        bench_run.ledger,
+        "SELECT count(*) FROM tasks WHERE task_id LIKE ? AND status = 'succeeded' AND verified",
+        run,
+    )[0]
+    assert verified == rep["succeeded_verified"]
+
+
+def test_children_tenants_and_tool_events_reach_the_appliance(bench_run: BenchRun) -> None:
+    run = f"%/{bench_run.report['run_tag']}-%"
+    children = query(
+        bench_run.ledger,
+        "SELECT c.task_id, c.parent_task_id, p.task_class FROM tasks c "
+        "JOIN tasks p ON p.task_id = c.parent_task_id WHERE c.task_id LIKE ?",
+        run,
+    )
+    assert children and all(cls == "quick" for _, _, cls in children)
+    tenants = {t for (t,) in query(bench_run.ledger, "SELECT DISTINCT tenant FROM turns")}
+    assert tenants == {"alice", "bob"}
+    kinds = dict(
+        query(
+            bench_run.ledger,
+            "SELECT type, count(*) FROM task_events WHERE task_id LIKE ? GROUP BY type",
+            run,
+        )
+    )
+    assert kinds.get("tool_started", 0) > 0 and kinds.get("tool_finished", 0) > 0
+    (deadlines,) = query(
+        bench_run.ledger,
+        "SELECT count(*) FROM tasks WHERE task_id LIKE ? AND deadline_at IS NOT NULL",
+        run,
+    )[0]
+    assert deadlines > 0
+
+
+def test_the_table_shows_latency_percentiles_and_the_cached_share(bench_run: BenchRun) -> None:
+    out = bench_run.stdout
+    for label in ("step TTFT s", "step e2e s", "task s", "p50", "p95", "p99", "cached"):
+        assert label in out, label
+    lat = bench_run.report["step_latency_s"]
+    assert set(lat["ttft"]) == {"p50", "p95", "p99", "mean"}
+    assert lat["e2e"]["p50"] <= lat["e2e"]["p99"]
+
+
+def test_a_wrong_key_is_one_line_and_exit_2(bench_run: BenchRun) -> None:
+    r = bench_run.bad_key
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "refused the API key" in r.stderr

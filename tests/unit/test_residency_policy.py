@@ -1,0 +1,115 @@
+"""Residency policies as tables: the decision for a finished turn, the eviction order among
+held sessions, and the names `--residency` accepts."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.policy.residency import (
+    DEFAULT_PIN_TTL_S,
+    HeldSession,
+    IdleSession,
+    Lru,
+    Residency,
+    ResidencyDecision,
+    TtlPin,
+    residency_policy,
+)
+
+
+def idle(tool: bool | None = None, **kw: object) -> IdleSession:
+    base: dict[str, object] = {
+        "session_id": "s",
+        "resident_tokens": 4096,
+        "finished_at_s": 10.0,
+        "ends_in_tool_call": tool,
+    }
+    return IdleSession(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("policy", "session", "now", "action", "until_s", "reason"),
+    [
+        (Lru(), idle(None), 10.0, Residency.RELEASE, None, "least recently used goes first"),
+        (Lru(), idle(True, kv_usage=0.1), 10.0, Residency.RELEASE, None, "least recently"),
+        (Lru(), idle(False, kv_usage=0.99), 10.0, Residency.RELEASE, None, "least recently"),
+        (TtlPin(30.0), idle(None), 10.0, Residency.HOLD, 40.0, "pinned for the 30 s TTL"),
+        (TtlPin(30.0), idle(True, expected_wait_s=500.0), 10.0, Residency.HOLD, 40.0, "pinned"),
+        (TtlPin(30.0), idle(True, kv_usage=0.99), 12.5, Residency.HOLD, 42.5, "pinned"),
+        (TtlPin(30.0), idle(False), 10.0, Residency.RELEASE, None, "last step"),
+        (TtlPin(), idle(None), 0.0, Residency.HOLD, DEFAULT_PIN_TTL_S, "pinned for the 60 s"),
+    ],
+)
+def test_decisions(
+    policy: Lru | TtlPin,
+    session: IdleSession,
+    now: float,
+    action: Residency,
+    until_s: float | None,
+    reason: str,
+) -> None:
+    decision = policy.decide(session, now)
+    assert decision.action is action
+    assert decision.until_s == until_s
+    assert reason in decision.reason
+
+
+HELD = [
+    HeldSession("old", 2048, held_since_s=1.0, until_s=61.0),
+    HeldSession("mid", 512, held_since_s=5.0, until_s=35.0),  # a shorter hold, same policy
+    HeldSession("new", 8192, held_since_s=9.0, until_s=69.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "given_back_first_to_last"),
+    [
+        (Lru(), ["old", "mid", "new"]),  # least recently used first
+        (TtlPin(60.0), ["new", "old", "mid"]),  # Continuum: the latest expiry first
+    ],
+)
+def test_eviction_order(policy: Lru | TtlPin, given_back_first_to_last: list[str]) -> None:
+    order = sorted(HELD, key=lambda h: policy.priority(h, now=10.0))
+    assert [h.session_id for h in order] == given_back_first_to_last
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "ttl_s", "row"),
+    [
+        ("lru", Lru, None, "lru"),
+        ("ttl-pin", TtlPin, DEFAULT_PIN_TTL_S, "ttl-pin"),
+        ("ttl-pin:30", TtlPin, 30.0, "ttl-pin:30"),
+        ("ttl-pin:2.5", TtlPin, 2.5, "ttl-pin:2.5"),
+        ("ttl-pin:120.0", TtlPin, 120.0, "ttl-pin:120"),
+    ],
+)
+def test_names(name: str, kind: type, ttl_s: float | None, row: str) -> None:
+    policy = residency_policy(name)
+    assert isinstance(policy, kind) and policy.name == row
+    if ttl_s is not None:
+        assert isinstance(policy, TtlPin) and policy.ttl_s == ttl_s
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("mru", "unknown residency policy 'mru'"),
+        ("lru:5", "unknown residency policy 'lru:5'"),
+        ("ttl-pin:soon", "needs a number of seconds"),
+        ("ttl-pin:0", "positive, finite TTL"),
+        ("ttl-pin:-3", "positive, finite TTL"),
+        ("ttl-pin:inf", "positive, finite TTL"),
+    ],
+)
+def test_bad_names(name: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        residency_policy(name)
+
+
+@pytest.mark.parametrize(
+    ("action", "until_s"),
+    [(Residency.HOLD, None), (Residency.RELEASE, 5.0), (Residency.EVICT, 5.0)],
+)
+def test_only_a_hold_carries_an_expiry(action: Residency, until_s: float | None) -> None:
+    with pytest.raises(ValueError, match="only a HOLD"):
+        ResidencyDecision(action, "x", until_s)
