@@ -159,8 +159,9 @@ class AdmissionSettings(Section):
     """Which tasks and turns enter the box (appliance/policy/admission.py states the model)."""
 
     turns_per_worker: int = Field(64, ge=1)
-    """In-flight turns per healthy worker at which the box counts as saturated; then a
-    tenant at or above its weighted share of them is refused (429 tenant_over_share)."""
+    """In-flight turns per healthy worker at which the box counts as saturated; then, when
+    another tenant has work on the box, a tenant at or above its weighted share of them is
+    refused (429 tenant_over_share). A tenant alone is never refused for fairness."""
     max_open_tasks: int = Field(1024, ge=1)
     """Open tasks at which the box counts as saturated for new tasks (shared by weight too)."""
     default_weight: float = Field(1.0, gt=0)

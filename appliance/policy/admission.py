@@ -21,12 +21,13 @@ this order, when:
                        (its queue plus this turn's prefill there) ends after the
                        deadline; a task without a turn yet counts the queue alone     (429)
   tenant_over_share    the box is saturated (in-flight turns >= `turns_per_worker` per
-                       healthy worker, or open tasks >= `max_open_tasks`) and the
-                       tenant already holds its weighted share of that capacity:
-                       capacity * its weight / the summed weights of the tenants with
-                       work on the box (the tenant asking always counts). A tenant
-                       alone may use everything; one under its share is never refused
-                       for fairness, even on a saturated box                          (429)
+                       healthy worker, or open tasks >= `max_open_tasks`), another
+                       tenant has work on it, and the tenant already holds its weighted
+                       share of that capacity: capacity * its weight / the summed
+                       weights of the tenants with work on the box (the tenant asking
+                       always counts). A tenant alone may use everything, beyond the
+                       capacity too (then only the queue bound says no); one under its
+                       share is never refused for fairness                            (429)
 
 Priority is the client's `X-Priority` (0 when absent) clipped to the tenant's ceiling.
 Every refusal carries the seconds after which a retry may succeed: the queue excess for
@@ -313,6 +314,8 @@ def _fair_share(
         loads = {t: measure(load) for t, load in box.tenants.items()}
         if sum(loads.values()) < capacity:
             continue  # not saturated: anyone may use the room
+        if not any(n > 0 for t, n in loads.items() if t != request.tenant):
+            continue  # alone on the box: nobody to be fair to (the queue bound still holds)
         share = fair_share(request.tenant, loads, capacity, limits)
         held = loads.get(request.tenant, 0)
         if held < share:

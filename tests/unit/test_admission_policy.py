@@ -323,13 +323,18 @@ def test_a_tenant_under_its_share_is_never_refused_for_fairness(
 
 
 @given(st.sampled_from(TENANTS), st.integers(0, 50))
-def test_a_tenant_alone_is_refused_for_fairness_only_beyond_the_whole_box(
-    tenant: str, held: int
-) -> None:
+def test_a_tenant_alone_is_never_refused_for_fairness(tenant: str, held: int) -> None:
+    """Beyond the box's turn capacity too: with nobody to be fair to, only the queue bound
+    (`overloaded`) can say no."""
     load = BoxLoad({tenant: TenantLoad(held, 0)}, IDLE)
     decision = admit(AdmitRequest(tenant, Work.TURN), load, LIMITS, NOW)
+    assert decision.code != "tenant_over_share"
+    crowded = BoxLoad({tenant: TenantLoad(held, 0), "other": TenantLoad(1, 0)}, IDLE)
+    decision = admit(AdmitRequest(tenant, Work.TURN), crowded, LIMITS, NOW)
     capacity = LIMITS.turns_per_worker * len(IDLE)
-    assert (decision.code == "tenant_over_share") == (held >= capacity)
+    share = capacity * LIMITS.weight(tenant) / (LIMITS.weight(tenant) + LIMITS.weight("other"))
+    saturated = held + 1 >= capacity
+    assert (decision.code == "tenant_over_share") == (saturated and held >= share)
 
 
 @given(

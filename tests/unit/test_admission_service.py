@@ -225,13 +225,13 @@ def test_overload_is_503_with_the_queue_excess_as_retry_after(ledger: Ledger) ->
 def test_fair_share_of_in_flight_turns(ledger: Ledger) -> None:
     s = make_box(ledger, turns_per_worker=1).service  # two workers: the box holds 2 turns
     a1 = run(s.admit_turn(A, key("a", "t1")))
-    a2 = run(s.admit_turn(A, key("a", "t2")))  # alone, a may use everything
-    err = refused(s.admit_turn(A, key("a", "t3")))
-    assert err.code == "tenant_over_share"
+    a2 = run(s.admit_turn(A, key("a", "t2")))
+    a3 = run(s.admit_turn(A, key("a", "t3")))  # alone, a may use everything, and more
     b1 = run(s.admit_turn(B, key("b", "t1")))  # b is under its share of 1
     assert refused(s.admit_turn(B, key("b", "t2"))).code == "tenant_over_share"
-    a1.release()
-    a2.release()
+    assert refused(s.admit_turn(A, key("a", "t4"))).code == "tenant_over_share"
+    for ticket in (a1, a2, a3):
+        ticket.release()
     b2 = run(s.admit_turn(B, key("b", "t2")))
     snap = s.snapshot()
     assert snap["in_flight_turns"] == 2
@@ -240,7 +240,7 @@ def test_fair_share_of_in_flight_turns(ledger: Ledger) -> None:
     b2.release()
     assert s.snapshot()["in_flight_turns"] == 0
     assert s.snapshot()["tenants"] == {
-        "a": {"in_flight_turns": 0, "open_tasks": 2},
+        "a": {"in_flight_turns": 0, "open_tasks": 3},
         "b": {"in_flight_turns": 0, "open_tasks": 2},
     }
 
