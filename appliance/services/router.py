@@ -134,8 +134,10 @@ class Router:
         self._on_turn = on_turn
         # Failed attempts per worker in the last FAILURE_WINDOW_S, oldest first.
         self._failures: dict[WorkerId, deque[float]] = {}
-        # When each recent attempt ran at each worker: (start, end or None while in flight).
-        self._spans: dict[WorkerId, dict[TurnId, tuple[float, float | None]]] = {}
+        # When each attempt in flight at each worker started, and (start, end) of the ones
+        # that ended in the last SPAN_MEMORY_S, oldest end first.
+        self._running: dict[WorkerId, dict[TurnId, float]] = {}
+        self._ended: dict[WorkerId, deque[tuple[float, float]]] = {}
         # Prefill work sent to each worker whose first byte has not come back yet.
         self._pending: dict[WorkerId, dict[TurnId, float]] = {}
         self.routed_by_reason: dict[str, int] = {}
@@ -224,11 +226,18 @@ class Router:
 
     def _own_at(self, worker: WorkerId, t: float) -> int:
         """The router's attempts in flight at `worker` at time `t` (recent ones are kept)."""
-        spans = self._spans.get(worker, {})
+        running = sum(1 for start in self._running.get(worker, {}).values() if start <= t)
+        ended = self._ended.get(worker)
+        if not ended:
+            return running
         horizon = self._clock.now() - SPAN_MEMORY_S
-        for turn_id in [k for k, (_, end) in spans.items() if end is not None and end < horizon]:
-            del spans[turn_id]
-        return sum(1 for start, end in spans.values() if start <= t and (end is None or end > t))
+        while ended and ended[0][1] < horizon:
+            ended.popleft()
+        for start, end in reversed(ended):  # only the ends after `t`: a reading's age
+            if end <= t:
+                break
+            running += start <= t
+        return running
 
     # --- forwarding ------------------------------------------------------------------
 
@@ -303,7 +312,7 @@ class Router:
         est = self._cost.prefill_s(fresh, predicted)
         attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, self._clock.now(), est)
         self._pending.setdefault(worker, {})[attempt.turn_id] = est
-        self._spans.setdefault(worker, {})[attempt.turn_id] = (attempt.started_at, None)
+        self._running.setdefault(worker, {})[attempt.turn_id] = attempt.started_at
         self._mean_prefill_s += 0.1 * (est - self._mean_prefill_s)
         self.routed_by_reason[_reason_kind(decision.reason)] = (
             self.routed_by_reason.get(_reason_kind(decision.reason), 0) + 1
@@ -372,7 +381,8 @@ class Router:
     ) -> None:
         self._pending.get(attempt.worker, {}).pop(attempt.turn_id, None)
         end = self._clock.now()
-        self._spans.setdefault(attempt.worker, {})[attempt.turn_id] = (attempt.started_at, end)
+        self._running.get(attempt.worker, {}).pop(attempt.turn_id, None)
+        self._ended.setdefault(attempt.worker, deque()).append((attempt.started_at, end))
         usage = attempt.usage
         prompt = int(usage.get("prompt_tokens") or len(turn.prompt_ids))
         cached = min(_cached_tokens(usage) or 0, prompt)
