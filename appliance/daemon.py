@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -407,6 +408,11 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
             serving = asyncio.create_task(server.serve())
             while not server.started and not serving.done():
                 await asyncio.sleep(0.05)
+            # Everything built so far (modules, settings, the app) lives as long as the
+            # process: moved out of the collector's sight, a full collection no longer walks
+            # it (tens of ms on the event loop, a p99 of every request in flight).
+            gc.collect()
+            gc.freeze()
             if ready is not None:
                 ready.set()
             try:

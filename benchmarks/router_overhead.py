@@ -177,6 +177,41 @@ def serve_worker(port: int, kv_endpoint: str, max_model_len: int) -> None:
     eventloop.run(main())
 
 
+def serve_relay(listen_ports: list[int], target_ports: list[int]) -> None:
+    """The least a router in its own process can be: bytes relayed between the client and
+    one worker over loopback TCP, no HTTP parsed (uvloop). Its added latency is the floor
+    the extra process and the two extra hops cost on this machine."""
+    import asyncio
+
+    from appliance import eventloop
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def relay_to(target: int) -> Any:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+        return handle
+
+    async def main() -> None:
+        servers = [
+            await asyncio.start_server(relay_to(t), "127.0.0.1", port)
+            for port, t in zip(listen_ports, target_ports, strict=True)
+        ]
+        await asyncio.gather(*(srv.serve_forever() for srv in servers))
+
+    eventloop.run(main())
+
+
 # --- processes ------------------------------------------------------------------------------
 
 
@@ -636,7 +671,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("router_overhead.json"))
     p.add_argument("--concurrency", default="50,200", help="Sessions, comma-separated.")
     p.add_argument("--modes", default="nonstream,stream")
-    p.add_argument("--paths", default="direct,appliance,vllm-router")
+    p.add_argument("--paths", default="direct,tcp-relay,appliance,vllm-router")
     p.add_argument("--turns", type=int, default=4, help="Measured turns per session and phase.")
     p.add_argument("--think-s", default="1,3", help="Tool pause between turns: uniform lo,hi.")
     p.add_argument("--context-tokens", type=int, default=7800)
@@ -675,6 +710,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--serve-worker", nargs=3, metavar=("PORT", "KV", "MAXLEN"), help=argparse.SUPPRESS
     )
+    p.add_argument("--serve-relay", nargs=4, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.think_s = tuple(float(x) for x in args.think_s.split(","))
     args.target_ms = tuple(float(x) for x in args.target_ms.split(","))
@@ -687,6 +723,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve_worker:
         port, kv, max_len = args.serve_worker
         serve_worker(int(port), kv, int(max_len))
+        return
+    if args.serve_relay:
+        serve_relay(args.serve_relay[:2], args.serve_relay[2:])
         return
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
@@ -735,7 +774,7 @@ async def run(
 ) -> dict[str, Any]:
     w_ports = free_ports(2)
     kv_ports = free_ports(2)
-    app_port, vr_port, vr_prom = free_ports(3)
+    app_port, vr_port, vr_prom, *relay_ports = free_ports(5)
     worker_urls = [f"http://127.0.0.1:{p}" for p in w_ports]
     max_len = 32768
     for i, (port, kv) in enumerate(zip(w_ports, kv_ports, strict=True)):
@@ -777,6 +816,15 @@ async def run(
                  "raw", "--rate", "250", "-o", str(folded),
                  "-p", str(procs.procs["appliance"].pid)],
             )  # fmt: skip
+    if "tcp-relay" in paths:
+        procs.start(
+            "tcp-relay",
+            [sys.executable, str(Path(__file__).resolve()), "--serve-relay",
+             *map(str, relay_ports), *map(str, w_ports)],
+            cpus=args.router_cpus,
+        )  # fmt: skip
+        for port in relay_ports:
+            wait_http(f"http://127.0.0.1:{port}/health", procs)
     vr_version = None
     if "vllm-router" in paths and vr_bin:
         procs.start(
@@ -808,6 +856,13 @@ async def run(
             lambda sid: {},
             salted,
             None,
+        ),
+        "tcp-relay": TrafficPath(
+            "tcp-relay",
+            lambda i: f"http://127.0.0.1:{relay_ports[placement.get(i, i % 2)]}",
+            lambda sid: {},
+            salted,
+            "tcp-relay",
         ),
         "appliance": TrafficPath(
             "appliance",

@@ -193,7 +193,7 @@ def _chat_ids(
         if encoder is not None:
             render = tokenizer.render_chat  # type: ignore[attr-defined]
             chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
-            return chat.ids, chat
+            return list(chat.ids), chat
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None

@@ -35,13 +35,15 @@ class ChatTokens:
     place where the tokenizer's `split_before` strings cut the text, in order."""
 
     text: str
-    ids: list[int]
+    ids: tuple[int, ...]
+    """A tuple, not a list: the collector stops visiting a tuple of ints after its first
+    pass, while every full collection walks every list (35 ms for 750 lists of 8k ids)."""
     cuts: tuple[tuple[int, int], ...]
 
 
 def encode_chat_text(
     text: str,
-    encode: Callable[[str], list[int]],
+    encode: Callable[[str], Sequence[int]],
     split_before: Sequence[str],
     previous: ChatTokens | None = None,
 ) -> ChatTokens:
@@ -56,14 +58,14 @@ def encode_chat_text(
         shared = _shared_cut(previous, text, splitter)
         if shared is not None:
             start, n_ids = previous.cuts[shared]
-            ids = previous.ids[:n_ids]
+            ids = list(previous.ids[:n_ids])
             cuts = list(previous.cuts[:shared])
     bounds = [start, *(m.start() for m in splitter.finditer(text, start) if m.start() > start)]
     for a, b in zip(bounds, [*bounds[1:], len(text)], strict=True):
         cuts.append((a, len(ids)))
         if b > a:
             ids.extend(encode(text[a:b]))
-    return ChatTokens(text, ids, tuple(cuts))
+    return ChatTokens(text, tuple(ids), tuple(cuts))
 
 
 class ChatEncoder:
@@ -83,19 +85,19 @@ class ChatEncoder:
         self.split_before = tuple(split_before)
         self._min_chars = min_chars
         self._max_pieces = max_pieces
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def __call__(self, text: str, previous: ChatTokens | None = None) -> ChatTokens:
         return encode_chat_text(text, self._piece, self.split_before, previous)
 
-    def _piece(self, text: str) -> list[int]:
+    def _piece(self, text: str) -> Sequence[int]:
         if len(text) < self._min_chars:
             return self._encode(text)
         ids = self._pieces.get(text)
         if ids is not None:
             self._pieces.move_to_end(text)
-            return ids  # never mutated: encode_chat_text copies it into its own list
-        ids = self._pieces[text] = self._encode(text)
+            return ids
+        ids = self._pieces[text] = tuple(self._encode(text))
         if len(self._pieces) > self._max_pieces:
             self._pieces.popitem(last=False)
         return ids
@@ -137,7 +139,8 @@ class SessionState:
     session_id: SessionId
     created_at: float
     task_id: TaskId | None = None
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: tuple[int, ...] = ()
+    """The last prompt's ids (a tuple, for the collector: see ChatTokens.ids)."""
     chain: BlockHashChain | None = None
     home: WorkerId | None = None
     """The worker that served the previous turn."""
@@ -161,7 +164,9 @@ class SessionTable:
         self._hasher = hasher
         self._max = max_sessions
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
-        self._donors: OrderedDict[tuple[str, tuple[int, ...]], tuple[list[int], BlockHashChain]]
+        self._donors: OrderedDict[
+            tuple[str, tuple[int, ...]], tuple[tuple[int, ...], BlockHashChain]
+        ]
         self._donors = OrderedDict()
         """The latest prompt (ids, chain) by salt and first block: a new session's first turn
         starts from the hashes of what it shares with it (a common system prompt)."""
@@ -180,15 +185,18 @@ class SessionTable:
         self._sessions.move_to_end(key)
         return state
 
-    def hash_prompt(self, state: SessionState, token_ids: list[int], salt: str) -> BlockHashChain:
+    def hash_prompt(
+        self, state: SessionState, prompt_ids: Sequence[int], salt: str
+    ) -> BlockHashChain:
         """The prompt's block hashes, reusing the session's chain (or, on its first turn, the
         latest chain of the same salt that starts with the same block) for what it shares."""
+        token_ids = tuple(prompt_ids)
         keys = RequestKeys(cache_salt=salt)
         bs = self._hasher.block_size
         donor = (salt, tuple(token_ids[:bs])) if len(token_ids) >= bs else None
         chain, old = state.chain, state.token_ids
         if (chain is None or chain.keys != keys) and donor is not None:
-            old, chain = self._donors.get(donor) or ([], None)
+            old, chain = self._donors.get(donor) or ((), None)
         if chain is None or chain.keys != keys:
             chain = self._hasher.chain(token_ids, keys=keys)
         elif len(token_ids) >= len(old) and token_ids[: len(old)] == old:
@@ -197,7 +205,7 @@ class SessionTable:
             keep = _shared_blocks(old, token_ids, bs, len(chain.hashes))
             chain = self._hasher.extend(chain.prefix(keep), token_ids[keep * bs :])
         state.chain = chain
-        state.token_ids = list(token_ids)
+        state.token_ids = token_ids
         if donor is not None:
             self._donors[donor] = (state.token_ids, chain)
             self._donors.move_to_end(donor)
@@ -222,7 +230,7 @@ class SessionTable:
         return len(self._sessions)
 
 
-def _shared_blocks(old: list[int], new: list[int], block_size: int, limit: int) -> int:
+def _shared_blocks(old: tuple[int, ...], new: tuple[int, ...], block_size: int, limit: int) -> int:
     """How many leading full blocks (at most `limit`) `old` and `new` have in common."""
     hi = min(limit, len(new) // block_size, len(old) // block_size)
     if old[: hi * block_size] == new[: hi * block_size]:
