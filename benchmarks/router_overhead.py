@@ -4,15 +4,19 @@
         [--concurrency 50,200] [--modes nonstream,stream] [--turns 4] [--think-s 1,3]
         [--vllm-router /tmp/vr-venv/bin/vllm-router | --no-vllm-router]
         [--vllm-router-policy cache_aware] [--appliance-pythonpath DIR]
+        [--paths direct,tcp-relay,appliance,vllm-router] [--router-cpus 1]
         [--py-spy PATH | --cprofile FILE] [--keep-logs DIR]
 
 One run (about 5 minutes here) starts two simulated H200 workers (one process each, as
 `appliance up` runs them), `appliance up --engine external` in front of them and, when its
 binary is found, the Rust `vllm-router` (PyPI `vllm-router`, in a venv of its own: `python3
 -m venv /tmp/vr-venv && /tmp/vr-venv/bin/pip install vllm-router`; never a dependency of the
-product) in front of the same two workers, with its default `cache_aware` policy. Then, for
-each concurrency and mode, the same traffic goes (a) straight to the workers, each session
-to the worker that holds its context, (b) through the appliance and (c) through vllm-router.
+product) in front of the same two workers, with its default `cache_aware` policy, and a
+`tcp-relay` (one per worker: bytes pumped between client and worker, no HTTP parsed), the
+floor any router in a process of its own pays. Then, for each concurrency and mode, the same
+traffic goes (a) straight to the workers, each session to the worker that holds its context,
+(b) through the relay, (c) through the appliance and (d) through vllm-router.
+`--router-cpus` pins the relay and the routers to those CPUs and everything else to the rest.
 Everything is loopback, every loop is bounded, and the script stops what it started.
 
 Traffic: N concurrent agent sessions. Each has its own ~7.8k-token context, prefilled once
