@@ -110,7 +110,13 @@ def create_app(ctx: ApiContext) -> Starlette:
         ticket = await admit_turn(who.tenant, client_task, hdr, len(ids), session)
         streaming = False
         try:
-            task = ctx.tasks.ensure(who.tenant, client_task, now, parent_id=hdr.parent_task_id)
+            task = ctx.tasks.ensure(
+                who.tenant,
+                client_task,
+                now,
+                parent_id=hdr.parent_task_id,
+                deadline_s=hdr.deadline_s,
+            )
             turn = TurnRequest(
                 tenant=who.tenant,
                 path=request.url.path,

@@ -112,11 +112,17 @@ class TaskBook:
         return state
 
     def ensure(
-        self, tenant: TenantId, client_id: str, now: float, *, parent_id: str | None = None
+        self,
+        tenant: TenantId,
+        client_id: str,
+        now: float,
+        *,
+        parent_id: str | None = None,
+        deadline_s: float | None = None,
     ) -> TaskState:
-        """The task a turn names, created on its first turn."""
+        """The task a turn names, created on its first turn (with the turn's X-Deadline-S)."""
         return self.get(tenant, client_id) or self.create(
-            tenant, client_id, now, parent_id=parent_id
+            tenant, client_id, now, parent_id=parent_id, deadline_s=deadline_s
         )
 
     def event(

@@ -114,6 +114,11 @@ def test_an_infeasible_deadline_is_refused_before_any_worker_sees_it(app: App) -
     r = app.chat("a deadline of one millisecond", **{"X-Task-ID": "late", "X-Deadline-S": "60"})
     assert r.status_code == 200, r.text
     assert app.worker_requests() == before + 1
+    # The task this turn created keeps the turn's deadline.
+    auth = {"Authorization": f"Bearer {app.key}"}
+    task = httpx.get(f"{app.url}/v1/tasks/late", headers=auth, timeout=10).json()
+    [(created_at,)] = app.rows("SELECT created_at FROM tasks WHERE task_id = 'alice/late'")
+    assert task["deadline_at"] == pytest.approx(created_at + 60, abs=1e-3)
 
 
 def test_a_streamed_turn_is_released_when_its_stream_ends(app: App) -> None:
