@@ -27,27 +27,10 @@ from appliance.services.admission import (
 )
 from appliance.services.events import EventFeed
 from appliance.services.sessions import SessionState
+from tests.fakes import LinearCost, ManualClock
 
 A, B = TenantId("a"), TenantId("b")
 W0, W1 = WorkerId("w0"), WorkerId("w1")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        self.t += seconds
-
-
-class LinearCost:
-    """1 ms per fresh token plus 0.1 ms per reused one."""
-
-    def prefill_s(self, fresh: int, reused: int = 0) -> float:
-        return fresh * 1e-3 + reused * 1e-4
 
 
 @dataclass
@@ -61,7 +44,7 @@ class Worker:
 
 @dataclass
 class Box:
-    clock: Clock
+    clock: ManualClock
     feed: EventFeed
     service: AdmissionService
     db: Path
@@ -85,7 +68,7 @@ def ledger(tmp_path: Path) -> Iterator[Ledger]:
 
 
 def make_box(ledger: Ledger, **limits: Any) -> Box:
-    clock, feed = Clock(), EventFeed()
+    clock, feed = ManualClock(1000.0), EventFeed()
     workers = [Worker(W0), Worker(W1)]
     queues: dict[WorkerId, float] = {}
     idle_s = limits.pop("task_idle_s", 600.0)

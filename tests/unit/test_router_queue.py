@@ -14,27 +14,12 @@ from appliance.domain.worker import LoadSnapshot
 from appliance.policy.routing.core import default_profile
 from appliance.services.router import Router, TurnRequest
 from appliance.services.sessions import SessionTable
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        self.t += seconds
-
-
-class LinearCost:
-    def prefill_s(self, fresh: int, reused: int = 0) -> float:
-        return fresh * 1e-3 + reused * 1e-4
+from tests.fakes import LinearCost, ManualClock
 
 
 @dataclass
 class Client:
-    clock: Clock
+    clock: ManualClock
 
     async def post_json(self, path: str, body: Any, headers: Any = None) -> dict[str, Any]:
         self.clock.t += 1.0  # the worker takes a second
@@ -74,7 +59,7 @@ def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
 
 
 def setup() -> tuple[Router, list[Worker]]:
-    clock = Clock()
+    clock = ManualClock(100.0)
     workers = [Worker(WorkerId("w0"), Client(clock)), Worker(WorkerId("w1"), Client(clock))]
     router = Router(
         workers=lambda: workers, index=Index(), sessions=SessionTable(BlockHasher(

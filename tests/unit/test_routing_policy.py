@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,15 +9,7 @@ from hypothesis import strategies as st
 from appliance.domain.records import WorkerId
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.core import default_profile
-
-
-@dataclass(frozen=True)
-class LinearCost:
-    """1 ms per fresh token plus 0.1 ms per reused token: easy to check by hand."""
-
-    def prefill_s(self, fresh: int, reused: int = 0) -> float:
-        return fresh * 1e-3 + reused * 1e-4
-
+from tests.fakes import LinearCost
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
 M = frozenset({"m"})
