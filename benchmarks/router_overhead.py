@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/router_overhead.py [--out router_overhead.json]
         [--concurrency 50,200] [--modes nonstream,stream] [--turns 4] [--think-s 1,3]
         [--vllm-router /tmp/vr-venv/bin/vllm-router | --no-vllm-router]
-        [--vllm-router-policy cache_aware] [--appliance-pythonpath DIR]
+        [--vllm-router-policy cache_aware]
         [--paths direct,tcp-relay,appliance,vllm-router] [--router-cpus 1]
         [--py-spy PATH | --cprofile FILE] [--keep-logs DIR]
 
@@ -688,12 +688,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-vllm-router", action="store_true")
     p.add_argument("--vllm-router-policy", default="cache_aware", help="Its --policy.")
-    p.add_argument(
-        "--appliance-pythonpath",
-        default=None,
-        help="PYTHONPATH for the appliance process only (e.g. a --target dir with uvloop and "
-        "httptools, which uvicorn then picks up).",
-    )
     p.add_argument("--target-ms", default="1,5", help="Target added p50,p99 in ms.")
     p.add_argument(
         "--py-spy",
@@ -801,8 +795,6 @@ async def run(
         ),
         APPLIANCE_ENGINE__MAX_MODEL_LEN=str(max_len),
     )
-    if args.appliance_pythonpath:
-        env["PYTHONPATH"] = args.appliance_pythonpath
     if "appliance" in paths:
         up = ["up", "--engine", "external", "--port", str(app_port)]
         if args.cprofile:  # the main thread only: the event loop
@@ -942,7 +934,6 @@ async def run(
                 "version": vr_version,
                 "policy": args.vllm_router_policy,
             },
-            "appliance_pythonpath": args.appliance_pythonpath,
             "cpus": os.cpu_count(),
             "router_cpus": sorted(args.router_cpus) if args.router_cpus else None,
         },
