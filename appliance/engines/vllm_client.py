@@ -9,9 +9,9 @@ with `data: [DONE]`. Everything else it needs from a worker is read-only: `/heal
 with an error status raises EngineRequestError carrying that status and body, so the API can
 hand the client vLLM's own message.
 
-This is the router's hot path, so it is lean: aiohttp over kept-alive connections and
-orjson for the bodies (httpx cost about three times the CPU per request). The connection
-pool is made on first use, inside the event loop that uses it.
+This is the router's hot path, so it is lean: model requests go over `http1`'s kept-alive
+connections with orjson bodies; the probes use aiohttp. Both connection pools are made on
+first use, inside the event loop that uses them.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from appliance.domain.worker import LoadSnapshot
 from appliance.engines.errors import EngineRequestError, EngineUnavailable
+from appliance.engines.http1 import Http1Error, Http1Pool, Http1Response
 from appliance.engines.metrics import load_snapshot
 
 CONNECT_TIMEOUT_S = 5.0
@@ -35,24 +37,30 @@ READ_TIMEOUT_S = 600.0
 PROBE_TIMEOUT_S = 5.0
 KEEPALIVE_S = 2.0
 JSON_HEADERS = {"Content-Type": "application/json"}
+_JSON_HEADER = (("Content-Type", "application/json"),)
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class WorkerStream:
     """A worker's streaming answer, status already checked: its body as it arrives."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: Http1Response) -> None:
         self._response = response
         self.status_code = response.status
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes in the pieces the socket delivers them (to relay unchanged)."""
-        async for data in self._response.content.iter_any():
+        async for data in self._response.chunks():
             yield data
 
     async def lines(self) -> AsyncIterator[str]:
-        async for raw in self._response.content:
-            yield raw.decode().rstrip("\r\n")
+        tail = b""
+        async for data in self._response.chunks():
+            *complete, tail = (tail + data).split(b"\n")
+            for raw in complete:
+                yield raw.decode().rstrip("\r")
+        if tail:
+            yield tail.decode().rstrip("\r")
 
 
 class VllmClient:
@@ -73,7 +81,10 @@ class VllmClient:
             total=None, connect=connect_timeout_s, sock_read=read_timeout_s
         )
         self._max_connections = max_connections
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -87,7 +98,23 @@ class VllmClient:
             )
         return self._session
 
+    def _models(self) -> Http1Pool:
+        if self._pool is None:
+            url = urlsplit(self.base_url)
+            self._pool = Http1Pool(
+                url.hostname or "127.0.0.1",
+                url.port or 80,
+                connect_timeout_s=self._connect_timeout_s,
+                read_timeout_s=self._read_timeout_s,
+                keepalive_s=KEEPALIVE_S,
+                max_idle=self._max_connections,
+            )
+        return self._pool
+
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -158,8 +185,25 @@ class VllmClient:
     async def post_json(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
     ) -> dict[str, Any]:
-        answer = orjson.loads(await self._request("POST", path, body=body, headers=headers))
-        return dict(answer)
+        response = await self._post(path, body, headers)
+        try:
+            raw = await response.read()
+        except Http1Error as exc:
+            raise self._unavailable(path, exc) from None
+        finally:
+            response.release()
+        if response.status >= 400:
+            raise _request_error(path, response.status, None, raw.decode("utf-8", "replace"))
+        return dict(orjson.loads(raw))
+
+    async def _post(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None
+    ) -> Http1Response:
+        extra = (*_JSON_HEADER, *headers.items()) if headers else _JSON_HEADER
+        try:
+            return await self._models().request("POST", path, _dumps(body), extra)
+        except Http1Error as exc:
+            raise self._unavailable(path, exc) from None
 
     @asynccontextmanager
     async def open_stream(
@@ -167,21 +211,13 @@ class VllmClient:
     ) -> AsyncIterator[WorkerStream]:
         """The worker's streaming response with its status checked. Leaving the context
         before the body ended closes the connection, which cancels the request in vLLM."""
-        try:
-            response = await self._http().post(
-                self.base_url + path, data=_dumps(body), headers=_headers(headers)
-            )
-        except _FAILURES as exc:
-            raise self._unavailable(path, exc) from None
+        response = await self._post(path, body, headers)
         try:
             if response.status >= 400:
-                raise _request_error(path, response.status, response.reason, await _text(response))
+                raise _request_error(path, response.status, None, await _text(response))
             yield WorkerStream(response)
         finally:
-            if response.content.at_eof():
-                response.release()
-            else:
-                response.close()
+            response.release()  # closed, not reused, unless the body was read to its end
 
     async def stream(
         self, path: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
@@ -241,10 +277,10 @@ def _headers(extra: Mapping[str, str] | None) -> Mapping[str, str]:
     return {**JSON_HEADERS, **extra} if extra else JSON_HEADERS
 
 
-async def _text(response: aiohttp.ClientResponse) -> str:
+async def _text(response: Http1Response) -> str:
     try:
         return (await response.read()).decode("utf-8", "replace")
-    except _FAILURES:
+    except Http1Error:
         return ""
 
 
