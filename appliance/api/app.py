@@ -13,6 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -28,6 +29,7 @@ from appliance.api.requests import (
     Tokenizer,
     agent_headers,
     chat_encoder,
+    check_model_request,
     parse_json_body,
     prompt_tokens,
 )
@@ -36,7 +38,7 @@ from appliance.domain.records import SessionId, TaskEventType, TenantId
 from appliance.ports import Clock
 from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
 from appliance.services.router import Router, TurnRequest
-from appliance.services.sessions import SessionState
+from appliance.services.sessions import ChatTokens, SessionState, resumable
 from appliance.services.tasks import TaskBook
 
 log = logging.getLogger(__name__)
@@ -93,8 +95,10 @@ def create_app(ctx: ApiContext) -> Starlette:
         session = ctx.router.known_session(
             who.tenant, session_id, known_task.key if known_task else None
         )
-        ids, chat = prompt_tokens(
-            request.url.path,
+        path = request.url.path
+        tokenize = partial(
+            prompt_tokens,
+            path,
             body,
             ctx.tokenizer,
             model=ctx.model,
@@ -102,12 +106,24 @@ def create_app(ctx: ApiContext) -> Starlette:
             previous=session.chat if session else None,
             encoder=encoder,
         )
+        max_tokens = check_model_request(path, body, ctx.model)
+        plain = (
+            path.endswith("chat/completions")
+            and encoder is not None
+            and body.get("add_generation_prompt", True) is True
+        )
+        ids: list[int] | None = None
+        chat: ChatTokens | None = None
+        n_prompt = untokenised_estimate(session, body, max_tokens) if plain else None
+        if n_prompt is None:
+            ids, chat = tokenize()
+            n_prompt = len(ids)
         now = ctx.clock.now()
         client_task = hdr.task_id or f"turn-{uuid.uuid4().hex[:16]}"
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
-        ticket = await admit_turn(who.tenant, client_task, hdr, len(ids), session)
+        ticket = await admit_turn(who.tenant, client_task, hdr, n_prompt, session)
         streaming = False
         try:
             task = ctx.tasks.ensure(
@@ -119,7 +135,7 @@ def create_app(ctx: ApiContext) -> Starlette:
             )
             turn = TurnRequest(
                 tenant=who.tenant,
-                path=request.url.path,
+                path=path,
                 body=body,
                 prompt_ids=ids,
                 task_id=task.key,
@@ -129,6 +145,9 @@ def create_app(ctx: ApiContext) -> Starlette:
                 tool_class=hdr.tool_class,
                 expected_wait_s=hdr.expected_wait_s,
                 chat=chat,
+                messages=body["messages"] if plain else None,
+                tokenize=tokenize if ids is None else None,
+                estimated_tokens=n_prompt,
             )
             task.turns += 1
             reply = await ctx.router.handle(turn)
@@ -145,6 +164,18 @@ def create_app(ctx: ApiContext) -> Starlette:
         finally:
             if ticket is not None and not streaming:
                 ticket.release()
+
+    def untokenised_estimate(
+        session: SessionState | None, body: dict[str, Any], max_tokens: int | None
+    ) -> int | None:
+        """The likely prompt length of a turn that may be forwarded before it is tokenised
+        (it only appends text to its session's last turn, and cannot exceed the model's
+        length); None: tokenise it first."""
+        appended = resumable(session, body["messages"])
+        if appended is None or session is None or session.chat is None:
+            return None
+        bound = appended.token_bound(len(session.token_ids)) + (max_tokens or 1)
+        return appended.token_estimate(session.chat) if bound <= ctx.max_model_len else None
 
     async def admit_turn(
         tenant: TenantId,

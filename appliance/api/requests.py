@@ -128,17 +128,7 @@ def prompt_tokens(
     the tokenizer cannot tokenise incrementally, or for a completion): a chat is tokenised
     only past what it shares with `previous`, the session's last turn, by `encoder` (give
     the same one every time: it remembers long pieces) or else a new `chat_encoder`."""
-    name = _field(body, "model", str, "a string")
-    if name is None:
-        raise ApiError(400, "'model' is required", "missing_field", param="model")
-    if name != model:
-        raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
-    max_tokens = _field(body, "max_tokens", int, "an integer")
-    if path.endswith("chat/completions"):
-        max_tokens = _field(body, "max_completion_tokens", int, "an integer") or max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
-    _field(body, "stream", bool, "true or false")
+    max_tokens = check_model_request(path, body, model)
     chat = None
     if path.endswith("chat/completions"):
         ids, chat = _chat_ids(body, tokenizer, previous, encoder or chat_encoder(tokenizer))
@@ -152,6 +142,25 @@ def prompt_tokens(
             "context_length_exceeded",
         )
     return ids, chat
+
+
+def check_model_request(path: str, body: dict[str, Any], model: str) -> int | None:
+    """Checks the fields every model request needs (and, for a chat, its messages); returns
+    its `max_tokens` (None: not given). Raises ApiError for any bad field."""
+    name = _field(body, "model", str, "a string")
+    if name is None:
+        raise ApiError(400, "'model' is required", "missing_field", param="model")
+    if name != model:
+        raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
+    max_tokens: int | None = _field(body, "max_tokens", int, "an integer")
+    if path.endswith("chat/completions"):
+        max_tokens = _field(body, "max_completion_tokens", int, "an integer") or max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
+    _field(body, "stream", bool, "true or false")
+    if path.endswith("chat/completions"):
+        _check_messages(body)
+    return max_tokens
 
 
 def chat_encoder(tokenizer: Tokenizer) -> ChatEncoder | None:
@@ -169,6 +178,19 @@ def _chat_ids(
     previous: ChatTokens | None,
     encoder: ChatEncoder | None,
 ) -> tuple[list[int], ChatTokens | None]:
+    messages = body["messages"]  # checked by check_model_request
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    try:
+        if encoder is not None:
+            render = tokenizer.render_chat  # type: ignore[attr-defined]
+            chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
+            return list(chat.ids), chat
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
+
+
+def _check_messages(body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "invalid_type", param="messages")
@@ -188,15 +210,6 @@ def _chat_ids(
                 "invalid_type",
                 param="messages",
             )
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    try:
-        if encoder is not None:
-            render = tokenizer.render_chat  # type: ignore[attr-defined]
-            chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
-            return list(chat.ids), chat
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
-    except (ValueError, TypeError) as exc:
-        raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
 
 
 def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:

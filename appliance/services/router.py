@@ -8,6 +8,13 @@ from the prefill work it has itself sent there and not yet seen start, and lets 
 policy pick (see appliance/policy/routing). The request goes to the worker with the salt and
 the namespaced session id set; nothing else of the client's body changes.
 
+A session's next turn that only appends text arrives untokenised (`tokenize` set): what it
+shares with the last turn is that turn's prompt, whose chain the router already has, and
+the text it appends is resident nowhere yet, so the placement is the same as with the new
+ids, with the prompt's length estimated. It is forwarded at once and tokenised and hashed
+while the worker prefills, ready for the turn after it; tokenising was most of the time a
+turn spent in the router.
+
 Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
 attempt and the turn is retried once on the next-best worker; a stream that breaks midway
 ends with an SSE error event and a failed attempt; a 4xx from the worker goes back to the
@@ -16,6 +23,7 @@ client as it is. Every attempt becomes one `turns` row, acknowledged by the ledg
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -23,6 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
@@ -65,7 +74,8 @@ class TurnRequest:
     path: str
     """/v1/chat/completions or /v1/completions."""
     body: dict[str, Any]
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int] | None
+    """None when the turn is forwarded before it is tokenised (`tokenize` is then set)."""
     task_id: TaskId
     session_id: SessionId | None = None
     parent_task_id: TaskId | None = None
@@ -75,10 +85,20 @@ class TurnRequest:
     chat: ChatTokens | None = None
     """The rendered chat behind `prompt_ids`, kept so the session's next turn tokenises only
     what it appends."""
+    messages: list[Any] | None = None
+    """A chat's messages, kept with `chat` so the next turn can be forwarded untokenised."""
+    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None = None
+    """For a turn forwarded untokenised: its ids and chat, computed after it was sent."""
+    estimated_tokens: int = 0
+    """The prompt's likely length while `prompt_ids` is None."""
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids) if self.prompt_ids is not None else self.estimated_tokens
 
 
 @dataclass(eq=False)
@@ -162,19 +182,26 @@ class Router:
         state.task_id = turn.task_id
         state.tool_class = turn.tool_class
         state.expected_wait_s = turn.expected_wait_s
-        if turn.chat is not None:
-            state.chat = turn.chat
+        # Kept only from a chat tokenised incrementally (or about to be): anything else makes
+        # the next turn tokenise before it is placed.
+        incremental = turn.chat is not None or turn.tokenize is not None
+        state.chat = turn.chat if incremental else None
+        state.messages = turn.messages if incremental else None
         return state
 
     def place(
         self, turn: TurnRequest, session: SessionState, exclude: frozenset[WorkerId] = frozenset()
     ) -> tuple[RouteDecision, dict[WorkerId, int]]:
-        salt = self._salt(turn.tenant, turn.client_salt)
-        chain = self.sessions.hash_prompt(session, turn.prompt_ids, salt)
+        if turn.prompt_ids is not None:
+            salt = self._salt(turn.tenant, turn.client_salt)
+            chain = self.sessions.hash_prompt(session, turn.prompt_ids, salt)
+        else:  # untokenised: the last turn's prompt is the prefix this one shares
+            assert session.chain is not None
+            chain = session.chain
         resident_blocks = self._index.lookup(chain.event_hashes) if chain.hashes else {}
         bs = chain.block_size
         # vLLM never serves the last prompt token from cache.
-        cap = max(0, len(turn.prompt_ids) - 1) // bs * bs
+        cap = max(0, turn.prompt_len - 1) // bs * bs
         resident = {w: min(n * bs, cap) for w, n in resident_blocks.items()}
         session.resident_tokens = dict(resident)
         workers = self._workers()
@@ -194,7 +221,7 @@ class Router:
             )
             for w in workers
         ]
-        request = RouteRequest(self.model, len(turn.prompt_ids), session.home)
+        request = RouteRequest(self.model, turn.prompt_len, session.home)
         return route(request, views, self._cost, self._profile), resident
 
     def _recent_failures(self, worker: WorkerId) -> int:
@@ -263,6 +290,7 @@ class Router:
     async def _handle(self, turn: TurnRequest, session: SessionState) -> Reply:
         tried: set[WorkerId] = set()
         last_error: ApplianceError | None = None
+        tokenized: _Soon | None = None
         for _ in range(2):  # the first choice, then one retry elsewhere
             decision, resident = self.place(turn, session, frozenset(tried))
             if decision.worker is None:
@@ -275,10 +303,14 @@ class Router:
                 attempt.prefix_digest = chain.hashes[-1].hex()
                 attempt.prefix_tokens = len(chain.hashes) * chain.block_size
             body = self._worker_body(turn, session)
+            if turn.tokenize is not None and tokenized is None:  # once the request is sent
+                tokenized = _Soon(partial(self._tokenize_sent, turn, session, attempt))
             try:
                 if turn.stream:
-                    return await self._open_stream(turn, session, worker, attempt, body)
+                    return await self._open_stream(turn, session, worker, attempt, body, tokenized)
                 answer = await worker.client.post_json(turn.path, body)
+                if tokenized is not None:
+                    tokenized.now()
             except EngineUnavailable as exc:
                 self._finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
                 tried.add(worker.id)
@@ -300,6 +332,21 @@ class Router:
             raise NoWorker(f"no worker could serve the request: {last_error.message}")
         raise NoWorker("no healthy worker serves this model")
 
+    def _tokenize_sent(self, turn: TurnRequest, session: SessionState, attempt: Attempt) -> None:
+        """Tokenises and hashes a turn forwarded untokenised, for the session's next turn."""
+        assert turn.tokenize is not None
+        try:
+            ids, chat = turn.tokenize()
+        except Exception as exc:  # the worker judges the request itself; the next turn
+            log.info("turn of session %s not tokenised: %s", session.session_id, exc)
+            session.chat = session.messages = None  # ... is tokenised before it is placed
+            return
+        session.chat = chat
+        chain = self.sessions.hash_prompt(session, ids, self._salt(turn.tenant, turn.client_salt))
+        if chain.hashes and attempt.first_byte_at is None:
+            attempt.prefix_digest = chain.hashes[-1].hex()
+            attempt.prefix_tokens = len(chain.hashes) * chain.block_size
+
     def _begin(
         self,
         turn: TurnRequest,
@@ -308,7 +355,7 @@ class Router:
         resident: dict[WorkerId, int],
     ) -> Attempt:
         predicted = resident.get(worker, 0)
-        fresh = len(turn.prompt_ids) - predicted
+        fresh = turn.prompt_len - predicted
         est = self._cost.prefill_s(fresh, predicted)
         attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, self._clock.now(), est)
         self._pending.setdefault(worker, {})[attempt.turn_id] = est
@@ -340,6 +387,7 @@ class Router:
         worker: WorkerEndpoint,
         attempt: Attempt,
         body: dict[str, Any],
+        tokenized: _Soon | None,
     ) -> Reply:
         stream = worker.client.open_stream(turn.path, body)
         response = await stream.__aenter__()  # raises before the first byte: caller retries
@@ -362,6 +410,8 @@ class Router:
                 event = {"error": {"message": error, "type": "stream_error", "code": 502}}
                 yield f"data: {json.dumps(event)}\n\n".encode()
             finally:
+                if tokenized is not None:
+                    tokenized.now()
                 self._release(session)
                 await stream.__aexit__(None, None, None)
                 self._finish(turn, attempt, outcome, error=error)
@@ -384,7 +434,7 @@ class Router:
         self._running.get(attempt.worker, {}).pop(attempt.turn_id, None)
         self._ended.setdefault(attempt.worker, deque()).append((attempt.started_at, end))
         usage = attempt.usage
-        prompt = int(usage.get("prompt_tokens") or len(turn.prompt_ids))
+        prompt = int(usage.get("prompt_tokens") or turn.prompt_len)
         cached = min(_cached_tokens(usage) or 0, prompt)
         record = TurnRecord(
             turn_id=attempt.turn_id,
@@ -430,6 +480,21 @@ class Router:
         self.actual_cached_total += cached
         if record.ttft_s is not None:
             self.first_byte_s_total += record.ttft_s
+
+
+class _Soon:
+    """A call made on the event loop's next turn (after the current task's sends went out),
+    or by `now()` when its result is needed first; once either way."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call: Callable[[], None] | None = call
+        self._handle = asyncio.get_running_loop().call_soon(self.now)
+
+    def now(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            self._handle.cancel()
+            call()
 
 
 def _log_failure(fut: Future[Any], what: str) -> None:
