@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -160,7 +161,7 @@ def create_app(ctx: ApiContext) -> Starlette:
                     headers=headers,
                     background=BackgroundTask(ticket.release) if ticket else None,
                 )
-            return JSONResponse(reply.body, status_code=reply.status, headers=headers)
+            return FastJSONResponse(reply.body, status_code=reply.status, headers=headers)
         finally:
             if ticket is not None and not streaming:
                 ticket.release()
@@ -357,6 +358,13 @@ def create_app(ctx: ApiContext) -> Starlette:
         Route("/health", guarded(health), methods=["GET"]),
     ]
     return Starlette(routes=routes)
+
+
+class FastJSONResponse(JSONResponse):
+    """A model answer: orjson writes it in a fraction of the standard library's time."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 async def _written(fut: Any) -> None:

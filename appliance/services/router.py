@@ -364,11 +364,19 @@ class Router:
         self.routed_by_reason[_reason_kind(decision.reason)] = (
             self.routed_by_reason.get(_reason_kind(decision.reason), 0) + 1
         )
+        # Written once the request is on its way: the turn never waits on its own records.
+        asyncio.get_running_loop().call_soon(self._record_decision, attempt, decision)
+        return attempt
+
+    def _record_decision(self, attempt: Attempt, decision: RouteDecision) -> None:
         record = RouteDecisionRecord(
-            attempt.turn_id, attempt.started_at, worker, decision.reason, _candidates_json(decision)
+            attempt.turn_id,
+            attempt.started_at,
+            attempt.worker,
+            decision.reason,
+            _candidates_json(decision),
         )
         _log_failure(self._ledger.record_route_decision(record), "route decision")
-        return attempt
 
     def _worker_body(self, turn: TurnRequest, session: SessionState) -> dict[str, Any]:
         body = dict(turn.body)
@@ -433,6 +441,19 @@ class Router:
         end = self._clock.now()
         self._running.get(attempt.worker, {}).pop(attempt.turn_id, None)
         self._ended.setdefault(attempt.worker, deque()).append((attempt.started_at, end))
+        if outcome == TurnOutcome.FAILED:
+            self._failures.setdefault(attempt.worker, deque()).append(end)
+        # Recorded after the answer went out (the next loop turn), in the order they ended.
+        asyncio.get_running_loop().call_soon(self._record_turn, turn, attempt, outcome, error, end)
+
+    def _record_turn(
+        self,
+        turn: TurnRequest,
+        attempt: Attempt,
+        outcome: TurnOutcome,
+        error: str | None,
+        end: float,
+    ) -> None:
         usage = attempt.usage
         prompt = int(usage.get("prompt_tokens") or turn.prompt_len)
         cached = min(_cached_tokens(usage) or 0, prompt)
@@ -461,9 +482,7 @@ class Router:
         _log_failure(written, f"turn {record.turn_id}")
         if self._on_turn is not None:
             self._on_turn(record, written)
-        if outcome == TurnOutcome.FAILED:
-            self._failures.setdefault(attempt.worker, deque()).append(end)
-        elif outcome == TurnOutcome.OK and attempt.prefix_digest is not None:
+        if outcome == TurnOutcome.OK and attempt.prefix_digest is not None:
             receipt = CacheReceipt(
                 prefix_digest=attempt.prefix_digest,
                 token_count=attempt.prefix_tokens,
