@@ -4,7 +4,7 @@
         [--concurrency 50,200] [--modes nonstream,stream] [--turns 4] [--think-s 1,3]
         [--vllm-router /tmp/vr-venv/bin/vllm-router | --no-vllm-router]
         [--vllm-router-policy cache_aware]
-        [--paths direct,tcp-relay,appliance,vllm-router] [--router-cpus 1]
+        [--paths direct,tcp-relay,http-relay,appliance,vllm-router] [--router-cpus 1]
         [--py-spy PATH | --cprofile FILE] [--keep-logs DIR]
 
 One run (about 5 minutes here) starts two simulated H200 workers (one process each, as
@@ -13,10 +13,13 @@ binary is found, the Rust `vllm-router` (PyPI `vllm-router`, in a venv of its ow
 -m venv /tmp/vr-venv && /tmp/vr-venv/bin/pip install vllm-router`; never a dependency of the
 product) in front of the same two workers, with its default `cache_aware` policy, and a
 `tcp-relay` (one per worker: bytes pumped between client and worker, no HTTP parsed), the
-floor any router in a process of its own pays. Then, for each concurrency and mode, the same
+floor any router in a process of its own pays, and an `http-relay` (one per worker: the
+appliance's own HTTP machinery, uvicorn in front and its HTTP/1.1 client behind, with the
+body parsed and written again by orjson and nothing decided), the floor of a router built
+from those parts. Then, for each concurrency and mode, the same
 traffic goes (a) straight to the workers, each session to the worker that holds its context,
-(b) through the relay, (c) through the appliance and (d) through vllm-router.
-`--router-cpus` pins the relay and the routers to those CPUs and everything else to the rest.
+(b) through each relay, (c) through the appliance and (d) through vllm-router.
+`--router-cpus` pins the relays and the routers to those CPUs and everything else to the rest.
 Everything is loopback, every loop is bounded, and the script stops what it started.
 
 Traffic: N concurrent agent sessions. Each has its own ~7.8k-token context, prefilled once
@@ -212,6 +215,61 @@ def serve_relay(listen_ports: list[int], target_ports: list[int]) -> None:
             for port, t in zip(listen_ports, target_ports, strict=True)
         ]
         await asyncio.gather(*(srv.serve_forever() for srv in servers))
+
+    eventloop.run(main())
+
+
+def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
+    """A router with nothing to decide, built from the appliance's own HTTP parts: uvicorn
+    (configured as `appliance up` configures it) and a bare ASGI app in front, the
+    appliance's HTTP/1.1 client behind, the request body parsed and written again (orjson),
+    the answer passed back whole or as it arrives."""
+    import asyncio
+
+    import orjson
+    import uvicorn
+
+    from appliance import eventloop
+    from appliance.engines.http1 import Http1Pool
+
+    def app_for(target: int) -> Any:
+        pool = Http1Pool(
+            "127.0.0.1", target, connect_timeout_s=5, read_timeout_s=600, keepalive_s=2
+        )
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            chunks = []
+            while True:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            body = b"".join(chunks)
+            if body:
+                body = orjson.dumps(orjson.loads(body))
+            headers = (("Content-Type", "application/json"),)
+            answer = await pool.request(scope["method"], scope["path"], body, headers)
+            kind = dict(answer.headers).get(b"content-type", b"application/json")
+            await send(
+                {"type": "http.response.start", "status": answer.status,
+                 "headers": [(b"content-type", kind)]}
+            )  # fmt: skip
+            async for data in answer.chunks():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+        return app
+
+    async def main() -> None:
+        servers = []
+        for port, t in zip(listen_ports, target_ports, strict=True):
+            config = uvicorn.Config(
+                app_for(t), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
+            )
+            servers.append(uvicorn.Server(config))
+        await asyncio.gather(*(server.serve() for server in servers))
 
     eventloop.run(main())
 
@@ -675,7 +733,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("router_overhead.json"))
     p.add_argument("--concurrency", default="50,200", help="Sessions, comma-separated.")
     p.add_argument("--modes", default="nonstream,stream")
-    p.add_argument("--paths", default="direct,tcp-relay,appliance,vllm-router")
+    p.add_argument("--paths", default="direct,tcp-relay,http-relay,appliance,vllm-router")
     p.add_argument("--turns", type=int, default=4, help="Measured turns per session and phase.")
     p.add_argument("--think-s", default="1,3", help="Tool pause between turns: uniform lo,hi.")
     p.add_argument("--context-tokens", type=int, default=7800)
@@ -709,6 +767,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--serve-worker", nargs=3, metavar=("PORT", "KV", "MAXLEN"), help=argparse.SUPPRESS
     )
     p.add_argument("--serve-relay", nargs=4, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--serve-http-relay", nargs=4, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.think_s = tuple(float(x) for x in args.think_s.split(","))
     args.target_ms = tuple(float(x) for x in args.target_ms.split(","))
@@ -724,6 +783,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.serve_relay:
         serve_relay(args.serve_relay[:2], args.serve_relay[2:])
+        return
+    if args.serve_http_relay:
+        serve_http_relay(args.serve_http_relay[:2], args.serve_http_relay[2:])
         return
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
@@ -773,6 +835,7 @@ async def run(
     w_ports = free_ports(2)
     kv_ports = free_ports(2)
     app_port, vr_port, vr_prom, *relay_ports = free_ports(5)
+    http_relay_ports = free_ports(2)
     worker_urls = [f"http://127.0.0.1:{p}" for p in w_ports]
     max_len = 32768
     for i, (port, kv) in enumerate(zip(w_ports, kv_ports, strict=True)):
@@ -821,6 +884,15 @@ async def run(
         )  # fmt: skip
         for port in relay_ports:
             wait_http(f"http://127.0.0.1:{port}/health", procs)
+    if "http-relay" in paths:
+        procs.start(
+            "http-relay",
+            [sys.executable, str(Path(__file__).resolve()), "--serve-http-relay",
+             *map(str, http_relay_ports), *map(str, w_ports)],
+            cpus=args.router_cpus,
+        )  # fmt: skip
+        for port in http_relay_ports:
+            wait_http(f"http://127.0.0.1:{port}/health", procs)
     vr_version = None
     if "vllm-router" in paths and vr_bin:
         procs.start(
@@ -859,6 +931,13 @@ async def run(
             lambda sid: {},
             salted,
             "tcp-relay",
+        ),
+        "http-relay": TrafficPath(
+            "http-relay",
+            lambda i: f"http://127.0.0.1:{http_relay_ports[placement.get(i, i % 2)]}",
+            lambda sid: {},
+            salted,
+            "http-relay",
         ),
         "appliance": TrafficPath(
             "appliance",
