@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from appliance import keystore
 from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.app import ApiContext, Caller, create_app
+from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
+from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.errors import PortInUse
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
@@ -231,7 +231,12 @@ async def start_engines(
             for i in range(e.workers)
         ]
     external = await connect_external(
-        urls, endpoints, model=name, on_kv_batch=feed.on_batch, on_kv_reset=feed.on_reset
+        urls,
+        endpoints,
+        model=name,
+        on_kv_batch=feed.on_batch,
+        on_kv_reset=feed.on_reset,
+        keepalive_s=WORKER_KEEPALIVE_S if launches else e.external_keepalive_s,
     )
     procs = []
     try:
@@ -386,17 +391,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                     ),
                 )
             )
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    app,
-                    host=settings.server.host,
-                    port=settings.server.port,
-                    log_level="warning",
-                    access_log=False,
-                    lifespan="off",
-                    timeout_graceful_shutdown=30,
-                )
-            )
+            server = ApiServer(app, settings.server.host, settings.server.port, grace_s=30)
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
                 f"appliance: engine {kind.value} ({len(engines.workers)} workers, model "

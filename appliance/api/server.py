@@ -1,0 +1,361 @@
+"""The appliance's HTTP/1.1 server: a lean ASGI server for its own API on one port.
+
+Why not uvicorn: with the same app, uvicorn's request handling cost about 0.6 ms of the
+event loop per request more than a protocol that parses with httptools and hands the app
+the whole body (benchmarks/router_overhead.py, `http-relay` path, on this kind of machine),
+and that time is latency added to every agent turn. This server does only what the API
+needs: HTTP/1.1 with keep-alive (requests on one connection are answered in order, one at a
+time), Content-Length and chunked request bodies (the app gets the body whole, at most
+`max_body` bytes, else 413), `Expect: 100-continue`, answers framed by Content-Length, or
+chunked when the app streams; once the client has hung up, sending raises OSError (ASGI
+2.4), which ends a streaming answer and so closes its worker request. A connection idle for
+`idle_s` is closed. `stop()` refuses new connections, closes idle ones and gives requests
+in flight `grace_s` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+from urllib.parse import unquote
+
+import httptools
+
+log = logging.getLogger(__name__)
+
+App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+REASONS = {200: b"OK", 201: b"Created", 400: b"Bad Request", 404: b"Not Found",
+           413: b"Payload Too Large", 500: b"Internal Server Error"}  # fmt: skip
+HIGH_WATER = 1 << 20
+
+
+class _Request:
+    __slots__ = (
+        "body",
+        "headers",
+        "http_version",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "raw_path",
+    )
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: ApiServer) -> None:
+        self._server = server
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._url = b""
+        self._request = _Request()
+        self._body_size = 0
+        self._queue: deque[_Request] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+        self.disconnected = False
+        self._idle_handle: asyncio.TimerHandle | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self._task is None and not self._queue
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        self._server.connections.add(self)
+        self._idle_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._transport is None:  # refused and closing
+            return
+        self._idle_timer()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.reject(400, b"upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self.reject(400, f"malformed request: {exc}".encode())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disconnected = True
+        self._transport = None
+        self._server.connections.discard(self)
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # --- httptools callbacks ---
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._request = _Request()
+        self._body_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._request.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        request = self._request
+        url = httptools.parse_url(self._url)
+        request.method = self._parser.get_method().decode("ascii")
+        request.raw_path = url.path
+        path = url.path.decode("latin-1")
+        request.path = unquote(path) if "%" in path else path
+        request.query = url.query or b""
+        request.http_version = self._parser.get_http_version()
+        request.keep_alive = self._parser.should_keep_alive()
+        if (b"expect", b"100-continue") in request.headers and self._transport is not None:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self._server.max_body:
+            if self._transport is not None:
+                self.reject(413, b"request body too large")
+            return
+        self._request.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._transport is None:  # refused (too large): never served
+            return
+        self._queue.append(self._request)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    # --- serving, one request at a time ---
+
+    async def _serve(self) -> None:
+        try:
+            while self._queue and not self.disconnected:
+                request = self._queue.popleft()
+                keep = await self._answer(request)
+                if not keep:
+                    self.close()
+                    return
+        finally:
+            self._task = None
+            self._idle_timer()
+            self._server.request_done()
+
+    def _idle_timer(self) -> None:
+        """Closes the connection after `idle_s` without a request; reset by any data."""
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+        if self.idle and self._transport is not None:
+            loop = asyncio.get_running_loop()
+            self._idle_handle = loop.call_later(self._server.idle_s, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if self.idle:
+            self.close()
+
+    async def _answer(self, request: _Request) -> bool:
+        """Runs the app for one request; whether the connection may serve another."""
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": request.http_version,
+            "server": self._server.bound,
+            "client": None,
+            "scheme": "http",
+            "method": request.method,
+            "root_path": "",
+            "path": request.path,
+            "raw_path": request.raw_path,
+            "query_string": request.query,
+            "headers": request.headers,
+        }
+        body = b"".join(request.body)
+        sent_body = False
+        response = _Response(self, request.method == "HEAD")
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await self.closed
+            return {"type": "http.disconnect"}
+
+        try:
+            await self._server.app(scope, receive, response.send)
+        except Exception:
+            if self.disconnected:
+                return False
+            log.exception("the app failed on %s %s", request.method, request.path)
+            if not response.started:
+                response.error(500)
+            return False
+        if not response.finished:
+            if not response.started:
+                response.error(500)
+            return False
+        return request.keep_alive and not self.disconnected and not self._server.stopping
+
+    def write(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(data)
+
+    async def drain(self) -> None:
+        if self._writable is not None:
+            await self._writable
+
+    def reject(self, status: int, message: bytes) -> None:
+        """A plain-text answer; the connection then closes."""
+        head = b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))
+        self.write(
+            head + b"content-type: text/plain\r\ncontent-length: %d\r\nconnection: close"
+            b"\r\n\r\n%s" % (len(message), message)
+        )
+        self.close()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+
+class _Response:
+    def __init__(self, conn: _Connection, head_only: bool) -> None:
+        self._conn = conn
+        self._head_only = head_only
+        self._chunked = False
+        self._head = b""
+        self.started = False
+        self.finished = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self._conn.disconnected:
+            raise ConnectionResetError("the client disconnected")
+        kind = message["type"]
+        if kind == "http.response.start":
+            self._start(message)
+        elif kind == "http.response.body":
+            self._body(message.get("body", b""), message.get("more_body", False))
+            await self._conn.drain()
+
+    def _start(self, message: dict[str, Any]) -> None:
+        status = message["status"]
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
+        length = False
+        for name, value in message.get("headers", ()):
+            length = length or name.lower() == b"content-length"
+            lines.append(b"%s: %s\r\n" % (name, value))
+        if not length and status >= 200 and status not in (204, 304):
+            self._chunked = True
+            lines.append(b"transfer-encoding: chunked\r\n")
+        lines.append(b"\r\n")
+        self._head = b"".join(lines)
+        self.started = True
+
+    def _body(self, data: bytes, more: bool) -> None:
+        out = []
+        if self._head:
+            out.append(self._head)
+            self._head = b""
+        if data and not self._head_only:
+            out.append(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        if not more:
+            if self._chunked and not self._head_only:
+                out.append(b"0\r\n\r\n")
+            self.finished = True
+        if out:
+            self._conn.write(b"".join(out))
+
+    def error(self, status: int) -> None:
+        self._conn.reject(status, b"internal error; see the appliance log")
+
+
+class ApiServer:
+    """Serves `app` on `host:port` until `stop()`."""
+
+    def __init__(
+        self,
+        app: App,
+        host: str,
+        port: int,
+        *,
+        max_body: int = 64 * 2**20,
+        grace_s: float = 30.0,
+        idle_s: float = 75.0,
+    ) -> None:
+        self.app = app
+        self.idle_s = idle_s
+        self.host = host
+        self.port = port
+        self.max_body = max_body
+        self.grace_s = grace_s
+        self.connections: set[_Connection] = set()
+        self.stopping = False
+        self.bound: tuple[str, int] | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._done = asyncio.Event()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), self.host, self.port, reuse_address=True, backlog=2048
+        )
+        sock = self._server.sockets[0].getsockname()
+        self.bound = (sock[0], sock[1])
+
+    async def serve(self) -> None:
+        """Serves until cancelled, then stops gracefully."""
+        await self.start()
+        try:
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            await asyncio.shield(self.stop())
+
+    @property
+    def started(self) -> bool:
+        return self.bound is not None
+
+    def request_done(self) -> None:
+        self._done.set()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        deadline = asyncio.get_running_loop().time() + self.grace_s
+        while True:
+            for conn in list(self.connections):
+                if conn.idle:
+                    conn.close()
+            busy = [c for c in self.connections if not c.idle]
+            left = deadline - asyncio.get_running_loop().time()
+            if not busy or left <= 0:
+                break
+            self._done.clear()
+            try:
+                await asyncio.wait_for(self._done.wait(), left)
+            except TimeoutError:
+                break
+        for conn in list(self.connections):
+            conn.close()

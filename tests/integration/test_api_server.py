@@ -1,0 +1,185 @@
+"""The appliance's HTTP/1.1 server with a small Starlette app, over real sockets on
+127.0.0.1: httpx for what clients do, a raw socket for what they sometimes do."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from appliance.api.server import ApiServer
+from appliance.eventloop import run
+
+
+class Probe:
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.stream_closed = asyncio.Event()
+        self.slow_started = asyncio.Event()
+
+
+def app(probe: Probe) -> Starlette:
+    async def echo(request: Request) -> Response:
+        body = await request.body()
+        return JSONResponse({"n": len(body), "path": request.url.path, "q": request.url.query,
+                             "head": body[:10].decode()})  # fmt: skip
+
+    async def stream(request: Request) -> Response:
+        async def pieces() -> AsyncIterator[bytes]:
+            try:
+                yield b"data: one\n\n"
+                await probe.release.wait()
+                for _ in range(500):  # 5 s unless a hang-up ends it
+                    yield b"data: more\n\n"
+                    await asyncio.sleep(0.01)
+            finally:
+                probe.stream_closed.set()
+
+        return StreamingResponse(pieces(), media_type="text/event-stream")
+
+    async def slow(request: Request) -> Response:
+        probe.slow_started.set()
+        await asyncio.sleep(0.3)
+        return JSONResponse({"slow": True})
+
+    async def item(request: Request) -> Response:
+        return JSONResponse({"name": request.path_params["name"]})
+
+    async def boom(request: Request) -> Response:
+        raise RuntimeError("bug")
+
+    routes = [Route("/echo", echo, methods=["POST", "GET"]), Route("/stream", stream),
+              Route("/slow", slow), Route("/boom", boom), Route("/items/{name}", item)]  # fmt: skip
+    return Starlette(routes=routes)
+
+
+async def serving(probe: Probe, **kw: float) -> ApiServer:
+    server = ApiServer(app(probe), "127.0.0.1", 0, **kw)  # type: ignore[arg-type]
+    await server.start()
+    return server
+
+
+def url(server: ApiServer, path: str) -> str:
+    assert server.bound is not None
+    return f"http://127.0.0.1:{server.bound[1]}{path}"
+
+
+async def raw(server: ApiServer, data: bytes) -> bytes:
+    assert server.bound is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.bound[1])
+    writer.write(data)
+    out = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return out
+
+
+def test_requests_on_one_kept_alive_connection_with_whole_and_chunked_bodies() -> None:
+    async def main() -> None:
+        server = await serving(Probe())
+        async with httpx.AsyncClient() as client:
+            r = await client.post(url(server, "/echo?x=1"), content=b"a" * 100_000)
+            assert r.json() == {"n": 100_000, "path": "/echo", "q": "x=1", "head": "a" * 10}
+
+            async def chunks() -> AsyncIterator[bytes]:
+                for piece in (b"hello ", b"chunked ", b"world"):
+                    yield piece
+
+            r = await client.post(url(server, "/echo"), content=chunks())
+            assert r.json()["n"] == len(b"hello chunked world")
+            assert (await client.get(url(server, "/nowhere"))).status_code == 404
+            assert (await client.get(url(server, "/items/a%20b"))).json() == {"name": "a b"}
+        assert len(server.connections) == 0 or all(c.idle for c in server.connections)
+        await server.stop()
+
+    run(main())
+
+
+def test_a_streamed_answer_arrives_as_it_is_made_and_a_hang_up_ends_it() -> None:
+    async def main() -> None:
+        probe = Probe()
+        server = await serving(probe)
+        async with httpx.AsyncClient() as client, client.stream("GET", url(server, "/stream")) as r:
+            assert r.headers["transfer-encoding"] == "chunked"
+            pieces = r.aiter_raw()
+            assert await pieces.__anext__() == b"data: one\n\n"  # before the rest exists
+        # The client hung up mid-stream: the next send fails and the stream is closed.
+        probe.release.set()
+        await asyncio.wait_for(probe.stream_closed.wait(), 1)
+        await server.stop()
+
+    run(main())
+
+
+def test_pipelined_requests_are_answered_in_order_and_expect_continue_is_honoured() -> None:
+    async def main() -> None:
+        server = await serving(Probe())
+        one = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+        two = b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        out = await raw(server, one + two)
+        assert out.count(b"HTTP/1.1 200 OK") == 2
+        assert out.index(b'"n":3') < out.index(b'"n":0')
+        expect = b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n"
+        expect += b"Connection: close\r\n\r\nhi"
+        out = await raw(server, expect)
+        assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK")
+        await server.stop()
+
+    run(main())
+
+
+def test_bad_requests_get_a_clear_status_and_a_closed_connection() -> None:
+    async def main() -> None:
+        server = await serving(Probe(), max_body=1000)
+        out = await raw(server, b"NOT HTTP\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400 ") and b"malformed request" in out
+        big = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000
+        out = await raw(server, big)
+        assert out.startswith(b"HTTP/1.1 413 ")
+        assert out.count(b"HTTP/1.1 ") == 1  # the cut-off request is never served
+        out = await raw(server, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 500 ")
+        await server.stop()
+
+    run(main())
+
+
+def test_stop_lets_a_request_in_flight_finish_and_closes_idle_connections() -> None:
+    async def main() -> None:
+        probe = Probe()
+        server = await serving(probe, idle_s=60)
+        async with httpx.AsyncClient() as client:
+            await client.post(url(server, "/echo"), content=b"x")  # leaves an idle connection
+            async with httpx.AsyncClient() as other:
+                slow = asyncio.create_task(other.get(url(server, "/slow")))
+                await probe.slow_started.wait()
+                await server.stop()
+                assert (await slow).json() == {"slow": True}
+        assert not server.connections
+        try:
+            await raw(server, b"GET /echo HTTP/1.1\r\n\r\n")
+        except OSError:
+            pass  # refused: the listener is closed
+        else:
+            raise AssertionError("a stopped server accepted a connection")
+
+    run(main())
+
+
+def test_an_idle_connection_is_closed_after_idle_s() -> None:
+    async def main() -> None:
+        server = await serving(Probe(), idle_s=0.2)
+        assert server.bound is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.bound[1])
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 3)  # b"" at EOF: the server closed
+        assert answer.startswith(b"HTTP/1.1 200 OK")
+        writer.close()
+        await server.stop()
+
+    run(main())
