@@ -91,6 +91,10 @@ class EngineSettings(Section):
     """Base URLs of vLLM servers the appliance did not start (engine kind `external`)."""
     external_kv_event_endpoints: list[str] = []
     """ZMQ endpoints of those servers' KV events, in the same order as external_urls."""
+    external_keepalive_s: float = Field(5.0, gt=0)
+    """Seconds those servers keep an idle connection open (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+    default 5). The appliance reuses a connection only while it is surely open; a longer
+    keep-alive spares turns the cost of opening connections."""
     sim_time_scale: float = Field(1.0, gt=0)
     """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None

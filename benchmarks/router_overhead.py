@@ -87,6 +87,8 @@ from typing import Any
 import httpx
 import psutil
 
+from appliance.domain.worker import WORKER_KEEPALIVE_S
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MODEL = "sim"
@@ -234,8 +236,9 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
 
     def app_for(target: int) -> Any:
         pool = Http1Pool(
-            "127.0.0.1", target, connect_timeout_s=5, read_timeout_s=600, keepalive_s=2
-        )
+            "127.0.0.1", target, connect_timeout_s=5, read_timeout_s=600,
+            keepalive_s=WORKER_KEEPALIVE_S - 1,
+        )  # fmt: skip
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -857,6 +860,8 @@ async def run(
             [f"tcp://*:{kv}" for kv in kv_ports]
         ),
         APPLIANCE_ENGINE__MAX_MODEL_LEN=str(max_len),
+        # The workers run as `appliance up` runs them, keeping idle connections 300 s.
+        APPLIANCE_ENGINE__EXTERNAL_KEEPALIVE_S=str(WORKER_KEEPALIVE_S),
     )
     if "appliance" in paths:
         up = ["up", "--engine", "external", "--port", str(app_port)]

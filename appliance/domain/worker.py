@@ -22,6 +22,15 @@ from enum import StrEnum
 
 from appliance.domain.records import WorkerId
 
+WORKER_KEEPALIVE_S = 300
+"""Seconds a worker the appliance starts keeps an idle connection open (vLLM's
+VLLM_HTTP_TIMEOUT_KEEP_ALIVE, the simulator's uvicorn). Well above any tool wait between
+turns, so a turn reuses a connection instead of opening one: a new connection cost up to
+150 ms of a busy worker's event loop at 200 sessions (benchmarks/router_overhead.py)."""
+
+UVICORN_KEEPALIVE_S = 5
+"""uvicorn's default, so a vLLM server's the appliance did not start."""
+
 
 class WorkerState(StrEnum):
     STARTING = "starting"

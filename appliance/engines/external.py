@@ -22,7 +22,7 @@ import zmq
 from appliance.domain.errors import ConfigError
 from appliance.domain.kv_events import KvEventBatch
 from appliance.domain.records import WorkerId
-from appliance.domain.worker import WorkerState
+from appliance.domain.worker import UVICORN_KEEPALIVE_S, WorkerState
 from appliance.engines.errors import PortInUse
 from appliance.engines.kv_events import KvEventSubscriber
 from appliance.engines.vllm_client import VllmClient
@@ -42,6 +42,7 @@ class ExternalEngine:
         model: str | None = None,
         on_kv_batch: KvBatchSink | None = None,
         on_kv_reset: KvResetSink | None = None,
+        keepalive_s: float = UVICORN_KEEPALIVE_S,
     ) -> None:
         if kv_event_endpoints and len(kv_event_endpoints) != len(urls):
             raise ConfigError(
@@ -55,7 +56,7 @@ class ExternalEngine:
                 id=WorkerId(f"w{i}"),
                 engine="external",
                 url=url.rstrip("/"),
-                client=VllmClient(url, model=model),
+                client=VllmClient(url, model=model, server_keepalive_s=keepalive_s),
                 kv_events_endpoint=endpoint,
                 state=WorkerState.UNHEALTHY,
             )
@@ -133,10 +134,16 @@ async def connect_external(
     model: str | None = None,
     on_kv_batch: KvBatchSink | None = None,
     on_kv_reset: KvResetSink | None = None,
+    keepalive_s: float = UVICORN_KEEPALIVE_S,
 ) -> ExternalEngine:
     """Handles on external servers, subscribed and health-checked once."""
     engine = ExternalEngine(
-        urls, kv_event_endpoints, model=model, on_kv_batch=on_kv_batch, on_kv_reset=on_kv_reset
+        urls,
+        kv_event_endpoints,
+        model=model,
+        on_kv_batch=on_kv_batch,
+        on_kv_reset=on_kv_reset,
+        keepalive_s=keepalive_s,
     )
     try:
         return await engine.start()

@@ -75,4 +75,5 @@ async def start_external(
         model=model,
         on_kv_batch=on_kv_batch,
         on_kv_reset=on_kv_reset,
+        keepalive_s=engine.external_keepalive_s,
     )

@@ -28,6 +28,7 @@ from pathlib import PurePath
 
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import WorkerId
+from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.settings import EngineSettings
 
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
@@ -220,6 +221,7 @@ def _env(
     env.update(
         PYTHONHASHSEED=spec.python_hash_seed,
         VLLM_NO_USAGE_STATS="1",
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(WORKER_KEEPALIVE_S),
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )

@@ -40,6 +40,7 @@ from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.kv_events import KvEventBatch
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import (
+    WORKER_KEEPALIVE_S,
     WorkerEvent,
     WorkerEventKind,
     WorkerState,
@@ -123,7 +124,11 @@ class Supervisor:
                     id=plan.worker,
                     engine="vllm",
                     url=plan.url,
-                    client=VllmClient(plan.url, model=spec.served_model_name),
+                    client=VllmClient(
+                        plan.url,
+                        model=spec.served_model_name,
+                        server_keepalive_s=WORKER_KEEPALIVE_S,
+                    ),
                     kv_events_endpoint=plan.kv_events_endpoint,
                     gpus=plan.gpus,
                 ),

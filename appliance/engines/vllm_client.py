@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from appliance.domain.worker import LoadSnapshot
+from appliance.domain.worker import UVICORN_KEEPALIVE_S, LoadSnapshot
 from appliance.engines.errors import EngineRequestError, EngineUnavailable
 from appliance.engines.http1 import Http1Error, Http1Pool, Http1Response
 from appliance.engines.metrics import load_snapshot
@@ -35,7 +35,8 @@ from appliance.engines.metrics import load_snapshot
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
 PROBE_TIMEOUT_S = 5.0
-KEEPALIVE_S = 2.0
+REUSE_MARGIN_S = 1.0
+"""An idle connection is reused only this long before its server would close it."""
 JSON_HEADERS = {"Content-Type": "application/json"}
 _JSON_HEADER = (("Content-Type", "application/json"),)
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -74,7 +75,9 @@ class VllmClient:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         read_timeout_s: float = READ_TIMEOUT_S,
         max_connections: int = 256,
+        server_keepalive_s: float = UVICORN_KEEPALIVE_S,
     ) -> None:
+        """`server_keepalive_s`: how long the server keeps an idle connection open."""
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._timeout = aiohttp.ClientTimeout(
@@ -83,15 +86,16 @@ class VllmClient:
         self._max_connections = max_connections
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
+        self._reuse_s = max(0.5, server_keepalive_s - REUSE_MARGIN_S)
         self._session: aiohttp.ClientSession | None = None
         self._pool: Http1Pool | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # Idle connections are dropped well before the server's keep-alive timeout
-            # (uvicorn's, and so vLLM's, is 5 s): reusing one it is closing fails a request.
+            # Idle connections are dropped before the server's keep-alive timeout: reusing
+            # one it is closing fails a request.
             connector = aiohttp.TCPConnector(
-                limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
+                limit=self._max_connections, keepalive_timeout=self._reuse_s
             )
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, auto_decompress=False
@@ -106,7 +110,7 @@ class VllmClient:
                 url.port or 80,
                 connect_timeout_s=self._connect_timeout_s,
                 read_timeout_s=self._read_timeout_s,
-                keepalive_s=KEEPALIVE_S,
+                keepalive_s=self._reuse_s,
                 max_idle=self._max_connections,
             )
         return self._pool

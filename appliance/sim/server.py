@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.sim import protocol as P
 from appliance.sim.engine import SimRequest
 from appliance.sim.protocol import (
@@ -454,5 +455,12 @@ def create_app(worker: SimWorker) -> Starlette:
 
 def make_server(app: Starlette, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for `app` (it handles SIGINT/SIGTERM when run in the main thread)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=WORKER_KEEPALIVE_S,
+    )
     return uvicorn.Server(config)

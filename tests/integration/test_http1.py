@@ -211,3 +211,17 @@ def test_a_slow_reader_pauses_the_socket_and_loses_nothing() -> None:
             assert data[65536 * 5] == 5 % 251
 
     run(main())
+
+
+def test_a_connection_idle_longer_than_the_servers_keepalive_is_not_reused() -> None:
+    async def main() -> None:
+        async with Server(fixed(b"x")) as srv:
+            p = pool(srv.port, keepalive_s=0.2)
+            assert await (await p.request("GET", "/", b"")).read() == b"x"
+            assert await (await p.request("GET", "/", b"")).read() == b"x"  # at once: reused
+            assert srv.connections == 1
+            await asyncio.sleep(0.3)  # the server may be closing it now
+            assert await (await p.request("GET", "/", b"")).read() == b"x"
+            assert srv.connections == 2
+
+    run(main())

@@ -91,6 +91,7 @@ CASES = [
             "OMP_NUM_THREADS": None,
             "VLLM_CPU_KVCACHE_SPACE": None,
             "PATH": "/usr/bin",
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300",  # a turn after a tool wait reuses its connection
         },
     ),
     (
