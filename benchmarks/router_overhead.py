@@ -24,7 +24,8 @@ Everything is loopback, every loop is bounded, and the script stops what it star
 
 Traffic: N concurrent agent sessions. Each has its own ~7.8k-token context, prefilled once
 in a warm-up (through vllm-router, whose placement the direct path then copies; the
-appliance learns where every block is from the workers' KV events). In each measured
+appliance learns where every block is from the workers' KV events, and is sent each
+context once as well, so that both routers have seen every context once). In each measured
 phase every session is a new session (new X-Session-ID / X-Task-ID) over its context, as a
 new task over the same repository would be, and runs `--turns` turns: each re-sends the
 whole chat (context + every earlier tool output and reply: 8.0k-8.4k-token prompts), asks
@@ -976,6 +977,10 @@ async def run(
         f"{[list(placement.values()).count(w) for w in range(2)]}",
         flush=True,
     )
+    if warm_path != "appliance" and "appliance" in paths:
+        # The appliance has seen each context once too, as vllm-router has: its tokenizer's
+        # piece cache and its hash chains are as warm as vllm-router's prefix tree.
+        await warm_up(all_paths["appliance"], contexts, width=16)
     rows = []
     phase_no = 0
     for conc in concurrencies:
