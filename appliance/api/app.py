@@ -32,7 +32,7 @@ from appliance.api.requests import (
     chat_encoder,
     check_model_request,
     parse_json_body,
-    prompt_tokens,
+    tokenize_checked,
 )
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskEventType, TenantId
@@ -97,17 +97,17 @@ def create_app(ctx: ApiContext) -> Starlette:
             who.tenant, session_id, known_task.key if known_task else None
         )
         path = request.url.path
+        max_tokens = check_model_request(path, body, ctx.model)
         tokenize = partial(
-            prompt_tokens,
+            tokenize_checked,
             path,
             body,
             ctx.tokenizer,
-            model=ctx.model,
+            max_tokens=max_tokens,
             max_model_len=ctx.max_model_len,
             previous=session.chat if session else None,
             encoder=encoder,
         )
-        max_tokens = check_model_request(path, body, ctx.model)
         plain = (
             path.endswith("chat/completions")
             and encoder is not None

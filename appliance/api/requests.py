@@ -129,6 +129,28 @@ def prompt_tokens(
     only past what it shares with `previous`, the session's last turn, by `encoder` (give
     the same one every time: it remembers long pieces) or else a new `chat_encoder`."""
     max_tokens = check_model_request(path, body, model)
+    return tokenize_checked(
+        path,
+        body,
+        tokenizer,
+        max_tokens=max_tokens,
+        max_model_len=max_model_len,
+        previous=previous,
+        encoder=encoder,
+    )
+
+
+def tokenize_checked(
+    path: str,
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    *,
+    max_tokens: int | None,
+    max_model_len: int,
+    previous: ChatTokens | None = None,
+    encoder: ChatEncoder | None = None,
+) -> tuple[list[int], ChatTokens | None]:
+    """`prompt_tokens` for a body `check_model_request` already passed (giving `max_tokens`)."""
     chat = None
     if path.endswith("chat/completions"):
         ids, chat = _chat_ids(body, tokenizer, previous, encoder or chat_encoder(tokenizer))
