@@ -75,10 +75,7 @@ def run_replay(
     if stats is not None and limit is None and replayed is loaded:
         out["trace_stats_check"] = trace_stats_check(stats, bounds)
     one = partial(_trace_row, replayed, setup, latency, optimal_fresh)
-    out["policies"] = _run_rows(rows, one, jobs=jobs, progress=progress)
-    if report is not None:
-        out["files"] = [str(p) for p in write_report(out, Path(report))]
-    return out
+    return _with_rows(out, rows, one, jobs=jobs, progress=progress, report=report)
 
 
 def run_workload(
@@ -116,10 +113,7 @@ def run_workload(
         "bounds": {},
     }
     one = partial(_workload_row, tasks, setup, latency, gpu_second)
-    out["policies"] = _run_rows(rows, one, jobs=jobs, progress=progress)
-    if report is not None:
-        out["files"] = [str(p) for p in write_report(out, Path(report))]
-    return out
+    return _with_rows(out, rows, one, jobs=jobs, progress=progress, report=report)
 
 
 def _trace_row(
@@ -191,3 +185,19 @@ def _run_rows(
         for p, r in rows:
             results[row_name(p, r)] = one(p, r, progress)
     return results
+
+
+def _with_rows(
+    out: dict[str, Any],
+    rows: list[tuple[str, str]],
+    one: Callable[[str, str, bool], dict[str, object]],
+    *,
+    jobs: int,
+    progress: bool,
+    report: Path | None,
+) -> dict[str, Any]:
+    """`out` with every row's replay under "policies", written to `report` when given."""
+    out["policies"] = _run_rows(rows, one, jobs=jobs, progress=progress)
+    if report is not None:
+        out["files"] = [str(p) for p in write_report(out, Path(report))]
+    return out
