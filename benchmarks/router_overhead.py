@@ -14,9 +14,9 @@ binary is found, the Rust `vllm-router` (PyPI `vllm-router`, in a venv of its ow
 product) in front of the same two workers, with its default `cache_aware` policy, and a
 `tcp-relay` (one per worker: bytes pumped between client and worker, no HTTP parsed), the
 floor any router in a process of its own pays, and an `http-relay` (one per worker: the
-appliance's own HTTP machinery, uvicorn in front and its HTTP/1.1 client behind, with the
-body parsed and written again by orjson and nothing decided), the floor of a router built
-from those parts. Then, for each concurrency and mode, the same
+appliance's own HTTP machinery, its HTTP/1.1 server in front and its HTTP/1.1 client
+behind, with the body parsed and written again by orjson and nothing decided), the floor of
+a router built from those parts. Then, for each concurrency and mode, the same
 traffic goes (a) straight to the workers, each session to the worker that holds its context,
 (b) through each relay, (c) through the appliance and (d) through vllm-router.
 `--router-cpus` pins the relays and the routers to those CPUs and everything else to the rest.
@@ -75,6 +75,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -223,16 +224,16 @@ def serve_relay(listen_ports: list[int], target_ports: list[int]) -> None:
 
 
 def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
-    """A router with nothing to decide, built from the appliance's own HTTP parts: uvicorn
-    (configured as `appliance up` configures it) and a bare ASGI app in front, the
-    appliance's HTTP/1.1 client behind, the request body parsed and written again (orjson),
-    the answer passed back whole or as it arrives."""
+    """A router with nothing to decide, built from the appliance's own HTTP parts: its
+    HTTP/1.1 server (as `appliance up` runs it) and a bare ASGI app in front, its HTTP/1.1
+    client behind, the request body parsed and written again (orjson), the answer passed
+    back whole or as it arrives."""
     import asyncio
 
     import orjson
-    import uvicorn
 
     from appliance import eventloop
+    from appliance.api.server import ApiServer
     from appliance.engines.http1 import Http1Pool
 
     def app_for(target: int) -> Any:
@@ -242,15 +243,7 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
         )  # fmt: skip
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http":
-                return
-            chunks = []
-            while True:
-                message = await receive()
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body"):
-                    break
-            body = b"".join(chunks)
+            body = (await receive())["body"]  # the server hands over the whole body
             if body:
                 body = orjson.dumps(orjson.loads(body))
             headers = (("Content-Type", "application/json"),)
@@ -267,12 +260,10 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
         return app
 
     async def main() -> None:
-        servers = []
-        for port, t in zip(listen_ports, target_ports, strict=True):
-            config = uvicorn.Config(
-                app_for(t), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
-            )
-            servers.append(uvicorn.Server(config))
+        servers = [
+            ApiServer(app_for(t), "127.0.0.1", port)
+            for port, t in zip(listen_ports, target_ports, strict=True)
+        ]
         await asyncio.gather(*(server.serve() for server in servers))
 
     eventloop.run(main())
@@ -516,6 +507,10 @@ async def run_phase(
     # pool of hundreds of connections costs httpx's pool O(n) per request and skews the
     # client's own timings at 200 sessions.
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    # Plain HTTP, but httpx builds a TLS context for every client unless given one: 30 ms
+    # of the client's event loop per session start, which delayed every request in flight
+    # (all paths alike) and made up the first turns' tails.
+    tls = ssl.create_default_context()
     lo, hi = args.think_s
     in_flight = [0, 0.0, time.monotonic()]  # count, integral, last change
 
@@ -526,14 +521,17 @@ async def run_phase(
         in_flight[2] = now
 
     async def session(i: int) -> None:
-        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=120, verify=tls) as client:
             await run_session(client, i)
 
     async def run_session(client: httpx.AsyncClient, i: int) -> None:
-        rng = random.Random(f"{phase_no}-{i}")
+        rng = random.Random(f"{phase_no}-{i}")  # the tool outputs: new in every phase
+        # Start and tool pauses are the same on every path of a concurrency and mode, so the
+        # paths are compared under the same bursts of arrivals.
+        timing = random.Random(f"{concurrency}-{mode}-{i}")
         sid = f"p{phase_no}-s{i}"
         messages = [{"role": "system", "content": contexts[i]}]
-        await asyncio.sleep(rng.uniform(0, 2 * hi))  # sessions do not start in lockstep
+        await asyncio.sleep(timing.uniform(0, 2 * hi))  # sessions do not start in lockstep
         for turn in range(args.turns):
             messages.append({"role": "user", "content": words(rng, args.tool_tokens)})
             flight(+1)
@@ -551,7 +549,7 @@ async def run_phase(
                 flight(-1)
             messages.append({"role": "assistant", "content": content})
             if turn + 1 < args.turns:
-                await asyncio.sleep(rng.uniform(lo, hi))
+                await asyncio.sleep(timing.uniform(lo, hi))
 
     if cpu:  # the router's own background work (health, metrics, KV events) at rest
         idle0, t_idle = cpu(), time.monotonic()
