@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from appliance.api.admin_sessions import SessionAdmin, session_routes
@@ -107,7 +106,7 @@ def create_app(ctx: ApiContext) -> ApiApp:
             raise ApiError(403, "this route needs an operator key", "not_admin")
         return who
 
-    async def model_request(request: Request) -> Response:
+    async def model_request(request: Request) -> Response | RelayedStream:
         who = caller(request)
         body = parse_json_body(await request.body())
         hdr = agent_headers(request.headers, body)
@@ -175,11 +174,8 @@ def create_app(ctx: ApiContext) -> ApiApp:
             headers = {**reply.headers, "X-Task-ID": client_task}
             if reply.chunks is not None:  # the turn is released when the stream ends
                 streaming = True
-                return StreamingResponse(
-                    ticket.guard(reply.chunks) if ticket else reply.chunks,
-                    media_type="text/event-stream",
-                    headers=headers,
-                    background=BackgroundTask(ticket.release) if ticket else None,
+                return RelayedStream(
+                    reply.chunks, headers, on_end=ticket.release if ticket else None
                 )
             return FastJSONResponse(reply.body, status_code=reply.status, headers=headers)
         finally:
@@ -377,6 +373,39 @@ def create_app(ctx: ApiContext) -> ApiApp:
         Route("/health", guarded(health), methods=["GET"]),
     ]
     return ApiApp(guarded(model_request), Starlette(routes=routes))
+
+
+class RelayedStream:
+    """A streamed model answer, relayed chunk by chunk as the worker sends it (an ASGI
+    response). However it ends (done, the worker broke off, the client hung up) the
+    worker's stream is closed, which ends its request there, and `on_end` runs."""
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        headers: Mapping[str, str],
+        *,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        self._chunks = chunks
+        self._head = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
+        ]
+        self._on_end = on_end
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self._head})
+            async for chunk in self._chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            try:
+                await self._chunks.aclose()
+            finally:
+                if self._on_end is not None:
+                    self._on_end()
 
 
 class FastJSONResponse(JSONResponse):

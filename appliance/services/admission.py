@@ -23,7 +23,7 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,17 +88,6 @@ class TurnTicket:
         if not self._released:
             self._released = True
             self._service._release(self._task_id)
-
-    async def guard(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """`chunks` passed through; the turn is released when the stream ends or breaks."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self.release()
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()
 
 
 class _Rate:

@@ -28,7 +28,7 @@ import json
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -122,7 +122,7 @@ class Reply:
     status: int
     headers: dict[str, str]
     body: dict[str, Any] | None = None
-    chunks: AsyncIterator[bytes] | None = None
+    chunks: AsyncGenerator[bytes, None] | None = None
 
 
 class Router:
@@ -401,7 +401,7 @@ class Router:
         response = await stream.__aenter__()  # raises before the first byte: caller retries
         session.home = worker.id
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncGenerator[bytes, None]:
             outcome, error = TurnOutcome.OK, None
             usage = UsageScanner()
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from appliance.api.app import RelayedStream
 from appliance.domain.block_hash import BlockHashChain
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.ledger import Ledger
@@ -273,28 +274,60 @@ def test_rates_cover_the_last_minute_and_totals_stay(ledger: Ledger) -> None:
     assert "appliance_admission_in_flight_turns 0" in text
 
 
-async def _chunks(n: int) -> AsyncIterator[bytes]:
-    for i in range(n):
-        yield f"data: {i}\n\n".encode()
+async def _chunks(n: int, closed: list[bool] | None = None) -> AsyncGenerator[bytes, None]:
+    try:
+        for i in range(n):
+            yield f"data: {i}\n\n".encode()
+    finally:
+        if closed is not None:
+            closed.append(True)
 
 
-def test_a_stream_releases_its_turn_when_it_ends_or_breaks(ledger: Ledger) -> None:
+async def _broken() -> AsyncGenerator[bytes, None]:
+    yield b"data: 0\n\n"
+    raise ConnectionError("the worker broke off")
+
+
+def test_a_stream_releases_its_turn_however_it_ends(ledger: Ledger) -> None:
+    """Relayed to its end, broken off by the worker, or left by the client (sending raises):
+    the turn is released once and the worker's stream is closed."""
     s = make_box(ledger).service
 
-    async def scenario() -> None:
-        ticket: TurnTicket = await s.admit_turn(A, key("a", "t"))
-        assert s.snapshot()["in_flight_turns"] == 1
-        got = [c async for c in ticket.guard(_chunks(3))]
-        assert len(got) == 3
-        assert s.snapshot()["in_flight_turns"] == 0
+    async def relay(chunks: AsyncGenerator[bytes, None], send: Any) -> None:
         ticket = await s.admit_turn(A, key("a", "t"))
-        stream = ticket.guard(_chunks(3))
-        await stream.__anext__()
         assert s.snapshot()["in_flight_turns"] == 1
-        await stream.aclose()  # the client went away midway
+        await RelayedStream(chunks, {"X-Task-ID": "t"}, on_end=ticket.release)({}, None, send)
+
+    async def scenario() -> None:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        closed: list[bool] = []
+        await relay(_chunks(3, closed), send)
+        assert (b"x-task-id", b"t") in sent[0]["headers"]
+        assert [m["body"] for m in sent[1:]] == [
+            b"data: 0\n\n",
+            b"data: 1\n\n",
+            b"data: 2\n\n",
+            b"",
+        ]
+        assert sent[-1]["more_body"] is False
+        assert closed == [True] and s.snapshot()["in_flight_turns"] == 0
+
+        with pytest.raises(ConnectionError):
+            await relay(_broken(), send)
         assert s.snapshot()["in_flight_turns"] == 0
-        ticket.release()  # the response's background release: counted once
-        assert s.snapshot()["in_flight_turns"] == 0
+
+        async def hung_up(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                raise ConnectionResetError("the client disconnected")
+
+        closed.clear()
+        with pytest.raises(ConnectionResetError):
+            await relay(_chunks(10, closed), hung_up)
+        assert closed == [True] and s.snapshot()["in_flight_turns"] == 0
 
     run(scenario())
 
