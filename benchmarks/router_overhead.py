@@ -31,6 +31,8 @@ new task over the same repository would be, and runs `--turns` turns: each re-se
 whole chat (context + every earlier tool output and reply: 8.0k-8.4k-token prompts), asks
 for 16 tokens, then "runs a tool" for a uniform `--think-s` pause. Sessions start spread
 over twice the longest pause, and each has its own HTTP client and kept-alive connection.
+Every path of a concurrency and mode gets the same start times and pauses (common random
+numbers: the paths meet the same bursts of arrivals); the tool outputs are new each phase.
 The direct and vllm-router requests carry the appliance's tenant `cache_salt` and a
 `session_id`, so the workers see the same token ids, block hashes and cache hits on all
 three paths (`cache hit` in the table checks it).
