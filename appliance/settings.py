@@ -116,11 +116,15 @@ class EngineSettings(Section):
 
 
 class RoutingSettings(Section):
-    reuse_weight: float = Field(1.0, ge=0)
-    """Weight of the prefill seconds a worker's resident prefix saves (scaled to 0..1)."""
+    reuse_weight: float = Field(2.0, ge=0)
+    """Weight of the prefill seconds a worker's resident prefix saves (scaled to 0..1). Twice
+    the queue's: a turn moved off its prefix prefills it again, which the turns queued behind
+    it there wait for too, and leaves a second copy in KV; so a session moves only when the
+    queue it leaves costs more than twice the prefill it would redo."""
     queue_weight: float = Field(1.0, ge=0)
     """Weight of the queued prefill seconds ahead of the turn (scaled to 0..1). Equal reuse
-    and queue weights make the router minimise the estimated time to first token."""
+    and queue weights make the router minimise the turn's own estimated time to first
+    token."""
     kv_pressure_weight: float = Field(0.1, ge=0)
     """Weight of free KV cache room (a tie-breaker: do not evict others' hot prefixes)."""
     affinity_weight: float = Field(0.05, ge=0)

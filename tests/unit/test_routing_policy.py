@@ -30,9 +30,19 @@ CASES = [
     ),
     (
         # At A: wait 1.0 s + 100 fresh * 1 ms + 900 reused * 0.1 ms = 1.19 s; at B: 1.0 s cold.
-        "a queue that costs more than the saving moves the session",
+        # The turn's own wait would be shorter at B, but the 0.81 s it saves at A counts
+        # twice against the 1.0 s queue: the move's prefill delays the turns behind it at B.
+        "a queue that costs more than the saving but less than twice it keeps the session",
         RouteRequest("m", 1000, session_home=A),
         [w(A, resident_tokens=900, queue_s=1.0, queued_share=0.9), w(B)],
+        A,
+        "prefix resident (900 tokens)",
+    ),
+    (
+        # At A: 2.0 s queue, more than twice the 0.81 s saving.
+        "a queue that costs more than twice the saving moves the session",
+        RouteRequest("m", 1000, session_home=A),
+        [w(A, resident_tokens=900, queue_s=2.0, queued_share=0.9), w(B)],
         B,
         "moved from a",
     ),

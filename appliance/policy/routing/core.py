@@ -130,7 +130,7 @@ class RoutingProfile:
 
 def default_profile(
     *,
-    reuse_weight: float = 1.0,
+    reuse_weight: float = 2.0,
     queue_weight: float = 1.0,
     kv_pressure_weight: float = 0.1,
     affinity_weight: float = 0.05,
