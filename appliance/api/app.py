@@ -395,10 +395,18 @@ class RelayedStream:
         self._on_end = on_end
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # The head goes out with the first chunk (the server writes them together anyway):
+        # sending can fail only once the stream has started, so closing it runs its cleanup.
+        start = {"type": "http.response.start", "status": 200, "headers": self._head}
+        started = False
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self._head})
             async for chunk in self._chunks:
+                if not started:
+                    await send(start)
+                    started = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not started:
+                await send(start)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             try:

@@ -413,6 +413,9 @@ class Router:
                     yield data
                 if usage.last:
                     attempt.usage = usage.last
+            except GeneratorExit:  # closed before its end: the client left midway
+                outcome = TurnOutcome.CANCELLED
+                raise
             except Exception as exc:  # the worker broke off midway
                 outcome, error = TurnOutcome.FAILED, f"stream broke: {exc or type(exc).__name__}"
                 event = {"error": {"message": error, "type": "stream_error", "code": 502}}

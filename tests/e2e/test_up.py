@@ -93,6 +93,26 @@ def test_streaming_passes_through_with_usage(appliance_up: RunningAppliance) -> 
     assert usage[-1].prompt_tokens_details is not None
 
 
+def test_a_client_that_leaves_a_stream_midway_cancels_its_turn(
+    appliance_up: RunningAppliance,
+) -> None:
+    app = appliance_up
+    body = {
+        "model": app.model,
+        "messages": [{"role": "user", "content": text(8, app.words(50))}],
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {app.keys['alice']}", "X-Session-ID": "leaver"}
+    with httpx.stream(
+        "POST", f"{app.url}/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        next(response.iter_raw())  # the first chunk, then hang up
+    assert _session_turns(app, "leaver", expect=1) == [(ANY_WORKER, "cancelled")]
+
+
 def test_two_tenants_never_share_a_cache_entry(appliance_up: RunningAppliance) -> None:
     app = appliance_up
     prompt = [{"role": "user", "content": text(42, app.words(400))}]

@@ -329,6 +329,14 @@ def test_a_stream_releases_its_turn_however_it_ends(ledger: Ledger) -> None:
             await relay(_chunks(10, closed), hung_up)
         assert closed == [True] and s.snapshot()["in_flight_turns"] == 0
 
+        async def gone(message: dict[str, Any]) -> None:
+            raise ConnectionResetError("the client left before the answer began")
+
+        closed.clear()
+        with pytest.raises(ConnectionResetError):
+            await relay(_chunks(10, closed), gone)
+        assert closed == [True] and s.snapshot()["in_flight_turns"] == 0
+
     run(scenario())
 
 
