@@ -57,13 +57,20 @@ def open_writer_connection(
 
 
 def _enable_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> str:
-    # Switching to WAL needs a moment alone with the file; while another process opening it
-    # holds a lock, SQLite answers with the old mode instead of waiting: ask again.
+    # Switching to WAL needs a moment alone with the file. While another process opening it
+    # holds a lock, SQLite answers with the old mode, or, when that process is about to
+    # write (it holds the reserved lock), with "database is locked" at once rather than
+    # wait for it: ask again.
     deadline = time.monotonic() + busy_timeout_s
     while True:
-        mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
-        if mode == "wal" or time.monotonic() > deadline:
-            return mode
+        try:
+            mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+        else:
+            if mode == "wal" or time.monotonic() > deadline:
+                return mode
         time.sleep(0.02)
 
 

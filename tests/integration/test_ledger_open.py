@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import threading
 from contextlib import closing
 from pathlib import Path
 
@@ -81,6 +82,23 @@ def test_processes_opening_a_new_ledger_at_once_apply_each_migration_once(tmp_pa
     assert [n for _, n, _ in applied_rows(db)] == KNOWN
     with closing(open_reader(db)) as conn:
         assert conn.execute("SELECT count(*) FROM turns").fetchone()[0] == 80
+
+
+def test_opening_waits_out_another_process_about_to_write(tmp_path: Path) -> None:
+    """The race behind the concurrent open: while another connection holds the reserved
+    lock of a file still in rollback mode, SQLite refuses the switch to WAL at once, without
+    waiting; the open asks again until the lock is gone."""
+    db = tmp_path / "ledger.db"
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # the reserved lock, as a process opening it takes
+    release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    release.start()
+    try:
+        Ledger.open(db).close()
+    finally:
+        release.join()
+        other.close()
+    assert [n for _, n, _ in applied_rows(db)] == KNOWN
 
 
 def test_an_empty_file_is_an_empty_ledger(tmp_path: Path) -> None:
