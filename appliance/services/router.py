@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import orjson
+
 from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
 from appliance.domain.records import (
     CacheReceipt,
@@ -528,7 +530,7 @@ def _log_failure(fut: Future[Any], what: str) -> None:
 
 
 def _candidates_json(decision: RouteDecision) -> str:
-    return json.dumps(
+    return orjson.dumps(
         [
             {
                 "worker": c.worker,
@@ -540,7 +542,7 @@ def _candidates_json(decision: RouteDecision) -> str:
             for c in decision.candidates
         ]
         + [{"worker": w, "excluded_by": f} for w, f in decision.excluded.items()]
-    )
+    ).decode()
 
 
 def _reason_kind(reason: str) -> str:
