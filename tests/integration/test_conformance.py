@@ -301,9 +301,15 @@ def test_streams_have_vllms_chunks(backend: Backend) -> None:
         with client.stream("POST", "/v1/completions", json=cmpl_body) as r:
             cmpl_shapes, cmpl_chunks = sse_shapes(r)
     delta_keys = ("index", "delta", "logprobs", "finish_reason")
-    assert chat_shapes == [
-        ((*head, "prompt_token_ids", "prompt_text"), delta_keys, ("role", "content")),
-        (head, (*delta_keys, "token_ids"), ("content",)),
+    # vLLM sends the tokens that are ready when its stream is read next in one chunk: on a
+    # busy machine the middle chunk can merge into the last, so it may be missing.
+    assert chat_shapes[0] == (
+        (*head, "prompt_token_ids", "prompt_text"),
+        delta_keys,
+        ("role", "content"),
+    )
+    assert set(chat_shapes[1:-2]) <= {(head, (*delta_keys, "token_ids"), ("content",))}
+    assert chat_shapes[-2:] == [
         (head, (*delta_keys, "stop_reason", "token_ids"), ("content",)),
         usage_chunk,
     ]
