@@ -168,6 +168,7 @@ def create_app(ctx: ApiContext) -> ApiApp:
                 messages=body["messages"] if plain else None,
                 tokenize=tokenize if ids is None else None,
                 estimated_tokens=n_prompt,
+                received_at=_received_at(request),
             )
             task.turns += 1
             reply = await ctx.router.handle(turn)
@@ -373,6 +374,14 @@ def create_app(ctx: ApiContext) -> ApiApp:
         Route("/health", guarded(health), methods=["GET"]),
     ]
     return ApiApp(guarded(model_request), Starlette(routes=routes))
+
+
+def _received_at(request: Request) -> float | None:
+    """When the server had the whole request, if it is the appliance's own server."""
+    received: float | None = (
+        request.scope.get("extensions", {}).get("appliance", {}).get("received_at")
+    )
+    return received
 
 
 class RelayedStream:

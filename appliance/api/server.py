@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -42,6 +43,7 @@ class _Request:
         "path",
         "query",
         "raw_path",
+        "received_at",
     )
 
     def __init__(self) -> None:
@@ -142,6 +144,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._transport is None:  # refused (too large): never served
             return
+        self._request.received_at = time.monotonic()
         self._queue.append(self._request)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._serve())
@@ -189,6 +192,8 @@ class _Connection(asyncio.Protocol):
             "raw_path": request.raw_path,
             "query_string": request.query,
             "headers": request.headers,
+            # When the whole request had arrived (time.monotonic()): the app's own time starts.
+            "extensions": {"appliance": {"received_at": request.received_at}},
         }
         body = b"".join(request.body)
         sent_body = False

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -58,6 +59,7 @@ from appliance.policy.routing import (
     route,
 )
 from appliance.ports import Clock, KvLookup, Ledger, WorkerEndpoint
+from appliance.services.histogram import Histogram
 from appliance.services.sessions import ChatTokens, SessionState, SessionTable
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,10 @@ SPAN_MEMORY_S = 30.0  # longer than any worker reading can be old
 class NoWorker(ApplianceError):
     code = "no_healthy_worker"
     http_status = 503
+
+
+FORWARD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+"""Upper bounds (seconds) of `appliance_forward_seconds`, the router's own time per turn."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,8 @@ class TurnRequest:
     """For a turn forwarded untokenised: its ids and chat, computed after it was sent."""
     estimated_tokens: int = 0
     """The prompt's likely length while `prompt_ids` is None."""
+    received_at: float | None = None
+    """When the whole request had arrived (time.monotonic()), if the server says."""
 
     @property
     def stream(self) -> bool:
@@ -168,6 +176,8 @@ class Router:
         self.predicted_cached_total = 0
         self.actual_cached_total = 0
         self.first_byte_s_total = 0.0
+        self.forward_s = Histogram(FORWARD_BUCKETS_S)
+        """The router's own time per turn, from the whole request to its forwarding."""
 
     # --- placement -------------------------------------------------------------------
 
@@ -307,6 +317,8 @@ class Router:
             body = self._worker_body(turn, session)
             if turn.tokenize is not None and tokenized is None:  # once the request is sent
                 tokenized = _Soon(partial(self._tokenize_sent, turn, session, attempt))
+            if turn.received_at is not None and not tried:
+                self.forward_s.observe(time.monotonic() - turn.received_at)
             try:
                 if turn.stream:
                     return await self._open_stream(turn, session, worker, attempt, body, tokenized)

@@ -165,6 +165,11 @@ def metrics_text(src: StateSources) -> str:
         "# HELP appliance_sessions Sessions the router holds.",
         "# TYPE appliance_sessions gauge",
         f"appliance_sessions {len(router.sessions)}",
+        *router.forward_s.lines(
+            "appliance_forward_seconds",
+            "The router's own time per model turn, from the whole request having arrived to "
+            "its forwarding to a worker (parsing, admission, placement, the worker body).",
+        ),
         "# HELP appliance_workers_healthy Workers that accept requests.",
         "# TYPE appliance_workers_healthy gauge",
         f"appliance_workers_healthy {sum(1 for w in src.workers() if w.healthy)}",

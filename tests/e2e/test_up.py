@@ -213,6 +213,32 @@ def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningApplian
     assert _routed(appliance_up) == before  # nothing reached a worker
 
 
+def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningAppliance) -> None:
+    app = appliance_up
+    before = _forward_histogram(app)
+    c = client(appliance_up)
+    messages = [{"role": "user", "content": text(11, app.words(60))}]
+    for i in range(3):
+        turn(app, c, messages, "timed")
+        messages.append({"role": "user", "content": text(12 + i, app.words(10))})
+    after = _forward_histogram(app)
+    assert after["count"] - before["count"] == 3
+    assert 0 < after["sum"] - before["sum"] < 3.0
+    buckets = [after[k] for k in after if k.startswith("le=")]
+    assert buckets == sorted(buckets) and buckets[-1] == after["count"]  # cumulative, +Inf last
+
+
+def _forward_histogram(app: RunningAppliance) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{app.url}/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("appliance_forward_seconds_bucket"):
+            out[name[name.index("{") + 1 : -1]] = float(value)
+        elif name in ("appliance_forward_seconds_sum", "appliance_forward_seconds_count"):
+            out[name.rsplit("_", 1)[1]] = float(value)
+    return out
+
+
 def _routed(app: RunningAppliance) -> int:
     text_ = httpx.get(f"{app.url}/metrics").text
     return sum(
