@@ -55,7 +55,10 @@ minus the direct path's p50 (p99), same concurrency and mode. The JSON also has 
 last byte, the inbound part alone, and first turns (a new session: the context is
 tokenised and hashed, unless shared) apart from later turns. `router CPU/req` is the router
 process's CPU time in the phase, less its CPU at rest (health and /metrics polling, KV
-events; measured for 2 s before the phase), per request.
+events; measured for 2 s before the phase), per request. `appliance_forward_ms` is the
+appliance's own time per turn before it forwards it (its `appliance_forward_seconds`
+histogram, read before and after the phase): the mean, and the share of turns at or under
+each bound.
 
 Caveats, all of this machine: 2 cores run the client, both workers and the router (and
 whatever else is running: `machine_busy` in the JSON is the share of both cores in use
@@ -619,6 +622,33 @@ def pct(values: list[float], q: float) -> float:
     return s[max(0, math.ceil(q * len(s)) - 1)]
 
 
+def forward_histogram(metrics_url: str) -> dict[str, float]:
+    """The appliance's `appliance_forward_seconds` (its own time per turn before it is
+    forwarded): cumulative counts by upper bound ("+Inf" included), "sum" and "count"."""
+    out: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith('appliance_forward_seconds_bucket{le="'):
+            out[name.split('"')[1]] = float(value)
+        elif name in ("appliance_forward_seconds_sum", "appliance_forward_seconds_count"):
+            out[name.rsplit("_", 1)[1]] = float(value)
+    return out
+
+
+def forward_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The phase's share of turns at or under each bound and their mean, in ms."""
+    n = after["count"] - before["count"]
+    if n <= 0:
+        return {"turns": 0}
+    shares = {
+        f"<= {float(le) * 1000:g}": round((after[le] - before[le]) / n, 3)
+        for le in after
+        if le not in ("sum", "count", "+Inf")
+    }
+    mean = (after["sum"] - before["sum"]) / n * 1000
+    return {"turns": int(n), "mean": round(mean, 3), "share": shares}
+
+
 def summarise(phase: Phase, stamps: dict[str, tuple[str, list[int]]]) -> dict[str, Any]:
     first, end, over_first, over_end, inbound = [], [], [], [], []
     prompt, cached = [], []
@@ -990,11 +1020,17 @@ async def run(
                 path = all_paths[name]
                 cpu = (lambda p=path.process: procs.cpu_s(p)) if path.process else None
                 t = time.monotonic()
+                metrics_url = f"http://127.0.0.1:{app_port}/metrics"
+                own0 = forward_histogram(metrics_url) if name == "appliance" else None
                 phase = await run_phase(
                     path, contexts, conc, mode, args, phase_no, cpu, procs.all_cpu_s
                 )
                 stamps = await collect(worker_urls)
                 row = summarise(phase, stamps)
+                if own0 is not None:
+                    row["appliance_forward_ms"] = forward_summary(
+                        own0, forward_histogram(metrics_url)
+                    )
                 rows.append(row)
                 o = row["overhead_first_ms"]
                 print(
@@ -1002,7 +1038,8 @@ async def run(
                     f"err={row['errors']} overhead p50={o['p50']:.2f} p99={o['p99']:.2f} ms "
                     f"first byte p50={row['first_byte_ms']['p50']:.1f} ms "
                     f"hit={row['cache_hit']} busy={row['machine_busy']} "
-                    f"cpu/req={row['cpu_ms_per_request']} ({time.monotonic() - t:.1f} s)",
+                    f"cpu/req={row['cpu_ms_per_request']} ({time.monotonic() - t:.1f} s)"
+                    + (f" own={row['appliance_forward_ms']}" if own0 is not None else ""),
                     flush=True,
                 )
                 procs.check()
