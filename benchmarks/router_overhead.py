@@ -911,23 +911,18 @@ async def run(
                  "raw", "--rate", "250", "-o", str(folded),
                  "-p", str(procs.procs["appliance"].pid)],
             )  # fmt: skip
-    if "tcp-relay" in paths:
+    relays = (("tcp-relay", "--serve-relay", relay_ports),
+              ("http-relay", "--serve-http-relay", http_relay_ports))  # fmt: skip
+    for name, flag, ports in relays:
+        if name not in paths:
+            continue
         procs.start(
-            "tcp-relay",
-            [sys.executable, str(Path(__file__).resolve()), "--serve-relay",
-             *map(str, relay_ports), *map(str, w_ports)],
+            name,
+            [sys.executable, str(Path(__file__).resolve()), flag,
+             *map(str, ports), *map(str, w_ports)],
             cpus=args.router_cpus,
         )  # fmt: skip
-        for port in relay_ports:
-            wait_http(f"http://127.0.0.1:{port}/health", procs)
-    if "http-relay" in paths:
-        procs.start(
-            "http-relay",
-            [sys.executable, str(Path(__file__).resolve()), "--serve-http-relay",
-             *map(str, http_relay_ports), *map(str, w_ports)],
-            cpus=args.router_cpus,
-        )  # fmt: skip
-        for port in http_relay_ports:
+        for port in ports:
             wait_http(f"http://127.0.0.1:{port}/health", procs)
     vr_version = None
     if "vllm-router" in paths and vr_bin:
