@@ -22,7 +22,7 @@ callers that feed it from several threads hold one lock around it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from appliance.domain.kv_events import (
     AllBlocksCleared,
@@ -35,14 +35,8 @@ from appliance.domain.kv_events import (
 from appliance.domain.records import WorkerId
 
 DEFAULT_MEDIUM = Medium.GPU.value
-
-
-@dataclass(slots=True)
-class _Block:
-    refs: dict[tuple[WorkerId, str], int] = field(default_factory=dict)
-    """(worker, medium) -> announcements not yet removed."""
-    parent: int | None = None
-    sessions: set[str] = field(default_factory=set)
+MAX_SLOTS = 256
+"""(worker, tier) pairs one index tells apart: far more than a box has."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,16 +50,49 @@ class IndexStats:
 
 
 class KvIndex:
-    """Residency of block hashes per worker and tier."""
+    """Residency of block hashes per worker and tier.
+
+    Held in dicts of ints only (and one set of hashes per worker and per session): a dict
+    of ints is never tracked by Python's cyclic collector, so the index adds nothing to the
+    collections that would otherwise walk every block of every worker, tens of milliseconds
+    on the event loop at a few hundred thousand blocks. A (worker, tier) pair is a small
+    `slot` number; `_where` holds per hash the bit mask of the slots holding it, `_refs`
+    the announcements per (hash, slot)."""
 
     def __init__(self) -> None:
-        self._blocks: dict[int, _Block] = {}
+        self._slot_of: dict[tuple[WorkerId, str], int] = {}
+        self._slots: list[tuple[WorkerId, str]] = []
+        self._where: dict[int, int] = {}
+        self._refs: dict[int, int] = {}
+        """`_ref_key(h, slot)` -> announcements not yet removed."""
+        self._parent: dict[int, int] = {}
+        self._session_of: dict[int, str] = {}
+        """The first session whose request stored a block; others in `_more_sessions`."""
+        self._more_sessions: dict[int, tuple[str, ...]] = {}
+        """Tuples, not sets: a tuple of strings leaves the collector's sight after one pass."""
         self._by_worker: dict[WorkerId, set[int]] = {}
         self._by_session: dict[str, set[int]] = {}
         self._stored = 0
         self._removed = 0
         self._unknown_removals = 0
         self._forgotten = 0
+
+    def _slot(self, worker: WorkerId, medium: str) -> int:
+        slot = self._slot_of.get((worker, medium))
+        if slot is None:
+            if len(self._slots) == MAX_SLOTS:
+                raise ValueError(f"more than {MAX_SLOTS} (worker, tier) pairs in one index")
+            slot = self._slot_of[(worker, medium)] = len(self._slots)
+            self._slots.append((worker, medium))
+        return slot
+
+    def _worker_mask(self, worker: WorkerId) -> int:
+        return sum(1 << i for i, (w, _) in enumerate(self._slots) if w == worker)
+
+    def _medium_mask(self, medium: str | None) -> int:
+        if medium is None:
+            return -1  # every slot
+        return sum(1 << i for i, (_, m) in enumerate(self._slots) if m == medium)
 
     # --- feeding ---
 
@@ -77,51 +104,68 @@ class KvIndex:
         if isinstance(event, BlockStored):
             self._store(worker, event)
         elif isinstance(event, BlockRemoved):
-            medium = event.medium or DEFAULT_MEDIUM
+            slot = self._slot(worker, event.medium or DEFAULT_MEDIUM)
             for h in event.block_hashes:
-                self._remove(worker, medium, h)
+                self._remove(worker, slot, h)
         elif isinstance(event, AllBlocksCleared):
             self.forget_worker(worker)
 
     def _store(self, worker: WorkerId, event: BlockStored) -> None:
-        medium = event.medium or DEFAULT_MEDIUM
-        key = (worker, medium)
+        slot = self._slot(worker, event.medium or DEFAULT_MEDIUM)
+        bit = 1 << slot
         parent = event.parent_block_hash
+        session = event.session_id
         held = self._by_worker.setdefault(worker, set())
+        where, refs, parents = self._where, self._refs, self._parent
         for h in event.block_hashes:
-            block = self._blocks.get(h)
-            if block is None:
-                block = self._blocks[h] = _Block(parent=parent)
-            elif block.parent is None and parent is not None:
-                block.parent = parent
-            block.refs[key] = block.refs.get(key, 0) + 1
-            if event.session_id:
-                block.sessions.add(event.session_id)
-                self._by_session.setdefault(event.session_id, set()).add(h)
+            where[h] = where.get(h, 0) | bit
+            key = _ref_key(h, slot)
+            refs[key] = refs.get(key, 0) + 1
+            if parent is not None and h not in parents:
+                parents[h] = parent
+            if session:
+                self._add_session(h, session)
             held.add(h)
             self._stored += 1
             parent = h
 
-    def _remove(self, worker: WorkerId, medium: str, h: int) -> None:
-        block = self._blocks.get(h)
-        key = (worker, medium)
-        count = block.refs.get(key, 0) if block is not None else 0
-        if block is None or count == 0:
+    def _add_session(self, h: int, session: str) -> None:
+        first = self._session_of.setdefault(h, session)
+        more = self._more_sessions.get(h, ())
+        if first != session and session not in more:
+            self._more_sessions[h] = (*more, session)
+        self._by_session.setdefault(session, set()).add(h)
+
+    def _remove(self, worker: WorkerId, slot: int, h: int) -> None:
+        key = _ref_key(h, slot)
+        count = self._refs.get(key, 0)
+        if count == 0:
             self._unknown_removals += 1
             return
         self._removed += 1
         if count > 1:
-            block.refs[key] = count - 1
+            self._refs[key] = count - 1
             return
-        del block.refs[key]
-        if not any(w == worker for w, _ in block.refs):
-            self._by_worker[worker].discard(h)
-        if not block.refs:
-            self._drop(h, block)
+        del self._refs[key]
+        self._clear(worker, h, 1 << slot)
 
-    def _drop(self, h: int, block: _Block) -> None:
-        del self._blocks[h]
-        for session in block.sessions:
+    def _clear(self, worker: WorkerId, h: int, bits: int) -> None:
+        """`h` leaves the slots in `bits` (all of them `worker`'s)."""
+        where = self._where[h] & ~bits
+        if where & self._worker_mask(worker) == 0:
+            self._by_worker[worker].discard(h)
+        if where:
+            self._where[h] = where
+        else:
+            self._drop(h)
+
+    def _drop(self, h: int) -> None:
+        del self._where[h]
+        self._parent.pop(h, None)
+        first = self._session_of.pop(h, None)
+        for session in (first, *self._more_sessions.pop(h, ())):
+            if session is None:
+                continue
             hashes = self._by_session[session]
             hashes.discard(h)
             if not hashes:
@@ -130,12 +174,16 @@ class KvIndex:
     def forget_worker(self, worker: WorkerId) -> int:
         """Drops every block the worker held, on every tier; returns how many hashes."""
         held = self._by_worker.pop(worker, set())
+        mask = self._worker_mask(worker)
+        slots = [i for i, (w, _) in enumerate(self._slots) if w == worker]
         for h in held:
-            block = self._blocks[h]
-            for key in [k for k in block.refs if k[0] == worker]:
-                del block.refs[key]
-            if not block.refs:
-                self._drop(h, block)
+            for slot in slots:
+                self._refs.pop(_ref_key(h, slot), None)
+            where = self._where[h] & ~mask
+            if where:
+                self._where[h] = where
+            else:
+                self._drop(h)
         self._forgotten += 1
         return len(held)
 
@@ -146,9 +194,7 @@ class KvIndex:
 
         Workers holding not even the first block are left out.
         """
-        first = self._blocks.get(chain[0]) if chain else None
-        if first is None:
-            return {}
+        first = self._where.get(chain[0], 0) if chain else 0
         return {w: self._leading(w, chain, medium) for w in self._holders(first, medium)}
 
     def _leading(self, worker: WorkerId, chain: Sequence[int], medium: str | None) -> int:
@@ -162,54 +208,56 @@ class KvIndex:
                 if h not in held:
                     return i
             return len(chain)
-        key = (worker, medium)
-        blocks = self._blocks
+        bit = 1 << self._slot(worker, medium)
+        where = self._where
         for i, h in enumerate(chain):
-            block = blocks.get(h)
-            if block is None or key not in block.refs:
+            if not where.get(h, 0) & bit:
                 return i
         return len(chain)
 
-    @staticmethod
-    def _holders(block: _Block, medium: str | None) -> set[WorkerId]:
-        return {w for (w, m) in block.refs if medium is None or m == medium}
+    def _holders(self, where: int, medium: str | None) -> set[WorkerId]:
+        """The workers among the slots in the mask `where` (on `medium`, or any tier)."""
+        where &= self._medium_mask(medium)
+        return {w for i, (w, _) in enumerate(self._slots) if where >> i & 1}
 
     def resident(self, worker: WorkerId, h: int, *, medium: str | None = None) -> bool:
-        block = self._blocks.get(h)
-        return block is not None and worker in self._holders(block, medium)
+        return worker in self._holders(self._where.get(h, 0), medium)
 
     def media(self, h: int) -> Mapping[WorkerId, frozenset[str]]:
         """Where one block is: worker -> tiers."""
-        block = self._blocks.get(h)
+        where = self._where.get(h, 0)
         out: dict[WorkerId, set[str]] = {}
-        for w, m in block.refs if block is not None else ():
-            out.setdefault(w, set()).add(m)
+        for i, (w, m) in enumerate(self._slots):
+            if where >> i & 1:
+                out.setdefault(w, set()).add(m)
         return {w: frozenset(ms) for w, ms in out.items()}
 
     def refs(self, worker: WorkerId, h: int, medium: str = DEFAULT_MEDIUM) -> int:
-        block = self._blocks.get(h)
-        return block.refs.get((worker, medium), 0) if block is not None else 0
+        slot = self._slot_of.get((worker, medium))
+        return self._refs.get(_ref_key(h, slot), 0) if slot is not None else 0
 
     def parent(self, h: int) -> int | None:
-        block = self._blocks.get(h)
-        return block.parent if block is not None else None
+        return self._parent.get(h)
 
     def sessions(self, h: int) -> frozenset[str]:
-        block = self._blocks.get(h)
-        return frozenset(block.sessions) if block is not None else frozenset()
+        first = self._session_of.get(h)
+        if first is None:
+            return frozenset()
+        return frozenset((first, *self._more_sessions.get(h, ())))
 
     def worker_blocks(self, worker: WorkerId, *, medium: str | None = None) -> int:
         held = self._by_worker.get(worker, set())
         if medium is None:
             return len(held)
-        return sum(1 for h in held if (worker, medium) in self._blocks[h].refs)
+        bit = 1 << self._slot(worker, medium)
+        return sum(1 for h in held if self._where[h] & bit)
 
     def session_blocks(self, session: str, *, medium: str | None = None) -> dict[WorkerId, int]:
         """Per worker, how many resident blocks hold content a session's requests stored
         (a hash names content, so another request's copy of it counts too)."""
         out: dict[WorkerId, int] = {}
         for h in self._by_session.get(session, ()):
-            for w in self._holders(self._blocks[h], medium):
+            for w in self._holders(self._where[h], medium):
                 out[w] = out.get(w, 0) + 1
         return out
 
@@ -218,12 +266,12 @@ class KvIndex:
 
     def hashes(self, worker: WorkerId | None = None) -> frozenset[int]:
         if worker is None:
-            return frozenset(self._blocks)
+            return frozenset(self._where)
         return frozenset(self._by_worker.get(worker, ()))
 
     def stats(self) -> IndexStats:
         return IndexStats(
-            blocks=len(self._blocks),
+            blocks=len(self._where),
             stored=self._stored,
             removed=self._removed,
             unknown_removals=self._unknown_removals,
@@ -231,10 +279,15 @@ class KvIndex:
         )
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._where)
 
     def __contains__(self, h: object) -> bool:
-        return h in self._blocks
+        return h in self._where
+
+
+def _ref_key(h: int, slot: int) -> int:
+    """One int for (hash, slot), for any int hash (`slot < MAX_SLOTS`)."""
+    return h << 8 | slot
 
 
 def leading_blocks(chain: Iterable[int], resident: set[int]) -> int:

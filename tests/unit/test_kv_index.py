@@ -216,3 +216,22 @@ def test_index_matches_a_reference_multiset(ops, chain) -> None:
         for medium in ("GPU", "CPU"):
             for h in range(8):
                 assert index.refs(worker, h, medium) == model.get((worker, medium, h), 0)
+
+
+def test_blocks_add_nothing_for_the_cyclic_collector_to_walk() -> None:
+    """A full collection walks every object the collector tracks: an index of a few
+    hundred thousand blocks must not make each one tens of milliseconds long."""
+    import gc
+
+    index = KvIndex()
+    index.apply(W0, stored(1, session="warm"))  # the per-worker and per-session sets
+    index.apply(W1, stored(1, medium="CPU", session="warm"))
+    gc.collect()
+    before = len(gc.get_objects())
+    for start in range(2, 20_002, 100):
+        index.apply(W0, stored(*range(start, start + 100), parent=start - 1, session="warm"))
+        index.apply(W1, stored(*range(start, start + 100), medium="CPU", session="other"))
+    index.apply(W0, removed(*range(2, 5_000)))
+    gc.collect()
+    assert len(index) == 20_001
+    assert len(gc.get_objects()) - before < 50
