@@ -104,9 +104,11 @@ class EngineClient(Protocol):
     Raises EngineUnavailable when the worker cannot be reached and EngineRequestError when it
     answers with an error status (both in appliance.domain.errors)."""
 
-    async def post_json(
+    async def post(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-    ) -> dict[str, Any]: ...
+    ) -> bytes:
+        """A non-streaming request's answer, as the worker sent it."""
+        ...
 
     def open_stream(
         self, path: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -34,7 +33,7 @@ from appliance.api.requests import (
     tokenize_checked,
 )
 from appliance.domain.errors import ApplianceError
-from appliance.domain.records import SessionId, TaskEventType, TenantId
+from appliance.domain.records import SessionId, TaskEventType, TenantId, WorkerId
 from appliance.ports import Clock
 from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
 from appliance.services.router import Router, TurnRequest
@@ -90,10 +89,14 @@ class ApiApp:
 
 
 def create_app(ctx: ApiContext) -> ApiApp:
+
     encoder = chat_encoder(ctx.tokenizer)  # one per app: it remembers long prompt pieces
 
     def caller(request: Request, *, admin: bool = False) -> Caller:
-        auth = request.headers.get("authorization", "")
+        return caller_of(request.headers, admin=admin)
+
+    def caller_of(headers: Mapping[str, str], *, admin: bool = False) -> Caller:
+        auth = headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
         who = ctx.keys.get(key.strip()) if scheme.lower() == "bearer" else None
         if who is None:
@@ -107,9 +110,10 @@ def create_app(ctx: ApiContext) -> ApiApp:
         return who
 
     async def model_request(request: Request) -> Response | RelayedStream:
-        who = caller(request)
+        headers = _headers_of(request.scope)
+        who = caller_of(headers)
         body = parse_json_body(await request.body())
-        hdr = agent_headers(request.headers, body)
+        hdr = agent_headers(headers, body)
         session_id = SessionId(hdr.session_id) if hdr.session_id else None
         known_task = ctx.tasks.get(who.tenant, hdr.task_id) if hdr.task_id else None
         session = ctx.router.known_session(
@@ -132,7 +136,7 @@ def create_app(ctx: ApiContext) -> ApiApp:
             and encoder is not None
             and body.get("add_generation_prompt", True) is True
         )
-        ids: list[int] | None = None
+        ids: Sequence[int] | None = None
         chat: ChatTokens | None = None
         n_prompt = untokenised_estimate(session, body, max_tokens) if plain else None
         if n_prompt is None:
@@ -143,7 +147,8 @@ def create_app(ctx: ApiContext) -> ApiApp:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
-        ticket = await admit_turn(who.tenant, client_task, hdr, n_prompt, session)
+        queues = ctx.router.queue_estimates()  # one estimate for admission and placement
+        ticket = await admit_turn(who.tenant, client_task, hdr, n_prompt, session, queues)
         streaming = False
         try:
             task = ctx.tasks.ensure(
@@ -171,14 +176,14 @@ def create_app(ctx: ApiContext) -> ApiApp:
                 received_at=_received_at(request),
             )
             task.turns += 1
-            reply = await ctx.router.handle(turn)
-            headers = {**reply.headers, "X-Task-ID": client_task}
+            reply = await ctx.router.handle(turn, queues)
+            answer_headers = {**reply.headers, "X-Task-ID": client_task}
             if reply.chunks is not None:  # the turn is released when the stream ends
                 streaming = True
                 return RelayedStream(
-                    reply.chunks, headers, on_end=ticket.release if ticket else None
+                    reply.chunks, answer_headers, on_end=ticket.release if ticket else None
                 )
-            return FastJSONResponse(reply.body, status_code=reply.status, headers=headers)
+            return Response(reply.body, reply.status, answer_headers, "application/json")
         finally:
             if ticket is not None and not streaming:
                 ticket.release()
@@ -201,6 +206,7 @@ def create_app(ctx: ApiContext) -> ApiApp:
         hdr: AgentHeaders,
         n_prompt: int,
         session: SessionState | None,
+        queues: dict[WorkerId, float],
     ) -> TurnTicket | None:
         """Admission's ticket for this turn (None without admission); raises when refused."""
         if ctx.admission is None:
@@ -215,6 +221,7 @@ def create_app(ctx: ApiContext) -> ApiApp:
             priority=hdr.priority,
             prompt_tokens=n_prompt,
             resident_tokens=resident_hint(session, n_prompt),
+            queues=queues,
         )
 
     async def models(request: Request) -> Response:
@@ -376,6 +383,15 @@ def create_app(ctx: ApiContext) -> ApiApp:
     return ApiApp(guarded(model_request), Starlette(routes=routes))
 
 
+def _headers_of(scope: Mapping[str, Any]) -> dict[str, str]:
+    """A request's headers by lowercase name, the first of repeated ones (as Starlette's
+    `Headers.get`), read in one pass: a model turn looks up eight of them."""
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in reversed(scope["headers"])
+    }
+
+
 def _received_at(request: Request) -> float | None:
     """When the server had the whole request, if it is the appliance's own server."""
     received: float | None = (
@@ -423,13 +439,6 @@ class RelayedStream:
             finally:
                 if self._on_end is not None:
                     self._on_end()
-
-
-class FastJSONResponse(JSONResponse):
-    """A model answer: orjson writes it in a fraction of the standard library's time."""
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
 
 
 async def _written(fut: Any) -> None:

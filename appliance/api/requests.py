@@ -9,7 +9,7 @@ The body itself travels on unchanged, so vLLM's own extra fields pass through.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,13 +107,6 @@ def _field(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
     return value
 
 
-def prompt_ids(
-    path: str, body: dict[str, Any], tokenizer: Tokenizer, *, model: str, max_model_len: int
-) -> list[int]:
-    """The prompt's token ids as vLLM will see them; raises ApiError for any bad field."""
-    return prompt_tokens(path, body, tokenizer, model=model, max_model_len=max_model_len)[0]
-
-
 def prompt_tokens(
     path: str,
     body: dict[str, Any],
@@ -123,8 +116,9 @@ def prompt_tokens(
     max_model_len: int,
     previous: ChatTokens | None = None,
     encoder: ChatEncoder | None = None,
-) -> tuple[list[int], ChatTokens | None]:
-    """`prompt_ids`, plus the rendered chat to keep for the session's next turn (None when
+) -> tuple[Sequence[int], ChatTokens | None]:
+    """The prompt's token ids as vLLM will see them (raises ApiError for any bad field), and
+    the rendered chat to keep for the session's next turn (None when
     the tokenizer cannot tokenise incrementally, or for a completion): a chat is tokenised
     only past what it shares with `previous`, the session's last turn, by `encoder` (give
     the same one every time: it remembers long pieces) or else a new `chat_encoder`."""
@@ -149,7 +143,7 @@ def tokenize_checked(
     max_model_len: int,
     previous: ChatTokens | None = None,
     encoder: ChatEncoder | None = None,
-) -> tuple[list[int], ChatTokens | None]:
+) -> tuple[Sequence[int], ChatTokens | None]:
     """`prompt_tokens` for a body `check_model_request` already passed (giving `max_tokens`)."""
     chat = None
     if path.endswith("chat/completions"):
@@ -199,14 +193,14 @@ def _chat_ids(
     tokenizer: Tokenizer,
     previous: ChatTokens | None,
     encoder: ChatEncoder | None,
-) -> tuple[list[int], ChatTokens | None]:
+) -> tuple[Sequence[int], ChatTokens | None]:
     messages = body["messages"]  # checked by check_model_request
     add_generation_prompt = body.get("add_generation_prompt", True)
     try:
         if encoder is not None:
             render = tokenizer.render_chat  # type: ignore[attr-defined]
             chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
-            return list(chat.ids), chat
+            return chat.ids, chat  # the same tuple all the way to the session: no copies
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None

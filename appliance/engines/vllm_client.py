@@ -189,6 +189,12 @@ class VllmClient:
     async def post_json(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
     ) -> dict[str, Any]:
+        return dict(orjson.loads(await self.post(path, body, headers)))
+
+    async def post(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> bytes:
+        """The answer's body as the worker sent it (raises for an error status)."""
         response = await self._post(path, body, headers)
         try:
             raw = await response.read()
@@ -198,7 +204,7 @@ class VllmClient:
             response.release()
         if response.status >= 400:
             raise _request_error(path, response.status, None, raw.decode("utf-8", "replace"))
-        return dict(orjson.loads(raw))
+        return raw
 
     async def _post(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None

@@ -196,10 +196,11 @@ class AdmissionService:
         priority: int | None = None,
         prompt_tokens: int = 0,
         resident_tokens: Mapping[WorkerId, int] | None = None,
+        queues: Mapping[WorkerId, float] | None = None,
     ) -> TurnTicket:
         """Admits one model turn of `task_id` (opening the task when it is new; `one_turn`:
         it closes with this turn) or raises AdmissionRefused. Release the ticket when the
-        turn ends."""
+        turn ends. `queues`: each worker's queue estimate now, when the caller has them."""
         now = self._clock.now()
         self._forget_idle(now)
         known = self._tasks.get(task_id)
@@ -214,7 +215,7 @@ class AdmissionService:
             deadline_at,
             self._parent_load(parent) if work is Work.TASK_TURN else None,
         )
-        box = self._box(now, resident_tokens or {}, prompt_tokens)
+        box = self._box(now, resident_tokens or {}, prompt_tokens, queues)
         decision = admit(request, box, self.limits, now)
         await self._count(decision, request, task_id, now)
         if known is None:
@@ -234,7 +235,13 @@ class AdmissionService:
 
     # --- the counters ----------------------------------------------------------------
 
-    def _box(self, now: float, resident: Mapping[WorkerId, int], prompt_tokens: int) -> BoxLoad:
+    def _box(
+        self,
+        now: float,
+        resident: Mapping[WorkerId, int],
+        prompt_tokens: int,
+        queues: Mapping[WorkerId, float] | None = None,
+    ) -> BoxLoad:
         estimates = []
         for w in self._workers():
             if not w.healthy or w.draining:
@@ -242,7 +249,8 @@ class AdmissionService:
             reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
             fresh = prompt_tokens - reused
             prefill = self._cost.prefill_s(fresh, reused) if prompt_tokens else 0.0
-            estimates.append(WorkerEstimate(self._queue_s(w), prefill))
+            queue = queues[w.id] if queues is not None else self._queue_s(w)
+            estimates.append(WorkerEstimate(queue, prefill))
         tenants: dict[str, TenantLoad] = {
             t: TenantLoad(self._turns.get(t, 0), self._open.get(t, 0))
             for t in self._turns.keys() | self._open.keys()

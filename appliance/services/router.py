@@ -131,7 +131,8 @@ class Reply:
 
     status: int
     headers: dict[str, str]
-    body: dict[str, Any] | None = None
+    body: bytes = b""
+    """A finished answer's JSON, relayed as the worker wrote it."""
     chunks: AsyncGenerator[bytes, None] | None = None
 
 
@@ -201,8 +202,16 @@ class Router:
         state.messages = turn.messages if incremental else None
         return state
 
+    def queue_estimates(self) -> dict[WorkerId, float]:
+        """`queue_s` of every worker: computed once per turn, for admission and placement."""
+        return {w.id: self.queue_s(w) for w in self._workers()}
+
     def place(
-        self, turn: TurnRequest, session: SessionState, exclude: frozenset[WorkerId] = frozenset()
+        self,
+        turn: TurnRequest,
+        session: SessionState,
+        exclude: frozenset[WorkerId] = frozenset(),
+        queues: dict[WorkerId, float] | None = None,
     ) -> tuple[RouteDecision, dict[WorkerId, int]]:
         if turn.prompt_ids is not None:
             salt = self._salt(turn.tenant, turn.client_salt)
@@ -217,7 +226,8 @@ class Router:
         resident = {w: min(n * bs, cap) for w, n in resident_blocks.items()}
         session.resident_tokens = dict(resident)
         workers = self._workers()
-        queues = {w.id: self.queue_s(w) for w in workers}
+        if queues is None:
+            queues = {w.id: self.queue_s(w) for w in workers}
         total_queue = sum(queues.values())
         views = [
             WorkerView(
@@ -280,14 +290,16 @@ class Router:
 
     # --- forwarding ------------------------------------------------------------------
 
-    async def handle(self, turn: TurnRequest) -> Reply:
+    async def handle(self, turn: TurnRequest, queues: dict[WorkerId, float] | None = None) -> Reply:
+        """Places and forwards one turn; `queues`: this moment's `queue_estimates()`, when
+        the caller has them already."""
         now = self._clock.now()
         session = self._session(turn, now)
         session.in_flight += 1
         session.turns += 1
         session.last_active_at = now
         try:
-            reply = await self._handle(turn, session)
+            reply = await self._handle(turn, session, queues)
         except BaseException:
             self._release(session)
             raise
@@ -299,12 +311,16 @@ class Router:
         session.in_flight -= 1
         session.last_active_at = self._clock.now()
 
-    async def _handle(self, turn: TurnRequest, session: SessionState) -> Reply:
+    async def _handle(
+        self, turn: TurnRequest, session: SessionState, queues: dict[WorkerId, float] | None
+    ) -> Reply:
         tried: set[WorkerId] = set()
         last_error: ApplianceError | None = None
         tokenized: _Soon | None = None
         for _ in range(2):  # the first choice, then one retry elsewhere
-            decision, resident = self.place(turn, session, frozenset(tried))
+            # A retry comes later: the queues are estimated again.
+            decision, resident = self.place(turn, session, frozenset(tried), queues)
+            queues = None
             if decision.worker is None:
                 break
             worker = next(w for w in self._workers() if w.id == decision.worker)
@@ -322,7 +338,7 @@ class Router:
             try:
                 if turn.stream:
                     return await self._open_stream(turn, session, worker, attempt, body, tokenized)
-                answer = await worker.client.post_json(turn.path, body)
+                answer = await worker.client.post(turn.path, body)
                 if tokenized is not None:
                     tokenized.now()
             except EngineUnavailable as exc:
@@ -336,9 +352,9 @@ class Router:
                     tried.add(worker.id)
                     last_error = exc
                     continue
-                return Reply(exc.http_status, {}, _error_body(exc))
+                return Reply(exc.http_status, {}, orjson.dumps(_error_body(exc)))
             attempt.first_byte_at = self._clock.now()
-            attempt.usage = answer.get("usage") or {}
+            attempt.usage = _usage_of(answer) or {}
             self._finish(turn, attempt, TurnOutcome.OK)
             session.home = worker.id
             return Reply(200, self._headers(turn, attempt), answer)
@@ -590,7 +606,7 @@ class UsageScanner:
 
 def _usage_of(data: bytes) -> dict[str, Any] | None:
     try:
-        chunk = json.loads(data)
+        chunk = orjson.loads(data)
     except ValueError:
         return None
     usage = chunk.get("usage") if isinstance(chunk, dict) else None

@@ -21,9 +21,9 @@ from tests.fakes import LinearCost, ManualClock
 class Client:
     clock: ManualClock
 
-    async def post_json(self, path: str, body: Any, headers: Any = None) -> dict[str, Any]:
+    async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
         self.clock.t += 1.0  # the worker takes a second
-        return {"usage": {"prompt_tokens": 100, "completion_tokens": 1}}
+        return b'{"usage": {"prompt_tokens": 100, "completion_tokens": 1}}'
 
 
 @dataclass
