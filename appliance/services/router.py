@@ -169,8 +169,9 @@ class Router:
         # that ended in the last SPAN_MEMORY_S, oldest end first.
         self._running: dict[WorkerId, dict[TurnId, float]] = {}
         self._ended: dict[WorkerId, deque[tuple[float, float]]] = {}
-        # Prefill work sent to each worker whose first byte has not come back yet.
-        self._pending: dict[WorkerId, dict[TurnId, float]] = {}
+        # Prefill work sent to each worker whose first byte has not come back yet: its
+        # estimated seconds and when the worker should be done with it.
+        self._pending: dict[WorkerId, dict[TurnId, tuple[float, float]]] = {}
         self.routed_by_reason: dict[str, int] = {}
         self._mean_prefill_s = 0.0
         """Moving average of the prefill seconds of recent turns."""
@@ -260,18 +261,29 @@ class Router:
         start, or, when the worker reports waiting requests that are not the router's own
         (other clients, a restarted router), those requests at the worker's mean prompt.
 
+        What the router sent counts only for the part the worker cannot have done yet, taking
+        the requests one after the other at the cost model's speed: a non-streamed answer
+        shows no first token, and counting its prefill until the whole answer is back would
+        count its decode as queue.
+
         The reading is up to a refresh old, so the router's own requests are counted as they
         were when it was taken; a stale reading of its own queue must never look like load.
         """
-        pending = self._pending.get(worker.id, {})
         load = worker.load
-        routed = sum(pending.values())
+        routed = self._routed_s(worker.id, self._clock.now())
         foreign = load.waiting - self._own_at(worker.id, load.time) if load else 0
         if load is None or foreign <= 0:
             return routed
         mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
         per_request = self._cost.prefill_s(int(mean_prompt), 0) if mean_prompt else 0.0
         return max(routed, foreign * max(per_request, self._mean_prefill_s))
+
+    def _routed_s(self, worker: WorkerId, now: float) -> float:
+        """The prefill seconds the router sent to `worker` that it may still have to do."""
+        pending = self._pending.get(worker)
+        if not pending:
+            return 0.0
+        return sum(min(est, done_by - now) for est, done_by in pending.values() if done_by > now)
 
     def _own_at(self, worker: WorkerId, t: float) -> int:
         """The router's attempts in flight at `worker` at time `t` (recent ones are kept)."""
@@ -387,8 +399,10 @@ class Router:
         predicted = resident.get(worker, 0)
         fresh = turn.prompt_len - predicted
         est = self._cost.prefill_s(fresh, predicted)
-        attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, self._clock.now(), est)
-        self._pending.setdefault(worker, {})[attempt.turn_id] = est
+        now = self._clock.now()
+        attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, now, est)
+        done_by = now + self._routed_s(worker, now) + est  # after what is ahead of it
+        self._pending.setdefault(worker, {})[attempt.turn_id] = (est, done_by)
         self._running.setdefault(worker, {})[attempt.turn_id] = attempt.started_at
         self._mean_prefill_s += 0.1 * (est - self._mean_prefill_s)
         self.routed_by_reason[_reason_kind(decision.reason)] = (

@@ -1,5 +1,6 @@
 """The router's queue estimate: its own requests in a stale worker reading are not load;
-requests the worker reports beyond them are, at the worker's mean prompt length."""
+requests the worker reports beyond them are, at the worker's mean prompt length; a request
+it sent counts only for the prefill the worker cannot have done yet."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+import pytest
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
@@ -95,3 +98,39 @@ def test_waiting_requests_that_are_not_the_routers_count_at_the_mean_prompt() ->
     scores = queue_scores(router)
     # 3 foreign requests x 1000 tokens x 1 ms = 3 s queued, the scale of this decision.
     assert scores["w0"] == 0.0 and scores["w1"] == 1.0
+
+
+def test_a_turn_in_flight_counts_only_for_the_prefill_the_worker_may_still_have_to_do() -> None:
+    router, (w0, _) = setup()
+    clock = w0.client.clock
+    answered: asyncio.Future[bytes]
+
+    async def held(path: str, body: Any, headers: Any = None) -> bytes:
+        return await answered  # a non-streamed answer: no first byte until it is whole
+
+    w0.client.post = held  # type: ignore[method-assign]
+    first_s = router._cost.prefill_s(100, 0)  # 100 fresh tokens at 1 ms: 0.1 s
+    second_s = router._cost.prefill_s(4, 96)  # the same prompt, 6 blocks resident
+
+    async def main() -> list[float]:
+        nonlocal answered
+        answered = asyncio.get_running_loop().create_future()
+        first = asyncio.create_task(router.handle(turn()))
+        await asyncio.sleep(0)
+        seen = [router.queue_s(w0)]
+        clock.t += 0.06
+        seen.append(router.queue_s(w0))
+        router._index.blocks = {w0.id: 6}  # type: ignore[attr-defined]
+        second = asyncio.create_task(router.handle(turn()))  # queued behind the first
+        await asyncio.sleep(0)
+        seen.append(router.queue_s(w0))
+        clock.t += 0.02
+        seen.append(router.queue_s(w0))
+        clock.t += 0.1
+        seen.append(router.queue_s(w0))
+        answered.set_result(b"{}")
+        await asyncio.gather(first, second)
+        return seen
+
+    expected = [first_s, 0.04, 0.04 + second_s, 0.02 + second_s, 0.0]
+    assert asyncio.run(main()) == pytest.approx(expected)
