@@ -39,6 +39,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
+        self._waiting_since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self.begin()
 
     def begin(self) -> None:
@@ -101,18 +103,32 @@ class _Connection(asyncio.Protocol):
         self.transport.writelines((head, body) if body else (head,))
 
     async def wait(self) -> None:
-        """Until something new arrived (head, body, end) or the connection failed."""
+        """Until something new arrived (head, body, end) or the connection failed; fails
+        after `read_timeout_s` without anything."""
         if self.error is not None:
             raise self.error
+        self._waiting_since = self._loop.time()
+        if self._timer is None:  # one timer for many waits: a stream waits once per chunk
+            deadline = self._waiting_since + self._read_timeout_s
+            self._timer = self._loop.call_at(deadline, self._check_timeout)
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(self._read_timeout_s, self._timed_out)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
         if self.error is not None:
             raise self.error
+
+    def _check_timeout(self) -> None:
+        """The read timeout of the wait in progress, if any, from when it began."""
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # nobody waits: the next wait sets a timer again
+        deadline = self._waiting_since + self._read_timeout_s
+        if self._loop.time() >= deadline:
+            self._timed_out()
+        else:
+            self._timer = self._loop.call_at(deadline, self._check_timeout)
 
     def take(self) -> bytes:
         data = b"".join(self._body) if len(self._body) != 1 else self._body[0]
@@ -127,6 +143,9 @@ class _Connection(asyncio.Protocol):
         return bool(self._body)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
             self.transport = None

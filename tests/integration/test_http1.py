@@ -225,3 +225,27 @@ def test_a_connection_idle_longer_than_the_servers_keepalive_is_not_reused() -> 
             assert srv.connections == 2
 
     run(main())
+
+
+def test_the_read_timeout_counts_from_the_last_thing_that_arrived() -> None:
+    async def trickle(
+        request: bytes, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in (b"a", b"b", b"c", b"d"):  # 0.4 s in all, a piece every 0.1 s
+            await asyncio.sleep(0.1)
+            w.write(b"1\r\n%s\r\n" % piece)
+            await w.drain()
+        await asyncio.sleep(1.0)  # then nothing
+        return False
+
+    async def main() -> None:
+        async with Server(trickle) as srv:
+            response = await pool(srv.port, read_timeout_s=0.25).request("POST", "/", b"")
+            seen = b""
+            with pytest.raises(Http1Error, match=r"no answer within 0\.25 s"):
+                async for piece in response.chunks():
+                    seen += piece
+            assert seen == b"abcd"
+
+    run(main())
