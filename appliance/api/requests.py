@@ -118,10 +118,10 @@ def prompt_tokens(
     encoder: ChatEncoder | None = None,
 ) -> tuple[Sequence[int], ChatTokens | None]:
     """The prompt's token ids as vLLM will see them (raises ApiError for any bad field), and
-    the rendered chat to keep for the session's next turn (None when
-    the tokenizer cannot tokenise incrementally, or for a completion): a chat is tokenised
-    only past what it shares with `previous`, the session's last turn, by `encoder` (give
-    the same one every time: it remembers long pieces) or else a new `chat_encoder`."""
+    the rendered chat to keep for the session's next turn (None when the tokenizer cannot
+    tokenise incrementally, or for a completion): a chat is tokenised only past what it
+    shares with `previous`, the session's last turn, by `encoder` (give the same one every
+    time: it remembers long pieces) or else a new `chat_encoder`."""
     max_tokens = check_model_request(path, body, model)
     return tokenize_checked(
         path,
@@ -200,7 +200,7 @@ def _chat_ids(
         if encoder is not None:
             render = tokenizer.render_chat  # type: ignore[attr-defined]
             chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
-            return chat.ids, chat  # the same tuple all the way to the session: no copies
+            return chat.ids, chat  # the same array all the way to the session: no copies
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
