@@ -89,7 +89,6 @@ class ApiApp:
 
 
 def create_app(ctx: ApiContext) -> ApiApp:
-
     encoder = chat_encoder(ctx.tokenizer)  # one per app: it remembers long prompt pieces
 
     def caller(request: Request, *, admin: bool = False) -> Caller:

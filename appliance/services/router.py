@@ -228,7 +228,7 @@ class Router:
         session.resident_tokens = dict(resident)
         workers = self._workers()
         if queues is None:
-            queues = {w.id: self.queue_s(w) for w in workers}
+            queues = self.queue_estimates()
         total_queue = sum(queues.values())
         views = [
             WorkerView(
