@@ -22,7 +22,7 @@ from appliance.engines.errors import GpuNotFound, ModelNotFound, PortInUse, Vllm
 from appliance.engines.launch import Device, LaunchSpec
 from appliance.engines.preflight import check_model, parse_probe, probe_vllm
 from appliance.engines.supervisor import Supervisor
-from tests.ports import free_port
+from tests.ports import free_port, free_port_block
 
 
 @pytest.fixture
@@ -41,8 +41,8 @@ def spec(model_dir: Path) -> LaunchSpec:
         python=sys.executable,
         device=Device.CPU,
         workers=2,
-        base_port=free_port(),
-        kv_events_base_port=free_port(),
+        base_port=free_port_block(2),  # two workers: base, base + 1
+        kv_events_base_port=free_port_block(2),
         block_size=32,
         # Never reached: every case fails before spawning. If one did not, this fails loudly.
         entrypoint=("-c", "raise SystemExit('spawned although the input was bad')"),
@@ -96,12 +96,15 @@ def test_model_directory_without_config(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("which", ["http", "kv"])
 def test_port_in_use(spec: LaunchSpec, tmp_path: Path, which: str) -> None:
+    # Two free ports below the ephemeral range: the one beside a port the kernel handed out
+    # may be held by any outgoing connection.
+    base = free_port_block(2)
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        port = base + 1 if which == "http" else base
+        taken.bind(("127.0.0.1", port))
         taken.listen()
-        port = taken.getsockname()[1]
         if which == "http":
-            bad = replace(spec, base_port=port - 1)  # worker w1's port is taken
+            bad = replace(spec, base_port=base)  # worker w1's port is taken
         else:
             bad = replace(spec, kv_events_base_port=port)
         err = start_fails(bad, tmp_path)
