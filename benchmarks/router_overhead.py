@@ -95,6 +95,7 @@ import httpx
 import psutil
 
 from appliance.domain.worker import WORKER_KEEPALIVE_S
+from appliance.engines.metrics import parse as parse_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -105,6 +106,7 @@ WORDS = [
     "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon",
 ]  # fmt: skip
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions")
+FORWARD_SERIES = tuple(f"appliance_forward_seconds_{s}" for s in ("bucket", "sum", "count"))
 _USER = re.compile(rb'"user"\s*:\s*"([^"]+)"')
 
 
@@ -625,14 +627,11 @@ def pct(values: list[float], q: float) -> float:
 def forward_histogram(metrics_url: str) -> dict[str, float]:
     """The appliance's `appliance_forward_seconds` (its own time per turn before it is
     forwarded): cumulative counts by upper bound ("+Inf" included), "sum" and "count"."""
-    out: dict[str, float] = {}
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith('appliance_forward_seconds_bucket{le="'):
-            out[name.split('"')[1]] = float(value)
-        elif name in ("appliance_forward_seconds_sum", "appliance_forward_seconds_count"):
-            out[name.rsplit("_", 1)[1]] = float(value)
-    return out
+    text = httpx.get(metrics_url, timeout=10).text
+    return {
+        s.labels["le"] if s.name.endswith("_bucket") else s.name.rsplit("_", 1)[1]: s.value
+        for s in parse_metrics(text, only=FORWARD_SERIES).samples
+    }
 
 
 def forward_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

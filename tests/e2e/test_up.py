@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from appliance.engines.metrics import parse as parse_metrics
 from tests.e2e.conftest import BIN, RunningAppliance
 
 pytestmark = pytest.mark.e2e
@@ -229,14 +230,12 @@ def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningApplia
 
 
 def _forward_histogram(app: RunningAppliance) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{app.url}/metrics").text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith("appliance_forward_seconds_bucket"):
-            out[name[name.index("{") + 1 : -1]] = float(value)
-        elif name in ("appliance_forward_seconds_sum", "appliance_forward_seconds_count"):
-            out[name.rsplit("_", 1)[1]] = float(value)
-    return out
+    series = [f"appliance_forward_seconds_{s}" for s in ("bucket", "sum", "count")]
+    samples = parse_metrics(httpx.get(f"{app.url}/metrics").text, only=series).samples
+    return {
+        f"le={s.labels['le']}" if "le" in s.labels else s.name.rsplit("_", 1)[1]: s.value
+        for s in samples
+    }
 
 
 def _routed(app: RunningAppliance) -> int:
