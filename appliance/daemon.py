@@ -58,6 +58,7 @@ from appliance.services.sessions import SessionTable
 from appliance.services.state import StateSources, metrics_text, snapshot
 from appliance.services.tasks import TaskBook
 from appliance.services.tenancy import TenantSalts
+from appliance.services.worker_speed import WorkerSpeeds
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
 from appliance.sim.latency import LatencyModel
@@ -326,6 +327,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 settings.engine.python_hash_seed,
             )
             tasks = TaskBook(ledger, events)
+            speeds = WorkerSpeeds(LatencyModel.from_profile(profile))
             router = Router(
                 workers=lambda: engines.workers,
                 index=feed,
@@ -338,6 +340,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 model=engines.served_name,
                 runtime_identity=runtime_identity(settings, kind),
                 on_turn=tasks.add_turn,
+                slowdown=speeds.slowdown,
             )
             admission = AdmissionService(
                 limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
@@ -348,6 +351,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 cost=LatencyModel.from_profile(profile),
                 task_idle_s=settings.admission.task_idle_s,
                 events=events,
+                slowdown=speeds.slowdown,
             )
             releases = SessionReleases(router.sessions, ledger, events, profile.kv_bytes_per_token)
             gpu_tick: list[Any] = [probe.snapshot()]
@@ -399,7 +403,9 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 flush=True,
             )
             watch = WorkerWatch(events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
-            refresher = asyncio.create_task(_refresh(engines, gpu_tick, probe, watch, clock))
+            refresher = asyncio.create_task(
+                _refresh(engines, gpu_tick, probe, watch, speeds, clock)
+            )
             serving = asyncio.create_task(server.serve())
             while not server.started and not serving.done():
                 await asyncio.sleep(0.05)
@@ -421,12 +427,18 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
 
 
 async def _refresh(
-    engines: Engines, gpu_tick: list[Any], probe: GpuProbe, watch: WorkerWatch, clock: WallClock
+    engines: Engines,
+    gpu_tick: list[Any],
+    probe: GpuProbe,
+    watch: WorkerWatch,
+    speeds: WorkerSpeeds,
+    clock: WallClock,
 ) -> None:
     while True:
         try:
             await engines.refresh()
             watch.observe(engines.workers, clock.now())
+            speeds.observe(engines.workers)
             gpu_tick[0] = await asyncio.to_thread(probe.snapshot)
         except Exception:
             log.exception("refreshing worker and GPU readings failed")

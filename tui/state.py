@@ -29,6 +29,7 @@ class WorkerState(msgspec.Struct, frozen=True):
     waiting: int | None = None
     kv_usage: float | None = None
     prefix_hit_rate: float | None = None
+    prefill_slowdown: float = 1.0
 
 
 class GpuState(msgspec.Struct, frozen=True):

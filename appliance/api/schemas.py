@@ -39,6 +39,9 @@ class WorkerState(_Model):
     """Fraction 0..1 of the worker's KV cache in use (vLLM's kv_cache_usage_perc)."""
     prefix_hit_rate: float | None = None
     """Fraction 0..1 of prompt tokens served from the prefix cache."""
+    prefill_slowdown: float = 1.0
+    """The worker's measured prefill seconds per second of the GPU profile's (1 until
+    measured; see appliance/services/worker_speed.py)."""
 
 
 class GpuState(_Model):

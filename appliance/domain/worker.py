@@ -131,6 +131,13 @@ class LoadSnapshot:
     """e.g. device, host, p2p, disk, external_unspecified."""
     ttft_sum_s: float = 0.0
     ttft_count: int = 0
+    prefill_sum_s: float = 0.0
+    """Finished requests' seconds in prefill (first scheduling to first token), summed."""
+    prefill_count: int = 0
+    """Finished requests behind `prefill_sum_s` and the two token sums below."""
+    prefill_fresh_tokens: int = 0
+    """Their prompt tokens computed in prefill (not found in any cache)."""
+    prefill_prompt_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -176,6 +183,10 @@ class LoadSnapshot:
             ),
             ttft_sum_s=self.ttft_sum_s - earlier.ttft_sum_s,
             ttft_count=self.ttft_count - earlier.ttft_count,
+            prefill_sum_s=self.prefill_sum_s - earlier.prefill_sum_s,
+            prefill_count=self.prefill_count - earlier.prefill_count,
+            prefill_fresh_tokens=self.prefill_fresh_tokens - earlier.prefill_fresh_tokens,
+            prefill_prompt_tokens=self.prefill_prompt_tokens - earlier.prefill_prompt_tokens,
         )
 
 

@@ -159,6 +159,10 @@ LOAD_FAMILIES = frozenset(
         "vllm:prompt_tokens_cached_by_source_total",
         "vllm:time_to_first_token_seconds_sum",
         "vllm:time_to_first_token_seconds_count",
+        "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_prefill_kv_computed_tokens_sum",
+        "vllm:request_prompt_tokens_sum",
     }
 )
 """The samples a LoadSnapshot reads: a scrape parses only these lines (the rest, mostly
@@ -199,6 +203,10 @@ def load_snapshot(
         ),
         ttft_sum_s=m.total("vllm:time_to_first_token_seconds_sum", **labels),
         ttft_count=total("vllm:time_to_first_token_seconds_count"),
+        prefill_sum_s=m.total("vllm:request_prefill_time_seconds_sum", **labels),
+        prefill_count=total("vllm:request_prefill_time_seconds_count"),
+        prefill_fresh_tokens=total("vllm:request_prefill_kv_computed_tokens_sum"),
+        prefill_prompt_tokens=total("vllm:request_prompt_tokens_sum"),
     )
 
 

@@ -140,6 +140,7 @@ class AdmissionService:
         cost: PrefillCost,
         task_idle_s: float = 600.0,
         events: EventFeed | None = None,
+        slowdown: Callable[[WorkerId], float] | None = None,
     ) -> None:
         self.limits = limits
         self._ledger = ledger
@@ -147,6 +148,8 @@ class AdmissionService:
         self._workers = workers
         self._queue_s = queue_s
         self._cost = cost
+        # Each worker's prefill seconds per second of the cost model's (WorkerSpeeds).
+        self._slowdown = slowdown or (lambda worker: 1.0)
         self._task_idle_s = task_idle_s
         self._events = events
         self._tasks: dict[TaskId, _Task] = {}
@@ -248,7 +251,9 @@ class AdmissionService:
                 continue
             reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
             fresh = prompt_tokens - reused
-            prefill = self._cost.prefill_s(fresh, reused) if prompt_tokens else 0.0
+            prefill = (
+                self._cost.prefill_s(fresh, reused) * self._slowdown(w.id) if prompt_tokens else 0.0
+            )
             queue = queues[w.id] if queues is not None else self._queue_s(w)
             estimates.append(WorkerEstimate(queue, prefill))
         tenants: dict[str, TenantLoad] = {

@@ -151,6 +151,7 @@ class Router:
         model: str,
         runtime_identity: str = "",
         on_turn: Callable[[TurnRecord, Future[float | None]], None] | None = None,
+        slowdown: Callable[[WorkerId], float] | None = None,
     ) -> None:
         self._workers = workers
         self._index = index
@@ -163,6 +164,8 @@ class Router:
         self.model = model
         self._runtime = runtime_identity
         self._on_turn = on_turn
+        self.slowdown = slowdown or (lambda worker: 1.0)
+        """Each worker's prefill seconds per second of the cost model's (WorkerSpeeds)."""
         # Failed attempts per worker in the last FAILURE_WINDOW_S, oldest first.
         self._failures: dict[WorkerId, deque[float]] = {}
         # When each attempt in flight at each worker started, and (start, end) of the ones
@@ -241,6 +244,7 @@ class Router:
                 queued_share=queues.get(w.id, 0.0) / total_queue if total_queue else 0.0,
                 kv_usage=w.load.kv_cache_usage_perc if w.load else 0.0,
                 recent_failures=self._recent_failures(w.id),
+                slowdown=self.slowdown(w.id),
             )
             for w in workers
         ]
@@ -275,8 +279,12 @@ class Router:
         if load is None or foreign <= 0:
             return routed
         mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
-        per_request = self._cost.prefill_s(int(mean_prompt), 0) if mean_prompt else 0.0
+        per_request = self._prefill_s(worker.id, int(mean_prompt), 0) if mean_prompt else 0.0
         return max(routed, foreign * max(per_request, self._mean_prefill_s))
+
+    def _prefill_s(self, worker: WorkerId, fresh: int, reused: int) -> float:
+        """The cost model's prefill seconds at this worker's measured speed."""
+        return self._cost.prefill_s(fresh, reused) * self.slowdown(worker)
 
     def _routed_s(self, worker: WorkerId, now: float) -> float:
         """The prefill seconds the router sent to `worker` that it may still have to do."""
@@ -398,7 +406,7 @@ class Router:
     ) -> Attempt:
         predicted = resident.get(worker, 0)
         fresh = turn.prompt_len - predicted
-        est = self._cost.prefill_s(fresh, predicted)
+        est = self._prefill_s(worker, fresh, predicted)
         now = self._clock.now()
         attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, now, est)
         done_by = now + self._routed_s(worker, now) + est  # after what is ahead of it

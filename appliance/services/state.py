@@ -68,6 +68,7 @@ def snapshot(src: StateSources) -> dict[str, Any]:
                 "waiting": load.waiting if load else None,
                 "kv_usage": load.kv_cache_usage_perc if load else None,
                 "prefix_hit_rate": load.prefix_hit_rate if load else None,
+                "prefill_slowdown": round(src.router.slowdown(w.id), 4),
             }
         )
     gpu = src.gpus()
@@ -169,6 +170,14 @@ def metrics_text(src: StateSources) -> str:
             "appliance_forward_seconds",
             "The router's own time per model turn, from the whole request having arrived to "
             "its forwarding to a worker (parsing, admission, placement, the worker body).",
+        ),
+        "# HELP appliance_worker_prefill_slowdown A worker's measured prefill seconds per "
+        "second of the GPU profile's (1 until measured).",
+        "# TYPE appliance_worker_prefill_slowdown gauge",
+        *(
+            f'appliance_worker_prefill_slowdown{{worker="{_esc(w.id)}"}} '
+            f"{router.slowdown(w.id):.6g}"
+            for w in src.workers()
         ),
         "# HELP appliance_workers_healthy Workers that accept requests.",
         "# TYPE appliance_workers_healthy gauge",

@@ -26,6 +26,9 @@ from appliance.domain import kv_events as ev
 from appliance.domain.block_hash import BlockHasher, RequestKeys
 from appliance.engines.kv_events import KvEventSubscriber
 from appliance.engines.metrics import load_snapshot, parse
+from appliance.services.worker_speed import measured_slowdown
+from appliance.sim.latency import LatencyModel
+from appliance.sim.profile import bundled_profile
 from appliance.sim.worker import ThreadedWorker, WorkerConfig, free_port, serve_workers
 
 BLOCK = 16
@@ -403,3 +406,21 @@ def test_serve_workers_offsets_ports_and_kv_endpoints() -> None:
         assert task is not None
         loop.call_soon_threadsafe(task.cancel)
         thread.join(timeout=10)
+
+
+def test_the_sims_prefill_histograms_measure_the_profile_it_runs() -> None:
+    """The twin against the appliance's speed gauge: read as the daemon reads them, the
+    sim's request-level prefill histograms (model seconds, fresh and prompt tokens of the
+    same requests) give a slowdown of 1 against the profile it models, prefix hits included."""
+    cost = LatencyModel.from_profile(bundled_profile())
+    with (
+        ThreadedWorker(sim_config(max_model_len=4096, time_scale=1.0)) as worker,
+        httpx.Client(base_url=worker.base_url) as c,
+    ):
+        before = load_snapshot(c.get("/metrics").text, now=0.0)
+        for seed, n in ((20, 1500), (21, 2000), (20, 1800), (22, 1000)):
+            c.post("/v1/completions", json={"prompt": ids(seed, n), "max_tokens": 1})
+        after = load_snapshot(c.get("/metrics").text, now=1.0)
+    delta = after.since(before)
+    assert delta.prefill_count == 4 and delta.prefill_fresh_tokens < delta.prefill_prompt_tokens
+    assert measured_slowdown(delta, cost) == pytest.approx(1.0, rel=0.05)

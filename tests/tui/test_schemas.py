@@ -90,7 +90,11 @@ def _sources(with_gpu: bool) -> StateSources:
         else (),
         host=None,
     )
-    router = SimpleNamespace(sessions=sessions, routed_by_reason={"affinity": 3})
+    router = SimpleNamespace(
+        sessions=sessions,
+        routed_by_reason={"affinity": 3},
+        slowdown=lambda w: 1.25 if w == "w0" else 1.0,
+    )
     events = EventFeed()
     events.record(now - 1, "worker_restart", "w1", "restarted")
     events.record(now, "release", "s1", "released by operator", tenant="alice")

@@ -73,6 +73,7 @@ def make_box(ledger: Ledger, **limits: Any) -> Box:
     workers = [Worker(W0), Worker(W1)]
     queues: dict[WorkerId, float] = {}
     idle_s = limits.pop("task_idle_s", 600.0)
+    slowdown: dict[WorkerId, float] = limits.pop("slowdown", {})
     service = AdmissionService(
         limits=AdmissionLimits(**{"retry_after_s": 3.0, **limits}),
         ledger=ledger,
@@ -82,6 +83,7 @@ def make_box(ledger: Ledger, **limits: Any) -> Box:
         cost=LinearCost(),
         task_idle_s=idle_s,
         events=feed,
+        slowdown=lambda w: slowdown.get(w, 1.0),
     )
     return Box(clock, feed, service, ledger.path, workers, queues)
 
@@ -185,6 +187,17 @@ def test_deadline_feasibility_uses_the_healthy_workers_and_the_resident_prefix(
     )
     assert "queue 0.400 s + prefill 0.190 s" in err.message
     assert box.rows("SELECT count(*) FROM admission_events") == [(3,)]
+
+
+def test_deadline_feasibility_takes_each_workers_measured_speed(ledger: Ledger) -> None:
+    s = make_box(ledger, slowdown={W1: 4.0}).service
+    # 100 fresh + 900 reused on w1 is 0.19 s by the profile, 0.76 s at w1's speed.
+    err = refused(
+        s.admit_turn(
+            A, key("a", "t1"), deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}
+        )
+    )
+    assert "prefill 0.760 s" in err.message
 
 
 def test_a_task_deadline_applies_to_its_later_turns(ledger: Ledger) -> None:

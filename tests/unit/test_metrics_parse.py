@@ -51,6 +51,10 @@ def test_real_vllm_metrics_to_load_snapshot() -> None:
         },
         ttft_sum_s=pytest.approx(0.10155034065246582),
         ttft_count=3,
+        prefill_sum_s=pytest.approx(0.08179840899970259),
+        prefill_count=3,
+        prefill_fresh_tokens=1384,
+        prefill_prompt_tokens=3720,
     )
     assert snap.prefix_hit_rate == pytest.approx(2336 / 3720)
     assert not snap.busy

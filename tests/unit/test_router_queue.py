@@ -61,13 +61,15 @@ def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
                         prompt_tokens=mean_prompt * 4, ttft_count=4)  # fmt: skip
 
 
-def setup() -> tuple[Router, list[Worker]]:
+def setup(slowdown: dict[str, float] | None = None) -> tuple[Router, list[Worker]]:
     clock = ManualClock(100.0)
     workers = [Worker(WorkerId("w0"), Client(clock)), Worker(WorkerId("w1"), Client(clock))]
+    speeds = slowdown or {}
     router = Router(
         workers=lambda: workers, index=Index(), sessions=SessionTable(BlockHasher(
             HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(), profile=default_profile(),
         ledger=Ledger(), clock=clock, tenant_salt=lambda t, c: f"salt-{t}", model="m",
+        slowdown=lambda w: speeds.get(w, 1.0),
     )  # fmt: skip
     return router, workers
 
@@ -134,3 +136,31 @@ def test_a_turn_in_flight_counts_only_for_the_prefill_the_worker_may_still_have_
 
     expected = [first_s, 0.04, 0.04 + second_s, 0.02 + second_s, 0.0]
     assert asyncio.run(main()) == pytest.approx(expected)
+
+
+def test_a_slow_workers_queue_is_the_prefill_at_its_measured_speed() -> None:
+    router, (w0, w1) = setup(slowdown={"w0": 20.0, "w1": 20.0})  # alike: w0 gets it
+    answered: asyncio.Future[bytes]
+
+    async def held(path: str, body: Any, headers: Any = None) -> bytes:
+        return await answered
+
+    w0.client.post = held  # type: ignore[method-assign]
+    clock = w0.client.clock
+
+    async def main() -> list[float]:
+        nonlocal answered
+        answered = asyncio.get_running_loop().create_future()
+        first = asyncio.create_task(router.handle(turn()))
+        await asyncio.sleep(0)
+        clock.t += 1.0  # the profile's 0.1 s would be long done; 20x slower it is not
+        seen = [router.queue_s(w0), router.queue_s(w1)]
+        w0.load = reading(clock.t, waiting=2)  # one of them is the router's own
+        seen.append(router.queue_s(w0))
+        answered.set_result(b"{}")
+        await first
+        return seen
+
+    # 100 fresh tokens x 1 ms x 20 = 2 s, 1 s of it done; one foreign request of 1000
+    # tokens x 1 ms x 20 = 20 s.
+    assert asyncio.run(main()) == pytest.approx([1.0, 0.0, 20.0])

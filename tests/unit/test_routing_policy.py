@@ -79,6 +79,22 @@ CASES = [
         A,
         "moved from b",
     ),
+    (
+        # At A: 2.0 s queue + 0.19 s prefill. At B, 10x slower than the profile: 10 s cold.
+        # Alike, B would win (the case above); measured speeds keep the session.
+        "a move to a slower worker must beat its slower cold prefill",
+        RouteRequest("m", 1000, session_home=A),
+        [w(A, resident_tokens=900, queue_s=2.0, queued_share=0.9), w(B, slowdown=10.0)],
+        A,
+        "prefix resident (900 tokens)",
+    ),
+    (
+        "with no prefix anywhere the faster worker wins",
+        RouteRequest("m", 1000),
+        [w(A, slowdown=3.0), w(B, slowdown=0.5)],
+        B,
+        "least estimated time to first token",
+    ),
 ]
 
 
@@ -115,6 +131,16 @@ def test_estimated_ttft_is_queue_plus_prefill_over_the_resident_prefix() -> None
     assert d.candidates[0].ttft_estimate_s == pytest.approx(0.2 + 0.4 + 0.06)
 
 
+def test_a_workers_slowdown_scales_its_prefill_in_the_estimate() -> None:
+    d = route(
+        RouteRequest("m", 1000),
+        [w(A, resident_tokens=600, queue_s=0.2, slowdown=4.0)],
+        LinearCost(),
+        default_profile(),
+    )
+    assert d.candidates[0].ttft_estimate_s == pytest.approx(0.2 + 4 * (0.4 + 0.06))
+
+
 views = st.builds(
     WorkerView,
     worker=st.sampled_from([A, B, C]),
@@ -126,6 +152,7 @@ views = st.builds(
     queued_share=st.floats(0, 1),
     kv_usage=st.floats(0, 1),
     recent_failures=st.integers(0, 100),
+    slowdown=st.floats(1e-3, 1e5),
 )
 
 

@@ -4,11 +4,13 @@ Model of the world. A turn re-sends its session's growing prefix. On the worker 
 holds that prefix in its KV cache only the appended tokens are prefilled; anywhere else the
 whole prompt is. So each candidate worker is judged by the time the turn would wait for its
 first token there: queue wait (prefill work already routed there and not yet started) plus
-the prefill it would do (fresh tokens over the resident prefix). Scores are those seconds
-normalised by one scale per decision (the larger of the turn's cold prefill and the longest
-queue), so with equal weights the picker would minimise the turn's own estimated time to
-first token:
-  reuse  = prefill seconds saved by the resident prefix / scale
+the prefill it would do (fresh tokens over the resident prefix), in the cost model's
+seconds times the worker's measured slowdown (a worker slower than the GPU profile takes
+longer for the same tokens). Scores are those seconds normalised by one scale per decision
+(the larger of the turn's cold prefill on the slowest worker and the longest queue), so with
+equal weights the picker would minimise the turn's own estimated time to first token:
+  reuse  = prefill seconds saved against that slowest cold prefill / scale
+           (with workers alike: what the resident prefix saves)
   queue  = 1 - queue wait / scale
 The default weighs reuse twice: a turn moved off its prefix prefills it again, and every
 turn queued behind it at the new worker waits for that prefill too (and the prefix now

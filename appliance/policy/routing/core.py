@@ -39,6 +39,9 @@ class WorkerView:
     """This worker's share (0..1) of all queued work across workers."""
     kv_usage: float = 0.0
     recent_failures: int = 0
+    slowdown: float = 1.0
+    """This worker's measured prefill seconds per second of the cost model's (1: as fast
+    as the profile says)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class Context:
 
     request: RouteRequest
     cost: PrefillCost
-    cold_prefill_s: float
+    worst_prefill_s: float
+    """The turn's prefill from scratch on the slowest eligible worker."""
     scale_s: float
 
 
@@ -85,9 +89,17 @@ def serves_model(req: RouteRequest, w: WorkerView) -> bool:
     return req.model in w.models
 
 
-def _saved_s(ctx: Context, w: WorkerView) -> float:
+def _prefill_s(ctx: Context, w: WorkerView) -> float:
+    """The prefill the turn would do on `w`: its fresh tokens over the resident prefix, at
+    the worker's speed."""
     reused = min(w.resident_tokens, ctx.request.prompt_tokens)
-    return ctx.cold_prefill_s - ctx.cost.prefill_s(ctx.request.prompt_tokens - reused, reused)
+    return ctx.cost.prefill_s(ctx.request.prompt_tokens - reused, reused) * w.slowdown
+
+
+def _saved_s(ctx: Context, w: WorkerView) -> float:
+    """Prefill seconds `w` saves against the worst case (a cold prefill on the slowest
+    worker): with workers alike, what its resident prefix saves."""
+    return ctx.worst_prefill_s - _prefill_s(ctx, w)
 
 
 def reuse(ctx: Context, w: WorkerView) -> float:
@@ -167,14 +179,14 @@ def route(
             excluded[w.worker] = failed
     if not eligible:
         return RouteDecision(None, "no eligible worker", (), excluded)
-    cold = cost.prefill_s(request.prompt_tokens, 0)
-    scale = max(cold, *(w.queue_s for w in eligible), 1e-9)
-    ctx = Context(request, cost, cold, scale)
+    worst = cost.prefill_s(request.prompt_tokens, 0) * max(w.slowdown for w in eligible)
+    scale = max(worst, *(w.queue_s for w in eligible), 1e-9)
+    ctx = Context(request, cost, worst, scale)
     candidates = []
     for w in eligible:
         scores = {name: scorer(ctx, w) for name, _, scorer in profile.scorers}
         total = sum(weight * scores[name] for name, weight, _ in profile.scorers)
-        ttft = w.queue_s + cold - _saved_s(ctx, w)
+        ttft = w.queue_s + _prefill_s(ctx, w)
         candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft))
     # Highest score first; ties go to the worker listed first (stable, deterministic).
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
