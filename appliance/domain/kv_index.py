@@ -52,12 +52,12 @@ class IndexStats:
 class KvIndex:
     """Residency of block hashes per worker and tier.
 
-    Held in dicts of ints only (and one set of hashes per worker and per session): a dict
-    of ints is never tracked by Python's cyclic collector, so the index adds nothing to the
-    collections that would otherwise walk every block of every worker, tens of milliseconds
-    on the event loop at a few hundred thousand blocks. A (worker, tier) pair is a small
-    `slot` number; `_where` holds per hash the bit mask of the slots holding it, `_refs`
-    the announcements per (hash, slot)."""
+    Held in dicts of ints only (and one set of hashes per worker, for the lookup's one C
+    call per chain): a dict of ints is never tracked by Python's cyclic collector, so the
+    index adds nothing to the collections that would otherwise walk every block of every
+    worker, tens of milliseconds on the event loop at a few hundred thousand blocks. A
+    (worker, tier) pair is a small `slot` number; `_where` holds per hash the bit mask of
+    the slots holding it, `_refs` the announcements per (hash, slot)."""
 
     def __init__(self) -> None:
         self._slot_of: dict[tuple[WorkerId, str], int] = {}
@@ -71,7 +71,8 @@ class KvIndex:
         self._more_sessions: dict[int, tuple[str, ...]] = {}
         """Tuples, not sets: a tuple of strings leaves the collector's sight after one pass."""
         self._by_worker: dict[WorkerId, set[int]] = {}
-        self._by_session: dict[str, set[int]] = {}
+        self._by_session: dict[str, dict[int, None]] = {}
+        """A session's hashes as dict keys: unlike a set, the collector never walks them."""
         self._stored = 0
         self._removed = 0
         self._unknown_removals = 0
@@ -134,7 +135,7 @@ class KvIndex:
         more = self._more_sessions.get(h, ())
         if first != session and session not in more:
             self._more_sessions[h] = (*more, session)
-        self._by_session.setdefault(session, set()).add(h)
+        self._by_session.setdefault(session, {})[h] = None
 
     def _remove(self, worker: WorkerId, slot: int, h: int) -> None:
         key = _ref_key(h, slot)
@@ -167,7 +168,7 @@ class KvIndex:
             if session is None:
                 continue
             hashes = self._by_session[session]
-            hashes.discard(h)
+            hashes.pop(h, None)
             if not hashes:
                 del self._by_session[session]
 

@@ -235,3 +235,5 @@ def test_blocks_add_nothing_for_the_cyclic_collector_to_walk() -> None:
     gc.collect()
     assert len(index) == 20_001
     assert len(gc.get_objects()) - before < 50
+    # Nor does a full collection walk a session's hashes item by item.
+    assert not any(map(gc.is_tracked, index._by_session.values()))
