@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cold_path  # benchmarks/cold_path.py, beside this script
 import httpx
 import psutil
 
@@ -832,9 +833,13 @@ def main(argv: list[str] | None = None) -> None:
         if not others:
             raise SystemExit(f"--router-cpus {sorted(args.router_cpus)} leaves no CPU for the rest")
         os.sched_setaffinity(0, others)
+    t_start = time.monotonic()
+    # On a quiet machine, before anything starts: how much of a router's time here is the
+    # cost of running cold (benchmarks/cold_path.py).
+    cold = cold_path.measure()
+    print(f"cold path (median us per call, x: times the hot figure):\n{cold_path.table(cold)}\n")
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     procs = Procs(tmp)
-    t_start = time.monotonic()
     try:
         figures = asyncio.run(run(args, tmp, procs, concurrencies, modes, paths, vr_bin))
     finally:
@@ -842,6 +847,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.keep_logs:
             shutil.copytree(tmp, args.keep_logs, dirs_exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+    figures["cold_path_us"] = cold
     figures["run_s"] = round(time.monotonic() - t_start, 1)
     rows = figures["rows"]
     print()
