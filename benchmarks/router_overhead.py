@@ -60,6 +60,10 @@ appliance's own time per turn before it forwards it (its `appliance_forward_seco
 histogram, read before and after the phase): the mean, and the share of turns at or under
 each bound.
 
+Before anything starts, `cold_path.py` (beside this script) times pieces of a router's
+decision work hot and after a pause, on the quiet machine (`cold_path_us` in the JSON): on
+a box whose caches go cold between turns, a router's own time is mostly that.
+
 Caveats, all of this machine: 2 cores run the client, both workers and the router (and
 whatever else is running: `machine_busy` in the JSON is the share of both cores in use
 during the phase, every process counted), so a router's CPU also slows the workers and the
