@@ -229,6 +229,37 @@ def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningApplia
     assert buckets == sorted(buckets) and buckets[-1] == after["count"]  # cumulative, +Inf last
 
 
+def test_each_workers_prefill_speed_is_measured_from_its_own_histograms(
+    appliance_up: RunningAppliance,
+) -> None:
+    """Sequential turns leave the worker calm between readings: its request-level prefill
+    histograms give the router a measured slowdown against the GPU profile (1 until then)."""
+    app = appliance_up
+    c = client(appliance_up)
+    messages = [{"role": "system", "content": text(21, app.words(200))}]
+    served = set()
+    for i in range(6):
+        messages.append({"role": "user", "content": text(22 + i, app.words(30))})
+        served.add(turn(app, c, messages, "speed")[0])
+        messages.append({"role": "assistant", "content": "ok"})
+    ops = {"Authorization": f"Bearer {app.keys['ops']}"}
+    deadline, slowdown = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:  # the daemon reads the workers twice a second
+        state = httpx.get(f"{app.url}/admin/v1/state", headers=ops).json()
+        slowdown = {w["id"]: w["prefill_slowdown"] for w in state["workers"]}
+        if all(slowdown[w] != 1.0 for w in served):
+            break
+        time.sleep(0.25)
+    assert all(0 < slowdown[w] != 1.0 for w in served), (served, slowdown)
+    gauge = parse_metrics(
+        httpx.get(f"{app.url}/metrics").text, only=["appliance_worker_prefill_slowdown"]
+    )
+    for w in served:
+        assert gauge.total("appliance_worker_prefill_slowdown", worker=w) == pytest.approx(
+            slowdown[w], rel=1e-3
+        )
+
+
 def _forward_histogram(app: RunningAppliance) -> dict[str, float]:
     series = [f"appliance_forward_seconds_{s}" for s in ("bucket", "sum", "count")]
     samples = parse_metrics(httpx.get(f"{app.url}/metrics").text, only=series).samples
