@@ -24,7 +24,6 @@ client as it is. Every attempt becomes one `turns` row, acknowledged by the ledg
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -206,9 +205,11 @@ class Router:
         state.messages = turn.messages if incremental else None
         return state
 
-    def queue_estimates(self) -> dict[WorkerId, float]:
+    def queue_estimates(
+        self, workers: Sequence[WorkerEndpoint] | None = None
+    ) -> dict[WorkerId, float]:
         """`queue_s` of every worker: computed once per turn, for admission and placement."""
-        return {w.id: self.queue_s(w) for w in self._workers()}
+        return {w.id: self.queue_s(w) for w in (self._workers() if workers is None else workers)}
 
     def place(
         self,
@@ -231,7 +232,7 @@ class Router:
         session.resident_tokens = dict(resident)
         workers = self._workers()
         if queues is None:
-            queues = self.queue_estimates()
+            queues = self.queue_estimates(workers)
         total_queue = sum(queues.values())
         views = [
             WorkerView(
@@ -471,7 +472,7 @@ class Router:
             except Exception as exc:  # the worker broke off midway
                 outcome, error = TurnOutcome.FAILED, f"stream broke: {exc or type(exc).__name__}"
                 event = {"error": {"message": error, "type": "stream_error", "code": 502}}
-                yield f"data: {json.dumps(event)}\n\n".encode()
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
             finally:
                 if tokenized is not None:
                     tokenized.now()
@@ -637,7 +638,7 @@ def _usage_of(data: bytes) -> dict[str, Any] | None:
 
 def _error_body(exc: EngineRequestError) -> dict[str, Any]:
     try:
-        body = json.loads(exc.body)
+        body = orjson.loads(exc.body)
         if isinstance(body, dict) and "error" in body:
             return body
     except (TypeError, ValueError):

@@ -1,0 +1,147 @@
+"""A worker whose stream breaks midway, on a real local port: the client gets every byte the
+worker sent, then an SSE error event, and the ledger a failed attempt; the session is free
+for its next turn, which goes to a worker that answers."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, TurnRecord, WorkerId
+from appliance.domain.worker import LoadSnapshot
+from appliance.engines.vllm_client import VllmClient
+from appliance.policy.routing.core import default_profile
+from appliance.services.router import Router, TurnRequest
+from appliance.services.sessions import SessionTable
+from tests.fakes import LinearCost, ManualClock
+
+EVENTS = [
+    b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n',
+    b'data: {"choices": [{"index": 0, "text": "b"}]}\n\n',
+]
+
+
+async def breaking_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Reads one request, answers two SSE events in chunked framing, then hangs up without
+    the last chunk."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    for event in EVENTS:
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    writer.close()
+
+
+async def healthy_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            writer.close()
+            return
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        body = b'{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+
+@dataclass
+class Worker:
+    id: WorkerId
+    client: VllmClient
+    load: LoadSnapshot | None = None
+    healthy: bool = True
+    draining: bool = False
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.turns: list[TurnRecord] = []
+
+    def record_turn(self, record: TurnRecord) -> Future[Any]:
+        self.turns.append(record)
+        return _done()
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *_: _done()
+
+
+def _done() -> Future[Any]:
+    done: Future[Any] = Future()
+    done.set_result(None)
+    return done
+
+
+@dataclass
+class Index:
+    def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
+        return {}
+
+
+def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attempt() -> None:
+    async def main() -> tuple[list[bytes], Ledger, Router, str]:
+        broken = await asyncio.start_server(breaking_worker, "127.0.0.1", 0)
+        fine = await asyncio.start_server(healthy_worker, "127.0.0.1", 0)
+        ports = [s.sockets[0].getsockname()[1] for s in (broken, fine)]
+        workers = [
+            Worker(WorkerId(f"w{i}"), VllmClient(f"http://127.0.0.1:{port}"))
+            for i, port in enumerate(ports)
+        ]
+        ledger = Ledger()
+        router = Router(
+            workers=lambda: workers, index=Index(),
+            sessions=SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(),
+            profile=default_profile(), ledger=ledger, clock=ManualClock(100.0),
+            tenant_salt=lambda t, c: f"salt-{t}", model="m",
+        )  # fmt: skip
+        body = {"model": "m", "prompt": "x", "stream": True}
+        turn = TurnRequest(TenantId("a"), "/v1/completions", body, list(range(40)),
+                           TaskId("a/t"), SessionId("s"))  # fmt: skip
+        reply = await router.handle(turn)  # w0: both workers alike, the first listed
+        assert reply.chunks is not None and reply.headers["X-Appliance-Worker"] == "w0"
+        relayed = [chunk async for chunk in reply.chunks]
+        workers[0].healthy = False  # as the health check would see it next
+        next_turn = TurnRequest(TenantId("a"), "/v1/completions", {**body, "stream": False},
+                                list(range(48)), TaskId("a/t"), SessionId("s"))  # fmt: skip
+        second = await router.handle(next_turn)
+        await asyncio.sleep(0.01)  # the ledger records are written on the loop's next turn
+        for w in workers:
+            await w.client.aclose()
+        await asyncio.sleep(0.01)  # the healthy worker sees its connection end
+        for server in (broken, fine):
+            server.close()
+            await server.wait_closed()
+        return relayed, ledger, router, second.headers["X-Appliance-Worker"]
+
+    relayed, ledger, router, second_worker = asyncio.run(main())
+    data = b"".join(relayed)
+    assert data.startswith(b"".join(EVENTS))  # everything the worker sent, unchanged
+    error = orjson.loads(data[len(b"".join(EVENTS)) :].removeprefix(b"data: ").strip())
+    assert error["error"]["type"] == "stream_error" and error["error"]["code"] == 502
+    assert [(t.worker, t.outcome) for t in ledger.turns] == [
+        ("w0", TurnOutcome.FAILED),
+        ("w1", TurnOutcome.OK),
+    ]
+    assert ledger.turns[0].error is not None and "stream broke" in ledger.turns[0].error
+    assert second_worker == "w1"
+    session = router.sessions.get(TenantId("a"), SessionId("s"))
+    assert session is not None and session.in_flight == 0
