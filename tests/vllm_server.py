@@ -1,5 +1,7 @@
 """Launch one real vLLM (CPU build) OpenAI server as a subprocess for tests, and listen to its
-KV events.
+KV events. Its command line and environment are the appliance's own plan for a worker
+(`appliance.engines.launch.plan_workers`), so the tests of real vLLM run the flags the
+appliance runs.
 
 The server runs in its own process group so that stopping it leaves no orphans. Its output goes
 to a log file whose tail is put into every startup error. KV events: vLLM *connects* to a plain
@@ -10,7 +12,6 @@ to a log file whose tail is put into every startup error. KV events: vLLM *conne
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ import msgspec
 import psutil
 import zmq
 
+from appliance.engines.launch import Device, LaunchSpec, WorkerLaunch, plan_workers
 from tests.ports import free_port
 
 VLLM_PYTHON_ENV = "APPLIANCE_VLLM_PYTHON"
@@ -146,7 +148,8 @@ class VllmServerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory_bytes: int = 64 * 2**20
     max_model_len: int = 4096
-    kv_events_endpoint: str | None = None
+    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
+    """Where the server publishes KV events (a subscriber binds it first)."""
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     startup_timeout_s: float = 120.0
@@ -171,54 +174,27 @@ class VllmServer:
             raise VllmServerError("server not started")
         return self._proc.pid
 
-    def command(self) -> list[str]:
+    def launch(self) -> WorkerLaunch:
+        """The server's command and environment, planned exactly as `appliance up` plans a
+        worker's (appliance/engines/launch.py), so every test of real vLLM also runs the
+        appliance's own flags."""
         c = self.config
-        args = [
-            c.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(c.model_dir),
-            "--served-model-name",
-            c.served_model_name,
-            "--host",
-            c.host,
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(c.max_model_len),
-            "--enforce-eager",
-            "--enable-prefix-caching",
-            "--prefix-caching-hash-algo",
-            "sha256_cbor",
-            "--block-size",
-            str(c.block_size),
-            "--kv-cache-memory-bytes",
-            str(c.kv_cache_memory_bytes),
-            "--enable-prompt-tokens-details",
-        ]
-        if c.kv_events_endpoint:
-            kv_events = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": c.kv_events_endpoint,
-            }
-            args += ["--kv-events-config", json.dumps(kv_events)]
-        return [*args, *c.extra_args]
-
-    def environment(self) -> dict[str, str]:
-        # VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes (and "" crashes).
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        env.update(
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            PYTHONHASHSEED="0",
+        spec = LaunchSpec(
+            model=str(c.model_dir),
+            served_model_name=c.served_model_name,
+            python=c.python,
+            device=Device.CPU,
+            host=c.host,
+            base_port=self.port,
+            kv_events_base_port=_port_of(c.kv_events_endpoint),
+            block_size=c.block_size,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            max_model_len=c.max_model_len,
+            enforce_eager=True,
+            extra_args=c.extra_args,
+            extra_env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **c.extra_env},
         )
-        env.update(self.config.extra_env)
-        return env
+        return plan_workers(spec, os.environ)[0]
 
     def start(self) -> None:
         """Launch and block until /health answers 200, or raise with the log tail."""
@@ -226,13 +202,14 @@ class VllmServer:
             raise VllmServerError("server already started")
         self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        launch = self.launch()
         with self.config.log_path.open("wb") as log:
             self._proc = subprocess.Popen(
-                self.command(),
+                launch.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.environment(),
+                env=dict(launch.env),
                 start_new_session=True,
             )
         try:
@@ -316,6 +293,10 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
