@@ -5,20 +5,16 @@ for its next turn, which goes to a worker that answers."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
-from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, TurnRecord, WorkerId
-from appliance.domain.worker import LoadSnapshot
+from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.engines.vllm_client import VllmClient
 from appliance.policy.routing.core import default_profile
 from appliance.services.router import Router, TurnRequest
 from appliance.services.sessions import SessionTable
-from tests.fakes import LinearCost, ManualClock
+from tests.fakes import AckLedger, FixedIndex, LinearCost, ManualClock, RouterWorker
 
 EVENTS = [
     b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n',
@@ -64,51 +60,18 @@ async def healthy_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWri
         await writer.drain()
 
 
-@dataclass
-class Worker:
-    id: WorkerId
-    client: VllmClient
-    load: LoadSnapshot | None = None
-    healthy: bool = True
-    draining: bool = False
-
-
-class Ledger:
-    def __init__(self) -> None:
-        self.turns: list[TurnRecord] = []
-
-    def record_turn(self, record: TurnRecord) -> Future[Any]:
-        self.turns.append(record)
-        return _done()
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *_: _done()
-
-
-def _done() -> Future[Any]:
-    done: Future[Any] = Future()
-    done.set_result(None)
-    return done
-
-
-@dataclass
-class Index:
-    def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
-        return {}
-
-
 def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attempt() -> None:
-    async def main() -> tuple[list[bytes], Ledger, Router, str]:
+    async def main() -> tuple[list[bytes], AckLedger, Router, str]:
         broken = await asyncio.start_server(breaking_worker, "127.0.0.1", 0)
         fine = await asyncio.start_server(healthy_worker, "127.0.0.1", 0)
         ports = [s.sockets[0].getsockname()[1] for s in (broken, fine)]
         workers = [
-            Worker(WorkerId(f"w{i}"), VllmClient(f"http://127.0.0.1:{port}"))
+            RouterWorker(WorkerId(f"w{i}"), VllmClient(f"http://127.0.0.1:{port}"))
             for i, port in enumerate(ports)
         ]
-        ledger = Ledger()
+        ledger = AckLedger()
         router = Router(
-            workers=lambda: workers, index=Index(),
+            workers=lambda: workers, index=FixedIndex(),
             sessions=SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(),
             profile=default_profile(), ledger=ledger, clock=ManualClock(100.0),
             tenant_salt=lambda t, c: f"salt-{t}", model="m",

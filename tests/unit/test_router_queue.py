@@ -5,8 +5,7 @@ it sent counts only for the prefill the worker cannot have done yet."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from appliance.domain.worker import LoadSnapshot
 from appliance.policy.routing.core import default_profile
 from appliance.services.router import Router, TurnRequest
 from appliance.services.sessions import SessionTable
-from tests.fakes import LinearCost, ManualClock
+from tests.fakes import AckLedger, FixedIndex, LinearCost, ManualClock, RouterWorker
 
 
 @dataclass
@@ -29,46 +28,19 @@ class Client:
         return b'{"usage": {"prompt_tokens": 100, "completion_tokens": 1}}'
 
 
-@dataclass
-class Worker:
-    id: WorkerId
-    client: Client
-    load: LoadSnapshot | None = None
-    healthy: bool = True
-    draining: bool = False
-
-
-class Ledger:
-    def __getattr__(self, name: str) -> Any:
-        def record(*_: Any) -> Future[Any]:
-            done: Future[Any] = Future()
-            done.set_result(None)
-            return done
-
-        return record
-
-
-@dataclass
-class Index:
-    blocks: dict[WorkerId, int] = field(default_factory=dict)
-
-    def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
-        return self.blocks
-
-
 def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
     return LoadSnapshot(time=at, running=0, waiting=waiting, kv_cache_usage_perc=0.0,
                         prompt_tokens=mean_prompt * 4, ttft_count=4)  # fmt: skip
 
 
-def setup(slowdown: dict[str, float] | None = None) -> tuple[Router, list[Worker]]:
+def setup(slowdown: dict[str, float] | None = None) -> tuple[Router, list[RouterWorker]]:
     clock = ManualClock(100.0)
-    workers = [Worker(WorkerId("w0"), Client(clock)), Worker(WorkerId("w1"), Client(clock))]
+    workers = [RouterWorker(WorkerId(w), Client(clock)) for w in ("w0", "w1")]
     speeds = slowdown or {}
     router = Router(
-        workers=lambda: workers, index=Index(), sessions=SessionTable(BlockHasher(
+        workers=lambda: workers, index=FixedIndex(), sessions=SessionTable(BlockHasher(
             HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(), profile=default_profile(),
-        ledger=Ledger(), clock=clock, tenant_salt=lambda t, c: f"salt-{t}", model="m",
+        ledger=AckLedger(), clock=clock, tenant_salt=lambda t, c: f"salt-{t}", model="m",
         slowdown=lambda w: speeds.get(w, 1.0),
     )  # fmt: skip
     return router, workers
