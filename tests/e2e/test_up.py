@@ -243,21 +243,29 @@ def test_each_workers_prefill_speed_is_measured_from_its_own_histograms(
         served.add(turn(app, c, messages, "speed")[0])
         messages.append({"role": "assistant", "content": "ok"})
     ops = {"Authorization": f"Bearer {app.keys['ops']}"}
-    deadline, slowdown = time.monotonic() + 10, {}
-    while time.monotonic() < deadline:  # the daemon reads the workers twice a second
+
+    def read() -> tuple[dict[str, float], dict[str, float]]:
+        """The slowdowns in the state and on /metrics, read one after the other."""
         state = httpx.get(f"{app.url}/admin/v1/state", headers=ops).json()
-        slowdown = {w["id"]: w["prefill_slowdown"] for w in state["workers"]}
-        if all(slowdown[w] != 1.0 for w in served):
+        text_ = httpx.get(f"{app.url}/metrics").text
+        gauge = parse_metrics(text_, only=["appliance_worker_prefill_slowdown"])
+        return (
+            {w["id"]: w["prefill_slowdown"] for w in state["workers"]},
+            {w: gauge.total("appliance_worker_prefill_slowdown", worker=w) for w in served},
+        )
+
+    # The daemon reads the workers twice a second, and a later reading may move the value
+    # between the two requests: wait until a reading has it and both sources agree.
+    deadline = time.monotonic() + 10
+    slowdown, metric = read()
+    while time.monotonic() < deadline:
+        measured = all(slowdown[w] != 1.0 for w in served)
+        if measured and all(metric[w] == pytest.approx(slowdown[w], rel=1e-3) for w in served):
             break
         time.sleep(0.25)
+        slowdown, metric = read()
     assert all(0 < slowdown[w] != 1.0 for w in served), (served, slowdown)
-    gauge = parse_metrics(
-        httpx.get(f"{app.url}/metrics").text, only=["appliance_worker_prefill_slowdown"]
-    )
-    for w in served:
-        assert gauge.total("appliance_worker_prefill_slowdown", worker=w) == pytest.approx(
-            slowdown[w], rel=1e-3
-        )
+    assert all(metric[w] == pytest.approx(slowdown[w], rel=1e-3) for w in served), metric
 
 
 def _forward_histogram(app: RunningAppliance) -> dict[str, float]:
