@@ -327,12 +327,13 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 settings.engine.python_hash_seed,
             )
             tasks = TaskBook(ledger, events)
-            speeds = WorkerSpeeds(LatencyModel.from_profile(profile))
+            cost = LatencyModel.from_profile(profile)
+            speeds = WorkerSpeeds(cost)
             router = Router(
                 workers=lambda: engines.workers,
                 index=feed,
                 sessions=SessionTable(hasher),
-                cost=LatencyModel.from_profile(profile),
+                cost=cost,
                 profile=default_profile(**settings.routing.model_dump()),
                 ledger=ledger,
                 clock=clock,
@@ -348,7 +349,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                 clock=clock,
                 workers=lambda: engines.workers,
                 queue_s=router.queue_s,  # the router's queued prefill ahead of new work
-                cost=LatencyModel.from_profile(profile),
+                cost=cost,
                 task_idle_s=settings.admission.task_idle_s,
                 events=events,
                 slowdown=speeds.slowdown,

@@ -138,6 +138,7 @@ class LoadSnapshot:
     prefill_fresh_tokens: int = 0
     """Their prompt tokens computed in prefill (not found in any cache)."""
     prefill_prompt_tokens: int = 0
+    """Their prompt tokens, cached ones included."""
 
     @property
     def prefix_hit_rate(self) -> float | None:
