@@ -42,6 +42,11 @@ def pct(fraction: float | None, digits: int = 0) -> str:
     return DASH if fraction is None else f"{fraction * 100:.{digits}f}%"
 
 
+def times(factor: float) -> str:
+    """A ratio to a reference: 0.756 -> x0.76."""
+    return f"x{factor:.2f}"
+
+
 def seconds(value: float | None) -> str:
     """Short durations: 0.4s, 12s, 3m05s, 2h04m."""
     if value is None:

@@ -58,6 +58,7 @@ def render_status(state: dict[str, Any] | AdminState) -> str:
                 fmt.num(w.waiting),
                 fmt.pct(w.kv_usage),
                 fmt.pct(w.prefix_hit_rate),
+                fmt.times(w.prefill_slowdown),
                 str(w.restarts),
             ]
             for w in s.workers
@@ -74,10 +75,11 @@ def render_status(state: dict[str, Any] | AdminState) -> str:
                     "waiting",
                     "kv",
                     "prefix",
+                    "prefill",
                     "restarts",
                 ],
                 rows,
-                right={4, 5, 6, 7, 8},
+                right={4, 5, 6, 7, 8, 9},
             ),
         ]
     else:

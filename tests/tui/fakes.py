@@ -58,6 +58,7 @@ def make_state(
             "waiting": i,
             "kv_usage": round(0.41 + 0.17 * i, 3),
             "prefix_hit_rate": round(0.62 + 0.05 * i, 3),
+            "prefill_slowdown": round(1.0 + 0.12 * i, 3),
         }
         for i in range(workers)
     ]

@@ -26,7 +26,7 @@ def small_state() -> dict[str, Any]:
         "workers": [
             {"id": "w0", "engine": "vllm", "url": "http://127.0.0.1:8100", "gpus": [0],
              "restarts": 2, "healthy": True, "draining": False, "running": 3, "waiting": 1,
-             "kv_usage": 0.5, "prefix_hit_rate": 0.25},
+             "kv_usage": 0.5, "prefix_hit_rate": 0.25, "prefill_slowdown": 1.256},
             {"id": "w1", "engine": "vllm", "url": "http://127.0.0.1:8101", "gpus": [1],
              "restarts": 0, "healthy": False, "draining": False, "running": None,
              "waiting": None, "kv_usage": None, "prefix_hit_rate": None},
@@ -68,9 +68,9 @@ def test_status() -> None:
         [
             "appliance state at 00:00:00Z",
             "",
-            "worker  engine  gpus  health  running  waiting   kv  prefix  restarts",
-            "w0      vllm    0     ok            3        1  50%     25%         2",
-            "w1      vllm    1     down          -        -    -       -         0",
+            "worker  engine  gpus  health  running  waiting   kv  prefix  prefill  restarts",
+            "w0      vllm    0     ok            3        1  50%     25%    x1.26         2",
+            "w1      vllm    1     down          -        -    -       -    x1.00         0",
             "",
             "gpu  name         hbm used         kv GiB  util  temp  power",
             "0    NVIDIA H200  100.0/141.0 GiB  -        90%   60C   500W",

@@ -91,7 +91,8 @@ def _health(w: WorkerState) -> Text:
 
 
 class WorkersPanel(Panel):
-    """Per worker: health, running/waiting, KV use, prefix hit rate, restarts."""
+    """Per worker: health, running/waiting, KV use, prefix hit rate, restarts; when wide,
+    its measured prefill time against the GPU profile's, and its URL."""
 
     def render(self) -> RenderResult:
         state = self.state
@@ -111,6 +112,7 @@ class WorkersPanel(Panel):
         table.add_column("restarts", justify="right", no_wrap=True)
         table.add_column("GPUs", no_wrap=True)
         if wide:
+            table.add_column("prefill", justify="right", no_wrap=True)
             table.add_column("url", style="dim", no_wrap=True)
         for w in state.workers:
             kv = fill_bar(10, w.kv_usage) + Text(f" {fmt.pct(w.kv_usage):>4}")
@@ -126,7 +128,7 @@ class WorkersPanel(Panel):
                 ",".join(str(i) for i in w.gpus) or "-",
             ]
             if wide:
-                cells.append(fmt.text(w.url))
+                cells += [fmt.times(w.prefill_slowdown), fmt.text(w.url)]
             table.add_row(*cells)
         return table
 
