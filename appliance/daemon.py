@@ -39,7 +39,7 @@ from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
 from appliance.engines.worker_process import spawn, terminate_group
-from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
@@ -206,7 +206,8 @@ async def start_engines(
             await asyncio.gather(*(w.refresh_load() for w in supervisor.workers if w.healthy))
 
         try:
-            yield Engines(kind, supervisor.workers, name, e.max_model_len or 0, loads)
+            limit = await model_limit(supervisor.workers, name, e.max_model_len)
+            yield Engines(kind, supervisor.workers, name, limit, loads)
         finally:
             await supervisor.stop(drain_deadline_s=30.0)
         return
@@ -246,12 +247,23 @@ async def start_engines(
             procs.append(proc)
         if launches:
             await _await_healthy(external, procs, log_dir)
-        yield Engines(
-            kind, external.workers, name, e.max_model_len or SIM_MAX_MODEL_LEN, external.refresh
-        )
+        limit = await model_limit(external.workers, name, e.max_model_len)
+        yield Engines(kind, external.workers, name, limit, external.refresh)
     finally:
         await external.aclose()
         await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs))
+
+
+async def model_limit(workers: Sequence[WorkerHandle], name: str, configured: int | None) -> int:
+    """The longest prompt + output the API lets through: what the workers report (a vLLM
+    started without --max-model-len takes the model's own limit), or the configured limit
+    where no worker says (an external server not up yet), else the simulated engine's."""
+    reported = await reported_model_len(workers, name)
+    if reported is None:
+        log.warning("no worker reported its max_model_len; the API assumes %s",
+                    configured or SIM_MAX_MODEL_LEN)  # fmt: skip
+        return configured or SIM_MAX_MODEL_LEN
+    return min(reported, configured or reported)
 
 
 async def _await_healthy(

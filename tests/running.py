@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +45,15 @@ def appliance_process(
     data_dir: Path,
     *,
     engine: str = "sim",
-    workers: int = 2,
+    workers: int | None = 2,
+    args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     startup_s: float = 180,
 ) -> Iterator[Started]:
-    """Runs `appliance up`; on exit stops it and fails if any of its processes is left."""
-    port, base, kv = free_port(), free_port_block(workers), free_port_block(workers)
+    """Runs `appliance up`; on exit stops it and fails if any of its processes is left.
+    `workers` None leaves the flag out (the configured default); `args` are more flags."""
+    blocks = workers or 1
+    port, base, kv = free_port(), free_port_block(blocks), free_port_block(blocks)
     full = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     full.update(
         APPLIANCE_DATA_DIR=str(data_dir),
@@ -58,8 +61,10 @@ def appliance_process(
         APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
         **(env or {}),
     )
-    argv = [str(BIN / "appliance"), "up", "--engine", engine, "--workers", str(workers),
-            "--port", str(port)]  # fmt: skip
+    argv = [str(BIN / "appliance"), "up", "--engine", engine, "--port", str(port)]
+    if workers is not None:
+        argv += ["--workers", str(workers)]
+    argv += args
     log = data_dir / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=full, stdout=out, stderr=subprocess.STDOUT)

@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.worker import WorkerEvent
 from appliance.engines.external import ExternalEngine, connect_external
@@ -22,6 +24,25 @@ from appliance.engines.preflight import probe_vllm
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.workers import KvBatchSink, KvResetSink
 from appliance.settings import EngineSettings
+
+
+def free_memory_bytes() -> int:
+    """Host memory free for the workers, read as vLLM's CPU build reads it: the least of
+    each memory node's free, file-cache and reclaimable memory (a worker's memory is bound
+    to its node), and of what the whole host has available."""
+    free = [psutil.virtual_memory().available]
+    for meminfo in Path("/sys/devices/system/node").glob("node*/meminfo"):
+        fields = {}
+        for line in meminfo.read_text().splitlines():
+            parts = line.split()  # "Node 0 MemFree:  6265376 kB"
+            if len(parts) >= 4 and parts[3].isdigit():
+                fields[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        if fields.get("MemTotal"):
+            free.append(sum(fields.get(k, 0) for k in _NODE_FREE_FIELDS))
+    return min(free)
+
+
+_NODE_FREE_FIELDS = ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
 
 
 async def start_vllm_workers(
@@ -45,6 +66,7 @@ async def start_vllm_workers(
         cpu_ids=sorted(os.sched_getaffinity(0)),
         base_env=os.environ,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
+        free_memory_bytes=free_memory_bytes(),
     )
     supervisor = Supervisor(
         spec,

@@ -9,8 +9,10 @@ GPU build: worker i sees its own GPUs through CUDA_VISIBLE_DEVICES (PCI bus orde
 indices are NVML's) and shards the model over them with tensor parallelism. CPU build: each
 worker gets its own slice of the cores (affinity set before exec, OMP_NUM_THREADS = slice
 size, one engine process: VLLM_ENABLE_V1_MULTIPROCESSING=0); two unpinned workers on the
-same cores run ten times slower. Its KV cache is sized by --kv-cache-memory-bytes, or else
-by its share of --gpu-memory-utilization, which on CPU means a fraction of host memory.
+same cores run ten times slower. Its KV cache is sized by --kv-cache-memory-bytes: the
+configured size, or else `cpu_kv_cache_bytes` of the memory free when the workers start
+(vLLM's own default there, 0.9 of the memory node, refuses to start on any host that is
+doing something else).
 
 `exec_argv` wraps the command in a tiny Python trampoline that, before exec'ing vLLM, pins
 the cores and asks the kernel to SIGTERM the worker if the appliance dies (PR_SET_PDEATHSIG),
@@ -202,9 +204,7 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
     if spec.kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
     else:
-        # On CPU the fraction is of the host's memory, which all workers share.
-        share = spec.workers if spec.device == Device.CPU else 1
-        args += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization / share:.4g}"]
+        args += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.4g}"]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
     if spec.device == Device.CUDA and spec.gpus_per_worker > 1:
@@ -267,6 +267,20 @@ def plan_workers(spec: LaunchSpec, base_env: Mapping[str, str]) -> tuple[WorkerL
     return tuple(plans)
 
 
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+"""The CPU build's KV cache per worker at most, unless configured (vLLM's former
+VLLM_CPU_KVCACHE_SPACE default)."""
+CPU_KV_CACHE_SHARE = 0.4
+"""Of the memory free at start, the part the CPU build's workers' KV caches take together:
+the rest is for their weights and activations, the appliance and the host."""
+
+
+def cpu_kv_cache_bytes(free_bytes: int, workers: int) -> int:
+    """A CPU-build worker's KV cache when none is configured, in whole MiB."""
+    share = min(CPU_KV_CACHE_MAX_BYTES, int(free_bytes * CPU_KV_CACHE_SHARE) // workers)
+    return max(share // 2**20, 1) * 2**20
+
+
 def spec_from_settings(
     engine: EngineSettings,
     *,
@@ -275,14 +289,18 @@ def spec_from_settings(
     cpu_ids: Sequence[int] = (),
     base_env: Mapping[str, str] | None = None,
     kv_cache_memory_bytes: int | None = None,
+    free_memory_bytes: int | None = None,
 ) -> LaunchSpec:
     """The launch spec the settings describe. The GPUs are those of the appliance's own
-    CUDA_VISIBLE_DEVICES when it is a list of indices, else 0, 1, ..."""
+    CUDA_VISIBLE_DEVICES when it is a list of indices, else 0, 1, ... On the CPU build
+    without a configured KV size, the workers share `free_memory_bytes` (host memory free)."""
     if not engine.model:
         raise ConfigError("engine.model is not set; pass --model PATH_OR_NAME")
     visible = (base_env or {}).get("CUDA_VISIBLE_DEVICES", "")
     parts = [p.strip() for p in visible.split(",") if p.strip()]
     gpu_ids = tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+    if device == Device.CPU and kv_cache_memory_bytes is None and free_memory_bytes is not None:
+        kv_cache_memory_bytes = cpu_kv_cache_bytes(free_memory_bytes, engine.workers)
     return LaunchSpec(
         model=engine.model,
         served_model_name=engine.served_model_name or default_served_name(engine.model),

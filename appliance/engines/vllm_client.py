@@ -150,8 +150,14 @@ class VllmClient:
         return load_snapshot(text, now=time.time(), model_name=self.model)
 
     async def models(self) -> list[dict[str, Any]]:
-        answer = orjson.loads(await self._request("GET", "/v1/models", timeout_s=PROBE_TIMEOUT_S))
-        return list(answer.get("data", []))
+        raw = await self._request("GET", "/v1/models", timeout_s=PROBE_TIMEOUT_S)
+        try:
+            cards = orjson.loads(raw)["data"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            cards = None
+        if not isinstance(cards, list):
+            raise EngineUnavailable(f"{self.base_url}/v1/models is not a model list")
+        return [card for card in cards if isinstance(card, dict)]
 
     async def tokenize(
         self,

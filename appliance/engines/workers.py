@@ -13,6 +13,7 @@ KvIndex so all of them, and the router's lookups, can share it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from appliance.engines.errors import EngineError
 from appliance.engines.vllm_client import VllmClient
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 KvBatchSink = Callable[[WorkerId, KvEventBatch], None]
 KvResetSink = Callable[[WorkerId, str], None]
 
@@ -88,6 +90,27 @@ class WorkerHandle:
             self.load_error = exc.message
             return None
         return self.load
+
+
+async def reported_model_len(workers: Sequence[WorkerHandle], model: str) -> int | None:
+    """The smallest context limit (`max_model_len`) the healthy workers report for `model` in
+    `/v1/models`, or None when none reports one. A worker started without
+    `--max-model-len` takes the model's own limit, which only the worker knows."""
+    limits = []
+    for handle in workers:
+        if not handle.healthy:
+            continue
+        try:
+            cards = await handle.client.models()
+        except EngineError as exc:
+            log.warning("%s: /v1/models failed: %s", handle.id, exc.message)
+            continue
+        limits += [
+            int(card["max_model_len"])
+            for card in cards
+            if card.get("id") == model and isinstance(card.get("max_model_len"), int)
+        ]
+    return min(limits, default=None)
 
 
 class KvIndexFeed:

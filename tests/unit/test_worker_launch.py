@@ -15,6 +15,7 @@ from appliance.engines.launch import (
     Device,
     LaunchSpec,
     WorkerLaunch,
+    cpu_kv_cache_bytes,
     default_served_name,
     plan_workers,
     spec_from_settings,
@@ -148,13 +149,6 @@ CASES = [
         },
     ),
     (
-        "cpu utilisation is shared by the workers (it is a share of host memory)",
-        replace(CPU, kv_cache_memory_bytes=None, gpu_memory_utilization=0.8),
-        0,
-        {"--gpu-memory-utilization": "0.4"},
-        {},
-    ),
-    (
         "cpu without known cores: OMP left alone",
         replace(CPU, cpu_ids=()),
         0,
@@ -251,6 +245,40 @@ def test_spec_from_settings() -> None:
     assert uuids.gpu_ids is None
     with pytest.raises(ConfigError, match=r"engine\.model is not set"):
         spec_from_settings(EngineSettings(), python="/p", device=Device.CPU)
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("free", "workers", "expected"),
+    [
+        (8 * GIB, 1, int(8 * GIB * 0.4) // 2**20 * 2**20),  # 40 % of what is free
+        (8 * GIB, 2, int(8 * GIB * 0.4) // 2 // 2**20 * 2**20),  # shared by the workers
+        (100 * GIB, 1, 4 * GIB),  # at most 4 GiB a worker
+        (100 * GIB, 2, 4 * GIB),
+        (2**20, 4, 2**20),  # never below 1 MiB
+    ],
+)
+def test_cpu_kv_cache_bytes(free: int, workers: int, expected: int) -> None:
+    assert cpu_kv_cache_bytes(free, workers) == expected
+
+
+def test_the_cpu_build_sizes_its_kv_from_free_memory_unless_configured() -> None:
+    """vLLM's own CPU default (0.9 of the memory node) refuses to start on a busy host."""
+    engine = EngineSettings(model="/m/tiny", workers=2)
+    cpu = spec_from_settings(engine, python="/p", device=Device.CPU, free_memory_bytes=8 * GIB)
+    argv = plan_workers(cpu, {})[1].argv
+    assert flag(argv, "--kv-cache-memory-bytes") == str(cpu_kv_cache_bytes(8 * GIB, 2))
+    assert flag(argv, "--gpu-memory-utilization") is None
+    configured = spec_from_settings(
+        engine, python="/p", device=Device.CPU, kv_cache_memory_bytes=5 << 20,
+        free_memory_bytes=8 * GIB,
+    )  # fmt: skip
+    assert configured.kv_cache_memory_bytes == 5 << 20
+    gpu = spec_from_settings(engine, python="/p", device=Device.CUDA, free_memory_bytes=8 * GIB)
+    assert gpu.kv_cache_memory_bytes is None
+    assert flag(plan_workers(gpu, {})[0].argv, "--gpu-memory-utilization") == "0.9"
 
 
 @pytest.mark.parametrize(
