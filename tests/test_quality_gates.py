@@ -1,5 +1,6 @@
-"""The quality gates run as part of the suite: lint, strict types on the pure core, and the
-import contracts that keep dependencies pointing one way."""
+"""The quality gates run as part of the suite: lint, strict types on the pure core, the
+import contracts that keep dependencies pointing one way, and the mutation score of the
+decision code held to its floor (scripts/mutation.py, about 3 minutes here)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ BIN = Path(sys.executable).parent
 @pytest.mark.parametrize(
     "command",
     [
-        ["ruff", "check", "appliance", "tui", "cli", "tests", "benchmarks"],
-        ["ruff", "format", "--check", "appliance", "tui", "cli", "tests", "benchmarks"],
+        ["ruff", "check", "appliance", "tui", "cli", "tests", "benchmarks", "scripts"],
+        ["ruff", "format", "--check", "appliance", "tui", "cli", "tests", "benchmarks", "scripts"],
         ["mypy", "appliance/domain", "appliance/policy"],
         ["lint-imports"],
+        ["python", "scripts/mutation.py"],
     ],
-    ids=["ruff", "ruff-format", "mypy-strict", "import-contracts"],
+    ids=["ruff", "ruff-format", "mypy-strict", "import-contracts", "mutation-score"],
 )
 def test_gate(command: list[str]) -> None:
     r = subprocess.run(
