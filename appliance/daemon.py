@@ -405,6 +405,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                         lambda tenant, sid, limit: session_turns(
                             settings.ledger_path, tenant, sid, limit=limit
                         ),
+                        router.residency,
                     ),
                 )
             )

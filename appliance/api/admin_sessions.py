@@ -1,7 +1,7 @@
 """Operators' routes for one session: its detail and its release (operator key).
 
 `GET /admin/v1/sessions/{id}?tenant=T[&turns=N]`: the session as the state shows it, its
-residency per worker (the tokens of its prefix the KV index sees on each worker) and its
+residency per worker and tier (the tokens of its prefix the KV index sees there now) and its
 newest N turns (default 50, at most 500), oldest first, read from the ledger in a thread so
 the event loop never waits on the disk.
 `POST /admin/v1/sessions/{id}/release?tenant=T`: drops the appliance's hold on the session's
@@ -25,8 +25,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from appliance.api.errors import ApiError
+from appliance.domain.records import WorkerId
 from appliance.ports import Clock
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, SessionReleases
+from appliance.services.sessions import SessionState
 from appliance.services.state import session_row
 
 DEFAULT_TURNS = 50
@@ -40,6 +42,8 @@ class SessionAdmin:
     session_turns: Callable[[str, str, int], list[dict[str, Any]]]
     """(tenant, session id, limit) -> the session's newest turns from the ledger, oldest
     first; blocking (it reads the file)."""
+    residency: Callable[[SessionState], dict[str, dict[WorkerId, int]]]
+    """The session's prefix as the KV index holds it now (`Router.residency`)."""
 
 
 def session_routes(
@@ -64,10 +68,12 @@ def session_routes(
             admin.session_turns, session.tenant, session.session_id, limit
         )
         per_token = releases.kv_bytes_per_token
-        row = session_row(session, clock.now(), per_token, releases.in_effect(session))
+        held = admin.residency(session)
+        row = session_row(session, clock.now(), per_token, held, releases.in_effect(session))
         residency = [
-            {"worker": w, "tier": "gpu", "tokens": n, "bytes": n * per_token}
-            for w, n in sorted(session.resident_tokens.items())
+            {"worker": w, "tier": tier, "tokens": n, "bytes": n * per_token}
+            for tier, workers in held.items()
+            for w, n in sorted(workers.items())
             if n > 0
         ]
         return JSONResponse({"session": row, "residency": residency, "turns": turns})

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
+from appliance.domain.kv_events import Medium
 from appliance.domain.records import (
     CacheReceipt,
     CacheTier,
@@ -184,6 +185,18 @@ class Router:
         """The router's own time per turn, from the whole request to its forwarding."""
 
     # --- placement -------------------------------------------------------------------
+
+    def residency(self, session: SessionState) -> dict[str, dict[WorkerId, int]]:
+        """The session's last prompt as the KV index holds it now (not as predicted at its
+        last placement): leading tokens per worker, by tier ("gpu", "host")."""
+        chain = session.chain
+        if chain is None or not chain.hashes:
+            return {"gpu": {}, "host": {}}
+        bs = chain.block_size
+        return {
+            tier: {w: n * bs for w, n in self._index.lookup(chain.event_hashes, medium=m).items()}
+            for tier, m in (("gpu", Medium.GPU), ("host", Medium.CPU))
+        }
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None

@@ -11,11 +11,12 @@ model, and `gpu_driver` says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from appliance.domain.gpu import GpuSnapshot
+from appliance.domain.records import WorkerId
 from appliance.policy.costs import (
     GROUP_KEYS,
     AttemptRow,
@@ -87,7 +88,13 @@ def snapshot(src: StateSources) -> dict[str, Any]:
     ]
     releases = src.releases
     sessions = [
-        session_row(s, now, src.kv_bytes_per_token, releases.in_effect(s) if releases else None)
+        session_row(
+            s,
+            now,
+            src.kv_bytes_per_token,
+            src.router.residency(s),
+            releases.in_effect(s) if releases else None,
+        )
         for s in src.router.sessions
     ]
     tasks = [
@@ -124,17 +131,22 @@ def snapshot(src: StateSources) -> dict[str, Any]:
 
 
 def session_row(
-    s: SessionState, now: float, kv_bytes_per_token: int, release: Release | None = None
+    s: SessionState,
+    now: float,
+    kv_bytes_per_token: int,
+    residency: Mapping[str, Mapping[WorkerId, int]],
+    release: Release | None = None,
 ) -> dict[str, Any]:
-    """One session as the state shows it (and `GET /admin/v1/sessions/{id}`)."""
-    gpu_tokens = max(s.resident_tokens.values(), default=0)
+    """One session as the state shows it (and `GET /admin/v1/sessions/{id}`); `residency` is
+    the KV index's view now (`Router.residency`): the most any one worker holds, per tier."""
+    tokens = {tier: max(residency.get(tier, {}).values(), default=0) for tier in ("gpu", "host")}
     return {
         "id": s.session_id,
         "tenant": s.tenant,
         "task_id": s.task_id.split("/", 1)[-1] if s.task_id else None,
         "worker": s.home,
-        "resident_tokens": {"gpu": gpu_tokens, "host": 0},
-        "resident_bytes": {"gpu": gpu_tokens * kv_bytes_per_token, "host": 0},
+        "resident_tokens": tokens,
+        "resident_bytes": {tier: n * kv_bytes_per_token for tier, n in tokens.items()},
         "idle_s": round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
         "turns": s.turns,
         "tool_class": s.tool_class,

@@ -43,12 +43,13 @@ def turn(
     c: openai.OpenAI,
     messages: list[dict[str, str]],
     session: str,
+    max_tokens: int = 8,
     **kw: object,
 ):  # type: ignore[no-untyped-def]
     raw = c.chat.completions.with_raw_response.create(
         model=app.model,
         messages=messages,
-        max_tokens=8,  # type: ignore[arg-type]
+        max_tokens=max_tokens,  # type: ignore[arg-type]
         extra_headers={"X-Session-ID": session},
         extra_body={"ignore_eos": True},
         **kw,
@@ -424,22 +425,30 @@ def test_the_state_shows_only_numbers_the_ledger_supports(appliance_up: RunningA
         messages.append({"role": "assistant", "content": "ok"})
     _session_turns(app, "audited", expect=3)
     ops = {"Authorization": f"Bearer {app.keys['ops']}"}
-    state = httpx.get(f"{app.url}/admin/v1/state", headers=ops).json()
-    task = next(t for t in state["tasks"] if t["id"] == "audit" and t["tenant"] == "alice")
-    session = next(s for s in state["sessions"] if s["id"] == "audited")
     with closing(sqlite3.connect(app.ledger)) as db:
         tokens, cost, attempts = db.execute(
             "SELECT SUM(prompt_tokens) + SUM(output_tokens), SUM(cost), COUNT(*) FROM turns"
             " WHERE task_id = 'alice/audit'"
         ).fetchone()
-        last_predicted, last_worker = db.execute(
-            "SELECT predicted_cached_tokens, worker FROM turns WHERE session_id = 'audited'"
-            " ORDER BY started_at DESC LIMIT 1"
+        last_prompt, last_predicted, last_worker = db.execute(
+            "SELECT prompt_tokens, predicted_cached_tokens, worker FROM turns"
+            " WHERE session_id = 'audited' ORDER BY started_at DESC LIMIT 1"
         ).fetchone()
+    # The KV index's view now: every full block of the last prompt is cached once its KV
+    # events arrive (not the smaller view predicted when the last turn was placed).
+    held = last_prompt // 32 * 32
+    deadline = time.monotonic() + 5
+    while True:
+        state = httpx.get(f"{app.url}/admin/v1/state", headers=ops).json()
+        session = next(s for s in state["sessions"] if s["id"] == "audited")
+        if session["resident_tokens"]["gpu"] == held or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    task = next(t for t in state["tasks"] if t["id"] == "audit" and t["tenant"] == "alice")
     assert attempts == 3
     assert task["tokens"] == tokens
     assert task["cost"] == pytest.approx(cost)
     assert session["turns"] == 3 and session["worker"] == last_worker
-    # The KV index's view when the last turn was placed, as the ledger recorded it.
-    assert session["resident_tokens"]["gpu"] == last_predicted > 0
-    assert session["resident_bytes"]["gpu"] > 0
+    assert session["resident_tokens"] == {"gpu": held, "host": 0}, (held, last_predicted)
+    assert held > last_predicted > 0
+    assert session["resident_bytes"]["gpu"] > 0 == session["resident_bytes"]["host"]

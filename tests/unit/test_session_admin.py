@@ -54,6 +54,8 @@ class Setup:
     feed: EventFeed
     releases: SessionReleases
     reads: list[tuple[str, str, int]]
+    held: dict[str, dict[str, dict[WorkerId, int]]]
+    """What the KV index holds of each session now, by session id."""
 
 
 def open_session(table: SessionTable, tenant: str, sid: str, **kw: Any) -> SessionState:
@@ -69,6 +71,7 @@ def setup() -> Iterator[Setup]:
     ledger, feed = Ledger(), EventFeed()
     releases = SessionReleases(table, ledger, feed, KV_BYTES_PER_TOKEN)  # type: ignore[arg-type]
     reads: list[tuple[str, str, int]] = []
+    held: dict[str, dict[str, dict[WorkerId, int]]] = {}
 
     def turns(tenant: str, sid: str, limit: int) -> list[dict[str, Any]]:
         reads.append((tenant, sid, limit))
@@ -85,10 +88,12 @@ def setup() -> Iterator[Setup]:
         state=lambda: {},
         metrics=lambda: "",
         costs=lambda: [],
-        sessions_admin=SessionAdmin(releases, turns),
+        sessions_admin=SessionAdmin(
+            releases, turns, lambda s: held.get(s.session_id, {"gpu": {}, "host": {}})
+        ),
     )
     with TestClient(create_app(ctx)) as http:
-        yield Setup(http, table, ledger, feed, releases, reads)
+        yield Setup(http, table, ledger, feed, releases, reads, held)
 
 
 def test_the_detail_has_the_session_its_residency_and_its_turns(setup: Setup) -> None:
@@ -99,8 +104,12 @@ def test_the_detail_has_the_session_its_residency_and_its_turns(setup: Setup) ->
         home=WorkerId("w1"),
         turns=4,
         last_active_at=120.0,
-        resident_tokens={WorkerId("w1"): 512, WorkerId("w0"): 0, WorkerId("w2"): 64},
+        resident_tokens={WorkerId("w1"): 1024},  # predicted at its last placement: not shown
     )
+    setup.held["a/b c"] = {
+        "gpu": {WorkerId("w1"): 512, WorkerId("w0"): 0, WorkerId("w2"): 64},
+        "host": {WorkerId("w0"): 256},
+    }
     r = setup.http.get(
         "/admin/v1/sessions/a%2Fb%20c", params={"tenant": "acme", "turns": 7}, headers=OPS
     )
@@ -108,9 +117,11 @@ def test_the_detail_has_the_session_its_residency_and_its_turns(setup: Setup) ->
     body = r.json()
     assert body["session"]["id"] == "a/b c" and body["session"]["tenant"] == "acme"
     assert body["session"]["idle_s"] == 10.0 and body["session"]["decision"] is None
+    assert body["session"]["resident_tokens"] == {"gpu": 512, "host": 256}
     assert body["residency"] == [
         {"worker": "w1", "tier": "gpu", "tokens": 512, "bytes": 512 * KV_BYTES_PER_TOKEN},
         {"worker": "w2", "tier": "gpu", "tokens": 64, "bytes": 64 * KV_BYTES_PER_TOKEN},
+        {"worker": "w0", "tier": "host", "tokens": 256, "bytes": 256 * KV_BYTES_PER_TOKEN},
     ]
     assert body["turns"][0]["turn_id"] == "t-1"
     assert setup.reads == [("acme", "a/b c", 7)]
@@ -175,7 +186,8 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
     )
     (event,) = setup.feed.recent()
     assert (event["kind"], event["subject"], event["tenant"]) == ("release", "s1", "acme")
-    shown = session_row(session, 130.0, KV_BYTES_PER_TOKEN, setup.releases.in_effect(session))
+    none: dict[str, dict[WorkerId, int]] = {}
+    shown = session_row(session, 130.0, KV_BYTES_PER_TOKEN, none, setup.releases.in_effect(session))
     assert (shown["decision"], shown["reason"]) == ("released", "released by operator")
 
     again = setup.http.post("/admin/v1/sessions/s1/release", headers=OPS)
@@ -183,7 +195,7 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
 
     session.turns += 1  # the session's next turn ends the release
     assert setup.releases.in_effect(session) is None
-    assert session_row(session, 131.0, KV_BYTES_PER_TOKEN)["decision"] is None
+    assert session_row(session, 131.0, KV_BYTES_PER_TOKEN, none)["decision"] is None
 
 
 def test_a_session_with_a_request_in_flight_is_not_released(setup: Setup) -> None:
