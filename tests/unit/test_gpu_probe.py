@@ -1,114 +1,84 @@
-"""The NVML probe against a scripted NVML module: every reading, and every failure mode."""
+"""The NVML probe over the real pynvml against a stand-in for libnvidia-ml (tests/fake_nvml.py):
+every reading in NVML's own units, and every failure mode."""
 
 from __future__ import annotations
 
-import sys
-import types
-from dataclasses import dataclass
-
+import pynvml
 import pytest
 
 from appliance.domain.gpu import GpuProcess, GpuReading
 from appliance.gpu.fake import FakeProbe
 from appliance.gpu.nvml import NvmlProbe
+from tests.fake_nvml import FakeDevice, FakeNvmlLibrary, install
 
 
-class NVMLError(Exception):
-    pass
+def probe_on(monkeypatch: pytest.MonkeyPatch, *devices: FakeDevice) -> FakeNvmlLibrary:
+    return install(monkeypatch, FakeNvmlLibrary(list(devices)))
 
 
-@dataclass
-class Mem:
-    total: int
-    used: int
-    free: int
-
-
-@dataclass
-class Util:
-    gpu: int
-    memory: int
-
-
-@dataclass
-class Proc:
-    pid: int
-    usedGpuMemory: int | None
-
-
-def fake_nvml(devices: int, *, broken: set[str] = frozenset(), init_fails: bool = False):  # type: ignore[no-untyped-def]
-    m = types.ModuleType("pynvml")
-    calls: list[str] = []
-
-    def fn(name: str, value):  # type: ignore[no-untyped-def]
-        def call(*args):  # type: ignore[no-untyped-def]
-            calls.append(name)
-            if name in broken:
-                raise NVMLError(name)
-            return value(*args) if callable(value) else value
-
-        return call
-
-    def init() -> None:
-        if init_fails:
-            raise NVMLError("Driver Not Loaded")
-
-    m.nvmlInit = init  # type: ignore[attr-defined]
-    m.nvmlShutdown = fn("shutdown", None)  # type: ignore[attr-defined]
-    m.nvmlSystemGetDriverVersion = fn("driver", b"580.159.04")  # type: ignore[attr-defined]
-    m.nvmlDeviceGetCount = fn("count", devices)  # type: ignore[attr-defined]
-    m.nvmlDeviceGetHandleByIndex = fn("handle", lambda i: f"h{i}")  # type: ignore[attr-defined]
-    m.nvmlDeviceGetName = fn("name", "NVIDIA H200")  # type: ignore[attr-defined]
-    m.nvmlDeviceGetUUID = fn("uuid", lambda h: f"GPU-{h}")  # type: ignore[attr-defined]
-    m.nvmlDeviceGetMemoryInfo = fn("mem", Mem(150 << 30, 34 << 30, 116 << 30))  # type: ignore[attr-defined]
-    m.nvmlDeviceGetUtilizationRates = fn("util", Util(11, 3))  # type: ignore[attr-defined]
-    m.nvmlDeviceGetTemperature = fn("temp", 39)  # type: ignore[attr-defined]
-    m.nvmlDeviceGetPowerUsage = fn("power", 101459)  # type: ignore[attr-defined]
-    m.nvmlDeviceGetComputeRunningProcesses = fn(  # type: ignore[attr-defined]
-        "procs", [Proc(421, 33812381696), Proc(7, None)]
-    )
-    m.calls = calls  # type: ignore[attr-defined]
-    return m
-
-
-def test_readings_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(2))
+def test_readings_are_converted_from_nvmls_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML answers in percent, milliwatts and bytes, through pynvml's own structures."""
+    second = FakeDevice(
+        uuid=b"GPU-second", used=100 << 30, gpu_percent=87, power_mw=612_500, temp_c=71,
+        processes=[(421, 33_812_381_696), (7, None)],
+    )  # fmt: skip
+    probe_on(monkeypatch, FakeDevice(), second)
     snap = NvmlProbe().snapshot()
     assert snap.error is None and snap.driver == "580.159.04" and len(snap.gpus) == 2
     g = snap.gpus[1]
-    assert (g.index, g.name, g.uuid) == (1, "NVIDIA H200", "GPU-h1")
+    assert (g.index, g.name, g.uuid) == (1, "NVIDIA H200", "GPU-second")
     assert (g.mem_total_bytes, g.mem_used_bytes, g.mem_free_bytes) == (
         150 << 30,
-        34 << 30,
-        116 << 30,
+        100 << 30,
+        50 << 30,
     )
-    assert (g.util, g.temp_c, g.power_w) == (0.11, 39.0, 101.459)
-    assert g.processes == (GpuProcess(421, 33812381696), GpuProcess(7, 0))
+    assert (g.util, g.temp_c, g.power_w) == (0.87, 71.0, 612.5)
+    # A process whose memory the driver cannot tell (NVML_VALUE_NOT_AVAILABLE) counts 0.
+    assert g.processes == (GpuProcess(421, 33_812_381_696), GpuProcess(7, 0))
+    assert snap.gpus[0].processes == ()  # NVML's "no processes" answer
     assert snap.host is not None and snap.host.mem_total_bytes > 0
 
 
 def test_a_failing_call_becomes_a_default_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(1, broken={"power", "temp", "procs"}))
+    library = probe_on(monkeypatch, FakeDevice(processes=[(1, 1)]))
+    for call in ("nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature",
+                 "nvmlDeviceGetComputeRunningProcesses_v3"):  # fmt: skip
+        library.failing[call] = pynvml.NVML_ERROR_NOT_SUPPORTED
     (g,) = NvmlProbe().snapshot().gpus
     assert g.power_w is None and g.temp_c is None and g.processes == ()
-    assert g.mem_used_bytes == 34 << 30
+    assert g.mem_used_bytes == 34 << 30 and g.util == 0.11
+
+
+def test_a_device_whose_handle_fails_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    library = probe_on(monkeypatch, FakeDevice())
+    library.failing["nvmlDeviceGetHandleByIndex_v2"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    snap = NvmlProbe().snapshot()
+    assert snap.gpus == () and snap.error is None and snap.driver == "580.159.04"
 
 
 def test_no_driver_is_a_normal_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(1, init_fails=True))
+    library = FakeNvmlLibrary([FakeDevice()])
+    library.failing["nvmlInitWithFlags"] = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    install(monkeypatch, library)
     snap = NvmlProbe().snapshot()
-    assert snap.gpus == () and snap.error is not None and "Driver Not Loaded" in snap.error
+    assert snap.gpus == () and snap.error == "NVML unavailable: Driver Not Loaded"
+
+
+def test_no_nvml_library_is_a_normal_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, FakeNvmlLibrary([]), loads=False)
+    snap = NvmlProbe().snapshot()
+    assert snap.gpus == () and snap.error == "NVML unavailable: NVML Shared Library Not Found"
 
 
 def test_nvml_initialises_once_and_shuts_down(monkeypatch: pytest.MonkeyPatch) -> None:
-    nvml = fake_nvml(1)
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    library = probe_on(monkeypatch, FakeDevice())
     probe = NvmlProbe()
     probe.snapshot()
     probe.snapshot()
-    assert nvml.calls.count("driver") == 2  # one reading per tick
+    assert library.calls.count("nvmlInitWithFlags") == 1
+    assert library.calls.count("nvmlSystemGetDriverVersion") == 2  # one reading per tick
     probe.close()
-    assert nvml.calls[-1] == "shutdown"
+    assert library.calls[-1] == "nvmlShutdown"
 
 
 def test_fake_probe_plays_its_script_then_holds_the_last_tick() -> None:

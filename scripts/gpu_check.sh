@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU checks, one script: on a host with an NVIDIA GPU, installs the appliance with
+# vLLM's CUDA build and the test tools (install.sh picks the build from nvidia-smi), writes
+# one probe reading to $OUT/gpu_probe.json (or ./gpu_probe.json) and runs the tests marked
+# `gpu`. Extra arguments go to pytest. Without a GPU those tests are skipped and say why.
+#
+#   scripts/gpu_check.sh            install, probe, test
+#   SKIP_INSTALL=1 scripts/gpu_check.sh   reuse .venv as it is
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-.}
+[ "${SKIP_INSTALL:-0}" = 1 ] || ./install.sh --dev
+.venv/bin/python scripts/gpu_probe.py > "$out/gpu_probe.json"
+echo "==> probe reading: $out/gpu_probe.json"
+exec .venv/bin/pytest -m gpu -ra -p no:cacheprovider "$@"
