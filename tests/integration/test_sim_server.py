@@ -30,6 +30,7 @@ from appliance.services.worker_speed import measured_slowdown
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import bundled_profile
 from appliance.sim.worker import ThreadedWorker, WorkerConfig, free_port, serve_workers
+from tests.ports import free_port_block
 
 BLOCK = 16
 HASHER = BlockHasher.for_engine("sha256_cbor", BLOCK, "0")
@@ -370,7 +371,8 @@ def test_bad_input(
 
 
 def test_serve_workers_offsets_ports_and_kv_endpoints() -> None:
-    base_port, kv_port = free_port(), free_port()
+    # Two workers: two ports from each base, both free (base + 1 is not the kernel's to give).
+    base_port, kv_port = free_port_block(2), free_port_block(2)
     loop = asyncio.new_event_loop()
     task: asyncio.Task[None] | None = None
 
