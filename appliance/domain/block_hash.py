@@ -59,6 +59,18 @@ def resolve_none_hash_seed(pythonhashseed: str | None) -> str:
     return pythonhashseed if pythonhashseed is not None else DEFAULT_NONE_HASH_SEED
 
 
+def cacheable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The most whole blocks of a prompt vLLM serves from its prefix cache: never the block
+    holding the last token, which it computes to get the first output's logits
+    (`KVCacheManager.get_computed_blocks`)."""
+    return max(0, prompt_tokens - 1) // block_size
+
+
+def cacheable_tokens(prompt_tokens: int, block_size: int) -> int:
+    """`cacheable_blocks` in tokens: the cap on any prediction of a prompt's cached tokens."""
+    return cacheable_blocks(prompt_tokens, block_size) * block_size
+
+
 def event_block_hash(digest: bytes) -> int:
     """A digest as KV events carry it: its last 8 bytes as a big-endian uint64."""
     return int.from_bytes(digest, "big") & _UINT64_MASK

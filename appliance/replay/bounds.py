@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from appliance.domain.block_hash import cacheable_blocks
 from appliance.replay.traces import Trace
 from appliance.sim.trace import TRACE_BLOCK_TOKENS, BlockTokens
 
@@ -92,7 +93,7 @@ def unbounded(prompt_tokens: Sequence[int], keys: Sequence[tuple[int, ...]], bs:
     seen: set[int] = set()
     cached = 0
     for n, ks in zip(prompt_tokens, keys, strict=True):
-        cached += _leading(ks, (n - 1) // bs, seen) * bs
+        cached += _leading(ks, cacheable_blocks(n, bs), seen) * bs
         seen.update(ks)
     return Bound(sum(prompt_tokens) - cached, cached)
 
@@ -112,7 +113,7 @@ def optimal(
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key): farthest, deepest first
     cached = 0
     for i, (n, ks) in enumerate(zip(prompt_tokens, keys, strict=True)):
-        cached += _leading(ks, (n - 1) // bs, cache) * bs
+        cached += _leading(ks, cacheable_blocks(n, bs), cache) * bs
         for depth, (k, use) in enumerate(zip(ks, next_use[i], strict=True)):
             cache[k] = use
             heapq.heappush(heap, (-use, -depth, k))

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from appliance.domain.block_hash import BlockHasher, event_block_hash
+from appliance.domain.block_hash import BlockHasher, cacheable_tokens, event_block_hash
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import WorkerId
 from appliance.policy.routing import RouteRequest, WorkerView, route
@@ -93,7 +93,7 @@ class PolicyRouter:
         else:
             w, reason = self._anchor(req, views, keys, resident)
         self.reasons[_NUMBERS.sub("N", reason)] += 1
-        cached = min(resident[w] * self.bs, (n - 1) // self.bs * self.bs)
+        cached = min(resident[w] * self.bs, cacheable_tokens(n, self.bs))
         fresh = n - cached
         self.in_flight[w] += 1
         self.prefill_tokens[w] += fresh
@@ -120,7 +120,7 @@ class PolicyRouter:
         self, req: SimRequest, views: Sequence[EngineView], resident: list[int]
     ) -> tuple[int, str]:
         n = len(req.prompt_token_ids)
-        cap = (n - 1) // self.bs * self.bs
+        cap = cacheable_tokens(n, self.bs)
         queues = [sum(p.values()) for p in self.pending_s]
         total = sum(queues)
         home = self.home.get(req.session_id) if req.session_id else None

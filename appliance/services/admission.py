@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.domain.block_hash import cacheable_tokens
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import AdmissionEvent, TaskId, TenantId, WorkerId
 from appliance.policy.admission import (
@@ -119,9 +120,10 @@ def resident_hint(session: SessionState | None, prompt_tokens: int) -> dict[Work
     refused only when even the best case misses it."""
     if session is None:
         return {}
-    cap = max(0, prompt_tokens - 1)  # vLLM never serves the last prompt token from cache
-    resident = {w: min(n, cap) for w, n in session.resident_tokens.items()}
     chain = session.chain
+    bs = chain.block_size if chain is not None else 1
+    cap = cacheable_tokens(prompt_tokens, bs)
+    resident = {w: min(n, cap) for w, n in session.resident_tokens.items()}
     if session.home is not None and chain is not None:
         previous = min(len(chain.hashes) * chain.block_size, cap)
         resident[session.home] = max(resident.get(session.home, 0), previous)

@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 
+from appliance.domain.block_hash import cacheable_tokens
 from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
 from appliance.domain.kv_events import Medium
 from appliance.domain.records import (
@@ -239,8 +240,7 @@ class Router:
             chain = session.chain
         resident_blocks = self._index.lookup(chain.event_hashes) if chain.hashes else {}
         bs = chain.block_size
-        # vLLM never serves the last prompt token from cache.
-        cap = max(0, turn.prompt_len - 1) // bs * bs
+        cap = cacheable_tokens(turn.prompt_len, bs)
         resident = {w: min(n * bs, cap) for w, n in resident_blocks.items()}
         session.resident_tokens = dict(resident)
         workers = self._workers()

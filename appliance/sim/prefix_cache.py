@@ -36,6 +36,7 @@ from appliance.domain.block_hash import (
     BlockHash,
     BlockHasher,
     RequestKeys,
+    cacheable_blocks,
     event_extra_keys,
 )
 from appliance.domain.kv_events import KvEvent
@@ -291,7 +292,7 @@ class PrefixCache:
         self._check_block_size(request)
         if not self._lookup_enabled(request):
             return NO_HIT
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = cacheable_blocks(request.num_tokens, self.block_size)
         hit: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)

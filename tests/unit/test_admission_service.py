@@ -357,7 +357,8 @@ def test_resident_hint_is_the_previous_prompt_where_it_ran() -> None:
     session = SessionState(A, SessionId("s"), 0.0, home=W0, resident_tokens={W1: 64})
     session.chain = BlockHashChain(32, tuple(b"x" * 32 for _ in range(10)), ())
     assert resident_hint(session, 500) == {W0: 320, W1: 64}
-    assert resident_hint(session, 100) == {W0: 99, W1: 64}
+    # A 100-token prompt can reuse three whole blocks of 32, never its last token.
+    assert resident_hint(session, 100) == {W0: 96, W1: 64}
     assert resident_hint(None, 500) == {}
 
 

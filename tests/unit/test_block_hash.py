@@ -16,6 +16,8 @@ from appliance.domain.block_hash import (
     HashAlgo,
     LoraKey,
     RequestKeys,
+    cacheable_blocks,
+    cacheable_tokens,
     encode_cbor_canonical,
     event_block_hash,
     event_extra_keys,
@@ -216,3 +218,14 @@ def test_block_size_must_be_positive(block_size: int) -> None:
 def test_unknown_algorithm_is_refused() -> None:
     with pytest.raises(ValueError):
         BlockHasher.for_engine("xxhash", 16, None)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "blocks"),
+    [(0, 0), (1, 0), (16, 0), (17, 1), (32, 1), (33, 2), (100, 6)],
+)
+def test_the_last_token_is_never_served_from_cache(prompt: int, blocks: int) -> None:
+    """vLLM computes the last prompt token itself: a prompt of exactly k blocks can reuse
+    k - 1 of them, one token more reuses all k."""
+    assert cacheable_blocks(prompt, 16) == blocks
+    assert cacheable_tokens(prompt, 16) == blocks * 16
