@@ -43,7 +43,7 @@ from appliance.policy.admission import (
 )
 from appliance.policy.routing import PrefillCost
 from appliance.ports import Clock, Ledger, WorkerEndpoint
-from appliance.services.events import EventFeed
+from appliance.services.events import EventFeed, EventKind
 from appliance.services.sessions import SessionState
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class AdmissionService:
         log.info("admission refused %s of tenant %s: %s", task_id, request.tenant, detail)
         if self._events is not None:
             subject = task_id.split("/", 1)[-1]
-            self._events.record(now, "rejection", subject, detail, tenant=request.tenant)
+            self._events.record(now, EventKind.REJECTION, subject, detail, tenant=request.tenant)
         event = AdmissionEvent(
             now,
             TenantId(request.tenant),

@@ -1,4 +1,5 @@
-"""The operator's event feed: worker restarts, admission rejections, evictions and releases.
+"""The operator's event feed: worker restarts and outages, admission rejections, releases and
+task cancellations (`EventKind` names every kind the appliance records).
 
 Every component that makes such a change records it here in the same place it makes the
 change (and writes its ledger row there too, where the change has one). The feed keeps the
@@ -10,16 +11,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
 DEFAULT_CAPACITY = 500
 
 
+class EventKind(StrEnum):
+    WORKER_RESTART = "worker_restart"
+    WORKER_DOWN = "worker_down"
+    WORKER_UP = "worker_up"
+    REJECTION = "rejection"
+    """Admission refused a task or a turn."""
+    RELEASE = "release"
+    """An operator released a session's KV."""
+    TASK_CANCELLED = "task_cancelled"
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     at: float
-    kind: str
-    """"worker_restart", "worker_down", "rejection", "eviction", "release", ..."""
+    kind: EventKind
     subject: str
     """What it happened to: a worker id, a session id, a task id."""
     detail: str
@@ -34,7 +46,7 @@ class EventFeed:
         """Events of each kind since start (not bounded by the capacity)."""
 
     def record(
-        self, at: float, kind: str, subject: str, detail: str, *, tenant: str | None = None
+        self, at: float, kind: EventKind, subject: str, detail: str, *, tenant: str | None = None
     ) -> Event:
         event = Event(at, kind, subject, detail, tenant)
         self._events.append(event)

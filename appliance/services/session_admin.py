@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import CacheTier, ResidencyEvent, SessionId, TenantId
 from appliance.ports import Ledger
-from appliance.services.events import EventFeed
+from appliance.services.events import EventFeed, EventKind
 from appliance.services.sessions import SessionState, SessionTable
 
 RELEASED = "released"
@@ -117,7 +117,7 @@ class SessionReleases:
         where = f" on {session.home}" if session.home else ""
         self._feed.record(
             now,
-            "release",
+            EventKind.RELEASE,
             session.session_id,
             f"{RELEASE_REASON}: {tokens:,} tokens held{where}",
             tenant=session.tenant,

@@ -25,7 +25,7 @@ from appliance.domain.records import (
     can_transition,
 )
 from appliance.ports import Ledger
-from appliance.services.events import EventFeed
+from appliance.services.events import EventFeed, EventKind
 
 
 class TaskError(ApplianceError):
@@ -158,7 +158,11 @@ class TaskBook:
             state.verified = verified
         if kind == TaskEventType.CANCELLED and announce and self._events is not None:
             self._events.record(
-                now, "task_cancelled", client_id, "reported cancelled by its client", tenant=tenant
+                now,
+                EventKind.TASK_CANCELLED,
+                client_id,
+                "reported cancelled by its client",
+                tenant=tenant,
             )
         return state
 
@@ -182,7 +186,7 @@ class TaskBook:
                 detail = f"{kids} cancelled; the task itself was closed already"
             else:
                 detail = f"cancelled with {kids}" if more else "cancelled"
-            self._events.record(now, "task_cancelled", client_id, detail, tenant=tenant)
+            self._events.record(now, EventKind.TASK_CANCELLED, client_id, detail, tenant=tenant)
         return cancelled
 
     def add_turn(self, turn: TurnRecord, cost: Future[float | None]) -> None:

@@ -4,8 +4,8 @@ Model of the world: whoever keeps a worker (the supervisor for vLLM, the sim's p
 nobody for an external server) counts its restarts on the worker's handle and keeps its
 health current. The daemon polls every worker twice a second; this watch compares each
 reading with the previous one and records in the event feed what changed: a restart count
-that went up ("worker_restart"), a worker that stopped answering ("worker_down") or answers
-again ("worker_up"). The first reading of a worker only sets what later ones compare with.
+that went up (`worker_restart`), a worker that stopped answering (`worker_down`) or answers
+again (`worker_up`). The first reading of a worker only sets what later ones compare with.
 The engines layer thus never imports the feed.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from appliance.ports import WorkerEndpoint
-from appliance.services.events import EventFeed
+from appliance.services.events import EventFeed, EventKind
 
 
 class WorkerWatch:
@@ -36,12 +36,12 @@ class WorkerWatch:
                 more = restarts - was_restarts
                 self._feed.record(
                     now,
-                    "worker_restart",
+                    EventKind.WORKER_RESTART,
                     w.id,
                     f"restarted{f' {more} times' if more > 1 else ''}; "
                     f"{restarts} restarts since the appliance started",
                 )
             if was_healthy and not healthy:
-                self._feed.record(now, "worker_down", w.id, "stopped answering /health")
+                self._feed.record(now, EventKind.WORKER_DOWN, w.id, "stopped answering /health")
             elif healthy and not was_healthy:
-                self._feed.record(now, "worker_up", w.id, "answers /health again")
+                self._feed.record(now, EventKind.WORKER_UP, w.id, "answers /health again")
