@@ -248,6 +248,112 @@ CASES = [
         200,
         "admitted",
     ),
+    # --- boundaries: a limit exactly reached ----------------------------------------------
+    (
+        "a child exactly at max_depth is admitted",
+        AdmitRequest("a", Work.TASK, parent=parent(0, depth=1)),
+        box(),
+        "admitted",
+        200,
+        "admitted",
+    ),
+    (
+        "a parent's own cap equal to the global one is reported as the global cap",
+        AdmitRequest("a", Work.TASK, parent=parent(3, max_children=3)),
+        box(),
+        "children_cap",
+        429,
+        "task p has 3 open children; admission.max_children_per_task is 3",
+    ),
+    (
+        "a queue exactly at the bound is admitted",
+        AdmitRequest("a", Work.TURN),
+        box(WorkerEstimate(10.0)),
+        "admitted",
+        200,
+        "admitted",
+    ),
+    (
+        "a first token exactly at the deadline is feasible",
+        AdmitRequest("a", Work.TURN, deadline_at=NOW + 0.5),
+        box(WorkerEstimate(0.25, 0.25)),
+        "admitted",
+        200,
+        "fastest first token in 0.500 s",
+    ),
+    (
+        "a low priority's queue bound stops at zero: any queue is too long",
+        AdmitRequest("a", Work.TURN, priority=-3),
+        box(WorkerEstimate(0.5)),
+        "overloaded",
+        503,
+        "exceeds 0.000 s (the bound at priority -3); the shortest is 0.500 s",
+    ),
+    (
+        "an empty queue meets a bound of zero",
+        AdmitRequest("a", Work.TURN, priority=-3),
+        box(WorkerEstimate(0.0)),
+        "admitted",
+        200,
+        "admitted at priority -3",
+    ),
+    # --- fair share: what counts as company and as capacity --------------------------------
+    (
+        "a tenant with no turns in flight is no company for turns",
+        AdmitRequest("a", Work.TURN),
+        box(a=(8, 0), b=(0, 3)),
+        "admitted",
+        200,
+        "admitted",
+    ),
+    (
+        "a tenant new to the box holds nothing, even with a share under one turn",
+        AdmitRequest("new", Work.TURN),
+        box(WorkerEstimate(0.0), b=(1, 0), c=(1, 0), d=(1, 0), e=(1, 0)),
+        "admitted",
+        200,
+        "admitted",
+    ),
+    (
+        "a box of one worker saturates at one worker's turns",
+        AdmitRequest("a", Work.TURN),
+        box(WorkerEstimate(0.0), a=(2, 0), b=(2, 0)),
+        "tenant_over_share",
+        429,
+        "saturated (4 in-flight turns, capacity 4) and tenant a holds 2",
+    ),
+    (
+        "a box with no healthy worker counts one worker's turns as its capacity",
+        AdmitRequest("a", Work.TURN),
+        BoxLoad({"a": TenantLoad(2, 0), "b": TenantLoad(2, 0)}, ()),
+        "tenant_over_share",
+        429,
+        "saturated (4 in-flight turns, capacity 4)",
+    ),
+    (
+        "a task-opening turn on an unsaturated box is still judged by open tasks",
+        AdmitRequest("a", Work.TASK_TURN),
+        box(a=(0, 4), b=(0, 2)),
+        "tenant_over_share",
+        429,
+        "saturated (6 open tasks, capacity 6) and tenant a holds 4, at or above its share of 3.00",
+    ),
+    (
+        "a task-opening turn alone in turns is still judged by shared open tasks",
+        AdmitRequest("a", Work.TASK_TURN),
+        box(a=(8, 4), b=(0, 2)),
+        "tenant_over_share",
+        429,
+        "saturated (6 open tasks, capacity 6)",
+    ),
+    (
+        "a task-opening turn under its turn share is still judged by open tasks",
+        AdmitRequest("a", Work.TASK_TURN),
+        box(a=(2, 4), b=(6, 2)),
+        "tenant_over_share",
+        429,
+        "saturated (6 open tasks, capacity 6)",
+    ),
 ]
 
 
@@ -273,6 +379,67 @@ def test_overload_retry_after_is_the_queue_excess() -> None:
     decision = admit(AdmitRequest("a", Work.TURN), box(WorkerEstimate(17.5)), LIMITS, NOW)
     assert decision.code == "overloaded"
     assert decision.retry_after_s == pytest.approx(7.5)
+
+
+@pytest.mark.parametrize(
+    ("request_", "load", "code"),
+    [
+        (AdmitRequest("a", Work.TURN, priority=5, deadline_at=NOW - 1.0), box(), "deadline_passed"),
+        (AdmitRequest("a", Work.TASK, priority=5, parent=parent(0, depth=2)), box(), "depth_cap"),
+        (AdmitRequest("a", Work.TASK, priority=5, parent=parent(3)), box(), "children_cap"),
+        (AdmitRequest("a", Work.TURN, priority=5), box(WorkerEstimate(20.0)), "overloaded"),
+        (
+            AdmitRequest("a", Work.TURN, priority=5, deadline_at=NOW + 0.04),
+            box(),
+            "deadline_infeasible",
+        ),
+        (AdmitRequest("a", Work.TURN, priority=5), box(a=(4, 0), b=(4, 0)), "tenant_over_share"),
+    ],
+    ids=[
+        "deadline_passed",
+        "depth_cap",
+        "children_cap",
+        "overloaded",
+        "deadline_infeasible",
+        "tenant_over_share",
+    ],
+)
+def test_every_refusal_carries_the_clipped_priority(
+    request_: AdmitRequest, load: BoxLoad, code: str
+) -> None:
+    decision = admit(request_, load, LIMITS, NOW)
+    assert decision.code == code
+    assert decision.priority == 1  # X-Priority 5 clipped to the default ceiling 1
+
+
+@pytest.mark.parametrize(
+    ("load", "reason"),
+    [
+        (box(), "admitted at priority 0; fastest first token in 0.050 s"),
+        (BoxLoad({}, ()), "admitted at priority 0"),
+    ],
+    ids=["with workers: the fastest first token", "no worker: no wait to quote"],
+)
+def test_the_admission_reason(load: BoxLoad, reason: str) -> None:
+    assert admit(AdmitRequest("a", Work.TURN), load, LIMITS, NOW).reason == reason
+
+
+@pytest.mark.parametrize(
+    ("request_", "load", "code", "retry_after_s"),
+    [
+        (AdmitRequest("a", Work.TURN, deadline_at=NOW - 1.0), box(), "deadline_passed", 0.25),
+        (AdmitRequest("a", Work.TURN), box(WorkerEstimate(10.1)), "overloaded", 0.25),
+        (AdmitRequest("a", Work.TURN), box(WorkerEstimate(10.75)), "overloaded", 0.75),
+    ],
+    ids=["a refusal: the setting", "a small overload: the setting", "an overload: its excess"],
+)
+def test_retry_after_is_the_setting_even_below_a_second(
+    request_: AdmitRequest, load: BoxLoad, code: str, retry_after_s: float
+) -> None:
+    limits = AdmissionLimits(max_queue_s=10.0, retry_after_s=0.25)
+    decision = admit(request_, load, limits, NOW)
+    assert decision.code == code
+    assert decision.retry_after_s == pytest.approx(retry_after_s)
 
 
 def test_effective_priority_defaults_to_zero_and_respects_a_negative_ceiling() -> None:

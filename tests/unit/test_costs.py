@@ -24,6 +24,7 @@ from appliance.policy.costs import (
     TaskRow,
     attempt_cost,
     cost_per_success,
+    group_row,
     turn_cost,
 )
 
@@ -85,7 +86,16 @@ def test_attempt_cost(price: Price, usage: dict[str, float], expected: float) ->
     assert attempt_cost(price, **usage) == pytest.approx(expected)  # type: ignore[arg-type]
 
 
-def _turn(finished_at: float, *, prompt: int, cached: int, out: int) -> TurnRecord:
+def _turn(
+    finished_at: float,
+    *,
+    prompt: int,
+    cached: int,
+    out: int,
+    reasoning: int = 0,
+    tool_cost: float = 0.0,
+    gpu_s: float = 3.0,
+) -> TurnRecord:
     return TurnRecord(
         turn_id=TurnId("u"),
         tenant=TenantId("acme"),
@@ -96,10 +106,12 @@ def _turn(finished_at: float, *, prompt: int, cached: int, out: int) -> TurnReco
         prompt_tokens=prompt,
         cached_tokens=cached,
         output_tokens=out,
+        reasoning_tokens=reasoning,
         outcome=TurnOutcome.OK,
         started_at=finished_at - 1.0,
         finished_at=finished_at,
-        gpu_s=3.0,
+        gpu_s=gpu_s,
+        tool_cost=tool_cost,
     )
 
 
@@ -124,6 +136,57 @@ def test_price_book_picks_the_version_in_effect_at_the_turns_end() -> None:
     )
     assert turn_cost(old, book.at(old.finished_at) or P2) == pytest.approx(0.0024)
     assert turn_cost(new, book.at(new.finished_at) or P1) == pytest.approx(0.0048)
+
+
+def test_attempt_cost_of_no_usage_is_zero() -> None:
+    # Every count defaults to zero: an attempt that used nothing costs nothing, in both modes.
+    assert attempt_cost(P1) == 0.0
+    assert attempt_cost(GPU) == 0.0
+
+
+def test_turn_cost_counts_reasoning_tokens_and_tool_cost() -> None:
+    # 50k reasoning * 20.0/M = 1.0, + tool 0.25 = 1.25 (no prompt or output tokens)
+    turn = _turn(10.0, prompt=0, cached=0, out=0, reasoning=50_000, tool_cost=0.25, gpu_s=0.0)
+    assert turn_cost(turn, P1) == pytest.approx(1.25)
+    # gpu_seconds mode, no GPU time: only the tool, 0.25
+    assert turn_cost(turn, GPU) == pytest.approx(0.25)
+
+
+# From t=2000 every rate of P1 triples.
+P3 = Price(
+    CostMode.TOKENS,
+    effective_from=2000.0,
+    fresh_per_mtok=6.0,
+    cached_per_mtok=1.5,
+    output_per_mtok=30.0,
+    reasoning_per_mtok=60.0,
+    price_id=PriceId(3),
+)
+
+
+def test_an_empty_price_book_has_no_price() -> None:
+    book = PriceBook()
+    assert book.latest() is None
+    assert book.at(0.0) is None
+
+
+@pytest.mark.parametrize("order", [(P1, P2, P3), (P3, P1, P2), (P2, P3, P1), (P3, P2, P1)])
+def test_price_book_latest_is_the_latest_start_whatever_the_order_added(
+    order: tuple[Price, ...],
+) -> None:
+    book = PriceBook(order)
+    assert book.latest() is P3
+    assert [book.at(t) for t in (0.0, 1000.0, 1999.0, 2000.0)] == [P1, P2, P2, P3]
+
+
+def test_price_book_on_a_tie_of_starts_takes_the_version_added_last() -> None:
+    # P2 and its correction both start at t=1000; the correction was added later.
+    fix = Price(CostMode.TOKENS, effective_from=1000.0, fresh_per_mtok=3.0, price_id=PriceId(9))
+    book = PriceBook([P2, P1])
+    book.add(fix)
+    assert book.at(1000.0) is fix
+    assert book.latest() is fix
+    assert book.at(999.0) is P1
 
 
 S, F, C, OPEN = TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.OPEN
@@ -258,6 +321,153 @@ def test_a_parent_cycle_or_missing_parent_loses_no_cost() -> None:
 def test_unknown_group_is_refused() -> None:
     with pytest.raises(ValueError, match="worker"):
         cost_per_success(TASKS, ATTEMPTS, by=("worker",))
+
+
+@pytest.mark.parametrize("window_s", [0.0, -20.0])
+def test_a_window_length_that_is_not_positive_is_refused(window_s: float) -> None:
+    with pytest.raises(ValueError, match=r"^window_s must be positive$"):
+        cost_per_success(TASKS, ATTEMPTS, window_s=window_s)
+
+
+def test_a_window_shorter_than_one_second_is_allowed() -> None:
+    # created at 0.2 and 0.7: windows of 0.5 s from 0 -> [0, 0.5) and [0.5, 1.0)
+    tasks = [TaskRow("A", "t", 0.2), TaskRow("B", "t", 0.7)]
+    groups = cost_per_success(tasks, [], by=(), window_s=0.5)
+    assert [(g.window_start, g.tasks) for g in groups] == [(0.0, 1), (0.5, 1)]
+
+
+@pytest.mark.parametrize(
+    ("since", "expected"),
+    [
+        # no `since`: windows of 10 from 0 -> 5 in [0, 10), 10 and 19 in [10, 20), 25 in [20, 30)
+        (None, [(0.0, 1), (10.0, 2), (20.0, 1)]),
+        # since 3: windows from 3 -> 5 and 10 in [3, 13), 19 in [13, 23), 25 in [23, 33)
+        (3.0, [(3.0, 2), (13.0, 1), (23.0, 1)]),
+    ],
+)
+def test_windows_start_at_since_or_at_zero_and_come_in_time_order(
+    since: float | None, expected: list[tuple[float, int]]
+) -> None:
+    # the rows come latest first: the groups still come earliest window first
+    tasks = [TaskRow(f"T{t}", "t", t) for t in (25.0, 19.0, 10.0, 5.0)]
+    groups = cost_per_success(tasks, [], by=(), since=since, window_s=10.0)
+    assert [(g.window_start, g.tasks) for g in groups] == expected
+
+
+def test_since_is_inclusive_and_until_exclusive() -> None:
+    # Costs 1, 2, 4, 8, 16 tell the roots apart; the rows outside the range come first.
+    tasks = [
+        TaskRow("before", "t", 9.0),
+        TaskRow("at_until", "t", 20.0),
+        TaskRow("at_since", "t", 10.0),
+        TaskRow("inside", "t", 19.5),
+        TaskRow("after", "t", 25.0),
+    ]
+    attempts = [
+        AttemptRow(t.task_id, "t", t.created_at, cost)
+        for t, cost in zip(tasks, (1.0, 2.0, 4.0, 8.0, 16.0), strict=True)
+    ]
+    (g,) = cost_per_success(tasks, attempts, by=(), since=10.0, until=20.0)
+    # at_since and inside: 2 roots, 4 + 8 = 12
+    assert (g.tasks, g.cost) == (2, 12.0)
+
+
+def test_attempts_of_one_unknown_task_are_one_root_created_at_the_earliest() -> None:
+    # "ghost" has no task row; its attempts come out of time order: 15, 5, 25.
+    attempts = [
+        AttemptRow("ghost", "acme", 15.0, 1.0),
+        AttemptRow("ghost", "acme", 5.0, 2.0),
+        AttemptRow("ghost", "acme", 25.0, 4.0),
+    ]
+    # one root, created at 5 -> window [0, 10); 3 attempts, 1 + 2 + 4 = 7
+    (g,) = cost_per_success([], attempts, window_s=10.0)
+    assert (g.task_class, g.tenant, g.window_start) == (None, "acme", 0.0)
+    assert (g.tasks, g.attempts, g.cost) == (1, 3, 7.0)
+    # created at 5, so a range from 10 on holds none of it, though two attempts are later
+    assert cost_per_success([], attempts, since=10.0) == []
+
+
+def test_attempts_without_a_task_are_each_a_root_of_their_own() -> None:
+    attempts = [AttemptRow(None, "acme", 1.0, 0.5), AttemptRow(None, "acme", 2.0, 0.25)]
+    (g,) = cost_per_success([], attempts)
+    # two roots, two attempts, 0.5 + 0.25 = 0.75, no success
+    assert (g.tasks, g.attempts, g.cost, g.cost_per_success) == (2, 2, 0.75, None)
+
+
+def test_unpriced_attempts_add_up_over_rows() -> None:
+    tasks = [
+        TaskRow("A", "t", 1.0, task_class="c", status=S, verified=True),
+        TaskRow("B", "t", 2.0, task_class="c", status=F),
+    ]
+    attempts = [
+        AttemptRow("A", "t", 1.5, None, attempts=2),
+        AttemptRow("A", "t", 1.6, 1.0),
+        AttemptRow("B", "t", 2.5, None, attempts=3),
+    ]
+    (g,) = cost_per_success(tasks, attempts)
+    # attempts 2 + 1 + 3 = 6, of which 2 + 3 = 5 unpriced; cost 1.0 for the one success
+    assert (g.attempts, g.unpriced_attempts, g.cost, g.cost_per_success) == (6, 5, 1.0, 1.0)
+
+
+def test_groups_come_in_string_order_of_class_then_tenant_with_no_class_first() -> None:
+    tasks = [
+        TaskRow("1", "Beta", 1.0, task_class="Code"),
+        TaskRow("2", "Alpha", 1.0, task_class="Code"),
+        TaskRow("3", "Beta", 1.0, task_class="Build"),
+        TaskRow("4", "", 1.0, task_class="Build"),  # an empty tenant name sorts first
+    ]
+    attempts = [AttemptRow(None, "Zed", 1.0, 0.5)]  # no task: no class
+    groups = cost_per_success(tasks, attempts)
+    assert [(g.task_class, g.tenant) for g in groups] == [
+        (None, "Zed"),
+        ("Build", ""),
+        ("Build", "Beta"),
+        ("Code", "Alpha"),
+        ("Code", "Beta"),
+    ]
+
+
+# A group as cost_per_success returns it: code/acme, the window from t=100.
+GROUP = CostGroup("code", "acme", 100.0, 5, 2, 9, 1, 6.5, 3.25)
+FIGURES = [
+    ("tasks", 5),
+    ("succeeded", 2),
+    ("attempts", 9),
+    ("unpriced_attempts", 1),
+    ("cost", 6.5),
+    ("cost_per_success", 3.25),
+]
+
+
+@pytest.mark.parametrize(
+    ("by", "windowed", "currency", "expected"),
+    [
+        (
+            ("task_class", "tenant"),
+            False,
+            "USD",
+            [("task_class", "code"), ("tenant", "acme"), *FIGURES, ("currency", "USD")],
+        ),
+        (("tenant",), False, None, [("tenant", "acme"), *FIGURES, ("currency", None)]),
+        (
+            ("task_class",),
+            True,
+            "EUR",
+            [("task_class", "code"), ("window_start", 100.0), *FIGURES, ("currency", "EUR")],
+        ),
+        ((), True, "USD", [("window_start", 100.0), *FIGURES, ("currency", "USD")]),
+    ],
+)
+def test_group_row_columns_are_the_by_keys_then_the_window_then_the_figures(
+    by: tuple[str, ...], windowed: bool, currency: str | None, expected: list[tuple[str, object]]
+) -> None:
+    row = group_row(GROUP, by=by, currency=currency, windowed=windowed)
+    assert list(row.items()) == expected
+
+
+def test_group_row_has_no_window_column_unless_asked() -> None:
+    row = group_row(GROUP, by=("tenant",), currency="USD")
+    assert list(row) == ["tenant", *(name for name, _ in FIGURES), "currency"]
 
 
 @pytest.mark.parametrize(

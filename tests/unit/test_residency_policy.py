@@ -81,6 +81,7 @@ def test_eviction_order(policy: Lru | TtlPin, given_back_first_to_last: list[str
         ("ttl-pin:30", TtlPin, 30.0, "ttl-pin:30"),
         ("ttl-pin:2.5", TtlPin, 2.5, "ttl-pin:2.5"),
         ("ttl-pin:120.0", TtlPin, 120.0, "ttl-pin:120"),
+        ("ttl-pin:0.5", TtlPin, 0.5, "ttl-pin:0.5"),  # under a second is still positive
     ],
 )
 def test_names(name: str, kind: type, ttl_s: float | None, row: str) -> None:
@@ -111,5 +112,26 @@ def test_bad_names(name: str, needle: str) -> None:
     [(Residency.HOLD, None), (Residency.RELEASE, 5.0), (Residency.EVICT, 5.0)],
 )
 def test_only_a_hold_carries_an_expiry(action: Residency, until_s: float | None) -> None:
-    with pytest.raises(ValueError, match="only a HOLD"):
+    with pytest.raises(ValueError, match=r"^a HOLD, and only a HOLD, carries until_s$"):
         ResidencyDecision(action, "x", until_s)
+
+
+@pytest.mark.parametrize(
+    ("policy", "session", "reason"),
+    [
+        (Lru(), idle(True), "least recently used goes first"),
+        (TtlPin(30.0), idle(False), "last step: nothing to pin for"),
+        (TtlPin(30.0), idle(None), "pinned for the 30 s TTL"),
+        (TtlPin(0.5), idle(True), "pinned for the 0.5 s TTL"),
+    ],
+    ids=["lru releases", "ttl-pin releases a last step", "ttl-pin pins", "ttl-pin, a short TTL"],
+)
+def test_each_decision_states_its_exact_reason(
+    policy: Lru | TtlPin, session: IdleSession, reason: str
+) -> None:
+    assert policy.decide(session, 10.0).reason == reason
+
+
+def test_a_ttl_under_a_second_pins_for_that_long() -> None:
+    decision = TtlPin(0.5).decide(idle(True), now=10.0)
+    assert (decision.action, decision.until_s) == (Residency.HOLD, 10.5)

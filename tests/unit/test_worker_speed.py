@@ -21,11 +21,17 @@ COST = LinearCost()  # 1 ms per fresh token, 0.1 ms per reused one
 
 
 def reading(
-    at: float, count: int, prefill_s: float, fresh: int, prompt: int, running: int = 1
+    at: float,
+    count: int,
+    prefill_s: float,
+    fresh: int,
+    prompt: int,
+    running: int = 1,
+    waiting: int = 0,
 ) -> LoadSnapshot:
     """Counters since the engine started: `count` finished requests, their prefill seconds,
     computed (fresh) and prompt tokens."""
-    return LoadSnapshot(time=at, running=running, waiting=0, kv_cache_usage_perc=0.0,
+    return LoadSnapshot(time=at, running=running, waiting=waiting, kv_cache_usage_perc=0.0,
                         prefix_cache_queries_tokens=prompt, prompt_tokens=prompt,
                         prefill_sum_s=prefill_s, prefill_count=count,
                         prefill_fresh_tokens=fresh, prefill_prompt_tokens=prompt)  # fmt: skip
@@ -42,6 +48,56 @@ def test_too_few_prefills_say_nothing() -> None:
     before = reading(10.0, 5, 1.0, 1_000, 5_000)
     after = reading(10.5, 5 + MIN_PREFILLS - 1, 9.0, 2_000, 9_000)
     assert measured_slowdown(after.since(before), COST) is None
+
+
+class FreeCost:
+    """A profile that models no prefill time at all."""
+
+    def prefill_s(self, fresh: int, reused: int = 0) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize(
+    ("count", "prefill_s", "fresh", "prompt", "slowdown"),
+    [
+        # exactly MIN_PREFILLS prefills of 100 fresh tokens (0.1 s modelled), 0.2 s each
+        (MIN_PREFILLS, MIN_PREFILLS * 0.2, MIN_PREFILLS * 100, MIN_PREFILLS * 100, 2.0),
+        # well under a second of prefill in all is still a measurement
+        (3, 0.3, 300, 300, 1.0),
+        # no prefill time at all is a broken reading, not infinite speed
+        (3, 0.0, 300, 300, None),
+        # fully cached prompts still compute one token each: 1 fresh + 999 reused = 0.1009 s
+        (3, 3 * 0.1009, 0, 3_000, 1.0),
+        # the mean request is in whole tokens: 1,000 // 3 = 333 fresh of 3,001 // 3 = 1,000,
+        # 0.333 + 0.0667 = 0.3997 s modelled
+        (3, 3 * 2 * 0.3997, 1_000, 3_001, 2.0),
+        # clamped to the plausible range
+        (3, 3 * 1e4, 300, 300, 1e5),
+        (3, 3 * 1e-6, 300, 300, 1e-3),
+    ],
+    ids=[
+        "exactly MIN_PREFILLS prefills",
+        "under a second of prefill",
+        "no prefill seconds",
+        "fully cached prompts",
+        "whole-token mean request",
+        "clamped above",
+        "clamped below",
+    ],
+)
+def test_measured_slowdown(
+    count: int, prefill_s: float, fresh: int, prompt: int, slowdown: float | None
+) -> None:
+    delta = reading(1.0, count, prefill_s, fresh, prompt)
+    sample = measured_slowdown(delta, COST)
+    if slowdown is None:
+        assert sample is None
+    else:
+        assert sample == pytest.approx(slowdown, rel=1e-9)
+
+
+def test_a_profile_that_models_no_prefill_time_says_nothing() -> None:
+    assert measured_slowdown(reading(1.0, 4, 4.0, 4_000, 4_000), FreeCost()) is None
 
 
 @dataclass
@@ -99,3 +155,56 @@ def test_a_busy_interval_is_queueing_not_speed() -> None:
     w.load = reading(3.0, 16, 52.0 + 4 * 2.0, 16_000, 16_000)  # calm again: 2 s each
     speeds.observe([w])
     assert speeds.slowdown(w.id) == pytest.approx(1.0 + SMOOTHING * 1.0)
+
+
+CALM = reading(1.0, 0, 0.0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("first_then", "first_now"),
+    [
+        (None, None),
+        (CALM, None),
+        (CALM, CALM),
+        (None, CALM),
+        (CALM, reading(1.0, 4, 4 * 5.0, 4_000, 4_000)),
+        (CALM, reading(1.5, 4, 4 * 5.0, 4_000, 4_000, running=2)),
+        (CALM, reading(1.5, 4, 4 * 5.0, 4_000, 4_000, waiting=1)),
+        (CALM, reading(1.5, MIN_PREFILLS - 1, 5.0, 1_000, 1_000)),
+    ],
+    ids=[
+        "never read",
+        "its reading lost",
+        "the reading already seen",
+        "its first reading",
+        "a reading no newer than the last",
+        "two requests running: busy",
+        "a request waiting: busy",
+        "too few prefills",
+    ],
+)
+def test_a_worker_without_a_sample_leaves_the_next_one_measured(
+    first_then: LoadSnapshot | None, first_now: LoadSnapshot | None
+) -> None:
+    """Each worker of a poll is read on its own: one that gives no sample (it stays at 1)
+    does not keep the worker after it from being measured."""
+    speeds = WorkerSpeeds(COST)
+    first, second = Worker(WorkerId("w0"), first_then), Worker(WorkerId("w1"), CALM)
+    speeds.observe([first, second])
+    first.load, second.load = first_now, reading(1.5, 4, 4 * 2.0, 4_000, 4_000)
+    speeds.observe([first, second])
+    assert speeds.slowdown(first.id) == 1.0
+    assert speeds.slowdown(second.id) == pytest.approx(2.0)
+
+
+def test_a_lost_reading_keeps_the_slowdown_and_the_last_reading() -> None:
+    speeds, w = WorkerSpeeds(COST), Worker(WorkerId("w0"), CALM)
+    speeds.observe([w])
+    w.load = reading(1.5, 4, 4 * 2.0, 4_000, 4_000)
+    speeds.observe([w])
+    w.load = None  # the poll failed
+    speeds.observe([w])
+    assert speeds.slowdown(w.id) == pytest.approx(2.0)
+    w.load = reading(2.0, 8, 8.0 + 4 * 3.0, 8_000, 8_000)  # measured from the 1.5 s reading
+    speeds.observe([w])
+    assert speeds.slowdown(w.id) == pytest.approx(2.0 + SMOOTHING * 1.0)
