@@ -145,8 +145,9 @@ def cost_per_success(
 ) -> list[CostGroup]:
     """Rule 2 over plain rows; groups sorted by key. `since` is inclusive, `until`
     exclusive, both on the root's created_at; `window_s` splits that range into windows
-    starting at `since` (or 0). Attempts whose task is unknown count as one-attempt root
-    tasks of their own (their tenant, no class), so no spent money goes missing."""
+    starting at `since` (or 0). The attempts of a task the rows do not list count as one
+    root task of their own (its tenant, no class, created at its earliest attempt), and an
+    attempt of no task as a root task alone, so no spent money goes missing."""
     unknown = set(by) - set(GROUP_KEYS)
     if unknown:
         raise ValueError(f"unknown group {sorted(unknown)[0]!r}; choose from {GROUP_KEYS}")
@@ -160,7 +161,9 @@ def cost_per_success(
         if a.task_id is not None and a.task_id in by_id:
             root_id = roots.of(a.task_id)
         else:
-            root_id = f"\0orphan:{a.task_id if a.task_id is not None else n}"
+            # An unknown task's attempts share one root; each task-less attempt is its own
+            # (two name spaces, so a task named "0" never merges with attempt 0).
+            root_id = f"\0task:{a.task_id}" if a.task_id is not None else f"\0attempt:{n}"
             seen = orphans.get(root_id)
             if seen is None or a.at < seen.created_at:
                 orphans[root_id] = TaskRow(root_id, a.tenant, a.at)

@@ -494,3 +494,14 @@ def test_task_transitions_terminal_states_are_final(
 def test_a_turn_with_more_cached_than_prompt_tokens_is_refused() -> None:
     with pytest.raises(ValueError, match="cached_tokens exceeds prompt_tokens"):
         _turn(1.0, prompt=100, cached=101, out=0)
+
+
+def test_a_task_less_attempt_never_merges_with_an_unknown_task_named_like_its_position() -> None:
+    """Attempt 0 has no task; the unknown task "0" is another one: two roots, two tenants."""
+    rows = cost_per_success(
+        [], [AttemptRow(None, "beta", 2.0, 5.0), AttemptRow("0", "acme", 1.0, 1.0)], by=("tenant",)
+    )
+    assert {(r.tenant, r.tasks, r.attempts, r.cost) for r in rows} == {
+        ("acme", 1, 1, 1.0),
+        ("beta", 1, 1, 5.0),
+    }
