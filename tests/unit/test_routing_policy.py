@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from appliance.domain.records import WorkerId
 from appliance.policy.routing import RouteRequest, WorkerView, route
-from appliance.policy.routing.core import default_profile
+from appliance.policy.routing.core import RoutingProfile, default_profile
+from appliance.settings import RoutingSettings
 from tests.fakes import LinearCost
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
@@ -20,7 +21,7 @@ def w(name: WorkerId, **kw: object) -> WorkerView:
 
 
 CASES = [
-    # (description, request, workers, expected worker, reason fragment)
+    # (description, request, workers, expected worker, the decision's reason)
     (
         "prefix resident wins over an idle cold worker",
         RouteRequest("m", 1000, session_home=A),
@@ -44,7 +45,36 @@ CASES = [
         RouteRequest("m", 1000, session_home=A),
         [w(A, resident_tokens=900, queue_s=2.0, queued_share=0.9), w(B)],
         B,
-        "moved from a",
+        "moved from a: est. TTFT 1000 ms here vs 2190 ms there",
+    ),
+    (
+        # Scale 1.6 s: at A, 2 x 0.81 s saved / 1.6 = 1.0125 against B's empty queue's 1.
+        "a queue just under twice the saving keeps the session",
+        RouteRequest("m", 1000, session_home=A),
+        [w(A, resident_tokens=900, queue_s=1.6, queued_share=0.9), w(B)],
+        A,
+        "prefix resident (900 tokens)",
+    ),
+    (
+        "a queue just over twice the saving moves the session",
+        RouteRequest("m", 1000, session_home=A),
+        [w(A, resident_tokens=900, queue_s=1.65, queued_share=0.9), w(B)],
+        B,
+        "moved from a: est. TTFT 1000 ms here vs 1840 ms there",
+    ),
+    (
+        "without a session the reason names the queue that outweighed a resident prefix",
+        RouteRequest("m", 1000),
+        [w(A, resident_tokens=900, queue_s=2.0), w(B)],
+        B,
+        "queue at a costs more than its 900 resident tokens save",
+    ),
+    (
+        "a single resident token counts as a resident prefix",
+        RouteRequest("m", 1000),
+        [w(A), w(B, resident_tokens=1)],
+        B,
+        "prefix resident (1 tokens)",
     ),
     (
         "without any resident prefix the shortest queue wins",
@@ -70,14 +100,44 @@ CASES = [
         RouteRequest("m", 1000, session_home=B),
         [w(A), w(B)],
         B,
-        "least estimated",
+        "least estimated time to first token",
+    ),
+    (
+        "a home carrying exactly the bounded share (half) of the queue keeps its affinity",
+        RouteRequest("m", 1000, session_home=B),
+        [w(A, queued_share=0.5), w(B, queued_share=0.5)],
+        B,
+        "least estimated time to first token",
+    ),
+    (
+        "more free KV cache breaks a tie between equal workers",
+        RouteRequest("m", 1000),
+        [w(A, kv_usage=0.6), w(B, kv_usage=0.2)],
+        B,
+        "least estimated time to first token",
+    ),
+    (
+        "fewer recent failures break a tie between equal workers",
+        RouteRequest("m", 1000),
+        [w(A, recent_failures=1), w(B)],
+        B,
+        "least estimated time to first token",
+    ),
+    (
+        # The tie-breakers are small: all three against A are worth less than a queue
+        # shorter by half the turn's cold prefill.
+        "the tie-breakers together give way to a queue shorter by half the cold prefill",
+        RouteRequest("m", 1000, session_home=B),
+        [w(A, kv_usage=1.0, recent_failures=9), w(B, queue_s=0.5)],
+        A,
+        "moved from b: est. TTFT 1000 ms here vs 1500 ms there",
     ),
     (
         "affinity is bounded: a home carrying most of the queue gets none",
         RouteRequest("m", 1000, session_home=B),
         [w(A, queue_s=0.001, queued_share=0.1), w(B, queue_s=0.001, queued_share=0.9)],
         A,
-        "moved from b",
+        "moved from b: est. TTFT 1001 ms here vs 1001 ms there",
     ),
     (
         # At A: 2.0 s queue + 0.19 s prefill. At B, 10x slower than the profile: 10 s cold.
@@ -106,7 +166,7 @@ def test_decisions(
 ) -> None:
     decision = route(req, workers, LinearCost(), default_profile())
     assert decision.worker == expected, decision
-    assert reason in decision.reason
+    assert decision.reason == reason
 
 
 def test_no_eligible_worker_names_each_filter() -> None:
@@ -118,6 +178,161 @@ def test_no_eligible_worker_names_each_filter() -> None:
     )
     assert d.worker is None and d.reason == "no eligible worker"
     assert d.excluded == {"a": "healthy", "b": "not_draining"}
+
+
+def test_excluded_workers_are_named_by_their_first_failed_filter_beside_a_pick() -> None:
+    d = route(
+        RouteRequest("m", 10),
+        [
+            w(A, healthy=False, draining=True),
+            w(B, draining=True),
+            WorkerView(C, frozenset({"other"})),
+            w(WorkerId("d")),
+        ],
+        LinearCost(),
+        default_profile(),
+    )
+    assert d.worker == "d"
+    assert d.excluded == {"a": "healthy", "b": "not_draining", "c": "model"}
+
+
+def test_an_empty_prompt_on_idle_workers_still_picks_the_first_listed() -> None:
+    # Nothing to prefill and no queue anywhere: every score's scale is zero seconds.
+    d = route(RouteRequest("m", 0), [w(A), w(B)], LinearCost(), default_profile())
+    assert d.worker == A
+    assert d.reason == "least estimated time to first token"
+    assert [c.scores["queue"] for c in d.candidates] == [1.0, 1.0]
+
+
+def test_the_default_profile_is_named_appliance() -> None:
+    assert default_profile().name == "appliance"
+
+
+def test_the_policy_defaults_are_the_daemons_routing_settings_defaults() -> None:
+    # The daemon builds its profile from the settings, the replay from the defaults: the
+    # two must route alike.
+    def weights(profile: RoutingProfile) -> list[tuple[str, float]]:
+        return [(name, weight) for name, weight, _ in profile.scorers]
+
+    settings = RoutingSettings.model_validate({})
+    assert weights(default_profile()) == weights(default_profile(**settings.model_dump()))
+    # The bound is inside the affinity scorer; the scores below show the default's is half.
+    assert settings.affinity_max_share == 0.5
+
+
+SCORES = [
+    # (description, prompt tokens, session home, workers, worker, scorer, its score)
+    ("no recent failures score the full 1", 1000, None, [w(A)], A, "failures", 1.0),
+    ("one recent failure halves it", 1000, None, [w(A, recent_failures=1)], A, "failures", 0.5),
+    (
+        "three recent failures quarter it",
+        1000,
+        None,
+        [w(A, recent_failures=3)],
+        A,
+        "failures",
+        0.25,
+    ),
+    ("an empty KV cache scores the full 1", 1000, None, [w(A)], A, "kv_pressure", 1.0),
+    ("kv_pressure is the free share", 1000, None, [w(A, kv_usage=0.25)], A, "kv_pressure", 0.75),
+    ("a full KV cache scores 0", 1000, None, [w(A, kv_usage=1.0)], A, "kv_pressure", 0.0),
+    ("an over-full KV reading clips to 0", 1000, None, [w(A, kv_usage=1.5)], A, "kv_pressure", 0.0),
+    ("a negative KV reading clips to 1", 1000, None, [w(A, kv_usage=-0.5)], A, "kv_pressure", 1.0),
+    (
+        "a queue scores against the cold prefill when that is longer",
+        2000,
+        None,
+        [w(A, queue_s=1.0)],
+        A,
+        "queue",
+        0.5,
+    ),
+    (
+        "a short turn's queue scores against its own short cold prefill",
+        100,
+        None,
+        [w(A, queue_s=0.05)],
+        A,
+        "queue",
+        0.5,
+    ),
+    (
+        "the longest queue sets the scale when it exceeds the cold prefill",
+        1000,
+        None,
+        [w(A, queue_s=4.0), w(B, queue_s=1.0)],
+        B,
+        "queue",
+        0.75,
+    ),
+    (
+        "the longest queue scores 0",
+        1000,
+        None,
+        [w(A, queue_s=4.0), w(B, queue_s=1.0)],
+        A,
+        "queue",
+        0.0,
+    ),
+    ("the slowest worker without a prefix saves nothing", 1000, None, [w(A)], A, "reuse", 0.0),
+    (
+        "a resident prefix scores the prefill it saves over the scale",
+        1000,
+        None,
+        [w(A, resident_tokens=900)],
+        A,
+        "reuse",
+        0.81,
+    ),
+    (
+        "a faster worker without a prefix saves against the slowest one's cold prefill",
+        1000,
+        None,
+        [w(A, slowdown=2.0), w(B)],
+        B,
+        "reuse",
+        0.5,
+    ),
+    ("the session's home scores affinity 1", 1000, A, [w(A)], A, "affinity", 1.0),
+    (
+        "a home with exactly the bounded share keeps affinity",
+        1000,
+        A,
+        [w(A, queued_share=0.5)],
+        A,
+        "affinity",
+        1.0,
+    ),
+    (
+        "a home above the bounded share loses affinity",
+        1000,
+        A,
+        [w(A, queued_share=0.51)],
+        A,
+        "affinity",
+        0.0,
+    ),
+    ("a worker that is not home gets no affinity", 1000, B, [w(A), w(B)], A, "affinity", 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "prompt", "home", "workers", "worker", "scorer", "expected"),
+    SCORES,
+    ids=[c[0] for c in SCORES],
+)
+def test_scores(
+    what: str,
+    prompt: int,
+    home: WorkerId | None,
+    workers: list[WorkerView],
+    worker: WorkerId,
+    scorer: str,
+    expected: float,
+) -> None:
+    d = route(RouteRequest("m", prompt, home), workers, LinearCost(), default_profile())
+    scores = {c.worker: c.scores for c in d.candidates}
+    assert scores[worker][scorer] == pytest.approx(expected)
 
 
 def test_estimated_ttft_is_queue_plus_prefill_over_the_resident_prefix() -> None:
