@@ -15,7 +15,7 @@ from appliance.domain.kv_events import (
     KvEvent,
     KvEventBatch,
 )
-from appliance.domain.kv_index import KvIndex, leading_blocks
+from appliance.domain.kv_index import MAX_SLOTS, IndexStats, KvIndex, leading_blocks
 from appliance.domain.records import WorkerId
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
@@ -237,3 +237,225 @@ def test_blocks_add_nothing_for_the_cyclic_collector_to_walk() -> None:
     assert len(gc.get_objects()) - before < 50
     # Nor does a full collection walk a session's hashes item by item.
     assert not any(map(gc.is_tracked, index._by_session.values()))
+
+
+# --- counters, reads and edge cases, one behaviour each ---
+
+
+def test_stats_count_every_block_of_every_announcement_and_removal() -> None:
+    index = KvIndex()
+    assert index.stats() == IndexStats(
+        blocks=0, stored=0, removed=0, unknown_removals=0, forgotten_workers=0
+    )
+    index.apply(W0, stored(1, 2, 3))
+    index.apply(W0, stored(1))  # a second reference to block 1
+    index.apply(W1, stored(1, 4, medium="CPU"))
+    index.apply(W0, removed(1, 2))  # 1 keeps a reference, 2 is gone
+    assert index.stats() == IndexStats(
+        blocks=3, stored=6, removed=2, unknown_removals=0, forgotten_workers=0
+    )
+
+
+def test_stats_count_each_unknown_removal() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1))
+    index.apply(W0, removed(7, 8))
+    index.apply(W0, removed(1, medium="CPU"))  # held on GPU only: unknown on CPU
+    assert index.stats().unknown_removals == 3
+    assert index.stats().removed == 0
+    assert index.lookup((1,)) == {W0: 1}
+
+
+def test_stats_count_each_forgotten_worker_even_an_empty_one() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2))
+    index.apply(W1, stored(1))
+    assert index.forget_worker(W0) == 2
+    assert index.forget_worker(W2) == 0
+    index.apply(W1, AllBlocksCleared())
+    assert index.stats() == IndexStats(
+        blocks=0, stored=3, removed=0, unknown_removals=0, forgotten_workers=3
+    )
+
+
+def test_more_than_max_slots_worker_tier_pairs_is_refused_with_a_reason() -> None:
+    index = KvIndex()
+    for n in range(MAX_SLOTS):
+        index.apply(WorkerId(f"w{n}"), stored(n))
+    assert len(index) == MAX_SLOTS
+    with pytest.raises(ValueError, match=f"more than {MAX_SLOTS} \\(worker, tier\\) pairs"):
+        index.apply(WorkerId("one too many"), stored(1))
+    # An existing pair still takes events.
+    index.apply(W0, stored(0))
+    assert index.refs(W0, 0) == 2
+
+
+def test_removal_from_one_tier_keeps_the_block_on_the_worker_for_any_tier_reads() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2))
+    index.apply(W0, stored(1, medium="CPU"))
+    index.apply(W0, removed(1, medium="CPU"))
+    assert index.lookup((1, 2)) == {W0: 2}
+    assert index.hashes(W0) == {1, 2}
+    assert index.worker_blocks(W0) == 2
+    assert index.workers() == {W0}
+    index.apply(W0, removed(1))  # the last tier: now gone from the worker
+    assert index.hashes(W0) == {2}
+    assert index.lookup((1, 2)) == {}
+
+
+def test_parent_is_the_first_announced_and_dropped_with_the_block() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2))
+    index.apply(W1, stored(2, parent=7))  # a later announcement does not rewrite it
+    assert index.parent(2) == 1
+    index.apply(W0, removed(2))
+    assert index.parent(2) == 1  # still on W1
+    index.apply(W1, removed(2))
+    assert index.parent(2) is None and 2 not in index
+    index.apply(W0, stored(2, parent=9))  # stored afresh: learns its new parent
+    assert index.parent(2) == 9
+
+
+def test_parent_learned_later_fills_a_block_first_announced_without_one() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(5))
+    assert index.parent(5) is None
+    index.apply(W1, stored(5, parent=4))
+    assert index.parent(5) == 4
+
+
+def test_sessions_of_a_block_stored_by_one_session() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, session="s"))
+    assert index.sessions(1) == {"s"}
+    assert index.sessions(2) == frozenset()  # unknown block
+    index.apply(W0, stored(2))  # no session
+    assert index.sessions(2) == frozenset()
+
+
+def test_sessions_keep_every_distinct_session_in_any_order_of_repeats() -> None:
+    index = KvIndex()
+    for session in ("s1", "s2", "s1", "s3", "s2"):
+        index.apply(W0, stored(1, session=session))
+    assert index.sessions(1) == {"s1", "s2", "s3"}
+    assert index.session_blocks("s3") == {W0: 1}
+
+
+def test_block_stored_twice_by_one_session_leaves_it_when_removed_twice() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, session="s"))
+    index.apply(W0, stored(1, session="s"))
+    index.apply(W0, removed(1))
+    assert index.session_blocks("s") == {W0: 1}
+    index.apply(W0, removed(1))
+    assert index.session_blocks("s") == {}
+    assert index.sessions(1) == frozenset()
+
+
+def test_a_dropped_block_leaves_every_session_that_stored_it() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, session="s1"))
+    index.apply(W0, stored(1, session="s2"))
+    index.apply(W0, stored(1, session="s3"))
+    index.apply(W0, stored(2, session="s2"))
+    index.apply(W0, removed(1, 1, 1))
+    assert index.session_blocks("s1") == {}
+    assert index.session_blocks("s2") == {W0: 1}
+    assert index.session_blocks("s3") == {}
+    index.apply(W1, stored(1, session="s4"))  # stored afresh: only its new session
+    assert index.sessions(1) == {"s4"}
+
+
+def test_forget_worker_drops_the_sessions_of_blocks_no_one_else_holds() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2, session="s1"))
+    index.apply(W0, stored(2, session="s2"))
+    index.apply(W1, stored(1, session="s3"))
+    index.forget_worker(W0)
+    assert index.sessions(1) == {"s1", "s3"}
+    assert index.sessions(2) == frozenset()
+    assert index.session_blocks("s1") == {W1: 1}
+    assert index.session_blocks("s2") == {}
+
+
+def test_session_blocks_of_an_unknown_session_is_empty() -> None:
+    index = KvIndex()
+    assert index.session_blocks("nobody") == {}
+    index.apply(W0, stored(1, session="s"))
+    assert index.session_blocks("nobody") == {}
+    assert index.session_blocks("nobody", medium="GPU") == {}
+
+
+def test_session_blocks_on_one_tier_count_only_that_tier() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2, session="s"))
+    index.apply(W0, stored(2, medium="CPU"))
+    index.apply(W1, stored(1, medium="CPU"))
+    assert index.session_blocks("s") == {W0: 2, W1: 1}
+    assert index.session_blocks("s", medium="GPU") == {W0: 2}
+    assert index.session_blocks("s", medium="CPU") == {W0: 1, W1: 1}
+    assert index.session_blocks("s", medium="STORAGE") == {}
+
+
+def test_worker_blocks_per_tier() -> None:
+    index = KvIndex()
+    index.apply(W1, stored(9))  # another worker's slot first
+    index.apply(W0, stored(1, 2, 3))
+    index.apply(W0, stored(3, 4, medium="CPU"))
+    index.apply(W0, stored(5, medium="STORAGE"))
+    assert index.worker_blocks(W0) == 5
+    assert index.worker_blocks(W0, medium="GPU") == 3
+    assert index.worker_blocks(W0, medium="CPU") == 2
+    assert index.worker_blocks(W0, medium="STORAGE") == 1
+    assert index.worker_blocks(W1, medium="CPU") == 0
+    assert index.worker_blocks(W1, medium="GPU") == 1
+
+
+def test_worker_blocks_of_an_unknown_worker_is_zero() -> None:
+    index = KvIndex()
+    assert index.worker_blocks(W2) == 0
+    index.apply(W0, stored(1))
+    assert index.worker_blocks(W2) == 0
+    assert index.worker_blocks(W2, medium="GPU") == 0
+
+
+def test_media_of_a_block_names_only_its_holders_and_their_tiers() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2))
+    index.apply(W1, stored(2, medium="CPU"))
+    index.apply(W0, stored(2, medium="CPU"))
+    index.apply(W1, stored(3))
+    assert index.media(1) == {W0: frozenset({"GPU"})}
+    assert index.media(2) == {W0: frozenset({"GPU", "CPU"}), W1: frozenset({"CPU"})}
+    assert index.media(3) == {W1: frozenset({"GPU"})}
+    assert index.media(99) == {}  # unknown block
+
+
+def test_media_of_an_empty_index_is_empty() -> None:
+    assert KvIndex().media(1) == {}
+
+
+def test_resident_per_worker_and_tier() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2))
+    index.apply(W1, stored(2, medium="CPU"))
+    assert index.resident(W0, 1)
+    assert index.resident(W0, 2, medium="GPU")
+    assert not index.resident(W0, 2, medium="CPU")
+    assert index.resident(W1, 2)
+    assert index.resident(W1, 2, medium="CPU")
+    assert not index.resident(W1, 2, medium="GPU")
+    assert not index.resident(W1, 1)
+    assert not index.resident(W2, 1)
+
+
+def test_resident_of_an_unknown_block_is_false() -> None:
+    index = KvIndex()
+    assert not index.resident(W0, 1)
+    index.apply(W0, stored(1))  # W0 holds the first slot
+    assert not index.resident(W0, 99)
+    assert not index.resident(W0, 0)
+    assert not index.resident(W0, 99, medium="GPU")
+    index.apply(W0, removed(1))
+    assert not index.resident(W0, 1)
