@@ -66,6 +66,18 @@ class Verdict(StrEnum):
     DENY = "deny"
 
 
+class AdmitCode(StrEnum):
+    """A decision's stable code: "admitted", or why not (the error code the client sees)."""
+
+    ADMITTED = "admitted"
+    DEADLINE_PASSED = "deadline_passed"
+    DEPTH_CAP = "depth_cap"
+    CHILDREN_CAP = "children_cap"
+    OVERLOADED = "overloaded"
+    DEADLINE_INFEASIBLE = "deadline_infeasible"
+    TENANT_OVER_SHARE = "tenant_over_share"
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
     """The thresholds of the model of the world above (from the `admission` settings)."""
@@ -156,8 +168,7 @@ class BoxLoad:
 @dataclass(frozen=True, slots=True)
 class AdmitDecision:
     verdict: Verdict
-    code: str
-    """"admitted", or the refusal's stable code (the error code the client sees)."""
+    code: AdmitCode
     reason: str
     """One line with the numbers behind the decision."""
     priority: int
@@ -201,12 +212,12 @@ def admit(
     best = min((w.first_token_s for w in box.workers), default=None)
     wait = f"; fastest first token in {best:.3f} s" if best is not None else ""
     return AdmitDecision(
-        Verdict.ADMIT, "admitted", f"admitted at priority {priority}{wait}", priority
+        Verdict.ADMIT, AdmitCode.ADMITTED, f"admitted at priority {priority}{wait}", priority
     )
 
 
 def _deny(
-    code: str,
+    code: AdmitCode,
     reason: str,
     priority: int,
     limits: AdmissionLimits,
@@ -225,7 +236,7 @@ def _deadline_passed(
         return None
     late = now - request.deadline_at
     return _deny(
-        "deadline_passed", f"the task's deadline passed {late:.3f} s ago", priority, limits
+        AdmitCode.DEADLINE_PASSED, f"the task's deadline passed {late:.3f} s ago", priority, limits
     )
 
 
@@ -236,7 +247,7 @@ def _depth_cap(
     if parent is None or not request.work.opens_task or parent.depth + 1 <= limits.max_depth:
         return None
     return _deny(
-        "depth_cap",
+        AdmitCode.DEPTH_CAP,
         f"a child of {parent.task_id} would sit at depth {parent.depth + 1}; "
         f"admission.max_depth is {limits.max_depth}",
         priority,
@@ -256,7 +267,7 @@ def _children_cap(
     if parent.open_children < cap:
         return None
     return _deny(
-        "children_cap",
+        AdmitCode.CHILDREN_CAP,
         f"task {parent.task_id} has {parent.open_children} open children; {named} is {cap}",
         priority,
         limits,
@@ -273,7 +284,7 @@ def _overloaded(
     if shortest <= bound:
         return None
     return _deny(
-        "overloaded",
+        AdmitCode.OVERLOADED,
         f"every healthy worker's queue exceeds {bound:.3f} s (the bound at priority "
         f"{priority}); the shortest is {shortest:.3f} s",
         priority,
@@ -293,7 +304,7 @@ def _deadline_infeasible(
     if fastest.first_token_s <= left:
         return None
     return _deny(
-        "deadline_infeasible",
+        AdmitCode.DEADLINE_INFEASIBLE,
         f"the deadline is {left:.3f} s away, but the fastest worker's first token is "
         f"{fastest.first_token_s:.3f} s away (queue {fastest.queue_s:.3f} s + prefill "
         f"{fastest.prefill_s:.3f} s)",
@@ -321,7 +332,7 @@ def _fair_share(
         if held < share:
             continue
         return _deny(
-            "tenant_over_share",
+            AdmitCode.TENANT_OVER_SHARE,
             f"the box is saturated ({sum(loads.values())} {what}, capacity {capacity:g}) and "
             f"tenant {request.tenant} holds {held}, at or above its share of {share:.2f}",
             priority,

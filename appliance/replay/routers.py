@@ -139,7 +139,7 @@ class PolicyRouter:
         decision = route(request, workers, self.latency, self.profile)
         if decision.worker is None:
             raise RuntimeError(f"the appliance's policy placed nothing: {decision.reason}")
-        return self.ids.index(decision.worker), decision.reason
+        return self.ids.index(decision.worker), decision.kind
 
     def _anchor(
         self,

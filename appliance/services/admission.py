@@ -32,6 +32,7 @@ from appliance.domain.errors import ApplianceError
 from appliance.domain.records import AdmissionEvent, TaskId, TenantId, WorkerId
 from appliance.policy.admission import (
     AdmissionLimits,
+    AdmitCode,
     AdmitDecision,
     AdmitRequest,
     BoxLoad,
@@ -161,7 +162,7 @@ class AdmissionService:
         self._open: dict[TenantId, int] = {}
         self.accepted = 0
         self.rejected = 0
-        self.rejected_by_code: dict[str, int] = {}
+        self.rejected_by_code: dict[AdmitCode, int] = {}
         self._accept_rate = _Rate()
         self._reject_rate = _Rate()
 

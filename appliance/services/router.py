@@ -54,6 +54,7 @@ from appliance.domain.records import (
 from appliance.policy.routing import (
     PrefillCost,
     RouteDecision,
+    RouteKind,
     RouteRequest,
     RoutingProfile,
     WorkerView,
@@ -176,7 +177,8 @@ class Router:
         # Prefill work sent to each worker whose first byte has not come back yet: its
         # estimated seconds and when the worker should be done with it.
         self._pending: dict[WorkerId, dict[TurnId, tuple[float, float]]] = {}
-        self.routed_by_reason: dict[str, int] = {}
+        self.routed_by_reason: dict[RouteKind, int] = {}
+        """Turns placed, by the kind of the policy's reason (a fixed set)."""
         self._mean_prefill_s = 0.0
         """Moving average of the prefill seconds of recent turns."""
         self.predicted_cached_total = 0
@@ -427,9 +429,7 @@ class Router:
         self._pending.setdefault(worker, {})[attempt.turn_id] = (est, done_by)
         self._running.setdefault(worker, {})[attempt.turn_id] = attempt.started_at
         self._mean_prefill_s += 0.1 * (est - self._mean_prefill_s)
-        self.routed_by_reason[_reason_kind(decision.reason)] = (
-            self.routed_by_reason.get(_reason_kind(decision.reason), 0) + 1
-        )
+        self.routed_by_reason[decision.kind] = self.routed_by_reason.get(decision.kind, 0) + 1
         # Written once the request is on its way: the turn never waits on its own records.
         asyncio.get_running_loop().call_soon(self._record_decision, attempt, decision)
         return attempt
@@ -439,7 +439,7 @@ class Router:
             attempt.turn_id,
             attempt.started_at,
             attempt.worker,
-            decision.reason,
+            f"{decision.kind}: {decision.reason}",
             _candidates_json(decision),
         )
         _log_failure(self._ledger.record_route_decision(record), "route decision")
@@ -607,10 +607,6 @@ def _candidates_json(decision: RouteDecision) -> str:
         ]
         + [{"worker": w, "excluded_by": f} for w, f in decision.excluded.items()]
     ).decode()
-
-
-def _reason_kind(reason: str) -> str:
-    return reason.split(" (")[0].split(":")[0]
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:

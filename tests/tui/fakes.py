@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from appliance.policy.routing import RouteKind
+from appliance.services.state import NO_REAPER_REASON
+
 ADMIN_KEY = "sk-admin-test"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: snapshots show UTC times, so looks are stable
 GIB = 1 << 30
@@ -37,7 +40,8 @@ def make_state(
     tick: int = 0,
     simulated: bool = False,
 ) -> dict[str, Any]:
-    """A plausible snapshot shaped exactly as appliance/services/state.py builds one.
+    """A plausible snapshot shaped exactly as appliance/services/state.py builds one, with
+    only the kinds, codes and reasons the product emits (its own enums and constants).
 
     `tick` moves the clock and idle times forward so that successive snapshots differ.
     `simulated`: the simulated engine's state: one modelled GPU per worker, said so in
@@ -116,20 +120,21 @@ def make_state(
     sessions = []
     for i in range(n_sessions):
         gpu_tokens = rng.randrange(0, 60_000)
+        host_tokens = gpu_tokens // 2 if i % 4 == 1 else 0  # part of it also in host memory
         sessions.append(
             {
                 "id": f"sess-{i:05d}",
                 "tenant": ["alice", "bob", "carol"][i % 3],
                 "task_id": f"task-{i % n_tasks:04d}",
                 "worker": f"w{i % max(1, workers)}",
-                "resident_tokens": {"gpu": gpu_tokens, "host": 0},
-                "resident_bytes": {"gpu": gpu_tokens * 131072, "host": 0},
+                "resident_tokens": {"gpu": gpu_tokens, "host": host_tokens},
+                "resident_bytes": {"gpu": gpu_tokens * 131072, "host": host_tokens * 131072},
                 "idle_s": round(rng.random() * 120 + tick * 0.5, 3),
                 "turns": rng.randrange(1, 40),
                 "tool_class": TOOLS[i % len(TOOLS)],
                 "expected_wait_s": [2.0, 15.0, 0.5, 4.0, None][i % 5],
                 "decision": None,
-                "reason": "residency decisions arrive with the idle reaper",
+                "reason": NO_REAPER_REASON,
             }
         )
     return {
@@ -141,7 +146,7 @@ def make_state(
         "tasks": tasks,
         "costs": {},
         "admission": {},
-        "routing": {"affinity": 40 + tick, "least_loaded": 9},
+        "routing": {RouteKind.PREFIX_RESIDENT: 40 + tick, RouteKind.LEAST_TTFT: 9},
     }
 
 

@@ -8,6 +8,9 @@ import time
 import pytest
 
 from appliance.api.schemas import AdminState
+from appliance.policy.admission import AdmitCode
+from appliance.services.events import EventKind
+from appliance.services.state import NO_REAPER_REASON
 from tests.tui.conftest import console, screen_text, until_text, wait_until
 from tests.tui.fakes import FakeAppliance, json_reply, make_state
 from tui.app import ConsoleApp
@@ -46,7 +49,7 @@ async def test_overview_shows_gpu_bars_workers_and_the_summary(fake: FakeApplian
         assert "41%" in text and "62%" in text  # kv use, prefix hit of w0
         assert "sessions   12" in text
         assert "admission  not reported by this appliance yet" in text
-        assert "routing    affinity 40 · least_loaded 9" in text
+        assert "routing    least_ttft 9 · prefix_resident 40" in text
 
 
 async def test_overview_says_the_simulated_gpus_are_simulated(fake: FakeAppliance) -> None:
@@ -56,7 +59,7 @@ async def test_overview_says_the_simulated_gpus_are_simulated(fake: FakeApplianc
         "rejected": 7,
         "accept_rate_per_s": 2.5,
         "reject_rate_per_s": 0.1,
-        "by_reason": {"deadline_infeasible": 5, "queue_full": 2},
+        "by_reason": {AdmitCode.DEADLINE_INFEASIBLE: 5, AdmitCode.OVERLOADED: 2},
     }
     fake.set_state(state)
     app = console(fake.url)
@@ -69,7 +72,7 @@ async def test_overview_says_the_simulated_gpus_are_simulated(fake: FakeApplianc
         assert "simulated by the sim engine's GPU model, not measured" in text
         assert "KV (not reported)" not in text
         assert "accept 2.5/s · reject 0.1/s · accepted 120 · rejected 7" in text
-        assert "deadline_infeasible 5, queue_full 2" in text
+        assert "deadline_infeasible 5, overloaded 2" in text
 
 
 async def test_overview_without_gpus_says_so_calmly(fake: FakeAppliance) -> None:
@@ -165,7 +168,7 @@ async def test_enter_opens_the_session_and_escape_goes_back(fake: FakeAppliance)
         await until_text(pilot, f"Session {first}")
         await until_text(pilot, "404 Not Found")  # this appliance has no turns route yet
         text = screen_text(app)
-        assert "residency decisions arrive with the idle reaper" in text
+        assert NO_REAPER_REASON in text
         tenant = next(x["tenant"] for x in fake.state["sessions"] if x["id"] == first)
         assert f"GET /admin/v1/sessions/{first}?tenant={tenant}" in [
             f"{r.method} {r.path}" for r in fake.requests
@@ -377,9 +380,19 @@ async def test_events_newest_first(fake: FakeAppliance) -> None:
         state = make_state()
         t = state["time"]
         state["events"] = [
-            {"at": t - 30, "kind": "worker_restart", "subject": "w1", "detail": "exit code 1"},
-            {"at": t - 5, "kind": "task_cancelled", "subject": "task-0001", "tenant": "bob"},
-            {"at": t - 10, "kind": "release", "subject": "sess-00002", "tenant": "carol"},
+            {
+                "at": t - 30,
+                "kind": EventKind.WORKER_RESTART,
+                "subject": "w1",
+                "detail": "exit code 1",
+            },
+            {
+                "at": t - 5,
+                "kind": EventKind.TASK_CANCELLED,
+                "subject": "task-0001",
+                "tenant": "bob",
+            },
+            {"at": t - 10, "kind": EventKind.RELEASE, "subject": "sess-00002", "tenant": "carol"},
         ]
         fake.set_state(state)
         await until_text(pilot, "3 events")

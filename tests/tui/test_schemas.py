@@ -19,6 +19,7 @@ from appliance.api.schemas import AdminState
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot
+from appliance.policy.routing import RouteKind
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.sessions import SessionState
@@ -92,7 +93,8 @@ def _sources(with_gpu: bool) -> StateSources:
     )
     router = SimpleNamespace(
         sessions=sessions,
-        routed_by_reason={"affinity": 3},
+        residency=lambda s: {"gpu": {s.home: 4096}, "host": {WorkerId("w1"): 1024}},
+        routed_by_reason={RouteKind.PREFIX_RESIDENT: 3},
         slowdown=lambda w: 1.25 if w == "w0" else 1.0,
     )
     events = EventFeed()
@@ -154,8 +156,10 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
             ("worker_restart", "w1", None),
         ]
         assert state.costs.series is not None and len(state.costs.series) == 1
-        assert state.sessions[0].resident_tokens.gpu == 1024
-        assert state.sessions[0].resident_bytes.gpu == 1024 * 131072
+        # The KV index's view now (the router's `residency`), not the placement's prediction.
+        assert state.sessions[0].resident_tokens.gpu == 4096
+        assert state.sessions[0].resident_tokens.host == 1024
+        assert state.sessions[0].resident_bytes.gpu == 4096 * 131072
         assert state.sessions[0].task_id == "child"
         assert {t.id: t.parent_id for t in state.tasks} == {"root": None, "child": "root"}
         assert state.tasks[0].children == ["child"]

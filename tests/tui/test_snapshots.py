@@ -13,6 +13,8 @@ import httpx
 import pytest
 from textual.pilot import Pilot
 
+from appliance.policy.admission import AdmitCode
+from appliance.services.events import EventKind
 from tests.tui.conftest import screen_text, wait_until
 from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state
 from tui.app import ConsoleApp
@@ -56,14 +58,14 @@ def snapshot_state() -> dict[str, object]:
     }  # fmt: skip
     state["admission"] = {
         "accepted": 120, "rejected": 7, "accept_rate_per_s": 2.5, "reject_rate_per_s": 0.1,
-        "by_reason": {"deadline_infeasible": 5, "queue_full": 2},
+        "by_reason": {AdmitCode.DEADLINE_INFEASIBLE: 5, AdmitCode.OVERLOADED: 2},
     }  # fmt: skip
     state["events"] = [
-        {"at": t - 3, "kind": "task_cancelled", "subject": "task-0007", "tenant": "bob",
+        {"at": t - 3, "kind": EventKind.TASK_CANCELLED, "subject": "task-0007", "tenant": "bob",
          "detail": "cancelled with 2 open descendants"},
-        {"at": t - 40, "kind": "release", "subject": "sess-00004", "tenant": "bob",
+        {"at": t - 40, "kind": EventKind.RELEASE, "subject": "sess-00004", "tenant": "bob",
          "detail": "released by operator: 5,120 tokens held on w1"},
-        {"at": t - 95, "kind": "worker_restart", "subject": "w1",
+        {"at": t - 95, "kind": EventKind.WORKER_RESTART, "subject": "w1",
          "detail": "restarted; 1 restarts since the appliance started"},
     ]  # fmt: skip
     return state

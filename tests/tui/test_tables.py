@@ -8,6 +8,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from appliance.services.events import EventKind
+from appliance.services.session_admin import RELEASE_REASON, RELEASED
+from appliance.services.state import NO_REAPER_REASON
 from tests.tui.fakes import SIM_DRIVER, T0, make_state
 from tui import format as fmt
 from tui.tables import (
@@ -39,11 +42,12 @@ def small_state() -> dict[str, Any]:
             {"id": "s-small", "tenant": "bob", "task_id": "kid", "worker": "w0",
              "resident_tokens": {"gpu": 10, "host": 0}, "resident_bytes": {"gpu": 1280, "host": 0},
              "idle_s": 1.25, "turns": 1, "tool_class": None, "expected_wait_s": None,
-             "decision": None, "reason": "pending"},
+             "decision": None, "reason": NO_REAPER_REASON},
             {"id": "s-big", "tenant": "alice", "task_id": "root", "worker": "w0",
-             "resident_tokens": {"gpu": 2048, "host": 0},
-             "resident_bytes": {"gpu": 2048 * 1024, "host": 0}, "idle_s": 75.0, "turns": 4,
-             "tool_class": "shell", "expected_wait_s": 3.0, "decision": None, "reason": None},
+             "resident_tokens": {"gpu": 2048, "host": 512},
+             "resident_bytes": {"gpu": 2048 * 1024, "host": 512 * 1024}, "idle_s": 75.0,
+             "turns": 4, "tool_class": "shell", "expected_wait_s": 3.0, "decision": RELEASED,
+             "reason": RELEASE_REASON},
         ],
         "tasks": [
             {"id": "root", "parent_id": None, "tenant": "alice", "task_class": "code",
@@ -95,10 +99,10 @@ def test_sessions_most_resident_first() -> None:
         "host_bytes", "idle", "turns", "tool", "wait", "decision", "reason",
     ]  # fmt: skip
     assert lines[1].split() == [
-        "s-big", "alice", "root", "w0", "2048", "0", "2.0", "MiB", "0", "B", "1m15s", "4",
-        "shell", "3.0s", "-", "-",
+        "s-big", "alice", "root", "w0", "2048", "512", "2.0", "MiB", "512.0", "KiB", "1m15s",
+        "4", "shell", "3.0s", RELEASED, *RELEASE_REASON.split(),
     ]  # fmt: skip
-    assert lines[2].split()[0] == "s-small" and lines[2].endswith("pending")
+    assert lines[2].split()[0] == "s-small" and lines[2].endswith(NO_REAPER_REASON)
     assert render_sessions(small_state() | {"sessions": []}) == "no sessions"
 
 
@@ -138,9 +142,9 @@ def test_events_newest_first_as_the_appliance_sends_them() -> None:
     state["events"] = []
     assert render_events(state) == "no events"
     state["events"] = [
-        {"at": T0 - 1, "kind": "release", "subject": "s-big", "tenant": "alice",
+        {"at": T0 - 1, "kind": EventKind.RELEASE, "subject": "s-big", "tenant": "alice",
          "detail": "released by operator"},
-        {"at": T0 - 60, "kind": "worker_restart", "subject": "w1", "detail": "restarted"},
+        {"at": T0 - 60, "kind": EventKind.WORKER_RESTART, "subject": "w1", "detail": "restarted"},
     ]  # fmt: skip
     lines = render_events(state).splitlines()
     assert lines[0].split() == ["time", "kind", "subject", "tenant", "detail"]

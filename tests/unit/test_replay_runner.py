@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.policy.routing import RouteKind
 from appliance.replay import POLICY_NAMES, render_table, run_replay
 from appliance.replay.bounds import compute_bounds
 from appliance.replay.progress import ProgressBar
@@ -109,7 +110,7 @@ def test_cache_aware_policies_reuse_more_than_cache_blind_ones(report: dict) -> 
     blind = max(hit["round-robin"], hit["least-loaded"])
     for name in ("appliance", "sglang-cache-aware", "llm-d-precise", "dynamo-kv", "session-hash"):
         assert hit[name] > blind, (name, hit)
-    assert report["policies"]["appliance"]["routed_by_reason"].get("prefix resident (N tokens)")
+    assert report["policies"]["appliance"]["routed_by_reason"].get(RouteKind.PREFIX_RESIDENT)
 
 
 def test_table_lists_policies_bounds_and_setup(report: dict) -> None:

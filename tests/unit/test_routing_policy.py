@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.domain.records import WorkerId
-from appliance.policy.routing import RouteRequest, WorkerView, route
+from appliance.policy.routing import RouteKind, RouteRequest, WorkerView, route
 from appliance.policy.routing.core import RoutingProfile, default_profile
 from appliance.settings import RoutingSettings
 from tests.fakes import LinearCost
@@ -167,6 +167,19 @@ def test_decisions(
     decision = route(req, workers, LinearCost(), default_profile())
     assert decision.worker == expected, decision
     assert decision.reason == reason
+    assert decision.kind == KIND_OF_SENTENCE[reason.split(" (")[0].split(":")[0].split(" at ")[0]]
+
+
+KIND_OF_SENTENCE = {
+    "only eligible worker": RouteKind.ONLY_ELIGIBLE,
+    "least estimated time to first token": RouteKind.LEAST_TTFT,
+    "prefix resident": RouteKind.PREFIX_RESIDENT,
+    "queue": RouteKind.QUEUE_OVER_PREFIX,
+    "moved from a": RouteKind.MOVED,
+    "moved from b": RouteKind.MOVED,
+}
+"""Each reason's sentence with the kind it must carry: the metric labels and the replay's
+counts use the kind, so they stay a fixed set whatever the figures."""
 
 
 def test_no_eligible_worker_names_each_filter() -> None:
@@ -177,6 +190,7 @@ def test_no_eligible_worker_names_each_filter() -> None:
         default_profile(),
     )
     assert d.worker is None and d.reason == "no eligible worker"
+    assert d.kind == RouteKind.NO_ELIGIBLE
     assert d.excluded == {"a": "healthy", "b": "not_draining"}
 
 

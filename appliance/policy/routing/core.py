@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from appliance.domain.records import WorkerId
@@ -53,10 +54,26 @@ class Candidate:
     ttft_estimate_s: float
 
 
+class RouteKind(StrEnum):
+    """Why the policy picked its worker: a fixed set, like admission's refusal codes."""
+
+    NO_ELIGIBLE = "no_eligible"
+    ONLY_ELIGIBLE = "only_eligible"
+    MOVED = "moved"
+    """Away from the session's home: the estimated time to first token is lower here."""
+    PREFIX_RESIDENT = "prefix_resident"
+    QUEUE_OVER_PREFIX = "queue_over_prefix"
+    """The worker holding most of the prefix queues for longer than the prefix saves."""
+    LEAST_TTFT = "least_ttft"
+
+
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     worker: WorkerId | None
+    kind: RouteKind
+    """Why, as one of a fixed set (metric labels, counts)."""
     reason: str
+    """Why, as a sentence with its figures (the ledger, the console)."""
     candidates: tuple[Candidate, ...] = ()
     excluded: Mapping[str, str] = field(default_factory=dict)
     """Worker -> the filter that excluded it."""
@@ -178,7 +195,7 @@ def route(
         else:
             excluded[w.worker] = failed
     if not eligible:
-        return RouteDecision(None, "no eligible worker", (), excluded)
+        return RouteDecision(None, RouteKind.NO_ELIGIBLE, "no eligible worker", (), excluded)
     worst = cost.prefill_s(request.prompt_tokens, 0) * max(w.slowdown for w in eligible)
     scale = max(worst, *(w.queue_s for w in eligible), 1e-9)
     ctx = Context(request, cost, worst, scale)
@@ -190,25 +207,25 @@ def route(
         candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft))
     # Highest score first; ties go to the worker listed first (stable, deterministic).
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
-    return RouteDecision(ranked[0].worker, _reason(request, ranked), ranked, excluded)
+    return RouteDecision(ranked[0].worker, *_reason(request, ranked), ranked, excluded)
 
 
-def _reason(request: RouteRequest, ranked: Sequence[Candidate]) -> str:
+def _reason(request: RouteRequest, ranked: Sequence[Candidate]) -> tuple[RouteKind, str]:
     best = ranked[0]
     if len(ranked) == 1:
-        return "only eligible worker"
+        return RouteKind.ONLY_ELIGIBLE, "only eligible worker"
     home = next((c for c in ranked if c.worker == request.session_home), None)
     most_resident = max(ranked, key=lambda c: c.resident_tokens)
     if home is not None and home.worker != best.worker:
-        return (
+        return RouteKind.MOVED, (
             f"moved from {home.worker}: est. TTFT {best.ttft_estimate_s * 1e3:.0f} ms here vs "
             f"{home.ttft_estimate_s * 1e3:.0f} ms there"
         )
     if best.resident_tokens > 0 and best.worker == most_resident.worker:
-        return f"prefix resident ({best.resident_tokens} tokens)"
+        return RouteKind.PREFIX_RESIDENT, f"prefix resident ({best.resident_tokens} tokens)"
     if most_resident.resident_tokens > best.resident_tokens:
-        return (
+        return RouteKind.QUEUE_OVER_PREFIX, (
             f"queue at {most_resident.worker} costs more than its "
             f"{most_resident.resident_tokens} resident tokens save"
         )
-    return "least estimated time to first token"
+    return RouteKind.LEAST_TTFT, "least estimated time to first token"
