@@ -1,0 +1,402 @@
+"""How long a waiting agent session stays away: a survival model of tool waits.
+
+Model of the world: a session's turn ends, a tool runs (milliseconds to hours), then the
+session's next turn arrives, or never does. The gap T between a turn's end and the next
+turn has a distribution per key (tenant, tool class) that drifts as tools and clients
+change. A session that was abandoned, or released at the maximum residency before it came
+back, tells only that T > its idle time: a censored observation, which must not be
+counted as a gap of that length (that would make waits look shorter than they are).
+
+The estimator: a life table (the actuarial form of Kaplan-Meier's product-limit
+estimator) over `N_BINS` fixed log-spaced bins from `MIN_GAP_S` to `MAX_GAP_S`. Per bin
+it keeps the weight of gaps that ended there (d) and of sessions censored there (c); the
+hazard of bin i is d_i / (n_i - c_i / 2), n_i the weight still waiting at the bin's
+start (a censored session counts half: it waited through half the bin on average), and
+S(t) is the product of (1 - hazard) over the bins before t, linear within a bin (gaps
+uniform within it). Every observation of a key first multiplies that key's counts by
+2^(-1 / half_life_obs), so the model forgets at a fixed rate in observations and follows
+drift; memory per key is fixed (two arrays of `N_BINS`).
+
+A tool class's prior (a log-normal, from a median and p95 like the workload config's
+`Dist`) enters as `prior_weight` pseudo-sessions, never forgotten, that wait alongside the
+data (prior_weight * S(t) of them still waiting at t) and end at the prior's hazard. So
+the prior's share of a bin's hazard is prior_weight / (n + prior_weight) with n sessions
+observed: a class seen a few times answers from its prior, a well-observed one from its
+data, and past the longest gap seen the prior alone sets the hazard. (Pseudo-sessions
+that waited as the prior does would let a heavy-tailed prior outweigh hundreds of
+observed sessions deep in the tail.) A key not seen yet answers from its class's prior;
+a class without one, or none, or a name over `MAX_CLASS_LEN` characters (never kept), from
+the tenant-wide model (every observation of the tenant); a tenant not seen yet from
+`DEFAULT_PRIOR`. A class without a prior takes the tenant-wide model's hazards, as they
+stand when the class is first seen, as its prior.
+
+The client's hint (`X-Expected-Tool-Wait-S`) is judged by its record: per key, the
+decayed mean and spread of log(gap / hint) and of log(gap) over hinted returns. Trust is
+the share of the gap's log-variance the hint explains, shrunk towards 0 for few samples;
+with a hint, answers blend a log-normal at hint * exp(mean log-ratio) with the learned
+spread into the data's curve, by that trust.
+
+Units are seconds throughout. Pure: no clock (every call takes its times), no I/O, no
+randomness. Bad times (NaN, infinite, negative) raise ValueError; times outside the bins
+are clamped to them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import NamedTuple
+
+MIN_GAP_S = 1e-3
+"""Shortest gap the bins tell apart: the workload config's fastest tool (file, min 1 ms)."""
+MAX_GAP_S = 86_400.0
+"""Longest: a day, beyond any residency worth holding (the config's longest tool: 1 h)."""
+N_BINS = 64
+"""Bins over 8 decades: each 1.33x the last, a resolution of about +-15% in time."""
+_LOG_SPAN = math.log(MAX_GAP_S / MIN_GAP_S)
+EDGES = tuple(MIN_GAP_S * math.exp(_LOG_SPAN * i / N_BINS) for i in range(N_BINS + 1))
+"""The bins' edges, seconds: bin i holds [EDGES[i], EDGES[i + 1])."""
+HALF_LIFE_OBS = 200.0
+"""Judgement: an estimate from about 290 recent gaps (+-0.03 on a probability) that follows
+a change within a few hundred turns of a key."""
+PRIOR_WEIGHT = 10.0
+"""Judgement: a class's prior counts as 10 gaps, so the data has the larger say from 10."""
+MAX_KEYS = 4096
+"""Keys kept, least recently used dropped first: about 3 KiB each, 12 MiB in all."""
+MAX_CLASS_LEN = 64
+"""Longest tool class name kept (the workload config's limit on names)."""
+HINT_SAMPLES_FOR_HALF_TRUST = 5.0
+"""Judgement: a hint's record earns half its trust after 5 hinted returns."""
+MIN_SIGMA = 0.05
+"""Narrowest log-normal used (a 5% spread), so a perfect record stays a distribution."""
+Z95 = 1.6448536269514722
+"""The standard normal's 95th percentile: sigma = ln(p95 / median) / Z95."""
+_NEGLIGIBLE = 1e-12
+
+
+class WaitKey(NamedTuple):
+    tenant: str
+    tool_class: str | None
+    """None (or a name not kept): unknown, answered by the tenant-wide model."""
+
+
+def _seconds(name: str, value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return value
+
+
+def _bin(t_s: float) -> int:
+    """The bin holding t_s, clamped to the bins."""
+    return min(max(bisect.bisect_right(EDGES, t_s) - 1, 0), N_BINS - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A log-normal wait by its median and sigma (of ln T)."""
+
+    median_s: float
+    sigma: float
+
+    def __post_init__(self) -> None:
+        if not (self.median_s > 0 and math.isfinite(self.median_s)):
+            raise ValueError(f"a log-normal needs a positive median, got {self.median_s!r}")
+        if not (self.sigma > 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"a log-normal needs a positive sigma, got {self.sigma!r}")
+
+    @classmethod
+    def from_median_p95(cls, median_s: float, p95_s: float) -> LogNormal:
+        """As the workload config states a wait (`Dist`); p95 == median is the narrowest."""
+        return cls(median_s, max(math.log(p95_s / median_s) / Z95, MIN_SIGMA))
+
+    def survival(self, t_s: float) -> float:
+        if t_s <= 0:
+            return 1.0
+        return 0.5 * math.erfc(math.log(t_s / self.median_s) / (self.sigma * math.sqrt(2)))
+
+    def area(self, a_s: float, b_s: float) -> float:
+        return self._tail_area(a_s) - self._tail_area(b_s)
+
+    def _tail_area(self, a_s: float) -> float:
+        """E[(T - a)+] = E[T; T > a] - a P(T > a), in closed form."""
+        mean = self.median_s * math.exp(self.sigma**2 / 2)
+        if a_s <= 0:
+            return mean
+        z = (math.log(self.median_s / a_s) + self.sigma**2) / self.sigma
+        return mean * 0.5 * math.erfc(-z / math.sqrt(2)) - a_s * self.survival(a_s)
+
+
+DEFAULT_PRIOR = LogNormal.from_median_p95(2.0, 900.0)
+"""For a tenant never seen: its 5th..95th percentiles (4 ms..900 s) span the workload
+config's tool classes, from file's median (50 ms) to human's p95 (900 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Binned:
+    """A survival function by its values at `EDGES`, linear between them, flat outside."""
+
+    at_edges: array[float]
+
+    def survival(self, t_s: float) -> float:
+        """P(T > t_s)."""
+        if t_s <= MIN_GAP_S:
+            return 1.0
+        if t_s >= MAX_GAP_S:
+            return self.at_edges[-1]
+        k = _bin(t_s)
+        frac = (t_s - EDGES[k]) / (EDGES[k + 1] - EDGES[k])
+        return self.at_edges[k] + (self.at_edges[k + 1] - self.at_edges[k]) * frac
+
+    def area(self, a_s: float, b_s: float) -> float:
+        """The integral of P(T > t) over [a_s, b_s]."""
+        # Linear between edges, so trapezoids over the edges inside [a, b] are exact.
+        points = [a_s, *(e for e in EDGES if a_s < e < b_s), b_s]
+        return sum((y - x) * (self.survival(x) + self.survival(y)) / 2 for x, y in pairwise(points))
+
+
+@dataclass(frozen=True, slots=True)
+class _Blend:
+    """trust * hint + (1 - trust) * data, as survival functions."""
+
+    hint: LogNormal
+    data: _Binned
+    trust: float
+
+    def survival(self, t_s: float) -> float:
+        w = self.trust
+        return w * self.hint.survival(t_s) + (1 - w) * self.data.survival(t_s)
+
+    def area(self, a_s: float, b_s: float) -> float:
+        w = self.trust
+        return w * self.hint.area(a_s, b_s) + (1 - w) * self.data.area(a_s, b_s)
+
+
+def _life_table(
+    events: Sequence[float], censored: Sequence[float], prior: Sequence[float], weight: float
+) -> _Binned:
+    """Product-limit over the bins, the prior's `weight` pseudo-sessions at risk alongside
+    the data: `weight * S` of them still waiting at a bin's start, ending at the prior's
+    hazard there. A censored weight is exposed for half its bin."""
+    waiting = sum(events) + sum(censored)
+    s, at_edges = 1.0, array("d", [1.0])
+    for d, c, prior_hazard in zip(events, censored, prior, strict=True):
+        pseudo = weight * s
+        exposed = waiting - c / 2 + pseudo
+        if exposed > 0:
+            s *= max(0.0, 1.0 - (d + pseudo * prior_hazard) / exposed)
+        waiting -= d + c
+        at_edges.append(s)
+    return _Binned(at_edges)
+
+
+def _hazards(at_edges: Sequence[float]) -> array[float]:
+    """Hazard per bin, P(ends in the bin | waiting at its start), from S at `EDGES`."""
+    return array("d", ((a - b) / a if a > 0 else 1.0 for a, b in pairwise(at_edges)))
+
+
+def _prior_hazards(prior: LogNormal) -> array[float]:
+    # Mass below the first edge is clamped into the first bin, as gaps are.
+    return _hazards([1.0, *(prior.survival(e) for e in EDGES[1:])])
+
+
+class _Moments:
+    """Mean and variance of x under exponential forgetting (West's weighted update)."""
+
+    __slots__ = ("m2", "mean", "weight")
+
+    def __init__(self) -> None:
+        self.weight, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    def add(self, x: float, decay: float) -> None:
+        self.weight = self.weight * decay + 1
+        self.m2 *= decay
+        delta = x - self.mean
+        self.mean += delta / self.weight
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def var(self) -> float:
+        return self.m2 / self.weight if self.weight else 0.0
+
+
+class _KeyModel:
+    """One key's decayed life table, its prior's hazards and its hint record."""
+
+    __slots__ = ("_curve", "censored", "events", "hint_ratio", "log_gap", "prior", "prior_weight")
+
+    def __init__(self, prior: Sequence[float], prior_weight: float) -> None:
+        self.prior, self.prior_weight = prior, prior_weight
+        self.events = array("d", [0.0]) * N_BINS
+        self.censored = array("d", [0.0]) * N_BINS
+        self.hint_ratio = _Moments()  # log(gap / hint)
+        self.log_gap = _Moments()  # log(gap), same samples: what the hint must explain
+        self._curve: _Binned | None = None
+
+    def add(self, t_s: float, *, censored: bool, decay: float) -> None:
+        if decay < 1:
+            for i in range(N_BINS):
+                self.events[i] *= decay
+                self.censored[i] *= decay
+        (self.censored if censored else self.events)[_bin(t_s)] += 1
+        self._curve = None
+
+    def add_hint(self, gap_s: float, hint_s: float, decay: float) -> None:
+        self.hint_ratio.add(math.log(gap_s / hint_s), decay)
+        self.log_gap.add(math.log(gap_s), decay)
+
+    def curve(self) -> _Binned:
+        if self._curve is None:
+            self._curve = _life_table(self.events, self.censored, self.prior, self.prior_weight)
+        return self._curve
+
+    def trust(self) -> float:
+        n, spread = self.hint_ratio.weight, self.log_gap.var
+        if spread <= 0:
+            return 0.0
+        explained = max(0.0, 1.0 - self.hint_ratio.var / spread)
+        return explained * n / (n + HINT_SAMPLES_FOR_HALF_TRUST)
+
+
+class WaitSurvival:
+    """Survival of tool waits per (tenant, tool class), learned online; see the module."""
+
+    def __init__(
+        self,
+        priors: Mapping[str, LogNormal] | None = None,
+        *,
+        default_prior: LogNormal = DEFAULT_PRIOR,
+        prior_weight: float = PRIOR_WEIGHT,
+        half_life_obs: float = HALF_LIFE_OBS,
+        max_keys: int = MAX_KEYS,
+    ) -> None:
+        """`priors`: tool class -> its wait; `half_life_obs` may be math.inf (no forgetting)."""
+        if not (prior_weight > 0 and math.isfinite(prior_weight)):
+            raise ValueError(f"prior_weight must be positive and finite, got {prior_weight!r}")
+        if not half_life_obs > 0:
+            raise ValueError(f"half_life_obs must be positive, got {half_life_obs!r}")
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be at least 1, got {max_keys!r}")
+        self._decay = 0.5 ** (1 / half_life_obs)
+        self._max_keys = max_keys
+        self._prior_weight = prior_weight
+        self._default = _prior_hazards(default_prior)
+        self._priors = {c: _prior_hazards(p) for c, p in (priors or {}).items()}
+        self._unobserved: dict[str | None, _KeyModel] = {}  # prior-only answers, never fed
+        self._models: OrderedDict[WaitKey, _KeyModel] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._models
+
+    def observe_gap(self, key: WaitKey, gap_s: float, hint_s: float | None = None) -> None:
+        """The session came back `gap_s` after its turn ended; `hint_s` its client's hint."""
+        gap_s = _clamp(_seconds("gap_s", gap_s))
+        hint_s = None if hint_s is None else _clamp(_seconds("hint_s", hint_s))
+        for model in self._models_fed_by(key):
+            model.add(gap_s, censored=False, decay=self._decay)
+            if hint_s is not None:
+                model.add_hint(gap_s, hint_s, self._decay)
+
+    def observe_censored(self, key: WaitKey, idle_s: float) -> None:
+        """The session was still away after `idle_s` (released, abandoned): T > idle_s."""
+        idle_s = _clamp(_seconds("idle_s", idle_s))
+        for model in self._models_fed_by(key):
+            model.add(idle_s, censored=True, decay=self._decay)
+
+    def p_return_within(
+        self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
+    ) -> float:
+        """P(next turn within the next `t_s` | away for `idle_s` so far)."""
+        idle_s, t_s = _seconds("idle_s", idle_s), _seconds("t_s", t_s)
+        curve = self._curve(key, hint_s)
+        now = curve.survival(idle_s)
+        if now <= _NEGLIGIBLE:  # past everything the model has seen: not coming back
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - curve.survival(idle_s + t_s) / now))
+
+    def expected_remaining_s(
+        self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
+    ) -> float:
+        """E[min(remaining wait, horizon_s) | away for `idle_s` so far]."""
+        idle_s, horizon_s = _seconds("idle_s", idle_s), _seconds("horizon_s", horizon_s)
+        curve = self._curve(key, hint_s)
+        now = curve.survival(idle_s)
+        if now <= _NEGLIGIBLE:
+            return horizon_s
+        return min(horizon_s, curve.area(idle_s, idle_s + horizon_s) / now)
+
+    def hint_trust(self, key: WaitKey) -> float:
+        """0..1: how far this key's hints have earned a say in its answers."""
+        return self._answering(key).trust()
+
+    def _curve(self, key: WaitKey, hint_s: float | None) -> _Binned | _Blend:
+        model = self._answering(key)
+        if hint_s is None:
+            return model.curve()
+        hint_s, trust = _clamp(_seconds("hint_s", hint_s)), model.trust()
+        if trust <= 0:
+            return model.curve()
+        median_s = hint_s * math.exp(model.hint_ratio.mean)
+        spread = max(math.sqrt(model.hint_ratio.var), MIN_SIGMA)
+        return _Blend(LogNormal(median_s, spread), model.curve(), trust)
+
+    def _answering(self, key: WaitKey) -> _KeyModel:
+        """The key's own model, else its class's prior, else the tenant's, else the default."""
+        tool_class = _known(key.tool_class)
+        if tool_class is not None:
+            own = self._touch(WaitKey(key.tenant, tool_class))
+            if own is not None:
+                return own
+            if tool_class in self._priors:
+                return self._prior_only(tool_class)
+        return self._touch(WaitKey(key.tenant, None)) or self._prior_only(None)
+
+    def _models_fed_by(self, key: WaitKey) -> list[_KeyModel]:
+        tool_class = _known(key.tool_class)
+        keys = [WaitKey(key.tenant, tool_class)] if tool_class is not None else []
+        return [self._touch_or_add(k) for k in [*keys, WaitKey(key.tenant, None)]]
+
+    def _touch(self, key: WaitKey) -> _KeyModel | None:
+        model = self._models.get(key)
+        if model is not None:
+            self._models.move_to_end(key)
+        return model
+
+    def _touch_or_add(self, key: WaitKey) -> _KeyModel:
+        model = self._touch(key)
+        if model is None:
+            model = self._models[key] = _KeyModel(self._prior_for(key), self._prior_weight)
+            while len(self._models) > self._max_keys:
+                self._models.popitem(last=False)
+        return model
+
+    def _prior_only(self, tool_class: str | None) -> _KeyModel:
+        if tool_class not in self._unobserved:
+            prior = self._priors[tool_class] if tool_class else self._default
+            self._unobserved[tool_class] = _KeyModel(prior, self._prior_weight)
+        return self._unobserved[tool_class]
+
+    def _prior_for(self, key: WaitKey) -> Sequence[float]:
+        """Its class's prior, else the tenant-wide model's hazards now, else the default."""
+        if key.tool_class is None:
+            return self._default
+        if key.tool_class in self._priors:
+            return self._priors[key.tool_class]
+        tenant_wide = self._models.get(WaitKey(key.tenant, None))
+        return self._default if tenant_wide is None else _hazards(tenant_wide.curve().at_edges)
+
+
+def _known(tool_class: str | None) -> str | None:
+    """The class as a key, or None: unknown (missing, empty, or too long to keep)."""
+    return tool_class if tool_class and len(tool_class) <= MAX_CLASS_LEN else None
+
+
+def _clamp(t_s: float) -> float:
+    return min(max(t_s, MIN_GAP_S), MAX_GAP_S)
