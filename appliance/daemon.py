@@ -52,12 +52,15 @@ from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.services.admission import AdmissionService
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
-from appliance.services.router import Router
+from appliance.services.placement import Placer
+from appliance.services.queue_book import QueueBook
 from appliance.services.session_admin import SessionReleases
 from appliance.services.sessions import SessionTable
 from appliance.services.state import StateSources, metrics_text, snapshot
 from appliance.services.tasks import TaskBook
 from appliance.services.tenancy import TenantSalts
+from appliance.services.turn_desk import TurnDesk
+from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_speed import WorkerSpeeds
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
@@ -341,36 +344,50 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
             tasks = TaskBook(ledger, events)
             cost = LatencyModel.from_profile(profile)
             speeds = WorkerSpeeds(cost)
-            router = Router(
-                workers=lambda: engines.workers,
-                index=feed,
-                sessions=SessionTable(hasher),
-                cost=cost,
-                profile=default_profile(**settings.routing.model_dump()),
-                ledger=ledger,
-                clock=clock,
-                tenant_salt=TenantSalts(_secret(data_dir)),
+            queues = QueueBook(cost, clock, speeds.slowdown)
+            sessions = SessionTable(hasher)
+            records = TurnRecords(
+                ledger,
                 model=engines.served_name,
                 runtime_identity=runtime_identity(settings, kind),
                 on_turn=tasks.add_turn,
-                slowdown=speeds.slowdown,
+            )
+            placer = Placer(
+                workers=lambda: engines.workers,
+                index=feed,
+                sessions=sessions,
+                queues=queues,
+                cost=cost,
+                profile=default_profile(**settings.routing.model_dump()),
+                model=engines.served_name,
+                salt=TenantSalts(_secret(data_dir)),
             )
             admission = AdmissionService(
                 limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
                 ledger=ledger,
                 clock=clock,
                 workers=lambda: engines.workers,
-                queue_s=router.queue_s,  # the router's queued prefill ahead of new work
+                queue_s=queues.queue_s,  # the queued prefill ahead of new work
                 cost=cost,
                 task_idle_s=settings.admission.task_idle_s,
                 events=events,
                 slowdown=speeds.slowdown,
             )
-            releases = SessionReleases(router.sessions, ledger, events, profile.kv_bytes_per_token)
+            desk = TurnDesk(
+                sessions=sessions,
+                placer=placer,
+                queues=queues,
+                records=records,
+                tasks=tasks,
+                clock=clock,
+                workers=lambda: engines.workers,
+                admission=admission,
+            )
+            releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
             gpu_tick: list[Any] = [probe.snapshot()]
             sources = StateSources(
                 workers=lambda: engines.workers,
-                router=router,
+                desk=desk,
                 tasks=tasks,
                 gpus=lambda: gpu_tick[0],
                 clock_now=clock.now,
@@ -389,7 +406,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
             )
             app = create_app(
                 ApiContext(
-                    router=router,
+                    desk=desk,
                     tasks=tasks,
                     tokenizer=tokenizer,
                     keys=keys,
@@ -405,7 +422,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                         lambda tenant, sid, limit: session_turns(
                             settings.ledger_path, tenant, sid, limit=limit
                         ),
-                        router.residency,
+                        placer.residency,
                     ),
                 )
             )

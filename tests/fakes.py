@@ -1,6 +1,7 @@
 """Small twins the tests share: a clock the test moves, a prefill cost easy to check by
-hand, and what a router needs around it (a worker handle, a ledger that acknowledges every
-record at once and keeps the turns, a KV index that answers what the test set)."""
+hand, what the turn desk needs around it (a worker handle, a ledger that acknowledges every
+record at once and keeps the turns, a KV index that answers what the test set), and the
+desk wired over them as the daemon wires it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
+from appliance.policy.routing.core import default_profile
+from appliance.services.placement import Placer
+from appliance.services.queue_book import QueueBook
+from appliance.services.sessions import SessionTable
+from appliance.services.tasks import TaskBook
+from appliance.services.turn_desk import TurnDesk
+from appliance.services.turn_records import TurnRecords
 
 
 class ManualClock:
@@ -71,3 +80,43 @@ class FixedIndex:
 
     def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
         return self.blocks
+
+
+@dataclass
+class Wired:
+    """A turn desk over test workers, and the parts a test reads through."""
+
+    desk: TurnDesk
+    queues: QueueBook
+    index: Any
+    ledger: AckLedger
+    clock: ManualClock
+
+
+def wired_desk(
+    workers: list[RouterWorker],
+    *,
+    clock: ManualClock | None = None,
+    index: Any = None,
+    ledger: AckLedger | None = None,
+    slowdown: dict[str, float] | None = None,
+    block_size: int = 16,
+) -> Wired:
+    """The turn desk as the daemon wires it (queue book, turn records, placer), over fakes of
+    the outside only: workers, the KV index, the ledger and the clock."""
+    clock = clock or ManualClock(100.0)
+    index = index if index is not None else FixedIndex()
+    ledger = ledger or AckLedger()
+    speeds = slowdown or {}
+    queues = QueueBook(LinearCost(), clock, lambda w: speeds.get(w, 1.0))
+    sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size))
+    placer = Placer(
+        workers=lambda: workers, index=index, sessions=sessions, queues=queues,
+        cost=LinearCost(), profile=default_profile(), model="m",
+        salt=lambda t, c: f"salt-{t}",
+    )  # fmt: skip
+    desk = TurnDesk(
+        sessions=sessions, placer=placer, queues=queues, records=TurnRecords(ledger, model="m"),
+        tasks=TaskBook(ledger), clock=clock, workers=lambda: workers,
+    )  # fmt: skip
+    return Wired(desk, queues, index, ledger, clock)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -24,7 +23,6 @@ from starlette.routing import Route
 from appliance.api.admin_sessions import SessionAdmin, session_routes
 from appliance.api.errors import ApiError, error_response, from_exception
 from appliance.api.requests import (
-    AgentHeaders,
     Tokenizer,
     agent_headers,
     chat_encoder,
@@ -33,12 +31,12 @@ from appliance.api.requests import (
     tokenize_checked,
 )
 from appliance.domain.errors import ApplianceError
-from appliance.domain.records import SessionId, TaskEventType, TenantId, WorkerId
+from appliance.domain.records import SessionId, TaskEventType, TenantId
 from appliance.ports import Clock
-from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
-from appliance.services.router import Router, TurnRequest
-from appliance.services.sessions import ChatTokens, SessionState, resumable
+from appliance.services.admission import AdmissionService
+from appliance.services.sessions import SessionState, resumable
 from appliance.services.tasks import TaskBook
+from appliance.services.turn_desk import TurnDesk, TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +49,8 @@ class Caller:
 
 @dataclass
 class ApiContext:
-    router: Router
+    desk: TurnDesk
+    """A model turn's whole order, from here to its last record."""
     tasks: TaskBook
     tokenizer: Tokenizer
     keys: Mapping[str, Caller]
@@ -113,79 +112,48 @@ def create_app(ctx: ApiContext) -> ApiApp:
         who = caller_of(headers)
         body = parse_json_body(await request.body())
         hdr = agent_headers(headers, body)
-        session_id = SessionId(hdr.session_id) if hdr.session_id else None
-        known_task = ctx.tasks.get(who.tenant, hdr.task_id) if hdr.task_id else None
-        session = ctx.router.known_session(
-            who.tenant, session_id, known_task.key if known_task else None
-        )
         path = request.scope["path"]
         max_tokens = check_model_request(path, body, ctx.model)
-        tokenize = partial(
-            tokenize_checked,
-            path,
-            body,
-            ctx.tokenizer,
-            max_tokens=max_tokens,
-            max_model_len=ctx.max_model_len,
-            previous=session.chat if session else None,
-            encoder=encoder,
-        )
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
         plain = (
             path.endswith("chat/completions")
             and encoder is not None
             and body.get("add_generation_prompt", True) is True
         )
-        ids: Sequence[int] | None = None
-        chat: ChatTokens | None = None
-        n_prompt = untokenised_estimate(session, body, max_tokens) if plain else None
-        if n_prompt is None:
-            ids, chat = tokenize()
-            n_prompt = len(ids)
-        now = ctx.clock.now()
-        client_task = hdr.task_id or f"turn-{uuid.uuid4().hex[:16]}"
-        salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
-        queues = ctx.router.queue_estimates()  # one estimate for admission and placement
-        ticket = await admit_turn(who.tenant, client_task, hdr, n_prompt, session, queues)
-        streaming = False
-        try:
-            task = ctx.tasks.ensure(
-                who.tenant,
-                client_task,
-                now,
-                parent_id=hdr.parent_task_id,
-                deadline_s=hdr.deadline_s,
-            )
-            turn = TurnRequest(
+        reply = await ctx.desk.run(
+            TurnInput(
                 tenant=who.tenant,
                 path=path,
                 body=body,
-                prompt_ids=ids,
-                task_id=task.key,
-                session_id=session_id,
-                parent_task_id=task.parent,
-                client_salt=salt,
+                tokenize=lambda previous: tokenize_checked(
+                    path,
+                    body,
+                    ctx.tokenizer,
+                    max_tokens=max_tokens,
+                    max_model_len=ctx.max_model_len,
+                    previous=previous,
+                    encoder=encoder,
+                ),
+                estimate=lambda session: (
+                    untokenised_estimate(session, body, max_tokens) if plain else None
+                ),
+                messages=body["messages"] if plain else None,
+                task_id=hdr.task_id,
+                session_id=SessionId(hdr.session_id) if hdr.session_id else None,
+                parent_task_id=hdr.parent_task_id,
+                deadline_s=hdr.deadline_s,
+                priority=hdr.priority,
                 tool_class=hdr.tool_class,
                 expected_wait_s=hdr.expected_wait_s,
-                chat=chat,
-                messages=body["messages"] if plain else None,
-                tokenize=tokenize if ids is None else None,
-                estimated_tokens=n_prompt,
+                client_salt=salt,
                 received_at=_received_at(request),
             )
-            task.turns += 1
-            reply = await ctx.router.handle(turn, queues)
-            answer_headers = {**reply.headers, "X-Task-ID": client_task}
-            if reply.chunks is not None:  # the turn is released when the stream ends
-                streaming = True
-                return RelayedStream(
-                    reply.chunks, answer_headers, on_end=ticket.release if ticket else None
-                )
-            return Response(reply.body, reply.status, answer_headers, "application/json")
-        finally:
-            if ticket is not None and not streaming:
-                ticket.release()
+        )
+        if reply.chunks is not None:
+            return RelayedStream(reply.chunks, reply.headers, on_end=reply.on_end)
+        return Response(reply.body, reply.status, reply.headers, "application/json")
 
     def untokenised_estimate(
         session: SessionState | None, body: dict[str, Any], max_tokens: int | None
@@ -198,30 +166,6 @@ def create_app(ctx: ApiContext) -> ApiApp:
             return None
         bound = appended.token_bound(len(session.token_ids)) + (max_tokens or 1)
         return appended.token_estimate(session.chat) if bound <= ctx.max_model_len else None
-
-    async def admit_turn(
-        tenant: TenantId,
-        client_task: str,
-        hdr: AgentHeaders,
-        n_prompt: int,
-        session: SessionState | None,
-        queues: dict[WorkerId, float],
-    ) -> TurnTicket | None:
-        """Admission's ticket for this turn (None without admission); raises when refused."""
-        if ctx.admission is None:
-            return None
-        parent = ctx.tasks.key(tenant, hdr.parent_task_id) if hdr.parent_task_id else None
-        return await ctx.admission.admit_turn(
-            tenant,
-            ctx.tasks.key(tenant, client_task),
-            parent=parent,
-            one_turn=hdr.task_id is None,
-            deadline_s=hdr.deadline_s,
-            priority=hdr.priority,
-            prompt_tokens=n_prompt,
-            resident_tokens=resident_hint(session, n_prompt),
-            queues=queues,
-        )
 
     async def models(request: Request) -> Response:
         caller(request)

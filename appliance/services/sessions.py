@@ -199,30 +199,41 @@ class SessionTable:
     def hash_prompt(
         self, state: SessionState, prompt_ids: Sequence[int], salt: str
     ) -> BlockHashChain:
-        """The prompt's block hashes, reusing the session's chain (or, on its first turn, the
-        latest chain of the same salt that starts with the same block) for what it shares."""
+        """`chain_for` the prompt, then `adopt` it: the session's last prompt is this one."""
         ids = token_ids(prompt_ids)
+        chain = self.chain_for(state, ids, salt)
+        self.adopt(state, ids, chain, salt)
+        return chain
+
+    def chain_for(self, state: SessionState, ids: TokenIds, salt: str) -> BlockHashChain:
+        """The prompt's block hashes, reusing the session's chain (or, on its first turn, the
+        latest chain of the same salt that starts with the same block) for what it shares.
+        Changes nothing: `adopt` makes it the session's."""
         keys = RequestKeys(cache_salt=salt)
         bs = self._hasher.block_size
-        donor = (salt, tuple(ids[:bs])) if len(ids) >= bs else None
         chain, old = state.chain, state.token_ids
-        if (chain is None or chain.keys != keys) and donor is not None:
-            old, chain = self._donors.get(donor) or (old, None)
+        if (chain is None or chain.keys != keys) and len(ids) >= bs:
+            old, chain = self._donors.get((salt, tuple(ids[:bs]))) or (old, None)
         if chain is None or chain.keys != keys:
-            chain = self._hasher.chain(ids, keys=keys)
-        elif len(ids) >= len(old) and ids[: len(old)] == old:
-            chain = self._hasher.extend(chain, ids[len(old) :])
-        else:
-            keep = _shared_blocks(old, ids, bs, len(chain.hashes))
-            chain = self._hasher.extend(chain.prefix(keep), ids[keep * bs :])
+            return self._hasher.chain(ids, keys=keys)
+        if len(ids) >= len(old) and ids[: len(old)] == old:
+            return self._hasher.extend(chain, ids[len(old) :])
+        keep = _shared_blocks(old, ids, bs, len(chain.hashes))
+        return self._hasher.extend(chain.prefix(keep), ids[keep * bs :])
+
+    def adopt(self, state: SessionState, ids: TokenIds, chain: BlockHashChain, salt: str) -> None:
+        """The session's last prompt is `ids` (hashed as `chain`), and a donor for the next
+        new session whose first block is the same."""
         state.chain = chain
         state.token_ids = ids
-        if donor is not None:
-            self._donors[donor] = (state.token_ids, chain)
-            self._donors.move_to_end(donor)
-            if len(self._donors) > self._max_donors:
-                self._donors.popitem(last=False)
-        return chain
+        bs = self._hasher.block_size
+        if len(ids) < bs:
+            return
+        donor = (salt, tuple(ids[:bs]))
+        self._donors[donor] = (ids, chain)
+        self._donors.move_to_end(donor)
+        if len(self._donors) > self._max_donors:
+            self._donors.popitem(last=False)
 
     def _evict_idle(self) -> None:
         while len(self._sessions) > self._max:

@@ -28,10 +28,10 @@ from appliance.ports import WorkerEndpoint
 from appliance.services.admission import AdmissionService
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
-from appliance.services.router import Router
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, Release, SessionReleases
 from appliance.services.sessions import SessionState
 from appliance.services.tasks import TaskBook
+from appliance.services.turn_desk import TurnDesk
 
 EVENTS_SHOWN = 100
 NO_REAPER_REASON = "residency decisions arrive with the idle reaper"
@@ -40,7 +40,7 @@ NO_REAPER_REASON = "residency decisions arrive with the idle reaper"
 @dataclass
 class StateSources:
     workers: Callable[[], Sequence[WorkerEndpoint]]
-    router: Router
+    desk: TurnDesk
     tasks: TaskBook
     gpus: Callable[[], GpuSnapshot | None]
     clock_now: Callable[[], float]
@@ -69,7 +69,7 @@ def snapshot(src: StateSources) -> dict[str, Any]:
                 "waiting": load.waiting if load else None,
                 "kv_usage": load.kv_cache_usage_perc if load else None,
                 "prefix_hit_rate": load.prefix_hit_rate if load else None,
-                "prefill_slowdown": round(src.router.slowdown(w.id), 4),
+                "prefill_slowdown": round(src.desk.queues.slowdown(w.id), 4),
             }
         )
     gpu = src.gpus()
@@ -92,10 +92,10 @@ def snapshot(src: StateSources) -> dict[str, Any]:
             s,
             now,
             src.kv_bytes_per_token,
-            src.router.residency(s),
+            src.desk.placer.residency(s),
             releases.in_effect(s) if releases else None,
         )
-        for s in src.router.sessions
+        for s in src.desk.sessions
     ]
     tasks = [
         {
@@ -126,7 +126,7 @@ def snapshot(src: StateSources) -> dict[str, Any]:
         "costs": costs,
         "events": src.events.recent(EVENTS_SHOWN) if src.events is not None else None,
         "admission": src.admission.snapshot() if src.admission is not None else {},
-        "routing": dict(src.router.routed_by_reason),
+        "routing": dict(src.desk.records.routed_by_reason),
     }
 
 
@@ -158,27 +158,27 @@ def session_row(
 
 def metrics_text(src: StateSources) -> str:
     """Prometheus text of the appliance's own counters (`appliance_*`)."""
-    router = src.router
+    records = src.desk.records
     lines = [
         "# HELP appliance_routed_turns_total Turns placed by the router, by reason.",
         "# TYPE appliance_routed_turns_total counter",
     ]
-    for reason, n in sorted(router.routed_by_reason.items()):
+    for reason, n in sorted(records.routed_by_reason.items()):
         lines.append(f'appliance_routed_turns_total{{reason="{_esc(reason)}"}} {n}')
     lines += [
         "# HELP appliance_predicted_cached_tokens_total Cached tokens the KV index predicted.",
         "# TYPE appliance_predicted_cached_tokens_total counter",
-        f"appliance_predicted_cached_tokens_total {router.predicted_cached_total}",
+        f"appliance_predicted_cached_tokens_total {records.predicted_cached_total}",
         "# HELP appliance_cached_tokens_total Cached tokens the workers reported.",
         "# TYPE appliance_cached_tokens_total counter",
-        f"appliance_cached_tokens_total {router.actual_cached_total}",
+        f"appliance_cached_tokens_total {records.actual_cached_total}",
         "# HELP appliance_queue_seconds_total Seconds turns waited for their first byte.",
         "# TYPE appliance_queue_seconds_total counter",
-        f"appliance_queue_seconds_total {router.first_byte_s_total:.6f}",
+        f"appliance_queue_seconds_total {records.first_byte_s_total:.6f}",
         "# HELP appliance_sessions Sessions the router holds.",
         "# TYPE appliance_sessions gauge",
-        f"appliance_sessions {len(router.sessions)}",
-        *router.forward_s.lines(
+        f"appliance_sessions {len(src.desk.sessions)}",
+        *records.forward_s.lines(
             "appliance_forward_seconds",
             "The router's own time per model turn, from the whole request having arrived to "
             "its forwarding to a worker (parsing, admission, placement, the worker body).",
@@ -188,7 +188,7 @@ def metrics_text(src: StateSources) -> str:
         "# TYPE appliance_worker_prefill_slowdown gauge",
         *(
             f'appliance_worker_prefill_slowdown{{worker="{_esc(w.id)}"}} '
-            f"{router.slowdown(w.id):.6g}"
+            f"{src.desk.queues.slowdown(w.id):.6g}"
             for w in src.workers()
         ),
         "# HELP appliance_workers_healthy Workers that accept requests.",

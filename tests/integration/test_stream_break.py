@@ -8,13 +8,10 @@ import asyncio
 
 import orjson
 
-from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.engines.vllm_client import VllmClient
-from appliance.policy.routing.core import default_profile
-from appliance.services.router import Router, TurnRequest
-from appliance.services.sessions import SessionTable
-from tests.fakes import AckLedger, FixedIndex, LinearCost, ManualClock, RouterWorker
+from appliance.services.turn import TurnRequest
+from tests.fakes import RouterWorker, Wired, wired_desk
 
 EVENTS = [
     b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n',
@@ -61,7 +58,7 @@ async def healthy_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWri
 
 
 def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attempt() -> None:
-    async def main() -> tuple[list[bytes], AckLedger, Router, str]:
+    async def main() -> tuple[list[bytes], Wired, str]:
         broken = await asyncio.start_server(breaking_worker, "127.0.0.1", 0)
         fine = await asyncio.start_server(healthy_worker, "127.0.0.1", 0)
         ports = [s.sockets[0].getsockname()[1] for s in (broken, fine)]
@@ -69,23 +66,17 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attem
             RouterWorker(WorkerId(f"w{i}"), VllmClient(f"http://127.0.0.1:{port}"))
             for i, port in enumerate(ports)
         ]
-        ledger = AckLedger()
-        router = Router(
-            workers=lambda: workers, index=FixedIndex(),
-            sessions=SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(),
-            profile=default_profile(), ledger=ledger, clock=ManualClock(100.0),
-            tenant_salt=lambda t, c: f"salt-{t}", model="m",
-        )  # fmt: skip
+        wired = wired_desk(workers)
         body = {"model": "m", "prompt": "x", "stream": True}
         turn = TurnRequest(TenantId("a"), "/v1/completions", body, list(range(40)),
                            TaskId("a/t"), SessionId("s"))  # fmt: skip
-        reply = await router.handle(turn)  # w0: both workers alike, the first listed
+        reply = await wired.desk.handle(turn)  # w0: both workers alike, the first listed
         assert reply.chunks is not None and reply.headers["X-Appliance-Worker"] == "w0"
         relayed = [chunk async for chunk in reply.chunks]
         workers[0].healthy = False  # as the health check would see it next
         next_turn = TurnRequest(TenantId("a"), "/v1/completions", {**body, "stream": False},
                                 list(range(48)), TaskId("a/t"), SessionId("s"))  # fmt: skip
-        second = await router.handle(next_turn)
+        second = await wired.desk.handle(next_turn)
         await asyncio.sleep(0.01)  # the ledger records are written on the loop's next turn
         for w in workers:
             await w.client.aclose()
@@ -93,9 +84,10 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attem
         for server in (broken, fine):
             server.close()
             await server.wait_closed()
-        return relayed, ledger, router, second.headers["X-Appliance-Worker"]
+        return relayed, wired, second.headers["X-Appliance-Worker"]
 
-    relayed, ledger, router, second_worker = asyncio.run(main())
+    relayed, wired, second_worker = asyncio.run(main())
+    ledger = wired.ledger
     data = b"".join(relayed)
     assert data.startswith(b"".join(EVENTS))  # everything the worker sent, unchanged
     error = orjson.loads(data[len(b"".join(EVENTS)) :].removeprefix(b"data: ").strip())
@@ -106,5 +98,5 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attem
     ]
     assert ledger.turns[0].error is not None and "stream broke" in ledger.turns[0].error
     assert second_worker == "w1"
-    session = router.sessions.get(TenantId("a"), SessionId("s"))
+    session = wired.desk.sessions.get(TenantId("a"), SessionId("s"))
     assert session is not None and session.in_flight == 0

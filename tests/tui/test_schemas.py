@@ -21,7 +21,7 @@ from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.routing import RouteKind
 from appliance.services.cost_series import CostSeries
-from appliance.services.events import EventFeed
+from appliance.services.events import EventFeed, EventKind
 from appliance.services.sessions import SessionState
 from appliance.services.state import StateSources, snapshot
 from appliance.services.tasks import TaskBook
@@ -91,18 +91,20 @@ def _sources(with_gpu: bool) -> StateSources:
         else (),
         host=None,
     )
-    router = SimpleNamespace(
+    desk = SimpleNamespace(
         sessions=sessions,
-        residency=lambda s: {"gpu": {s.home: 4096}, "host": {WorkerId("w1"): 1024}},
-        routed_by_reason={RouteKind.PREFIX_RESIDENT: 3},
-        slowdown=lambda w: 1.25 if w == "w0" else 1.0,
+        placer=SimpleNamespace(
+            residency=lambda s: {"gpu": {s.home: 4096}, "host": {WorkerId("w1"): 1024}}
+        ),
+        records=SimpleNamespace(routed_by_reason={RouteKind.PREFIX_RESIDENT: 3}),
+        queues=SimpleNamespace(slowdown=lambda w: 1.25 if w == "w0" else 1.0),
     )
     events = EventFeed()
-    events.record(now - 1, "worker_restart", "w1", "restarted")
-    events.record(now, "release", "s1", "released by operator", tenant="alice")
+    events.record(now - 1, EventKind.WORKER_RESTART, "w1", "restarted")
+    events.record(now, EventKind.RELEASE, "s1", "released by operator", tenant="alice")
     return StateSources(
         workers=lambda: workers,  # type: ignore[arg-type, return-value]
-        router=router,  # type: ignore[arg-type]
+        desk=desk,  # type: ignore[arg-type]
         tasks=tasks,
         gpus=lambda: gpus,
         clock_now=lambda: now,

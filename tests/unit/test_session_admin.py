@@ -78,7 +78,7 @@ def setup() -> Iterator[Setup]:
         return [{"turn_id": "t-1", "started_at": 90.0, "worker": "w1", "outcome": "ok"}]
 
     ctx = ApiContext(
-        router=SimpleNamespace(sessions=table),  # type: ignore[arg-type]
+        desk=SimpleNamespace(sessions=table),  # type: ignore[arg-type]
         tasks=TaskBook(ledger),  # type: ignore[arg-type]
         tokenizer=SimpleNamespace(),  # type: ignore[arg-type]
         keys={"ops": Caller(TenantId("ops"), True), "acme": Caller(TenantId("acme"), False)},

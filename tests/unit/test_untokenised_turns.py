@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
-from appliance.services.router import TurnRequest
 from appliance.services.sessions import SessionState, appended, encode_chat_text, resumable
+from appliance.services.turn import TurnRequest
 from appliance.sim.tokenizer import FallbackTokenizer, HfTokenizer
 from tests.unit.test_hf_tokenizer_split import _byte_level, _model_dir
-from tests.unit.test_router_queue import setup
+from tests.unit.test_queue_book import setup
 
 WORDS = ["alpha", " beta", "\n", "é", "ü42", "<s>", "</s>", "日本語", "🙂", "  ", "x" * 30]
 
@@ -78,13 +78,14 @@ def test_the_bound_is_never_below_the_turns_real_length(tokenizers: list[Any], s
 
 
 def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> None:
-    router, workers = setup()
+    wired, workers = setup()
     hasher = BlockHasher(HashAlgo.SHA256_CBOR, 16)
     first, second = list(range(100)), [*range(100), *range(1000, 1040)]
     sent_before_tokenised: list[bool] = []
 
     def tokenize() -> tuple[list[int], None]:
-        sent_before_tokenised.append(router._pending != {} or router._running != {})
+        # The request is on its way: the queue book counts its prefill at a worker.
+        sent_before_tokenised.append(any(wired.queues.routed_s(w.id, 100.0) for w in workers))
         return second, None
 
     def turn(ids: list[int] | None, **kw: Any) -> TurnRequest:
@@ -92,12 +93,12 @@ def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> 
                            TaskId("a/t"), SessionId("s"), **kw)  # fmt: skip
 
     async def main() -> None:
-        await router.handle(turn(first))
-        session = router.sessions.get(TenantId("a"), SessionId("s"))
+        await wired.desk.handle(turn(first))
+        session = wired.desk.sessions.get(TenantId("a"), SessionId("s"))
         assert session is not None and session.home is not None
         home = session.home
-        router._index.blocks = {home: 6}  # type: ignore[attr-defined]  # the first prompt
-        reply = await router.handle(turn(None, tokenize=tokenize, estimated_tokens=140))
+        wired.index.blocks = {home: 6}  # the first prompt
+        reply = await wired.desk.handle(turn(None, tokenize=tokenize, estimated_tokens=140))
         assert reply.headers["X-Appliance-Worker"] == home
         salted = RequestKeys(cache_salt="salt-a")
         assert session.chain == hasher.chain(second, keys=salted)
@@ -111,7 +112,7 @@ def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> 
 def test_a_turn_that_fails_to_tokenise_makes_the_next_one_tokenise_first(
     tmp_path: Path,
 ) -> None:
-    router, _ = setup()
+    wired, _ = setup()
 
     def broken() -> tuple[list[int], None]:
         raise ValueError("template error")
@@ -121,13 +122,13 @@ def test_a_turn_that_fails_to_tokenise_makes_the_next_one_tokenise_first(
                             list(range(100)), TaskId("a/t"), SessionId("s"),
                             chat=encode_chat_text("x", lambda text: [1], ()),
                             messages=[{"role": "user", "content": "x"}])  # fmt: skip
-        await router.handle(first)
-        session = router.sessions.get(TenantId("a"), SessionId("s"))
+        await wired.desk.handle(first)
+        session = wired.desk.sessions.get(TenantId("a"), SessionId("s"))
         assert session is not None and session.messages is not None
         untokenised = TurnRequest(TenantId("a"), "/v1/chat/completions", {"model": "m"}, None,
                                   TaskId("a/t"), SessionId("s"), tokenize=broken,
                                   estimated_tokens=120)  # fmt: skip
-        await router.handle(untokenised)
+        await wired.desk.handle(untokenised)
         assert session.chat is None and session.messages is None
         assert resumable(session, [{"role": "user", "content": "x"}, {"role": "user"}]) is None
 

@@ -10,13 +10,10 @@ from typing import Any
 
 import pytest
 
-from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot
-from appliance.policy.routing.core import default_profile
-from appliance.services.router import Router, TurnRequest
-from appliance.services.sessions import SessionTable
-from tests.fakes import AckLedger, FixedIndex, LinearCost, ManualClock, RouterWorker
+from appliance.services.turn import TurnRequest
+from tests.fakes import LinearCost, ManualClock, RouterWorker, Wired, wired_desk
 
 
 @dataclass
@@ -33,17 +30,10 @@ def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
                         prompt_tokens=mean_prompt * 4, ttft_count=4)  # fmt: skip
 
 
-def setup(slowdown: dict[str, float] | None = None) -> tuple[Router, list[RouterWorker]]:
+def setup(slowdown: dict[str, float] | None = None) -> tuple[Wired, list[RouterWorker]]:
     clock = ManualClock(100.0)
     workers = [RouterWorker(WorkerId(w), Client(clock)) for w in ("w0", "w1")]
-    speeds = slowdown or {}
-    router = Router(
-        workers=lambda: workers, index=FixedIndex(), sessions=SessionTable(BlockHasher(
-            HashAlgo.SHA256_CBOR, 16)), cost=LinearCost(), profile=default_profile(),
-        ledger=AckLedger(), clock=clock, tenant_salt=lambda t, c: f"salt-{t}", model="m",
-        slowdown=lambda w: speeds.get(w, 1.0),
-    )  # fmt: skip
-    return router, workers
+    return wired_desk(workers, clock=clock, slowdown=slowdown), workers
 
 
 def turn() -> TurnRequest:
@@ -51,31 +41,31 @@ def turn() -> TurnRequest:
                        TaskId("a/t"), SessionId("s"))  # fmt: skip
 
 
-def queue_scores(router: Router) -> dict[str, float]:
-    session = router.sessions.open(TenantId("a"), SessionId("s"), 0.0)
-    decision, _ = router.place(turn(), session)
+def queue_scores(wired: Wired) -> dict[str, float]:
+    session = wired.desk.sessions.open(TenantId("a"), SessionId("s"), 0.0)
+    decision = wired.desk.placer.place(turn(), session).decision
     return {c.worker: c.scores["queue"] for c in decision.candidates}
 
 
 def test_the_routers_own_request_in_a_stale_reading_is_not_load() -> None:
-    router, (w0, w1) = setup()
-    reply = asyncio.run(router.handle(turn()))  # runs on w0 from t=100 to t=101
+    wired, (w0, w1) = setup()
+    reply = asyncio.run(wired.desk.handle(turn()))  # runs on w0 from t=100 to t=101
     assert reply.headers["X-Appliance-Worker"] == "w0"
     w0.load, w1.load = reading(100.5, waiting=1), reading(100.5, waiting=0)
-    assert queue_scores(router) == {"w0": 1.0, "w1": 1.0}
+    assert queue_scores(wired) == {"w0": 1.0, "w1": 1.0}
 
 
 def test_waiting_requests_that_are_not_the_routers_count_at_the_mean_prompt() -> None:
-    router, (w0, w1) = setup()
-    asyncio.run(router.handle(turn()))
+    wired, (w0, w1) = setup()
+    asyncio.run(wired.desk.handle(turn()))
     w0.load, w1.load = reading(100.5, waiting=4), reading(100.5, waiting=0)
-    scores = queue_scores(router)
+    scores = queue_scores(wired)
     # 3 foreign requests x 1000 tokens x 1 ms = 3 s queued, the scale of this decision.
     assert scores["w0"] == 0.0 and scores["w1"] == 1.0
 
 
 def test_a_turn_in_flight_counts_only_for_the_prefill_the_worker_may_still_have_to_do() -> None:
-    router, (w0, _) = setup()
+    wired, (w0, _) = setup()
     clock = w0.client.clock
     answered: asyncio.Future[bytes]
 
@@ -83,25 +73,25 @@ def test_a_turn_in_flight_counts_only_for_the_prefill_the_worker_may_still_have_
         return await answered  # a non-streamed answer: no first byte until it is whole
 
     w0.client.post = held  # type: ignore[method-assign]
-    first_s = router._cost.prefill_s(100, 0)  # 100 fresh tokens at 1 ms: 0.1 s
-    second_s = router._cost.prefill_s(4, 96)  # the same prompt, 6 blocks resident
+    first_s = LinearCost().prefill_s(100, 0)  # 100 fresh tokens at 1 ms: 0.1 s
+    second_s = LinearCost().prefill_s(4, 96)  # the same prompt, 6 blocks resident
 
     async def main() -> list[float]:
         nonlocal answered
         answered = asyncio.get_running_loop().create_future()
-        first = asyncio.create_task(router.handle(turn()))
+        first = asyncio.create_task(wired.desk.handle(turn()))
         await asyncio.sleep(0)
-        seen = [router.queue_s(w0)]
+        seen = [wired.queues.queue_s(w0)]
         clock.t += 0.06
-        seen.append(router.queue_s(w0))
-        router._index.blocks = {w0.id: 6}  # type: ignore[attr-defined]
-        second = asyncio.create_task(router.handle(turn()))  # queued behind the first
+        seen.append(wired.queues.queue_s(w0))
+        wired.index.blocks = {w0.id: 6}
+        second = asyncio.create_task(wired.desk.handle(turn()))  # queued behind the first
         await asyncio.sleep(0)
-        seen.append(router.queue_s(w0))
+        seen.append(wired.queues.queue_s(w0))
         clock.t += 0.02
-        seen.append(router.queue_s(w0))
+        seen.append(wired.queues.queue_s(w0))
         clock.t += 0.1
-        seen.append(router.queue_s(w0))
+        seen.append(wired.queues.queue_s(w0))
         answered.set_result(b"{}")
         await asyncio.gather(first, second)
         return seen
@@ -111,7 +101,7 @@ def test_a_turn_in_flight_counts_only_for_the_prefill_the_worker_may_still_have_
 
 
 def test_a_slow_workers_queue_is_the_prefill_at_its_measured_speed() -> None:
-    router, (w0, w1) = setup(slowdown={"w0": 20.0, "w1": 20.0})  # alike: w0 gets it
+    wired, (w0, w1) = setup(slowdown={"w0": 20.0, "w1": 20.0})  # alike: w0 gets it
     answered: asyncio.Future[bytes]
 
     async def held(path: str, body: Any, headers: Any = None) -> bytes:
@@ -123,12 +113,12 @@ def test_a_slow_workers_queue_is_the_prefill_at_its_measured_speed() -> None:
     async def main() -> list[float]:
         nonlocal answered
         answered = asyncio.get_running_loop().create_future()
-        first = asyncio.create_task(router.handle(turn()))
+        first = asyncio.create_task(wired.desk.handle(turn()))
         await asyncio.sleep(0)
         clock.t += 1.0  # the profile's 0.1 s would be long done; 20x slower it is not
-        seen = [router.queue_s(w0), router.queue_s(w1)]
+        seen = [wired.queues.queue_s(w0), wired.queues.queue_s(w1)]
         w0.load = reading(clock.t, waiting=2)  # one of them is the router's own
-        seen.append(router.queue_s(w0))
+        seen.append(wired.queues.queue_s(w0))
         answered.set_result(b"{}")
         await first
         return seen

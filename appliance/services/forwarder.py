@@ -1,0 +1,148 @@
+"""The forwarder: one attempt of a turn at one worker, relayed to the client.
+
+A non-streamed answer is relayed as the worker's bytes; its `usage` is read once. A stream
+is relayed chunk by chunk as the worker sends it, unparsed, while `UsageScanner` finds the
+`usage` line in passing. The worker's first byte tells the queue book the prefill is done.
+A worker that fails before the first byte raises (EngineUnavailable, or EngineRequestError
+with its status) and the caller decides whether to retry; a stream that breaks midway ends
+with an SSE error event and a failed attempt; a client that leaves a stream midway ends the
+worker's request (its stream is closed) and leaves a cancelled attempt. Every attempt ends
+in the queue book and in the turn records exactly once (`finish`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import orjson
+
+from appliance.domain.errors import EngineRequestError
+from appliance.domain.records import TurnOutcome
+from appliance.ports import Clock, WorkerEndpoint
+from appliance.services.queue_book import QueueBook
+from appliance.services.turn import Attempt, Reply, TurnRequest
+from appliance.services.turn_records import TurnRecords, cached_tokens
+
+
+class Forwarder:
+    def __init__(self, clock: Clock, queues: QueueBook, records: TurnRecords) -> None:
+        self._clock = clock
+        self._queues = queues
+        self._records = records
+
+    async def post(
+        self,
+        turn: TurnRequest,
+        worker: WorkerEndpoint,
+        attempt: Attempt,
+        body: dict[str, Any],
+        on_answer: Callable[[], None] | None = None,
+    ) -> Reply:
+        """A non-streamed attempt; raises as the module docstring says. `on_answer` runs
+        once the worker has answered, before the attempt is finished."""
+        answer = await worker.client.post(turn.path, body)
+        if on_answer is not None:
+            on_answer()
+        attempt.first_byte_at = self._clock.now()
+        attempt.usage = usage_of(answer) or {}
+        self.finish(turn, attempt, TurnOutcome.OK)
+        return Reply(200, headers(turn, attempt), answer)
+
+    async def stream(
+        self,
+        turn: TurnRequest,
+        worker: WorkerEndpoint,
+        attempt: Attempt,
+        body: dict[str, Any],
+        on_end: Callable[[], None],
+    ) -> Reply:
+        """A streamed attempt: raises before the first byte; once open, the reply's chunks
+        relay it, and however it ends `on_end` runs and the attempt is finished."""
+        stream = worker.client.open_stream(turn.path, body)
+        response = await stream.__aenter__()
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            outcome, error = TurnOutcome.OK, None
+            usage = UsageScanner()
+            try:
+                async for data in response.chunks():  # relayed as they come, unparsed
+                    if attempt.first_byte_at is None:
+                        attempt.first_byte_at = self._clock.now()
+                        self._queues.first_byte(attempt.worker, attempt.turn_id)
+                    usage.feed(data)
+                    yield data
+                if usage.last:
+                    attempt.usage = usage.last
+            except GeneratorExit:  # closed before its end: the client left midway
+                outcome = TurnOutcome.CANCELLED
+                raise
+            except Exception as exc:  # the worker broke off midway
+                outcome, error = TurnOutcome.FAILED, f"stream broke: {exc or type(exc).__name__}"
+                event = {"error": {"message": error, "type": "stream_error", "code": 502}}
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+            finally:
+                on_end()
+                await stream.__aexit__(None, None, None)
+                self.finish(turn, attempt, outcome, error=error)
+
+        return Reply(200, headers(turn, attempt), chunks=chunks())
+
+    def finish(
+        self, turn: TurnRequest, attempt: Attempt, outcome: TurnOutcome, *, error: str | None = None
+    ) -> None:
+        self._queues.ended(attempt.worker, attempt.turn_id, failed=outcome == TurnOutcome.FAILED)
+        self._records.ended(turn, attempt, outcome, error, self._clock.now())
+
+
+def headers(turn: TurnRequest, attempt: Attempt) -> dict[str, str]:
+    cached = cached_tokens(attempt.usage)
+    return {
+        "X-Appliance-Worker": attempt.worker,
+        "X-Task-ID": turn.task_id,
+        "X-Appliance-Cached-Tokens": str(
+            cached if cached is not None else attempt.predicted_cached
+        ),
+    }
+
+
+def error_reply(exc: EngineRequestError) -> Reply:
+    """A worker's 4xx, relayed with its own error body where it has one."""
+    try:
+        body = orjson.loads(exc.body)
+        if isinstance(body, dict) and "error" in body:
+            return Reply(exc.http_status, {}, orjson.dumps(body))
+    except (TypeError, ValueError):
+        pass
+    error = {"message": exc.message, "type": "BadRequestError", "code": exc.http_status}
+    return Reply(exc.http_status, {}, orjson.dumps({"error": error}))
+
+
+class UsageScanner:
+    """Finds the `usage` of an SSE stream in the bytes relayed to the client, parsing only
+    the complete `data:` lines that mention it (the last such line wins)."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.last: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> None:
+        buffer = self._tail + data
+        end = buffer.rfind(b"\n") + 1
+        complete, self._tail = buffer[:end], buffer[end:]
+        if b'"usage"' not in complete:
+            return
+        for line in complete.split(b"\n"):
+            if line.startswith(b"data:") and b'"usage"' in line:
+                usage = usage_of(line[5:])
+                if usage:
+                    self.last = usage
+
+
+def usage_of(data: bytes) -> dict[str, Any] | None:
+    try:
+        chunk = orjson.loads(data)
+    except ValueError:
+        return None
+    usage = chunk.get("usage") if isinstance(chunk, dict) else None
+    return usage if isinstance(usage, dict) else None

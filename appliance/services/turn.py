@@ -1,0 +1,79 @@
+"""The values of one model turn's life: the request as the API hands it over, each attempt
+at a worker, and the reply the API sends back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.domain.errors import ApplianceError
+from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
+from appliance.services.sessions import ChatTokens
+
+
+class NoWorker(ApplianceError):
+    code = "no_healthy_worker"
+    http_status = 503
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequest:
+    tenant: TenantId
+    path: str
+    """/v1/chat/completions or /v1/completions."""
+    body: dict[str, Any]
+    prompt_ids: Sequence[int] | None
+    """None when the turn is forwarded before it is tokenised (`tokenize` is then set)."""
+    task_id: TaskId
+    session_id: SessionId | None = None
+    parent_task_id: TaskId | None = None
+    client_salt: str | None = None
+    tool_class: str | None = None
+    expected_wait_s: float | None = None
+    chat: ChatTokens | None = None
+    """The rendered chat behind `prompt_ids`, kept so the session's next turn tokenises only
+    what it appends."""
+    messages: list[Any] | None = None
+    """A chat's messages, kept with `chat` so the next turn can be forwarded untokenised."""
+    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None = None
+    """For a turn forwarded untokenised: its ids and chat, computed after it was sent."""
+    estimated_tokens: int = 0
+    """The prompt's likely length while `prompt_ids` is None."""
+    received_at: float | None = None
+    """When the whole request had arrived (time.monotonic()), if the server says."""
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids) if self.prompt_ids is not None else self.estimated_tokens
+
+
+@dataclass(eq=False)
+class Attempt:
+    turn_id: TurnId
+    worker: WorkerId
+    predicted_cached: int
+    started_at: float
+    estimated_prefill_s: float
+    first_byte_at: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    prefix_digest: str | None = None
+    """Hex digest of the prompt's last full block: names the cached prefix in a receipt."""
+    prefix_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A finished non-streaming answer, or the head of a stream (`chunks` then yields it)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    """A finished answer's JSON, relayed as the worker wrote it."""
+    chunks: AsyncGenerator[bytes, None] | None = None
+    on_end: Callable[[], None] | None = None
+    """A stream's: runs once it has ended, however it ended."""

@@ -1,0 +1,317 @@
+"""The turn desk: one model turn's order, from the API's hand-over to its last record.
+
+    find the session  ->  tokenise, or not yet  ->  admit  ->  open the task  ->  place
+    ->  forward (one retry elsewhere)  ->  record  ->  release
+
+The API hands over a checked, authenticated turn (`TurnInput`) and gets a `Reply`; nothing
+else of a turn's life is in the HTTP layer. A session's next chat turn that only appends
+text may be placed and forwarded before it is tokenised (`TurnInput.estimate` says how long
+it likely is): what it shares with the last turn is that turn's prompt, whose chain is
+known, and it is tokenised and hashed while the worker prefills, ready for the turn after
+it. Admission's ticket and the session's in-flight count are released when the answer is
+complete, or for a stream when it ends, however it ends.
+
+Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
+attempt and the turn is placed again, once, without it; a 4xx goes back to the client as
+the worker wrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
+from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, TurnOutcome, WorkerId
+from appliance.ports import Clock, WorkerEndpoint
+from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
+from appliance.services.forwarder import Forwarder, error_reply
+from appliance.services.placement import Placement, Placer
+from appliance.services.queue_book import QueueBook
+from appliance.services.sessions import ChatTokens, SessionState, SessionTable
+from appliance.services.tasks import TaskBook
+from appliance.services.turn import Attempt, NoWorker, Reply, TurnRequest
+from appliance.services.turn_records import TurnRecords
+
+log = logging.getLogger(__name__)
+Tokenize = Callable[[ChatTokens | None], tuple[Sequence[int], ChatTokens | None]]
+"""The session's last chat (or None) -> the turn's ids and its rendered chat."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInput:
+    """A model turn as the API hands it over: authenticated, its body and headers checked."""
+
+    tenant: TenantId
+    path: str
+    body: dict[str, Any]
+    tokenize: Tokenize
+    estimate: Callable[[SessionState | None], int | None]
+    """The likely prompt length when the turn may go before it is tokenised, else None."""
+    messages: list[Any] | None = None
+    """A plain chat's messages (rendered by the desk's tokeniser as the next turn's base)."""
+    task_id: str | None = None
+    """X-Task-ID; None: a one-turn task of its own."""
+    session_id: SessionId | None = None
+    parent_task_id: str | None = None
+    deadline_s: float | None = None
+    priority: int | None = None
+    tool_class: str | None = None
+    expected_wait_s: float | None = None
+    client_salt: str | None = None
+    received_at: float | None = None
+    """When the whole request had arrived (time.monotonic()), if the server says."""
+
+
+class TurnDesk:
+    def __init__(
+        self,
+        *,
+        sessions: SessionTable,
+        placer: Placer,
+        queues: QueueBook,
+        records: TurnRecords,
+        tasks: TaskBook,
+        clock: Clock,
+        workers: Callable[[], Sequence[WorkerEndpoint]],
+        admission: AdmissionService | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.placer = placer
+        self.queues = queues
+        self.records = records
+        self._tasks = tasks
+        self._clock = clock
+        self._workers = workers
+        self._admission = admission
+        self._forwarder = Forwarder(clock, queues, records)
+
+    async def run(self, t: TurnInput) -> Reply:
+        """The whole turn (the module docstring's order)."""
+        known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
+        session = self.known_session(t.tenant, t.session_id, known.key if known else None)
+        tokenize = partial(t.tokenize, session.chat if session else None)
+        ids: Sequence[int] | None = None
+        chat: ChatTokens | None = None
+        n_prompt = t.estimate(session)
+        if n_prompt is None:
+            ids, chat = tokenize()
+            n_prompt = len(ids)
+        client_task = t.task_id or f"turn-{uuid.uuid4().hex[:16]}"
+        queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
+        ticket = await self._admit(t, client_task, n_prompt, session, queues)
+        streaming = False
+        try:
+            now = self._clock.now()
+            task = self._tasks.ensure(
+                t.tenant, client_task, now, parent_id=t.parent_task_id, deadline_s=t.deadline_s
+            )
+            turn = TurnRequest(
+                tenant=t.tenant,
+                path=t.path,
+                body=t.body,
+                prompt_ids=ids,
+                task_id=task.key,
+                session_id=t.session_id,
+                parent_task_id=task.parent,
+                client_salt=t.client_salt,
+                tool_class=t.tool_class,
+                expected_wait_s=t.expected_wait_s,
+                chat=chat,
+                messages=t.messages,
+                tokenize=tokenize if ids is None else None,
+                estimated_tokens=n_prompt,
+                received_at=t.received_at,
+            )
+            task.turns += 1
+            reply = await self.handle(turn, queues)
+            reply = replace(reply, headers={**reply.headers, "X-Task-ID": client_task})
+            if reply.chunks is not None:  # the ticket goes when the stream ends
+                streaming = True
+                return replace(reply, on_end=ticket.release if ticket else None)
+            return reply
+        finally:
+            if ticket is not None and not streaming:
+                ticket.release()
+
+    def known_session(
+        self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
+    ) -> SessionState | None:
+        """The session a turn with these ids continues, when the desk already has it."""
+        sid = session_id or (SessionId(f"task:{task_id}") if task_id else None)
+        return self.sessions.get(tenant, sid) if sid else None
+
+    async def _admit(
+        self,
+        t: TurnInput,
+        client_task: str,
+        n_prompt: int,
+        session: SessionState | None,
+        queues: dict[WorkerId, float],
+    ) -> TurnTicket | None:
+        """Admission's ticket for this turn (None without admission); raises when refused."""
+        if self._admission is None:
+            return None
+        parent = self._tasks.key(t.tenant, t.parent_task_id) if t.parent_task_id else None
+        return await self._admission.admit_turn(
+            t.tenant,
+            self._tasks.key(t.tenant, client_task),
+            parent=parent,
+            one_turn=t.task_id is None,
+            deadline_s=t.deadline_s,
+            priority=t.priority,
+            prompt_tokens=n_prompt,
+            resident_tokens=resident_hint(session, n_prompt),
+            queues=queues,
+        )
+
+    # --- placement and forwarding ----------------------------------------------------
+
+    async def handle(self, turn: TurnRequest, queues: dict[WorkerId, float] | None = None) -> Reply:
+        """Places and forwards one turn of its session; `queues`: this moment's estimates,
+        when the caller has them already."""
+        now = self._clock.now()
+        session = self._session(turn, now)
+        session.in_flight += 1
+        session.turns += 1
+        session.last_active_at = now
+        try:
+            reply = await self._forward(turn, session, queues)
+        except BaseException:
+            self._release(session)
+            raise
+        if reply.chunks is None:  # a stream releases the session when it ends
+            self._release(session)
+        return reply
+
+    def _session(self, turn: TurnRequest, now: float) -> SessionState:
+        sid = turn.session_id or SessionId(f"task:{turn.task_id}")
+        state = self.sessions.open(turn.tenant, sid, now)
+        state.task_id = turn.task_id
+        state.tool_class = turn.tool_class
+        state.expected_wait_s = turn.expected_wait_s
+        # Kept only from a chat tokenised incrementally (or about to be): anything else makes
+        # the next turn tokenise before it is placed.
+        incremental = turn.chat is not None or turn.tokenize is not None
+        state.chat = turn.chat if incremental else None
+        state.messages = turn.messages if incremental else None
+        return state
+
+    def _release(self, session: SessionState) -> None:
+        session.in_flight -= 1
+        session.last_active_at = self._clock.now()
+
+    async def _forward(
+        self, turn: TurnRequest, session: SessionState, queues: dict[WorkerId, float] | None
+    ) -> Reply:
+        tried: set[WorkerId] = set()
+        last_error: ApplianceError | None = None
+        tokenized: _Soon | None = None
+        for _ in range(2):  # the first choice, then one retry elsewhere
+            # A retry comes later: the queues are estimated again.
+            placement = self.placer.place(turn, session, frozenset(tried), queues)
+            queues = None
+            worker_id = placement.decision.worker
+            if worker_id is None:
+                break
+            self.placer.commit(session, placement)
+            worker = next(w for w in self._workers() if w.id == worker_id)
+            attempt = self._begin(turn, session, placement, worker_id)
+            body = self._worker_body(turn, session, placement.salt)
+            if turn.tokenize is not None and tokenized is None:  # once the request is sent
+                tokenized = _Soon(partial(self._tokenize_sent, turn, session, attempt))
+            if turn.received_at is not None and not tried:
+                self.records.forward_s.observe(time.monotonic() - turn.received_at)
+            try:
+                if turn.stream:
+                    on_end = partial(self._stream_ended, session, tokenized)
+                    reply = await self._forwarder.stream(turn, worker, attempt, body, on_end)
+                else:
+                    on_answer = tokenized.now if tokenized is not None else None
+                    reply = await self._forwarder.post(turn, worker, attempt, body, on_answer)
+            except EngineUnavailable as exc:
+                self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
+                tried.add(worker.id)
+                last_error = exc
+                continue
+            except EngineRequestError as exc:
+                self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
+                if exc.http_status >= 500:
+                    tried.add(worker.id)
+                    last_error = exc
+                    continue
+                return error_reply(exc)
+            session.home = worker.id
+            return reply
+        if last_error is not None:
+            raise NoWorker(f"no worker could serve the request: {last_error.message}")
+        raise NoWorker("no healthy worker serves this model")
+
+    def _begin(
+        self, turn: TurnRequest, session: SessionState, placement: Placement, worker: WorkerId
+    ) -> Attempt:
+        predicted = placement.resident.get(worker, 0)
+        est = self.queues.prefill_s(worker, turn.prompt_len - predicted, predicted)
+        now = self._clock.now()
+        attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, now, est)
+        chain = session.chain
+        if chain is not None and chain.hashes:
+            # The last full block's hash commits to the whole prefix and the tenant salt.
+            attempt.prefix_digest = chain.hashes[-1].hex()
+            attempt.prefix_tokens = len(chain.hashes) * chain.block_size
+        self.queues.sent(worker, attempt.turn_id, est, now)
+        self.records.placed(attempt, placement.decision)
+        return attempt
+
+    def _stream_ended(self, session: SessionState, tokenized: _Soon | None) -> None:
+        if tokenized is not None:
+            tokenized.now()
+        self._release(session)
+
+    def _tokenize_sent(self, turn: TurnRequest, session: SessionState, attempt: Attempt) -> None:
+        """Tokenises and hashes a turn forwarded untokenised, for the session's next turn."""
+        assert turn.tokenize is not None
+        try:
+            ids, chat = turn.tokenize()
+        except Exception as exc:  # the worker judges the request itself; the next turn
+            log.info("turn of session %s not tokenised: %s", session.session_id, exc)
+            session.chat = session.messages = None  # ... is tokenised before it is placed
+            return
+        session.chat = chat
+        chain = self.sessions.hash_prompt(
+            session, ids, self.placer.salt(turn.tenant, turn.client_salt)
+        )
+        if chain.hashes and attempt.first_byte_at is None:
+            attempt.prefix_digest = chain.hashes[-1].hex()
+            attempt.prefix_tokens = len(chain.hashes) * chain.block_size
+
+    def _worker_body(self, turn: TurnRequest, session: SessionState, salt: str) -> dict[str, Any]:
+        body = dict(turn.body)
+        body["cache_salt"] = salt
+        body["session_id"] = f"{turn.tenant}/{session.session_id}"
+        if turn.stream:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True  # the ledger needs the worker's own counts
+            body["stream_options"] = opts
+        return body
+
+
+class _Soon:
+    """A call made on the event loop's next turn (after the current task's sends went out),
+    or by `now()` when its result is needed first; once either way."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call: Callable[[], None] | None = call
+        self._handle = asyncio.get_running_loop().call_soon(self.now)
+
+    def now(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            self._handle.cancel()
+            call()

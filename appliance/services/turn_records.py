@@ -1,0 +1,167 @@
+"""The records a model turn leaves: one `route_decisions` row per placement, one `turns` row
+per attempt (the worker's own token counts, predicted beside actual cached tokens), a cache
+receipt for the prefix a successful attempt left cached, and the appliance's own counters
+behind `/metrics`.
+
+Nothing here delays an answer: the rows are written on the event loop's next turn (after
+the request or the answer went out) and the ledger commits them within milliseconds;
+shutdown flushes it. A row the ledger refuses is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import orjson
+
+from appliance.domain.records import (
+    CacheReceipt,
+    CacheTier,
+    RouteDecisionRecord,
+    TurnOutcome,
+    TurnRecord,
+)
+from appliance.policy.routing import RouteDecision, RouteKind
+from appliance.ports import Ledger
+from appliance.services.histogram import Histogram
+from appliance.services.turn import Attempt, TurnRequest
+
+log = logging.getLogger(__name__)
+FORWARD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+"""Upper bounds (seconds) of `appliance_forward_seconds`, the router's own time per turn."""
+
+
+class TurnRecords:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        model: str,
+        runtime_identity: str = "",
+        on_turn: Callable[[TurnRecord, Future[float | None]], None] | None = None,
+    ) -> None:
+        self._ledger = ledger
+        self._model = model
+        self._runtime = runtime_identity
+        self._on_turn = on_turn
+        self.routed_by_reason: dict[RouteKind, int] = {}
+        """Turns placed, by the kind of the policy's reason (a fixed set)."""
+        self.predicted_cached_total = 0
+        self.actual_cached_total = 0
+        self.first_byte_s_total = 0.0
+        self.forward_s = Histogram(FORWARD_BUCKETS_S)
+        """The router's own time per turn, from the whole request to its forwarding."""
+
+    def placed(self, attempt: Attempt, decision: RouteDecision) -> None:
+        self.routed_by_reason[decision.kind] = self.routed_by_reason.get(decision.kind, 0) + 1
+        # Written once the request is on its way: the turn never waits on its own records.
+        asyncio.get_running_loop().call_soon(self._record_decision, attempt, decision)
+
+    def ended(
+        self,
+        turn: TurnRequest,
+        attempt: Attempt,
+        outcome: TurnOutcome,
+        error: str | None,
+        end: float,
+    ) -> None:
+        # Recorded after the answer went out (the next loop turn), in the order they ended.
+        asyncio.get_running_loop().call_soon(self._record_turn, turn, attempt, outcome, error, end)
+
+    def _record_decision(self, attempt: Attempt, decision: RouteDecision) -> None:
+        record = RouteDecisionRecord(
+            attempt.turn_id,
+            attempt.started_at,
+            attempt.worker,
+            f"{decision.kind}: {decision.reason}",
+            _candidates_json(decision),
+        )
+        _log_failure(self._ledger.record_route_decision(record), "route decision")
+
+    def _record_turn(
+        self,
+        turn: TurnRequest,
+        attempt: Attempt,
+        outcome: TurnOutcome,
+        error: str | None,
+        end: float,
+    ) -> None:
+        usage = attempt.usage
+        prompt = int(usage.get("prompt_tokens") or turn.prompt_len)
+        cached = min(cached_tokens(usage) or 0, prompt)
+        record = TurnRecord(
+            turn_id=attempt.turn_id,
+            tenant=turn.tenant,
+            task_id=turn.task_id,
+            session_id=turn.session_id,
+            worker=attempt.worker,
+            model=self._model,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            output_tokens=int(usage.get("completion_tokens") or 0),
+            outcome=outcome,
+            started_at=attempt.started_at,
+            finished_at=max(end, attempt.started_at),
+            parent_task_id=turn.parent_task_id,
+            ttft_s=(attempt.first_byte_at - attempt.started_at) if attempt.first_byte_at else None,
+            e2e_s=max(0.0, end - attempt.started_at),
+            predicted_cached_tokens=attempt.predicted_cached,
+            error=error,
+        )
+        # Not awaited: the client's answer never waits on the disk.
+        written = self._ledger.record_turn(record)
+        _log_failure(written, f"turn {record.turn_id}")
+        if self._on_turn is not None:
+            self._on_turn(record, written)
+        if outcome == TurnOutcome.OK and attempt.prefix_digest is not None:
+            receipt = CacheReceipt(
+                prefix_digest=attempt.prefix_digest,
+                token_count=attempt.prefix_tokens,
+                model=self._model,
+                runtime_identity=self._runtime,
+                tenant_domain=turn.tenant,
+                worker=attempt.worker,
+                tier=CacheTier.GPU,
+                created_at=end,
+                last_used_at=end,
+            )
+            _log_failure(self._ledger.record_cache_receipt(receipt), "cache receipt")
+        self.predicted_cached_total += attempt.predicted_cached
+        self.actual_cached_total += cached
+        if record.ttft_s is not None:
+            self.first_byte_s_total += record.ttft_s
+
+
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """The worker's `usage.prompt_tokens_details.cached_tokens`, when it says."""
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(value) if value is not None else None
+
+
+def _log_failure(fut: Future[Any], what: str) -> None:
+    def check(f: Future[Any]) -> None:
+        if f.exception() is not None:
+            log.error("ledger refused %s: %s", what, f.exception())
+
+    fut.add_done_callback(check)
+
+
+def _candidates_json(decision: RouteDecision) -> str:
+    return orjson.dumps(
+        [
+            {
+                "worker": c.worker,
+                "score": round(c.score, 6),
+                "scores": {k: round(v, 6) for k, v in c.scores.items()},
+                "resident_tokens": c.resident_tokens,
+                "ttft_estimate_s": round(c.ttft_estimate_s, 6),
+            }
+            for c in decision.candidates
+        ]
+        + [{"worker": w, "excluded_by": f} for w, f in decision.excluded.items()]
+    ).decode()
