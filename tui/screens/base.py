@@ -3,17 +3,28 @@ and being handed each new snapshot by the app (`show_state`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, cast
+from collections.abc import Awaitable
+from typing import ClassVar, Protocol, cast
 
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from tui.client import StateClient
 from tui.state import AdminState
 from tui.widgets.chrome import Banner, TopBar
 
-if TYPE_CHECKING:
-    from tui.app import ConsoleApp
+
+class Console(Protocol):
+    """What the screens use of the console app (tui/app.py `ConsoleApp`), named here so the
+    screens need not import the app that imports them."""
+
+    client: StateClient
+    url: str
+    label: str
+    state: AdminState | None
+
+    def release_session(self, session_id: str, tenant: str | None = None) -> Awaitable[None]: ...
 
 
 class StateScreen(Screen[None]):
@@ -24,8 +35,8 @@ class StateScreen(Screen[None]):
     TAB: ClassVar[str] = "overview"
 
     @property
-    def console(self) -> ConsoleApp:
-        return cast("ConsoleApp", self.app)
+    def console(self) -> Console:
+        return cast(Console, self.app)
 
     def compose(self) -> ComposeResult:
         yield TopBar(self.TAB, self.console.label, id="topbar")
