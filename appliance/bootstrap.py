@@ -53,7 +53,7 @@ def up(settings: Settings) -> None:
 
 
 def run_sim(*, workers: int, port: int, **config: Any) -> None:
-    from appliance.sim.worker import run_workers
+    from appliance.sim.serving import run_workers
 
     if config.get("gpu_profile") is not None:
         config["gpu_profile"] = str(config["gpu_profile"])

@@ -27,7 +27,9 @@ from typing import Any
 
 from appliance import keystore
 from appliance.api.admin_sessions import SessionAdmin
-from appliance.api.app import ApiContext, Caller, create_app
+from appliance.api.app import create_app
+from appliance.api.auth import Caller, Keys
+from appliance.api.context import ApiContext
 from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir
 from appliance.domain.block_hash import BlockHasher, HashAlgo
@@ -409,7 +411,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                     desk=desk,
                     tasks=tasks,
                     tokenizer=tokenizer,
-                    keys=keys,
+                    keys=Keys(keys),
                     clock=clock,
                     model=engines.served_name,
                     max_model_len=engines.max_model_len,

@@ -29,7 +29,8 @@ from appliance.engines.metrics import load_snapshot, parse
 from appliance.services.worker_speed import measured_slowdown
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import bundled_profile
-from appliance.sim.worker import ThreadedWorker, WorkerConfig, free_port, serve_workers
+from appliance.sim.serving import ThreadedWorker, serve_workers
+from appliance.sim.worker import WorkerConfig, free_port
 from tests.ports import free_port_block
 
 BLOCK = 16

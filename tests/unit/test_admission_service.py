@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.api.app import RelayedStream
+from appliance.api.model_route import RelayedStream
 from appliance.domain.block_hash import BlockHashChain
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.ledger import Ledger

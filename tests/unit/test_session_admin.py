@@ -13,7 +13,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from appliance.api.admin_sessions import SessionAdmin
-from appliance.api.app import ApiContext, Caller, create_app
+from appliance.api.app import create_app
+from appliance.api.auth import Caller, Keys
+from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher
 from appliance.domain.records import (
     ResidencyEvent,
@@ -81,7 +83,7 @@ def setup() -> Iterator[Setup]:
         desk=SimpleNamespace(sessions=table),  # type: ignore[arg-type]
         tasks=TaskBook(ledger),  # type: ignore[arg-type]
         tokenizer=SimpleNamespace(),  # type: ignore[arg-type]
-        keys={"ops": Caller(TenantId("ops"), True), "acme": Caller(TenantId("acme"), False)},
+        keys=Keys({"ops": Caller(TenantId("ops"), True), "acme": Caller(TenantId("acme"), False)}),
         clock=SimpleNamespace(now=lambda: 130.0),  # type: ignore[arg-type]
         model="sim",
         max_model_len=4096,

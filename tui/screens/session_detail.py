@@ -22,7 +22,7 @@ from appliance.api.schemas import SessionDetail, SessionResidency
 from tui import format as fmt
 from tui.client import ConsoleError
 from tui.screens.base import StateScreen
-from tui.screens.sessions import confirm_release
+from tui.screens.release import confirm_release
 from tui.state import AdminState, SessionState
 
 

@@ -13,7 +13,8 @@ from textual.widgets import Input, Static
 
 from tui import format as fmt
 from tui.screens.base import StateScreen
-from tui.screens.dialogs import ConfirmScreen
+from tui.screens.release import confirm_release
+from tui.screens.session_detail import SessionDetailScreen
 from tui.state import AdminState, SessionState
 from tui.widgets.grid import Column, Grid
 
@@ -193,8 +194,6 @@ class SessionsScreen(StateScreen):
 
     @on(Grid.Selected, "#sessions")
     def _open(self, event: Grid.Selected) -> None:
-        from tui.screens.session_detail import SessionDetailScreen
-
         session = self.grid.selected
         if session is not None and session_key(session) == event.key:
             self.app.push_screen(SessionDetailScreen(session.id, session.tenant))
@@ -218,19 +217,3 @@ class SessionsScreen(StateScreen):
         session = self.grid.selected
         if session is not None:
             confirm_release(self, session)
-
-
-def confirm_release(screen: StateScreen, session: SessionState) -> None:
-    """Ask, then release: the app sends the request and shows the appliance's answer."""
-    question = (
-        f"Release the KV cache held by session {session.id} "
-        f"(tenant {session.tenant}, {fmt.tokens(session.resident_tokens.gpu)} tokens / "
-        f"{fmt.size(session.resident_bytes.gpu)} on GPU)?\n\n"
-        "Its next turn will prefill its context again."
-    )
-
-    def answered(yes: bool | None) -> None:
-        if yes:
-            screen.console.release_session(session.id, session.tenant)
-
-    screen.app.push_screen(ConfirmScreen(question, confirm="Release"), answered)

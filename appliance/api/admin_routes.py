@@ -1,0 +1,59 @@
+"""The model list, the operator's routes (state, sessions, costs) and the unauthenticated
+ones (`/metrics`, `/health`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from appliance.api.context import ApiContext, Guard
+
+
+class AdminRoutes:
+    def __init__(self, ctx: ApiContext) -> None:
+        self._ctx = ctx
+
+    def routes(self, guarded: Guard) -> list[Route]:
+        return [
+            Route("/v1/models", guarded(self.models), methods=["GET"]),
+            Route("/admin/v1/state", guarded(self.admin_state), methods=["GET"]),
+            Route("/admin/v1/sessions", guarded(self.admin_sessions), methods=["GET"]),
+            Route("/admin/v1/costs", guarded(self.admin_costs), methods=["GET"]),
+            Route("/metrics", guarded(self.metrics), methods=["GET"]),
+            Route("/health", guarded(self.health), methods=["GET"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        self._ctx.keys.caller(request.headers)
+        card = {
+            "id": self._ctx.model,
+            "object": "model",
+            "owned_by": "appliance",
+            "max_model_len": self._ctx.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def admin_state(self, request: Request) -> Response:
+        self._ctx.keys.caller(request.headers, admin=True)
+        return JSONResponse(self._ctx.state())
+
+    async def admin_sessions(self, request: Request) -> Response:
+        self._ctx.keys.caller(request.headers, admin=True)
+        return JSONResponse({"sessions": self._ctx.state()["sessions"]})
+
+    async def admin_costs(self, request: Request) -> Response:
+        self._ctx.keys.caller(request.headers, admin=True)
+        return JSONResponse({"costs": await asyncio.to_thread(self._ctx.costs)})
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(self._ctx.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def health(self, request: Request) -> Response:
+        healthy = any(w["healthy"] for w in self._ctx.state()["workers"])
+        return JSONResponse(
+            {"status": "ok" if healthy else "no healthy worker"},
+            status_code=200 if healthy else 503,
+        )

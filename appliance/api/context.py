@@ -1,0 +1,41 @@
+"""What the API's routes share: the services they call and the guard around each handler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from appliance.api.admin_sessions import SessionAdmin
+from appliance.api.auth import Keys
+from appliance.api.requests import Tokenizer
+from appliance.ports import Clock
+from appliance.services.admission import AdmissionService
+from appliance.services.tasks import TaskBook
+from appliance.services.turn_desk import TurnDesk
+
+Handler = Callable[[Request], Any]
+Guard = Callable[[Handler], Handler]
+"""Wraps a handler so that an error becomes the right JSON answer, never a traceback."""
+
+
+@dataclass
+class ApiContext:
+    desk: TurnDesk
+    """A model turn's whole order, from here to its last record."""
+    tasks: TaskBook
+    tokenizer: Tokenizer
+    keys: Keys
+    clock: Clock
+    model: str
+    max_model_len: int
+    state: Callable[[], dict[str, Any]]
+    metrics: Callable[[], str]
+    costs: Callable[[], list[dict[str, Any]]]
+    """Cost per successful task by task class and tenant, read from the ledger."""
+    admission: AdmissionService | None = None
+    """Judges every new task and model turn before anything reaches a worker; None: all pass."""
+    sessions_admin: SessionAdmin | None = None
+    """One session's detail and its release (`/admin/v1/sessions/{id}`); None: no routes."""

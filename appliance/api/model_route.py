@@ -1,0 +1,149 @@
+"""The model routes (`POST /v1/chat/completions`, `/v1/completions`): HTTP in, a checked
+`TurnInput` to the turn desk, its reply out (a stream relayed chunk by chunk)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from appliance.api.context import ApiContext
+from appliance.api.errors import ApiError
+from appliance.api.requests import (
+    agent_headers,
+    chat_encoder,
+    check_model_request,
+    parse_json_body,
+    tokenize_checked,
+)
+from appliance.domain.records import SessionId
+from appliance.services.sessions import SessionState, resumable
+from appliance.services.turn_desk import TurnInput
+
+MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class ModelRoute:
+    def __init__(self, ctx: ApiContext) -> None:
+        self._ctx = ctx
+        self._encoder = chat_encoder(ctx.tokenizer)  # one per app: it remembers long prompts
+
+    async def __call__(self, request: Request) -> Response | RelayedStream:
+        headers = _headers_of(request.scope)
+        who = self._ctx.keys.caller(headers)
+        body = parse_json_body(await request.body())
+        hdr = agent_headers(headers, body)
+        path = request.scope["path"]
+        max_tokens = check_model_request(path, body, self._ctx.model)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
+        plain = (
+            path.endswith("chat/completions")
+            and self._encoder is not None
+            and body.get("add_generation_prompt", True) is True
+        )
+        reply = await self._ctx.desk.run(
+            TurnInput(
+                tenant=who.tenant,
+                path=path,
+                body=body,
+                tokenize=lambda previous: tokenize_checked(
+                    path,
+                    body,
+                    self._ctx.tokenizer,
+                    max_tokens=max_tokens,
+                    max_model_len=self._ctx.max_model_len,
+                    previous=previous,
+                    encoder=self._encoder,
+                ),
+                estimate=lambda session: (
+                    self._untokenised_estimate(session, body, max_tokens) if plain else None
+                ),
+                messages=body["messages"] if plain else None,
+                task_id=hdr.task_id,
+                session_id=SessionId(hdr.session_id) if hdr.session_id else None,
+                parent_task_id=hdr.parent_task_id,
+                deadline_s=hdr.deadline_s,
+                priority=hdr.priority,
+                tool_class=hdr.tool_class,
+                expected_wait_s=hdr.expected_wait_s,
+                client_salt=salt,
+                received_at=_received_at(request),
+            )
+        )
+        if reply.chunks is not None:
+            return RelayedStream(reply.chunks, reply.headers, on_end=reply.on_end)
+        return Response(reply.body, reply.status, reply.headers, "application/json")
+
+    def _untokenised_estimate(
+        self, session: SessionState | None, body: dict[str, Any], max_tokens: int | None
+    ) -> int | None:
+        """The likely prompt length of a turn that may be forwarded before it is tokenised
+        (it only appends text to its session's last turn, and cannot exceed the model's
+        length); None: tokenise it first."""
+        appended = resumable(session, body["messages"])
+        if appended is None or session is None or session.chat is None:
+            return None
+        bound = appended.token_bound(len(session.token_ids)) + (max_tokens or 1)
+        return appended.token_estimate(session.chat) if bound <= self._ctx.max_model_len else None
+
+
+def _headers_of(scope: Mapping[str, Any]) -> dict[str, str]:
+    """A request's headers by lowercase name, the first of repeated ones (as Starlette's
+    `Headers.get`), read in one pass: a model turn looks up eight of them."""
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in reversed(scope["headers"])
+    }
+
+
+def _received_at(request: Request) -> float | None:
+    """When the server had the whole request, if it is the appliance's own server."""
+    received: float | None = (
+        request.scope.get("extensions", {}).get("appliance", {}).get("received_at")
+    )
+    return received
+
+
+class RelayedStream:
+    """A streamed model answer, relayed chunk by chunk as the worker sends it (an ASGI
+    response). However it ends (done, the worker broke off, the client hung up) the
+    worker's stream is closed, which ends its request there, and `on_end` runs."""
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        headers: Mapping[str, str],
+        *,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        self._chunks = chunks
+        self._head = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
+        ]
+        self._on_end = on_end
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # The head goes out with the first chunk (the server writes them together anyway):
+        # sending can fail only once the stream has started, so closing it runs its cleanup.
+        start = {"type": "http.response.start", "status": 200, "headers": self._head}
+        started = False
+        try:
+            async for chunk in self._chunks:
+                if not started:
+                    await send(start)
+                    started = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not started:
+                await send(start)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            try:
+                await self._chunks.aclose()
+            finally:
+                if self._on_end is not None:
+                    self._on_end()
