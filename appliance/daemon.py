@@ -416,6 +416,7 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
                     model=engines.served_name,
                     max_model_len=engines.max_model_len,
                     state=lambda: snapshot(sources),
+                    healthy=lambda: any(w.healthy for w in engines.workers),
                     metrics=lambda: metrics_text(sources),
                     costs=lambda: cost_report(settings.ledger_path),
                     admission=admission,

@@ -52,7 +52,7 @@ class AdminRoutes:
         return PlainTextResponse(self._ctx.metrics(), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
-        healthy = any(w["healthy"] for w in self._ctx.state()["workers"])
+        healthy = self._ctx.healthy()
         return JSONResponse(
             {"status": "ok" if healthy else "no healthy worker"},
             status_code=200 if healthy else 503,

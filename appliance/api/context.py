@@ -32,6 +32,8 @@ class ApiContext:
     model: str
     max_model_len: int
     state: Callable[[], dict[str, Any]]
+    healthy: Callable[[], bool]
+    """Whether any worker accepts requests (`/health`: constant time, not the whole state)."""
     metrics: Callable[[], str]
     costs: Callable[[], list[dict[str, Any]]]
     """Cost per successful task by task class and tenant, read from the ledger."""

@@ -88,6 +88,7 @@ def setup() -> Iterator[Setup]:
         model="sim",
         max_model_len=4096,
         state=lambda: {},
+        healthy=lambda: True,
         metrics=lambda: "",
         costs=lambda: [],
         sessions_admin=SessionAdmin(

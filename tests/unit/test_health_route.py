@@ -1,0 +1,39 @@
+"""`/health` answers from the workers' health alone, in constant time: it never builds the
+state document (whose size grows with sessions and tasks)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from appliance.api.app import create_app
+from appliance.api.auth import Keys
+from appliance.api.context import ApiContext
+
+
+def never() -> Any:
+    raise AssertionError("/health built the whole state")
+
+
+@pytest.mark.parametrize(("healthy", "status", "says"), [(True, 200, "ok"),
+                         (False, 503, "no healthy worker")])  # fmt: skip
+def test_health_reads_only_the_workers(healthy: bool, status: int, says: str) -> None:
+    ctx = ApiContext(
+        desk=SimpleNamespace(),  # type: ignore[arg-type]
+        tasks=SimpleNamespace(),  # type: ignore[arg-type]
+        tokenizer=SimpleNamespace(),  # type: ignore[arg-type]
+        keys=Keys({}),
+        clock=SimpleNamespace(now=lambda: 0.0),  # type: ignore[arg-type]
+        model="m",
+        max_model_len=16,
+        state=never,
+        healthy=lambda: healthy,
+        metrics=lambda: "",
+        costs=lambda: [],
+    )
+    with TestClient(create_app(ctx)) as http:
+        answer = http.get("/health")
+    assert (answer.status_code, answer.json()) == (status, {"status": says})
