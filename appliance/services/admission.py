@@ -23,9 +23,11 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.domain.block_hash import cacheable_tokens
 from appliance.domain.errors import ApplianceError
@@ -380,27 +382,29 @@ class AdmissionService:
             },
         }
 
-    def metrics_lines(self) -> list[str]:
-        """Prometheus text lines (`appliance_admission_*`)."""
-        lines = [
-            "# HELP appliance_admission_accepted_total Tasks and turns admission let in.",
-            "# TYPE appliance_admission_accepted_total counter",
-            f"appliance_admission_accepted_total {self.accepted}",
-            "# HELP appliance_admission_rejected_total Tasks and turns admission refused, "
-            "by reason.",
-            "# TYPE appliance_admission_rejected_total counter",
-        ]
+    def metric_families(self) -> Iterator[Metric]:
+        """Its Prometheus metrics (`appliance_admission_*`)."""
+        yield CounterMetricFamily(
+            "appliance_admission_accepted", "Tasks and turns admission let in.", self.accepted
+        )
+        rejected = CounterMetricFamily(
+            "appliance_admission_rejected",
+            "Tasks and turns admission refused, by reason.",
+            labels=["reason"],
+        )
         for code, n in sorted(self.rejected_by_code.items()):
-            lines.append(f'appliance_admission_rejected_total{{reason="{code}"}} {n}')
-        lines += [
-            "# HELP appliance_admission_in_flight_turns Admitted turns not finished yet.",
-            "# TYPE appliance_admission_in_flight_turns gauge",
-            f"appliance_admission_in_flight_turns {sum(self._turns.values())}",
-            "# HELP appliance_admission_open_tasks Open tasks admission counts.",
-            "# TYPE appliance_admission_open_tasks gauge",
-            f"appliance_admission_open_tasks {sum(self._open.values())}",
-        ]
-        return lines
+            rejected.add_metric([code], n)
+        yield rejected
+        yield GaugeMetricFamily(
+            "appliance_admission_in_flight_turns",
+            "Admitted turns not finished yet.",
+            sum(self._turns.values()),
+        )
+        yield GaugeMetricFamily(
+            "appliance_admission_open_tasks",
+            "Open tasks admission counts.",
+            sum(self._open.values()),
+        )
 
 
 def _decrement(counts: dict[TenantId, int], tenant: TenantId) -> None:

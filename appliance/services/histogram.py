@@ -5,6 +5,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from prometheus_client.core import HistogramMetricFamily
+
 
 class Histogram:
     """Observations counted into fixed upper bounds (`le`), as Prometheus exposes them."""
@@ -20,16 +22,11 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str, help_text: str) -> list[str]:
-        """The histogram in Prometheus text format."""
-        out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        running = 0
+    def family(self, name: str, help_text: str) -> HistogramMetricFamily:
+        """The histogram as a Prometheus metric family (cumulative buckets, sum, count)."""
+        buckets, running = [], 0
         for bound, n in zip(self.bounds, self._counts, strict=False):
             running += n
-            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
-        out += [
-            f'{name}_bucket{{le="+Inf"}} {self.count}',
-            f"{name}_sum {self.sum:.6f}",
-            f"{name}_count {self.count}",
-        ]
-        return out
+            buckets.append((f"{bound:g}", running))
+        buckets.append(("+Inf", self.count))
+        return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=self.sum)

@@ -11,9 +11,13 @@ model, and `gpu_driver` says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.records import WorkerId
@@ -157,51 +161,53 @@ def session_row(
 
 
 def metrics_text(src: StateSources) -> str:
-    """Prometheus text of the appliance's own counters (`appliance_*`)."""
-    records = src.desk.records
-    lines = [
-        "# HELP appliance_routed_turns_total Turns placed by the router, by reason.",
-        "# TYPE appliance_routed_turns_total counter",
-    ]
-    for reason, n in sorted(records.routed_by_reason.items()):
-        lines.append(f'appliance_routed_turns_total{{reason="{_esc(reason)}"}} {n}')
-    lines += [
-        "# HELP appliance_predicted_cached_tokens_total Cached tokens the KV index predicted.",
-        "# TYPE appliance_predicted_cached_tokens_total counter",
-        f"appliance_predicted_cached_tokens_total {records.predicted_cached_total}",
-        "# HELP appliance_cached_tokens_total Cached tokens the workers reported.",
-        "# TYPE appliance_cached_tokens_total counter",
-        f"appliance_cached_tokens_total {records.actual_cached_total}",
-        "# HELP appliance_queue_seconds_total Seconds turns waited for their first byte.",
-        "# TYPE appliance_queue_seconds_total counter",
-        f"appliance_queue_seconds_total {records.first_byte_s_total:.6f}",
-        "# HELP appliance_sessions Sessions the router holds.",
-        "# TYPE appliance_sessions gauge",
-        f"appliance_sessions {len(src.desk.sessions)}",
-        *records.forward_s.lines(
+    """Prometheus text of the appliance's own metrics (`appliance_*`)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ApplianceCollector(src))
+    return generate_latest(registry).decode()
+
+
+class _ApplianceCollector(Collector):
+    def __init__(self, src: StateSources) -> None:
+        self._src = src
+
+    def collect(self) -> Iterator[Metric]:
+        src, records = self._src, self._src.desk.records
+        routed = CounterMetricFamily(
+            "appliance_routed_turns", "Turns placed by the router, by reason.", labels=["reason"]
+        )
+        for reason, n in sorted(records.routed_by_reason.items()):
+            routed.add_metric([reason], n)
+        yield routed
+        yield CounterMetricFamily("appliance_predicted_cached_tokens",
+                                  "Cached tokens the KV index predicted.",
+                                  records.predicted_cached_total)  # fmt: skip
+        yield CounterMetricFamily("appliance_cached_tokens", "Cached tokens the workers reported.",
+                                  records.actual_cached_total)  # fmt: skip
+        yield CounterMetricFamily("appliance_queue_seconds",
+                                  "Seconds turns waited for their first byte.",
+                                  records.first_byte_s_total)  # fmt: skip
+        yield GaugeMetricFamily("appliance_sessions", "Sessions the router holds.",
+                                len(src.desk.sessions))  # fmt: skip
+        yield records.forward_s.family(
             "appliance_forward_seconds",
             "The router's own time per model turn, from the whole request having arrived to "
             "its forwarding to a worker (parsing, admission, placement, the worker body).",
-        ),
-        "# HELP appliance_worker_prefill_slowdown A worker's measured prefill seconds per "
-        "second of the GPU profile's (1 until measured).",
-        "# TYPE appliance_worker_prefill_slowdown gauge",
-        *(
-            f'appliance_worker_prefill_slowdown{{worker="{_esc(w.id)}"}} '
-            f"{src.desk.queues.slowdown(w.id):.6g}"
-            for w in src.workers()
-        ),
-        "# HELP appliance_workers_healthy Workers that accept requests.",
-        "# TYPE appliance_workers_healthy gauge",
-        f"appliance_workers_healthy {sum(1 for w in src.workers() if w.healthy)}",
-    ]
-    if src.admission is not None:
-        lines += src.admission.metrics_lines()
-    return "\n".join(lines) + "\n"
-
-
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+        )
+        slowdown = GaugeMetricFamily(
+            "appliance_worker_prefill_slowdown",
+            "A worker's measured prefill seconds per second of the GPU profile's "
+            "(1 until measured).",
+            labels=["worker"],
+        )
+        workers = list(src.workers())
+        for w in workers:
+            slowdown.add_metric([w.id], src.desk.queues.slowdown(w.id))
+        yield slowdown
+        yield GaugeMetricFamily("appliance_workers_healthy", "Workers that accept requests.",
+                                sum(1 for w in workers if w.healthy))  # fmt: skip
+        if src.admission is not None:
+            yield from src.admission.metric_families()
 
 
 def cost_groups(tasks: TaskBook, currency: str) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from appliance.engines.metrics import parse as parse_metrics
+from appliance.policy.routing import RouteKind
 from tests.e2e.conftest import BIN, RunningAppliance
 
 pytestmark = pytest.mark.e2e
@@ -228,6 +229,11 @@ def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningApplia
     assert 0 < after["sum"] - before["sum"] < 3.0
     buckets = [after[k] for k in after if k.startswith("le=")]
     assert buckets == sorted(buckets) and buckets[-1] == after["count"]  # cumulative, +Inf last
+    routed = parse_metrics(httpx.get(f"{app.url}/metrics").text).by_label(
+        "appliance_routed_turns_total", "reason"
+    )
+    # The label is the decision's kind: a fixed set, whatever the figures behind it.
+    assert routed and set(routed) <= {k.value for k in RouteKind}
 
 
 def test_each_workers_prefill_speed_is_measured_from_its_own_histograms(
