@@ -87,13 +87,27 @@ def test_least_loaded_takes_fewest_in_flight(in_flight, healthy, expected) -> No
     assert p.route(req(), ws, p.initial_state(URLS[:3])).worker == expected
 
 
+def test_round_robin_and_least_loaded_name_their_rule() -> None:
+    rr, ll = RoundRobin(), LeastLoaded()
+    ws = workers(3, in_flight=[2, 1, 3])
+    assert rr.route(req(), ws, rr.initial_state(URLS[:3])) == AnchorDecision(0, "next in turn")
+    assert ll.route(req(), ws, None) == AnchorDecision(1, "fewest in flight (1)")
+
+
 # --- session hash ----------------------------------------------------------------------
 
-# From the canonical C MurmurHash64A (SMHasher) with mcrouter's seed 4193360111.
+# From the canonical C MurmurHash64A (SMHasher) with mcrouter's seed 4193360111; the lengths
+# cover no tail, every tail length's switch case, and one and two whole 8-byte words.
 MURMUR = [
     (b"", 5566605159182504090),
     (b"a", 4425175614476078203),
     (b"hello", 1358530421184702161),
+    (b"abcdefg", 8587108595135994943),
+    (b"abcdefgh", 16958741362351311540),
+    (b"abcdefghi", 11646422826543029541),
+    (b"abcdefghijklmno", 9311075682835786268),
+    (b"abcdefghijklmnop", 9144637208322949185),
+    (b"abcdefghijklmnopq", 1732057883686006198),
 ]
 # From mcrouter's C furc_hash (lib/fbi/hash.c) with m = 2^23 - 1, as vllm-router uses it.
 FURC = [
@@ -102,6 +116,40 @@ FURC = [
     (b"http://worker-0:8000:17", 3122241),
     (b"header:x-session-id:conv-42", 7919992),
     (b"request:req-9", 4999162),
+    (b"p475131", (1 << 23) - 2),  # the last bucket
+]
+# From vllm-router's furc_hash (src/policies/consistent_hash.rs), which agrees with mcrouter's C
+# on these: few buckets, powers of two among them, where the bit walk is short.
+FURC_SMALL_M = [
+    (b"a", 0, 0),  # m <= 1: the only bucket
+    (b"a", 1, 0),
+    (b"k6", 1, 0),
+    (b"a", 2, 1),
+    (b"k0", 2, 0),  # every bit from d down to 0 is clear
+    (b"k0", 3, 0),
+    (b"abcdefghi", 3, 2),
+    (b"a", 4, 1),
+    (b"abcdefghi", 4, 2),
+    (b"k0", 4, 3),
+    (b"a", 8, 4),
+    (b"k0", 8, 3),
+    (b"hello", 11, 9),
+    (b"k0", 11, 8),
+    (b"k6", 12, 11),
+    (b"a", 1000, 900),
+    (b"k6", 1000, 932),
+]
+# vllm-router's fbi_hash (consistent_hash.rs): furc_hash into 2^23 - 1 buckets, the bucket's
+# 4 little-endian bytes through MurmurHash64A with the same seed.
+FBI = [
+    ("", 13863836683688404004),
+    ("a", 3013377723451042321),
+    ("hello", 14929803838999735318),
+    ("http://worker-0:8000:0", 14011355879685098304),
+    ("header:x-session-id:conv-42", 3262117670625979094),
+    ("request:req-9", 3804084473580111250),
+    ("p475131", 12685693644280867197),  # from bucket 2^23 - 2, the last
+    ("x1858788641", 8463576226079002928),  # bucket 4897932
 ]
 
 
@@ -113,6 +161,45 @@ def test_murmur_hash_64a_matches_the_c_reference(key: bytes, value: int) -> None
 @pytest.mark.parametrize(("key", "bucket"), FURC)
 def test_furc_hash_matches_the_c_reference(key: bytes, bucket: int) -> None:
     assert furc_hash(key, (1 << 23) - 1) == bucket
+
+
+@pytest.mark.parametrize(("key", "m", "bucket"), FURC_SMALL_M)
+def test_furc_hash_matches_the_reference_for_few_buckets(key: bytes, m: int, bucket: int) -> None:
+    assert furc_hash(key, m) == bucket
+
+
+@pytest.mark.parametrize(
+    ("key", "m", "bucket"),
+    [
+        (b"x3142887116", (1 << 22) + 1, 0),  # misses all 32 tries at d = 23: gives up, 0
+        (b"x3142887115", (1 << 22) + 1, 1862181),  # its neighbour lands in range
+        (b"x3142887116", 1 << 22, 3226487),  # d = 22: any 22-bit draw is in range
+        (b"x1858788641", (1 << 23) - 1, 4897932),  # would miss all 32 tries at d = 24
+    ],
+)
+def test_furc_hash_gives_up_with_bucket_0_only_after_32_tries(
+    key: bytes, m: int, bucket: int
+) -> None:
+    """A try at depth d (2^(d-1) < m <= 2^d) draws a number in [2^(d-1), 2^d); with
+    m = 2^22 + 1 only 2^22 is in range. These keys (found by search with the C reference)
+    have all 32 tries' first bits set at depth 23 or 24: at that depth furc returns 0, "a legal
+    value in all cases" (mcrouter hash.c), so the depth must be exactly ceil(log2 m)."""
+    assert furc_hash(key, m) == bucket
+
+
+@pytest.mark.parametrize(
+    ("key", "m"), [(b"hello", 2), (b"k9", 2), (b"abcdefghi", 2), (b"hello", 3), (b"hello", 8)]
+)
+def test_furc_hash_follows_vllm_router_where_it_departs_from_mcrouter(key: bytes, m: int) -> None:
+    """When every bit from d down to 1 is clear, mcrouter's C gives up with 0 (`--d == 0`),
+    while vllm-router tests `d == 0` before decrementing, so it reads bit 0 as well and lands
+    on 1 when that bit is set. The anchor reproduces vllm-router; mcrouter gives 0 here."""
+    assert furc_hash(key, m) == 1
+
+
+@pytest.mark.parametrize(("key", "value"), FBI)
+def test_fbi_hash_matches_vllm_router(key: str, value: int) -> None:
+    assert fbi_hash(key) == value
 
 
 def test_furc_hash_is_consistent_when_buckets_grow() -> None:
@@ -166,6 +253,31 @@ def test_session_hash_falls_back_when_the_owner_is_down() -> None:
     assert fbi_hash("s1") == fbi_hash("s1")
 
 
+def test_session_hash_names_the_key_it_followed() -> None:
+    p = SessionHash()
+    s = p.initial_state(URLS[:3])
+    owner = p.route(req("x", session="s1"), workers(3), s).worker
+    assert p.route(req("x", session="s1"), workers(3), s) == AnchorDecision(
+        owner, "ring owner of header:x-session-id:s1"
+    )
+    anonymous = p.route(req("req-9"), workers(3), s)
+    assert anonymous.reason == "ring owner of request:req-9"
+
+
+def test_session_hash_falls_back_to_the_first_healthy_worker_when_the_owner_is_gone() -> None:
+    """The ring still names a worker the router no longer lists (vllm-router: "not found in
+    current worker set, falling back"): the first healthy listed worker takes the request."""
+    p = SessionHash()
+    s = p.initial_state(URLS[:3])
+    session = next(
+        f"s{i}" for i in range(100) if p.route(req("x", session=f"s{i}"), workers(3), s).worker == 2
+    )
+    listed = workers(2, healthy=[False, True])  # worker 2 is not among them
+    assert p.route(req("x", session=session), listed, s) == AnchorDecision(
+        1, "ring owner unavailable"
+    )
+
+
 # --- SGLang cache-aware --------------------------------------------------------------
 
 SG = CacheAwareConfig(cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.1)
@@ -198,6 +310,22 @@ def test_sglang_switches_to_shortest_queue_exactly_when_both_thresholds_cross(
     assert d.reason.startswith("imbalanced") is imbalanced
 
 
+@pytest.mark.parametrize(
+    ("loads", "imbalanced"),
+    [
+        ([0, 64], False),  # difference 64 is not > 64
+        ([0, 65], True),
+        ([200, 300], False),  # 300 is not > 200 * 1.5
+        ([200, 301], True),
+    ],
+)
+def test_sglang_default_thresholds_are_strict_at_both_boundaries(
+    loads: list[int], imbalanced: bool
+) -> None:
+    """The launcher's defaults: balance_abs_threshold 64, balance_rel_threshold 1.5."""
+    assert SglangCacheAware().imbalanced(loads) is imbalanced
+
+
 def test_sglang_routes_by_match_rate_then_smallest_tree() -> None:
     p = SglangCacheAware(SG)
     s = p.initial_state(URLS[:3])
@@ -213,12 +341,78 @@ def test_sglang_routes_by_match_rate_then_smallest_tree() -> None:
     assert s.tree.size == [16 * 5, 16 * 4, 16 * 4]
 
 
-def test_sglang_matched_tenant_is_the_latest_user_of_the_deepest_node() -> None:
+@pytest.mark.parametrize(
+    ("sends", "expected"),
+    [
+        ([(0, 1.0), (1, 2.0)], 1),
+        ([(1, 1.0), (0, 2.0)], 0),  # the latest, not the highest index
+        ([(2, 1.0), (1, 1.0)], 1),  # equally recent: the lowest index
+    ],
+)
+def test_sglang_matched_tenant_is_the_latest_user_of_the_deepest_node(
+    sends: list[tuple[int, float]], expected: int
+) -> None:
+    p = SglangCacheAware(SG)
+    s = p.initial_state(URLS[:3])
+    for tenant, at in sends:
+        p.record(s, req("w", [1, 2]), AnchorDecision(tenant, ""), at)
+    assert p.route(req("c", [1, 2, 3]), workers(3), s).worker == expected
+
+
+def test_sglang_decision_names_its_branch_and_reports_the_match_rate() -> None:
+    p = SglangCacheAware(SG)
+    s = p.initial_state(URLS[:3])
+    p.record(s, req("a", [1, 2, 3, 4]), AnchorDecision(0, ""), 1.0)
+    ws = workers(3)
+    assert p.route(req("b", [1, 2, 3, 5]), ws, s) == AnchorDecision(
+        0, "prefix match 75%", {0: 0.75}
+    )
+    assert p.route(req("c", [9, 9]), ws, s) == AnchorDecision(
+        1, "prefix match 0%: smallest tree", {1: 0.0}
+    )
+    busy = workers(3, in_flight=[0, 0, 40])
+    assert p.route(req("d", [1, 2, 3, 4]), busy, s) == AnchorDecision(
+        0, "imbalanced: shortest queue"
+    )
+
+
+def test_sglang_empty_prompt_matches_nothing_and_goes_to_the_smallest_tree() -> None:
     p = SglangCacheAware(SG)
     s = p.initial_state(URLS[:2])
     p.record(s, req("a", [1, 2]), AnchorDecision(0, ""), 1.0)
-    p.record(s, req("b", [1, 2]), AnchorDecision(1, ""), 2.0)
-    assert p.route(req("c", [1, 2, 3]), workers(2), s).worker == 1
+    assert p.route(req("e", [], tokens=0), workers(2), s) == AnchorDecision(
+        1, "prefix match 0%: smallest tree", {1: 0.0}
+    )
+
+
+def test_sglang_threshold_below_zero_sends_an_unmatched_prompt_to_the_latest_tenant() -> None:
+    """Every prompt then counts as matched, at the root: its tenants are every worker sent
+    anything, the most recent one first (not the smallest tree, worker 2's)."""
+    p = SglangCacheAware(CacheAwareConfig(cache_threshold=-1.0))
+    s = p.initial_state(URLS[:3])
+    p.record(s, req("a", [1]), AnchorDecision(0, ""), 1.0)
+    p.record(s, req("b", [2]), AnchorDecision(1, ""), 2.0)
+    assert p.route(req("c", [9]), workers(3), s) == AnchorDecision(1, "prefix match 0%", {1: 0.0})
+
+
+@pytest.mark.parametrize(
+    ("healthy", "sent_to", "expected"),
+    [
+        ([False, True, True], None, 1),  # the smallest tree (worker 0's, empty) is down
+        ([True, True, False], 2, 0),  # the matched tenant is down
+    ],
+)
+def test_sglang_unhealthy_choice_falls_back_to_the_first_healthy_worker(
+    healthy: list[bool], sent_to: int | None, expected: int
+) -> None:
+    p = SglangCacheAware(SG)
+    s = p.initial_state(URLS[:3])
+    if sent_to is not None:
+        p.record(s, req("a", [1, 2]), AnchorDecision(sent_to, ""), 1.0)
+    ws = workers(3, healthy=healthy)
+    assert p.route(req("r", [1, 2]), ws, s) == AnchorDecision(
+        expected, "chosen worker unhealthy: first healthy"
+    )
 
 
 def test_sglang_partial_tail_block_counts_its_tokens() -> None:
@@ -248,6 +442,69 @@ def test_sglang_eviction_trims_least_recently_used_leaves_on_its_timer() -> None
     assert s.next_eviction_s == 50.0
 
 
+def test_sglang_eviction_queues_a_parent_once_its_last_child_of_that_tenant_goes() -> None:
+    tree = ApproxTree(1)
+    tree.insert(req("a", [1, 2]), 0, 1.0)
+    tree.insert(req("b", [1, 3, 4]), 0, 2.0)
+    tree.evict(16)
+    # Leaves 2 (oldest) and 4 go, then 3 (a leaf once 4 went); block 1 is all that fits.
+    assert tree.size == [16]
+    assert [tree.match(req("q", b))[0] for b in ([1, 2], [1, 3, 4])] == [16, 16]
+
+
+def test_sglang_eviction_keeps_a_block_another_tenant_still_holds() -> None:
+    tree = ApproxTree(2)
+    tree.insert(req("a", [1, 2]), 0, 1.0)
+    tree.insert(req("a", [1, 2]), 1, 2.0)
+    tree.insert(req("b", [5, 6, 7]), 0, 3.0)
+    tree.evict(48)
+    # Tenant 0 gives up its oldest path, [1, 2]; tenant 1 (within the limit) keeps it.
+    assert tree.size == [48, 32]
+    assert tree.match(req("q", [1, 2]))[0] == 32
+    assert tree.match(req("q", [5, 6, 7]))[0] == 48
+
+
+def test_sglang_eviction_trims_every_tenant_over_the_limit() -> None:
+    tree = ApproxTree(2)
+    for block, tenant, at in [(1, 0, 1.0), (2, 0, 2.0), (3, 1, 3.0), (4, 1, 4.0)]:
+        tree.insert(req("r", [block]), tenant, at)
+    tree.evict(16)
+    assert tree.size == [16, 16]
+    assert [tree.match(req("q", [b]))[0] for b in (1, 2, 3, 4)] == [0, 16, 0, 16]
+
+
+def test_sglang_eviction_copes_with_leaves_sent_at_the_same_instant() -> None:
+    tree = ApproxTree(1)
+    prompts = [[1, 2, 3], [1, 2, 4], [1, 5], [6, 7], [6, 8], [9]]
+    for blocks in prompts:
+        tree.insert(req("r", blocks), 0, 1.0)
+    assert tree.size == [9 * 16]
+    tree.evict(16)
+    # Which block stays is a tie; that exactly one first block stays is not.
+    assert tree.size == [16]
+    assert sorted({tree.match(req("q", b))[0] for b in prompts}) == [0, 16]
+
+
+def test_sglang_eviction_copes_with_a_requeued_parent_as_old_as_a_waiting_leaf() -> None:
+    tree = ApproxTree(1)
+    tree.insert(req("a", [1]), 0, 2.0)
+    tree.insert(req("b", [2, 3, 4]), 0, 1.0)
+    tree.insert(req("c", [2]), 0, 2.0)  # block 2 is now as recent as leaf 1
+    tree.evict(16)
+    # 4 and 3 (the oldest) go, then 2 or 1: equally old, either may stay.
+    assert tree.size == [16]
+    assert tree.match(req("q", [2, 3, 4]))[0] <= 16
+    assert sorted(tree.match(req("q", [b]))[0] for b in (1, 2)) == [0, 16]
+
+
+def test_sglang_upkeep_without_workers_only_moves_the_timer() -> None:
+    p = SglangCacheAware(CacheAwareConfig(eviction_interval_s=10.0, max_tree_tokens=0))
+    s = p.initial_state([])
+    p.advance(s, 10.0)
+    assert s.tree.size == []
+    assert s.next_eviction_s == 20.0
+
+
 # --- llm-d ------------------------------------------------------------------------------
 
 
@@ -259,6 +516,8 @@ def test_sglang_eviction_trims_least_recently_used_leaves_on_its_timer() -> None
         ([5, 5, 0], [1.0, 1.0, 0.0]),
         ([5, 3, 0], [1.0, 0.0, 0.0]),  # min-max over pods with hits only
         ([6, 4, 2], [1.0, 0.5, 0.0]),
+        ([1, 0, 0], [1.0, 0.0, 0.0]),  # one block is a hit
+        ([3, 1, 2], [1.0, 0.0, 0.5]),  # the shortest run, one block, scores 0
     ],
 )
 def test_llmd_precise_prefix_scores(cached: list[int], scores: list[float]) -> None:
@@ -275,6 +534,30 @@ def test_llmd_queue_and_load_aware_scores() -> None:
 
 
 @pytest.mark.parametrize(
+    ("waiting", "scores"),
+    [
+        ([2, 4, 3], [1.0, 0.0, 0.5]),  # min-max over the queues, the shortest not empty
+        ([5], [1.0]),
+    ],
+)
+def test_llmd_queue_scores_normalise_between_shortest_and_longest(
+    waiting: list[int], scores: list[float]
+) -> None:
+    got = llmd_queue_scores(workers(len(waiting), waiting=waiting))
+    assert [got[i] for i in range(len(waiting))] == scores
+
+
+@pytest.mark.parametrize(
+    ("waiting", "score"),
+    [(0, 0.5), (1, 0.5 * 127 / 128), (64, 0.25), (127, 0.5 / 128), (128, 0.0), (129, 0.0)],
+)
+def test_llmd_load_aware_score_falls_from_half_to_zero_at_the_threshold(
+    waiting: int, score: float
+) -> None:
+    assert llmd_load_aware_score(workers(1, waiting=[waiting])[0], 128) == score
+
+
+@pytest.mark.parametrize(
     ("cached", "usage", "waiting", "expected"),
     [
         ([8, 0, 0], [0.5, 0.5, 0.5], [0, 0, 0], 0),  # 3 + 1 + 2 beats 0 + 1 + 2
@@ -286,6 +569,22 @@ def test_llmd_weighted_sum_picks_max(cached, usage, waiting, expected) -> None:
     p = LlmdPrecisePrefix()
     ws = workers(3, cached_blocks=cached, kv_usage=usage, waiting=waiting)
     assert p.route(req("r", [1] * 8), ws, None).worker == expected
+
+
+def test_llmd_decision_reports_every_weighted_total() -> None:
+    p = LlmdPrecisePrefix()
+    ws = workers(3, cached_blocks=[8, 0, 0], kv_usage=[0.5, 0.25, 0.0], waiting=[0, 2, 4])
+    # 3 * prefix + 2 * (1 - usage) + 2 * queue score
+    assert p.route(req("r", [1] * 8), ws, None) == AnchorDecision(
+        0, "max score (8 blocks hit)", {0: 3.0 + 1.0 + 2.0, 1: 1.5 + 1.0, 2: 2.0}
+    )
+
+
+def test_llmd_load_aware_scorer_adds_its_weighted_score() -> None:
+    p = LlmdPrecisePrefix(LlmdConfig(load_aware_weight=1.0))
+    ws = workers(3, waiting=[0, 64, 128])
+    # kv 2 * 1, queue 2 * (1, 0.5, 0), load-aware 0.5, 0.25, 0
+    assert p.route(req("r", [1]), ws, None).scores == {0: 4.5, 1: 3.25, 2: 2.0}
 
 
 def test_llmd_ties_break_repeatably_and_evenly() -> None:
@@ -317,6 +616,44 @@ def test_dynamo_counts_routed_prefill_and_active_blocks() -> None:
     pure_load = DynamoKv(DynamoConfig(overlap_score_weight=0.0))
     ws = workers(2, active_blocks=[3, 9])
     assert pure_load.route(r, ws, None).worker == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cached", "prefill", "active", "shared", "logit"),
+    [
+        (64, 4, 0, 0, 0, 0.0 + 4),  # fully cached: no prefill, 4 decode blocks
+        (64, 4, 32, 10, 4, 2.0 + 10),  # routed prefill counts; shared blocks not twice
+        (40, 0, 0, 0, 0, 2.5 + 3),  # a partial last block: 2.5 to prefill, 3 to hold
+        (40, 2, 0, 5, 2, 0.5 + 6),
+    ],
+)
+def test_dynamo_logit_is_prefill_plus_decode_blocks(
+    tokens: int, cached: int, prefill: int, active: int, shared: int, logit: float
+) -> None:
+    w = workers(
+        1,
+        cached_blocks=[cached],
+        prefill_tokens=[prefill],
+        active_blocks=[active],
+        shared_active_blocks=[shared],
+    )[0]
+    assert DynamoKv().logit(req("r", [1, 2, 3], tokens=tokens), w) == logit
+
+
+def test_dynamo_decision_reports_every_worker_cost() -> None:
+    r = req("r", list(range(10)))
+    ws = workers(3, cached_blocks=[2, 5, 8], shared_active_blocks=[0, 5, 1])
+    assert DynamoKv().route(r, ws, None) == AnchorDecision(
+        1, "lowest cost 10.0 blocks", {0: 18.0, 1: 10.0, 2: 11.0}
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ANCHORS))
+def test_every_anchor_refuses_to_route_when_no_worker_is_healthy(name: str) -> None:
+    p = ANCHORS[name]()
+    s = p.initial_state(URLS[:2])
+    with pytest.raises(ValueError, match=r"^no healthy worker$"):
+        p.route(req("r", [1, 2], session="s"), workers(2, healthy=[False, False]), s)
 
 
 def test_every_anchor_is_registered_and_pure_on_route() -> None:

@@ -66,7 +66,7 @@ def furc_hash(key: bytes, m: int) -> int:
             )
         return (cache[ord_] >> (idx & 63)) & 1
 
-    d = 0
+    d = 0  # pragma: no mutate (equivalent: m >= 2 here, so d ends at ceil(log2 m) from 0 or 1)
     while m > (1 << d):
         d += 1
     a = d

@@ -34,7 +34,7 @@ class ApproxTree:
     tokens."""
 
     def __init__(self, tenants: int) -> None:
-        self.root = _Node(0, 0, None)
+        self.root = _Node(0, 0, None)  # pragma: no mutate (equivalent: root key, tokens unread)
         self.size = [0] * tenants
 
     def match(self, req: AnchorRequest) -> tuple[int, _Node]:
@@ -81,7 +81,7 @@ class ApproxTree:
         if max(self.size, default=0) <= max_tokens:
             return
         heap: list[tuple[float, int, int, _Node]] = []
-        seq = 0
+        seq = 0  # pragma: no mutate (equivalent: any start keeps the order of ties)
         for node in self._nodes():
             if node is self.root:
                 continue
