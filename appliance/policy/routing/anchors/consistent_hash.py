@@ -52,7 +52,11 @@ def _murmur_rehash_64a(k: int) -> int:
 
 
 def furc_hash(key: bytes, m: int) -> int:
-    """Facebook's furc_hash (mcrouter), a consistent hash of `key` into [0, m)."""
+    """vllm-router's port of Facebook's furc_hash (mcrouter), a consistent hash of `key` into
+    [0, m). The port tests its depth before decrementing it (`if d == 0 return 0; d -= 1`,
+    where mcrouter's C has `if (--d == 0) return 0`), so some keys land one bucket higher;
+    this anchor follows the port, bit for bit (for the ring's 2^23-1 buckets about 2^-22 of
+    keys differ)."""
     if m <= 1:
         return 0
     cache: list[int] = []
