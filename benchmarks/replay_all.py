@@ -2,7 +2,7 @@
 baseline, and the bounds.
 
     .venv/bin/python benchmarks/replay_all.py [--trace FILE] [--workers 8] [--hbm-gib X]
-        [--gpu-profile FILE] [--policy NAME ...] [--residency NAME ...] [--jobs 2]
+        [--host-gib X] [--gpu-profile FILE] [--policy NAME ...] [--residency NAME ...] [--jobs 2]
         [--limit N] [--report FILE] [--replay-bounds] [--quiet]
 
 Every routing policy (the appliance's own and the anchors': round-robin, least-loaded,
@@ -77,6 +77,7 @@ def main() -> int:
     )
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--hbm-gib", type=float, default=None, help="KV cache per worker")
+    p.add_argument("--host-gib", type=float, default=0.0, help="host memory for KV per worker")
     p.add_argument("--gpu-profile", type=Path, default=None)
     p.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4))
     p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
@@ -94,6 +95,7 @@ def main() -> int:
         workers=args.workers,
         gpu_profile=args.gpu_profile,
         hbm_gib=args.hbm_gib,
+        host_gib=args.host_gib,
         report=args.report,
         progress=not args.quiet,
         jobs=args.jobs,

@@ -191,6 +191,10 @@ def replay(
     hbm_gib: Annotated[
         float | None, typer.Option(help="KV cache capacity per worker in GiB.")
     ] = None,
+    host_gib: Annotated[
+        float,
+        typer.Option(help="Pinned host memory for KV per worker in GiB (0: no host tier).", min=0),
+    ] = 0.0,
     report: Annotated[
         Path | None, typer.Option(help="Write the JSON report (and a PNG beside it) here.")
     ] = None,
@@ -208,6 +212,7 @@ def replay(
             workers=workers,
             gpu_profile=gpu_profile,
             hbm_gib=hbm_gib,
+            host_gib=host_gib,
             report=report,
             limit=limit,
             jobs=jobs,

@@ -3,6 +3,14 @@ residency policy, report; `run_workload`: the same for a closed-loop agent workl
 
 Rows run one after another, or `jobs` at a time in forked processes (each replay is
 single-threaded and independent; results do not depend on `jobs`).
+
+With a host tier (`host_gib` per worker), the report adds the bound `optimal_with_host`
+(Belady at HBM + host capacity, `bounds.py`) and, for the first routing policy under each
+residency policy, a `+pooled-host` row: the same replay with one host tier of all
+workers' host memory shared by every worker. That is a run, not a bound: a bound of a
+pooled host tier is the pooled optimum already given, and says nothing about what the
+sharing gains under real placement. `pooled_host_gain` compares each such row with its
+per-worker twin: fresh prefill saved, host hits gained, TTFT p95 change.
 """
 
 from __future__ import annotations
@@ -25,11 +33,11 @@ from appliance.replay.runner import (
     DEFAULT_GPU_SECOND,
     DEFAULT_RESIDENCY,
     ReplaySetup,
+    Row,
     fitting,
     make_setup,
     replay_policy,
     replay_workload,
-    row_name,
 )
 from appliance.replay.traces import Trace, load_trace, trace_stats_file
 from appliance.sim.latency import LatencyModel
@@ -43,6 +51,7 @@ def run_replay(
     workers: int = 8,
     gpu_profile: Path | None = None,
     hbm_gib: float | None = None,
+    host_gib: float = 0.0,
     report: Path | None = None,
     progress: bool = False,
     jobs: int = 1,
@@ -51,18 +60,26 @@ def run_replay(
 ) -> dict[str, Any]:
     """Replay `trace` through each routing policy (default: all, the appliance's first)
     under each residency policy (default: `lru`) on `workers` simulated GPUs of
-    `gpu_profile` with `hbm_gib` of KV cache each; returns the report and writes it (JSON,
-    and a PNG beside it when matplotlib is there) to `report`. `limit` replays only the
-    first N requests. ValueError for an unknown policy."""
-    rows = _rows(policies, residencies)
+    `gpu_profile` with `hbm_gib` of KV cache and `host_gib` of host memory each; returns
+    the report and writes it (JSON, and a PNG beside it when matplotlib is there) to
+    `report`. `limit` replays only the first N requests. ValueError for an unknown
+    policy."""
     setup, latency = make_setup(
-        workers=workers, gpu_profile=gpu_profile, hbm_gib=hbm_gib, block_size=block_size
+        workers=workers,
+        gpu_profile=gpu_profile,
+        hbm_gib=hbm_gib,
+        host_gib=host_gib,
+        block_size=block_size,
     )
+    rows = _rows(policies, residencies, setup)
     loaded = load_trace(trace, limit=limit)
     replayed = fitting(loaded, setup)
     keys = block_keys(replayed, setup.block_size)
-    bounds = compute_bounds(replayed, setup.block_size, setup.pooled_blocks, keys)
+    bounds = compute_bounds(
+        replayed, setup.block_size, setup.pooled_blocks, keys, host_blocks=setup.pooled_host_blocks
+    )
     optimal_fresh = bounds["optimal"].fresh_prefill_tokens
+    with_host = bounds.get("optimal_with_host")
     out: dict[str, Any] = {
         "trace": {
             **replayed.summary(),
@@ -74,7 +91,8 @@ def run_replay(
     stats = trace_stats_file(Path(trace))
     if stats is not None and limit is None and replayed is loaded:
         out["trace_stats_check"] = trace_stats_check(stats, bounds)
-    one = partial(_trace_row, replayed, setup, latency, optimal_fresh)
+    optima = (optimal_fresh, with_host.fresh_prefill_tokens if with_host else None)
+    one = partial(_trace_row, replayed, setup, latency, optima)
     return _with_rows(out, rows, one, jobs=jobs, progress=progress, report=report)
 
 
@@ -86,6 +104,7 @@ def run_workload(
     workers: int = 8,
     gpu_profile: Path | None = None,
     hbm_gib: float | None = None,
+    host_gib: float = 0.0,
     report: Path | None = None,
     progress: bool = False,
     jobs: int = 1,
@@ -97,10 +116,14 @@ def run_workload(
     each residency policy, as `run_replay` does a trace; no bounds (a closed loop's order
     depends on the policy), the task figures (deadline goodput, cost per successful task at
     `gpu_second` per GPU-second) filled in."""
-    rows = _rows(policies, residencies)
     setup, latency = make_setup(
-        workers=workers, gpu_profile=gpu_profile, hbm_gib=hbm_gib, block_size=block_size
+        workers=workers,
+        gpu_profile=gpu_profile,
+        hbm_gib=hbm_gib,
+        host_gib=host_gib,
+        block_size=block_size,
     )
+    rows = _rows(policies, residencies, setup)
     out: dict[str, Any] = {
         "trace": {
             "path": source,
@@ -120,18 +143,19 @@ def _trace_row(
     trace: Trace,
     setup: ReplaySetup,
     latency: LatencyModel,
-    optimal_fresh: int,
-    policy: str,
-    residency: str,
+    optima: tuple[int, int | None],
+    row: Row,
     progress: bool,
 ) -> dict[str, object]:
     return replay_policy(
         trace,
-        policy,
+        row.policy,
         setup,
         latency,
-        residency=residency,
-        optimal_fresh=optimal_fresh,
+        residency=row.residency,
+        optimal_fresh=optima[0],
+        optimal_with_host_fresh=optima[1],
+        pooled_host=row.pooled_host,
         progress=progress,
     )
 
@@ -141,17 +165,25 @@ def _workload_row(
     setup: ReplaySetup,
     latency: LatencyModel,
     gpu_second: float,
-    policy: str,
-    residency: str,
+    row: Row,
     progress: bool,
 ) -> dict[str, object]:
     return replay_workload(
-        tasks, policy, setup, latency, residency=residency, gpu_second=gpu_second
+        tasks,
+        row.policy,
+        setup,
+        latency,
+        residency=row.residency,
+        gpu_second=gpu_second,
+        pooled_host=row.pooled_host,
     )
 
 
-def _rows(policies: list[str] | None, residencies: list[str] | None) -> list[tuple[str, str]]:
-    """(routing, residency) per report row, routing-major; ValueError for unknown names."""
+def _rows(
+    policies: list[str] | None, residencies: list[str] | None, setup: ReplaySetup
+) -> list[Row]:
+    """The report's rows, routing-major, then (with a host tier) the first routing policy
+    under each residency policy with the host tier pooled; ValueError for unknown names."""
     names = list(policies) if policies else list(POLICY_NAMES)
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown:
@@ -159,15 +191,17 @@ def _rows(policies: list[str] | None, residencies: list[str] | None) -> list[tup
             f"unknown routing policy {', '.join(unknown)}; known: {', '.join(POLICY_NAMES)}"
         )
     holds = [residency_policy(r).name for r in (residencies or [DEFAULT_RESIDENCY])]
-    rows = [(p, r) for p in names for r in holds]
-    if len({row_name(p, r) for p, r in rows}) != len(rows):
+    rows = [Row(p, r) for p in names for r in holds]
+    if len({row.name for row in rows}) != len(rows):
         raise ValueError("a routing or residency policy is named twice")
+    if setup.host_blocks_per_worker:
+        rows += [Row(names[0], r, pooled_host=True) for r in holds]
     return rows
 
 
 def _run_rows(
-    rows: list[tuple[str, str]],
-    one: Callable[[str, str, bool], dict[str, object]],
+    rows: list[Row],
+    one: Callable[[Row, bool], dict[str, object]],
     *,
     jobs: int,
     progress: bool,
@@ -176,21 +210,42 @@ def _run_rows(
     if jobs > 1 and len(rows) > 1:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=min(jobs, len(rows)), mp_context=ctx) as pool:
-            futures = {row_name(p, r): pool.submit(one, p, r, False) for p, r in rows}
+            futures = {row.name: pool.submit(one, row, False) for row in rows}
             for name, future in futures.items():
                 results[name] = future.result()
                 if progress:
                     sys.stderr.write(f"{name:<28} done in {results[name]['wall_s']} s\n")
     else:
-        for p, r in rows:
-            results[row_name(p, r)] = one(p, r, progress)
+        for row in rows:
+            results[row.name] = one(row, progress)
     return results
+
+
+def pooled_host_gain(rows: list[Row], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per `+pooled-host` row, what pooling the host tier gained over its per-worker twin."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        if not row.pooled_host:
+            continue
+        pooled, own = results[row.name], results[row.twin.name]
+        out[row.name] = {
+            "versus": row.twin.name,
+            "fresh_prefill_saved_tokens": own["fresh_prefill_tokens"]
+            - pooled["fresh_prefill_tokens"],
+            "host_hit_tokens_gained": pooled["host_hit_tokens"] - own["host_hit_tokens"],
+            "ttft_p95_change_s": _difference(pooled["ttft_p95_s"], own["ttft_p95_s"]),
+        }
+    return out
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 4)
 
 
 def _with_rows(
     out: dict[str, Any],
-    rows: list[tuple[str, str]],
-    one: Callable[[str, str, bool], dict[str, object]],
+    rows: list[Row],
+    one: Callable[[Row, bool], dict[str, object]],
     *,
     jobs: int,
     progress: bool,
@@ -198,6 +253,9 @@ def _with_rows(
 ) -> dict[str, Any]:
     """`out` with every row's replay under "policies", written to `report` when given."""
     out["policies"] = _run_rows(rows, one, jobs=jobs, progress=progress)
+    gain = pooled_host_gain(rows, out["policies"])
+    if gain:
+        out["pooled_host_gain"] = gain
     if report is not None:
         out["files"] = [str(p) for p in write_report(out, Path(report))]
     return out

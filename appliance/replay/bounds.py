@@ -15,6 +15,12 @@ a time, all workers' caches pooled into one:
   so a cached prefix stays whole), the new blocks included (not caching is allowed). Blocks
   have one size, so this maximises reused blocks; it ignores that running requests pin
   their blocks and that requests overlap in time, so real placements fall short of it.
+- optimal_with_host (with a host tier): the same Belady's MIN on the workers' HBM and host
+  memory together, one pool of `capacity_blocks + host_blocks`: what any placement and any
+  residency policy could reach with the host tier if promotion cost nothing and both tiers
+  were one cache. Being pooled, it already assumes what a host tier shared by the box's
+  workers allows; what such a tier gains in practice is measured by replaying it (the
+  `+pooled-host` rows, `runner.py`), not bounded here.
 
 The trace's own statistics (`*.stats.json`) state the same two figures: its total input
 tokens and the share of them an unbounded prefix cache serves (`trace_stats_check`).
@@ -134,15 +140,26 @@ def _leading(ks: tuple[int, ...], cap: int, present: set[int] | dict[int, int]) 
 
 
 def compute_bounds(
-    trace: Trace, block_size: int, capacity_blocks: int, keys: list[tuple[int, ...]] | None = None
+    trace: Trace,
+    block_size: int,
+    capacity_blocks: int,
+    keys: list[tuple[int, ...]] | None = None,
+    *,
+    host_blocks: int = 0,
 ) -> dict[str, Bound]:
+    """The bounds at `capacity_blocks` of HBM pooled, and with `host_blocks` (pooled) of
+    host memory, `optimal_with_host` too."""
     prompts = [r.input_length for r in trace.records]
     ks = keys if keys is not None else block_keys(trace, block_size)
-    return {
+    out = {
         "no_cache": no_cache(prompts),
         "unbounded": unbounded(prompts, ks, block_size),
         "optimal": optimal(prompts, ks, block_size, capacity_blocks),
     }
+    if host_blocks > 0:
+        both = capacity_blocks + host_blocks
+        out["optimal_with_host"] = optimal(prompts, ks, block_size, both)
+    return out
 
 
 def trace_stats_check(stats_path: Path, bounds: dict[str, Bound]) -> dict[str, object]:

@@ -2,17 +2,25 @@
 
 Definitions (times in virtual seconds, token counts in tokens):
 - fresh_prefill_tokens: prompt tokens computed at a request's first scheduling, i.e.
-  prompt minus `cached_tokens`, the local prefix-cache hit then (vLLM's
-  `prompt_tokens_by_source`); recomputation after a preemption is not included.
+  prompt minus `cached_tokens`, the prefix-cache hit then, on the GPU or loaded from the
+  host tier (vLLM's `prompt_tokens_by_source`); recomputation after a preemption is not
+  included. host_hit_tokens: of `cached_tokens`, those loaded from the host tier (vLLM's
+  `prompt_tokens_cached_by_source{source="host"}`); host_load_s: the seconds of those
+  host -> GPU copies, each within its request's TTFT; host_stored_blocks,
+  host_evicted_blocks: blocks copied to and evicted from the host tiers.
 - ttft: first token minus arrival. step: finish minus arrival (one agent step, one LLM
   call). session: the last finish of a session minus its first arrival (tool and think
   time between turns included, as the trace spaces them).
 - imbalance: the busiest worker's GPU time over the mean (1.0 = even); requests_imbalance
   and prefill_imbalance the same over requests routed and fresh prefill tokens computed.
-- vs_optimal: fresh_prefill_tokens over the optimal bound's (1.0 = as good as Belady).
+- vs_optimal: fresh_prefill_tokens over the optimal bound's (1.0 = as good as Belady);
+  vs_optimal_with_host: the same over Belady's at HBM + host capacity (when there is a
+  host tier).
 - preemptions: requests the engines sent back to waiting; pins, pins_expired,
   pins_resumed, pins_reclaimed: residency holds taken, and how they ended (their TTL ran
-  out; the session came back; an allocation took them back early).
+  out; the session came back; an allocation took them back early); demotions, evictions:
+  turns (or held sessions) whose blocks went to the host tier, or first in the GPU's
+  eviction order.
 - Tasks (closed-loop workloads only; null for a trace, which has neither deadlines nor
   outcomes): deadline_goodput is the share of tasks with a deadline that finished all their
   turns by it (null when no task has one); cost_per_success is `appliance.policy.costs`'s
@@ -28,6 +36,7 @@ from collections.abc import Sequence
 from appliance.domain.records import CostMode, Price, TaskStatus
 from appliance.policy.costs import AttemptRow, TaskRow, attempt_cost, cost_per_success
 from appliance.replay.closed_loop import TaskOutcome
+from appliance.sim.engine import EngineStats
 from appliance.sim.virtual import ReplayResult
 
 TASK_KEYS = ("tasks", "tasks_completed", "deadline_goodput", "gpu_s", "cost_per_success")
@@ -54,14 +63,18 @@ def policy_metrics(
     sessions: dict[str, str],
     *,
     optimal_fresh: int | None = None,
+    optimal_with_host_fresh: int | None = None,
     workers: int,
+    pooled_host: bool = False,
     tasks: dict[str, object] | None = None,
 ) -> dict[str, object]:
     """`sessions` maps request id to session id; `tasks` is `task_metrics` of a
-    closed-loop workload (None: a trace, whose task figures are null)."""
+    closed-loop workload (None: a trace, whose task figures are null); `pooled_host`: the
+    engines share one host tier."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
     cached = sum(r.cached_tokens for r in recs)
+    host_hit = sum(r.host_cached_tokens for r in recs)
     fresh = prompt - cached
     ttft = [t for r in recs if (t := r.ttft_s) is not None]
     step = [r.finish_s - r.arrival_s for r in recs if r.finish_s is not None]
@@ -87,6 +100,13 @@ def policy_metrics(
         "cached_tokens": cached,
         "hit_ratio": round(cached / prompt, 6) if prompt else 0.0,
         "vs_optimal": round(fresh / optimal_fresh, 4) if optimal_fresh else None,
+        "vs_optimal_with_host": (
+            round(fresh / optimal_with_host_fresh, 4) if optimal_with_host_fresh else None
+        ),
+        "host_hit_tokens": host_hit,
+        "host_load_s": round(sum(s.host_load_s_total for s in stats), 3),
+        "host_stored_blocks": _host_blocks(stats, "host_stored_blocks_total", pooled=pooled_host),
+        "host_evicted_blocks": _host_blocks(stats, "host_evicted_blocks_total", pooled=pooled_host),
         "ttft_p50_s": _r(percentile(ttft, 0.50)),
         "ttft_p95_s": _r(percentile(ttft, 0.95)),
         "ttft_p99_s": _r(percentile(ttft, 0.99)),
@@ -105,11 +125,19 @@ def policy_metrics(
         "pins_expired": sum(s.pins_expired_total for s in stats),
         "pins_resumed": sum(s.pins_resumed_total for s in stats),
         "pins_reclaimed": sum(s.pins_reclaimed_total for s in stats),
+        "demotions": sum(s.demotions_total for s in stats),
+        "evictions": sum(s.evictions_total for s in stats),
         **(tasks if tasks is not None else dict.fromkeys(TASK_KEYS)),
         "generated_tokens": sum(s.generation_tokens_total for s in stats),
         "engine_steps": result.num_steps,
         "sim_span_s": round(result.end_s, 3),
     }
+
+
+def _host_blocks(stats: Sequence[EngineStats], field: str, *, pooled: bool) -> int:
+    """A host-tier counter summed over the workers' tiers (one tier when pooled)."""
+    values = [int(getattr(s, field)) for s in stats]
+    return values[0] if pooled and values else sum(values)
 
 
 def task_metrics(outcomes: Sequence[TaskOutcome], *, gpu_second: float) -> dict[str, object]:

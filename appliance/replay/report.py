@@ -3,21 +3,28 @@ statistics) and the comparison table as text.
 
 Report layout (token counts in tokens, times in seconds):
     {"trace": {...}, "setup": {...},
-     "bounds": {"no_cache" | "unbounded" | "optimal":
+     "bounds": {"no_cache" | "unbounded" | "optimal" | "optimal_with_host":
                 {"fresh_prefill_tokens", "cached_tokens", "hit_ratio", "capacity_blocks"}},
      "trace_stats_check": {"no_cache" | "unbounded":
                 {"expected_fresh_tokens", "replayed_fresh_tokens", "relative_error",
                  "within_1pct"}},                      # when *.stats.json sits beside it
      "policies": {NAME: {"fresh_prefill_tokens", "cached_tokens", "hit_ratio",
-                         "vs_optimal", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
+                         "vs_optimal", "vs_optimal_with_host", "host_hit_tokens",
+                         "host_load_s", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
                          "step_p50_s", "step_p95_s", "step_p99_s", "session_p50_s",
                          "session_p95_s", "imbalance", "requests_imbalance",
                          "prefill_imbalance", "preemptions", "pins", "pins_expired",
-                         "pins_resumed", "pins_reclaimed", "tasks", "tasks_completed",
-                         "deadline_goodput", "gpu_s", "cost_per_success",
-                         "routed_by_reason", "residency_by_reason", ...}}}
-NAME is the routing policy, `+RESIDENCY` when that is not `lru` (`appliance+ttl-pin`). The
-task figures are null for a trace; a closed-loop workload has no bounds.
+                         "pins_resumed", "pins_reclaimed", "demotions", "evictions",
+                         "tasks", "tasks_completed", "deadline_goodput", "gpu_s",
+                         "cost_per_success", "routed_by_reason", "residency_by_reason",
+                         "residency_by_action", ...}},
+     "pooled_host_gain": {NAME: {"versus", "fresh_prefill_saved_tokens",
+                                 "host_hit_tokens_gained", "ttft_p95_change_s"}}}
+                                                       # with a host tier only
+NAME is the routing policy, `+RESIDENCY` when that is not `lru` (`appliance+ttl-pin`),
+`+pooled-host` for the run with the workers' host tiers pooled. The task figures are null
+for a trace; a closed-loop workload has no bounds. The table shows the host-tier columns
+only when the workers have one.
 """
 
 from __future__ import annotations
@@ -43,14 +50,21 @@ COLUMNS = (
     ("goodput", "deadline_goodput", lambda v: f"{v:.1%}"),
     ("cost/success", "cost_per_success", lambda v: f"{v:.4f}"),
 )
+HOST_COLUMNS = (
+    ("host Mtok", "host_hit_tokens", lambda v: f"{v / 1e6:.2f}"),
+    ("x opt+host", "vs_optimal_with_host", lambda v: f"{v:.3f}"),
+)
 
 
 def render_table(report: Mapping[str, Any]) -> str:
     """The per-policy comparison, the bounds and the trace-statistics check, as text."""
     policies: Mapping[str, Mapping[str, Any]] = report.get("policies", {})
-    rows = [["policy", *(h for h, _, _ in COLUMNS)]]
+    setup: Mapping[str, Any] = report.get("setup", {})
+    host = bool(setup.get("host_blocks_per_worker"))
+    columns = (*COLUMNS[:3], *HOST_COLUMNS, *COLUMNS[3:]) if host else COLUMNS
+    rows = [["policy", *(h for h, _, _ in columns)]]
     for name, m in policies.items():
-        rows.append([name, *(_cell(m.get(key), fmt) for _, key, fmt in COLUMNS)])
+        rows.append([name, *(_cell(m.get(key), fmt) for _, key, fmt in columns)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
@@ -63,7 +77,7 @@ def render_table(report: Mapping[str, Any]) -> str:
     bounds: Mapping[str, Mapping[str, Any]] = report.get("bounds", {})
     if bounds:
         parts = []
-        for name in ("no_cache", "unbounded", "optimal"):
+        for name in ("no_cache", "unbounded", "optimal", "optimal_with_host"):
             b = bounds.get(name)
             if b is None:
                 continue
@@ -82,14 +96,28 @@ def render_table(report: Mapping[str, Any]) -> str:
         ok = all(check[n]["within_1pct"] for n in ("no_cache", "unbounded") if n in check)
         verdict = "within 1%" if ok else "NOT within 1%"
         lines.append(f"vs the trace's own statistics: {', '.join(checks)} ({verdict})")
-    setup: Mapping[str, Any] = report.get("setup", {})
+    gains: Mapping[str, Mapping[str, Any]] = report.get("pooled_host_gain", {})
+    for name, g in gains.items():
+        ttft = g.get("ttft_p95_change_s")
+        lines.append(
+            f"{name} vs {g['versus']}: fresh prefill "
+            f"{-g['fresh_prefill_saved_tokens'] / 1e6:+.2f} Mtok, host hits "
+            f"{g['host_hit_tokens_gained'] / 1e6:+.2f} Mtok, TTFT p95 "
+            + ("-" if ttft is None else f"{ttft:+.3f} s")
+        )
     trace: Mapping[str, Any] = report.get("trace", {})
     if setup and trace:
+        host_kv = (
+            f" + {setup.get('host_gib_per_worker')} GiB host "
+            f"({setup.get('host_blocks_per_worker')} blocks)"
+            if host
+            else ""
+        )
         lines.append(
             f"{trace.get('requests')} requests, {trace.get('sessions')} sessions; "
             f"{setup.get('workers')} workers x {setup.get('kv_gib_per_worker')} GiB KV "
-            f"({setup.get('kv_blocks_per_worker')} blocks of {setup.get('block_size')}), "
-            f"profile {setup.get('gpu_profile')}"
+            f"({setup.get('kv_blocks_per_worker')} blocks of {setup.get('block_size')})"
+            f"{host_kv}, profile {setup.get('gpu_profile')}"
         )
     return "\n".join(lines)
 

@@ -7,12 +7,20 @@ request's session, its cached tokens, the worker's KV usage, the seconds a prefi
 tokens would take (the latency model), and, when the workload says so (`TurnHint`), whether
 the turn ended in a tool call and how long the tool is expected to take. A trace carries
 no hints, so a policy sees "unknown" there. HOLD becomes a pin until `until_s`; RELEASE
-leaves the blocks to vLLM's LRU; DEMOTE and EVICT are refused (the simulated engine has no
-host tier, and nothing evicts ahead of the free queue yet). Decisions are counted by reason.
+leaves the blocks to vLLM's LRU; DEMOTE copies them to the worker's host tier and frees
+them on the GPU (the engine refuses it when the worker has no host tier: `--host-gib`);
+EVICT frees them to the head of the GPU's eviction order. Decisions are counted by reason
+(`reasons`) and by action (`actions`).
+
+Host-tier eviction order: the host tier is LRU, as vLLM's, unless the policy has a
+`host_priority(held: HeldSession, now) -> float` method, which then ranks the sessions
+whose blocks the host tier holds, the lowest evicted first (`resident_tokens` their host
+blocks, `held_since_s` their last use, `until_s` infinite).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -25,7 +33,8 @@ from appliance.policy.residency import (
     ResidencyPolicy,
     residency_policy,
 )
-from appliance.sim.engine import TurnEnd
+from appliance.sim.engine import AfterTurn, TurnEnd
+from appliance.sim.host_tier import HostPriority, HostSession
 from appliance.sim.latency import LatencyModel
 from appliance.sim.prefix_cache import Pin
 
@@ -61,12 +70,28 @@ class PolicyResidency:
         self.block_size = block_size
         self.hints = hints
         self.reasons: Counter[str] = Counter()
+        self.actions: Counter[str] = Counter()
 
     @property
     def name(self) -> str:
         return self.policy.name
 
-    def hold_until(self, end: TurnEnd) -> float | None:
+    @property
+    def host_priority(self) -> HostPriority | None:
+        """The policy's order for the host tier, if it has one (else the tier is LRU)."""
+        rank = getattr(self.policy, "host_priority", None)
+        if rank is None:
+            return None
+        bs = self.block_size
+
+        def priority(s: HostSession, now: float) -> float:
+            owner = s.owner if s.owner is not None else ""
+            held = HeldSession(owner, s.num_blocks * bs, s.last_used_s, math.inf)
+            return float(rank(held, now))
+
+        return priority
+
+    def after_turn(self, end: TurnEnd) -> AfterTurn:
         req = end.request
         hint = self.hints(req.request_id) if self.hints is not None else None
         n = end.resident_tokens
@@ -82,14 +107,14 @@ class PolicyResidency:
         )
         decision = self.policy.decide(session, end.now_s)
         self.reasons[_NUMBERS.sub("N", decision.reason)] += 1
+        self.actions[decision.action.value] += 1
         if decision.action is Residency.HOLD:
-            return decision.until_s
-        if decision.action is Residency.RELEASE:
-            return None
-        raise ValueError(
-            f"residency policy {self.name} decided {decision.action}, which the simulated "
-            "engine does not model (no host tier, no eviction ahead of the free queue)"
-        )
+            return AfterTurn("hold", decision.until_s)
+        if decision.action is Residency.DEMOTE:
+            return AfterTurn("demote")
+        if decision.action is Residency.EVICT:
+            return AfterTurn("evict")
+        return AfterTurn("release")
 
     def pin_priority(self, pin: Pin, now: float) -> float:
         held = HeldSession(

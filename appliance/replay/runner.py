@@ -13,8 +13,17 @@ of the bounds, and counted. The bounds (`bounds.py`) use the same prompts and bl
 with the workers' caches pooled; a policy's `vs_optimal` is its fresh prefill over the
 optimal bound's. Nothing reads a wall clock but the progress bar and `wall_s`.
 
+Host tier (`host_gib` per worker, default 0: none): each engine gets that much pinned host
+memory for KV blocks, vLLM's native CPU offloading (`sim/host_tier.py`): prompt blocks are
+copied there as they are computed, a GPU miss continues in it, a host hit is loaded back
+at the profile's host-to-device speed within that request's TTFT. A `pooled_host` row
+gives the box one host tier of all workers' host memory together, shared by every engine
+(a block any worker stored can be loaded by any other, at the same copy cost); each block
+is still announced by the worker that stored it, so routers see it there.
+
 Each row is a routing policy with a residency policy (`residency.py`): `lru` is vLLM as
-shipped and keeps the routing policy's own name; any other is named `ROUTING+RESIDENCY`.
+shipped and keeps the routing policy's own name; any other is named `ROUTING+RESIDENCY`;
+a pooled-host row adds `+pooled-host`.
 A closed-loop workload (`closed_loop.py`) replays the same way, its turns released by
 completions instead of a trace's timestamps, with the tasks' deadlines and outcomes.
 """
@@ -27,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.policy.residency import ResidencyPolicy
 from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
 from appliance.replay.metrics import policy_metrics, task_metrics
 from appliance.replay.progress import ProgressBar
@@ -34,6 +44,7 @@ from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
 from appliance.sim.engine import SimEngine, StepResult
+from appliance.sim.host_tier import HostTier
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
 from appliance.sim.trace import BlockTokens, trace_arrivals
@@ -46,11 +57,33 @@ DEFAULT_MAX_MODEL_LEN = 131072
 DEFAULT_RESIDENCY = "lru"
 DEFAULT_GPU_SECOND = 0.0011
 """Price of a GPU-second for cost per successful task (the `costs.gpu_second` default)."""
+POOLED_HOST = "pooled-host"
 
 
-def row_name(policy: str, residency: str) -> str:
-    """A report row's name: the routing policy's, with `+RESIDENCY` unless it is `lru`."""
-    return policy if residency == DEFAULT_RESIDENCY else f"{policy}+{residency}"
+def row_name(policy: str, residency: str, *, pooled_host: bool = False) -> str:
+    """A report row's name: the routing policy's, with `+RESIDENCY` unless it is `lru`,
+    and `+pooled-host` for a host tier pooled across the workers."""
+    name = policy if residency == DEFAULT_RESIDENCY else f"{policy}+{residency}"
+    return f"{name}+{POOLED_HOST}" if pooled_host else name
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a report: a routing policy under a residency policy, and whether the
+    workers' host tiers are pooled into one."""
+
+    policy: str
+    residency: str = DEFAULT_RESIDENCY
+    pooled_host: bool = False
+
+    @property
+    def name(self) -> str:
+        return row_name(self.policy, self.residency, pooled_host=self.pooled_host)
+
+    @property
+    def twin(self) -> Row:
+        """The same row with per-worker host tiers."""
+        return Row(self.policy, self.residency)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +100,17 @@ class ReplaySetup:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     token_seed: int = 0
+    host_blocks_per_worker: int = 0
+    """Blocks of pinned host memory per worker (0: no host tier)."""
+    host_gib_per_worker: float = 0.0
 
     @property
     def pooled_blocks(self) -> int:
         return self.workers * self.kv_blocks_per_worker
+
+    @property
+    def pooled_host_blocks(self) -> int:
+        return self.workers * self.host_blocks_per_worker
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -81,6 +121,7 @@ def make_setup(
     workers: int,
     gpu_profile: Path | None = None,
     hbm_gib: float | None = None,
+    host_gib: float = 0.0,
     block_size: int = DEFAULT_BLOCK_SIZE,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
 ) -> tuple[ReplaySetup, LatencyModel]:
@@ -96,6 +137,12 @@ def make_setup(
         usable = default_num_gpu_blocks(profile, block_size, 0.9) - 1
     if usable < 2:
         raise ValueError(f"a KV cache of {usable} blocks of {block_size} tokens cannot serve")
+    block_bytes = block_size * profile.kv_bytes_per_token
+    if host_gib < 0:
+        raise ValueError(f"--host-gib must not be negative, got {host_gib}")
+    host = int(host_gib * GIB) // block_bytes
+    if host_gib and host < 1:
+        raise ValueError(f"--host-gib {host_gib} holds no block of {block_size} tokens")
     setup = ReplaySetup(
         workers=workers,
         block_size=block_size,
@@ -103,6 +150,8 @@ def make_setup(
         kv_gib_per_worker=round(usable * block_size * profile.kv_bytes_per_token / GIB, 3),
         max_model_len=min(max_model_len, usable * block_size),
         gpu_profile=str(gpu_profile) if gpu_profile else profile.name,
+        host_blocks_per_worker=host,
+        host_gib_per_worker=round(host * block_bytes / GIB, 3),
     )
     return setup, latency
 
@@ -115,8 +164,27 @@ def fitting(trace: Trace, setup: ReplaySetup) -> Trace:
     return Trace(trace.path, trace.format, keep, trace.sessions, trace.session_source)
 
 
+def host_tiers(
+    setup: ReplaySetup, residency: PolicyResidency | None = None, *, pooled: bool = False
+) -> list[HostTier | None]:
+    """Each worker's host tier: its own, one shared by all (`pooled`), or none."""
+    n, blocks = setup.workers, setup.host_blocks_per_worker
+    if not blocks:
+        if pooled:
+            raise ValueError("a pooled host tier needs host memory (--host-gib)")
+        return [None] * n
+    priority = residency.host_priority if residency is not None else None
+    if pooled:
+        return [HostTier(n * blocks, priority=priority)] * n
+    return [HostTier(blocks, priority=priority) for _ in range(n)]
+
+
 def make_engines(
-    setup: ReplaySetup, latency: LatencyModel, residency: PolicyResidency | None = None
+    setup: ReplaySetup,
+    latency: LatencyModel,
+    residency: PolicyResidency | None = None,
+    *,
+    pooled_host: bool = False,
 ) -> list[SimEngine]:
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)
     return [
@@ -129,8 +197,9 @@ def make_engines(
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             residency=residency,
+            host_tier=host,
         )
-        for _ in range(setup.workers)
+        for host in host_tiers(setup, residency, pooled=pooled_host)
     ]
 
 
@@ -140,19 +209,22 @@ def replay_policy(
     setup: ReplaySetup,
     latency: LatencyModel,
     *,
-    residency: str = DEFAULT_RESIDENCY,
+    residency: str | ResidencyPolicy = DEFAULT_RESIDENCY,
     optimal_fresh: int | None = None,
+    optimal_with_host_fresh: int | None = None,
+    pooled_host: bool = False,
     progress: bool = False,
 ) -> dict[str, object]:
     """Replay `trace` with `policy` routing and `residency` holding; returns its metrics
     (`metrics.py`)."""
     hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size)
-    engines = make_engines(setup, latency, hold)
+    engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
     arrivals = trace_arrivals(
         trace.records, BlockTokens(seed=setup.token_seed), sessions=trace.sessions
     )
-    bar = ProgressBar(row_name(policy, hold.name), len(trace.records)) if progress else None
+    name = row_name(policy, hold.name, pooled_host=pooled_host)
+    bar = ProgressBar(name, len(trace.records)) if progress else None
     t0 = time.perf_counter()
     result = replay(
         engines, bar.wrap(arrivals) if bar else arrivals, router, on_step=router.on_step
@@ -161,9 +233,23 @@ def replay_policy(
     if bar:
         bar.close()
     sessions = {f"req-{r.index}": trace.sessions[r.index] for r in trace.records}
-    out = policy_metrics(result, sessions, optimal_fresh=optimal_fresh, workers=setup.workers)
+    out = policy_metrics(
+        result,
+        sessions,
+        optimal_fresh=optimal_fresh,
+        optimal_with_host_fresh=optimal_with_host_fresh,
+        workers=setup.workers,
+        pooled_host=pooled_host,
+    )
+    return _with_counts(out, router, hold, wall_s)
+
+
+def _with_counts(
+    out: dict[str, object], router: PolicyRouter, hold: PolicyResidency, wall_s: float
+) -> dict[str, object]:
     out["routed_by_reason"] = dict(router.reasons.most_common(8))
     out["residency_by_reason"] = dict(hold.reasons.most_common(8))
+    out["residency_by_action"] = dict(hold.actions.most_common())
     out["wall_s"] = round(wall_s, 2)
     return out
 
@@ -174,15 +260,16 @@ def replay_workload(
     setup: ReplaySetup,
     latency: LatencyModel,
     *,
-    residency: str = DEFAULT_RESIDENCY,
+    residency: str | ResidencyPolicy = DEFAULT_RESIDENCY,
     gpu_second: float = DEFAULT_GPU_SECOND,
+    pooled_host: bool = False,
 ) -> dict[str, object]:
     """Replay a closed-loop workload with `policy` routing and `residency` holding: each
     task's next turn arrives when its last one finished plus its tool wait. Returns the same
     metrics as `replay_policy`, the task figures filled in."""
     loop = ClosedLoop(tasks, max_model_len=setup.max_model_len, seed=setup.token_seed)
     hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size, hints=loop.hint)
-    engines = make_engines(setup, latency, hold)
+    engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
     gpu = GpuSeconds()
 
@@ -199,8 +286,6 @@ def replay_workload(
         loop.sessions(),
         workers=setup.workers,
         tasks=task_metrics(outcomes, gpu_second=gpu_second),
+        pooled_host=pooled_host,
     )
-    out["routed_by_reason"] = dict(router.reasons.most_common(8))
-    out["residency_by_reason"] = dict(hold.reasons.most_common(8))
-    out["wall_s"] = round(wall_s, 2)
-    return out
+    return _with_counts(out, router, hold, wall_s)

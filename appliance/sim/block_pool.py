@@ -159,20 +159,31 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered: Iterable[Block]) -> None:
-        """Drop one reference on each block; `ordered` lists them in eviction priority."""
+    def free_blocks(self, ordered: Iterable[Block], *, first: bool = False) -> None:
+        """Drop one reference on each block; `ordered` lists them in eviction priority.
+        With `first`, every block nobody holds any more goes to the head of the free queue,
+        cached or not (evicted before any other; not something vLLM itself does)."""
         evict_first: list[Block] = []
         evict_last: list[Block] = []
         for block in ordered:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0 or block.is_null, block
             if block.ref_cnt == 0 and not block.is_null:
-                if block.block_hash is None or not self.enable_caching:
+                if first or block.block_hash is None or not self.enable_caching:
                     evict_first.append(block)
                 else:
                     evict_last.append(block)
         self.free_queue.prepend_n(evict_first)
         self.free_queue.append_n(evict_last)
+
+    def evict_cached(self, blocks: Iterable[Block]) -> int:
+        """Forget the hash of each block nobody holds (BlockRemoved); returns how many."""
+        n = 0
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None and not block.is_null:
+                self._evict(block)
+                n += 1
+        return n
 
     def cache_full_blocks(
         self,

@@ -37,33 +37,58 @@ Public API (the server builds on these names; everything else is private):
   `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
 - `SimEngine(num_blocks=, block_size=, hasher=, latency=, max_model_len=, max_num_seqs=256,
   max_num_batched_tokens=8192, enable_prefix_caching=True, output_token_ids=None,
-  policy="fcfs", enable_kv_events=True, residency=None)` (ValueError unless
+  policy="fcfs", enable_kv_events=True, residency=None, host_bytes=0, host_tier=None,
+  host_priority=None)` (ValueError unless
   max_model_len fits in the cache and 1 <= max_num_seqs <= max_num_batched_tokens):
   `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
   max_model_len tokens or more, max_tokens < 1), `abort_request(request_id, now)`,
   `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`,
   `reset_prefix_cache() -> bool`, `block_ids(request_id)`, `cache` (the `PrefixCache`, to
-  peek at; never change it).
+  peek at; never change it), `host` (the `HostTier` or None), `demote(session_id)` and
+  `evict(session_id)` (below).
   `output_token_ids(req, index)` chooses the `index`-th generated token (default:
   `default_output_token`).
-- `StepResult(duration_s, outputs, events, num_scheduled_tokens, scheduled, preempted)`:
-  `events` are this step's KV events, to publish as one batch; `scheduled` maps request id
-  to tokens scheduled (vLLM's `num_scheduled_tokens`); `preempted` lists preempted ids.
+- `StepResult(duration_s, outputs, events, num_scheduled_tokens, scheduled, preempted,
+  idle_until_s)`: `events` are this step's KV events, to publish as one batch; `scheduled`
+  maps request id to tokens scheduled (vLLM's `num_scheduled_tokens`); `preempted` lists
+  preempted ids; `idle_until_s` is set when the step did nothing but wait for host loads
+  (it lasts until the first completes; a caller may step again sooner, e.g. on an arrival).
 - `RequestOutput`: request_id, new_token_ids, finished, finish_reason ("length" | "stop" |
-  "abort" | None), num_prompt_tokens, num_cached_tokens (local prefix-cache hit at the first
-  scheduling), first_token, num_preemptions, first_scheduled_s. Emitted only for requests
-  with new tokens or that finished.
+  "abort" | None), num_prompt_tokens, num_cached_tokens (prefix-cache hit at the first
+  scheduling, the host tier's included, as vLLM counts a connector's), num_host_cached_tokens
+  (of those, the host tier's), first_token, num_preemptions, first_scheduled_s. Emitted only
+  for requests with new tokens or that finished.
 - `EngineStats`: vLLM's counters (prefix-cache queries/hits count prompt tokens of admitted
   never-preempted requests; prompt tokens by source are counted at the first token;
   request_success_total by finish reason, aborts included; pin counters with a residency).
 
+Host tier (`host_bytes=`, default 0: none; vLLM's `--kv-offloading-size`, native
+OffloadingConnector, LRU): `host_bytes // (block_size * KV bytes per token)` blocks of
+pinned host memory (`host_tier=` passes a `HostTier` instead, e.g. one shared by several
+engines; `host_priority=` orders its evictions). Prompt blocks are copied there as they
+are cached, and a waiting request's lookup continues past its GPU hit into the host tier
+(`PrefixCache`). A request with a host hit is admitted like vLLM's request that waits for
+remote KV: GPU blocks are allocated for the hit (it must fit whole, as any admission),
+nothing is scheduled for it, and the copy host -> GPU (`latency.kv_copy_s` of the hit's
+bytes, one batched copy) runs on the engine's one host-to-device channel, after any copy
+queued before it; from the first step at or after the copy's end the blocks are cached and
+the request waits again, at the head of the queue, to compute the rest. So the promotion
+time lands in that request's TTFT, not in other requests' steps. Its host tokens count as
+cached (`num_cached_tokens`) and, apart, as `host_hit_tokens_total`
+(`vllm:prompt_tokens_cached_by_source{source="host"}`). A step with nothing to schedule
+but loads in flight lasts until the first load completes (`idle_until_s`).
+
 Residency (`residency=`, default none: vLLM as above): when a request finishes (not
-aborted), `residency.hold_until(TurnEnd(...))` may return a time until which its cached
-blocks stay pinned (`PrefixCache.pin`, owner: its session, else its id); pins due by a
-step's `now` are released at the start of that step, except those of sessions whose next
-request is already waiting; a session's pin is released when its next request is admitted
-(that request then holds what it reuses); and under pressure the cache gives pins back in
-`residency.pin_priority` order before the scheduler would preempt or stop admitting.
+aborted), `residency.after_turn(TurnEnd(...))` says what becomes of its cached blocks
+(`AfterTurn`): "release" (vLLM's free), "hold" until a time (pinned, `PrefixCache.pin`,
+owner: its session, else its id), "evict" (freed to the head of the eviction order) or
+"demote" (copied to the host tier, then freed and forgotten on the GPU; ValueError without
+a host tier). Pins due by a step's `now` are released at the start of that step, except
+those of sessions whose next request is already waiting; a session's pin is released when
+its next request is admitted (that request then holds what it reuses); and under pressure
+the cache gives pins back in `residency.pin_priority` order before the scheduler would
+preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do the same to a
+held session's pin at any time between steps.
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
@@ -81,11 +106,13 @@ from typing import Literal, Protocol
 
 from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
 from appliance.domain.kv_events import KvEvent
-from appliance.sim.latency import LatencyModel
-from appliance.sim.prefix_cache import NO_HIT, CacheRequest, Pin, PrefixCache
+from appliance.sim.host_tier import HostPriority, HostTier
+from appliance.sim.latency import CopyDirection, LatencyModel
+from appliance.sim.prefix_cache import NO_HIT, CacheHit, CacheRequest, Pin, PrefixCache
 
 FinishReason = Literal["length", "stop", "abort"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+KvAction = Literal["release", "hold", "evict", "demote"]
 DEFAULT_VOCAB_SIZE = 32000
 """Default generated token ids fall below this (a size every supported tokenizer exceeds)."""
 
@@ -121,6 +148,8 @@ class RequestOutput:
     """Times the request was preempted so far."""
     first_scheduled_s: float | None = None
     """The `now` of the step that first scheduled it (queue time = this - arrival)."""
+    num_host_cached_tokens: int = 0
+    """Of `num_cached_tokens`, those loaded from the host tier."""
 
 
 @dataclass(slots=True)
@@ -135,6 +164,8 @@ class StepResult:
     """Request id -> tokens scheduled in this step, in schedule order (running first)."""
     preempted: list[str] = field(default_factory=list)
     """Requests preempted (sent back to waiting) in this step."""
+    idle_until_s: float | None = None
+    """Set when the step only waited for host loads: when the first completes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +191,18 @@ class EngineStats:
     pins_resumed_total: int = 0
     pins_reclaimed_total: int = 0
     """Pins given back early because an allocation was short."""
+    host_blocks: int = 0
+    """The host tier's capacity in blocks (0: none)."""
+    host_hit_tokens_total: int = 0
+    """Prompt tokens loaded from the host tier (counted at the first token)."""
+    host_load_s_total: float = 0.0
+    """Seconds of host -> GPU copies for those loads."""
+    host_stored_blocks_total: int = 0
+    host_evicted_blocks_total: int = 0
+    demotions_total: int = 0
+    """Finished turns and held sessions whose blocks were demoted to the host tier."""
+    evictions_total: int = 0
+    """Finished turns and held sessions whose blocks were put first in the eviction order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +216,20 @@ class TurnEnd:
     now_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class AfterTurn:
+    """What becomes of a finished request's cached blocks."""
+
+    action: KvAction = "release"
+    until_s: float | None = None
+    """"hold" only: when the pin lapses."""
+
+
 class Residency(Protocol):
     """What the engine asks about a finished request's blocks, and the order in which pins
     are given back under pressure (lowest first)."""
 
-    def hold_until(self, end: TurnEnd) -> float | None: ...
+    def after_turn(self, end: TurnEnd) -> AfterTurn: ...
 
     def pin_priority(self, pin: Pin, now: float) -> float: ...
 
@@ -197,6 +249,8 @@ class _Entry:
         "first_scheduled_s",
         "first_token_sent",
         "num_cached_tokens",
+        "num_host_cached_tokens",
+        "ready_s",
         "req",
         "seq",
     )
@@ -207,6 +261,8 @@ class _Entry:
         self.arrival_s = arrival_s
         self.seq = seq
         self.num_cached_tokens = 0
+        self.num_host_cached_tokens = 0
+        self.ready_s = 0.0  # while loading from the host tier: when the copy ends
         self.first_token_sent = False
         self.first_scheduled_s: float | None = None
 
@@ -260,6 +316,10 @@ class _WaitingQueue:
 class _Counters:
     prompt_tokens: int = 0
     prompt_cached: int = 0
+    prompt_host: int = 0
+    host_load_s: float = 0.0
+    demotions: int = 0
+    evictions: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
@@ -285,6 +345,9 @@ class SimEngine:
         policy: SchedulingPolicy = "fcfs",
         enable_kv_events: bool = True,
         residency: Residency | None = None,
+        host_bytes: int = 0,
+        host_tier: HostTier | None = None,
+        host_priority: HostPriority | None = None,
     ) -> None:
         if hasher.block_size != block_size:
             raise ValueError(f"hasher block size {hasher.block_size} != block_size {block_size}")
@@ -306,12 +369,23 @@ class SimEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy: SchedulingPolicy = policy
+        if host_bytes < 0 or (host_bytes and host_tier is not None):
+            raise ValueError("give host_bytes >= 0 or a host_tier, not both")
+        host_blocks = host_bytes // (block_size * latency.kv_bytes_per_token)
+        if host_bytes and host_blocks < 1:
+            raise ValueError(f"host_bytes {host_bytes} hold no block of {block_size} tokens")
+        self.host = (
+            host_tier
+            if host_tier is not None
+            else (HostTier(host_blocks, priority=host_priority) if host_blocks else None)
+        )
         self.cache = PrefixCache(
             num_blocks,
             block_size,
             max_model_len=max_model_len,
             enable_caching=enable_prefix_caching,
             enable_events=enable_kv_events,
+            host=self.host if enable_prefix_caching else None,
         )
         self._residency = residency
         if residency is not None:
@@ -320,6 +394,8 @@ class SimEngine:
         self._entries: dict[str, _Entry] = {}
         self._running: list[_Entry] = []
         self._waiting = _WaitingQueue(policy)
+        self._loading: list[_Entry] = []  # admitted, their host hit on its way to the GPU
+        self._h2d_free_s = 0.0  # when the host -> GPU channel has finished its last copy
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
         self._seq = 0
         self._n = _Counters()
@@ -356,6 +432,9 @@ class SimEngine:
         if entry in self._running:
             self._running.remove(entry)
             self.cache.free(entry.cache)
+        elif entry in self._loading:
+            self._loading.remove(entry)
+            self.cache.free(entry.cache)
         else:
             self._waiting.remove(entry)
         self._n.success["abort"] += 1
@@ -378,22 +457,42 @@ class SimEngine:
         n, cs = self._n, self.cache.stats
         return EngineStats(
             num_running=len(self._running),
-            num_waiting=len(self._waiting),
+            num_waiting=len(self._waiting) + len(self._loading),
             kv_cache_usage=self.cache.usage,
             prefix_cache_queries=cs.queries,
             prefix_cache_hits=cs.hits,
             prompt_tokens_total=n.prompt_tokens,
-            prompt_tokens_by_source={
-                "local_cache_hit": n.prompt_cached,
-                "local_compute": n.prompt_tokens - n.prompt_cached,
-            },
+            prompt_tokens_by_source=self._by_source(),
             generation_tokens_total=n.generation_tokens,
             num_preemptions_total=n.preemptions,
             request_success_total=dict(n.success),
             num_steps_total=n.steps,
             busy_s_total=n.busy_s,
+            demotions_total=n.demotions,
+            evictions_total=n.evictions,
             **self._pin_fields(),
+            **self._host_fields(),
         )
+
+    def _by_source(self) -> dict[str, int]:
+        n = self._n
+        local = n.prompt_cached - n.prompt_host
+        out = {"local_cache_hit": local, "local_compute": n.prompt_tokens - n.prompt_cached}
+        if self.host is not None:
+            out["external_kv_transfer"] = n.prompt_host
+        return out
+
+    def _host_fields(self) -> dict[str, int | float]:
+        if self.host is None:
+            return {}
+        h = self.host.stats
+        return {
+            "host_blocks": self.host.num_blocks,
+            "host_hit_tokens_total": self._n.prompt_host,
+            "host_load_s_total": self._n.host_load_s,
+            "host_stored_blocks_total": h.stored,
+            "host_evicted_blocks_total": h.evicted,
+        }
 
     def _pin_fields(self) -> dict[str, int]:
         if self._residency is None:
@@ -415,6 +514,10 @@ class SimEngine:
         preempted: list[str] = []
         if self._residency is not None:
             self._expire_pins(now)
+        if self.host is not None:
+            self.host.now_s = now
+            if self._loading:
+                self._finish_loads(now)
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
             self._schedule_waiting(scheduled, budget, now)
@@ -436,7 +539,40 @@ class SimEngine:
         if total:
             self._n.steps += 1
             self._n.busy_s += duration
-        return StepResult(duration, outputs, self.cache.take_events(), total, by_request, preempted)
+        events = self.cache.take_events()
+        result = StepResult(duration, outputs, events, total, by_request, preempted)
+        if not (total or outputs or events or preempted) and self._loading:
+            result.idle_until_s = min(e.ready_s for e in self._loading)
+            result.duration_s = result.idle_until_s - now
+        return result
+
+    def _finish_loads(self, now: float) -> None:
+        """Requests whose host blocks have arrived cache them and wait again, in front."""
+        done = [e for e in self._loading if e.ready_s <= now]
+        if not done:
+            return
+        self._loading = [e for e in self._loading if e.ready_s > now]
+        for entry in reversed(done):
+            self.cache.complete_load(entry.cache)
+            self._waiting.prepend(entry)
+
+    def _start_load(self, entry: _Entry, hit: CacheHit, now: float) -> bool:
+        """Admit the waiting request at the head with a hit that continues in the host
+        tier: GPU blocks for the whole hit, and its host part's copy queued on the host ->
+        GPU channel. False (nothing changed) when the sequence does not fit."""
+        n = hit.num_host_tokens
+        new_blocks = self.cache.allocate(
+            entry.cache, n, hit, full_sequence_must_fit=True, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False
+        self._waiting.pop()
+        start = max(now, self._h2d_free_s)
+        copy_s = self.latency.kv_copy_s(n, CopyDirection.H2D)
+        entry.ready_s = self._h2d_free_s = start + copy_s
+        self._n.host_load_s += copy_s
+        self._loading.append(entry)
+        return True
 
     def _schedule_running(
         self, scheduled: list[tuple[_Entry, int, int]], preempted: list[str]
@@ -501,18 +637,23 @@ class SimEngine:
             entry = waiting.peek()
             creq = entry.cache
             hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
-            n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
-            if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
-                break
-            waiting.pop()
-            self._running.append(entry)
+            if hit.num_host_tokens:
+                if not self._start_load(entry, hit, now):
+                    break
+            else:
+                n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
+                if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
+                    break
+                waiting.pop()
+                self._running.append(entry)
+                scheduled.append((entry, n, creq.num_computed_tokens - n))
+                budget -= n
             if self._residency is not None:
                 cache.unpin(self._owner(entry.req))
-            if creq.num_preemptions == 0:
-                entry.num_cached_tokens = hit.num_tokens
+            if entry.first_scheduled_s is None:
+                entry.num_cached_tokens = hit.num_tokens + hit.num_host_tokens
+                entry.num_host_cached_tokens = hit.num_host_tokens
                 entry.first_scheduled_s = now
-            scheduled.append((entry, n, creq.num_computed_tokens - n))
-            budget -= n
 
     def _duration(self, scheduled: list[tuple[_Entry, int, int]]) -> float:
         latency = self.latency
@@ -539,15 +680,48 @@ class SimEngine:
             return
         self.cache.expire_pins(now, keep={self._owner(e.req) for e in self._waiting})
 
-    def _hold(self, entry: _Entry, now: float) -> None:
-        """Ask the residency hook about a finished request; pin its blocks if it says so."""
-        assert self._residency is not None
+    def demote(self, session_id: str) -> int:
+        """Copy a held session's pinned blocks to the host tier and free them on the GPU
+        (forgotten there unless someone else holds them); returns the blocks copied (0:
+        the session holds none). ValueError without a host tier."""
+        n = self.cache.demote_pin(session_id)
+        self._n.demotions += int(n > 0)
+        return n
+
+    def evict(self, session_id: str) -> int:
+        """Put a held session's pinned blocks first in the GPU eviction order (still
+        findable until reused); returns how many went there."""
+        n = self.cache.evict_pin(session_id)
+        self._n.evictions += int(n > 0)
+        return n
+
+    def _release(self, entry: _Entry, now: float) -> None:
+        """Free a finished request's blocks as the residency hook says (vLLM's free when
+        there is none)."""
         creq = entry.cache
-        cached = sum(1 for i in self.cache.block_ids(creq) if self.cache.pool.blocks[i].block_hash)
+        if self._residency is None:
+            self.cache.free(creq)
+            return
+        blocks = self.cache.pool.blocks
+        cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
         end = TurnEnd(entry.req, cached * self.block_size, self.cache.usage, now)
-        until = self._residency.hold_until(end)
-        if until is not None and until > now:
-            self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=until)
+        after = self._residency.after_turn(end)
+        if after.action == "hold" and after.until_s is not None and after.until_s > now:
+            self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=after.until_s)
+        elif after.action == "demote":
+            if self.host is None:
+                raise ValueError(
+                    f"the residency hook demoted {entry.req.request_id}, but this engine has "
+                    "no host tier (host_bytes=0)"
+                )
+            self.cache.free_to_host(creq)
+            self._n.demotions += 1
+            return
+        elif after.action == "evict":
+            self.cache.free_first(creq)
+            self._n.evictions += 1
+            return
+        self.cache.free(creq)
 
     def _sample(self, entry: _Entry, now: float) -> RequestOutput:
         """Append one generated token to a request whose sequence is all computed."""
@@ -567,6 +741,7 @@ class SimEngine:
             entry.first_token_sent = True
             self._n.prompt_tokens += creq.num_prompt_tokens
             self._n.prompt_cached += entry.num_cached_tokens
+            self._n.prompt_host += entry.num_host_cached_tokens
         reason: FinishReason | None = None
         if not req.ignore_eos and req.eos_after is not None and num_output >= req.eos_after:
             reason = "stop"
@@ -574,9 +749,7 @@ class SimEngine:
             reason = "length"
         if reason is not None:
             del self._entries[req.request_id]
-            if self._residency is not None:
-                self._hold(entry, now)
-            self.cache.free(creq)
+            self._release(entry, now)
             self._n.success[reason] += 1
         out = self._output(entry, [token], reason)
         out.first_token = first
@@ -594,4 +767,5 @@ class SimEngine:
             False,
             entry.cache.num_preemptions,
             entry.first_scheduled_s,
+            entry.num_host_cached_tokens,
         )

@@ -10,9 +10,10 @@ bucket boundaries; the token-count ones go up a 1-2-5 series to max_model_len.
 Where the numbers come from: gauges and cumulative counters are read from the engine's
 `EngineStats` at scrape time (vLLM's semantics are the engine's); histograms are fed per
 finished request (`observe_request`) and per engine step (`observe_iteration`) by the
-worker, which times requests on its clock. Families the sim has no notion of (multimodal
-cache, external KV transfer, FLOP estimates, admission rejections) stay at zero, as they
-do on a real engine that does not use them.
+worker, which times requests on its clock. A host tier's loads count as vLLM's offloading
+connector counts them: `external_kv_transfer`, `source="host"`, `external_prefix_cache_*`.
+Families the sim has no notion of (multimodal cache, other KV connectors, FLOP estimates,
+admission rejections) stay at zero, as they do on a real engine that does not use them.
 """
 
 from __future__ import annotations
@@ -349,6 +350,8 @@ class SimMetrics:
         """Gauge and counter values by family, keyed by the extra label's value ("")."""
         hits = float(s.prefix_cache_hits)
         by_source = s.prompt_tokens_by_source
+        local = by_source.get("local_cache_hit", 0)
+        host = by_source.get("external_kv_transfer", 0)  # the host tier's, as vLLM's connector
         return {
             "vllm:num_requests_running": {"": s.num_running},
             "vllm:num_requests_waiting": {"": s.num_waiting},
@@ -360,8 +363,12 @@ class SimMetrics:
             "vllm:num_preemptions": {"": s.num_preemptions_total},
             "vllm:prompt_tokens": {"": s.prompt_tokens_total},
             "vllm:prompt_tokens_by_source": {k: float(v) for k, v in by_source.items()},
-            "vllm:prompt_tokens_cached": {"": by_source.get("local_cache_hit", 0)},
-            "vllm:prompt_tokens_cached_by_source": {"device": by_source.get("local_cache_hit", 0)},
+            "vllm:prompt_tokens_cached": {"": local + host},
+            "vllm:prompt_tokens_cached_by_source": {"device": local, "host": host},
+            "vllm:external_prefix_cache_queries": {
+                "": s.prefix_cache_queries if s.host_blocks else 0
+            },
+            "vllm:external_prefix_cache_hits": {"": host},
             "vllm:generation_tokens": {"": s.generation_tokens_total},
             "vllm:request_success": {k: float(v) for k, v in s.request_success_total.items()},
         }

@@ -22,6 +22,22 @@ would put them then, and are ordinary LRU blocks from there on. A pin never make
 allocation fail: when `allocate` is short it first gives pins back, lowest
 `pin_priority` first (never the requesting session's own pin), but only if giving all of
 them back would make room; otherwise nothing is released and it refuses as before.
+`evict_pin` and `demote_pin` end a pin the other two ways a residency policy may choose:
+its blocks go to the head of the free queue (evicted before any other), or they are
+copied to the host tier and forgotten on the GPU; `free_first` and `free_to_host` do the
+same to a request's blocks as it is freed.
+
+Host tier (`host=`, a `HostTier`; none unless given, and then nothing above changes), as
+vLLM's OffloadingConnector uses it: a request's full prompt blocks are offered to the host
+tier as they become cached (`offload_prompt_only`, its default), those already there
+skipped, and when something was stored all of its full prompt blocks are touched. A lookup
+refreshes all of the request's hashes in the host tier, then continues past the GPU hit:
+the leading blocks after it that the host holds (still short of the last token) are the
+hit's `num_host_tokens`. Admitting such a hit (`allocate(..., delay_cache_blocks=True)`
+for those tokens) allocates GPU blocks for them, which are cached (BlockStored "GPU") only
+when the load completes (`complete_load`), as vLLM's scheduler does for a request that
+waited for remote KV. Local prefix-cache counters count the GPU hit only. Host events
+follow the GPU events of the same step.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from appliance.domain.block_hash import (
 )
 from appliance.domain.kv_events import KvEvent
 from appliance.sim.block_pool import Block, BlockPool
+from appliance.sim.host_tier import HostTier
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -135,6 +152,9 @@ class CacheHit:
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    """Tokens of the GPU hit (`block_ids`)."""
+    num_host_tokens: int = 0
+    """Tokens right after the GPU hit that the host tier holds (to load)."""
 
 
 NO_HIT = CacheHit((), 0)
@@ -194,6 +214,10 @@ class PinStats:
     """Given back early because an allocation was short."""
     replaced: int = 0
     """Superseded by a newer pin of the same owner."""
+    evicted: int = 0
+    """Ended by `evict_pin`: its blocks went first in the eviction order."""
+    demoted: int = 0
+    """Ended by `demote_pin`: its blocks went to the host tier."""
 
 
 class PrefixCache:
@@ -211,6 +235,7 @@ class PrefixCache:
         enable_caching: bool = True,
         enable_events: bool = True,
         pin_priority: PinPriority = latest_expiry_first,
+        host: HostTier | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -229,6 +254,9 @@ class PrefixCache:
         self._pin_seq = 0
         self._pin_stats = PinStats()
         self._pin_now = 0.0  # the latest `now` a caller gave (for `pin_priority`)
+        self.host = host
+        self._host_events: list[KvEvent] = []
+        self._host_offered: dict[str, int] = {}  # request -> prompt blocks offered so far
 
     # --- queries ---
 
@@ -303,7 +331,14 @@ class PrefixCache:
             self.pool.emit_cached_block_events(
                 request.block_hashes[: len(hit)], **self._event_fields(request, 0, len(hit))
             )
-        return CacheHit(tuple(hit), len(hit) * self.block_size)
+        on_host = 0
+        if self.host is not None:
+            hashes = request.block_hashes
+            self.host.touch(
+                hashes[: request.num_tokens // self.block_size], owner=request.session_id
+            )
+            on_host = self.host.lookup(hashes[len(hit) : max_blocks])
+        return CacheHit(tuple(hit), len(hit) * self.block_size, on_host * self.block_size)
 
     def blocks_needed(
         self,
@@ -348,6 +383,7 @@ class PrefixCache:
         hit: CacheHit | None = None,
         *,
         full_sequence_must_fit: bool = False,
+        delay_cache_blocks: bool = False,
     ) -> tuple[int, ...] | None:
         """Schedule `num_new_tokens` more tokens of `request` (`allocate_slots`).
 
@@ -356,7 +392,8 @@ class PrefixCache:
         none. `full_sequence_must_fit` is vLLM's admission gate (`scheduler_reserve_full_isl`,
         on by default for waiting requests). Returns the ids of newly allocated blocks, or
         None (nothing changed) when the pool is short. On success the tokens count as
-        computed and every block they fill is cached.
+        computed and every block they fill is cached, unless `delay_cache_blocks` (tokens
+        loaded from the host tier: the blocks are cached by `complete_load`).
         """
         self._check_block_size(request)
         hit_ = hit if hit is not None else NO_HIT
@@ -391,15 +428,56 @@ class PrefixCache:
         if admitting and hit is not None and self._lookup_enabled(request):
             self._record(request, hit_.num_tokens)
         request.num_computed_tokens = total_computed + num_new_tokens
-        if self.enable_caching:
+        if delay_cache_blocks:
+            # vLLM's connector stores nothing of a loading request up to what it loads.
+            self._host_offered[request.request_id] = len(req_blocks)
+        elif self.enable_caching:
             self._cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return tuple(b.block_id for b in new_blocks)
 
+    def complete_load(self, request: CacheRequest) -> None:
+        """The host tier's blocks of an admitted request are on the GPU now: cache them."""
+        if self.enable_caching:
+            self._cache_blocks(request, request.num_computed_tokens)
+
     def free(self, request: CacheRequest) -> None:
         """Release a finished (or aborted) request's blocks, tail block first."""
-        blocks = self._req_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed(self._drop_request(request)))
+
+    def free_first(self, request: CacheRequest) -> int:
+        """Release a finished request's blocks to the head of the free queue (tail block
+        first), so they are evicted before any other; returns how many went there."""
+        blocks = self._drop_request(request)
+        before = self.num_free_blocks
+        self.pool.free_blocks(reversed(blocks), first=True)
+        return self.num_free_blocks - before
+
+    def free_to_host(self, request: CacheRequest) -> int:
+        """Copy a finished request's cached blocks to the host tier, then release them and
+        forget those nobody else holds on the GPU; returns the blocks copied."""
+        self._require_host()
+        return self._demote(self._drop_request(request), request.session_id)
+
+    def evict_pin(self, owner: str) -> int:
+        """End `owner`'s pin with its blocks first in the eviction order; returns how many
+        went there (0: no pin, or every block is held by someone else too)."""
+        entry = self._pins.pop(owner, None)
+        if entry is None:
+            return 0
+        before = self.num_free_blocks
+        self.pool.free_blocks(reversed(entry[1]), first=True)
+        self._bump(evicted=1)
+        return self.num_free_blocks - before
+
+    def demote_pin(self, owner: str) -> int:
+        """End `owner`'s pin by copying its blocks to the host tier and forgetting on the
+        GPU those nobody else holds; returns the blocks copied (0: no pin)."""
+        self._require_host()
+        entry = self._pins.pop(owner, None)
+        if entry is None:
+            return 0
+        self._bump(demoted=1)
+        return self._demote(entry[1], owner)
 
     def preempt(self, request: CacheRequest) -> None:
         """Free a running request's blocks and send it back to waiting, to recompute from
@@ -473,10 +551,55 @@ class PrefixCache:
         return True
 
     def take_events(self) -> list[KvEvent]:
-        """KV events since the last call, in the order vLLM would publish them."""
-        return self.pool.take_events()
+        """KV events since the last call, in the order vLLM would publish them (the
+        engine's, then the host tier's)."""
+        events = self.pool.take_events()
+        if self._host_events:
+            events += self._host_events
+            self._host_events = []
+        return events
 
     # --- internals ---
+
+    def _require_host(self) -> None:
+        if self.host is None:
+            raise ValueError("demoting needs a host tier; this cache has none")
+
+    def _drop_request(self, request: CacheRequest) -> list[Block]:
+        self._num_cached_blocks.pop(request.request_id, None)
+        self._host_offered.pop(request.request_id, None)
+        return self._req_blocks.pop(request.request_id, [])
+
+    def _demote(self, blocks: list[Block], owner: str | None) -> int:
+        """Copy the cached ones of `blocks` (a prefix, in token order) to the host tier,
+        as much of it as fits, then free them first and forget them on the GPU."""
+        assert self.host is not None
+        hashes = [b.block_hash for b in blocks if b.block_hash is not None and not b.is_null]
+        hashes = hashes[: self.host.num_blocks]
+        self.host.store(hashes, owner=owner, sink=self._host_events)
+        self.host.touch(hashes, owner=owner)
+        self.pool.free_blocks(reversed(blocks), first=True)
+        self.pool.evict_cached(blocks)
+        return len(hashes)
+
+    def _offer_to_host(self, request: CacheRequest, num_full: int) -> None:
+        """vLLM's connector store: the request's new full prompt blocks, from where it got
+        to last time; when any was new, all its full prompt blocks are touched."""
+        assert self.host is not None
+        rid = request.request_id
+        end = min(num_full, request.num_prompt_tokens // self.block_size)
+        start = self._host_offered.get(rid, 0)
+        if end <= start:
+            return
+        hashes = request.block_hashes
+        stored = self.host.store(
+            hashes[start:end], owner=request.session_id, sink=self._host_events
+        )
+        if stored is None:
+            return  # no room even when empty: offered again at the next block
+        self._host_offered[rid] = end
+        if stored:
+            self.host.touch(hashes[:end], owner=request.session_id)
 
     def _release(self, owner: str) -> bool:
         entry = self._pins.pop(owner, None)
@@ -550,6 +673,8 @@ class PrefixCache:
     def _cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
         num_full = num_tokens // self.block_size
+        if self.host is not None:
+            self._offer_to_host(request, num_full)
         if num_cached >= num_full:
             return
         self.pool.cache_full_blocks(

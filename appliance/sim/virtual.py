@@ -5,7 +5,9 @@ ordered by (time, kind, sequence): an arrival is routed to an engine and queued 
 idle engine steps at once; a step that starts at `t` and lasts `d` completes at `t + d`,
 when its outputs become visible (first-token and finish times are read there) and the
 engine steps again if it has work. At equal times arrivals come before step completions,
-so a request that arrives as a step ends joins the next step, as in vLLM's busy loop.
+so a request that arrives as a step ends joins the next step, as in vLLM's busy loop. A
+step that only waits for host loads (`StepResult.idle_until_s`) is cut short by an arrival
+for its engine, which steps at once (vLLM's loop keeps stepping while loads are in flight).
 Nothing reads a wall clock, so a replay is deterministic: the same arrivals, routing and
 engine settings give the same records, bit for bit.
 
@@ -65,6 +67,8 @@ class RequestRecord:
     first_token_s: float | None = None
     finish_s: float | None = None
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
+    """Of `cached_tokens`, those loaded from the host tier."""
     output_tokens: int = 0
     finish_reason: str | None = None
 
@@ -127,6 +131,8 @@ def replay(
     heap: list[tuple[float, int, int, int, StepResult | Arrival]] = []
     seq = 0
     busy = [False] * len(engines)
+    idle_step: list[int | None] = [None] * len(engines)  # seq of a step that only waits
+    cut_short: set[int] = set()
     steps = 0
     now = 0.0
     empty_steps = [0] * len(engines)
@@ -152,7 +158,7 @@ def replay(
         nonlocal seq, steps
         result = engines[i].step(t)
         steps += 1
-        if result.num_scheduled_tokens == 0 and not result.outputs:
+        if result.num_scheduled_tokens == 0 and not result.outputs and result.idle_until_s is None:
             empty_steps[i] += 1
             if empty_steps[i] > 2:
                 raise RuntimeError(f"engine {i} has work but schedules nothing at {t}")
@@ -160,11 +166,16 @@ def replay(
             empty_steps[i] = 0
         busy[i] = True
         seq += 1
+        idle_step[i] = seq if result.idle_until_s is not None else None
         heapq.heappush(heap, (t + result.duration_s, _STEP_DONE, seq, i, result))
 
     push_next_arrival()
     while heap:
-        now, _, _, i, payload = heapq.heappop(heap)
+        t, _, step_seq, i, payload = heapq.heappop(heap)
+        if step_seq in cut_short:
+            cut_short.discard(step_seq)
+            continue
+        now = t
         if isinstance(payload, Arrival):
             if i != _FOLLOW:
                 push_next_arrival()
@@ -178,16 +189,22 @@ def replay(
             rec = RequestRecord(req.request_id, w, now, len(req.prompt_token_ids))
             records[req.request_id] = rec
             order.append(rec)
-            if not busy[w]:
+            waited = idle_step[w]
+            if waited is not None:  # the engine only waits for loads: it steps now
+                cut_short.add(waited)
+                start_step(w, now)
+            elif not busy[w]:
                 start_step(w, now)
             continue
         assert isinstance(payload, StepResult)
         busy[i] = False
+        idle_step[i] = None
         for out in payload.outputs:
             rec = records[out.request_id]
             if out.first_token:
                 rec.first_token_s = now
                 rec.cached_tokens = out.num_cached_tokens
+                rec.host_cached_tokens = out.num_host_cached_tokens
             rec.output_tokens += len(out.new_token_ids)
             if out.finished:
                 rec.finish_s = now

@@ -37,6 +37,19 @@ def test_residency_baselines_are_rows_of_the_same_run(tmp_path: Path) -> None:
     assert pinned["cost_per_success"] is None  # a trace has no outcomes
 
 
+def test_host_gib_gives_each_worker_a_host_tier_and_adds_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    r = run("replay", str(MOONCAKE), "--limit", "300", "--workers", "8", "--hbm-gib", "4",
+            "--host-gib", "16", "--policy", "session-hash", "--report", str(out),
+            data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "host Mtok" in r.stdout and "session-hash+pooled-host" in r.stdout
+    report = json.loads(out.read_text())
+    assert report["setup"]["host_gib_per_worker"] == 16.0
+    assert "optimal_with_host" in report["bounds"]
+    assert report["policies"]["session-hash"]["host_hit_tokens"] > 0
+
+
 def test_workload_replays_closed_loop(tmp_path: Path) -> None:
     spec = tmp_path / "workload.yaml"
     spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")

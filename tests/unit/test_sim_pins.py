@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
-from appliance.sim.engine import SimEngine, SimRequest, TurnEnd
+from appliance.sim.engine import AfterTurn, SimEngine, SimRequest, TurnEnd
 from appliance.sim.latency import LatencyModel
 from appliance.sim.prefix_cache import CacheRequest, Pin, PrefixCache
 from appliance.sim.profile import bundled_profile
@@ -177,9 +177,9 @@ class FixedHold:
         self.ttl_s = ttl_s
         self.seen: list[TurnEnd] = []
 
-    def hold_until(self, end: TurnEnd) -> float | None:
+    def after_turn(self, end: TurnEnd) -> AfterTurn:
         self.seen.append(end)
-        return None if self.ttl_s is None else end.now_s + self.ttl_s
+        return AfterTurn() if self.ttl_s is None else AfterTurn("hold", end.now_s + self.ttl_s)
 
     def pin_priority(self, pin: Pin, now: float) -> float:
         return -pin.until_s

@@ -1,0 +1,191 @@
+"""Pinned host memory for KV blocks: vLLM 0.32's native CPU offloading, as the sim sees it.
+
+Model of the world (vLLM `v1/kv_offload/lru_manager.py` LRUOffloadingManager and the
+OffloadingConnector's scheduler side, `--kv-offloading-size GiB`, one GPU block per
+offloaded chunk): the host tier is a set of block hashes with room for `num_blocks`
+(`cpu_bytes_to_use // bytes per block`). A store offers hashes; those already held are
+skipped, and room for the rest is made by evicting from the least recently used end, all
+or nothing (when the new hashes alone exceed the tier, nothing is stored, as
+`prepare_store` returns None). `touch` makes hashes the most recently used, the first of
+them last (so a prefix outlives its tail). `lookup` counts the leading hashes held.
+
+Events are vLLM's connector events: each stored hash one BlockStored with medium "CPU",
+no parent, no tokens and block size 0 (`offloading/events.py` `_placeholder_stored`);
+each eviction batch one BlockRemoved with medium "CPU". They go to the `sink` of the
+engine that stored the hash, so a tier shared by several engines (a pooled host tier)
+still reports each block where the router learnt of it.
+
+What the sim leaves out: stores and loads complete at once (vLLM copies asynchronously and
+announces a store when its copy is done; a block being loaded cannot be evicted), and the
+copies take no GPU time here (the engine charges a load's copy to the loading request).
+
+`priority` (None: LRU, as vLLM) is the hook for a residency policy to order evictions:
+`priority(HostSession, now)` ranks the sessions whose blocks the tier holds, the lowest
+evicted first, each session's blocks least recently used first. A block belongs to the
+session that last stored or touched it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from appliance.domain.block_hash import BlockHash, event_block_hash
+from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent, Medium
+
+EventSink = list[KvEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class HostSession:
+    """A session's blocks in the host tier, as an eviction order sees them."""
+
+    owner: str | None
+    num_blocks: int
+    last_used_s: float
+
+
+HostPriority = Callable[[HostSession, float], float]
+"""(session, now) -> rank: the lowest-ranked session's blocks are evicted first."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    owner: str | None
+    sink: EventSink | None
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierStats:
+    stored: int = 0
+    """Blocks copied in."""
+    evicted: int = 0
+    """Blocks evicted to make room."""
+
+
+class HostTier:
+    """The host tier's block hashes in LRU order (the head is evicted first)."""
+
+    def __init__(
+        self, num_blocks: int, *, priority: HostPriority | None = None, medium: str = Medium.CPU
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.priority = priority
+        self.medium = medium
+        self.now_s = 0.0
+        """The time stores and touches are stamped with (set by the engine each step)."""
+        self._blocks: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        self._last_used: dict[str | None, float] = {}
+        self._stored = 0
+        self._evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._blocks
+
+    @property
+    def stats(self) -> HostTierStats:
+        return HostTierStats(self._stored, self._evicted)
+
+    def hashes(self) -> tuple[BlockHash, ...]:
+        """The held hashes, first to be evicted (under LRU) first."""
+        return tuple(self._blocks)
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes of `block_hashes` the tier holds."""
+        n = 0
+        for h in block_hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def touch(self, block_hashes: Sequence[BlockHash], *, owner: str | None = None) -> None:
+        """Make the held ones among `block_hashes` the most recently used, the first last."""
+        blocks = self._blocks
+        for h in reversed(block_hashes):
+            entry = blocks.get(h)
+            if entry is not None:
+                blocks.move_to_end(h)
+                entry.owner = owner
+        self._last_used[owner] = self.now_s
+
+    def store(
+        self,
+        block_hashes: Sequence[BlockHash],
+        *,
+        owner: str | None = None,
+        sink: EventSink | None = None,
+    ) -> list[BlockHash] | None:
+        """Copy in the hashes not yet held, evicting to make room; returns those stored, or
+        None (nothing changed) when they would not fit even in an empty tier."""
+        blocks = self._blocks
+        new = [h for h in dict.fromkeys(block_hashes) if h not in blocks]
+        if len(new) > self.num_blocks:
+            return None
+        over = len(blocks) + len(new) - self.num_blocks
+        if over > 0:
+            self._evict(over)
+        for h in new:
+            blocks[h] = _Entry(owner, sink)
+        if new:
+            self._last_used[owner] = self.now_s
+            self._stored += len(new)
+            if sink is not None:
+                sink.extend(self._stored_event(h) for h in new)
+        return new
+
+    def _stored_event(self, block_hash: BlockHash) -> BlockStored:
+        return BlockStored(
+            block_hashes=(event_block_hash(block_hash),),
+            parent_block_hash=None,
+            token_ids=(),
+            block_size=0,
+            medium=self.medium,
+            group_idx=0,
+        )
+
+    def _evict(self, n: int) -> None:
+        victims = self._lru_victims(n) if self.priority is None else self._ranked_victims(n)
+        by_sink: dict[int, tuple[EventSink, list[int]]] = {}
+        for h in victims:
+            entry = self._blocks.pop(h)
+            if entry.sink is not None:
+                by_sink.setdefault(id(entry.sink), (entry.sink, []))[1].append(event_block_hash(h))
+        self._evicted += len(victims)
+        for sink, hashes in by_sink.values():
+            sink.append(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium, group_idx=0))
+
+    def _lru_victims(self, n: int) -> list[BlockHash]:
+        victims = []
+        for h in self._blocks:
+            victims.append(h)
+            if len(victims) == n:
+                break
+        return victims
+
+    def _ranked_victims(self, n: int) -> list[BlockHash]:
+        """The lowest-ranked sessions' blocks, each session's in LRU order."""
+        rank = self.priority
+        assert rank is not None
+        by_owner: dict[str | None, list[BlockHash]] = {}
+        for h, entry in self._blocks.items():
+            by_owner.setdefault(entry.owner, []).append(h)
+        now = self.now_s
+        ranked = sorted(
+            by_owner.items(),
+            key=lambda item: rank(
+                HostSession(item[0], len(item[1]), self._last_used.get(item[0], 0.0)), now
+            ),
+        )
+        victims: list[BlockHash] = []
+        for _, hashes in ranked:
+            victims += hashes[: n - len(victims)]
+            if len(victims) == n:
+                break
+        return victims
