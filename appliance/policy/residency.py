@@ -24,10 +24,13 @@ waiting one; and a session with a request in flight is protected by the mechanis
 a policy says (its blocks are the request's). Policies are pure: no clock (the caller
 passes `now`), no I/O; a decision carries its `reason`.
 
-The policies, each reproducing a system (cited in its docstring): `lru` (vLLM's prefix
-cache as shipped) and `ttl-pin` (Continuum's time-to-live pin, with a fixed TTL). An idle
-reaper that weighs the expected tool wait against the recompute cost and HBM pressure
-plugs in here: `IdleSession` already carries those three figures.
+The policies: `lru` (vLLM's prefix cache as shipped) and `ttl-pin` (Continuum's
+time-to-live pin, with a fixed TTL), each reproducing a system (cited in its docstring),
+and `reaper` (`appliance.policy.reaper`), the appliance's own: it weighs the expected tool
+wait against the re-prefill it saves and what the bytes are worth to others now, and
+learns the waits from the returns and abandonments its caller reports. Every decision
+carries a `kind` from a fixed set (metric labels) beside its sentence (the ledger, the
+console), and the reaper's the figures behind it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from typing import Protocol
 
 DEFAULT_PIN_TTL_S = 60.0
 """The TTL of `ttl-pin` when its name gives none (`ttl-pin:SECONDS` sets it)."""
+DEFAULT_TENANT = "default"
+"""The tenant of a session whose caller names none (the appliance's first tenant)."""
 
 
 class Residency(StrEnum):
@@ -48,9 +53,43 @@ class Residency(StrEnum):
     EVICT = "evict"
 
 
+class ResidencyKind(StrEnum):
+    """Why a decision was taken, as one of a fixed set (metric labels, counts)."""
+
+    LRU = "lru"
+    TTL_PIN = "ttl_pin"
+    LAST_STEP = "last_step"
+    """The turn did not end in a tool call: the session is not coming back."""
+    MAX_RESIDENCY = "max_residency"
+    NOT_RETURNING = "not_returning"
+    """Unlikely to be back before the maximum residency."""
+    POOL_FREE = "pool_free"
+    """HBM has room: holding costs nothing now."""
+    HOLD_CHEAPEST = "hold_cheapest"
+    DEMOTE_CHEAPEST = "demote_cheapest"
+    RELEASE_CHEAPEST = "release_cheapest"
+    TENANT_CAP = "tenant_cap"
+    """Holding was cheapest, but the tenant's held bytes would pass its cap."""
+    WITHIN_MARGIN = "within_margin"
+    """Another action is cheaper, by less than the margin: the standing one stays."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostTier:
+    """The worker's host-memory KV tier as it stands when the decision is taken."""
+
+    free_bytes: int
+    """Room for this session's KV (counting its own copy, if it has one there already)."""
+    usage: float = 0.0
+    """Share of the tier in use, 0..1: its pressure, as `kv_usage` is HBM's."""
+    value: float | None = None
+    """What a byte-second of the tier is worth at full pressure (see `hbm_value`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class IdleSession:
-    """A session whose turn has just finished, as the policy sees it."""
+    """A session whose turn has just finished, as the policy sees it. A caller that knows
+    more than the first fields fills more in; the policy assumes for what it leaves out."""
 
     session_id: str
     resident_tokens: int
@@ -63,9 +102,25 @@ class IdleSession:
     expected_wait_s: float | None = None
     """The client's hint of how long it will be away (`X-Expected-Tool-Wait-S`)."""
     recompute_s: float | None = None
-    """Seconds of prefill it would take to rebuild `resident_tokens` from scratch."""
+    """Seconds of prefill it would take to rebuild `resident_tokens` from scratch, at the
+    worker's measured speed."""
     kv_usage: float = 0.0
-    """Its worker's HBM pressure: share of KV blocks held by requests and holds, 0..1."""
+    """Its worker's HBM pressure: share of KV blocks held by requests and holds, 0..1
+    (cached blocks no one holds count as free, as vLLM's `kv_cache_usage` counts them)."""
+    tenant: str = DEFAULT_TENANT
+    kv_bytes: int | None = None
+    """Bytes of its resident KV; None: `resident_tokens` at the policy's bytes per token."""
+    hbm_value: float | None = None
+    """Seconds of prefill a byte-second of this worker's HBM saves whatever a hold would
+    push out, at full pressure (the value of the space): e.g. the lowest `Reaper.priority`
+    among the worker's holds. None: the policy's default."""
+    tenant_held_bytes: int = 0
+    """Bytes the tenant holds in HBM already, this session's own hold not counted."""
+    host: HostTier | None = None
+    """None: the worker has no host tier (nothing can be demoted)."""
+    promote_s: float | None = None
+    """Seconds to copy its KV from the host tier back to HBM at the measured bandwidth;
+    None: `kv_bytes` at the policy's default bandwidth."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +135,38 @@ class HeldSession:
 
 
 @dataclass(frozen=True, slots=True)
+class ResidencyFigures:
+    """The numbers behind a decision that weighed costs. Costs are in seconds of prefill
+    (times the policy's value of a second), per idle period, from now on."""
+
+    p_return: float
+    """P(the next turn arrives within `horizon_s`)."""
+    expected_wait_s: float
+    """E[min(remaining wait, horizon_s)]: how long a hold would last."""
+    horizon_s: float
+    """Seconds left of the maximum residency."""
+    v_hbm: float
+    """Cost of a byte-second of HBM now (0: the pool has room)."""
+    c_hold: float
+    """v_hbm x bytes x E[W]."""
+    c_release: float
+    """P(return) x re-prefill."""
+    v_host: float | None = None
+    """Cost of a byte-second of the host tier now; None: no host tier."""
+    c_demote: float | None = None
+    """v_host x bytes x E[W] + P(return) x promotion; None: no host tier."""
+
+
+@dataclass(frozen=True, slots=True)
 class ResidencyDecision:
     action: Residency
     reason: str
+    """Why, as a sentence with its figures (the ledger, the console)."""
     until_s: float | None = None
     """HOLD only: when the hold lapses."""
+    kind: ResidencyKind | None = None
+    """Why, as one of a fixed set (metric labels); every policy here sets it."""
+    figures: ResidencyFigures | None = None
 
     def __post_init__(self) -> None:
         if (self.action is Residency.HOLD) != (self.until_s is not None):
@@ -115,7 +197,9 @@ class Lru:
     name: str = "lru"
 
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
-        return ResidencyDecision(Residency.RELEASE, "least recently used goes first")
+        return ResidencyDecision(
+            Residency.RELEASE, "least recently used goes first", kind=ResidencyKind.LRU
+        )
 
     def priority(self, held: HeldSession, now: float) -> float:
         return held.held_since_s
@@ -148,23 +232,33 @@ class TtlPin:
 
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
         if session.ends_in_tool_call is False:
-            return ResidencyDecision(Residency.RELEASE, "last step: nothing to pin for")
+            return ResidencyDecision(
+                Residency.RELEASE, "last step: nothing to pin for", kind=ResidencyKind.LAST_STEP
+            )
         return ResidencyDecision(
-            Residency.HOLD, f"pinned for the {self.ttl_s:g} s TTL", until_s=now + self.ttl_s
+            Residency.HOLD,
+            f"pinned for the {self.ttl_s:g} s TTL",
+            until_s=now + self.ttl_s,
+            kind=ResidencyKind.TTL_PIN,
         )
 
     def priority(self, held: HeldSession, now: float) -> float:
         return -held.until_s
 
 
-RESIDENCY_NAMES = ("lru", "ttl-pin")
+RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper")
 
 
 def residency_policy(name: str) -> ResidencyPolicy:
-    """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`) or `ttl-pin:SECONDS`; ValueError else."""
+    """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
+    defaults, the default wait prior); ValueError else."""
     base, sep, arg = name.partition(":")
     if base == "lru" and not sep:
         return Lru()
+    if base == "reaper" and not sep:
+        from appliance.policy.reaper import Reaper  # it builds on this module's types
+
+        return Reaper()
     if base == "ttl-pin":
         if not sep:
             return TtlPin()
@@ -173,4 +267,6 @@ def residency_policy(name: str) -> ResidencyPolicy:
         except ValueError:
             raise ValueError(f"ttl-pin:SECONDS needs a number of seconds, got {arg!r}") from None
         return TtlPin(ttl_s, name=f"ttl-pin:{ttl_s:g}")
-    raise ValueError(f"unknown residency policy {name!r}; known: lru, ttl-pin, ttl-pin:SECONDS")
+    raise ValueError(
+        f"unknown residency policy {name!r}; known: lru, ttl-pin, ttl-pin:SECONDS, reaper"
+    )

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     DEFAULT_PIN_TTL_S,
+    RESIDENCY_NAMES,
     HeldSession,
     IdleSession,
     Lru,
     Residency,
     ResidencyDecision,
+    ResidencyKind,
     TtlPin,
     residency_policy,
 )
@@ -82,6 +85,7 @@ def test_eviction_order(policy: Lru | TtlPin, given_back_first_to_last: list[str
         ("ttl-pin:2.5", TtlPin, 2.5, "ttl-pin:2.5"),
         ("ttl-pin:120.0", TtlPin, 120.0, "ttl-pin:120"),
         ("ttl-pin:0.5", TtlPin, 0.5, "ttl-pin:0.5"),  # under a second is still positive
+        ("reaper", Reaper, None, "reaper"),
     ],
 )
 def test_names(name: str, kind: type, ttl_s: float | None, row: str) -> None:
@@ -96,6 +100,7 @@ def test_names(name: str, kind: type, ttl_s: float | None, row: str) -> None:
     [
         ("mru", "unknown residency policy 'mru'"),
         ("lru:5", "unknown residency policy 'lru:5'"),
+        ("reaper:5", "unknown residency policy 'reaper:5'"),
         ("ttl-pin:soon", "needs a number of seconds"),
         ("ttl-pin:0", "positive, finite TTL"),
         ("ttl-pin:-3", "positive, finite TTL"),
@@ -135,3 +140,22 @@ def test_each_decision_states_its_exact_reason(
 def test_a_ttl_under_a_second_pins_for_that_long() -> None:
     decision = TtlPin(0.5).decide(idle(True), now=10.0)
     assert (decision.action, decision.until_s) == (Residency.HOLD, 10.5)
+
+
+@pytest.mark.parametrize("name", RESIDENCY_NAMES)
+def test_every_listed_name_builds_its_policy(name: str) -> None:
+    assert residency_policy(name).name == name
+
+
+@pytest.mark.parametrize(
+    ("policy", "session", "kind"),
+    [
+        (Lru(), idle(True), ResidencyKind.LRU),
+        (TtlPin(30.0), idle(None), ResidencyKind.TTL_PIN),
+        (TtlPin(30.0), idle(False), ResidencyKind.LAST_STEP),
+    ],
+)
+def test_the_baselines_decisions_carry_a_fixed_kind(
+    policy: Lru | TtlPin, session: IdleSession, kind: ResidencyKind
+) -> None:
+    assert policy.decide(session, 10.0).kind is kind

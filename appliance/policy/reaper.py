@@ -1,0 +1,357 @@
+"""The idle reaper: where a waiting session's KV lives until its next turn, by what each
+place costs, and which held KV gives way first.
+
+Model of the world (see `appliance.policy.residency` for the actions): a session idle for
+`a` seconds comes back within the `h` seconds left of the maximum residency with
+probability P, and a hold would last E[W] = E[min(remaining wait, h)] (both from the
+survival model of tool waits, `appliance.policy.survival`, per tenant and tool class, with
+the client's hint as far as its record earns). Per idle period, in seconds of prefill:
+
+    C_hold    = v_hbm  x M x E[W]                      keep it in HBM
+    C_demote  = v_host x M x E[W] + P x promote_s      copy it to the host tier
+    C_release = P x re-prefill_s                       give it up (RELEASE, or EVICT)
+
+M is its KV bytes; re-prefill and promotion are at the worker's measured prefill speed and
+copy bandwidth, times `second_value` (the value of a second of prefill in the unit of the
+tier values). v_tier, the cost of a byte-second of a tier now, is 0 while the tier has room
+(usage under `pressure_from`) and rises linearly to the tier's value at full usage: the
+value of what a hold would push out, in seconds saved per byte-second (the caller's
+`hbm_value`, e.g. the lowest `priority` among the worker's holds; by default that of a
+session like this one sure to be back within `displaced_wait_s`).
+
+The cheapest allowed action wins, against the standing one (the last decision of this idle
+period, RELEASE for a new one) only by a margin (`hysteresis` of the standing cost and at
+least `min_gain_s`), so a session does not flap between tiers and a hold must be worth a
+minimum. Overriding that: a last step (the turn ended without a tool call) and a session
+unlikely to be back (P <= `p_gone`) are EVICTed, as is one past `max_residency_s` (an
+abandoned session cannot pin capacity); a hold that would take the tenant's held bytes
+past `tenant_cap_bytes` is not allowed, nor a demotion without a host tier or its room.
+
+A HOLD lapses at the next revisit, when its idle time has doubled (`REVISIT_GROWTH`, at
+least `MIN_REVISIT_S` later, at most the maximum residency): the hazard of a wait changes
+as it goes on, and the pool's pressure with it. The caller decides again then (or sooner,
+when the pool's pressure changes) to extend, demote or drop it; a caller that never does
+gets short holds, then vLLM's LRU.
+
+The eviction order, `priority`: value density, P x saved / (M x E[W]), the expected seconds
+saved per byte per second of holding, lowest given back first: Belady's rule (evict what is
+needed furthest in the future) with predicted next use, weighted by what a return saves.
+
+Pure: no clock (times are arguments), no I/O, no randomness. State: the wait model and the
+last decision of each session (at most `MAX_SESSIONS`, least recently decided dropped).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from appliance.policy.residency import (
+    HeldSession,
+    IdleSession,
+    Residency,
+    ResidencyDecision,
+    ResidencyFigures,
+    ResidencyKind,
+)
+from appliance.policy.survival import MIN_GAP_S, LogNormal, WaitKey, WaitSurvival
+
+DEFAULT_MAX_RESIDENCY_S = 1800.0
+"""No hold past 30 minutes idle: covers the Mooncake conversation trace's p99 gap (1,471 s)
+and the workload config's longest test run (1,800 s); the human class's p95 is 900 s."""
+DEFAULT_SECOND_VALUE = 1.0
+"""A second of re-prefill or promotion costs one second of prefill: the unit of the tier
+values. Raise it to weigh the agent's added wait above the space a hold takes."""
+DEFAULT_DISPLACED_WAIT_S = 10.0
+"""Judgement: HBM at full pressure is worth what it saves a session like the one weighed,
+sure to be back within 10 s (so a full pool holds when P x 10 s > E[W]: file, API and search
+waits, not tests or people). A few seconds is how fast a busy pool turns over."""
+DEFAULT_PRESSURE_FROM = 0.8
+"""Judgement: under 80% usage a tier has room, and a hold costs nothing: the rest absorbs
+running requests' growth and a new 30k-token prompt (about 3% of an H200's KV pool)."""
+DEFAULT_HYSTERESIS = 0.25
+"""Judgement: a change must cut the standing cost by a quarter, above the +-0.03..0.1 error
+of the wait estimates and the jitter of usage readings."""
+DEFAULT_MIN_GAIN_S = 0.005
+"""Judgement: a change must save 5 ms of prefill (about 150 tokens on the bundled H200
+profile): less is under the router's own overhead per turn."""
+DEFAULT_P_GONE = 0.02
+"""Judgement: a session with at most a 2% chance of being back in time is not coming back."""
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+"""Llama-3-8B in bf16 (the bundled profile, `appliance/data/h200-llama3-8b-shape.json`)."""
+DEFAULT_PREFILL_TOKENS_PER_S = 30_000.0
+"""The bundled profile prefills 8,192 tokens in 0.26 s (31k/s) and 32,768 in 1.40 s (23k/s)."""
+DEFAULT_COPY_BYTES_PER_S = 50e9
+"""The bundled profile copies host to device at 53-55 GB/s (64 MiB and 1 GiB copies)."""
+MIN_REVISIT_S = 1.0
+REVISIT_GROWTH = 2.0
+"""A hold is reconsidered each time its idle time doubles (from 1 s: 12 times in 30 min);
+the survival model's bins are 1.33x wide, so its answers move little in between."""
+MAX_SESSIONS = 65_536
+"""Sessions whose last decision is kept (a few hundred bytes each)."""
+
+
+class WaitModel(Protocol):
+    """What the reaper asks of a survival model of waits (`WaitSurvival`)."""
+
+    def observe_gap(self, key: WaitKey, gap_s: float, hint_s: float | None = None) -> None: ...
+
+    def observe_censored(self, key: WaitKey, idle_s: float) -> None: ...
+
+    def p_return_within(
+        self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
+    ) -> float: ...
+
+    def expected_remaining_s(
+        self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
+    ) -> float: ...
+
+
+def value_density(p_return: float, expected_wait_s: float, saved_s: float, kv_bytes: int) -> float:
+    """Expected seconds saved per byte per second of holding: P x saved / (bytes x E[W])."""
+    return p_return * saved_s / (max(kv_bytes, 1) * max(expected_wait_s, MIN_GAP_S))
+
+
+_SAYS = {
+    ResidencyKind.NOT_RETURNING: "not coming back in time",
+    ResidencyKind.POOL_FREE: "HBM has room",
+    ResidencyKind.HOLD_CHEAPEST: "holding is cheapest",
+    ResidencyKind.DEMOTE_CHEAPEST: "the host tier is cheapest",
+    ResidencyKind.RELEASE_CHEAPEST: "re-prefill is cheapest",
+    ResidencyKind.TENANT_CAP: "a hold would pass the tenant's cap",
+    ResidencyKind.WITHIN_MARGIN: "a change would gain less than the margin",
+}
+
+
+class _Record(NamedTuple):
+    session: IdleSession
+    action: Residency
+
+
+@dataclass(frozen=True, slots=True)
+class _Weighed:
+    action: Residency
+    kind: ResidencyKind
+    figures: ResidencyFigures
+
+
+class Reaper:
+    """The idle reaper's residency policy; see the module. `survival`: the wait model
+    (default: a `WaitSurvival` from `priors`, tool class -> its wait)."""
+
+    def __init__(
+        self,
+        survival: WaitModel | None = None,
+        *,
+        priors: Mapping[str, LogNormal] | None = None,
+        max_residency_s: float = DEFAULT_MAX_RESIDENCY_S,
+        second_value: float = DEFAULT_SECOND_VALUE,
+        displaced_wait_s: float = DEFAULT_DISPLACED_WAIT_S,
+        pressure_from: float = DEFAULT_PRESSURE_FROM,
+        hysteresis: float = DEFAULT_HYSTERESIS,
+        min_gain_s: float = DEFAULT_MIN_GAIN_S,
+        p_gone: float = DEFAULT_P_GONE,
+        tenant_cap_bytes: int | None = None,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        copy_bytes_per_s: float = DEFAULT_COPY_BYTES_PER_S,
+        name: str = "reaper",
+    ) -> None:
+        positive = {
+            "max_residency_s": max_residency_s,
+            "second_value": second_value,
+            "displaced_wait_s": displaced_wait_s,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "prefill_tokens_per_s": prefill_tokens_per_s,
+            "copy_bytes_per_s": copy_bytes_per_s,
+        }
+        for what, value in positive.items():
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{what} must be positive and finite, got {value!r}")
+        if not (0 <= pressure_from < 1 and 0 <= hysteresis < 1 and 0 <= p_gone < 1):
+            raise ValueError("pressure_from, hysteresis and p_gone must be in [0, 1)")
+        if not min_gain_s >= 0:
+            raise ValueError(f"min_gain_s must be >= 0, got {min_gain_s!r}")
+        self.survival: WaitModel = survival if survival is not None else WaitSurvival(priors)
+        self.max_residency_s = max_residency_s
+        self.second_value = second_value
+        self.displaced_wait_s = displaced_wait_s
+        self.pressure_from = pressure_from
+        self.hysteresis = hysteresis
+        self.min_gain_s = min_gain_s
+        self.p_gone = p_gone
+        self.tenant_cap_bytes = tenant_cap_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.copy_bytes_per_s = copy_bytes_per_s
+        self.name = name
+        self._sessions: OrderedDict[str, _Record] = OrderedDict()
+
+    def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
+        """The decision for a session idle since `finished_at_s`. Called again for the same
+        idle period (the same `finished_at_s`, the pool as it is now), it revisits the last
+        decision, which stands unless another is better by the margin."""
+        record = self._sessions.pop(session.session_id, None)
+        same_period = record is not None and record.session.finished_at_s == session.finished_at_s
+        standing = record.action if record is not None and same_period else None
+        decision = self._decide(session, max(0.0, now - session.finished_at_s), standing)
+        self._sessions[session.session_id] = _Record(session, decision.action)
+        if len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        return decision
+
+    def priority(self, held: HeldSession, now: float) -> float:
+        """Value density now (`value_density`): the lowest is given back first. A session
+        this policy has not decided on counts as a new one of the tenant `default`."""
+        record = self._sessions.get(held.session_id)
+        session = (
+            record.session
+            if record is not None
+            else IdleSession(held.session_id, held.resident_tokens, held.held_since_s)
+        )
+        idle_s = max(0.0, now - session.finished_at_s)
+        if session.ends_in_tool_call is False or idle_s >= self.max_residency_s:
+            return 0.0
+        p, wait_s = self._outlook(session, idle_s)
+        kv_bytes = self._kv_bytes(session)
+        saved_s = self._loss_s(session)
+        if session.host is not None and session.host.free_bytes >= kv_bytes:
+            saved_s = min(saved_s, self.second_value * self._promote_s(session, kv_bytes))
+        return value_density(p, wait_s, saved_s, kv_bytes)
+
+    def observe_return(self, session_id: str, now: float) -> None:
+        """The session's next turn arrived at `now`: its gap teaches the wait model."""
+        record = self._sessions.pop(session_id, None)
+        if record is not None:
+            s = record.session
+            gap_s = max(0.0, now - s.finished_at_s)
+            self.survival.observe_gap(_key(s), gap_s, s.expected_wait_s)
+
+    def observe_abandoned(self, session_id: str, now: float) -> None:
+        """The session ended at `now` without a next turn (closed, timed out, its task
+        done or cancelled): it waited at least this long, a censored wait."""
+        record = self._sessions.pop(session_id, None)
+        if record is not None:
+            s = record.session
+            self.survival.observe_censored(_key(s), max(0.0, now - s.finished_at_s))
+
+    def _decide(
+        self, session: IdleSession, idle_s: float, standing: Residency | None
+    ) -> ResidencyDecision:
+        if session.ends_in_tool_call is False:
+            return ResidencyDecision(
+                Residency.EVICT, "last step: not coming back", kind=ResidencyKind.LAST_STEP
+            )
+        if idle_s >= self.max_residency_s:
+            return ResidencyDecision(
+                Residency.EVICT,
+                f"idle {idle_s:.0f} s: past the {self.max_residency_s:g} s maximum residency",
+                kind=ResidencyKind.MAX_RESIDENCY,
+            )
+        weighed = self._weigh(session, idle_s, standing)
+        until_s = None
+        if weighed.action is Residency.HOLD:
+            revisit_s = max(idle_s * REVISIT_GROWTH, idle_s + MIN_REVISIT_S)
+            until_s = session.finished_at_s + min(revisit_s, self.max_residency_s)
+        return ResidencyDecision(
+            weighed.action,
+            _sentence(weighed),
+            until_s,
+            kind=weighed.kind,
+            figures=weighed.figures,
+        )
+
+    def _weigh(self, session: IdleSession, idle_s: float, standing: Residency | None) -> _Weighed:
+        p, wait_s = self._outlook(session, idle_s)
+        kv_bytes = self._kv_bytes(session)
+        loss_s = self._loss_s(session)
+        v_hbm = self._tier_value(session.kv_usage, session.hbm_value, loss_s, kv_bytes)
+        c_hold = v_hbm * kv_bytes * wait_s
+        c_release = p * loss_s
+        costs = {Residency.RELEASE: c_release}
+        cap = self.tenant_cap_bytes
+        capped = cap is not None and session.tenant_held_bytes + kv_bytes > cap
+        if not capped:
+            costs[Residency.HOLD] = c_hold
+        v_host = c_demote = None
+        host = session.host
+        if host is not None:
+            v_host = self._tier_value(host.usage, host.value, loss_s, kv_bytes)
+            promote_s = self._promote_s(session, kv_bytes)
+            c_demote = v_host * kv_bytes * wait_s + p * self.second_value * promote_s
+            if host.free_bytes >= kv_bytes:
+                costs[Residency.DEMOTE] = c_demote
+        figures = ResidencyFigures(
+            p_return=p,
+            expected_wait_s=wait_s,
+            horizon_s=self.max_residency_s - idle_s,
+            v_hbm=v_hbm,
+            c_hold=c_hold,
+            c_release=c_release,
+            v_host=v_host,
+            c_demote=c_demote,
+        )
+        if p <= self.p_gone:
+            return _Weighed(Residency.EVICT, ResidencyKind.NOT_RETURNING, figures)
+        current = standing if standing is not None and standing in costs else Residency.RELEASE
+        best = min(costs, key=costs.__getitem__)  # ties: release, then hold, then demote
+        gain = costs[current] - costs[best]
+        if best is not current and gain <= max(self.hysteresis * costs[current], self.min_gain_s):
+            return _Weighed(current, ResidencyKind.WITHIN_MARGIN, figures)
+        if capped and c_hold < costs[best]:
+            kind = ResidencyKind.TENANT_CAP
+        elif best is Residency.HOLD:
+            kind = ResidencyKind.POOL_FREE if v_hbm == 0 else ResidencyKind.HOLD_CHEAPEST
+        elif best is Residency.DEMOTE:
+            kind = ResidencyKind.DEMOTE_CHEAPEST
+        else:
+            kind = ResidencyKind.RELEASE_CHEAPEST
+        return _Weighed(best, kind, figures)
+
+    def _outlook(self, session: IdleSession, idle_s: float) -> tuple[float, float]:
+        """(P(back within the residency left), E[wait, truncated there])."""
+        horizon_s = self.max_residency_s - idle_s
+        key, hint = _key(session), session.expected_wait_s
+        p = self.survival.p_return_within(key, idle_s, horizon_s, hint)
+        return p, self.survival.expected_remaining_s(key, idle_s, horizon_s, hint)
+
+    def _tier_value(self, usage: float, value: float | None, loss_s: float, kv_bytes: int) -> float:
+        pressure = min(1.0, max(0.0, (usage - self.pressure_from) / (1 - self.pressure_from)))
+        if pressure == 0:
+            return 0.0
+        if value is None:  # a session like this one, sure to be back within displaced_wait_s
+            value = loss_s / (max(kv_bytes, 1) * self.displaced_wait_s)
+        return pressure * value
+
+    def _kv_bytes(self, session: IdleSession) -> int:
+        if session.kv_bytes is not None:
+            return session.kv_bytes
+        return session.resident_tokens * self.kv_bytes_per_token
+
+    def _loss_s(self, session: IdleSession) -> float:
+        """What a return costs without its KV: the re-prefill, valued."""
+        recompute_s = session.recompute_s
+        if recompute_s is None:
+            recompute_s = session.resident_tokens / self.prefill_tokens_per_s
+        return self.second_value * recompute_s
+
+    def _promote_s(self, session: IdleSession, kv_bytes: int) -> float:
+        if session.promote_s is not None:
+            return session.promote_s
+        return kv_bytes / self.copy_bytes_per_s
+
+
+def _key(session: IdleSession) -> WaitKey:
+    return WaitKey(session.tenant, session.tool_class)
+
+
+def _sentence(w: _Weighed) -> str:
+    f = w.figures
+    demote = "" if f.c_demote is None else f", demote {f.c_demote:.3g}"
+    return (
+        f"{w.action}: {_SAYS[w.kind]}; P {f.p_return:.2f} back within {f.horizon_s:.0f} s, "
+        f"E[W] {f.expected_wait_s:.3g} s; hold {f.c_hold:.3g}{demote}, "
+        f"release {f.c_release:.3g} s"
+    )
