@@ -244,29 +244,3 @@ class TtlPin:
 
     def priority(self, held: HeldSession, now: float) -> float:
         return -held.until_s
-
-
-RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper")
-
-
-def residency_policy(name: str) -> ResidencyPolicy:
-    """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
-    defaults, the default wait prior); ValueError else."""
-    base, sep, arg = name.partition(":")
-    if base == "lru" and not sep:
-        return Lru()
-    if base == "reaper" and not sep:
-        from appliance.policy.reaper import Reaper  # it builds on this module's types
-
-        return Reaper()
-    if base == "ttl-pin":
-        if not sep:
-            return TtlPin()
-        try:
-            ttl_s = float(arg)
-        except ValueError:
-            raise ValueError(f"ttl-pin:SECONDS needs a number of seconds, got {arg!r}") from None
-        return TtlPin(ttl_s, name=f"ttl-pin:{ttl_s:g}")
-    raise ValueError(
-        f"unknown residency policy {name!r}; known: lru, ttl-pin, ttl-pin:SECONDS, reaper"
-    )

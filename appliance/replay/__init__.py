@@ -8,7 +8,7 @@ states the model of the world); closed-loop agent workloads the same way (`run_w
     print(render_table(report))
 """
 
-from appliance.policy.residency import RESIDENCY_NAMES
+from appliance.policy.residency_by_name import RESIDENCY_NAMES
 from appliance.replay.api import run_replay, run_workload
 from appliance.replay.report import render_table
 from appliance.replay.routers import POLICY_NAMES

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from appliance.policy.residency import residency_policy
+from appliance.policy.residency_by_name import residency_policy
 from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
 from appliance.replay.closed_loop import AgentTaskLike
 from appliance.replay.report import write_report

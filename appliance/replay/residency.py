@@ -31,8 +31,8 @@ from appliance.policy.residency import (
     IdleSession,
     Residency,
     ResidencyPolicy,
-    residency_policy,
 )
+from appliance.policy.residency_by_name import residency_policy
 from appliance.sim.engine import AfterTurn, TurnEnd
 from appliance.sim.host_tier import HostPriority, HostSession
 from appliance.sim.latency import LatencyModel

@@ -8,7 +8,6 @@ import pytest
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     DEFAULT_PIN_TTL_S,
-    RESIDENCY_NAMES,
     HeldSession,
     IdleSession,
     Lru,
@@ -16,8 +15,8 @@ from appliance.policy.residency import (
     ResidencyDecision,
     ResidencyKind,
     TtlPin,
-    residency_policy,
 )
+from appliance.policy.residency_by_name import RESIDENCY_NAMES, residency_policy
 
 
 def idle(tool: bool | None = None, **kw: object) -> IdleSession:
