@@ -26,13 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance import keystore
-from appliance.api.admin_sessions import SessionAdmin
-from appliance.api.app import create_app
-from appliance.api.auth import Caller, Keys
-from appliance.api.context import ApiContext
+from appliance.api.auth import Caller
 from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir
-from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
@@ -46,30 +42,12 @@ from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
 from appliance.ledger import Ledger
-from appliance.ledger.reports import cost_report
-from appliance.ledger.session_history import session_turns
-from appliance.policy.admission import AdmissionLimits
-from appliance.policy.routing.core import default_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
-from appliance.services.admission import AdmissionService
-from appliance.services.cost_series import CostSeries
-from appliance.services.events import EventFeed
-from appliance.services.placement import Placer
-from appliance.services.queue_book import QueueBook
-from appliance.services.session_admin import SessionReleases
-from appliance.services.sessions import SessionTable
-from appliance.services.state import StateSources, metrics_text, snapshot
-from appliance.services.tasks import TaskBook
-from appliance.services.tenancy import TenantSalts
-from appliance.services.turn_desk import TurnDesk
-from appliance.services.turn_records import TurnRecords
-from appliance.services.worker_speed import WorkerSpeeds
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
-from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
-from appliance.sim.tokenizer import load_tokenizer
 from appliance.sim.worker import WorkerConfig, default_num_gpu_blocks
+from appliance.wiring import EngineView, Wiring, wire
 
 log = logging.getLogger(__name__)
 SIM_MAX_MODEL_LEN = 32768
@@ -298,6 +276,9 @@ def _check_port(host: str, port: int) -> None:
 
 
 async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> None:
+    """`appliance up` until cancelled: engines, the wired appliance, the API and the refresh
+    loop run under one task group; cancelling it drains the API, stops the workers and
+    closes the ledger."""
     _check_port(settings.server.host, settings.server.port)
     data_dir = ensure_data_dir(settings.data_dir)
     log_dir = ensure_data_dir(data_dir / "logs")
@@ -306,6 +287,53 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
     keys = {
         k.key: Caller(TenantId(k.name), k.admin) for k in keystore.ensure_default_keys(keys_file)
     }
+    ledger = _open_ledger(settings)
+    gpu_profile = settings.engine.gpu_profile
+    profile = load_profile(gpu_profile) if gpu_profile else bundled_profile()
+    clock = WallClock()
+    feed = KvIndexFeed()
+    probe: GpuProbe | None = None
+    try:
+        async with start_engines(settings, kind, feed, log_dir) as engines:
+            probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
+            view = EngineView(
+                lambda: engines.workers,
+                engines.served_name,
+                engines.max_model_len,
+                runtime_identity(settings, kind),
+            )
+            wired = wire(
+                settings,
+                engines=view,
+                ledger=ledger,
+                feed=feed,
+                clock=clock,
+                probe=probe,
+                profile=profile,
+                keys=keys,
+                secret=_secret(data_dir),
+            )
+            server = ApiServer(wired.app, settings.server.host, settings.server.port, grace_s=30)
+            url = f"http://{settings.server.host}:{settings.server.port}"
+            print(
+                f"appliance: engine {kind.value} ({len(engines.workers)} workers, model "
+                f"{engines.served_name}); API at {url}; keys in {keys_file}",
+                flush=True,
+            )
+            async with asyncio.TaskGroup() as group:
+                serving = group.create_task(server.serve())
+                refresher = group.create_task(_refresh(engines, wired, clock))
+                await _started(server, serving, ready)
+                await serving
+                refresher.cancel()
+    finally:
+        ledger.close()
+        if probe is not None:
+            probe.close()
+
+
+def _open_ledger(settings: Settings) -> Ledger:
+    """The ledger, with the configured price in effect from now."""
     ledger = Ledger.open(
         settings.ledger_path,
         synchronous=settings.ledger.synchronous,
@@ -325,155 +353,33 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
             gpu_second=c.gpu_second,
         )
     ).result()
-    profile = (
-        load_profile(settings.engine.gpu_profile)
-        if settings.engine.gpu_profile
-        else (bundled_profile())
-    )
-    clock = WallClock()
-    feed = KvIndexFeed()
-    events = EventFeed()
-    probe: GpuProbe | None = None
-    try:
-        async with start_engines(settings, kind, feed, log_dir) as engines:
-            probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
-            tokenizer = load_tokenizer(settings.engine.model)
-            hasher = BlockHasher.for_engine(
-                HashAlgo(settings.engine.hash_algo),
-                settings.engine.block_size,
-                settings.engine.python_hash_seed,
-            )
-            tasks = TaskBook(ledger, events)
-            cost = LatencyModel.from_profile(profile)
-            speeds = WorkerSpeeds(cost)
-            queues = QueueBook(cost, clock, speeds.slowdown)
-            sessions = SessionTable(hasher)
-            records = TurnRecords(
-                ledger,
-                model=engines.served_name,
-                runtime_identity=runtime_identity(settings, kind),
-                on_turn=tasks.add_turn,
-            )
-            placer = Placer(
-                workers=lambda: engines.workers,
-                index=feed,
-                sessions=sessions,
-                queues=queues,
-                cost=cost,
-                profile=default_profile(**settings.routing.model_dump()),
-                model=engines.served_name,
-                salt=TenantSalts(_secret(data_dir)),
-            )
-            admission = AdmissionService(
-                limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
-                ledger=ledger,
-                clock=clock,
-                workers=lambda: engines.workers,
-                queue_s=queues.queue_s,  # the queued prefill ahead of new work
-                cost=cost,
-                task_idle_s=settings.admission.task_idle_s,
-                events=events,
-                slowdown=speeds.slowdown,
-            )
-            desk = TurnDesk(
-                sessions=sessions,
-                placer=placer,
-                queues=queues,
-                records=records,
-                tasks=tasks,
-                clock=clock,
-                workers=lambda: engines.workers,
-                admission=admission,
-            )
-            releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
-            gpu_tick: list[Any] = [probe.snapshot()]
-            sources = StateSources(
-                workers=lambda: engines.workers,
-                desk=desk,
-                tasks=tasks,
-                gpus=lambda: gpu_tick[0],
-                clock_now=clock.now,
-                kv_bytes_per_token=profile.kv_bytes_per_token,
-                currency=settings.costs.currency,
-                events=events,
-                releases=releases,
-                cost_series=CostSeries(),
-                admission=admission,
-                worker_info=lambda w: {
-                    "engine": w.engine,
-                    "url": w.url,
-                    "gpus": list(w.gpus),
-                    "restarts": w.restarts,
-                },
-            )
-            app = create_app(
-                ApiContext(
-                    desk=desk,
-                    tasks=tasks,
-                    tokenizer=tokenizer,
-                    keys=Keys(keys),
-                    clock=clock,
-                    model=engines.served_name,
-                    max_model_len=engines.max_model_len,
-                    state=lambda: snapshot(sources),
-                    healthy=lambda: any(w.healthy for w in engines.workers),
-                    metrics=lambda: metrics_text(sources),
-                    costs=lambda: cost_report(settings.ledger_path),
-                    admission=admission,
-                    sessions_admin=SessionAdmin(
-                        releases,
-                        lambda tenant, sid, limit: session_turns(
-                            settings.ledger_path, tenant, sid, limit=limit
-                        ),
-                        placer.residency,
-                    ),
-                )
-            )
-            server = ApiServer(app, settings.server.host, settings.server.port, grace_s=30)
-            url = f"http://{settings.server.host}:{settings.server.port}"
-            print(
-                f"appliance: engine {kind.value} ({len(engines.workers)} workers, model "
-                f"{engines.served_name}); API at {url}; keys in {keys_file}",
-                flush=True,
-            )
-            watch = WorkerWatch(events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
-            refresher = asyncio.create_task(
-                _refresh(engines, gpu_tick, probe, watch, speeds, clock)
-            )
-            serving = asyncio.create_task(server.serve())
-            while not server.started and not serving.done():
-                await asyncio.sleep(0.05)
-            # Everything built so far (modules, settings, the app) lives as long as the
-            # process: moved out of the collector's sight, a full collection no longer walks
-            # it (tens of ms on the event loop, a p99 of every request in flight).
-            gc.collect()
-            gc.freeze()
-            if ready is not None:
-                ready.set()
-            try:
-                await serving
-            finally:
-                refresher.cancel()
-    finally:
-        ledger.close()
-        if probe is not None:
-            probe.close()
+    return ledger
 
 
-async def _refresh(
-    engines: Engines,
-    gpu_tick: list[Any],
-    probe: GpuProbe,
-    watch: WorkerWatch,
-    speeds: WorkerSpeeds,
-    clock: WallClock,
+async def _started(
+    server: ApiServer, serving: asyncio.Task[None], ready: asyncio.Event | None
 ) -> None:
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    # Everything built so far (modules, settings, the app) lives as long as the process:
+    # moved out of the collector's sight, a full collection no longer walks it (tens of ms
+    # on the event loop, a p99 of every request in flight).
+    gc.collect()
+    gc.freeze()
+    if ready is not None:
+        ready.set()
+
+
+async def _refresh(engines: Engines, wired: Wiring, clock: WallClock) -> None:
+    """Twice a second: the workers' health and load, their measured speeds, restarts and
+    outages into the event feed, and one GPU reading."""
+    watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
     while True:
         try:
             await engines.refresh()
             watch.observe(engines.workers, clock.now())
-            speeds.observe(engines.workers)
-            gpu_tick[0] = await asyncio.to_thread(probe.snapshot)
+            wired.speeds.observe(engines.workers)
+            wired.gpu.reading = await asyncio.to_thread(wired.gpu.probe.snapshot)
         except Exception:
             log.exception("refreshing worker and GPU readings failed")
         await asyncio.sleep(REFRESH_S)

@@ -1,0 +1,189 @@
+"""The appliance wired: engines, ledger and probes in, the API app and the services that
+run behind it out. Part of the composition root (with bootstrap.py and daemon.py); it starts
+nothing and runs nothing, so a test can build the whole house around workers of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.api.admin_sessions import SessionAdmin
+from appliance.api.app import ApiApp, create_app
+from appliance.api.auth import Caller, Keys
+from appliance.api.context import ApiContext
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.gpu import GpuSnapshot
+from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.ledger import Ledger
+from appliance.ledger.reports import cost_report
+from appliance.ledger.session_history import session_turns
+from appliance.policy.admission import AdmissionLimits
+from appliance.policy.routing.core import default_profile
+from appliance.ports import Clock, GpuProbe
+from appliance.services.admission import AdmissionService
+from appliance.services.cost_series import CostSeries
+from appliance.services.events import EventFeed
+from appliance.services.placement import Placer
+from appliance.services.queue_book import QueueBook
+from appliance.services.session_admin import SessionReleases
+from appliance.services.sessions import SessionTable
+from appliance.services.state import StateSources, metrics_text, snapshot
+from appliance.services.tasks import TaskBook
+from appliance.services.tenancy import TenantSalts
+from appliance.services.turn_desk import TurnDesk
+from appliance.services.turn_records import TurnRecords
+from appliance.services.worker_speed import WorkerSpeeds
+from appliance.settings import Settings
+from appliance.sim.latency import LatencyModel
+from appliance.sim.profile import GpuProfile
+from appliance.sim.tokenizer import load_tokenizer
+
+
+class GpuTick:
+    """The GPU probe's latest reading, taken by the refresh loop, read by the state."""
+
+    def __init__(self, probe: GpuProbe) -> None:
+        self.probe = probe
+        self.reading: GpuSnapshot = probe.snapshot()
+
+
+@dataclass
+class EngineView:
+    """What the wiring needs of the started engines."""
+
+    workers: Callable[[], Sequence[WorkerHandle]]
+    served_name: str
+    max_model_len: int
+    runtime_identity: str
+
+
+@dataclass
+class Wiring:
+    app: ApiApp
+    desk: TurnDesk
+    speeds: WorkerSpeeds
+    events: EventFeed
+    gpu: GpuTick
+
+
+def wire(
+    settings: Settings,
+    *,
+    engines: EngineView,
+    ledger: Ledger,
+    feed: KvIndexFeed,
+    clock: Clock,
+    probe: GpuProbe,
+    profile: GpuProfile,
+    keys: dict[str, Caller],
+    secret: bytes,
+) -> Wiring:
+    events = EventFeed()
+    gpu = GpuTick(probe)
+    workers = engines.workers
+    cost = LatencyModel.from_profile(profile)
+    speeds = WorkerSpeeds(cost)
+    desk, admission, sessions, tasks = _turn_desk(
+        settings, engines, ledger, feed, clock, cost, speeds, events, secret
+    )
+    releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
+    sources = StateSources(
+        workers=workers,
+        desk=desk,
+        tasks=tasks,
+        gpus=lambda: gpu.reading,
+        clock_now=clock.now,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        currency=settings.costs.currency,
+        events=events,
+        releases=releases,
+        cost_series=CostSeries(),
+        admission=admission,
+        worker_info=lambda w: {
+            "engine": w.engine,  # type: ignore[attr-defined]
+            "url": w.url,  # type: ignore[attr-defined]
+            "gpus": list(w.gpus),  # type: ignore[attr-defined]
+            "restarts": w.restarts,  # type: ignore[attr-defined]
+        },
+    )
+    ledger_path = Path(settings.ledger_path)
+    app = create_app(
+        ApiContext(
+            desk=desk,
+            tasks=tasks,
+            tokenizer=load_tokenizer(settings.engine.model),
+            keys=Keys(keys),
+            clock=clock,
+            model=engines.served_name,
+            max_model_len=engines.max_model_len,
+            state=lambda: snapshot(sources),
+            healthy=lambda: any(w.healthy for w in workers()),
+            metrics=lambda: metrics_text(sources),
+            costs=lambda: cost_report(ledger_path),
+            admission=admission,
+            sessions_admin=SessionAdmin(
+                releases,
+                lambda tenant, sid, limit: session_turns(ledger_path, tenant, sid, limit=limit),
+                desk.placer.residency,
+            ),
+        )
+    )
+    return Wiring(app, desk, speeds, events, gpu)
+
+
+def _turn_desk(
+    settings: Settings,
+    engines: EngineView,
+    ledger: Ledger,
+    feed: KvIndexFeed,
+    clock: Clock,
+    cost: LatencyModel,
+    speeds: WorkerSpeeds,
+    events: EventFeed,
+    secret: bytes,
+) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
+    e = settings.engine
+    hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
+    tasks = TaskBook(ledger, events)
+    queues = QueueBook(cost, clock, speeds.slowdown)
+    sessions = SessionTable(hasher)
+    records = TurnRecords(
+        ledger,
+        model=engines.served_name,
+        runtime_identity=engines.runtime_identity,
+        on_turn=tasks.add_turn,
+    )
+    placer = Placer(
+        workers=engines.workers,
+        index=feed,
+        sessions=sessions,
+        queues=queues,
+        cost=cost,
+        profile=default_profile(**settings.routing.model_dump()),
+        model=engines.served_name,
+        salt=TenantSalts(secret),
+    )
+    admission = AdmissionService(
+        limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
+        ledger=ledger,
+        clock=clock,
+        workers=engines.workers,
+        queue_s=queues.queue_s,  # the queued prefill ahead of new work
+        cost=cost,
+        task_idle_s=settings.admission.task_idle_s,
+        events=events,
+        slowdown=speeds.slowdown,
+    )
+    desk = TurnDesk(
+        sessions=sessions,
+        placer=placer,
+        queues=queues,
+        records=records,
+        tasks=tasks,
+        clock=clock,
+        workers=engines.workers,
+        admission=admission,
+    )
+    return desk, admission, sessions, tasks

@@ -1,0 +1,58 @@
+"""The appliance wired without running: the composition root builds the API and every
+service around workers of the test's own (a real ledger file, the real KV-index feed), and
+the API answers from them over ASGI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.testclient import TestClient
+
+from appliance.api.auth import Caller
+from appliance.domain.gpu import GpuReading
+from appliance.domain.records import TenantId, WorkerId
+from appliance.domain.worker import WorkerState
+from appliance.engines.vllm_client import VllmClient
+from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.gpu.fake import FakeProbe
+from appliance.ledger import Ledger
+from appliance.settings import Settings
+from appliance.sim.profile import bundled_profile
+from appliance.wiring import EngineView, wire
+from tests.fakes import ManualClock
+
+
+def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    workers = [
+        WorkerHandle(WorkerId(f"w{i}"), "external", f"http://127.0.0.1:{9 + i}",
+                     VllmClient(f"http://127.0.0.1:{9 + i}"), state=state)
+        for i, state in enumerate((WorkerState.HEALTHY, WorkerState.UNHEALTHY))
+    ]  # fmt: skip
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    try:
+        wired = wire(
+            settings,
+            engines=EngineView(lambda: workers, "m", 4096, "test:m"),
+            ledger=ledger,
+            feed=KvIndexFeed(),
+            clock=ManualClock(),
+            probe=FakeProbe([[GpuReading(0, "g", "u", 10, 4, 6, 0.5, 40.0, 100.0)]]),
+            profile=bundled_profile(),
+            keys={"ops": Caller(TenantId("ops"), True), "a": Caller(TenantId("a"), False)},
+            secret=b"s" * 32,
+        )
+        with TestClient(wired.app) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            state = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"}).json()
+            assert [(w["id"], w["healthy"]) for w in state["workers"]] == [
+                ("w0", True),
+                ("w1", False),
+            ]
+            assert state["gpus"][0]["mem_used_bytes"] == 4
+            models = http.get("/v1/models", headers={"Authorization": "Bearer a"}).json()
+            assert models["data"][0]["max_model_len"] == 4096
+            metrics = http.get("/metrics").text
+            assert "appliance_workers_healthy 1.0" in metrics
+    finally:
+        ledger.close()
