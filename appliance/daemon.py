@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -28,14 +27,14 @@ from typing import Any
 from appliance import keystore
 from appliance.api.auth import Caller
 from appliance.api.server import ApiServer
-from appliance.datadir import ensure_data_dir
+from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
-from appliance.engines.errors import PortInUse
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.engines.preflight import check_port_free
 from appliance.engines.worker_process import spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.eventloop import new_event_loop
@@ -265,22 +264,17 @@ async def _await_healthy(
     raise ConfigError(f"the simulated workers did not answer /health in {timeout_s:.0f} s")
 
 
-def _check_port(host: str, port: int) -> None:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise PortInUse(
-                f"{host}:{port} cannot be bound ({exc.strerror}); pass --port or stop what uses it"
-            ) from None
-
-
 async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> None:
     """`appliance up` until cancelled: engines, the wired appliance, the API and the refresh
     loop run under one task group; cancelling it drains the API, stops the workers and
     closes the ledger."""
-    _check_port(settings.server.host, settings.server.port)
+    check_port_free(settings.server.host, settings.server.port, "the API", "pass --port")
     data_dir = ensure_data_dir(settings.data_dir)
+    with lock_data_dir(data_dir):
+        await _serve(settings, data_dir, ready)
+
+
+async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None) -> None:
     log_dir = ensure_data_dir(data_dir / "logs")
     kind = resolve_kind(settings)
     keys_file = keystore.keys_path(data_dir)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import shutil
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
+
 from appliance.datadir import ensure_data_dir
 from appliance.domain.errors import ApplianceError
+from appliance.engines.preflight import bind_error
 from appliance.gpu.nvml import NvmlProbe
 from appliance.settings import Settings
 
@@ -87,11 +89,19 @@ def _data_dir(settings: Settings) -> Check:
 
 def _port(settings: Settings) -> Check:
     host, port = settings.server.host, settings.server.port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return Check(
-                "port", "fail", f"{host}:{port} cannot be bound ({exc.strerror}); pass --port"
-            )
-    return Check("port", "ok", f"{host}:{port} free")
+    error = bind_error(host, port)
+    if error is None:
+        return Check("port", "ok", f"{host}:{port} free")
+    if _appliance_answers(host, port):
+        return Check("port", "ok", f"{host}:{port} serves a running appliance (/health answers)")
+    return Check("port", "fail", f"{host}:{port} cannot be bound ({error}); pass --port")
+
+
+def _appliance_answers(host: str, port: int) -> bool:
+    """Whether what listens there answers `/health` as the appliance does."""
+    connect = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+    try:
+        answer = httpx.get(f"http://{connect}:{port}/health", timeout=2.0)
+        return answer.json().get("status") in ("ok", "no healthy worker")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False

@@ -129,19 +129,31 @@ def check_model(model: str | None) -> None:
         )
 
 
-def check_port_free(host: str, port: int, what: str) -> None:
+def bind_error(host: str, port: int) -> str | None:
+    """Why a server could not bind `host:port` now, or None when it could. Servers set
+    SO_REUSEADDR, so a port whose last connections are in TIME_WAIT (just after a stop or a
+    crash) is free for them, and is free here too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # Servers set SO_REUSEADDR, so a port in TIME_WAIT is not "in use" for them either.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise PortInUse(
-                f"port {port} on {host} ({what}) is in use ({exc.strerror}); stop what "
-                "listens there or choose other ports (engine.base_port, "
-                "engine.kv_events_base_port)"
-            ) from None
+            return exc.strerror or str(exc)
+    return None
+
+
+def check_port_free(
+    host: str,
+    port: int,
+    what: str,
+    fix: str = "choose other ports (engine.base_port, engine.kv_events_base_port)",
+) -> None:
+    error = bind_error(host, port)
+    if error is not None:
+        raise PortInUse(
+            f"{host}:{port} ({what}) is in use ({error}); stop what listens there or {fix}"
+        )
 
 
 def check_ports(spec: LaunchSpec) -> None:

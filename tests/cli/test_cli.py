@@ -7,9 +7,14 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
+from tests.running import appliance_process
 
 ROOT = Path(__file__).resolve().parents[2]
 APPLIANCE = Path(sys.executable).parent / "appliance"
@@ -290,3 +295,37 @@ def test_status_of_an_appliance_that_is_not_running_exits_1(tmp_path: Path) -> N
         port = s.getsockname()[1]
     r = run("status", "--url", f"http://127.0.0.1:{port}", "--key", "k", data_dir=tmp_path)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_doctor_against_a_running_appliance_says_so(tmp_path: Path) -> None:
+    """The API port is taken by an appliance that answers /health: not a failure."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        r = run("doctor", data_dir=tmp_path, APPLIANCE_SERVER__PORT=str(port))
+    finally:
+        server.shutdown()
+        server.server_close()
+    port_line = next(line for line in r.stdout.splitlines() if line.split()[1] == "port")
+    assert port_line.startswith("ok") and "serves a running appliance" in port_line
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b'{"status": "ok"}'
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_second_up_on_the_same_data_dir_is_one_line(tmp_path: Path) -> None:
+    """It would share the first one's ledger and logs: refused before anything starts."""
+    with appliance_process(tmp_path, workers=1):
+        r = run("up", "--engine", "sim", "--port", str(free_port()), data_dir=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "in use by another appliance (pid" in r.stderr and r.stderr.count("\n") == 1

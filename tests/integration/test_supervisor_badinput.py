@@ -110,7 +110,7 @@ def test_port_in_use(spec: LaunchSpec, tmp_path: Path, which: str) -> None:
         err = start_fails(bad, tmp_path)
     assert isinstance(err, PortInUse) and err.exit_code == 2
     what = "HTTP of worker w1" if which == "http" else "KV events of worker w0"
-    assert f"port {port} on 127.0.0.1 ({what}) is in use" in err.message
+    assert f"127.0.0.1:{port} ({what}) is in use" in err.message
 
 
 def test_overlapping_port_ranges(spec: LaunchSpec, tmp_path: Path) -> None:
