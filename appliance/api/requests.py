@@ -19,6 +19,12 @@ from appliance.api.errors import ApiError
 from appliance.services.sessions import ChatEncoder, ChatTokens
 
 MAX_BODY_BYTES = 8 * 2**20
+MAX_JSON_DEPTH = 100
+"""Nesting a body may have: deeper would fail the worker body's serialisation (orjson's
+limit is 254), and no OpenAI field nests that deep."""
+MAX_ID_CHARS = 256
+MAX_TOKEN_ID = 2**31 - 1
+"""Above any vocabulary; token ids are kept as 64-bit integers on the way to the worker."""
 
 
 class Tokenizer(Protocol):
@@ -51,7 +57,37 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    # A body cannot nest deeper than it has brackets: only a rare one is walked.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
+        raise ApiError(
+            400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json"
+        )
     return body
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (iterative: a deep one must not overflow)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def identifier(value: Any, name: str) -> str:
+    """A client's id (a session, a task): 1-256 printable characters, as the headers."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or not value.isprintable():
+        raise ApiError(
+            400,
+            f"'{name}' must be 1-{MAX_ID_CHARS} printable characters",
+            "invalid_value",
+            param=name,
+        )
+    return value
 
 
 def _text_header(headers: Mapping[str, str], name: str) -> str | None:
@@ -59,8 +95,10 @@ def _text_header(headers: Mapping[str, str], name: str) -> str | None:
     if value is None:
         return None
     value = value.strip()
-    if not value or len(value) > 256 or not value.isprintable():
-        raise ApiError(400, f"header {name} must be 1-256 printable characters", "invalid_header")
+    if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise ApiError(
+            400, f"header {name} must be 1-{MAX_ID_CHARS} printable characters", "invalid_header"
+        )
     return value
 
 
@@ -83,15 +121,20 @@ def _number_header(headers: Mapping[str, str], name: str, *, integer: bool = Fal
 def agent_headers(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHeaders:
     session = _text_header(headers, "x-session-id")
     if session is None and body.get("session_id") is not None:
-        if not isinstance(body["session_id"], str) or not body["session_id"]:
-            raise ApiError(
-                400, "session_id must be a non-empty string", "invalid_type", param="session_id"
-            )
-        session = body["session_id"]
+        session = identifier(body["session_id"], "session_id")
+    task_id = _text_header(headers, "x-task-id")
+    parent_task_id = _text_header(headers, "x-parent-task-id")
+    if task_id is not None and task_id == parent_task_id:
+        raise ApiError(
+            400,
+            "X-Parent-Task-ID names the task itself",
+            "invalid_header",
+            param="x-parent-task-id",
+        )
     return AgentHeaders(
         session_id=session,
-        task_id=_text_header(headers, "x-task-id"),
-        parent_task_id=_text_header(headers, "x-parent-task-id"),
+        task_id=task_id,
+        parent_task_id=parent_task_id,
         deadline_s=_number_header(headers, "x-deadline-s"),
         priority=_number_header(headers, "x-priority", integer=True),
         tool_class=_text_header(headers, "x-tool-class"),
@@ -174,6 +217,7 @@ def check_model_request(path: str, body: dict[str, Any], model: str) -> int | No
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
     _field(body, "stream", bool, "true or false")
+    _field(body, "stream_options", dict, "an object")
     if path.endswith("chat/completions"):
         _check_messages(body)
     return max_tokens
@@ -235,12 +279,15 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+            for t in prompt
+        )
     ):
         return list(prompt)
     raise ApiError(
         400,
-        "'prompt' must be a string or a non-empty list of token ids (integers >= 0)",
+        f"'prompt' must be a string or a non-empty list of token ids (integers 0-{MAX_TOKEN_ID})",
         "invalid_type",
         param="prompt",
     )

@@ -5,7 +5,9 @@ client hears it is done."""
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -14,7 +16,7 @@ from starlette.routing import Route
 
 from appliance.api.context import ApiContext, Guard
 from appliance.api.errors import ApiError
-from appliance.api.requests import agent_headers, parse_json_body
+from appliance.api.requests import agent_headers, identifier, parse_json_body
 from appliance.domain.records import TaskEventType
 
 
@@ -32,75 +34,55 @@ class TaskRoutes:
 
     async def create_task(self, request: Request) -> Response:
         who = self._ctx.keys.caller(request.headers)
-        body = parse_json_body(await request.body()) if await request.body() else {}
-        client_id = body.get("task_id") or f"task-{uuid.uuid4().hex[:16]}"
-        for name, kind in (("task_id", str), ("parent_task_id", str), ("task_class", str)):
-            if body.get(name) is not None and not isinstance(body[name], kind):
-                raise ApiError(400, f"'{name}' must be a string", "invalid_type", param=name)
-        deadline = body.get("deadline_s")
-        if deadline is not None and (not isinstance(deadline, int | float) or deadline <= 0):
-            raise ApiError(
-                400, "'deadline_s' must be a number > 0", "invalid_value", param="deadline_s"
-            )
-        max_children = body.get("max_children")
-        if max_children is not None and (
-            not isinstance(max_children, int) or isinstance(max_children, bool) or max_children < 0
-        ):
-            raise ApiError(
-                400, "'max_children' must be an integer >= 0", "invalid_value", param="max_children"
-            )
-        parent_id = body.get("parent_task_id")
+        raw = await request.body()
+        new = new_task(parse_json_body(raw) if raw else {})
+        if new.parent_id is not None and self._ctx.tasks.get(who.tenant, new.parent_id) is None:
+            raise ApiError(404, f"parent task {new.parent_id} not found", "task_not_found",
+                           param="parent_task_id")  # fmt: skip
+        key = self._ctx.tasks.key
         if self._ctx.admission is not None:
             await self._ctx.admission.admit_task(
                 who.tenant,
-                self._ctx.tasks.key(who.tenant, client_id),
-                parent=self._ctx.tasks.key(who.tenant, parent_id) if parent_id else None,
-                max_children=max_children,
-                deadline_s=deadline,
+                key(who.tenant, new.client_id),
+                parent=key(who.tenant, new.parent_id) if new.parent_id else None,
+                max_children=new.max_children,
+                deadline_s=new.deadline_s,
                 priority=agent_headers(request.headers, {}).priority,
             )
         task = self._ctx.tasks.create(
             who.tenant,
-            client_id,
+            new.client_id,
             self._ctx.clock.now(),
-            parent_id=parent_id,
-            task_class=body.get("task_class"),
-            deadline_s=deadline,
-            budget=body.get("budget"),
-            max_children=max_children,
+            parent_id=new.parent_id,
+            task_class=new.task_class,
+            deadline_s=new.deadline_s,
+            budget=new.budget,
+            max_children=new.max_children,
         )
         await _written(task.written)
         return JSONResponse(
-            {"task_id": client_id, "deadline_at": task.deadline_at, "status": task.status.value},
+            {
+                "task_id": new.client_id,
+                "deadline_at": task.deadline_at,
+                "status": task.status.value,
+            },
             status_code=201,
         )
 
     async def task_event(self, request: Request) -> Response:
         who = self._ctx.keys.caller(request.headers)
-        body = parse_json_body(await request.body())
-        try:
-            kind = TaskEventType(body.get("type"))
-        except ValueError:
-            allowed = ", ".join(t.value for t in TaskEventType)
-            raise ApiError(
-                400, f"'type' must be one of {allowed}", "invalid_value", param="type"
-            ) from None
-        verified = body.get("verified")
-        if verified is not None and not isinstance(verified, bool):
-            raise ApiError(
-                400, "'verified' must be true or false", "invalid_type", param="verified"
-            )
+        event = task_event(parse_json_body(await request.body()))
         task = self._ctx.tasks.event(
             who.tenant,
             request.path_params["task_id"],
-            kind,
+            event.kind,
             self._ctx.clock.now(),
-            verified=verified,
-            evidence=body.get("evidence"),
-            tool_class=body.get("tool_class"),
-            expected_s=body.get("expected_s"),
+            verified=event.verified,
+            evidence=event.evidence,
+            tool_class=event.tool_class,
+            expected_s=event.expected_s,
         )
-        if self._ctx.admission is not None and kind.terminal_status is not None:
+        if self._ctx.admission is not None and event.kind.terminal_status is not None:
             self._ctx.admission.task_closed(task.key)
         await _written(task.written)
         return JSONResponse({"task_id": task.client_id, "status": task.status.value})
@@ -130,3 +112,94 @@ async def _written(fut: Any) -> None:
     """Waits for the ledger to acknowledge a change before the client hears it is done."""
     if fut is not None:
         await asyncio.wrap_future(fut)
+
+
+MAX_EVIDENCE_CHARS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    client_id: str
+    parent_id: str | None
+    task_class: str | None
+    deadline_s: float | None
+    budget: float | None
+    max_children: int | None
+
+
+def new_task(body: dict[str, Any]) -> NewTask:
+    """A task creation's fields, each checked (400 naming the field) before anything changes."""
+    task_id = body.get("task_id")
+    client_id = identifier(task_id, "task_id") if task_id is not None else None
+    parent = body.get("parent_task_id")
+    parent_id = identifier(parent, "parent_task_id") if parent is not None else None
+    if parent_id is not None and parent_id == client_id:
+        raise ApiError(400, "a task cannot be its own parent", "invalid_value",
+                       param="parent_task_id")  # fmt: skip
+    task_class = body.get("task_class")
+    return NewTask(
+        client_id=client_id or f"task-{uuid.uuid4().hex[:16]}",
+        parent_id=parent_id,
+        task_class=identifier(task_class, "task_class") if task_class is not None else None,
+        deadline_s=_number(body, "deadline_s", positive=True),
+        budget=_number(body, "budget"),
+        max_children=_count(body, "max_children"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEventFields:
+    kind: TaskEventType
+    verified: bool | None
+    evidence: str | None
+    tool_class: str | None
+    expected_s: float | None
+
+
+def task_event(body: dict[str, Any]) -> TaskEventFields:
+    """A task event's fields, each checked (400 naming the field) before anything changes."""
+    try:
+        kind = TaskEventType(body.get("type"))
+    except ValueError:
+        allowed = ", ".join(t.value for t in TaskEventType)
+        raise ApiError(
+            400, f"'type' must be one of {allowed}", "invalid_value", param="type"
+        ) from None
+    verified = body.get("verified")
+    if verified is not None and not isinstance(verified, bool):
+        raise ApiError(400, "'verified' must be true or false", "invalid_type", param="verified")
+    evidence = body.get("evidence")
+    if evidence is not None and (
+        not isinstance(evidence, str) or len(evidence) > MAX_EVIDENCE_CHARS
+    ):
+        raise ApiError(400, f"'evidence' must be a string of at most {MAX_EVIDENCE_CHARS} "
+                       "characters", "invalid_value", param="evidence")  # fmt: skip
+    tool_class = body.get("tool_class")
+    return TaskEventFields(
+        kind=kind,
+        verified=verified,
+        evidence=evidence,
+        tool_class=identifier(tool_class, "tool_class") if tool_class is not None else None,
+        expected_s=_number(body, "expected_s"),
+    )
+
+
+def _number(body: dict[str, Any], name: str, *, positive: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    bad = isinstance(value, bool) or not isinstance(value, int | float)
+    if bad or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        what = "> 0" if positive else ">= 0"
+        raise ApiError(400, f"'{name}' must be a finite number {what}", "invalid_value",
+                       param=name)  # fmt: skip
+    return float(value)
+
+
+def _count(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ApiError(400, f"'{name}' must be an integer >= 0", "invalid_value", param=name)
+    return value

@@ -35,7 +35,7 @@ from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import ChatTokens, SessionState, SessionTable
-from appliance.services.tasks import TaskBook
+from appliance.services.tasks import TaskBook, TaskError
 from appliance.services.turn import Attempt, NoWorker, Reply, TurnRequest
 from appliance.services.turn_records import TurnRecords
 
@@ -95,6 +95,9 @@ class TurnDesk:
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
         known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
+        if known is None and t.parent_task_id and not self._tasks.get(t.tenant, t.parent_task_id):
+            raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",
+                            http_status=404)  # fmt: skip
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
         tokenize = partial(t.tokenize, session.chat if session else None)
         ids: Sequence[int] | None = None

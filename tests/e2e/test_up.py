@@ -205,7 +205,21 @@ def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningApplian
             "invalid_header",
         ),
         (good, "x" * (10 * 2**20), 413, "body_too_large"),
-    ]
+        # Each of these answered 500 once (robustness fault 5) or passed unchecked (fault 9).
+        (good, {"model": app.model, "messages": msg, "stream": True, "stream_options": [1]},
+         400, "invalid_type"),
+        (good, {"model": app.model, "messages": msg, "x": _nested(600)}, 400, "invalid_json"),
+        (good, {"model": app.model, "messages": msg, "session_id": "s" * 10_000},
+         400, "invalid_value"),
+        (good, {"model": app.model, "messages": msg, "session_id": "a\nb"}, 400, "invalid_value"),
+        ({**good, "X-Task-ID": "me", "X-Parent-Task-ID": "me"},
+         {"model": app.model, "messages": msg}, 400, "invalid_header"),
+        ({**good, "X-Task-ID": "orphan", "X-Parent-Task-ID": "nobody"},
+         {"model": app.model, "messages": msg}, 404, "task_not_found"),
+    ]  # fmt: skip
+    completion = f"{app.url}/v1/completions"
+    too_big = httpx.post(completion, json={"model": app.model, "prompt": [2**63]}, headers=good)
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "prompt"
     before = _routed(appliance_up)
     for headers, body, status, code in cases:
         data = body if isinstance(body, str) else json.dumps(body)
@@ -214,6 +228,49 @@ def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningApplian
         err = r.json()["error"]
         assert err["code"] == code and err["message"] and err["type"]
     assert _routed(appliance_up) == before  # nothing reached a worker
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_bad_task_requests_change_nothing(appliance_up: RunningAppliance) -> None:
+    """Each answered 500, or was taken as it came (faults 5 and 9): now a 400 or 404 naming
+    the field, and neither the task book nor the ledger changes."""
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['bob']}"}
+    tasks = f"{app.url}/v1/tasks"
+    assert httpx.post(tasks, json={"task_id": "kept"}, headers=auth).status_code == 201
+    for body, status, param in [
+        ({"task_id": "b1", "budget": {"usd": 1}}, 400, "budget"),
+        ({"task_id": "b2", "budget": [1]}, 400, "budget"),
+        ({"task_id": "b3", "budget": -1}, 400, "budget"),
+        ({"task_id": "me", "parent_task_id": "me"}, 400, "parent_task_id"),
+        ({"task_id": "a\u0000b"}, 400, "task_id"),
+        ({"task_id": "t" * 257}, 400, "task_id"),
+        ({"task_id": "orphan", "parent_task_id": "nobody"}, 404, "parent_task_id"),
+    ]:
+        r = httpx.post(tasks, json=body, headers=auth)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
+    for body, param in [
+        ({"type": "tool_started", "tool_class": 5}, "tool_class"),
+        ({"type": "tool_started", "expected_s": "soon"}, "expected_s"),
+        ({"type": "succeeded", "evidence": {"tests": "passed"}}, "evidence"),
+    ]:
+        r = httpx.post(f"{tasks}/kept/events", json=body, headers=auth)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), (body, r.text)
+    assert httpx.get(f"{tasks}/kept", headers=auth).json()["status"] == "open"
+    with closing(sqlite3.connect(app.ledger)) as db:
+        rows = db.execute("SELECT task_id, status FROM tasks WHERE tenant = 'bob'").fetchall()
+        events = db.execute(
+            "SELECT COUNT(*) FROM task_events WHERE task_id = 'bob/kept'"
+        ).fetchone()
+    assert ("bob/kept", "open") in rows
+    assert not {t for t, _ in rows} & {"bob/b1", "bob/b2", "bob/b3", "bob/me", "bob/orphan"}
+    assert events == (0,)
 
 
 def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningAppliance) -> None:
