@@ -41,6 +41,11 @@ def add_api_key(name: str, *, admin: bool, config: Path | None, data_dir: Path |
     return keystore.add_key(keystore.keys_path(home), name, admin=admin).key
 
 
+def revoke_api_key(name: str, *, config: Path | None, data_dir: Path | None) -> None:
+    home = load_settings(config, data_dir=data_dir).data_dir
+    keystore.revoke_key(keystore.keys_path(home), name)
+
+
 def list_api_keys(*, config: Path | None, data_dir: Path | None) -> list[keystore.ApiKey]:
     home = load_settings(config, data_dir=data_dir).data_dir
     return keystore.load_keys(keystore.keys_path(home))

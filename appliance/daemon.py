@@ -274,13 +274,26 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
         await _serve(settings, data_dir, ready)
 
 
+def key_callers(key_file: keystore.KeyFile) -> Callable[[], dict[str, Caller]]:
+    """The callers of the keys in the key file as it is now (read anew when it changes)."""
+    seen: list[Any] = [None, {}]  # the file's version, its callers
+
+    def now() -> dict[str, Caller]:
+        keys = key_file.current()
+        if seen[0] != key_file.version:
+            seen[:] = [key_file.version, {k.key: Caller(TenantId(k.name), k.admin) for k in keys}]
+        callers: dict[str, Caller] = seen[1]
+        return callers
+
+    return now
+
+
 async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None) -> None:
     log_dir = ensure_data_dir(data_dir / "logs")
     kind = resolve_kind(settings)
     keys_file = keystore.keys_path(data_dir)
-    keys = {
-        k.key: Caller(TenantId(k.name), k.admin) for k in keystore.ensure_default_keys(keys_file)
-    }
+    keystore.ensure_default_keys(keys_file)
+    keys = key_callers(keystore.KeyFile(keys_file))
     ledger = _open_ledger(settings)
     gpu_profile = settings.engine.gpu_profile
     profile = load_profile(gpu_profile) if gpu_profile else bundled_profile()

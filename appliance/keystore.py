@@ -7,16 +7,20 @@ never leaves half a key file.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
+import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from appliance.domain.errors import ApplianceError
 
+log = logging.getLogger(__name__)
 KEYS_FILE = "api-keys.toml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -73,6 +77,61 @@ def add_key(path: Path, name: str, *, admin: bool = False) -> ApiKey:
     new = ApiKey(name, prefix + secrets.token_urlsafe(24), admin, _now())
     _write(path, [*keys, new])
     return new
+
+
+def revoke_key(path: Path, name: str) -> None:
+    """Remove the key called `name`; a running appliance refuses it within a second."""
+    keys = load_keys(path)
+    if not any(k.name == name for k in keys):
+        known = ", ".join(k.name for k in keys) or "none"
+        raise ApiKeyError(f"no key named '{name}' in {path} (keys: {known})")
+    _write(path, [k for k in keys if k.name != name])
+
+
+class KeyFile:
+    """The key file as a running appliance reads it: read again when it changes (looked at
+    at most once per `check_every_s`), so `keys add` and `keys revoke` take effect without a
+    restart and without dropping a session. A file that cannot be read keeps the last good
+    keys, and says so in the log."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        check_every_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = path
+        self._every = check_every_s
+        self._clock = clock
+        self._stamp: tuple[int, int, int] | None = None
+        self._checked = -float("inf")
+        self._keys: list[ApiKey] = []
+        self.version = 0
+        """Goes up each time the keys were read anew."""
+
+    def current(self) -> list[ApiKey]:
+        now = self._clock()
+        if now - self._checked >= self._every:
+            self._checked = now
+            self._reload()
+        return self._keys
+
+    def _reload(self) -> None:
+        try:
+            st = self._path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            stamp = (0, 0, 0)
+        if stamp == self._stamp:
+            return
+        try:
+            self._keys = load_keys(self._path)
+        except ApiKeyError as exc:
+            log.error("API keys not reloaded, the last good ones stay: %s", exc.message)
+            return
+        self._stamp = stamp
+        self.version += 1
 
 
 def ensure_default_keys(path: Path) -> list[ApiKey]:

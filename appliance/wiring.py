@@ -5,7 +5,7 @@ nothing and runs nothing, so a test can build the whole house around workers of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +77,7 @@ def wire(
     clock: Clock,
     probe: GpuProbe,
     profile: GpuProfile,
-    keys: dict[str, Caller],
+    keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
 ) -> Wiring:
     events = EventFeed()

@@ -337,6 +337,17 @@ def keys_add(
     typer.echo(bootstrap.add_api_key(name, admin=admin, config=config, data_dir=data_dir))
 
 
+@keys_app.command("revoke")
+def keys_revoke(
+    name: Annotated[str, typer.Argument(help="The key's name (see `appliance keys list`).")],
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Remove a key; a running appliance refuses it within a second, no restart."""
+    bootstrap.revoke_api_key(name, config=config, data_dir=data_dir)
+    typer.echo(f"revoked {name}")
+
+
 @keys_app.command("list")
 def keys_list(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
     """List key names and roles (never the keys)."""

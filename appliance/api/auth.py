@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from appliance.api.errors import ApiError
@@ -16,17 +16,18 @@ class Caller:
 
 
 class Keys:
-    """The API keys in force: `caller` names the tenant behind a request's bearer key."""
+    """The API keys in force: `caller` names the tenant behind a request's bearer key.
+    `source` gives the keys now (the key file as it is, reread when it changes)."""
 
-    def __init__(self, keys: Mapping[str, Caller]) -> None:
-        self._keys = keys
+    def __init__(self, source: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]]) -> None:
+        self._source = source if callable(source) else (lambda: source)
 
     def caller(self, headers: Mapping[str, str], *, admin: bool = False) -> Caller:
         """The key's caller; 401 without a known key, 403 for an operator route without an
         operator key."""
         auth = headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
-        who = self._keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        who = self._source().get(key.strip()) if scheme.lower() == "bearer" else None
         if who is None:
             raise ApiError(
                 401,

@@ -21,6 +21,7 @@ import pytest
 from appliance.engines.metrics import parse as parse_metrics
 from appliance.policy.routing import RouteKind
 from tests.e2e.conftest import BIN, RunningAppliance
+from tests.running import add_key
 
 pytestmark = pytest.mark.e2e
 WORDS = [
@@ -271,6 +272,37 @@ def test_bad_task_requests_change_nothing(appliance_up: RunningAppliance) -> Non
     assert ("bob/kept", "open") in rows
     assert not {t for t, _ in rows} & {"bob/b1", "bob/b2", "bob/b3", "bob/me", "bob/orphan"}
     assert events == (0,)
+
+
+def test_keys_added_and_revoked_take_effect_without_a_restart(
+    appliance_up: RunningAppliance,
+) -> None:
+    app = appliance_up
+    body = {"model": app.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = f"{app.url}/v1/chat/completions"
+    alice = {"Authorization": f"Bearer {app.keys['alice']}", "X-Session-ID": "stays"}
+    assert httpx.post(url, json=body, headers=alice, timeout=60).status_code == 200
+    carol = {"Authorization": f"Bearer {add_key(app.data_dir, 'carol')}"}
+    assert _status_within(url, body, carol, 200) == 200
+    revoked = subprocess.run(
+        [str(BIN / "appliance"), "keys", "revoke", "carol", "--data-dir", str(app.data_dir)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert revoked.returncode == 0, revoked.stderr
+    assert _status_within(url, body, carol, 401) == 401
+    # Nobody else was dropped: the other tenant's session goes on, on the same process.
+    assert httpx.post(url, json=body, headers=alice, timeout=60).status_code == 200
+    assert app.proc.poll() is None
+
+
+def _status_within(url: str, body: dict[str, object], headers: dict[str, str], want: int) -> int:
+    """The status of a request repeated until it is `want`, for up to 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        status = httpx.post(url, json=body, headers=headers, timeout=60).status_code
+        if status == want or time.monotonic() > deadline:
+            return status
+        time.sleep(0.2)
 
 
 def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningAppliance) -> None:

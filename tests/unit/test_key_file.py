@@ -1,0 +1,48 @@
+"""The key file as a running appliance reads it: a key added or revoked takes effect within
+a check interval, and a broken file keeps the last good keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.keystore import ApiKeyError, KeyFile, add_key, revoke_key
+from tests.fakes import ManualClock
+
+
+def names(key_file: KeyFile) -> list[str]:
+    return [k.name for k in key_file.current()]
+
+
+def test_added_and_revoked_keys_take_effect_after_the_check_interval(tmp_path: Path) -> None:
+    path = tmp_path / "api-keys.toml"
+    add_key(path, "alice")
+    clock = ManualClock(0.0)
+    key_file = KeyFile(path, check_every_s=1.0, clock=clock.now)
+    assert names(key_file) == ["alice"]
+    add_key(path, "bob")
+    assert names(key_file) == ["alice"]  # not looked at again within the second
+    clock.t += 1.0
+    assert names(key_file) == ["alice", "bob"]
+    revoke_key(path, "alice")
+    clock.t += 1.0
+    assert names(key_file) == ["bob"]
+
+
+def test_a_broken_file_keeps_the_last_good_keys(tmp_path: Path) -> None:
+    path = tmp_path / "api-keys.toml"
+    add_key(path, "alice")
+    clock = ManualClock(0.0)
+    key_file = KeyFile(path, clock=clock.now)
+    version = (names(key_file), key_file.version)
+    path.write_text("[keys.alice\\nbroken")
+    clock.t += 5.0
+    assert (names(key_file), key_file.version) == version
+
+
+def test_revoking_an_unknown_key_names_the_known_ones(tmp_path: Path) -> None:
+    path = tmp_path / "api-keys.toml"
+    add_key(path, "alice")
+    with pytest.raises(ApiKeyError, match=r"no key named 'bob'.*\(keys: alice\)"):
+        revoke_key(path, "bob")
