@@ -24,6 +24,18 @@ MAX_JSON_DEPTH = 100
 limit is 254), and no OpenAI field nests that deep."""
 MAX_ID_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1
+LIMITS = {
+    "n": 16,
+    "best_of": 16,
+    "logprobs": 20,
+    "top_logprobs": 20,
+    "stop": 16,
+    "stop_token_ids": 64,
+    "tools": 128,
+    "logit_bias": 300,
+}
+"""The most a request may ask for of each: every answer is generated per choice, and a
+worker holds each choice's KV and logprobs until the answer is whole. Agents ask for one."""
 """Above any vocabulary; token ids are kept as 64-bit integers on the way to the worker."""
 
 
@@ -218,6 +230,7 @@ def check_model_request(path: str, body: dict[str, Any], model: str) -> int | No
         raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
     _field(body, "stream", bool, "true or false")
     _field(body, "stream_options", dict, "an object")
+    _check_limits(body)
     if path.endswith("chat/completions"):
         _check_messages(body)
     return max_tokens
@@ -248,6 +261,22 @@ def _chat_ids(
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
+
+
+def _check_limits(body: dict[str, Any]) -> None:
+    """Every size the client sets, within `LIMITS`: a 400 naming the field and its limit."""
+    for name, limit in LIMITS.items():
+        value = body.get(name)
+        if value is None or value is False or value is True:
+            continue
+        size = len(value) if isinstance(value, list | dict | str) else value
+        if name == "stop" and isinstance(value, str):
+            size = 1
+        if not isinstance(size, int) or size < 0:
+            raise ApiError(400, f"'{name}' must be a count or a list", "invalid_type", param=name)
+        if size > limit:
+            raise ApiError(400, f"'{name}' is {size}; the limit is {limit}", "limit_exceeded",
+                           param=name)  # fmt: skip
 
 
 def _check_messages(body: dict[str, Any]) -> None:

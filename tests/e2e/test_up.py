@@ -217,6 +217,15 @@ def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningApplian
          {"model": app.model, "messages": msg}, 400, "invalid_header"),
         ({**good, "X-Task-ID": "orphan", "X-Parent-Task-ID": "nobody"},
          {"model": app.model, "messages": msg}, 404, "task_not_found"),
+        # Sizes a client sets, bounded before a worker sees them (fault 1: n = 10^9 grew a
+        # worker by 100 MB/s until it was killed).
+        (good, {"model": app.model, "messages": msg, "n": 10**9}, 400, "limit_exceeded"),
+        (good, {"model": app.model, "messages": msg, "best_of": 17}, 400, "limit_exceeded"),
+        (good, {"model": app.model, "messages": msg, "stop": ["x"] * 17}, 400, "limit_exceeded"),
+        (good, {"model": app.model, "messages": msg, "top_logprobs": 21},
+         400, "limit_exceeded"),
+        (good, {"model": app.model, "messages": msg, "tools": [{}] * 129},
+         400, "limit_exceeded"),
     ]  # fmt: skip
     completion = f"{app.url}/v1/completions"
     too_big = httpx.post(completion, json={"model": app.model, "prompt": [2**63]}, headers=good)
