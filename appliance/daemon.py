@@ -329,7 +329,7 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
             )
             async with asyncio.TaskGroup() as group:
                 serving = group.create_task(server.serve())
-                refresher = group.create_task(_refresh(engines, wired, clock))
+                refresher = group.create_task(_refresh(engines, wired, clock, ledger))
                 await _started(server, serving, ready)
                 await serving
                 refresher.cancel()
@@ -377,13 +377,16 @@ async def _started(
         ready.set()
 
 
-async def _refresh(engines: Engines, wired: Wiring, clock: WallClock) -> None:
+async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Ledger) -> None:
     """Twice a second: the workers' health and load, their measured speeds, restarts and
-    outages into the event feed, and one GPU reading."""
+    outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
+    of whether it can again."""
     watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
     while True:
         try:
             await engines.refresh()
+            if ledger.failing is not None:  # is there room again? (clears `failing`)
+                ledger.probe()
             watch.observe(engines.workers, clock.now())
             wired.speeds.observe(engines.workers)
             wired.gpu.reading = await asyncio.to_thread(wired.gpu.probe.snapshot)

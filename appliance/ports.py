@@ -72,6 +72,15 @@ class Ledger(Protocol):
         resolves to that version's id)."""
         ...
 
+    @property
+    def failing(self) -> str | None:
+        """Why the last write transaction failed (a full disk), until one commits again."""
+        ...
+
+    def probe(self) -> Future[None]:
+        """A write of nothing new: commits once the file takes writes again."""
+        ...
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Returns when every write queued before the call has committed."""
         ...

@@ -120,6 +120,7 @@ def wire(
             max_model_len=engines.max_model_len,
             state=lambda: snapshot(sources),
             healthy=lambda: any(w.healthy for w in workers()),
+            ledger_failing=lambda: ledger.failing,
             metrics=lambda: metrics_text(sources),
             costs=lambda: cost_report(ledger_path),
             admission=admission,

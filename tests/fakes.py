@@ -57,6 +57,7 @@ class AckLedger:
 
     def __init__(self) -> None:
         self.turns: list[TurnRecord] = []
+        self.failing: str | None = None
 
     def record_turn(self, record: TurnRecord) -> Future[Any]:
         self.turns.append(record)

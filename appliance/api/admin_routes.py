@@ -52,6 +52,9 @@ class AdminRoutes:
         return PlainTextResponse(self._ctx.metrics(), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
+        failing = self._ctx.ledger_failing()
+        if failing is not None:
+            return JSONResponse({"status": "degraded", "ledger": failing}, status_code=503)
         healthy = self._ctx.healthy()
         return JSONResponse(
             {"status": "ok" if healthy else "no healthy worker"},

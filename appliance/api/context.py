@@ -34,6 +34,8 @@ class ApiContext:
     state: Callable[[], dict[str, Any]]
     healthy: Callable[[], bool]
     """Whether any worker accepts requests (`/health`: constant time, not the whole state)."""
+    ledger_failing: Callable[[], str | None]
+    """Why the ledger cannot write now (`/health` is then degraded), or None."""
     metrics: Callable[[], str]
     costs: Callable[[], list[dict[str, Any]]]
     """Cost per successful task by task class and tenant, read from the ledger."""

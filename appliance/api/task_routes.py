@@ -17,6 +17,7 @@ from starlette.routing import Route
 from appliance.api.context import ApiContext, Guard
 from appliance.api.errors import ApiError
 from appliance.api.requests import agent_headers, identifier, parse_json_body
+from appliance.domain.errors import LedgerError
 from appliance.domain.records import TaskEventType
 
 
@@ -59,7 +60,13 @@ class TaskRoutes:
             budget=new.budget,
             max_children=new.max_children,
         )
-        await _written(task.written)
+        try:
+            await _written(task.written)
+        except LedgerError:  # memory never runs ahead of the ledger
+            self._ctx.tasks.drop(task)
+            if self._ctx.admission is not None:
+                self._ctx.admission.task_closed(task.key)
+            raise
         return JSONResponse(
             {
                 "task_id": new.client_id,
@@ -82,9 +89,9 @@ class TaskRoutes:
             tool_class=event.tool_class,
             expected_s=event.expected_s,
         )
+        await _written(task.written)  # a refused write took the change back
         if self._ctx.admission is not None and event.kind.terminal_status is not None:
             self._ctx.admission.task_closed(task.key)
-        await _written(task.written)
         return JSONResponse({"task_id": task.client_id, "status": task.status.value})
 
     async def cancel_task(self, request: Request) -> Response:

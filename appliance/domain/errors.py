@@ -47,6 +47,15 @@ class LedgerError(ApplianceError):
     exit_code = 2
 
 
+class LedgerUnavailable(LedgerError):
+    """The ledger cannot write now (a full disk, an I/O error): the appliance takes no new
+    work until it can, so nothing is answered without its record. Retry later."""
+
+    code = "ledger_unavailable"
+    http_status = 503
+    retry_after_s = 5.0
+
+
 class DataDirError(ApplianceError):
     """The data directory cannot be created or written."""
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from appliance.domain.errors import LedgerError
+from appliance.domain.errors import LedgerError, LedgerUnavailable
 from appliance.domain.records import (
     AdmissionEvent,
     CacheReceipt,
@@ -62,6 +62,9 @@ class Ledger:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "closed?" checks against the stop marker
         self._closed = False
+        self.failing: str | None = None
+        """Why the last write transaction failed (a full disk, an I/O error), until one
+        commits again: the appliance then refuses new work rather than lose its records."""
         self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
         self._thread.start()
 
@@ -110,6 +113,11 @@ class Ledger:
 
     def set_price(self, price: Price) -> Future[PriceId]:
         return self._submit(self._write_price, price)
+
+    def probe(self) -> Future[None]:
+        """A write of nothing new (the schema version, set to itself): it commits only when
+        the file takes writes again, and then clears `failing`."""
+        return self._submit(self._write_probe, None)
 
     def barrier(self) -> Future[None]:
         """Resolves once every write queued before it has committed (or failed)."""
@@ -219,6 +227,8 @@ class Ledger:
                 conn.execute("ROLLBACK")
             self._after_rollback(live, f"commit failed ({exc})")
             return
+        if any(fn is not None for fn, _, _ in live):
+            self.failing = None
         for (_, _, fut), result, error in zip(live, results, errors, strict=True):
             if error is None:
                 fut.set_result(result)
@@ -234,10 +244,15 @@ class Ledger:
 
     def _fail_all(self, live: list[_Item], why: str) -> None:
         log.error("ledger %s: %s; %d writes failed", self.path, why, len(live))
+        self.failing = why
         for _, _, fut in live:
-            fut.set_exception(LedgerError(f"ledger {self.path}: {why}; the write was lost"))
+            fut.set_exception(LedgerUnavailable(f"ledger {self.path}: {why}; the write was lost"))
 
     # Each _write_* runs on the writer thread inside the open transaction.
+
+    def _write_probe(self, _: None) -> None:
+        version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+        self._conn.execute(f"PRAGMA user_version = {version}")
 
     def _write_task(self, task: TaskRecord) -> None:
         self._conn.execute(rows.INSERT_TASK, rows.task_params(task))

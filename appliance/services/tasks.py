@@ -111,6 +111,13 @@ class TaskBook:
         )
         return state
 
+    def drop(self, state: TaskState) -> None:
+        """Forgets a task whose creation the ledger refused: memory never runs ahead of it."""
+        self._tasks.pop(state.key, None)
+        parent = self._tasks.get(state.parent) if state.parent else None
+        if parent is not None and state.key in parent.children:
+            parent.children.remove(state.key)
+
     def ensure(
         self,
         tenant: TenantId,
@@ -154,8 +161,11 @@ class TaskBook:
             TaskEvent(state.key, kind, now, verified, evidence, tool_class, expected_s)
         )
         if new is not None:
+            before = (state.status, state.verified)
             state.status = new
             state.verified = verified
+            # A refused write takes the change back (the writer's thread: two assignments).
+            state.written.add_done_callback(lambda f: _undo(f, state, before))
         if kind == TaskEventType.CANCELLED and announce and self._events is not None:
             self._events.record(
                 now,
@@ -225,3 +235,8 @@ class TaskBook:
             },
             "children": [self.tree(self._tasks[c]) for c in state.children if c in self._tasks],
         }
+
+
+def _undo(written: Future[None], state: TaskState, before: tuple[TaskStatus, bool | None]) -> None:
+    if written.exception() is not None:
+        state.status, state.verified = before

@@ -27,7 +27,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from appliance.domain.errors import ApplianceError, EngineRequestError, EngineUnavailable
+from appliance.domain.errors import (
+    ApplianceError,
+    EngineRequestError,
+    EngineUnavailable,
+    LedgerUnavailable,
+)
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
@@ -94,6 +99,9 @@ class TurnDesk:
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
+        failing = self.records.ledger_failing()
+        if failing is not None:
+            raise LedgerUnavailable(f"the ledger cannot record the turn ({failing}); retry later")
         known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
         if known is None and t.parent_task_id and not self._tasks.get(t.tenant, t.parent_task_id):
             raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",

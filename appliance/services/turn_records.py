@@ -56,6 +56,10 @@ class TurnRecords:
         self.forward_s = Histogram(FORWARD_BUCKETS_S)
         """The router's own time per turn, from the whole request to its forwarding."""
 
+    def ledger_failing(self) -> str | None:
+        """Why the ledger cannot write now, if it cannot."""
+        return self._ledger.failing
+
     def placed(self, attempt: Attempt, decision: RouteDecision) -> None:
         self.routed_by_reason[decision.kind] = self.routed_by_reason.get(decision.kind, 0) + 1
         # Written once the request is on its way: the turn never waits on its own records.

@@ -25,12 +25,12 @@ from appliance.services.events import EventFeed, EventKind
 from appliance.services.sessions import SessionState
 from appliance.services.state import StateSources, snapshot
 from appliance.services.tasks import TaskBook
+from tests.fakes import AckLedger
 from tui.state import MIRRORS, convert_state, decode_state
 
 
-class _Ledger:
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+class _Ledger(AckLedger):
+    """Acknowledges every write at once, as the ledger does when the disk takes it."""
 
 
 def _sources(with_gpu: bool) -> StateSources:

@@ -1,5 +1,5 @@
-"""`/health` answers from the workers' health alone, in constant time: it never builds the
-state document (whose size grows with sessions and tasks)."""
+"""`/health` answers from the workers' health and whether the ledger can write, in constant
+time: it never builds the state document (whose size grows with sessions and tasks)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,14 @@ def never() -> Any:
     raise AssertionError("/health built the whole state")
 
 
-@pytest.mark.parametrize(("healthy", "status", "says"), [(True, 200, "ok"),
-                         (False, 503, "no healthy worker")])  # fmt: skip
-def test_health_reads_only_the_workers(healthy: bool, status: int, says: str) -> None:
+@pytest.mark.parametrize(("healthy", "failing", "status", "says"), [
+    (True, None, 200, {"status": "ok"}),
+    (False, None, 503, {"status": "no healthy worker"}),
+    (True, "disk full", 503, {"status": "degraded", "ledger": "disk full"}),
+])  # fmt: skip
+def test_health_reads_only_the_workers_and_the_ledger(
+    healthy: bool, failing: str | None, status: int, says: dict[str, str]
+) -> None:
     ctx = ApiContext(
         desk=SimpleNamespace(),  # type: ignore[arg-type]
         tasks=SimpleNamespace(),  # type: ignore[arg-type]
@@ -31,9 +36,10 @@ def test_health_reads_only_the_workers(healthy: bool, status: int, says: str) ->
         max_model_len=16,
         state=never,
         healthy=lambda: healthy,
+        ledger_failing=lambda: failing,
         metrics=lambda: "",
         costs=lambda: [],
     )
     with TestClient(create_app(ctx)) as http:
         answer = http.get("/health")
-    assert (answer.status_code, answer.json()) == (status, {"status": says})
+    assert (answer.status_code, answer.json()) == (status, says)

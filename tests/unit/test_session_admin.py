@@ -45,7 +45,12 @@ class Ledger:
         return done
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+        def acknowledged(*args: Any, **kwargs: Any) -> Future[None]:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        return acknowledged
 
 
 @dataclass
@@ -89,6 +94,7 @@ def setup() -> Iterator[Setup]:
         max_model_len=4096,
         state=lambda: {},
         healthy=lambda: True,
+        ledger_failing=lambda: None,
         metrics=lambda: "",
         costs=lambda: [],
         sessions_admin=SessionAdmin(
