@@ -6,10 +6,13 @@ the whole body (benchmarks/router_overhead.py, `http-relay` path, on this kind o
 and that time is latency added to every agent turn. This server does only what the API
 needs: HTTP/1.1 with keep-alive (requests on one connection are answered in order, one at a
 time), Content-Length and chunked request bodies (the app gets the body whole, at most
-`max_body` bytes, else 413), `Expect: 100-continue`, answers framed by Content-Length, or
+`max_body` bytes, else 413; a head of at most 64 KiB and 100 headers, else 431),
+`Expect: 100-continue`, answers framed by Content-Length, or
 chunked when the app streams; once the client has hung up, sending raises OSError (ASGI
 2.4), which ends a streaming answer and so closes its worker request. A connection idle for
-`idle_s` is closed. `stop()` refuses new connections, closes idle ones and gives requests
+`idle_s` is closed, and a request whose head and body have not all arrived within
+`request_s` of its first byte gets 408 (a client sending a byte a second is no longer kept
+forever). `stop()` refuses new connections, closes idle ones and gives requests
 in flight `grace_s` to finish.
 """
 
@@ -29,8 +32,12 @@ log = logging.getLogger(__name__)
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 REASONS = {200: b"OK", 201: b"Created", 400: b"Bad Request", 404: b"Not Found",
-           413: b"Payload Too Large", 500: b"Internal Server Error"}  # fmt: skip
+           408: b"Request Timeout", 413: b"Payload Too Large",
+           431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}  # fmt: skip
 HIGH_WATER = 1 << 20
+MAX_HEAD_BYTES = 64 * 1024
+"""The request line and headers together, at most (read before the API key is checked)."""
+MAX_HEADERS = 100
 
 
 class _Request:
@@ -65,6 +72,9 @@ class _Connection(asyncio.Protocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.disconnected = False
         self._idle_handle: asyncio.TimerHandle | None = None
+        self._request_handle: asyncio.TimerHandle | None = None
+        self._head_size = 0
+        self._in_head = False
 
     @property
     def idle(self) -> bool:
@@ -87,6 +97,10 @@ class _Connection(asyncio.Protocol):
             self.reject(400, b"upgrades are not supported")
         except httptools.HttpParserError as exc:
             self.reject(400, f"malformed request: {exc}".encode())
+        if self._in_head and self._transport is not None:  # the head is still arriving
+            self._head_size += len(data)
+            if self._head_size > MAX_HEAD_BYTES:
+                self.reject(431, b"request head too large (64 KiB and 100 headers at most)")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disconnected = True
@@ -94,6 +108,8 @@ class _Connection(asyncio.Protocol):
         self._server.connections.discard(self)
         if self._idle_handle is not None:
             self._idle_handle.cancel()
+        if self._request_handle is not None:
+            self._request_handle.cancel()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
         if not self.closed.done():
@@ -113,14 +129,27 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._request = _Request()
         self._body_size = 0
+        self._head_size = 0
+        self._in_head = True
+        loop = asyncio.get_running_loop()
+        self._request_handle = loop.call_later(self._server.request_s, self._request_too_slow)
+
+    def _request_too_slow(self) -> None:
+        if self._transport is not None:
+            self.reject(408, b"the request did not arrive in time")
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self._request.headers) >= MAX_HEADERS:
+            if self._transport is not None:
+                self.reject(431, b"request head too large (64 KiB and 100 headers at most)")
+            return
         self._request.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         request = self._request
         url = httptools.parse_url(self._url)
         request.method = self._parser.get_method().decode("ascii")
@@ -142,6 +171,9 @@ class _Connection(asyncio.Protocol):
         self._request.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._request_handle is not None:
+            self._request_handle.cancel()
+            self._request_handle = None
         if self._transport is None:  # refused (too large): never served
             return
         self._request.received_at = time.monotonic()
@@ -308,9 +340,11 @@ class ApiServer:
         max_body: int = 64 * 2**20,
         grace_s: float = 30.0,
         idle_s: float = 75.0,
+        request_s: float = 30.0,
     ) -> None:
         self.app = app
         self.idle_s = idle_s
+        self.request_s = request_s
         self.host = host
         self.port = port
         self.max_body = max_body

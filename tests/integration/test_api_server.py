@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 from starlette.applications import Starlette
@@ -180,6 +182,60 @@ def test_an_idle_connection_is_closed_after_idle_s() -> None:
         answer = await asyncio.wait_for(reader.read(), 3)  # b"" at EOF: the server closed
         assert answer.startswith(b"HTTP/1.1 200 OK")
         writer.close()
+        await server.stop()
+
+    run(main())
+
+
+async def answer_while_sending(server: ApiServer, chunks: Iterator[bytes], pause_s: float) -> bytes:
+    """Sends `chunks` one by one until the server answers; the answer's head."""
+    assert server.bound is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.bound[1])
+    try:
+        for chunk in chunks:
+            writer.write(chunk)
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), pause_s)
+        raise AssertionError("the server never answered")
+    finally:
+        writer.close()
+
+
+def test_a_head_past_its_bounds_is_431_before_it_is_read_whole() -> None:
+    """A 200 MB header used to be read whole before the key was checked (fault 6)."""
+
+    async def main() -> None:
+        server = await serving(Probe())
+        sent: list[int] = []
+
+        def big_header() -> Iterator[bytes]:
+            yield b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: "
+            for _ in range(400):  # up to 25 MB
+                sent.append(65536)
+                yield b"y" * 65536
+
+        head = await answer_while_sending(server, big_header(), 0.05)
+        assert head.startswith(b"HTTP/1.1 431 ") and sum(sent) < 2**20
+        many = b"GET /echo HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101))
+        assert (await raw(server, many + b"\r\n")).startswith(b"HTTP/1.1 431 ")
+        fine = b"GET /echo HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(90))
+        assert (await raw(server, fine + b"Connection: close\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        await server.stop()
+
+    run(main())
+
+
+def test_a_request_that_trickles_in_is_cut_off_at_its_deadline() -> None:
+    """One header byte at a time used to keep a connection for ever: each byte reset the idle
+    timer (fault 6). The request as a whole now has `request_s`."""
+
+    async def main() -> None:
+        server = await serving(Probe(), request_s=0.5, idle_s=60)
+        start = time.monotonic()
+        slow = b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100
+        head = await answer_while_sending(server, (bytes([b]) for b in slow), 0.05)
+        assert head.startswith(b"HTTP/1.1 408 ")
+        assert 0.5 <= time.monotonic() - start < 3.0
         await server.stop()
 
     run(main())
