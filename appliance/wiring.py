@@ -18,6 +18,7 @@ from appliance.domain.gpu import GpuSnapshot
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import Ledger
 from appliance.ledger.reports import cost_report
+from appliance.ledger.restore import open_tasks, recent_sessions
 from appliance.ledger.session_history import session_turns
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
@@ -39,6 +40,11 @@ from appliance.settings import Settings
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import GpuProfile
 from appliance.sim.tokenizer import load_tokenizer
+
+RESTORE_WINDOW_S = 24 * 3600.0
+RESTORE_MAX = 10_000
+"""A restart takes back the open tasks and the sessions active in the last day, the newest
+10,000 of each (appliance/ledger/restore.py)."""
 
 
 class GpuTick:
@@ -88,6 +94,9 @@ def wire(
     desk, admission, sessions, tasks = _turn_desk(
         settings, engines, ledger, feed, clock, cost, speeds, events, secret
     )
+    since = clock.now() - RESTORE_WINDOW_S
+    tasks.restore(open_tasks(settings.ledger_path, since=since, limit=RESTORE_MAX))
+    sessions.restore(recent_sessions(settings.ledger_path, since=since, limit=RESTORE_MAX))
     releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
     sources = StateSources(
         workers=workers,

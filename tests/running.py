@@ -38,6 +38,8 @@ class Started:
     proc: subprocess.Popen[bytes]
     base_port: int
     log: Path
+    ports: tuple[int, int, int]
+    """(API, worker base, KV-event base): to start again on the same ports."""
 
 
 @contextmanager
@@ -49,11 +51,13 @@ def appliance_process(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     startup_s: float = 180,
+    ports: tuple[int, int, int] | None = None,
 ) -> Iterator[Started]:
     """Runs `appliance up`; on exit stops it and fails if any of its processes is left.
-    `workers` None leaves the flag out (the configured default); `args` are more flags."""
+    `workers` None leaves the flag out (the configured default); `args` are more flags;
+    `ports`: (API, worker base, KV-event base), to start again where a stopped one ran."""
     blocks = workers or 1
-    port, base, kv = free_port(), free_port_block(blocks), free_port_block(blocks)
+    port, base, kv = ports or (free_port(), free_port_block(blocks), free_port_block(blocks))
     full = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     full.update(
         APPLIANCE_DATA_DIR=str(data_dir),
@@ -82,7 +86,7 @@ def appliance_process(
         time.sleep(0.2)
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
-        yield Started(url, proc, base, log)
+        yield Started(url, proc, base, log, (port, base, kv))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.domain.block_hash import BlockHashChain, BlockHasher, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
@@ -168,6 +168,17 @@ class SessionState:
     is tokenised when it only appends to them; see `appended_token_bound`)."""
 
 
+class RestoredSession(Protocol):
+    """A session as the ledger keeps it (appliance/ledger/restore.py `RecentSession`)."""
+
+    session_id: str
+    tenant: str
+    task_id: str | None
+    worker: str | None
+    created_at: float
+    last_active_at: float | None
+
+
 class SessionTable:
     """Sessions by (tenant, id), least recently used first; bounded so memory stays flat."""
 
@@ -195,6 +206,15 @@ class SessionTable:
             self._evict_idle()
         self._sessions.move_to_end(key)
         return state
+
+    def restore(self, sessions: Iterable[RestoredSession]) -> None:
+        """Takes back recent sessions from the ledger after a restart, least recently active
+        first: their home worker and task; their prefix chain comes with their next turn."""
+        for r in sessions:
+            state = self.open(TenantId(r.tenant), SessionId(r.session_id), r.created_at)
+            state.home = WorkerId(r.worker) if r.worker else None
+            state.task_id = TaskId(r.task_id) if r.task_id else None
+            state.last_active_at = r.last_active_at or r.created_at
 
     def hash_prompt(
         self, state: SessionState, prompt_ids: Sequence[int], salt: str

@@ -10,8 +10,10 @@ many open descendants went with it).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import (
@@ -54,6 +56,22 @@ class TaskState:
     """Sum of the ledger's costs of this task's attempts (children not included)."""
     written: Future[None] | None = None
     """The ledger write of the latest change; await it before telling a client it is done."""
+
+
+class RestoredTask(Protocol):
+    """An open task as the ledger keeps it (appliance/ledger/restore.py `OpenTask`)."""
+
+    task_id: str
+    tenant: str
+    parent_task_id: str | None
+    task_class: str | None
+    created_at: float
+    deadline_at: float | None
+    turns: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
 
 
 class TaskBook:
@@ -110,6 +128,20 @@ class TaskBook:
             )
         )
         return state
+
+    def restore(self, tasks: Iterable[RestoredTask]) -> None:
+        """Takes back open tasks from the ledger after a restart, parents before children."""
+        for t in tasks:
+            key = TaskId(t.task_id)
+            state = TaskState(key, t.task_id.split("/", 1)[-1], TenantId(t.tenant), t.created_at,
+                              TaskId(t.parent_task_id) if t.parent_task_id else None,
+                              t.task_class, t.deadline_at, turns=t.turns,
+                              prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
+                              output_tokens=t.output_tokens, cost=t.cost)  # fmt: skip
+            self._tasks[key] = state
+            parent = self._tasks.get(state.parent) if state.parent else None
+            if parent is not None:
+                parent.children.append(key)
 
     def drop(self, state: TaskState) -> None:
         """Forgets a task whose creation the ledger refused: memory never runs ahead of it."""

@@ -22,6 +22,8 @@ from appliance.domain.records import (
     CacheReceipt,
     CacheTier,
     RouteDecisionRecord,
+    SessionId,
+    SessionRecord,
     TurnOutcome,
     TurnRecord,
 )
@@ -134,10 +136,31 @@ class TurnRecords:
                 last_used_at=end,
             )
             _log_failure(self._ledger.record_cache_receipt(receipt), "cache receipt")
+        session = _session_record(turn, attempt, outcome, end)
+        if session is not None:
+            _log_failure(self._ledger.record_session(session), "session")
         self.predicted_cached_total += attempt.predicted_cached
         self.actual_cached_total += cached
         if record.ttft_s is not None:
             self.first_byte_s_total += record.ttft_s
+
+
+def _session_record(
+    turn: TurnRequest, attempt: Attempt, outcome: TurnOutcome, end: float
+) -> SessionRecord | None:
+    """The session's row (tenant/id), so a restarted appliance knows where it ran last; none
+    for a task of one turn (`turn-...`: nothing comes back to it)."""
+    sid = turn.session_id or f"task:{turn.task_id}"
+    if turn.session_id is None and turn.task_id.split("/", 1)[-1].startswith("turn-"):
+        return None
+    return SessionRecord(
+        SessionId(f"{turn.tenant}/{sid}"),
+        turn.tenant,
+        attempt.started_at,
+        task_id=turn.task_id,
+        worker=attempt.worker if outcome == TurnOutcome.OK else None,
+        last_active_at=end,
+    )
 
 
 def cached_tokens(usage: dict[str, Any]) -> int | None:

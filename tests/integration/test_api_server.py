@@ -235,7 +235,7 @@ def test_a_request_that_trickles_in_is_cut_off_at_its_deadline() -> None:
         slow = b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100
         head = await answer_while_sending(server, (bytes([b]) for b in slow), 0.05)
         assert head.startswith(b"HTTP/1.1 408 ")
-        assert 0.5 <= time.monotonic() - start < 3.0
+        assert 0.4 <= time.monotonic() - start < 3.0  # the deadline (timers may fire a hair early)
         await server.stop()
 
     run(main())

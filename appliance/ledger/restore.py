@@ -1,0 +1,86 @@
+"""What a restarted appliance takes back from its ledger (read-only): the open tasks the
+clients named, and the sessions active lately, so a task created before a restart is still
+found (and not created twice), and a session's next turn goes where its prefix may still be.
+
+Turns without a task id are tasks of one turn of their own (`turn-...`): they are not taken
+back. Both lists are bounded (the newest `limit` active since `since`); a session's prefix
+chain is not stored, so its next turn is tokenised and hashed whole.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.domain.errors import LedgerError
+from appliance.ledger.connections import open_reader
+
+ONE_TURN_PREFIX = "turn-"
+
+_OPEN_TASKS = """SELECT t.task_id, t.tenant, t.parent_task_id, t.task_class, t.created_at,
+        t.deadline_at, count(u.turn_id), coalesce(sum(u.prompt_tokens), 0),
+        coalesce(sum(u.cached_tokens), 0), coalesce(sum(u.output_tokens), 0),
+        coalesce(sum(u.cost), 0.0), max(coalesce(u.finished_at, t.created_at), t.created_at)
+    FROM tasks t LEFT JOIN turns u ON u.task_id = t.task_id
+    WHERE t.status = 'open' AND substr(t.task_id, length(t.tenant) + 2, 5) != ?
+    GROUP BY t.task_id
+    HAVING max(coalesce(u.finished_at, t.created_at), t.created_at) >= ?
+    ORDER BY 12 DESC LIMIT ?"""
+
+_SESSIONS = """SELECT session_id, tenant, task_id, worker, created_at, last_active_at
+    FROM sessions WHERE coalesce(last_active_at, created_at) >= ?
+    ORDER BY coalesce(last_active_at, created_at) DESC LIMIT ?"""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTask:
+    task_id: str
+    """The ledger's id: tenant/client id."""
+    tenant: str
+    parent_task_id: str | None
+    task_class: str | None
+    created_at: float
+    deadline_at: float | None
+    turns: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecentSession:
+    session_id: str
+    """The session's own id (the ledger keys it tenant/id)."""
+    tenant: str
+    task_id: str | None
+    worker: str | None
+    created_at: float
+    last_active_at: float | None
+
+
+def open_tasks(path: str | Path, *, since: float, limit: int) -> list[OpenTask]:
+    """Open tasks a client named, active since `since`, oldest first (parents first)."""
+    rows = _read(path, _OPEN_TASKS, (ONE_TURN_PREFIX, since, limit))
+    tasks = [OpenTask(*row[:11]) for row in rows]
+    return sorted(tasks, key=lambda t: t.created_at)
+
+
+def recent_sessions(path: str | Path, *, since: float, limit: int) -> list[RecentSession]:
+    """Sessions active since `since`, least recently active first."""
+    rows = _read(path, _SESSIONS, (since, limit))
+    return [
+        RecentSession(sid.split("/", 1)[-1], tenant, task, worker, created, last)
+        for sid, tenant, task, worker, created, last in reversed(rows)
+    ]
+
+
+def _read(path: str | Path, sql: str, params: tuple[object, ...]) -> list[tuple[object, ...]]:
+    conn = open_reader(path)
+    try:
+        return list(conn.execute(sql, params).fetchall())
+    except sqlite3.Error as exc:
+        raise LedgerError(f"ledger {path}: cannot read what to restore ({exc})") from None
+    finally:
+        conn.close()

@@ -1,0 +1,53 @@
+"""What a restarted appliance reads back from a real ledger file: the open tasks clients
+named (with their turns' sums), not the one-turn tasks, and the recent sessions, bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.domain.records import (
+    SessionId,
+    SessionRecord,
+    TaskEvent,
+    TaskEventType,
+    TaskId,
+    TaskRecord,
+    TenantId,
+    TurnId,
+    TurnOutcome,
+    TurnRecord,
+    WorkerId,
+)
+from appliance.ledger import Ledger
+from appliance.ledger.restore import open_tasks, recent_sessions
+
+T = TenantId("t")
+
+
+def turn(n: int, task: str, at: float) -> TurnRecord:
+    return TurnRecord(TurnId(f"u{n}"), T, TaskId(task), None, WorkerId("w0"), "m", 100, 40, 5,
+                      TurnOutcome.OK, at, at + 1)  # fmt: skip
+
+
+def test_open_named_tasks_and_recent_sessions_come_back(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    with Ledger.open(path) as ledger:
+        for task, at in [("t/root", 10.0), ("t/old", 1.0), ("t/done", 10.0), ("t/turn-abc", 10.0)]:
+            ledger.record_task(TaskRecord(TaskId(task), T, at))
+        ledger.record_task(TaskRecord(TaskId("t/kid"), T, 11.0, parent_task_id=TaskId("t/root")))
+        ledger.record_task_event(TaskEvent(TaskId("t/done"), TaskEventType.SUCCEEDED, 12.0))
+        ledger.record_turn(turn(1, "t/root", 20.0))
+        ledger.record_turn(turn(2, "t/root", 30.0))
+        for sid, at in [("t/s-new", 50.0), ("t/s-mid", 40.0), ("t/s-old", 2.0)]:
+            ledger.record_session(SessionRecord(SessionId(sid), T, at, TaskId("t/root"),
+                                                WorkerId("w1"), at))  # fmt: skip
+        ledger.flush()
+    tasks = open_tasks(path, since=5.0, limit=10)
+    assert [t.task_id for t in tasks] == ["t/root", "t/kid"]  # parents first; no done, old, turn-
+    root = tasks[0]
+    sums = (root.turns, root.prompt_tokens, root.cached_tokens, root.output_tokens)
+    assert sums == (2, 200, 80, 10)
+    assert [t.task_id for t in open_tasks(path, since=5.0, limit=1)] == ["t/root"]  # newest
+    sessions = recent_sessions(path, since=5.0, limit=10)
+    assert [(s.session_id, s.worker) for s in sessions] == [("s-mid", "w1"), ("s-new", "w1")]
+    assert [s.session_id for s in recent_sessions(path, since=0.0, limit=1)] == ["s-new"]
