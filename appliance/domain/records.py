@@ -276,3 +276,34 @@ class Price:
             other.reasoning_per_mtok,
             other.gpu_second,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTask:
+    """An open task as a restarted appliance reads it back from its ledger."""
+
+    task_id: str
+    """The ledger's id: tenant/client id."""
+    tenant: str
+    parent_task_id: str | None
+    task_class: str | None
+    created_at: float
+    deadline_at: float | None
+    turns: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecentSession:
+    """A recent session as a restarted appliance reads it back from its ledger."""
+
+    session_id: str
+    """The session's own id (the ledger keys it tenant/id)."""
+    tenant: str
+    task_id: str | None
+    worker: str | None
+    created_at: float
+    last_active_at: float | None

@@ -10,10 +10,10 @@ chain is not stored, so its next turn is tokenised and hashed whole.
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.domain.errors import LedgerError
+from appliance.domain.records import OpenTask, RecentSession
 from appliance.ledger.connections import open_reader
 
 ONE_TURN_PREFIX = "turn-"
@@ -31,33 +31,6 @@ _OPEN_TASKS = """SELECT t.task_id, t.tenant, t.parent_task_id, t.task_class, t.c
 _SESSIONS = """SELECT session_id, tenant, task_id, worker, created_at, last_active_at
     FROM sessions WHERE coalesce(last_active_at, created_at) >= ?
     ORDER BY coalesce(last_active_at, created_at) DESC LIMIT ?"""
-
-
-@dataclass(frozen=True, slots=True)
-class OpenTask:
-    task_id: str
-    """The ledger's id: tenant/client id."""
-    tenant: str
-    parent_task_id: str | None
-    task_class: str | None
-    created_at: float
-    deadline_at: float | None
-    turns: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    cost: float
-
-
-@dataclass(frozen=True, slots=True)
-class RecentSession:
-    session_id: str
-    """The session's own id (the ledger keys it tenant/id)."""
-    tenant: str
-    task_id: str | None
-    worker: str | None
-    created_at: float
-    last_active_at: float | None
 
 
 def open_tasks(path: str | Path, *, since: float, limit: int) -> list[OpenTask]:

@@ -25,10 +25,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from appliance.domain.block_hash import BlockHashChain, BlockHasher, RequestKeys
-from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.domain.records import RecentSession, SessionId, TaskId, TenantId, WorkerId
 
 TokenIds = array
 """Token ids as machine integers (`array('q')`): one object to Python's cyclic collector,
@@ -168,17 +168,6 @@ class SessionState:
     is tokenised when it only appends to them; see `appended_token_bound`)."""
 
 
-class RestoredSession(Protocol):
-    """A session as the ledger keeps it (appliance/ledger/restore.py `RecentSession`)."""
-
-    session_id: str
-    tenant: str
-    task_id: str | None
-    worker: str | None
-    created_at: float
-    last_active_at: float | None
-
-
 class SessionTable:
     """Sessions by (tenant, id), least recently used first; bounded so memory stays flat."""
 
@@ -207,7 +196,7 @@ class SessionTable:
         self._sessions.move_to_end(key)
         return state
 
-    def restore(self, sessions: Iterable[RestoredSession]) -> None:
+    def restore(self, sessions: Iterable[RecentSession]) -> None:
         """Takes back recent sessions from the ledger after a restart, least recently active
         first: their home worker and task; their prefix chain comes with their next turn."""
         for r in sessions:

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import (
+    OpenTask,
     TaskEvent,
     TaskEventType,
     TaskId,
@@ -56,22 +56,6 @@ class TaskState:
     """Sum of the ledger's costs of this task's attempts (children not included)."""
     written: Future[None] | None = None
     """The ledger write of the latest change; await it before telling a client it is done."""
-
-
-class RestoredTask(Protocol):
-    """An open task as the ledger keeps it (appliance/ledger/restore.py `OpenTask`)."""
-
-    task_id: str
-    tenant: str
-    parent_task_id: str | None
-    task_class: str | None
-    created_at: float
-    deadline_at: float | None
-    turns: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    cost: float
 
 
 class TaskBook:
@@ -129,7 +113,7 @@ class TaskBook:
         )
         return state
 
-    def restore(self, tasks: Iterable[RestoredTask]) -> None:
+    def restore(self, tasks: Iterable[OpenTask]) -> None:
         """Takes back open tasks from the ledger after a restart, parents before children."""
         for t in tasks:
             key = TaskId(t.task_id)
