@@ -302,6 +302,14 @@ def test_keys_added_and_revoked_take_effect_without_a_restart(
     # Nobody else was dropped: the other tenant's session goes on, on the same process.
     assert httpx.post(url, json=body, headers=alice, timeout=60).status_code == 200
     assert app.proc.poll() is None
+    # An operator key may send model turns too: they count as the tenant named after it.
+    ops = {"Authorization": f"Bearer {app.keys['ops']}", "X-Session-ID": "operator-check"}
+    assert httpx.post(url, json=body, headers=ops, timeout=60).status_code == 200
+    with closing(sqlite3.connect(app.ledger)) as db:
+        tenants = db.execute(
+            "SELECT DISTINCT tenant FROM turns WHERE session_id = 'operator-check'"
+        ).fetchall()
+    assert tenants == [("ops",)]
 
 
 def _status_within(url: str, body: dict[str, object], headers: dict[str, str], want: int) -> int:
