@@ -15,7 +15,7 @@ while [ $# -gt 0 ]; do
     --engine) engine="${2:-}"; shift 2 || { echo "install.sh: --engine needs a value" >&2; exit 2; } ;;
     --engine=*) engine="${1#*=}"; shift ;;
     --dev) dev=1; shift ;;
-    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "install.sh: unknown option '$1' (see ./install.sh --help)" >&2; exit 2 ;;
   esac
 done

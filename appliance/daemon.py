@@ -221,6 +221,7 @@ async def start_engines(
         on_kv_batch=feed.on_batch,
         on_kv_reset=feed.on_reset,
         keepalive_s=WORKER_KEEPALIVE_S if launches else e.external_keepalive_s,
+        label=kind.value,
     )
     procs = []
     try:
@@ -274,6 +275,10 @@ async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> No
         await _serve(settings, data_dir, ready)
 
 
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def key_callers(key_file: keystore.KeyFile) -> Callable[[], dict[str, Caller]]:
     """The callers of the keys in the key file as it is now (read anew when it changes)."""
     seen: list[Any] = [None, {}]  # the file's version, its callers
@@ -323,7 +328,7 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
             server = ApiServer(wired.app, settings.server.host, settings.server.port, grace_s=30)
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
-                f"appliance: engine {kind.value} ({len(engines.workers)} workers, model "
+                f"appliance: engine {kind.value} ({_plural(len(engines.workers), 'worker')}, model "
                 f"{engines.served_name}); API at {url}; keys in {keys_file}",
                 flush=True,
             )

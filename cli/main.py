@@ -6,6 +6,7 @@ shown only with APPLIANCE_DEBUG=1.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -24,11 +25,33 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: the rich panels showed every flag as `<bool>`
 )
-config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
-keys_app = typer.Typer(help="Manage API keys (tenants and operators).", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Inspect the configuration.", no_args_is_help=True, rich_markup_mode=None
+)
+keys_app = typer.Typer(
+    help="Manage API keys (tenants and operators).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"appliance {importlib.metadata.version('agent-appliance')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """A single-box serving appliance for LLM agent workloads."""
+
 
 # Options shared by several commands, defined once.
 ConfigOpt = Annotated[

@@ -43,6 +43,7 @@ class ExternalEngine:
         on_kv_batch: KvBatchSink | None = None,
         on_kv_reset: KvResetSink | None = None,
         keepalive_s: float = UVICORN_KEEPALIVE_S,
+        label: str = "external",
     ) -> None:
         if kv_event_endpoints and len(kv_event_endpoints) != len(urls):
             raise ConfigError(
@@ -54,7 +55,7 @@ class ExternalEngine:
         self.workers: tuple[WorkerHandle, ...] = tuple(
             WorkerHandle(
                 id=WorkerId(f"w{i}"),
-                engine="external",
+                engine=label,
                 url=url.rstrip("/"),
                 client=VllmClient(url, model=model, server_keepalive_s=keepalive_s),
                 kv_events_endpoint=endpoint,
@@ -135,8 +136,10 @@ async def connect_external(
     on_kv_batch: KvBatchSink | None = None,
     on_kv_reset: KvResetSink | None = None,
     keepalive_s: float = UVICORN_KEEPALIVE_S,
+    label: str = "external",
 ) -> ExternalEngine:
-    """Handles on external servers, subscribed and health-checked once."""
+    """Handles on external servers, subscribed and health-checked once; `label` is the
+    engine the handles say they are (the simulated workers' handles say "sim")."""
     engine = ExternalEngine(
         urls,
         kv_event_endpoints,
@@ -144,6 +147,7 @@ async def connect_external(
         on_kv_batch=on_kv_batch,
         on_kv_reset=on_kv_reset,
         keepalive_s=keepalive_s,
+        label=label,
     )
     try:
         return await engine.start()

@@ -570,6 +570,7 @@ def test_the_state_shows_only_numbers_the_ledger_supports(appliance_up: RunningA
             break
         time.sleep(0.05)
     task = next(t for t in state["tasks"] if t["id"] == "audit" and t["tenant"] == "alice")
+    assert {w["engine"] for w in state["workers"]} == {app.engine}  # not "external" for sim
     assert attempts == 3
     assert task["tokens"] == tokens
     assert task["cost"] == pytest.approx(cost)

@@ -333,7 +333,7 @@ async def test_tasks_show_status_slack_tokens_and_new_children(fake: FakeApplian
         grown["tasks"][0]["children"] = ["task-kid"]
         fake.set_state(grown)
         await until_text(pilot, "└─ task-kid  succeeded  42 tok  cost 0.5000")
-        assert "(1 children)" in screen_text(app)
+        assert "(1 child)" in screen_text(app)
 
 
 # -- costs and events ----------------------------------------------------------------------

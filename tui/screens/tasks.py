@@ -44,7 +44,8 @@ def task_label(t: TaskState, now: float) -> Text:
     label.append(f"  {fmt.tokens(t.tokens)} tok")
     label.append(f"  cost {fmt.money(t.cost)}", style="" if t.cost is not None else "dim")
     if t.children:
-        label.append(f"  ({len(t.children)} children)", style="dim")
+        n = len(t.children)
+        label.append(f"  ({n} {'child' if n == 1 else 'children'})", style="dim")
     return label
 
 
