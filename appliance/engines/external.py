@@ -50,6 +50,11 @@ class ExternalEngine:
                 "engine.external_kv_event_endpoints must have one entry per engine.external_urls"
             )
         endpoints: list[str | None] = list(kv_event_endpoints) or [None] * len(urls)
+        self._kv_fix = (
+            "check engine.external_kv_event_endpoints"
+            if label == "external"
+            else "stop what listens there or choose another engine.kv_events_base_port"
+        )
         self._on_kv_batch = on_kv_batch
         self._on_kv_reset = on_kv_reset
         self.workers: tuple[WorkerHandle, ...] = tuple(
@@ -90,7 +95,7 @@ class ExternalEngine:
         except zmq.ZMQError as exc:
             raise PortInUse(
                 f"cannot listen on {handle.kv_events_endpoint} for {handle.url}'s KV events "
-                f"({exc}); check engine.external_kv_event_endpoints"
+                f"({exc}); {self._kv_fix}"
             ) from None
 
     def _batch(self, worker: WorkerId, batch: KvEventBatch) -> None:

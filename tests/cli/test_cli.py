@@ -329,3 +329,15 @@ def test_a_second_up_on_the_same_data_dir_is_one_line(tmp_path: Path) -> None:
         r = run("up", "--engine", "sim", "--port", str(free_port()), data_dir=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "in use by another appliance (pid" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_taken_kv_event_port_under_sim_names_the_key_to_change(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        kv = taken.getsockname()[1]
+        r = run("up", "--engine", "sim", "--workers", "1", "--port", str(free_port()),
+                data_dir=tmp_path, APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
+                APPLIANCE_ENGINE__BASE_PORT=str(free_port()))  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "engine.kv_events_base_port" in r.stderr and "external" not in r.stderr
