@@ -37,6 +37,15 @@ class TaskRoutes:
         who = self._ctx.keys.caller(request.headers)
         raw = await request.body()
         new = new_task(parse_json_body(raw) if raw else {})
+        known = self._ctx.tasks.get(who.tenant, new.client_id)
+        if known is not None and self._ctx.tasks.repeats(
+            known, parent_id=new.parent_id, task_class=new.task_class
+        ):  # a client's retry after a timeout: the task it created, not a second one
+            await _written(known.written)
+            return JSONResponse(
+                {"task_id": new.client_id, "deadline_at": known.deadline_at,
+                 "status": known.status.value}, status_code=200,
+            )  # fmt: skip
         if new.parent_id is not None and self._ctx.tasks.get(who.tenant, new.parent_id) is None:
             raise ApiError(404, f"parent task {new.parent_id} not found", "task_not_found",
                            param="parent_task_id")  # fmt: skip

@@ -113,6 +113,11 @@ class TaskBook:
         )
         return state
 
+    def repeats(self, state: TaskState, *, parent_id: str | None, task_class: str | None) -> bool:
+        """Whether a creation with these fields is a retry of the one that made `state`."""
+        parent = self.key(state.tenant, parent_id) if parent_id else None
+        return (state.parent, state.task_class) == (parent, task_class)
+
     def restore(self, tasks: Iterable[OpenTask]) -> None:
         """Takes back open tasks from the ledger after a restart, parents before children."""
         for t in tasks:
@@ -167,6 +172,8 @@ class TaskBook:
         if state is None:
             raise TaskError(f"task {client_id} not found", code="task_not_found", http_status=404)
         new = kind.terminal_status
+        if new is not None and (state.status, state.verified) == (new, verified):
+            return state  # a retry of the event that closed it: already recorded, once
         if new is not None and not can_transition(state.status, new):
             raise TaskError(
                 f"task {client_id} is already {state.status}; it cannot become {new}",

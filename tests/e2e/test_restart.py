@@ -38,8 +38,12 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
         assert time.monotonic() - killed_at < 30
         task = httpx.get(f"{second.url}/v1/tasks/long", headers=auth).json()
         assert (task["status"], task["turns"]) == ("open", 1)
+        # A retried creation is the task it made; another task of that name is refused.
         again = httpx.post(f"{second.url}/v1/tasks", json={"task_id": "long"}, headers=auth)
-        assert again.status_code == 409 and again.json()["error"]["code"] == "task_exists"
+        assert again.status_code == 200 and again.json()["status"] == "open"
+        other = {"task_id": "long", "task_class": "other"}
+        clash = httpx.post(f"{second.url}/v1/tasks", json=other, headers=auth)
+        assert clash.status_code == 409 and clash.json()["error"]["code"] == "task_exists"
         state = httpx.get(f"{second.url}/admin/v1/state",
                           headers={"Authorization": f"Bearer {ops}"}).json()  # fmt: skip
         session = next(s for s in state["sessions"] if s["id"] == "s1")

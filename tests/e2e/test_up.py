@@ -322,6 +322,27 @@ def _status_within(url: str, body: dict[str, object], headers: dict[str, str], w
         time.sleep(0.2)
 
 
+def test_a_client_may_retry_a_creation_or_a_closing_event(appliance_up: RunningAppliance) -> None:
+    """After a timeout a client cannot tell whether its request landed: the same request
+    again is answered as the first was, and recorded once (issue: retries duplicate)."""
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['bob']}"}
+    tasks = f"{app.url}/v1/tasks"
+    body = {"task_id": "retried", "task_class": "retrying"}
+    assert httpx.post(tasks, json=body, headers=auth).status_code == 201
+    assert httpx.post(tasks, json=body, headers=auth).status_code == 200
+    done = {"type": "succeeded", "verified": True}
+    for _ in range(2):
+        r = httpx.post(f"{tasks}/retried/events", json=done, headers=auth)
+        assert (r.status_code, r.json()["status"]) == (200, "succeeded")
+    other = httpx.post(f"{tasks}/retried/events", json={"type": "succeeded"}, headers=auth)
+    assert other.status_code == 409  # not the same event: unverified after verified
+    with closing(sqlite3.connect(app.ledger)) as db:
+        (tasks_rows,) = db.execute("SELECT COUNT(*) FROM tasks WHERE task_id = 'bob/retried'")
+        (events,) = db.execute("SELECT COUNT(*) FROM task_events WHERE task_id = 'bob/retried'")
+    assert (tasks_rows, events) == ((1,), (1,))
+
+
 def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningAppliance) -> None:
     app = appliance_up
     before = _forward_histogram(app)
