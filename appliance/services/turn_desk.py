@@ -40,7 +40,7 @@ from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import ChatTokens, SessionState, SessionTable
-from appliance.services.tasks import TaskBook, TaskError
+from appliance.services.tasks import TaskBook, TaskError, TaskState
 from appliance.services.turn import Attempt, NoWorker, Reply, TurnRequest
 from appliance.services.turn_records import TurnRecords
 
@@ -102,10 +102,7 @@ class TurnDesk:
         failing = self.records.ledger_failing()
         if failing is not None:
             raise LedgerUnavailable(f"the ledger cannot record the turn ({failing}); retry later")
-        known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
-        if known is None and t.parent_task_id and not self._tasks.get(t.tenant, t.parent_task_id):
-            raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",
-                            http_status=404)  # fmt: skip
+        known = self._known_task(t)
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
         tokenize = partial(t.tokenize, session.chat if session else None)
         ids: Sequence[int] | None = None
@@ -150,6 +147,18 @@ class TurnDesk:
         finally:
             if ticket is not None and not streaming:
                 ticket.release()
+
+    def _known_task(self, t: TurnInput) -> TaskState | None:
+        """The open task the turn names, if it exists; a closed one (succeeded, failed,
+        cancelled) takes no more turns, and a new task's parent must exist."""
+        known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
+        if known is not None and known.status.is_terminal:
+            raise TaskError(f"task {t.task_id} is {known.status}; it takes no more turns",
+                            code="task_closed", http_status=409)  # fmt: skip
+        if known is None and t.parent_task_id and not self._tasks.get(t.tenant, t.parent_task_id):
+            raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",
+                            http_status=404)  # fmt: skip
+        return known
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None

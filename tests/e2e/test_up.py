@@ -337,6 +337,12 @@ def test_a_client_may_retry_a_creation_or_a_closing_event(appliance_up: RunningA
         assert (r.status_code, r.json()["status"]) == (200, "succeeded")
     other = httpx.post(f"{tasks}/retried/events", json={"type": "succeeded"}, headers=auth)
     assert other.status_code == 409  # not the same event: unverified after verified
+    late = httpx.post(
+        f"{app.url}/v1/chat/completions",
+        json={"model": app.model, "messages": [{"role": "user", "content": "more"}]},
+        headers={**auth, "X-Task-ID": "retried"},
+    )  # a closed task takes no more turns (the task issue: they were served)
+    assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed")
     with closing(sqlite3.connect(app.ledger)) as db:
         (tasks_rows,) = db.execute("SELECT COUNT(*) FROM tasks WHERE task_id = 'bob/retried'")
         (events,) = db.execute("SELECT COUNT(*) FROM task_events WHERE task_id = 'bob/retried'")
