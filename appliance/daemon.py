@@ -401,11 +401,23 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
 
 
 def run(settings: Settings) -> None:
-    """Foreground: until Ctrl-C or SIGTERM, then a clean stop."""
+    """Foreground: until Ctrl-C or SIGTERM, then a clean stop. The appliance's own log lines
+    go to stderr at `log_level`."""
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     loop = new_event_loop()
     main = loop.create_task(serve(settings))
+
+    def stop(name: str) -> None:
+        log.warning("%s: draining (requests in flight may finish), then stopping", name)
+        main.cancel()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, main.cancel)
+        loop.add_signal_handler(sig, stop, sig.name)
     with contextlib.suppress(asyncio.CancelledError):
         loop.run_until_complete(main)
     loop.close()
+    log.warning("stopped")

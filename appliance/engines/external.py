@@ -114,7 +114,7 @@ class ExternalEngine:
         ok = await handle.client.health()
         new = WorkerState.HEALTHY if ok else WorkerState.UNHEALTHY
         if new != handle.state:
-            log.info("external worker %s (%s) is %s", handle.id, handle.url, new.value)
+            log.info("%s worker %s (%s) is %s", handle.engine, handle.id, handle.url, new.value)
         handle.set_state(new)
         if ok:
             await handle.refresh_load()

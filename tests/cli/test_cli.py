@@ -341,3 +341,14 @@ def test_a_taken_kv_event_port_under_sim_names_the_key_to_change(tmp_path: Path)
                 APPLIANCE_ENGINE__BASE_PORT=str(free_port()))  # fmt: skip
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "engine.kv_events_base_port" in r.stderr and "external" not in r.stderr
+
+
+def test_up_logs_at_its_level_and_says_when_it_drains_and_stops(tmp_path: Path) -> None:
+    with appliance_process(tmp_path, workers=1, env={"APPLIANCE_LOG_LEVEL": "INFO"}) as up:
+        pass  # stopped with SIGTERM, as Ctrl-C would
+    log = up.log.read_text()
+    assert "INFO appliance.engines.external: sim worker w0" in log
+    assert "SIGTERM: draining" in log and log.rstrip().endswith("appliance.daemon: stopped")
+    with appliance_process(tmp_path, workers=1, env={"APPLIANCE_LOG_LEVEL": "ERROR"}) as up:
+        pass
+    assert "INFO" not in up.log.read_text()
