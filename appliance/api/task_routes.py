@@ -99,6 +99,8 @@ class TaskRoutes:
             expected_s=event.expected_s,
         )
         await _written(task.written)  # a refused write took the change back
+        if event.kind == TaskEventType.CANCELLED:
+            self._ctx.desk.stop(task.key)
         if self._ctx.admission is not None and event.kind.terminal_status is not None:
             self._ctx.admission.task_closed(task.key)
         return JSONResponse({"task_id": task.client_id, "status": task.status.value})
@@ -109,6 +111,7 @@ class TaskRoutes:
             who.tenant, request.path_params["task_id"], self._ctx.clock.now()
         )
         for task in cancelled:
+            self._ctx.desk.stop(task.key)  # its turns in flight end too
             if self._ctx.admission is not None:
                 self._ctx.admission.task_closed(task.key)
             await _written(task.written)

@@ -12,6 +12,7 @@ in the queue book and in the turn records exactly once (`finish`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -56,9 +57,12 @@ class Forwarder:
         attempt: Attempt,
         body: dict[str, Any],
         on_end: Callable[[], None],
+        *,
+        stopped: Callable[[], bool] = lambda: False,
     ) -> Reply:
         """A streamed attempt: raises before the first byte; once open, the reply's chunks
-        relay it, and however it ends `on_end` runs and the attempt is finished."""
+        relay it, and however it ends `on_end` runs and the attempt is finished. Once
+        `stopped()` (its task was cancelled), it ends at the next chunk with an error event."""
         stream = worker.client.open_stream(turn.path, body)
         response = await stream.__aenter__()
 
@@ -67,6 +71,12 @@ class Forwarder:
             usage = UsageScanner()
             try:
                 async for data in response.chunks():  # relayed as they come, unparsed
+                    if stopped():
+                        outcome = TurnOutcome.CANCELLED
+                        event = {"error": {"message": "the task was cancelled",
+                                           "type": "task_cancelled", "code": 409}}  # fmt: skip
+                        yield b"data: " + orjson.dumps(event) + b"\n\n"
+                        break
                     if attempt.first_byte_at is None:
                         attempt.first_byte_at = self._clock.now()
                         self._queues.first_byte(attempt.worker, attempt.turn_id)
@@ -74,7 +84,7 @@ class Forwarder:
                     yield data
                 if usage.last:
                     attempt.usage = usage.last
-            except GeneratorExit:  # closed before its end: the client left midway
+            except (GeneratorExit, asyncio.CancelledError):  # the client left midway
                 outcome = TurnOutcome.CANCELLED
                 raise
             except Exception as exc:  # the worker broke off midway

@@ -96,6 +96,8 @@ class TurnDesk:
         self._workers = workers
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
+        self._flights: dict[TaskId, set[Flight]] = {}
+        """Turns in flight by task: what `stop` ends."""
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -115,6 +117,8 @@ class TurnDesk:
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
         ticket = await self._admit(t, client_task, n_prompt, session, queues)
         streaming = False
+        task: TaskState | None = None
+        flight: Flight | None = None
         try:
             now = self._clock.now()
             task = self._tasks.ensure(
@@ -138,15 +142,29 @@ class TurnDesk:
                 received_at=t.received_at,
             )
             task.turns += 1
-            reply = await self.handle(turn, queues)
+            flight = self._flying(task.key)
+            try:
+                reply = await self.handle(turn, queues, flight)
+            except asyncio.CancelledError:
+                if not flight.stopped:
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                raise TaskError(f"task {client_task} was cancelled", code="task_cancelled",
+                                http_status=409) from None  # fmt: skip
             reply = replace(reply, headers={**reply.headers, "X-Task-ID": client_task})
             if reply.chunks is not None:  # the ticket goes when the stream ends
                 streaming = True
-                return replace(reply, on_end=ticket.release if ticket else None)
+                return replace(reply, on_end=partial(self._ended, ticket, task.key, flight))
             return reply
         finally:
-            if ticket is not None and not streaming:
-                ticket.release()
+            if not streaming:
+                self._ended(ticket, task.key if task is not None else None, flight)
+
+    def _ended(self, ticket: TurnTicket | None, task: TaskId | None, flight: Flight | None) -> None:
+        if ticket is not None:
+            ticket.release()
+        if task is not None and flight is not None:
+            self._landed(task, flight)
 
     def _known_task(self, t: TurnInput) -> TaskState | None:
         """The open task the turn names, if it exists; a closed one (succeeded, failed,
@@ -159,6 +177,29 @@ class TurnDesk:
             raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",
                             http_status=404)  # fmt: skip
         return known
+
+    def stop(self, task: TaskId) -> int:
+        """Ends the task's turns in flight (its cancellation): a turn waiting on its worker is
+        cancelled there and answered 409, a stream being relayed ends with an error event;
+        either way the worker's request is closed, which aborts it. How many it ended."""
+        flights = self._flights.get(task, set())
+        for flight in flights:
+            flight.stopped = True
+            if not flight.relaying and flight.task is not None:
+                flight.task.cancel()
+        return len(flights)
+
+    def _flying(self, task: TaskId) -> Flight:
+        flight = Flight(asyncio.current_task())
+        self._flights.setdefault(task, set()).add(flight)
+        return flight
+
+    def _landed(self, task: TaskId, flight: Flight) -> None:
+        flights = self._flights.get(task)
+        if flights is not None:
+            flights.discard(flight)
+            if not flights:
+                del self._flights[task]
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
@@ -193,16 +234,21 @@ class TurnDesk:
 
     # --- placement and forwarding ----------------------------------------------------
 
-    async def handle(self, turn: TurnRequest, queues: dict[WorkerId, float] | None = None) -> Reply:
+    async def handle(
+        self,
+        turn: TurnRequest,
+        queues: dict[WorkerId, float] | None = None,
+        flight: Flight | None = None,
+    ) -> Reply:
         """Places and forwards one turn of its session; `queues`: this moment's estimates,
-        when the caller has them already."""
+        when the caller has them already; `flight`: what its task's cancellation stops."""
         now = self._clock.now()
         session = self._session(turn, now)
         session.in_flight += 1
         session.turns += 1
         session.last_active_at = now
         try:
-            reply = await self._forward(turn, session, queues)
+            reply = await self._forward(turn, session, queues, flight or Flight(None))
         except BaseException:
             self._release(session)
             raise
@@ -228,7 +274,11 @@ class TurnDesk:
         session.last_active_at = self._clock.now()
 
     async def _forward(
-        self, turn: TurnRequest, session: SessionState, queues: dict[WorkerId, float] | None
+        self,
+        turn: TurnRequest,
+        session: SessionState,
+        queues: dict[WorkerId, float] | None,
+        flight: Flight,
     ) -> Reply:
         tried: set[WorkerId] = set()
         last_error: ApplianceError | None = None
@@ -251,10 +301,16 @@ class TurnDesk:
             try:
                 if turn.stream:
                     on_end = partial(self._stream_ended, session, tokenized)
-                    reply = await self._forwarder.stream(turn, worker, attempt, body, on_end)
+                    reply = await self._forwarder.stream(
+                        turn, worker, attempt, body, on_end, stopped=lambda: flight.stopped
+                    )
+                    flight.relaying = True
                 else:
                     on_answer = tokenized.now if tokenized is not None else None
                     reply = await self._forwarder.post(turn, worker, attempt, body, on_answer)
+            except asyncio.CancelledError:  # the client left, or the task was cancelled
+                self._forwarder.finish(turn, attempt, TurnOutcome.CANCELLED)
+                raise
             except EngineUnavailable as exc:
                 self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
                 tried.add(worker.id)
@@ -320,6 +376,17 @@ class TurnDesk:
             opts["include_usage"] = True  # the ledger needs the worker's own counts
             body["stream_options"] = opts
         return body
+
+
+@dataclass(eq=False)
+class Flight:
+    """One turn in flight, as its task's cancellation reaches it."""
+
+    task: asyncio.Task[Any] | None
+    """The request's own task, cancelled while it waits on its worker."""
+    stopped: bool = False
+    relaying: bool = False
+    """Its stream is being relayed: it stops at its next chunk instead."""
 
 
 class _Soon:

@@ -305,6 +305,7 @@ def test_keys_added_and_revoked_take_effect_without_a_restart(
     # An operator key may send model turns too: they count as the tenant named after it.
     ops = {"Authorization": f"Bearer {app.keys['ops']}", "X-Session-ID": "operator-check"}
     assert httpx.post(url, json=body, headers=ops, timeout=60).status_code == 200
+    assert _session_turns(app, "operator-check", expect=1) == [(ANY_WORKER, "ok")]
     with closing(sqlite3.connect(app.ledger)) as db:
         tenants = db.execute(
             "SELECT DISTINCT tenant FROM turns WHERE session_id = 'operator-check'"
@@ -347,6 +348,50 @@ def test_a_client_may_retry_a_creation_or_a_closing_event(appliance_up: RunningA
         (tasks_rows,) = db.execute("SELECT COUNT(*) FROM tasks WHERE task_id = 'bob/retried'")
         (events,) = db.execute("SELECT COUNT(*) FROM task_events WHERE task_id = 'bob/retried'")
     assert (tasks_rows, events) == ((1,), (1,))
+
+
+def test_cancelling_a_task_stops_its_turns_in_flight(appliance_up: RunningAppliance) -> None:
+    """Cancel used to stop nothing: the task's requests kept running on the workers."""
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['alice']}"}
+    long = {"model": app.model, "max_tokens": 2000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": text(90, app.words(40))}]}  # fmt: skip
+    url = f"{app.url}/v1/chat/completions"
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            httpx.post,
+            url,
+            json=long,
+            timeout=120,
+            headers={**auth, "X-Task-ID": "stopme", "X-Session-ID": "stop1"},
+        )
+        _await_running_anywhere(app)
+        r = httpx.post(f"{app.url}/v1/tasks/stopme/cancel", headers=auth)
+        assert r.json()["cancelled"] == ["stopme"]
+        answer = waiting.result(timeout=60)
+    assert (answer.status_code, answer.json()["error"]["code"]) == (409, "task_cancelled")
+    assert _session_turns(app, "stop1", expect=1) == [(ANY_WORKER, "cancelled")]
+    streamed = {**long, "stream": True}
+    headers = {**auth, "X-Task-ID": "stopme2", "X-Session-ID": "stop2"}
+    with httpx.stream("POST", url, json=streamed, headers=headers, timeout=120) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        httpx.post(f"{app.url}/v1/tasks/stopme2/cancel", headers=auth)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert any('"task_cancelled"' in line for line in rest), rest[-3:]
+    assert _session_turns(app, "stop2", expect=1) == [(ANY_WORKER, "cancelled")]
+
+
+def _await_running_anywhere(app: RunningAppliance) -> None:
+    """Until some worker says it runs a request (its own /metrics)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for i in range(2):
+            metrics = httpx.get(f"http://127.0.0.1:{app.base_port + i}/metrics", timeout=5).text
+            if parse_metrics(metrics).total("vllm:num_requests_running") >= 1:
+                return
+        time.sleep(0.02)
+    pytest.fail("no worker ran the turn")
 
 
 def test_the_routers_own_time_per_turn_is_on_metrics(appliance_up: RunningAppliance) -> None:
