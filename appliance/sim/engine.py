@@ -214,6 +214,21 @@ class TurnEnd:
     """Tokens in the request's cached (pinnable) blocks."""
     kv_usage: float
     now_s: float
+    host_blocks: int = 0
+    """The worker's host tier's capacity in blocks (0: none)."""
+    host_used_blocks: int = 0
+    """Of those, blocks in use."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinDue:
+    """A held session whose pin has come due, as a residency hook that revisits sees it."""
+
+    pin: Pin
+    kv_usage: float
+    now_s: float
+    host_blocks: int = 0
+    host_used_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +242,11 @@ class AfterTurn:
 
 class Residency(Protocol):
     """What the engine asks about a finished request's blocks, and the order in which pins
-    are given back under pressure (lowest first)."""
+    are given back under pressure (lowest first). A hook may also have
+    `revisit(due: PinDue) -> AfterTurn` (asked for each pin as it comes due: "hold"
+    extends it, "demote" or "evict" end it so, "release" lets it lapse) and
+    `turn_arrived(req: SimRequest, now: float) -> None` (told of every request as it
+    arrives: a session's next turn)."""
 
     def after_turn(self, end: TurnEnd) -> AfterTurn: ...
 
@@ -388,6 +407,10 @@ class SimEngine:
             host=self.host if enable_prefix_caching else None,
         )
         self._residency = residency
+        self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
+        self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
+            residency, "turn_arrived", None
+        )
         if residency is not None:
             self.cache.pin_priority = residency.pin_priority
         self._token = output_token_ids or default_output_token
@@ -423,6 +446,8 @@ class SimEngine:
         entry = _Entry(req, creq, now, self._seq)
         self._entries[req.request_id] = entry
         self._waiting.add(entry)
+        if self._turn_arrived is not None:
+            self._turn_arrived(req, now)
 
     def abort_request(self, request_id: str, now: float) -> None:
         """Drop a request wherever it is and free its blocks; unknown ids are ignored."""
@@ -678,7 +703,27 @@ class SimEngine:
         due = self.cache.next_pin_expiry_s()
         if due is None or due > now:
             return
-        self.cache.expire_pins(now, keep={self._owner(e.req) for e in self._waiting})
+        keep = {self._owner(e.req) for e in self._waiting}
+        if self._revisit is not None:
+            for pin in self.cache.due_pins(now, keep=keep):
+                self._carry_out_revisit(pin, now)
+        self.cache.expire_pins(now, keep=keep)
+
+    def _carry_out_revisit(self, pin: Pin, now: float) -> None:
+        """Ask the hook again about a due pin and do what it says ("release": it lapses)."""
+        assert self._revisit is not None
+        used, capacity = self._host_blocks()
+        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used))
+        if after.action == "hold" and after.until_s is not None and after.until_s > now:
+            self.cache.extend_pin(pin.owner, after.until_s)
+        elif after.action == "demote" and self.host is not None:
+            self.demote(pin.owner)
+        elif after.action == "evict":
+            self.evict(pin.owner)
+
+    def _host_blocks(self) -> tuple[int, int]:
+        """(blocks in use, capacity) of the host tier; (0, 0) without one."""
+        return (len(self.host), self.host.num_blocks) if self.host is not None else (0, 0)
 
     def demote(self, session_id: str) -> int:
         """Copy a held session's pinned blocks to the host tier and free them on the GPU
@@ -704,7 +749,8 @@ class SimEngine:
             return
         blocks = self.cache.pool.blocks
         cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
-        end = TurnEnd(entry.req, cached * self.block_size, self.cache.usage, now)
+        used, capacity = self._host_blocks()
+        end = TurnEnd(entry.req, cached * self.block_size, self.cache.usage, now, capacity, used)
         after = self._residency.after_turn(end)
         if after.action == "hold" and after.until_s is not None and after.until_s > now:
             self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=after.until_s)
