@@ -185,16 +185,19 @@ class ClosedLoop:
             return out  # the next turn comes when the last child has ended (`_ended`)
         if k + 1 < len(run.task.turns):
             return self._next(run, now + turn.tool_wait_s)
-        return self._ended(run, now)
+        return self._ended(run, now + turn.tool_wait_s)  # a last tool call: it gave up then
 
     def hint(self, request_id: str) -> TurnHint | None:
         """What the task says about a turn's end: whether a tool call follows, which, how long."""
         where = self._turn_of.get(request_id)
         if where is None:
             return None
-        turn = self._runs[where[0]].task.turns[where[1]]
+        turns = self._runs[where[0]].task.turns
+        turn = turns[where[1]]
         tool = turn.tool_class
-        return TurnHint(tool is not None, tool, turn.tool_wait_s if tool is not None else None)
+        wait_s = turn.tool_wait_s if tool is not None else None
+        ends = where[1] + 1 == len(turns) and not _spawns(turn)
+        return TurnHint(tool is not None, tool, wait_s, session_ends=ends)
 
     def sessions(self) -> dict[str, str]:
         """Request id -> task id, for every request sent."""

@@ -31,12 +31,14 @@ completions instead of a trace's timestamps, with the tasks' deadlines and outco
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.policy.residency import ResidencyPolicy
+from appliance.policy.residency_by_name import residency_policy
+from appliance.policy.survival import LogNormal
 from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
 from appliance.replay.metrics import policy_metrics, task_metrics
 from appliance.replay.progress import ProgressBar
@@ -263,11 +265,15 @@ def replay_workload(
     residency: str | ResidencyPolicy = DEFAULT_RESIDENCY,
     gpu_second: float = DEFAULT_GPU_SECOND,
     pooled_host: bool = False,
+    wait_priors: Mapping[str, LogNormal] | None = None,
 ) -> dict[str, object]:
     """Replay a closed-loop workload with `policy` routing and `residency` holding: each
-    task's next turn arrives when its last one finished plus its tool wait. Returns the same
-    metrics as `replay_policy`, the task figures filled in."""
+    task's next turn arrives when its last one finished plus its tool wait. `wait_priors`
+    (tool class -> its wait) are the reaper's priors. Returns the same metrics as
+    `replay_policy`, the task figures filled in."""
     loop = ClosedLoop(tasks, max_model_len=setup.max_model_len, seed=setup.token_seed)
+    if isinstance(residency, str):
+        residency = residency_policy(residency, priors=wait_priors)
     hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size, hints=loop.hint)
     engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
