@@ -10,7 +10,8 @@ no hints, so a policy sees "unknown" there. HOLD becomes a pin until `until_s`; 
 leaves the blocks to vLLM's LRU; DEMOTE copies them to the worker's host tier and frees
 them on the GPU (the engine refuses it when the worker has no host tier: `--host-gib`);
 EVICT frees them to the head of the GPU's eviction order. Decisions are counted by reason
-(`reasons`) and by action (`actions`), and by tool class and action (`by_tool`).
+(`reasons`), by kind (`kinds`), by action (`actions`), and by tool class and action
+(`by_tool`).
 
 A policy that learns from its sessions (the reaper: `observe_return`, `observe_abandoned`)
 is told of each idle period's end exactly once: its session's next turn arriving at an
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from appliance.policy.residency import (
+    DEFAULT_TENANT,
     HeldSession,
     HostTier,
     IdleSession,
@@ -104,12 +106,14 @@ class PolicyResidency:
         self.hints = hints
         self.reasons: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
         self.by_tool: Counter[tuple[str, str]] = Counter()
         """(tool class, action) -> decisions, revisits included."""
         self._idle: dict[str, IdleSession] = {}
         self._ends: list[tuple[float, str, float]] = []  # (at_s, session, finished_at_s)
         self._max_idle_s: float | None = getattr(self.policy, "max_residency_s", None)
         self._revisits = bool(getattr(self.policy, "revisits_holds", False))
+        self._capped = getattr(self.policy, "tenant_cap_bytes", None) is not None
 
     @property
     def name(self) -> str:
@@ -150,6 +154,8 @@ class PolicyResidency:
             session,
             kv_usage=due.kv_usage,
             host=self._host(session.kv_bytes or 0, due.host_blocks, due.host_used_blocks),
+            tenant_held_bytes=self._tenant_held_bytes(session, due.pins),
+            hbm_value=self._hbm_value(session.session_id, due.pins, due.now_s),
         )
         return self._decide(now_session, due.now_s)
 
@@ -182,12 +188,13 @@ class PolicyResidency:
     def _count(self, session: IdleSession, decision: ResidencyDecision) -> None:
         self.reasons[_NUMBERS.sub("N", decision.reason)] += 1
         self.actions[decision.action.value] += 1
+        self.kinds[decision.kind.value if decision.kind else "unknown"] += 1
         self.by_tool[(session.tool_class or NO_TOOL, decision.action.value)] += 1
 
     def _idle_session(self, req: SimRequest, hint: TurnHint | None, end: TurnEnd) -> IdleSession:
         n = end.resident_tokens
         kv_bytes = self.latency.kv_bytes(n)
-        return IdleSession(
+        session = IdleSession(
             session_id=_session_id(req),
             resident_tokens=n,
             finished_at_s=end.now_s,
@@ -199,7 +206,38 @@ class PolicyResidency:
             kv_bytes=kv_bytes,
             host=self._host(kv_bytes, end.host_blocks, end.host_used_blocks),
             promote_s=self.latency.kv_copy_s(n, CopyDirection.H2D) if n else 0.0,
+            tenant=req.cache_salt or DEFAULT_TENANT,
         )
+        return dataclasses.replace(
+            session,
+            tenant_held_bytes=self._tenant_held_bytes(session, end.pins),
+            hbm_value=self._hbm_value(session.session_id, end.pins, end.now_s),
+        )
+
+    def _hbm_value(self, session_id: str, pins: tuple[Pin, ...], now: float) -> float | None:
+        """What the space a hold takes is worth: the lowest `priority` among the worker's
+        other holds, the first a hold would push out (None: no other holds, or a policy
+        that does not revisit and so does not weigh it)."""
+        if not self._revisits:
+            return None
+        values = [self.pin_priority(p, now) for p in pins if p.owner != session_id]
+        return min(values) if values else None
+
+    def _tenant_held_bytes(self, session: IdleSession, pins: tuple[Pin, ...]) -> int:
+        """Bytes the session's tenant holds on this worker, its own pin not counted (0
+        unless the policy caps tenants: the sum costs a pass over the pins)."""
+        if not self._capped:
+            return 0
+        tokens = sum(
+            p.num_blocks * self.block_size
+            for p in pins
+            if p.owner != session.session_id and self._tenant_of(p.owner) == session.tenant
+        )
+        return self.latency.kv_bytes(tokens)
+
+    def _tenant_of(self, session_id: str) -> str | None:
+        session = self._idle.get(session_id)
+        return session.tenant if session is not None else None
 
     def _host(self, kv_bytes: int, capacity: int, used: int) -> HostTier | None:
         """The host tier as the policy sees it: room for the whole session (it is a cache

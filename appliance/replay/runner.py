@@ -252,7 +252,17 @@ def _with_counts(
     out["routed_by_reason"] = dict(router.reasons.most_common(8))
     out["residency_by_reason"] = dict(hold.reasons.most_common(8))
     out["residency_by_action"] = dict(hold.actions.most_common())
+    out["residency_by_kind"] = dict(hold.kinds.most_common())
+    out["residency_by_tool"] = _by_tool(hold)
     out["wall_s"] = round(wall_s, 2)
+    return out
+
+
+def _by_tool(hold: PolicyResidency) -> dict[str, dict[str, int]]:
+    """Tool class -> action -> decisions (revisits included)."""
+    out: dict[str, dict[str, int]] = {}
+    for (tool, action), n in sorted(hold.by_tool.items()):
+        out.setdefault(tool, {})[action] = n
     return out
 
 

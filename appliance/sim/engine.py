@@ -218,6 +218,8 @@ class TurnEnd:
     """The worker's host tier's capacity in blocks (0: none)."""
     host_used_blocks: int = 0
     """Of those, blocks in use."""
+    pins: tuple[Pin, ...] = ()
+    """The worker's standing pins."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +231,7 @@ class PinDue:
     now_s: float
     host_blocks: int = 0
     host_used_blocks: int = 0
+    pins: tuple[Pin, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -713,7 +716,7 @@ class SimEngine:
         """Ask the hook again about a due pin and do what it says ("release": it lapses)."""
         assert self._revisit is not None
         used, capacity = self._host_blocks()
-        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used))
+        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used, self.cache.pins))
         if after.action == "hold" and after.until_s is not None and after.until_s > now:
             self.cache.extend_pin(pin.owner, after.until_s)
         elif after.action == "demote" and self.host is not None:
@@ -750,7 +753,15 @@ class SimEngine:
         blocks = self.cache.pool.blocks
         cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
         used, capacity = self._host_blocks()
-        end = TurnEnd(entry.req, cached * self.block_size, self.cache.usage, now, capacity, used)
+        end = TurnEnd(
+            entry.req,
+            cached * self.block_size,
+            self.cache.usage,
+            now,
+            capacity,
+            used,
+            self.cache.pins,
+        )
         after = self._residency.after_turn(end)
         if after.action == "hold" and after.until_s is not None and after.until_s > now:
             self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=after.until_s)

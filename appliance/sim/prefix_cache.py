@@ -634,8 +634,10 @@ class PrefixCache:
         self, request: CacheRequest, num_new_tokens: int, hit: CacheHit, full: bool
     ) -> bool:
         """Give pins back, lowest `pin_priority` first, until the allocation fits; only
-        when giving all of them back (the requester's own excepted) would make it fit."""
-        owner = request.session_id
+        when giving all of them back would make it fit. The requester's own session's pin
+        is spared while the request adopts a hit (it may hold those very blocks), never
+        otherwise: a running request of a session is not preempted for its own pin."""
+        owner = request.session_id if hit.block_ids else None
         victims = [(o, pin, blocks) for o, (pin, blocks) in self._pins.items() if o != owner]
         if not victims:
             return False
