@@ -199,6 +199,13 @@ class ClosedLoop:
         ends = where[1] + 1 == len(turns) and not _spawns(turn)
         return TurnHint(tool is not None, tool, wait_s, session_ends=ends)
 
+    def previous_tool(self, request_id: str) -> str | None:
+        """The tool the task waited on before this turn (None: its first turn)."""
+        where = self._turn_of.get(request_id)
+        if where is None or where[1] == 0:
+            return None
+        return self._runs[where[0]].task.turns[where[1] - 1].tool_class
+
     def sessions(self) -> dict[str, str]:
         """Request id -> task id, for every request sent."""
         return {rid: task_id for rid, (task_id, _) in self._turn_of.items()}

@@ -114,6 +114,7 @@ class PolicyResidency:
         self._max_idle_s: float | None = getattr(self.policy, "max_residency_s", None)
         self._revisits = bool(getattr(self.policy, "revisits_holds", False))
         self._capped = getattr(self.policy, "tenant_cap_bytes", None) is not None
+        self._pressure_from: float = getattr(self.policy, "pressure_from", 0.0)
 
     @property
     def name(self) -> str:
@@ -155,7 +156,7 @@ class PolicyResidency:
             kv_usage=due.kv_usage,
             host=self._host(session.kv_bytes or 0, due.host_blocks, due.host_used_blocks),
             tenant_held_bytes=self._tenant_held_bytes(session, due.pins),
-            hbm_value=self._hbm_value(session.session_id, due.pins, due.now_s),
+            hbm_value=self._hbm_value(session.session_id, due.kv_usage, due.pins, due.now_s),
         )
         return self._decide(now_session, due.now_s)
 
@@ -211,14 +212,17 @@ class PolicyResidency:
         return dataclasses.replace(
             session,
             tenant_held_bytes=self._tenant_held_bytes(session, end.pins),
-            hbm_value=self._hbm_value(session.session_id, end.pins, end.now_s),
+            hbm_value=self._hbm_value(session.session_id, end.kv_usage, end.pins, end.now_s),
         )
 
-    def _hbm_value(self, session_id: str, pins: tuple[Pin, ...], now: float) -> float | None:
+    def _hbm_value(
+        self, session_id: str, kv_usage: float, pins: tuple[Pin, ...], now: float
+    ) -> float | None:
         """What the space a hold takes is worth: the lowest `priority` among the worker's
-        other holds, the first a hold would push out (None: no other holds, or a policy
-        that does not revisit and so does not weigh it)."""
-        if not self._revisits:
+        other holds, the first a hold would push out (None: no other holds, a pool under
+        the policy's `pressure_from`, where space costs nothing, or a policy that does not
+        revisit and so does not weigh it)."""
+        if not self._revisits or kv_usage < self._pressure_from:
             return None
         values = [self.pin_priority(p, now) for p in pins if p.owner != session_id]
         return min(values) if values else None

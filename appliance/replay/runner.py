@@ -50,7 +50,7 @@ from appliance.sim.host_tier import HostTier
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
 from appliance.sim.trace import BlockTokens, trace_arrivals
-from appliance.sim.virtual import replay
+from appliance.sim.virtual import RequestRecord, replay
 from appliance.sim.worker import default_num_gpu_blocks
 
 GIB = 1 << 30
@@ -258,6 +258,23 @@ def _with_counts(
     return out
 
 
+def reuse_by_tool(records: Sequence[RequestRecord], loop: ClosedLoop) -> dict[str, object]:
+    """Tool class -> how much of the turns that follow a wait on it was found cached: the
+    turns, their prompt and cached tokens, and the hit ratio."""
+    sums: dict[str, list[int]] = {}
+    for r in records:
+        tool = loop.previous_tool(r.request_id)
+        if tool is not None:
+            s = sums.setdefault(tool, [0, 0, 0])
+            s[0] += 1
+            s[1] += r.prompt_tokens
+            s[2] += r.cached_tokens
+    return {
+        tool: {"turns": n, "prompt_tokens": p, "cached_tokens": c, "hit": round(c / p, 4)}
+        for tool, (n, p, c) in sorted(sums.items())
+    }
+
+
 def _by_tool(hold: PolicyResidency) -> dict[str, dict[str, int]]:
     """Tool class -> action -> decisions (revisits included)."""
     out: dict[str, dict[str, int]] = {}
@@ -304,4 +321,5 @@ def replay_workload(
         tasks=task_metrics(outcomes, gpu_second=gpu_second),
         pooled_host=pooled_host,
     )
+    out["reuse_by_tool"] = reuse_by_tool(result.records, loop)
     return _with_counts(out, router, hold, wall_s)

@@ -88,7 +88,11 @@ those of sessions whose next request is already waiting; a session's pin is rele
 its next request is admitted (that request then holds what it reuses); and under pressure
 the cache gives pins back in `residency.pin_priority` order before the scheduler would
 preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do the same to a
-held session's pin at any time between steps.
+held session's pin at any time between steps. A hook with `revisit(PinDue)` is asked again
+about each pin as it comes due (before it would lapse) and the engine extends it, demotes
+or evicts it, or lets it lapse, as the answer says; a hook with `turn_arrived(req, now)` is
+told of each request as it is added. A running request is never preempted for its own
+session's pin (only a request adopting a hit spares it: it may hold those very blocks).
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs

@@ -20,7 +20,7 @@ from appliance.policy.residency import (
 from appliance.policy.residency_by_name import residency_policy
 from appliance.replay.closed_loop import ClosedLoop
 from appliance.replay.residency import PolicyResidency, TurnHint, wait_priors
-from appliance.replay.runner import make_engines, make_setup
+from appliance.replay.runner import make_engines, make_setup, replay_workload
 from appliance.sim.engine import PinDue, SimRequest, TurnEnd
 from appliance.sim.prefix_cache import Pin
 from appliance.sim.virtual import RequestRecord
@@ -290,3 +290,13 @@ def test_a_fan_out_storm_does_not_push_out_other_tenants_warm_prefixes_past_its_
     returns = [f"o{i}/1" for i in range(8)]
     assert all(capped.records[r].cached_tokens >= 2 * BLOCK for r in returns)
     assert sum(lru.records[r].cached_tokens for r in returns) < 8 * 2 * BLOCK
+
+
+def test_reuse_is_counted_by_the_tool_the_turn_waited_on() -> None:
+    setup, latency = make_setup(workers=1, hbm_gib=4.0)
+    tasks = [task("a", [t(2 * BLOCK, 8, "file", 1.0), t(100, 8, "test", 5.0), t(100)])]
+    m = replay_workload(tasks, "round-robin", setup, latency, residency="reaper")
+    reuse = m["reuse_by_tool"]
+    assert set(reuse) == {"file", "test"}
+    assert reuse["file"]["turns"] == reuse["test"]["turns"] == 1
+    assert reuse["file"]["cached_tokens"] == 3 * BLOCK  # prefix and statement: 3 blocks
