@@ -115,6 +115,8 @@ class PolicyResidency:
         self._revisits = bool(getattr(self.policy, "revisits_holds", False))
         self._capped = getattr(self.policy, "tenant_cap_bytes", None) is not None
         self._pressure_from: float = getattr(self.policy, "pressure_from", 0.0)
+        self._ranks: dict[tuple[str, int], float] = {}  # pin -> priority, at `_ranks_at`
+        self._ranks_at = -math.inf
 
     @property
     def name(self) -> str:
@@ -168,15 +170,28 @@ class PolicyResidency:
             observe = getattr(self.policy, "observe_return", None)
             if observe is not None:
                 observe(sid, now)
+                self._ranks.clear()
 
     def pin_priority(self, pin: Pin, now: float) -> float:
-        held = HeldSession(
-            pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
-        )
-        return self.policy.priority(held, now)
+        """The policy's priority of a held session, asked once per pin and instant (the
+        engine ranks the same pins for every allocation and turn end of a step) until the
+        policy learns something (a decision on that session, a return, an abandonment)."""
+        if now != self._ranks_at:
+            self._ranks.clear()
+            self._ranks_at = now
+        key = (pin.owner, pin.seq)
+        rank = self._ranks.get(key)
+        if rank is None:
+            held = HeldSession(
+                pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
+            )
+            rank = self._ranks[key] = self.policy.priority(held, now)
+        return rank
 
     def _decide(self, session: IdleSession, now: float) -> AfterTurn:
         decision = self.policy.decide(session, now)
+        for key in [k for k in self._ranks if k[0] == session.session_id]:
+            del self._ranks[key]
         self._count(session, decision)
         if decision.action is Residency.HOLD:
             return AfterTurn("hold", decision.until_s)
@@ -273,6 +288,7 @@ class PolicyResidency:
             observe = getattr(self.policy, "observe_abandoned", None)
             if observe is not None:
                 observe(sid, at_s)
+                self._ranks.clear()
 
 
 def _session_id(req: SimRequest) -> str:
