@@ -16,7 +16,8 @@ carries its tenant as `cache_salt` (tenants never share cache entries, as in the
 appliance) and its task id as session id. A turn whose conversation no longer fits
 `max_model_len` is not sent, and the task ends there unfinished.
 
-A task meets its deadline when all its turns finished by `start_s + deadline_s`
+A task whose last turn calls a tool (its session abandoned there: the tool never answers)
+never completes. A task meets its deadline when all its turns finished by `start_s + deadline_s`
 (`deadline_s` counts from the task's start, as `X-Deadline-S` does). Its GPU-seconds are
 its requests' shares of the steps they ran in (`GpuSeconds`).
 """
@@ -91,10 +92,12 @@ class TaskOutcome:
     succeeds: bool
     verified: bool
     gpu_s: float
+    abandoned: bool = False
+    """Its last turn called a tool that never answered: the session walked away."""
 
     @property
     def completed(self) -> bool:
-        return self.turns_done == self.turns
+        return self.turns_done == self.turns and not self.abandoned
 
     @property
     def met_deadline(self) -> bool | None:
@@ -228,6 +231,7 @@ class ClosedLoop:
                 succeeds=t.succeeds,
                 verified=t.verified,
                 gpu_s=spent.get(t.task_id, 0.0),
+                abandoned=t.turns[-1].tool_class is not None,
             )
             for run in self._runs.values()
             for t in (run.task,)

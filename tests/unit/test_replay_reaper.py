@@ -300,3 +300,13 @@ def test_reuse_is_counted_by_the_tool_the_turn_waited_on() -> None:
     assert set(reuse) == {"file", "test"}
     assert reuse["file"]["turns"] == reuse["test"]["turns"] == 1
     assert reuse["file"]["cached_tokens"] == 3 * BLOCK  # prefix and statement: 3 blocks
+
+
+def test_an_abandoned_task_never_completes_nor_meets_its_deadline() -> None:
+    setup, latency = make_setup(workers=1, hbm_gib=4.0)
+    gone = AgentTask("gone", None, "acme", "fix", 0.0, 600.0, False, False, "p", 512,
+                     (t(BLOCK, 8, "approval", 30.0),))  # fmt: skip
+    done = AgentTask("done", None, "acme", "fix", 0.0, 600.0, True, True, "q", 512,
+                     (t(BLOCK, 8, "file", 1.0), t(100)))  # fmt: skip
+    m = replay_workload([gone, done], "round-robin", setup, latency, residency="reaper")
+    assert m["tasks"] == 2 and m["tasks_completed"] == 1 and m["deadline_goodput"] == 0.5
