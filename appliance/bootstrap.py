@@ -77,13 +77,16 @@ def replay(
         raise ConfigError("replay: give a TRACE or --workload FILE, one of the two")
     try:
         if workload is not None:
+            from appliance.replay.residency import wait_priors
             from appliance.workload import generate, load_spec
 
             if options.pop("limit", None) is not None:
                 raise ConfigError("replay: --limit cuts a trace; a workload takes --tasks N")
-            generated = generate(load_spec(workload), root_tasks=tasks)
+            spec = load_spec(workload)
+            generated = generate(spec, root_tasks=tasks)
             result = run_workload(
                 generated.tasks,
+                wait_priors=wait_priors(spec.tool_classes),
                 gpu_second=load_settings().costs.gpu_second,
                 source=str(workload),
                 progress=sys.stderr.isatty(),

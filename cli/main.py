@@ -204,7 +204,9 @@ def replay(
         list[str] | None,
         typer.Option(
             "--residency",
-            help="Residency policy: lru, ttl-pin or ttl-pin:SECONDS (repeat; default: lru).",
+            help=(
+                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS or reaper (repeat; default: lru)."
+            ),
         ),
     ] = None,
     workers: Annotated[int, typer.Option(help="Simulated workers.")] = 8,

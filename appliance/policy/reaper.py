@@ -141,6 +141,9 @@ class Reaper:
     """The idle reaper's residency policy; see the module. `survival`: the wait model
     (default: a `WaitSurvival` from `priors`, tool class -> its wait)."""
 
+    revisits_holds = True
+    """A HOLD's `until_s` is when to decide again, not when the hold must end."""
+
     def __init__(
         self,
         survival: WaitModel | None = None,

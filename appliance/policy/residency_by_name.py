@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import Lru, ResidencyPolicy, TtlPin
+from appliance.policy.survival import LogNormal
 
 RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper")
 
 
-def residency_policy(name: str) -> ResidencyPolicy:
+def residency_policy(
+    name: str, *, priors: Mapping[str, LogNormal] | None = None
+) -> ResidencyPolicy:
     """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
-    defaults, the default wait prior); ValueError else."""
+    defaults; `priors`: tool class -> its wait, else the default wait prior); ValueError
+    else."""
     base, sep, arg = name.partition(":")
     if base == "lru" and not sep:
         return Lru()
     if base == "reaper" and not sep:
-        return Reaper()
+        return Reaper(priors=priors)
     if base == "ttl-pin":
         if not sep:
             return TtlPin()

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from appliance.policy.residency_by_name import residency_policy
+from appliance.policy.survival import LogNormal
 from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
 from appliance.replay.closed_loop import AgentTaskLike
 from appliance.replay.report import write_report
@@ -111,11 +112,13 @@ def run_workload(
     block_size: int = DEFAULT_BLOCK_SIZE,
     gpu_second: float = DEFAULT_GPU_SECOND,
     source: str = "workload",
+    wait_priors: Mapping[str, LogNormal] | None = None,
 ) -> dict[str, Any]:
     """Replay closed-loop agent `tasks` (`closed_loop.py`) through each routing policy under
     each residency policy, as `run_replay` does a trace; no bounds (a closed loop's order
     depends on the policy), the task figures (deadline goodput, cost per successful task at
-    `gpu_second` per GPU-second) filled in."""
+    `gpu_second` per GPU-second) filled in; `wait_priors` (tool class -> its wait, e.g.
+    `residency.wait_priors(spec.tool_classes)`) are the reaper's priors."""
     setup, latency = make_setup(
         workers=workers,
         gpu_profile=gpu_profile,
@@ -135,7 +138,7 @@ def run_workload(
         "setup": setup.to_json(),
         "bounds": {},
     }
-    one = partial(_workload_row, tasks, setup, latency, gpu_second)
+    one = partial(_workload_row, tasks, setup, latency, gpu_second, wait_priors)
     return _with_rows(out, rows, one, jobs=jobs, progress=progress, report=report)
 
 
@@ -165,6 +168,7 @@ def _workload_row(
     setup: ReplaySetup,
     latency: LatencyModel,
     gpu_second: float,
+    wait_priors: Mapping[str, LogNormal] | None,
     row: Row,
     progress: bool,
 ) -> dict[str, object]:
@@ -176,6 +180,7 @@ def _workload_row(
         residency=row.residency,
         gpu_second=gpu_second,
         pooled_host=row.pooled_host,
+        wait_priors=wait_priors,
     )
 
 

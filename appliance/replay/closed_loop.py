@@ -16,7 +16,8 @@ carries its tenant as `cache_salt` (tenants never share cache entries, as in the
 appliance) and its task id as session id. A turn whose conversation no longer fits
 `max_model_len` is not sent, and the task ends there unfinished.
 
-A task meets its deadline when all its turns finished by `start_s + deadline_s`
+A task whose last turn calls a tool (its session abandoned there: the tool never answers)
+never completes. A task meets its deadline when all its turns finished by `start_s + deadline_s`
 (`deadline_s` counts from the task's start, as `X-Deadline-S` does). Its GPU-seconds are
 its requests' shares of the steps they ran in (`GpuSeconds`).
 """
@@ -91,10 +92,12 @@ class TaskOutcome:
     succeeds: bool
     verified: bool
     gpu_s: float
+    abandoned: bool = False
+    """Its last turn called a tool that never answered: the session walked away."""
 
     @property
     def completed(self) -> bool:
-        return self.turns_done == self.turns
+        return self.turns_done == self.turns and not self.abandoned
 
     @property
     def met_deadline(self) -> bool | None:
@@ -185,16 +188,26 @@ class ClosedLoop:
             return out  # the next turn comes when the last child has ended (`_ended`)
         if k + 1 < len(run.task.turns):
             return self._next(run, now + turn.tool_wait_s)
-        return self._ended(run, now)
+        return self._ended(run, now + turn.tool_wait_s)  # a last tool call: it gave up then
 
     def hint(self, request_id: str) -> TurnHint | None:
         """What the task says about a turn's end: whether a tool call follows, which, how long."""
         where = self._turn_of.get(request_id)
         if where is None:
             return None
-        turn = self._runs[where[0]].task.turns[where[1]]
+        turns = self._runs[where[0]].task.turns
+        turn = turns[where[1]]
         tool = turn.tool_class
-        return TurnHint(tool is not None, tool, turn.tool_wait_s if tool is not None else None)
+        wait_s = turn.tool_wait_s if tool is not None else None
+        ends = where[1] + 1 == len(turns) and not _spawns(turn)
+        return TurnHint(tool is not None, tool, wait_s, session_ends=ends)
+
+    def previous_tool(self, request_id: str) -> str | None:
+        """The tool the task waited on before this turn (None: its first turn)."""
+        where = self._turn_of.get(request_id)
+        if where is None or where[1] == 0:
+            return None
+        return self._runs[where[0]].task.turns[where[1] - 1].tool_class
 
     def sessions(self) -> dict[str, str]:
         """Request id -> task id, for every request sent."""
@@ -218,6 +231,7 @@ class ClosedLoop:
                 succeeds=t.succeeds,
                 verified=t.verified,
                 gpu_s=spent.get(t.task_id, 0.0),
+                abandoned=t.turns[-1].tool_class is not None,
             )
             for run in self._runs.values()
             for t in (run.task,)

@@ -10,7 +10,18 @@ no hints, so a policy sees "unknown" there. HOLD becomes a pin until `until_s`; 
 leaves the blocks to vLLM's LRU; DEMOTE copies them to the worker's host tier and frees
 them on the GPU (the engine refuses it when the worker has no host tier: `--host-gib`);
 EVICT frees them to the head of the GPU's eviction order. Decisions are counted by reason
-(`reasons`) and by action (`actions`).
+(`reasons`), by kind (`kinds`), by action (`actions`), and by tool class and action
+(`by_tool`).
+
+A policy that learns from its sessions (the reaper: `observe_return`, `observe_abandoned`)
+is told of each idle period's end exactly once: its session's next turn arriving at an
+engine (`turn_arrived`), or the session ending without one: the workload's task ending
+(`TurnHint.session_ends`: at the turn's end plus its tool wait, when the client gives up),
+or an idle time past the policy's `max_residency_s` (a session timed out). A policy that
+revisits its holds (`revisits_holds`) is asked again about each pin as it comes due, with the
+worker as it is then, and the engine extends, demotes, evicts or lets it lapse as it says.
+The host tier is a cache that makes room by evicting, so a session's room there is its
+capacity and its pressure the share in use.
 
 Host-tier eviction order: the host tier is LRU, as vLLM's, unless the policy has a
 `host_priority(held: HeldSession, now) -> float` method, which then ranks the sessions
@@ -20,38 +31,62 @@ blocks, `held_since_s` their last use, `until_s` infinite).
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import math
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from appliance.policy.residency import (
+    DEFAULT_TENANT,
     HeldSession,
+    HostTier,
     IdleSession,
     Residency,
+    ResidencyDecision,
     ResidencyPolicy,
 )
 from appliance.policy.residency_by_name import residency_policy
-from appliance.sim.engine import AfterTurn, TurnEnd
+from appliance.policy.survival import LogNormal
+from appliance.sim.engine import AfterTurn, PinDue, SimRequest, TurnEnd
 from appliance.sim.host_tier import HostPriority, HostSession
-from appliance.sim.latency import LatencyModel
+from appliance.sim.latency import CopyDirection, LatencyModel
 from appliance.sim.prefix_cache import Pin
 
 _NUMBERS = re.compile(r"\d[\d.,]*")
+NO_TOOL = "(none)"
+"""`by_tool`'s class for a turn without a hint of one."""
 
 
 @dataclass(frozen=True, slots=True)
 class TurnHint:
-    """What the client said about a turn (`X-Tool-Class`, `X-Expected-Tool-Wait-S`)."""
+    """What the client said about a turn (`X-Tool-Class`, `X-Expected-Tool-Wait-S`), and
+    whether its session ends after it (`session_ends`: no next turn; with a tool call, the
+    client gives up after `expected_wait_s`)."""
 
     ends_in_tool_call: bool
     tool_class: str | None = None
     expected_wait_s: float | None = None
+    session_ends: bool = False
 
 
 Hints = Callable[[str], TurnHint | None]
 """Request id -> its hint, if the workload has one."""
+
+
+class WaitDistribution(Protocol):
+    @property
+    def median(self) -> float: ...
+    @property
+    def p95(self) -> float: ...
+
+
+def wait_priors(tool_classes: Mapping[str, WaitDistribution]) -> dict[str, LogNormal]:
+    """Tool class -> its wait as a prior for the reaper (a workload spec's `tool_classes`)."""
+    return {name: LogNormal.from_median_p95(d.median, d.p95) for name, d in tool_classes.items()}
 
 
 class PolicyResidency:
@@ -71,6 +106,17 @@ class PolicyResidency:
         self.hints = hints
         self.reasons: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
+        self.by_tool: Counter[tuple[str, str]] = Counter()
+        """(tool class, action) -> decisions, revisits included."""
+        self._idle: dict[str, IdleSession] = {}
+        self._ends: list[tuple[float, str, float]] = []  # (at_s, session, finished_at_s)
+        self._max_idle_s: float | None = getattr(self.policy, "max_residency_s", None)
+        self._revisits = bool(getattr(self.policy, "revisits_holds", False))
+        self._capped = getattr(self.policy, "tenant_cap_bytes", None) is not None
+        self._pressure_from: float = getattr(self.policy, "pressure_from", 0.0)
+        self._ranks: dict[tuple[str, int], float] = {}  # pin -> priority, at `_ranks_at`
+        self._ranks_at = -math.inf
 
     @property
     def name(self) -> str:
@@ -92,22 +138,61 @@ class PolicyResidency:
         return priority
 
     def after_turn(self, end: TurnEnd) -> AfterTurn:
+        self._report_ends(end.now_s)
         req = end.request
         hint = self.hints(req.request_id) if self.hints is not None else None
-        n = end.resident_tokens
-        session = IdleSession(
-            session_id=req.session_id if req.session_id is not None else req.request_id,
-            resident_tokens=n,
-            finished_at_s=end.now_s,
-            ends_in_tool_call=hint.ends_in_tool_call if hint else None,
-            tool_class=hint.tool_class if hint else None,
-            expected_wait_s=hint.expected_wait_s if hint else None,
-            recompute_s=self.latency.prefill_s(n) if n else 0.0,
-            kv_usage=end.kv_usage,
+        session = self._idle_session(req, hint, end)
+        self._idle[session.session_id] = session
+        self._schedule_end(session, hint)
+        return self._decide(session, end.now_s)
+
+    def revisit(self, due: PinDue) -> AfterTurn:
+        """A held session's pin is due: decide again for the same idle period, the worker
+        as it is now (a session already back, or ended, lets its pin lapse)."""
+        self._report_ends(due.now_s)
+        session = self._idle.get(due.pin.owner)
+        if not self._revisits or session is None or session.finished_at_s != due.pin.pinned_at_s:
+            return AfterTurn("release")
+        now_session = dataclasses.replace(
+            session,
+            kv_usage=due.kv_usage,
+            host=self._host(session.kv_bytes or 0, due.host_blocks, due.host_used_blocks),
+            tenant_held_bytes=self._tenant_held_bytes(session, due.pins),
+            hbm_value=self._hbm_value(session.session_id, due.kv_usage, due.pins, due.now_s),
         )
-        decision = self.policy.decide(session, end.now_s)
-        self.reasons[_NUMBERS.sub("N", decision.reason)] += 1
-        self.actions[decision.action.value] += 1
+        return self._decide(now_session, due.now_s)
+
+    def turn_arrived(self, req: SimRequest, now: float) -> None:
+        """A request arrived: its session's idle period, if any, ends in a return."""
+        self._report_ends(now)
+        sid = _session_id(req)
+        if self._idle.pop(sid, None) is not None:
+            observe = getattr(self.policy, "observe_return", None)
+            if observe is not None:
+                observe(sid, now)
+                self._ranks.clear()
+
+    def pin_priority(self, pin: Pin, now: float) -> float:
+        """The policy's priority of a held session, asked once per pin and instant (the
+        engine ranks the same pins for every allocation and turn end of a step) until the
+        policy learns something (a decision on that session, a return, an abandonment)."""
+        if now != self._ranks_at:
+            self._ranks.clear()
+            self._ranks_at = now
+        key = (pin.owner, pin.seq)
+        rank = self._ranks.get(key)
+        if rank is None:
+            held = HeldSession(
+                pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
+            )
+            rank = self._ranks[key] = self.policy.priority(held, now)
+        return rank
+
+    def _decide(self, session: IdleSession, now: float) -> AfterTurn:
+        decision = self.policy.decide(session, now)
+        for key in [k for k in self._ranks if k[0] == session.session_id]:
+            del self._ranks[key]
+        self._count(session, decision)
         if decision.action is Residency.HOLD:
             return AfterTurn("hold", decision.until_s)
         if decision.action is Residency.DEMOTE:
@@ -116,8 +201,95 @@ class PolicyResidency:
             return AfterTurn("evict")
         return AfterTurn("release")
 
-    def pin_priority(self, pin: Pin, now: float) -> float:
-        held = HeldSession(
-            pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
+    def _count(self, session: IdleSession, decision: ResidencyDecision) -> None:
+        self.reasons[_NUMBERS.sub("N", decision.reason)] += 1
+        self.actions[decision.action.value] += 1
+        self.kinds[decision.kind.value if decision.kind else "unknown"] += 1
+        self.by_tool[(session.tool_class or NO_TOOL, decision.action.value)] += 1
+
+    def _idle_session(self, req: SimRequest, hint: TurnHint | None, end: TurnEnd) -> IdleSession:
+        n = end.resident_tokens
+        kv_bytes = self.latency.kv_bytes(n)
+        session = IdleSession(
+            session_id=_session_id(req),
+            resident_tokens=n,
+            finished_at_s=end.now_s,
+            ends_in_tool_call=hint.ends_in_tool_call if hint else None,
+            tool_class=hint.tool_class if hint else None,
+            expected_wait_s=hint.expected_wait_s if hint else None,
+            recompute_s=self.latency.prefill_s(n) if n else 0.0,
+            kv_usage=end.kv_usage,
+            kv_bytes=kv_bytes,
+            host=self._host(kv_bytes, end.host_blocks, end.host_used_blocks),
+            promote_s=self.latency.kv_copy_s(n, CopyDirection.H2D) if n else 0.0,
+            tenant=req.cache_salt or DEFAULT_TENANT,
         )
-        return self.policy.priority(held, now)
+        return dataclasses.replace(
+            session,
+            tenant_held_bytes=self._tenant_held_bytes(session, end.pins),
+            hbm_value=self._hbm_value(session.session_id, end.kv_usage, end.pins, end.now_s),
+        )
+
+    def _hbm_value(
+        self, session_id: str, kv_usage: float, pins: tuple[Pin, ...], now: float
+    ) -> float | None:
+        """What the space a hold takes is worth: the lowest `priority` among the worker's
+        other holds, the first a hold would push out (None: no other holds, a pool under
+        the policy's `pressure_from`, where space costs nothing, or a policy that does not
+        revisit and so does not weigh it)."""
+        if not self._revisits or kv_usage < self._pressure_from:
+            return None
+        values = [self.pin_priority(p, now) for p in pins if p.owner != session_id]
+        return min(values) if values else None
+
+    def _tenant_held_bytes(self, session: IdleSession, pins: tuple[Pin, ...]) -> int:
+        """Bytes the session's tenant holds on this worker, its own pin not counted (0
+        unless the policy caps tenants: the sum costs a pass over the pins)."""
+        if not self._capped:
+            return 0
+        tokens = sum(
+            p.num_blocks * self.block_size
+            for p in pins
+            if p.owner != session.session_id and self._tenant_of(p.owner) == session.tenant
+        )
+        return self.latency.kv_bytes(tokens)
+
+    def _tenant_of(self, session_id: str) -> str | None:
+        session = self._idle.get(session_id)
+        return session.tenant if session is not None else None
+
+    def _host(self, kv_bytes: int, capacity: int, used: int) -> HostTier | None:
+        """The host tier as the policy sees it: room for the whole session (it is a cache
+        that evicts to make room) while the session fits in it; None without one."""
+        if not capacity:
+            return None
+        capacity_bytes = self.latency.kv_bytes(capacity * self.block_size)
+        return HostTier(free_bytes=capacity_bytes, usage=used / capacity)
+
+    def _schedule_end(self, session: IdleSession, hint: TurnHint | None) -> None:
+        """When the idle period ends without a return: the task's end, or the time-out."""
+        if hint is not None and hint.session_ends:
+            at_s = session.finished_at_s + (hint.expected_wait_s or 0.0)
+        elif self._max_idle_s is not None:
+            at_s = session.finished_at_s + self._max_idle_s
+        else:
+            return
+        heapq.heappush(self._ends, (at_s, session.session_id, session.finished_at_s))
+
+    def _report_ends(self, now: float) -> None:
+        """Tell the policy of the idle periods that ended by `now` without a return."""
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            at_s, sid, finished_at_s = heapq.heappop(ends)
+            session = self._idle.get(sid)
+            if session is None or session.finished_at_s != finished_at_s:
+                continue  # it came back, or a later period of it is under way
+            del self._idle[sid]
+            observe = getattr(self.policy, "observe_abandoned", None)
+            if observe is not None:
+                observe(sid, at_s)
+                self._ranks.clear()
+
+
+def _session_id(req: SimRequest) -> str:
+    return req.session_id if req.session_id is not None else req.request_id

@@ -31,12 +31,14 @@ completions instead of a trace's timestamps, with the tasks' deadlines and outco
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.policy.residency import ResidencyPolicy
+from appliance.policy.residency_by_name import residency_policy
+from appliance.policy.survival import LogNormal
 from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
 from appliance.replay.metrics import policy_metrics, task_metrics
 from appliance.replay.progress import ProgressBar
@@ -48,7 +50,7 @@ from appliance.sim.host_tier import HostTier
 from appliance.sim.latency import LatencyModel
 from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
 from appliance.sim.trace import BlockTokens, trace_arrivals
-from appliance.sim.virtual import replay
+from appliance.sim.virtual import RequestRecord, replay
 from appliance.sim.worker import default_num_gpu_blocks
 
 GIB = 1 << 30
@@ -250,7 +252,34 @@ def _with_counts(
     out["routed_by_reason"] = dict(router.reasons.most_common(8))
     out["residency_by_reason"] = dict(hold.reasons.most_common(8))
     out["residency_by_action"] = dict(hold.actions.most_common())
+    out["residency_by_kind"] = dict(hold.kinds.most_common())
+    out["residency_by_tool"] = _by_tool(hold)
     out["wall_s"] = round(wall_s, 2)
+    return out
+
+
+def reuse_by_tool(records: Sequence[RequestRecord], loop: ClosedLoop) -> dict[str, object]:
+    """Tool class -> how much of the turns that follow a wait on it was found cached: the
+    turns, their prompt and cached tokens, and the hit ratio."""
+    sums: dict[str, list[int]] = {}
+    for r in records:
+        tool = loop.previous_tool(r.request_id)
+        if tool is not None:
+            s = sums.setdefault(tool, [0, 0, 0])
+            s[0] += 1
+            s[1] += r.prompt_tokens
+            s[2] += r.cached_tokens
+    return {
+        tool: {"turns": n, "prompt_tokens": p, "cached_tokens": c, "hit": round(c / p, 4)}
+        for tool, (n, p, c) in sorted(sums.items())
+    }
+
+
+def _by_tool(hold: PolicyResidency) -> dict[str, dict[str, int]]:
+    """Tool class -> action -> decisions (revisits included)."""
+    out: dict[str, dict[str, int]] = {}
+    for (tool, action), n in sorted(hold.by_tool.items()):
+        out.setdefault(tool, {})[action] = n
     return out
 
 
@@ -263,11 +292,15 @@ def replay_workload(
     residency: str | ResidencyPolicy = DEFAULT_RESIDENCY,
     gpu_second: float = DEFAULT_GPU_SECOND,
     pooled_host: bool = False,
+    wait_priors: Mapping[str, LogNormal] | None = None,
 ) -> dict[str, object]:
     """Replay a closed-loop workload with `policy` routing and `residency` holding: each
-    task's next turn arrives when its last one finished plus its tool wait. Returns the same
-    metrics as `replay_policy`, the task figures filled in."""
+    task's next turn arrives when its last one finished plus its tool wait. `wait_priors`
+    (tool class -> its wait) are the reaper's priors. Returns the same metrics as
+    `replay_policy`, the task figures filled in."""
     loop = ClosedLoop(tasks, max_model_len=setup.max_model_len, seed=setup.token_seed)
+    if isinstance(residency, str):
+        residency = residency_policy(residency, priors=wait_priors)
     hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size, hints=loop.hint)
     engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
@@ -288,4 +321,5 @@ def replay_workload(
         tasks=task_metrics(outcomes, gpu_second=gpu_second),
         pooled_host=pooled_host,
     )
+    out["reuse_by_tool"] = reuse_by_tool(result.records, loop)
     return _with_counts(out, router, hold, wall_s)

@@ -88,7 +88,11 @@ those of sessions whose next request is already waiting; a session's pin is rele
 its next request is admitted (that request then holds what it reuses); and under pressure
 the cache gives pins back in `residency.pin_priority` order before the scheduler would
 preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do the same to a
-held session's pin at any time between steps.
+held session's pin at any time between steps. A hook with `revisit(PinDue)` is asked again
+about each pin as it comes due (before it would lapse) and the engine extends it, demotes
+or evicts it, or lets it lapse, as the answer says; a hook with `turn_arrived(req, now)` is
+told of each request as it is added. A running request is never preempted for its own
+session's pin (only a request adopting a hit spares it: it may hold those very blocks).
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
@@ -214,6 +218,24 @@ class TurnEnd:
     """Tokens in the request's cached (pinnable) blocks."""
     kv_usage: float
     now_s: float
+    host_blocks: int = 0
+    """The worker's host tier's capacity in blocks (0: none)."""
+    host_used_blocks: int = 0
+    """Of those, blocks in use."""
+    pins: tuple[Pin, ...] = ()
+    """The worker's standing pins."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinDue:
+    """A held session whose pin has come due, as a residency hook that revisits sees it."""
+
+    pin: Pin
+    kv_usage: float
+    now_s: float
+    host_blocks: int = 0
+    host_used_blocks: int = 0
+    pins: tuple[Pin, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +249,11 @@ class AfterTurn:
 
 class Residency(Protocol):
     """What the engine asks about a finished request's blocks, and the order in which pins
-    are given back under pressure (lowest first)."""
+    are given back under pressure (lowest first). A hook may also have
+    `revisit(due: PinDue) -> AfterTurn` (asked for each pin as it comes due: "hold"
+    extends it, "demote" or "evict" end it so, "release" lets it lapse) and
+    `turn_arrived(req: SimRequest, now: float) -> None` (told of every request as it
+    arrives: a session's next turn)."""
 
     def after_turn(self, end: TurnEnd) -> AfterTurn: ...
 
@@ -388,6 +414,10 @@ class SimEngine:
             host=self.host if enable_prefix_caching else None,
         )
         self._residency = residency
+        self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
+        self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
+            residency, "turn_arrived", None
+        )
         if residency is not None:
             self.cache.pin_priority = residency.pin_priority
         self._token = output_token_ids or default_output_token
@@ -423,6 +453,8 @@ class SimEngine:
         entry = _Entry(req, creq, now, self._seq)
         self._entries[req.request_id] = entry
         self._waiting.add(entry)
+        if self._turn_arrived is not None:
+            self._turn_arrived(req, now)
 
     def abort_request(self, request_id: str, now: float) -> None:
         """Drop a request wherever it is and free its blocks; unknown ids are ignored."""
@@ -678,7 +710,27 @@ class SimEngine:
         due = self.cache.next_pin_expiry_s()
         if due is None or due > now:
             return
-        self.cache.expire_pins(now, keep={self._owner(e.req) for e in self._waiting})
+        keep = {self._owner(e.req) for e in self._waiting}
+        if self._revisit is not None:
+            for pin in self.cache.due_pins(now, keep=keep):
+                self._carry_out_revisit(pin, now)
+        self.cache.expire_pins(now, keep=keep)
+
+    def _carry_out_revisit(self, pin: Pin, now: float) -> None:
+        """Ask the hook again about a due pin and do what it says ("release": it lapses)."""
+        assert self._revisit is not None
+        used, capacity = self._host_blocks()
+        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used, self.cache.pins))
+        if after.action == "hold" and after.until_s is not None and after.until_s > now:
+            self.cache.extend_pin(pin.owner, after.until_s)
+        elif after.action == "demote" and self.host is not None:
+            self.demote(pin.owner)
+        elif after.action == "evict":
+            self.evict(pin.owner)
+
+    def _host_blocks(self) -> tuple[int, int]:
+        """(blocks in use, capacity) of the host tier; (0, 0) without one."""
+        return (len(self.host), self.host.num_blocks) if self.host is not None else (0, 0)
 
     def demote(self, session_id: str) -> int:
         """Copy a held session's pinned blocks to the host tier and free them on the GPU
@@ -704,7 +756,16 @@ class SimEngine:
             return
         blocks = self.cache.pool.blocks
         cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
-        end = TurnEnd(entry.req, cached * self.block_size, self.cache.usage, now)
+        used, capacity = self._host_blocks()
+        end = TurnEnd(
+            entry.req,
+            cached * self.block_size,
+            self.cache.usage,
+            now,
+            capacity,
+            used,
+            self.cache.pins,
+        )
         after = self._residency.after_turn(end)
         if after.action == "hold" and after.until_s is not None and after.until_s > now:
             self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=after.until_s)

@@ -535,6 +535,24 @@ class PrefixCache:
             self._bump(expired=len(due))
         return due
 
+    def due_pins(self, now_s: float, *, keep: Collection[str] = ()) -> list[Pin]:
+        """The pins `expire_pins(now_s, keep=keep)` would release, the earliest first
+        (nothing changes)."""
+        due = [pin for pin, _ in self._pins.values() if pin.until_s <= now_s]
+        return sorted((p for p in due if p.owner not in keep), key=lambda p: (p.until_s, p.seq))
+
+    def extend_pin(self, owner: str, until_s: float) -> bool:
+        """Keep `owner`'s pin, blocks and pinning time as they are, until `until_s` instead;
+        False if it has none."""
+        entry = self._pins.get(owner)
+        if entry is None:
+            return False
+        pin, blocks = entry
+        self._pin_seq += 1
+        self._pins[owner] = (replace(pin, until_s=until_s, seq=self._pin_seq), blocks)
+        heapq.heappush(self._expiry, (until_s, self._pin_seq, owner))
+        return True
+
     def next_pin_expiry_s(self) -> float | None:
         """When the earliest standing pin is due (None: no pins)."""
         heap = self._expiry
@@ -616,8 +634,10 @@ class PrefixCache:
         self, request: CacheRequest, num_new_tokens: int, hit: CacheHit, full: bool
     ) -> bool:
         """Give pins back, lowest `pin_priority` first, until the allocation fits; only
-        when giving all of them back (the requester's own excepted) would make it fit."""
-        owner = request.session_id
+        when giving all of them back would make it fit. The requester's own session's pin
+        is spared while the request adopts a hit (it may hold those very blocks), never
+        otherwise: a running request of a session is not preempted for its own pin."""
+        owner = request.session_id if hit.block_ids else None
         victims = [(o, pin, blocks) for o, (pin, blocks) in self._pins.items() if o != owner]
         if not victims:
             return False

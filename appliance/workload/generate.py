@@ -5,9 +5,11 @@ arrive as a Poisson process at `root_tasks_per_s`; each draws its tenant and cla
 weight, one of the class's prefix variants, its number of turns, and per turn the tokens
 it appends (the statement first, then each tool's observation), its output and the tool
 that runs after it with that tool's wait. A task whose next turn would pass
-`max_context_tokens` stops there and fails, as agents that run out of context do. A root
-that fans out picks a turn before its last; that turn's tool is `subagent`, which starts
-the children at once and joins them before the parent's next turn. Children share the
+`max_context_tokens` stops there and fails, as agents that run out of context do; a task
+whose tool call is abandoned (the class's `abandoned` share) ends after that turn, its tool
+call never answered, and fails. A root that fans out picks a turn before its last; that
+turn's tool is `subagent`, which starts the children at once and joins them before the
+parent's next turn. Children share the
 parent's tenant, class and prefix (not its conversation), draw their own statement, turns
 and outcome, carry no deadline of their own (the parent's covers them) and do not fan out.
 
@@ -133,11 +135,18 @@ def _turns(
         tool = None if last else _pick(rng, tools, weights)
         wait_s = 0.0 if tool is None else round(_draw(rng, spec.tool_classes[tool]), 3)
         turns.append(AgentTurn(appended, output, tool, wait_s))
+        if tool is not None and _abandons(rng, spec.tool_classes[tool].abandoned):
+            return tuple(turns), False  # the session never comes back from this tool
         appended = _draw_int(rng, cls.observation_tokens)
     if not fits:  # the agent stops after the tool whose result no longer fits
         end = turns[-1]
         turns[-1] = AgentTurn(end.appended_tokens, end.output_tokens, None, 0.0)
     return tuple(turns), fits
+
+
+def _abandons(rng: random.Random, share: float) -> bool:
+    """Whether the session ends after this call (no draw when the class never ends one)."""
+    return share > 0 and rng.random() < share
 
 
 def _pick(rng: random.Random, items: Sequence[T], weights: Sequence[float]) -> T:

@@ -60,6 +60,14 @@ class Dist(_Strict):
         return math.log(self.p95 / self.median) / Z95
 
 
+class ToolClass(Dist):
+    """How long one call of a tool runs, and how often the session never comes back."""
+
+    abandoned: float = Field(default=0.0, ge=0, le=1)
+    """Share of calls after which the session never returns: the task ends unfinished,
+    its client giving up when the drawn wait is over."""
+
+
 class Tenant(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
     """Tenant name; the benchmark sends its turns with the API key of this name."""
@@ -143,13 +151,18 @@ def _d(median: float, p95: float, lo: float, hi: float) -> Dist:
     return Dist(median=median, p95=p95, min=lo, max=hi)
 
 
-def _default_tool_classes() -> dict[str, Dist]:
+def _tool(median: float, p95: float, lo: float, hi: float, abandoned: float = 0.0) -> ToolClass:
+    return ToolClass(median=median, p95=p95, min=lo, max=hi, abandoned=abandoned)
+
+
+def _default_tool_classes() -> dict[str, ToolClass]:
     return {
-        "api": _d(0.3, 3.0, 0.005, 30),
-        "file": _d(0.05, 1.0, 0.001, 20),
-        "search": _d(1.5, 10.0, 0.1, 60),
-        "test": _d(30, 240, 1, 1800),
-        "human": _d(120, 900, 5, 3600),
+        "api": _tool(0.5, 2.0, 0.05, 30),
+        "file": _tool(0.05, 1.0, 0.001, 20),
+        "search": _tool(1.5, 10.0, 0.1, 60),
+        "test": _tool(30, 120, 5, 1800),
+        "human": _tool(120, 900, 5, 3600, abandoned=0.1),
+        "approval": _tool(600, 7200, 30, 14400, abandoned=0.2),
     }
 
 
@@ -198,7 +211,7 @@ def _default_task_classes() -> list[TaskClass]:
             turns=_d(8, 25, 1, 60),
             observation_tokens=_d(300, 1500, 5, 6000),
             output_tokens=_d(100, 400, 1, 1500),
-            tools={"api": 0.6, "human": 0.25, "test": 0.15},
+            tools={"api": 0.6, "human": 0.1, "approval": 0.15, "test": 0.15},
             success_rate=0.7,
             verified_rate=0.8,
             deadline=Deadline(probability=0.3, min_s=1800, max_s=7200),
@@ -217,8 +230,8 @@ class WorkloadSpec(_Strict):
     fixed number of concurrent tasks instead."""
     tenants: list[Tenant] = Field(default_factory=lambda: [Tenant(name="default")], min_length=1)
     """Tenants and their shares of root tasks."""
-    tool_classes: dict[str, Dist] = Field(default_factory=_default_tool_classes, min_length=1)
-    """Tool class -> how long one call runs, in seconds."""
+    tool_classes: dict[str, ToolClass] = Field(default_factory=_default_tool_classes, min_length=1)
+    """Tool class -> how long one call runs, in seconds, and how often its session ends."""
     task_classes: list[TaskClass] = Field(default_factory=_default_task_classes, min_length=1)
     """The task mix."""
 

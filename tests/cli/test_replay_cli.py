@@ -13,11 +13,13 @@ import pytest
 from tests.paths import MOONCAKE
 
 APPLIANCE = Path(sys.executable).parent / "appliance"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env["APPLIANCE_DATA_DIR"] = str(data_dir)
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever the script was built for
     return subprocess.run(
         [str(APPLIANCE), *args], capture_output=True, text=True, env=env, timeout=120
     )
@@ -61,6 +63,19 @@ def test_workload_replays_closed_loop(tmp_path: Path) -> None:
     assert "appliance+ttl-pin" in r.stdout and "goodput" in r.stdout
     m = json.loads(out.read_text())["policies"]["appliance+ttl-pin"]
     assert m["tasks"] >= 4 and m["tasks_completed"] == m["tasks"] and m["gpu_s"] > 0
+
+
+def test_the_reaper_replays_a_workload_with_its_tool_classes_as_priors(tmp_path: Path) -> None:
+    spec = tmp_path / "workload.yaml"
+    spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
+    out = tmp_path / "report.json"
+    r = run("replay", "--workload", str(spec), "--tasks", "6", "--workers", "1", "--policy",
+            "appliance", "--residency", "reaper", "--report", str(out),
+            data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    m = json.loads(out.read_text())["policies"]["appliance+reaper"]
+    assert set(m["residency_by_tool"]["(none)"]) == {"evict"}  # last steps: gone at once
+    assert sum(m["residency_by_kind"].values()) >= m["requests"]
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,27 @@ def test_tool_waits_stay_within_their_class_bounds() -> None:
             if turn.tool_class and turn.tool_class != SUBAGENT_TOOL:
                 dist = spec.tool_classes[turn.tool_class]
                 assert dist.min <= turn.tool_wait_s <= dist.max
-        assert task.turns[-1].tool_class is None and task.turns[-1].tool_wait_s == 0
+        last = task.turns[-1]
+        if last.tool_class is not None:  # abandoned: the tool call is never answered
+            assert spec.tool_classes[last.tool_class].abandoned > 0 and not task.succeeds
+        else:
+            assert last.tool_wait_s == 0
+
+
+def test_sessions_are_abandoned_only_after_classes_that_abandon_at_about_their_share() -> None:
+    spec = WorkloadSpec()
+    calls: Counter[str] = Counter()
+    ended: Counter[str] = Counter()
+    for task in generate(spec, root_tasks=2000).tasks:
+        for turn in task.turns:
+            if turn.tool_class and turn.tool_class != SUBAGENT_TOOL:
+                calls[turn.tool_class] += 1
+        if task.turns[-1].tool_class is not None:
+            ended[task.turns[-1].tool_class] += 1
+    assert set(ended) <= {name for name, c in spec.tool_classes.items() if c.abandoned > 0}
+    for name in ("human", "approval"):
+        share = ended[name] / calls[name]
+        assert abs(share - spec.tool_classes[name].abandoned) < 0.05
 
 
 def test_no_task_passes_the_context_limit_and_those_stopped_by_it_fail() -> None:
@@ -172,6 +192,8 @@ def test_outcomes_deadlines_and_tenants_follow_their_rates() -> None:
     data = WorkloadSpec().model_dump()
     data["tenants"] = [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}]
     data["max_context_tokens"] = 10_000_000
+    for tool in data["tool_classes"].values():
+        tool["abandoned"] = 0.0  # an abandoned task fails whatever its class's rate
     roots = [t.root for t in generate(parse_spec(data), root_tasks=4000).trees]
     tenants = Counter(r.tenant for r in roots)
     assert 2.5 < tenants["a"] / tenants["b"] < 3.5
