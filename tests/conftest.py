@@ -82,3 +82,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"no NVIDIA GPU here ({snap.error or 'NVML lists none'})")
     for item in marked:
         item.add_marker(skip)
+
+
+if os.environ.get("MUTANT_UNDER_TEST"):
+    # Under mutation testing (scripts/mutation.py) every mutant reruns its tests: property
+    # tests take fewer examples there (a mutant that breaks a property breaks it early), so
+    # the run stays within its budget of CI time.
+    from hypothesis import settings
+
+    settings.register_profile("mutation", max_examples=30, deadline=None)
+    settings.load_profile("mutation")
