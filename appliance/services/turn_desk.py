@@ -124,23 +124,7 @@ class TurnDesk:
             task = self._tasks.ensure(
                 t.tenant, client_task, now, parent_id=t.parent_task_id, deadline_s=t.deadline_s
             )
-            turn = TurnRequest(
-                tenant=t.tenant,
-                path=t.path,
-                body=t.body,
-                prompt_ids=ids,
-                task_id=task.key,
-                session_id=t.session_id,
-                parent_task_id=task.parent,
-                client_salt=t.client_salt,
-                tool_class=t.tool_class,
-                expected_wait_s=t.expected_wait_s,
-                chat=chat,
-                messages=t.messages,
-                tokenize=tokenize if ids is None else None,
-                estimated_tokens=n_prompt,
-                received_at=t.received_at,
-            )
+            turn = _turn_request(t, task, ids, chat, tokenize if ids is None else None, n_prompt)
             task.turns += 1
             flight = self._flying(task.key)
             try:
@@ -376,6 +360,33 @@ class TurnDesk:
             opts["include_usage"] = True  # the ledger needs the worker's own counts
             body["stream_options"] = opts
         return body
+
+
+def _turn_request(
+    t: TurnInput,
+    task: TaskState,
+    ids: Sequence[int] | None,
+    chat: ChatTokens | None,
+    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None,
+    n_prompt: int,
+) -> TurnRequest:
+    return TurnRequest(
+        tenant=t.tenant,
+        path=t.path,
+        body=t.body,
+        prompt_ids=ids,
+        task_id=task.key,
+        session_id=t.session_id,
+        parent_task_id=task.parent,
+        client_salt=t.client_salt,
+        tool_class=t.tool_class,
+        expected_wait_s=t.expected_wait_s,
+        chat=chat,
+        messages=t.messages,
+        tokenize=tokenize,
+        estimated_tokens=n_prompt,
+        received_at=t.received_at,
+    )
 
 
 @dataclass(eq=False)
