@@ -99,7 +99,7 @@ def wire(
     sessions.restore(recent_sessions(settings.ledger_path, since=since, limit=RESTORE_MAX))
     releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
     sources = StateSources(
-        workers=workers,
+        workers=lambda: [w.status() for w in workers()],
         desk=desk,
         tasks=tasks,
         gpus=lambda: gpu.reading,
@@ -110,12 +110,6 @@ def wire(
         releases=releases,
         cost_series=CostSeries(),
         admission=admission,
-        worker_info=lambda w: {
-            "engine": w.engine,  # type: ignore[attr-defined]
-            "url": w.url,  # type: ignore[attr-defined]
-            "gpus": list(w.gpus),  # type: ignore[attr-defined]
-            "restarts": w.restarts,  # type: ignore[attr-defined]
-        },
     )
     ledger_path = Path(settings.ledger_path)
     app = create_app(

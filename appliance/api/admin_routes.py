@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from appliance.api.context import ApiContext, Guard
+from appliance.api.state_document import admin_state
 
 
 class AdminRoutes:
@@ -38,11 +39,13 @@ class AdminRoutes:
 
     async def admin_state(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)
-        return JSONResponse(self._ctx.state())
+        document = admin_state(self._ctx.state())
+        return Response(document.model_dump_json(), media_type="application/json")
 
     async def admin_sessions(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)
-        return JSONResponse({"sessions": self._ctx.state()["sessions"]})
+        sessions = admin_state(self._ctx.state()).sessions
+        return JSONResponse({"sessions": [s.model_dump(mode="json") for s in sessions]})
 
     async def admin_costs(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)

@@ -25,11 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from appliance.api.errors import ApiError
+from appliance.api.state_document import session_document
 from appliance.domain.records import WorkerId
 from appliance.ports import Clock
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, SessionReleases
 from appliance.services.sessions import SessionState
-from appliance.services.state import session_row
+from appliance.services.state import session_view
 
 DEFAULT_TURNS = 50
 MAX_TURNS = 500
@@ -69,7 +70,8 @@ def session_routes(
         )
         per_token = releases.kv_bytes_per_token
         held = admin.residency(session)
-        row = session_row(session, clock.now(), per_token, held, releases.in_effect(session))
+        view = session_view(session, clock.now(), per_token, held, releases.in_effect(session))
+        row = session_document(view).model_dump(mode="json")
         residency = [
             {"worker": w, "tier": tier, "tokens": n, "bytes": n * per_token}
             for tier, workers in held.items()

@@ -13,6 +13,7 @@ from appliance.api.auth import Keys
 from appliance.api.requests import Tokenizer
 from appliance.ports import Clock
 from appliance.services.admission import AdmissionService
+from appliance.services.state import StateSnapshot
 from appliance.services.tasks import TaskBook
 from appliance.services.turn_desk import TurnDesk
 
@@ -31,7 +32,8 @@ class ApiContext:
     clock: Clock
     model: str
     max_model_len: int
-    state: Callable[[], dict[str, Any]]
+    state: Callable[[], StateSnapshot]
+    """The facts `/admin/v1/state` publishes (appliance/api/state_document.py)."""
     healthy: Callable[[], bool]
     """Whether any worker accepts requests (`/health`: constant time, not the whole state)."""
     ledger_failing: Callable[[], str | None]

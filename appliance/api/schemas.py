@@ -1,6 +1,7 @@
 """The admin API's payloads as pydantic models, shared by the server and the console.
 
-`AdminState` is one `GET /admin/v1/state` snapshot (appliance/services/state.py builds it).
+`AdminState` is the document `GET /admin/v1/state` publishes: one snapshot of the appliance
+(appliance/services/state.py gathers it, appliance/api/state_document.py builds this model).
 Every number here is one the appliance read from a source of truth; a reading it does not
 have is `None`, never a guess, and the console shows it as "-". Sections the server does not
 report yet (`events`, parts of `costs` and `admission`) are `None` or empty so that an older

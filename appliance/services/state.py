@@ -1,4 +1,5 @@
-"""One snapshot of the running appliance for `/admin/v1/state`, the console and `/metrics`.
+"""One snapshot of the running appliance, for `/admin/v1/state` and the console, and the
+appliance's own `/metrics`.
 
 Every number comes from a source of truth the appliance holds: worker readings (health,
 /metrics), the GPU probe's latest tick, the router's sessions (resident tokens from the KV
@@ -7,6 +8,9 @@ them: the operator's event feed (newest first), each session's release by an ope
 (shown as its residency decision until its next turn), and the cost-per-success series,
 which every snapshot extends. Under the simulated engine the GPU probe is the simulator's
 model, and `gpu_driver` says so.
+
+`snapshot` gathers these facts as a `StateSnapshot`; the API publishes it as the document
+the console reads (appliance/api/state_document.py builds the pydantic `AdminState`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.records import WorkerId
+from appliance.domain.worker import WorkerStatus
 from appliance.policy.costs import (
     GROUP_KEYS,
     AttemptRow,
@@ -28,29 +33,27 @@ from appliance.policy.costs import (
     cost_per_success,
     group_row,
 )
-from appliance.ports import WorkerEndpoint
 from appliance.services.admission import AdmissionService
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, Release, SessionReleases
 from appliance.services.sessions import SessionState
-from appliance.services.tasks import TaskBook
+from appliance.services.tasks import TaskBook, TaskState
 from appliance.services.turn_desk import TurnDesk
 
 EVENTS_SHOWN = 100
 NO_REAPER_REASON = "residency decisions arrive with the idle reaper"
+TIERS = ("gpu", "host")
 
 
 @dataclass
 class StateSources:
-    workers: Callable[[], Sequence[WorkerEndpoint]]
+    workers: Callable[[], Sequence[WorkerStatus]]
     desk: TurnDesk
     tasks: TaskBook
     gpus: Callable[[], GpuSnapshot | None]
     clock_now: Callable[[], float]
     kv_bytes_per_token: int
-    worker_info: Callable[[WorkerEndpoint], dict[str, Any]]
-    """engine, url, gpus, restarts of a worker (they live on the concrete handle)."""
     currency: str
     events: EventFeed | None = None
     releases: SessionReleases | None = None
@@ -58,41 +61,61 @@ class StateSources:
     admission: AdmissionService | None = None
 
 
-def snapshot(src: StateSources) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The workers, each one's measured prefill slowdown, and the GPU probe's latest tick."""
+
+    workers: list[WorkerStatus]
+    prefill_slowdown: dict[WorkerId, float]
+    gpu: GpuSnapshot | None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """One session now: the KV index's view of its prefix (the most any one worker holds,
+    per tier) and its residency decision: an operator's release still in effect, else none
+    yet."""
+
+    session: SessionState
+    resident_tokens: dict[str, int]
+    resident_bytes: dict[str, int]
+    idle_s: float
+    decision: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CostView:
+    currency: str
+    groups: list[dict[str, Any]]
+    """Cost per successful task by task class and tenant (`cost_groups`)."""
+    series: list[dict[str, Any]] | None
+    """The cost-per-success series, oldest first; None: the appliance keeps none."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """The facts at one instant. Sessions and tasks are the live objects, so the snapshot is
+    published at once, on the event loop, before anything changes them."""
+
+    time: float
+    fleet: Fleet
+    sessions: list[SessionView]
+    tasks: list[TaskState]
+    costs: CostView
+    events: list[dict[str, Any]] | None
+    """Newest first; None: the appliance keeps no event feed."""
+    admission: dict[str, Any]
+    """Admission's counters (`AdmissionService.snapshot`); empty without admission control."""
+    routing: dict[str, int]
+    """Turns placed by the router, by reason."""
+
+
+def snapshot(src: StateSources) -> StateSnapshot:
     now = src.clock_now()
-    workers = []
-    for w in src.workers():
-        load = w.load
-        workers.append(
-            {
-                "id": w.id,
-                **src.worker_info(w),
-                "healthy": w.healthy,
-                "draining": w.draining,
-                "running": load.running if load else None,
-                "waiting": load.waiting if load else None,
-                "kv_usage": load.kv_cache_usage_perc if load else None,
-                "prefix_hit_rate": load.prefix_hit_rate if load else None,
-                "prefill_slowdown": round(src.desk.queues.slowdown(w.id), 4),
-            }
-        )
-    gpu = src.gpus()
-    gpus = [
-        {
-            "index": g.index,
-            "name": g.name,
-            "mem_total_bytes": g.mem_total_bytes,
-            "mem_used_bytes": g.mem_used_bytes,
-            "util": g.util,
-            "temp_c": g.temp_c,
-            "power_w": g.power_w,
-            "kv_bytes": g.kv_bytes,
-        }
-        for g in (gpu.gpus if gpu else ())
-    ]
     releases = src.releases
     sessions = [
-        session_row(
+        session_view(
             s,
             now,
             src.kv_bytes_per_token,
@@ -101,63 +124,51 @@ def snapshot(src: StateSources) -> dict[str, Any]:
         )
         for s in src.desk.sessions
     ]
-    tasks = [
-        {
-            "id": t.client_id,
-            "parent_id": t.parent.split("/", 1)[-1] if t.parent else None,
-            "tenant": t.tenant,
-            "task_class": t.task_class,
-            "status": t.status.value,
-            "deadline_at": t.deadline_at,
-            "tokens": t.prompt_tokens + t.output_tokens,
-            "cost": t.cost,
-            "children": [c.split("/", 1)[-1] for c in t.children],
-        }
-        for t in src.tasks
-    ]
+    return StateSnapshot(
+        time=now,
+        fleet=_fleet(src),
+        sessions=sessions,
+        tasks=list(src.tasks),
+        costs=_costs(src, now),
+        events=src.events.recent(EVENTS_SHOWN) if src.events is not None else None,
+        admission=src.admission.snapshot() if src.admission is not None else {},
+        routing={str(why): n for why, n in src.desk.records.routed_by_reason.items()},
+    )
+
+
+def _fleet(src: StateSources) -> Fleet:
+    workers = list(src.workers())
+    slowdown = {w.id: src.desk.queues.slowdown(w.id) for w in workers}
+    return Fleet(workers, slowdown, src.gpus())
+
+
+def _costs(src: StateSources, now: float) -> CostView:
+    """The cost report now; observing it extends the series."""
     groups = cost_groups(src.tasks, src.currency)
-    costs: dict[str, Any] = {"currency": src.currency, "groups": groups}
-    if src.cost_series is not None:
-        src.cost_series.observe(now, *overall(groups))
-        costs["series"] = src.cost_series.points()
-    return {
-        "time": now,
-        "workers": workers,
-        "gpus": gpus,
-        "gpu_driver": gpu.driver if gpu else None,
-        "sessions": sessions,
-        "tasks": tasks,
-        "costs": costs,
-        "events": src.events.recent(EVENTS_SHOWN) if src.events is not None else None,
-        "admission": src.admission.snapshot() if src.admission is not None else {},
-        "routing": dict(src.desk.records.routed_by_reason),
-    }
+    if src.cost_series is None:
+        return CostView(src.currency, groups, None)
+    src.cost_series.observe(now, *overall(groups))
+    return CostView(src.currency, groups, src.cost_series.points())
 
 
-def session_row(
+def session_view(
     s: SessionState,
     now: float,
     kv_bytes_per_token: int,
     residency: Mapping[str, Mapping[WorkerId, int]],
     release: Release | None = None,
-) -> dict[str, Any]:
+) -> SessionView:
     """One session as the state shows it (and `GET /admin/v1/sessions/{id}`); `residency` is
-    the KV index's view now (`Router.residency`): the most any one worker holds, per tier."""
-    tokens = {tier: max(residency.get(tier, {}).values(), default=0) for tier in ("gpu", "host")}
-    return {
-        "id": s.session_id,
-        "tenant": s.tenant,
-        "task_id": s.task_id.split("/", 1)[-1] if s.task_id else None,
-        "worker": s.home,
-        "resident_tokens": tokens,
-        "resident_bytes": {tier: n * kv_bytes_per_token for tier, n in tokens.items()},
-        "idle_s": round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
-        "turns": s.turns,
-        "tool_class": s.tool_class,
-        "expected_wait_s": s.expected_wait_s,
-        "decision": RELEASED if release is not None else None,
-        "reason": RELEASE_REASON if release is not None else NO_REAPER_REASON,
-    }
+    the KV index's view now (`Router.residency`)."""
+    tokens = {tier: max(residency.get(tier, {}).values(), default=0) for tier in TIERS}
+    return SessionView(
+        session=s,
+        resident_tokens=tokens,
+        resident_bytes={tier: n * kv_bytes_per_token for tier, n in tokens.items()},
+        idle_s=round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
+        decision=RELEASED if release is not None else None,
+        reason=RELEASE_REASON if release is not None else NO_REAPER_REASON,
+    )
 
 
 def metrics_text(src: StateSources) -> str:

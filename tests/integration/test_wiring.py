@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 from starlette.testclient import TestClient
 
 from appliance.api.auth import Caller
+from appliance.api.schemas import AdminState
 from appliance.domain.gpu import GpuReading
 from appliance.domain.records import TenantId, WorkerId
 from appliance.domain.worker import WorkerState
@@ -20,6 +22,7 @@ from appliance.settings import Settings
 from appliance.sim.profile import bundled_profile
 from appliance.wiring import EngineView, wire
 from tests.fakes import ManualClock
+from tui.state import decode_state
 
 
 def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) -> None:
@@ -44,7 +47,11 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
         )
         with TestClient(wired.app) as http:
             assert http.get("/health").json() == {"status": "ok"}
-            state = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"}).json()
+            served = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"})
+            state = served.json()
+            # The published document is the schema's, and the console's twin reads it alike.
+            checked = AdminState.model_validate_json(served.content).model_dump(mode="json")
+            assert msgspec.to_builtins(decode_state(served.content)) == checked == state
             assert [(w["id"], w["healthy"]) for w in state["workers"]] == [
                 ("w0", True),
                 ("w1", False),

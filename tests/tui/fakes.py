@@ -40,7 +40,7 @@ def make_state(
     tick: int = 0,
     simulated: bool = False,
 ) -> dict[str, Any]:
-    """A plausible snapshot shaped exactly as appliance/services/state.py builds one, with
+    """A plausible snapshot shaped exactly as the server publishes one (AdminState), with
     only the kinds, codes and reasons the product emits (its own enums and constants).
 
     `tick` moves the clock and idle times forward so that successive snapshots differ.

@@ -1,6 +1,8 @@
-"""The console's schema is the server's: a snapshot built by appliance/services/state.py
-validates, every key it sends is a field the schema knows (nothing silently dropped), and the
-console's fast msgspec structs (tui/state.py) are the pydantic models' exact twins."""
+"""The console's schema is the server's: the document `/admin/v1/state` publishes is the
+pydantic `AdminState` built from a services snapshot (appliance/api/state_document.py), every
+key of the rows it validates from its sources is a field the schema knows (nothing silently
+dropped), and the console's fast msgspec structs (tui/state.py) are the published models'
+exact twins, field by field and in their JSON schemas."""
 
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ from pydantic import BaseModel
 
 from appliance.api import schemas
 from appliance.api.schemas import AdminState
+from appliance.api.state_document import admin_state
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
-from appliance.domain.worker import LoadSnapshot
+from appliance.domain.worker import LoadSnapshot, WorkerState, WorkerStatus
 from appliance.policy.routing import RouteKind
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed, EventKind
 from appliance.services.sessions import SessionState
-from appliance.services.state import StateSources, snapshot
+from appliance.services.state import StateSnapshot, StateSources, snapshot
 from appliance.services.tasks import TaskBook
 from tests.fakes import AckLedger
 from tui.state import MIRRORS, convert_state, decode_state
@@ -35,22 +38,19 @@ class _Ledger(AckLedger):
 
 def _sources(with_gpu: bool) -> StateSources:
     now = 1000.0
+    load = LoadSnapshot(
+        time=now,
+        running=2,
+        waiting=1,
+        kv_cache_usage_perc=0.25,
+        prefix_cache_queries_tokens=100,
+        prefix_cache_hits_tokens=40,
+    )
     workers = [
-        SimpleNamespace(
-            id=WorkerId("w0"),
-            healthy=True,
-            draining=False,
-            load=LoadSnapshot(
-                time=now,
-                running=2,
-                waiting=1,
-                kv_cache_usage_perc=0.25,
-                prefix_cache_queries_tokens=100,
-                prefix_cache_hits_tokens=40,
-            ),
-        ),
-        SimpleNamespace(id=WorkerId("w1"), healthy=False, draining=True, load=None),
-    ]
+        WorkerStatus(WorkerId("w0"), "sim", "http://x", (), WorkerState.HEALTHY, False, 0,
+                     load=load),
+        WorkerStatus(WorkerId("w1"), "sim", "http://x", (), WorkerState.UNHEALTHY, True, 0),
+    ]  # fmt: skip
     sessions = [
         SessionState(
             tenant=TenantId("alice"),
@@ -103,17 +103,32 @@ def _sources(with_gpu: bool) -> StateSources:
     events.record(now - 1, EventKind.WORKER_RESTART, "w1", "restarted")
     events.record(now, EventKind.RELEASE, "s1", "released by operator", tenant="alice")
     return StateSources(
-        workers=lambda: workers,  # type: ignore[arg-type, return-value]
+        workers=lambda: workers,
         desk=desk,  # type: ignore[arg-type]
         tasks=tasks,
         gpus=lambda: gpus,
         clock_now=lambda: now,
         kv_bytes_per_token=131072,
-        worker_info=lambda w: {"engine": "sim", "url": "http://x", "gpus": [], "restarts": 0},
         currency="USD",
         events=events,
         cost_series=CostSeries(),
     )
+
+
+def published(snap: StateSnapshot) -> dict[str, Any]:
+    """The document as `/admin/v1/state` sends it, parsed back."""
+    parsed: dict[str, Any] = json.loads(admin_state(snap).model_dump_json())
+    return parsed
+
+
+def validated_rows(snap: StateSnapshot) -> list[tuple[type[BaseModel], Any]]:
+    """The rows the document validates from its sources as they keep them (extra keys there
+    would be dropped without a word), each with the model it becomes."""
+    rows: list[tuple[type[BaseModel], Any]] = [(schemas.Admission, snap.admission)]
+    rows += [(schemas.CostGroup, g) for g in snap.costs.groups]
+    rows += [(schemas.CostPoint, p) for p in snap.costs.series or ()]
+    rows += [(schemas.Event, e) for e in snap.events or ()]
+    return rows
 
 
 def unknown_keys(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
@@ -146,9 +161,13 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 def test_the_servers_snapshot_is_the_schemas() -> None:
     for with_gpu in (True, False):
-        payload = json.loads(json.dumps(snapshot(_sources(with_gpu))))
+        snap = snapshot(_sources(with_gpu))
+        for model, row in validated_rows(snap):
+            assert unknown_keys(model, row) == [], model.__name__
+        payload = published(snap)
         state = AdminState.model_validate(payload)
         assert unknown_keys(AdminState, payload) == []
+        assert state.admission == schemas.Admission()
         assert len(state.gpus) == (2 if with_gpu else 0)
         assert [g.kv_bytes for g in state.gpus] == ([None, 5 << 30] if with_gpu else [])
         assert state.gpu_driver == ("560" if with_gpu else None)
@@ -170,7 +189,7 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
 
 
 def test_the_unknown_key_check_can_fail() -> None:
-    payload = json.loads(json.dumps(snapshot(_sources(True))))
+    payload = published(snapshot(_sources(True)))
     payload["sessions"][0]["pinned"] = True
     payload["spare"] = 1
     assert unknown_keys(AdminState, payload) == ["sessions[0].pinned", "spare"]
@@ -212,6 +231,30 @@ def test_the_consoles_structs_mirror_the_schema(name: str) -> None:
             assert msgspec.to_builtins(default) == expected, field_name
 
 
+def _shape(schema: Any) -> Any:
+    """A JSON schema without what only documents it (titles, descriptions, defaults: the
+    field test above compares the defaults)."""
+    if isinstance(schema, dict):
+        return {
+            k: _shape(v) for k, v in schema.items() if k not in ("title", "description", "default")
+        }
+    if isinstance(schema, list):
+        return [_shape(v) for v in schema]
+    return schema
+
+
+def test_the_consoles_json_schema_is_the_published_ones() -> None:
+    published = AdminState.model_json_schema(mode="serialization")
+    twin = msgspec.json.schema(MIRRORS["AdminState"])
+    defs = {**published.pop("$defs"), "AdminState": published}
+    assert twin["$ref"] == "#/$defs/AdminState"
+    assert set(twin["$defs"]) == set(defs)
+    for name, schema in defs.items():
+        mine = twin["$defs"][name]
+        assert _shape(mine["properties"]) == _shape(schema["properties"]), name
+        assert set(mine.get("required", ())) == set(schema.get("required", ())), name
+
+
 def test_both_read_a_full_snapshot_the_same() -> None:
     from tests.tui.test_snapshots import snapshot_state
 
@@ -219,7 +262,7 @@ def test_both_read_a_full_snapshot_the_same() -> None:
     fast = msgspec.to_builtins(decode_state(body))
     checked = schemas.AdminState.model_validate_json(body).model_dump(mode="json")
     assert fast == checked
-    server = json.loads(json.dumps(snapshot(_sources(True))))
+    server = published(snapshot(_sources(True)))
     assert msgspec.to_builtins(convert_state(server)) == schemas.AdminState.model_validate(
         server
     ).model_dump(mode="json")

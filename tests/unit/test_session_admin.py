@@ -27,7 +27,7 @@ from appliance.domain.records import (
 from appliance.services.events import EventFeed
 from appliance.services.session_admin import SessionReleases
 from appliance.services.sessions import SessionState, SessionTable
-from appliance.services.state import session_row
+from appliance.services.state import session_view
 from appliance.services.tasks import TaskBook
 
 KV_BYTES_PER_TOKEN = 1000
@@ -196,15 +196,16 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
     (event,) = setup.feed.recent()
     assert (event["kind"], event["subject"], event["tenant"]) == ("release", "s1", "acme")
     none: dict[str, dict[WorkerId, int]] = {}
-    shown = session_row(session, 130.0, KV_BYTES_PER_TOKEN, none, setup.releases.in_effect(session))
-    assert (shown["decision"], shown["reason"]) == ("released", "released by operator")
+    release = setup.releases.in_effect(session)
+    shown = session_view(session, 130.0, KV_BYTES_PER_TOKEN, none, release)
+    assert (shown.decision, shown.reason) == ("released", "released by operator")
 
     again = setup.http.post("/admin/v1/sessions/s1/release", headers=OPS)
     assert again.status_code == 200 and len(setup.ledger.residency) == 1, "nothing new"
 
     session.turns += 1  # the session's next turn ends the release
     assert setup.releases.in_effect(session) is None
-    assert session_row(session, 131.0, KV_BYTES_PER_TOKEN, none)["decision"] is None
+    assert session_view(session, 131.0, KV_BYTES_PER_TOKEN, none).decision is None
 
 
 def test_a_session_with_a_request_in_flight_is_not_released(setup: Setup) -> None:

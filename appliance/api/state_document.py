@@ -1,0 +1,112 @@
+"""The state as the API publishes it: a services `StateSnapshot` as the pydantic `AdminState`
+of appliance/api/schemas.py, the contract the console reads (`GET /admin/v1/state`).
+
+Only names and shapes change here: every number is the snapshot's. Ids the ledger keys by
+tenant ("tenant/id") are shown as the tenant's own; sections whose source already keeps
+JSON-ready rows (costs, events, admission) are validated into their models.
+"""
+
+from __future__ import annotations
+
+from appliance.api import schemas
+from appliance.domain.gpu import GpuReading
+from appliance.domain.worker import WorkerStatus
+from appliance.services.state import CostView, SessionView, StateSnapshot
+from appliance.services.tasks import TaskState
+
+
+def admin_state(snap: StateSnapshot) -> schemas.AdminState:
+    fleet, gpu = snap.fleet, snap.fleet.gpu
+    return schemas.AdminState(
+        time=snap.time,
+        workers=[_worker(w, fleet.prefill_slowdown[w.id]) for w in fleet.workers],
+        gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
+        gpu_driver=gpu.driver if gpu else None,
+        sessions=[session_document(v) for v in snap.sessions],
+        tasks=[_task(t) for t in snap.tasks],
+        costs=_costs(snap.costs),
+        admission=schemas.Admission.model_validate(snap.admission),
+        routing=snap.routing,
+        events=None
+        if snap.events is None
+        else [schemas.Event.model_validate(e) for e in snap.events],
+    )
+
+
+def session_document(v: SessionView) -> schemas.SessionState:
+    """One session as the state shows it (and `GET /admin/v1/sessions/{id}`)."""
+    s = v.session
+    return schemas.SessionState(
+        id=s.session_id,
+        tenant=s.tenant,
+        task_id=_own_id(s.task_id) if s.task_id else None,
+        worker=s.home,
+        resident_tokens=schemas.Tiers(**v.resident_tokens),
+        resident_bytes=schemas.Tiers(**v.resident_bytes),
+        idle_s=v.idle_s,
+        turns=s.turns,
+        tool_class=s.tool_class,
+        expected_wait_s=s.expected_wait_s,
+        decision=v.decision,
+        reason=v.reason,
+    )
+
+
+def _worker(w: WorkerStatus, prefill_slowdown: float) -> schemas.WorkerState:
+    load = w.load
+    return schemas.WorkerState(
+        id=w.id,
+        engine=w.engine,
+        url=w.url,
+        gpus=list(w.gpus),
+        restarts=w.restarts,
+        healthy=w.healthy,
+        draining=w.draining,
+        running=load.running if load else None,
+        waiting=load.waiting if load else None,
+        kv_usage=load.kv_cache_usage_perc if load else None,
+        prefix_hit_rate=load.prefix_hit_rate if load else None,
+        prefill_slowdown=round(prefill_slowdown, 4),
+    )
+
+
+def _gpu(g: GpuReading) -> schemas.GpuState:
+    return schemas.GpuState(
+        index=g.index,
+        name=g.name,
+        mem_total_bytes=g.mem_total_bytes,
+        mem_used_bytes=g.mem_used_bytes,
+        util=g.util,
+        temp_c=g.temp_c,
+        power_w=g.power_w,
+        kv_bytes=g.kv_bytes,
+    )
+
+
+def _task(t: TaskState) -> schemas.TaskState:
+    return schemas.TaskState(
+        id=t.client_id,
+        parent_id=_own_id(t.parent) if t.parent else None,
+        tenant=t.tenant,
+        task_class=t.task_class,
+        status=t.status.value,
+        deadline_at=t.deadline_at,
+        tokens=t.prompt_tokens + t.output_tokens,
+        cost=t.cost,
+        children=[_own_id(c) for c in t.children],
+    )
+
+
+def _costs(c: CostView) -> schemas.Costs:
+    return schemas.Costs(
+        currency=c.currency,
+        groups=[schemas.CostGroup.model_validate(g) for g in c.groups],
+        series=None
+        if c.series is None
+        else [schemas.CostPoint.model_validate(p) for p in c.series],
+    )
+
+
+def _own_id(key: str) -> str:
+    """The tenant's own id of a ledger key "tenant/id"."""
+    return key.split("/", 1)[-1]
