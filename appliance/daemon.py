@@ -1,11 +1,7 @@
 """`appliance up`: Settings -> engine workers -> index, ledger, router -> HTTP API, until a
 signal; then drain and stop in reverse order. Part of the composition root (with
-bootstrap.py): the one place that names concrete engines, the ledger and the probes.
-
-Engines: `sim` runs the simulated workers in a child process (`appliance sim`), `vllm` has
-the supervisor start `vllm serve` workers, `external` connects to servers started elsewhere.
-Every kind ends up as the same worker handles behind the same client, KV-event subscribers
-and index, so the router cannot tell them apart.
+bootstrap.py, engine_start.py and wiring.py): it names the ledger and the probes, and
+appliance/engine_start.py starts the engines (sim, vllm or external).
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +23,10 @@ from appliance import keystore
 from appliance.api.auth import Caller
 from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir, lock_data_dir
-from appliance.domain.errors import ConfigError
-from appliance.domain.records import CostMode, Price, TenantId, WorkerId
-from appliance.domain.worker import WORKER_KEEPALIVE_S
-from appliance.engines.external import connect_external
-from appliance.engines.factory import start_vllm_workers
-from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.domain.records import CostMode, Price, TenantId
+from appliance.engine_start import Engines, resolve_kind, runtime_identity, start_engines
 from appliance.engines.preflight import check_port_free
-from appliance.engines.worker_process import spawn, terminate_group
-from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
+from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
@@ -49,7 +39,6 @@ from appliance.sim.worker import WorkerConfig, default_num_gpu_blocks
 from appliance.wiring import EngineView, Wiring, wire
 
 log = logging.getLogger(__name__)
-SIM_MAX_MODEL_LEN = 32768
 SIM_FALLBACK_HBM_BYTES = 80 * 2**30
 """A profile without a memory reading: the GPU size the simulated worker then assumes."""
 REFRESH_S = 0.5
@@ -61,43 +50,6 @@ class WallClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
-
-
-@dataclass
-class Engines:
-    kind: EngineKind
-    workers: Sequence[WorkerHandle]
-    served_name: str
-    max_model_len: int
-    refresh: Callable[[], Awaitable[Any]]
-    """One reading of every worker's health (where the appliance does not supervise it)
-    and load."""
-
-
-def resolve_kind(settings: Settings) -> EngineKind:
-    kind = settings.engine.kind
-    if kind != EngineKind.AUTO:
-        return kind
-    gpus = NvmlProbe().snapshot().gpus
-    try:
-        import vllm  # noqa: F401
-
-        has_vllm = True
-    except ImportError:
-        has_vllm = False
-    return EngineKind.VLLM if gpus and has_vllm else EngineKind.SIM
-
-
-def served_name(settings: Settings) -> str:
-    e = settings.engine
-    return e.served_model_name or (default_served_name(e.model) if e.model else "sim")
-
-
-def runtime_identity(settings: Settings, kind: EngineKind) -> str:
-    """What a cached prefix is valid against: engine, model, block size, hash and seed."""
-    e = settings.engine
-    return (f"{kind.value}:{served_name(settings)}:bs{e.block_size}:{e.hash_algo}"
-            f":seed{e.python_hash_seed}")  # fmt: skip
 
 
 def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
@@ -131,138 +83,6 @@ def _secret(data_dir: Path) -> bytes:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
     return bytes.fromhex(path.read_text().strip())
-
-
-def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
-    """`appliance sim` for worker `index`: one process per worker, as with vLLM."""
-    e = settings.engine
-    argv = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "sim",
-        "--workers",
-        "1",
-        "--port",
-        str(e.base_port + index),
-        "--block-size",
-        str(e.block_size),
-        "--max-model-len",
-        str(max_model_len),
-        "--kv-events-endpoint",
-        f"tcp://127.0.0.1:{e.kv_events_base_port + index}",
-        "--served-model-name",
-        served_name(settings),
-        "--python-hash-seed",
-        e.python_hash_seed,
-        "--hash-algo",
-        e.hash_algo,
-        "--time-scale",
-        str(e.sim_time_scale),
-    ]
-    if e.model:
-        argv += ["--model", e.model]
-    if e.gpu_profile:
-        argv += ["--gpu-profile", str(e.gpu_profile)]
-    return argv
-
-
-@contextlib.asynccontextmanager
-async def start_engines(
-    settings: Settings, kind: EngineKind, feed: KvIndexFeed, log_dir: Path
-) -> AsyncIterator[Engines]:
-    e = settings.engine
-    name = served_name(settings)
-    if kind == EngineKind.VLLM:
-        supervisor = await start_vllm_workers(
-            e,
-            python=e.python or sys.executable,
-            log_dir=log_dir,
-            gpu_snapshot=NvmlProbe().snapshot(),
-            on_kv_batch=feed.on_batch,
-            on_kv_reset=feed.on_reset,
-            kv_cache_memory_bytes=e.kv_cache_memory_bytes,
-        )
-
-        async def loads() -> None:
-            await asyncio.gather(*(w.refresh_load() for w in supervisor.workers if w.healthy))
-
-        try:
-            limit = await model_limit(supervisor.workers, name, e.max_model_len)
-            yield Engines(kind, supervisor.workers, name, limit, loads)
-        finally:
-            await supervisor.stop(drain_deadline_s=30.0)
-        return
-    urls = list(e.external_urls)
-    endpoints = list(e.external_kv_event_endpoints)
-    launches = []
-    if kind == EngineKind.SIM:
-        max_len = e.max_model_len or SIM_MAX_MODEL_LEN
-        urls = [f"http://127.0.0.1:{e.base_port + i}" for i in range(e.workers)]
-        endpoints = [f"tcp://127.0.0.1:{e.kv_events_base_port + i}" for i in range(e.workers)]
-        launches = [
-            WorkerLaunch(
-                worker=WorkerId(f"w{i}"),
-                index=i,
-                argv=tuple(sim_argv(settings, i, max_len)),
-                env=dict(os.environ),
-                port=e.base_port + i,
-                url=urls[i],
-                kv_events_endpoint=endpoints[i],
-                gpus=(),
-                cpus=(),
-            )
-            for i in range(e.workers)
-        ]
-    external = await connect_external(
-        urls,
-        endpoints,
-        model=name,
-        on_kv_batch=feed.on_batch,
-        on_kv_reset=feed.on_reset,
-        keepalive_s=WORKER_KEEPALIVE_S if launches else e.external_keepalive_s,
-        label=kind.value,
-    )
-    procs = []
-    try:
-        for launch in launches:
-            proc, _ = await spawn(launch, log_dir / f"sim-{launch.worker}.log")
-            procs.append(proc)
-        if launches:
-            await _await_healthy(external, procs, log_dir)
-        limit = await model_limit(external.workers, name, e.max_model_len)
-        yield Engines(kind, external.workers, name, limit, external.refresh)
-    finally:
-        await external.aclose()
-        await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs))
-
-
-async def model_limit(workers: Sequence[WorkerHandle], name: str, configured: int | None) -> int:
-    """The longest prompt + output the API lets through: what the workers report (a vLLM
-    started without --max-model-len takes the model's own limit), or the configured limit
-    where no worker says (an external server not up yet), else the simulated engine's."""
-    reported = await reported_model_len(workers, name)
-    if reported is None:
-        log.warning("no worker reported its max_model_len; the API assumes %s",
-                    configured or SIM_MAX_MODEL_LEN)  # fmt: skip
-        return configured or SIM_MAX_MODEL_LEN
-    return min(reported, configured or reported)
-
-
-async def _await_healthy(
-    external: Any, procs: list[Any], log_dir: Path, timeout_s: float = 60
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        await external.refresh()
-        if all(w.healthy for w in external.workers):
-            return
-        if any(p.returncode is not None for p in procs):
-            raise ConfigError(
-                f"a simulated worker exited during its start; see {log_dir}/sim-w*.log"
-            )
-        await asyncio.sleep(0.2)
-    raise ConfigError(f"the simulated workers did not answer /health in {timeout_s:.0f} s")
 
 
 async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> None:

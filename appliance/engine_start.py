@@ -1,0 +1,228 @@
+"""The configured engines started, as worker handles, for as long as the appliance runs.
+Part of the composition root (with bootstrap.py, daemon.py and wiring.py): it names the
+concrete engines.
+
+`sim` runs the simulated workers, one `appliance sim` child process each; `vllm` has the
+supervisor start `vllm serve` workers; `external` connects to servers started elsewhere.
+Every kind ends up as the same worker handles behind the same client, KV-event subscribers
+and index, so the router cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance.domain.errors import ConfigError
+from appliance.domain.records import WorkerId
+from appliance.domain.worker import WORKER_KEEPALIVE_S
+from appliance.engines.external import connect_external
+from appliance.engines.factory import start_vllm_workers
+from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.engines.worker_process import spawn, terminate_group
+from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
+from appliance.gpu.nvml import NvmlProbe
+from appliance.settings import EngineKind, Settings
+
+log = logging.getLogger(__name__)
+SIM_MAX_MODEL_LEN = 32768
+
+
+@dataclass
+class Engines:
+    kind: EngineKind
+    workers: Sequence[WorkerHandle]
+    served_name: str
+    max_model_len: int
+    refresh: Callable[[], Awaitable[Any]]
+    """One reading of every worker's health (where the appliance does not supervise it)
+    and load."""
+
+
+def resolve_kind(settings: Settings) -> EngineKind:
+    kind = settings.engine.kind
+    if kind != EngineKind.AUTO:
+        return kind
+    gpus = NvmlProbe().snapshot().gpus
+    try:
+        import vllm  # noqa: F401
+
+        has_vllm = True
+    except ImportError:
+        has_vllm = False
+    return EngineKind.VLLM if gpus and has_vllm else EngineKind.SIM
+
+
+def served_name(settings: Settings) -> str:
+    e = settings.engine
+    return e.served_model_name or (default_served_name(e.model) if e.model else "sim")
+
+
+def runtime_identity(settings: Settings, kind: EngineKind) -> str:
+    """What a cached prefix is valid against: engine, model, block size, hash and seed."""
+    e = settings.engine
+    return (f"{kind.value}:{served_name(settings)}:bs{e.block_size}:{e.hash_algo}"
+            f":seed{e.python_hash_seed}")  # fmt: skip
+
+
+def start_engines(
+    settings: Settings, kind: EngineKind, feed: KvIndexFeed, log_dir: Path
+) -> contextlib.AbstractAsyncContextManager[Engines]:
+    """The engines of `kind`, up until the context ends; then stopped (vLLM workers drained,
+    simulated workers terminated, connections closed)."""
+    if kind == EngineKind.VLLM:
+        return _vllm_engines(settings, feed, log_dir)
+    return _connected_engines(settings, kind, feed, log_dir)
+
+
+@contextlib.asynccontextmanager
+async def _vllm_engines(
+    settings: Settings, feed: KvIndexFeed, log_dir: Path
+) -> AsyncIterator[Engines]:
+    e = settings.engine
+    name = served_name(settings)
+    supervisor = await start_vllm_workers(
+        e,
+        python=e.python or sys.executable,
+        log_dir=log_dir,
+        gpu_snapshot=NvmlProbe().snapshot(),
+        on_kv_batch=feed.on_batch,
+        on_kv_reset=feed.on_reset,
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+    )
+
+    async def loads() -> None:
+        await asyncio.gather(*(w.refresh_load() for w in supervisor.workers if w.healthy))
+
+    try:
+        limit = await model_limit(supervisor.workers, name, e.max_model_len)
+        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads)
+    finally:
+        await supervisor.stop(drain_deadline_s=30.0)
+
+
+@contextlib.asynccontextmanager
+async def _connected_engines(
+    settings: Settings, kind: EngineKind, feed: KvIndexFeed, log_dir: Path
+) -> AsyncIterator[Engines]:
+    """External servers, or the simulated workers this starts first and then connects to."""
+    e = settings.engine
+    name = served_name(settings)
+    if kind == EngineKind.SIM:
+        launches = sim_launches(settings)
+        urls = [w.url for w in launches]
+        endpoints = [w.kv_events_endpoint for w in launches]
+    else:
+        launches, urls = [], list(e.external_urls)
+        endpoints = list(e.external_kv_event_endpoints)
+    external = await connect_external(
+        urls,
+        endpoints,
+        model=name,
+        on_kv_batch=feed.on_batch,
+        on_kv_reset=feed.on_reset,
+        keepalive_s=WORKER_KEEPALIVE_S if launches else e.external_keepalive_s,
+        label=kind.value,
+    )
+    procs = []
+    try:
+        for launch in launches:
+            proc, _ = await spawn(launch, log_dir / f"sim-{launch.worker}.log")
+            procs.append(proc)
+        if launches:
+            await _await_healthy(external, procs, log_dir)
+        limit = await model_limit(external.workers, name, e.max_model_len)
+        yield Engines(kind, external.workers, name, limit, external.refresh)
+    finally:
+        await external.aclose()
+        await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs))
+
+
+def sim_launches(settings: Settings) -> list[WorkerLaunch]:
+    """One `appliance sim` process per simulated worker, on consecutive ports."""
+    e = settings.engine
+    max_len = e.max_model_len or SIM_MAX_MODEL_LEN
+    return [
+        WorkerLaunch(
+            worker=WorkerId(f"w{i}"),
+            index=i,
+            argv=tuple(sim_argv(settings, i, max_len)),
+            env=dict(os.environ),
+            port=e.base_port + i,
+            url=f"http://127.0.0.1:{e.base_port + i}",
+            kv_events_endpoint=f"tcp://127.0.0.1:{e.kv_events_base_port + i}",
+            gpus=(),
+            cpus=(),
+        )
+        for i in range(e.workers)
+    ]
+
+
+def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
+    """`appliance sim` for worker `index`: one process per worker, as with vLLM."""
+    e = settings.engine
+    argv = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "sim",
+        "--workers",
+        "1",
+        "--port",
+        str(e.base_port + index),
+        "--block-size",
+        str(e.block_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{e.kv_events_base_port + index}",
+        "--served-model-name",
+        served_name(settings),
+        "--python-hash-seed",
+        e.python_hash_seed,
+        "--hash-algo",
+        e.hash_algo,
+        "--time-scale",
+        str(e.sim_time_scale),
+    ]
+    if e.model:
+        argv += ["--model", e.model]
+    if e.gpu_profile:
+        argv += ["--gpu-profile", str(e.gpu_profile)]
+    return argv
+
+
+async def model_limit(workers: Sequence[WorkerHandle], name: str, configured: int | None) -> int:
+    """The longest prompt + output the API lets through: what the workers report (a vLLM
+    started without --max-model-len takes the model's own limit), or the configured limit
+    where no worker says (an external server not up yet), else the simulated engine's."""
+    reported = await reported_model_len(workers, name)
+    if reported is None:
+        log.warning("no worker reported its max_model_len; the API assumes %s",
+                    configured or SIM_MAX_MODEL_LEN)  # fmt: skip
+        return configured or SIM_MAX_MODEL_LEN
+    return min(reported, configured or reported)
+
+
+async def _await_healthy(
+    external: Any, procs: list[Any], log_dir: Path, timeout_s: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await external.refresh()
+        if all(w.healthy for w in external.workers):
+            return
+        if any(p.returncode is not None for p in procs):
+            raise ConfigError(
+                f"a simulated worker exited during its start; see {log_dir}/sim-w*.log"
+            )
+        await asyncio.sleep(0.2)
+    raise ConfigError(f"the simulated workers did not answer /health in {timeout_s:.0f} s")
