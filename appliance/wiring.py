@@ -94,9 +94,7 @@ def wire(
     desk, admission, sessions, tasks = _turn_desk(
         settings, engines, ledger, feed, clock, cost, speeds, events, secret
     )
-    since = clock.now() - RESTORE_WINDOW_S
-    tasks.restore(open_tasks(settings.ledger_path, since=since, limit=RESTORE_MAX))
-    sessions.restore(recent_sessions(settings.ledger_path, since=since, limit=RESTORE_MAX))
+    _restore(settings.ledger_path, clock.now(), tasks, sessions)
     releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
     sources = StateSources(
         workers=lambda: [w.status() for w in workers()],
@@ -135,6 +133,13 @@ def wire(
         )
     )
     return Wiring(app, desk, speeds, events, gpu)
+
+
+def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable) -> None:
+    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX)."""
+    since = now - RESTORE_WINDOW_S
+    tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
+    sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
 
 
 def _turn_desk(
