@@ -14,6 +14,7 @@ from appliance import settings as _settings
 from appliance.datadir import ensure_data_dir
 from appliance.domain.errors import ConfigError
 from appliance.settings import Settings
+from appliance.settings_yaml import dump_yaml
 
 
 def load_settings(config: Path | None = None, **flags: Any) -> Settings:
@@ -21,7 +22,7 @@ def load_settings(config: Path | None = None, **flags: Any) -> Settings:
 
 
 def show_config(config: Path | None, *, data_dir: Path | None = None) -> str:
-    return _settings.dump_yaml(load_settings(config, data_dir=data_dir))
+    return dump_yaml(load_settings(config, data_dir=data_dir))
 
 
 def doctor(config: Path | None, *, data_dir: Path | None = None) -> list[_doctor.Check]:
