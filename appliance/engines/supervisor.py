@@ -18,6 +18,9 @@ drain deadline passes; then SIGTERM to each group, SIGKILL after `term_grace_s`,
 member of any group is left. Orphans are also prevented when things go wrong: a failed
 start, an exception or a cancelled task stops everything, an atexit hook SIGKILLs the
 groups, and each worker asks the kernel to SIGTERM it should the appliance die.
+
+Each worker's own steps (spawn, wait for /health, terminate, its state and events) are
+appliance/engines/supervised_worker.py's; this decides when to take them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -44,22 +47,15 @@ from appliance.domain.worker import (
     WorkerEvent,
     WorkerEventKind,
     WorkerState,
-    can_move,
     restart_backoff_s,
 )
 from appliance.engines.errors import PortInUse, WorkerStartFailed
 from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.launch import LaunchSpec, WorkerLaunch, plan_workers
+from appliance.engines.launch import LaunchSpec, plan_workers
 from appliance.engines.preflight import preflight
+from appliance.engines.supervised_worker import SupervisedWorker
 from appliance.engines.vllm_client import VllmClient
-from appliance.engines.worker_process import (
-    log_cause,
-    process_running,
-    reap_group,
-    signal_group,
-    spawn,
-    terminate_group,
-)
+from appliance.engines.worker_process import reap_group, signal_group
 from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -80,20 +76,6 @@ class SupervisorTimings:
     poll_s: float = 0.25
 
 
-@dataclass(eq=False)
-class _Slot:
-    launch: WorkerLaunch
-    handle: WorkerHandle
-    log_path: Path
-    proc: asyncio.subprocess.Process | None = None
-    pgids: set[int] = field(default_factory=set)
-    log_offset: int = 0
-    failures: int = 0
-    healthy_since: float | None = None
-    watcher: asyncio.Task[None] | None = None
-    subscriber: KvEventSubscriber | None = None
-
-
 class Supervisor:
     """The workers of one LaunchSpec. Use `async with Supervisor(...) as sup:` or start/stop."""
 
@@ -112,15 +94,14 @@ class Supervisor:
         self.spec = spec
         self.timings = timings or SupervisorTimings()
         self._log_dir = log_dir
-        self._on_event = on_event
         self._on_kv_batch = on_kv_batch
         self._on_kv_reset = on_kv_reset
         self._gpu_snapshot = gpu_snapshot
         plans = plan_workers(spec, os.environ if base_env is None else base_env)
         self._slots = [
-            _Slot(
-                launch=plan,
-                handle=WorkerHandle(
+            SupervisedWorker(
+                plan,
+                WorkerHandle(
                     id=plan.worker,
                     engine="vllm",
                     url=plan.url,
@@ -132,7 +113,8 @@ class Supervisor:
                     kv_events_endpoint=plan.kv_events_endpoint,
                     gpus=plan.gpus,
                 ),
-                log_path=log_dir / f"{plan.worker}.log",
+                log_dir / f"{plan.worker}.log",
+                on_event,
             )
             for plan in plans
         ]
@@ -161,7 +143,7 @@ class Supervisor:
         """Every process group this supervisor ever started (for orphan checks)."""
         return frozenset(g for s in self._slots for g in s.pgids)
 
-    def _slot(self, worker: WorkerId) -> _Slot:
+    def _slot(self, worker: WorkerId) -> SupervisedWorker:
         for slot in self._slots:
             if slot.handle.id == worker:
                 return slot
@@ -187,7 +169,7 @@ class Supervisor:
             atexit.register(self.kill_now)
             self._subscribe()
             for slot in self._slots:
-                await self._spawn(slot)
+                await slot.spawn()
             deadline = time.monotonic() + self.timings.startup_timeout_s
             waits = [asyncio.create_task(self._await_healthy(s, deadline)) for s in self._slots]
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
@@ -211,8 +193,8 @@ class Supervisor:
         try:
             for slot in self._slots:
                 slot.handle.draining = True
-                if self._move(slot, WorkerState.DRAINING):
-                    self._emit(slot, WorkerEventKind.DRAINING)
+                if slot.move(WorkerState.DRAINING):
+                    slot.emit(WorkerEventKind.DRAINING)
             deadline_s = (
                 self.timings.drain_deadline_s if drain_deadline_s is None else drain_deadline_s
             )
@@ -243,7 +225,7 @@ class Supervisor:
             for task in tasks:
                 with suppress(asyncio.CancelledError, Exception):
                     await task
-            await asyncio.gather(*(self._terminate(s) for s in self._slots))
+            await asyncio.gather(*(s.terminate(self.timings.term_grace_s) for s in self._slots))
         finally:
             self.kill_now()  # whatever is left, e.g. after a second cancellation
             for slot in self._slots:
@@ -256,31 +238,16 @@ class Supervisor:
                     slot.handle.set_state(WorkerState.STOPPED)
                     slot.handle.pid = None
                     if slot.proc is not None:  # never started: nothing to report
-                        self._emit(slot, WorkerEventKind.STOPPED)
+                        slot.emit(WorkerEventKind.STOPPED)
             self._stopped = True
             atexit.unregister(self.kill_now)
-
-    async def _terminate(self, slot: _Slot) -> None:
-        if slot.proc is not None:
-            if slot.proc.returncode is None:
-                log.info("worker %s: SIGTERM", slot.handle.id)
-            gone = await terminate_group(slot.proc, self.timings.term_grace_s)
-            self._forget_group(slot, gone)
-
-    def _forget_group(self, slot: _Slot, gone: bool) -> None:
-        assert slot.proc is not None
-        if gone:
-            slot.pgids.discard(slot.proc.pid)
-        else:
-            log.error("worker %s: group %d survived SIGKILL", slot.handle.id, slot.proc.pid)
 
     def kill_now(self) -> None:
         """SIGKILL every group at once; synchronous, for atexit and last-resort cleanup."""
         for slot in self._slots:
-            for pgid in tuple(slot.pgids):
-                signal_group(pgid, signal.SIGKILL)
+            slot.kill_now()
 
-    # --- one worker ---
+    # --- while they run: KV events, restarts, health ---
 
     def _subscribe(self) -> None:
         if self._on_kv_batch is None and self._on_kv_reset is None:
@@ -310,36 +277,11 @@ class Supervisor:
             except Exception:
                 log.exception("on_kv_reset failed for %s", worker)
 
-    async def _spawn(self, slot: _Slot) -> None:
-        slot.proc, slot.log_offset = await spawn(slot.launch, slot.log_path)
-        slot.pgids.add(slot.proc.pid)
-        slot.handle.pid = slot.proc.pid
-        self._move(slot, WorkerState.STARTING)
-        self._emit(slot, WorkerEventKind.STARTED)
+    async def _await_healthy(self, slot: SupervisedWorker, deadline: float) -> None:
+        t = self.timings
+        await slot.await_healthy(deadline, timeout_s=t.startup_timeout_s, poll_s=t.poll_s)
 
-    async def _await_healthy(self, slot: _Slot, deadline: float) -> None:
-        proc, handle = slot.proc, slot.handle
-        assert proc is not None
-        started = time.monotonic()
-        while True:
-            if proc.returncode is not None:
-                raise WorkerStartFailed(
-                    f"worker {handle.id} exited with code {proc.returncode} during startup: "
-                    f"{self._cause(slot)} (log: {slot.log_path})"
-                )
-            if await handle.client.health(timeout_s=2.0):
-                break
-            if time.monotonic() > deadline:
-                raise WorkerStartFailed(
-                    f"worker {handle.id} did not answer {handle.url}/health within "
-                    f"{self.timings.startup_timeout_s:.0f}s (log: {slot.log_path})"
-                )
-            await asyncio.sleep(self.timings.poll_s)
-        slot.healthy_since = time.monotonic()
-        self._move(slot, WorkerState.HEALTHY)
-        self._emit(slot, WorkerEventKind.HEALTHY, detail=f"up in {time.monotonic() - started:.1f}s")
-
-    async def _watch(self, slot: _Slot) -> None:
+    async def _watch(self, slot: SupervisedWorker) -> None:
         t = self.timings
         while slot.proc is not None:
             code = await slot.proc.wait()
@@ -351,31 +293,31 @@ class Supervisor:
                 slot.failures = 0
             slot.failures += 1
             slot.healthy_since = None
-            self._move(slot, WorkerState.EXITED)
-            self._emit(slot, WorkerEventKind.EXITED, exit_code=code, detail=self._cause(slot))
-            self._forget_group(slot, await reap_group(slot.proc.pid, 1.0, slot.proc))
+            slot.move(WorkerState.EXITED)
+            slot.emit(WorkerEventKind.EXITED, exit_code=code, detail=slot.cause())
+            slot.forget_group(await reap_group(slot.proc.pid, 1.0, slot.proc))
             if slot.failures > t.max_restarts_in_a_row:
-                self._move(slot, WorkerState.FAILED)
-                self._emit(slot, WorkerEventKind.GAVE_UP, detail=f"{slot.failures} exits in a row")
+                slot.move(WorkerState.FAILED)
+                slot.emit(WorkerEventKind.GAVE_UP, detail=f"{slot.failures} exits in a row")
                 return
             backoff = restart_backoff_s(
                 slot.failures, base_s=t.restart_base_s, cap_s=t.restart_cap_s
             )
-            self._emit(slot, WorkerEventKind.RESTART_SCHEDULED, backoff_s=backoff)
+            slot.emit(WorkerEventKind.RESTART_SCHEDULED, backoff_s=backoff)
             await asyncio.sleep(backoff)
             if self._stopping:
                 return
             slot.handle.restarts += 1
             try:
-                await self._spawn(slot)
+                await slot.spawn()
                 await self._await_healthy(slot, time.monotonic() + t.startup_timeout_s)
             except WorkerStartFailed as exc:
                 log.warning("%s", exc.message)
                 if slot.proc is not None and slot.proc.returncode is None:
                     signal_group(slot.proc.pid, signal.SIGKILL)
             except OSError as exc:
-                self._move(slot, WorkerState.FAILED)
-                self._emit(slot, WorkerEventKind.GAVE_UP, detail=f"cannot spawn: {exc}")
+                slot.move(WorkerState.FAILED)
+                slot.emit(WorkerEventKind.GAVE_UP, detail=f"cannot spawn: {exc}")
                 return
 
     async def _health_loop(self) -> None:
@@ -386,18 +328,18 @@ class Supervisor:
                 *(self._check(s) for s in self._slots if s.handle.state in watched)
             )
 
-    async def _check(self, slot: _Slot) -> None:
+    async def _check(self, slot: SupervisedWorker) -> None:
         handle = slot.handle
         ok = await handle.client.health(timeout_s=self.timings.health_timeout_s)
-        if self._stopping or (not ok and not self._running(slot)):
+        if self._stopping or (not ok and not slot.running()):
             return  # it exited: the watcher reports that
         if ok:
-            if handle.state == WorkerState.UNHEALTHY and self._move(slot, WorkerState.HEALTHY):
-                self._emit(slot, WorkerEventKind.RECOVERED)
+            if handle.state == WorkerState.UNHEALTHY and slot.move(WorkerState.HEALTHY):
+                slot.emit(WorkerEventKind.RECOVERED)
             await handle.refresh_load()
         elif handle.state == WorkerState.HEALTHY:
-            if self._move(slot, WorkerState.UNHEALTHY):
-                self._emit(slot, WorkerEventKind.UNHEALTHY, detail="/health did not answer 200")
+            if slot.move(WorkerState.UNHEALTHY):
+                slot.emit(WorkerEventKind.UNHEALTHY, detail="/health did not answer 200")
         elif (
             handle.state == WorkerState.UNHEALTHY
             and time.monotonic() - handle.state_since > self.timings.unhealthy_restart_s
@@ -405,36 +347,3 @@ class Supervisor:
         ):
             log.warning("worker %s unresponsive: killing it to restart it", handle.id)
             signal_group(slot.proc.pid, signal.SIGKILL)
-
-    # --- helpers ---
-
-    @staticmethod
-    def _running(slot: _Slot) -> bool:
-        proc = slot.proc
-        return proc is not None and proc.returncode is None and process_running(proc.pid)
-
-    def _move(self, slot: _Slot, state: WorkerState) -> bool:
-        if not can_move(slot.handle.state, state):
-            return False
-        slot.handle.set_state(state)
-        return True
-
-    def _emit(self, slot: _Slot, kind: WorkerEventKind, **fields: object) -> None:
-        event = WorkerEvent(
-            worker=slot.handle.id,
-            kind=kind,
-            time=time.time(),
-            state=slot.handle.state,
-            restarts=slot.handle.restarts,
-            pid=slot.handle.pid,
-            **fields,  # type: ignore[arg-type]
-        )
-        log.info("worker %s %s %s", event.worker, kind.value, event.detail)
-        if self._on_event is not None:
-            try:
-                self._on_event(event)
-            except Exception:
-                log.exception("on_event failed for %s", event)
-
-    def _cause(self, slot: _Slot) -> str:
-        return log_cause(slot.log_path, slot.log_offset)
