@@ -9,6 +9,7 @@ Times are Unix seconds (REAL); money is in the currency of the turn's price row.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlite_utils import Database
@@ -23,18 +24,14 @@ MIGRATIONS_TABLE = Migrations.migrations_table
 migrations = Migrations(MIGRATION_SET)
 
 
-def _run(db: Database, statements: list[str]) -> None:
+def _run(db: Database, statements: Sequence[str]) -> None:
     # One statement at a time: executescript() would COMMIT the migration's transaction.
     for sql in statements:
         db.execute(sql)
 
 
-@migrations(name="0001_initial")
-def _initial(db: Database) -> None:
-    _run(
-        db,
-        [
-            """CREATE TABLE tasks (
+_INITIAL_STATEMENTS = (
+    """CREATE TABLE tasks (
                 task_id TEXT PRIMARY KEY,
                 tenant TEXT NOT NULL,
                 parent_task_id TEXT,
@@ -49,9 +46,9 @@ def _initial(db: Database) -> None:
                 budget REAL,
                 max_children INTEGER
             )""",
-            "CREATE INDEX tasks_parent ON tasks (parent_task_id)",
-            "CREATE INDEX tasks_created ON tasks (created_at)",
-            """CREATE TABLE task_events (
+    "CREATE INDEX tasks_parent ON tasks (parent_task_id)",
+    "CREATE INDEX tasks_created ON tasks (created_at)",
+    """CREATE TABLE task_events (
                 event_id INTEGER PRIMARY KEY,
                 task_id TEXT NOT NULL,
                 type TEXT NOT NULL CHECK (type IN
@@ -62,8 +59,8 @@ def _initial(db: Database) -> None:
                 tool_class TEXT,
                 expected_s REAL
             )""",
-            "CREATE INDEX task_events_task ON task_events (task_id, at)",
-            """CREATE TABLE sessions (
+    "CREATE INDEX task_events_task ON task_events (task_id, at)",
+    """CREATE TABLE sessions (
                 session_id TEXT PRIMARY KEY,
                 tenant TEXT NOT NULL,
                 task_id TEXT,
@@ -71,7 +68,7 @@ def _initial(db: Database) -> None:
                 created_at REAL NOT NULL,
                 last_active_at REAL
             )""",
-            """CREATE TABLE prices (
+    """CREATE TABLE prices (
                 price_id INTEGER PRIMARY KEY,
                 effective_from REAL NOT NULL,
                 mode TEXT NOT NULL CHECK (mode IN ('tokens', 'gpu_seconds')),
@@ -82,7 +79,7 @@ def _initial(db: Database) -> None:
                 reasoning_per_mtok REAL NOT NULL,
                 gpu_second REAL NOT NULL
             )""",
-            """CREATE TABLE turns (
+    """CREATE TABLE turns (
                 turn_id TEXT PRIMARY KEY,
                 tenant TEXT NOT NULL,
                 task_id TEXT,
@@ -109,9 +106,9 @@ def _initial(db: Database) -> None:
                 price_id INTEGER REFERENCES prices (price_id),
                 cost REAL
             )""",
-            "CREATE INDEX turns_task ON turns (task_id)",
-            "CREATE INDEX turns_finished ON turns (finished_at)",
-            """CREATE TABLE cache_receipts (
+    "CREATE INDEX turns_task ON turns (task_id)",
+    "CREATE INDEX turns_finished ON turns (finished_at)",
+    """CREATE TABLE cache_receipts (
                 receipt_id INTEGER PRIMARY KEY,
                 prefix_digest TEXT NOT NULL,
                 token_count INTEGER NOT NULL,
@@ -124,7 +121,7 @@ def _initial(db: Database) -> None:
                 last_used_at REAL NOT NULL,
                 UNIQUE (prefix_digest, model, runtime_identity, tenant_domain, worker, tier)
             )""",
-            """CREATE TABLE residency_events (
+    """CREATE TABLE residency_events (
                 event_id INTEGER PRIMARY KEY,
                 at REAL NOT NULL,
                 session_id TEXT NOT NULL,
@@ -134,8 +131,8 @@ def _initial(db: Database) -> None:
                 tokens INTEGER NOT NULL,
                 tier TEXT
             )""",
-            "CREATE INDEX residency_events_session ON residency_events (session_id, at)",
-            """CREATE TABLE admission_events (
+    "CREATE INDEX residency_events_session ON residency_events (session_id, at)",
+    """CREATE TABLE admission_events (
                 event_id INTEGER PRIMARY KEY,
                 at REAL NOT NULL,
                 tenant TEXT NOT NULL,
@@ -144,10 +141,16 @@ def _initial(db: Database) -> None:
                 reason TEXT NOT NULL,
                 queue_depth INTEGER
             )""",
-            "CREATE INDEX admission_events_at ON admission_events (at)",
-            "PRAGMA user_version = 1",
-        ],
-    )
+    "CREATE INDEX admission_events_at ON admission_events (at)",
+    "PRAGMA user_version = 1",
+)
+"""The first schema: tasks and their events, sessions, prices, turns, cache receipts,
+residency and admission events (the CREATE texts are kept as first applied)."""
+
+
+@migrations(name="0001_initial")
+def _initial(db: Database) -> None:
+    _run(db, _INITIAL_STATEMENTS)
 
 
 @migrations(name="0002_route_decisions")
