@@ -155,19 +155,7 @@ def cost_per_success(
         raise ValueError("window_s must be positive")
     by_id = {t.task_id: t for t in tasks}
     roots = _Roots(by_id)
-    orphans: dict[str, TaskRow] = {}
-    spent: dict[str, list[AttemptRow]] = {}
-    for n, a in enumerate(attempts):
-        if a.task_id is not None and a.task_id in by_id:
-            root_id = roots.of(a.task_id)
-        else:
-            # An unknown task's attempts share one root; each task-less attempt is its own
-            # (two name spaces, so a task named "0" never merges with attempt 0).
-            root_id = f"\0task:{a.task_id}" if a.task_id is not None else f"\0attempt:{n}"
-            seen = orphans.get(root_id)
-            if seen is None or a.at < seen.created_at:
-                orphans[root_id] = TaskRow(root_id, a.tenant, a.at)
-        spent.setdefault(root_id, []).append(a)
+    spent, orphans = _spent_by_root(attempts, by_id, roots)
 
     groups: dict[tuple[str | None, str | None, float | None], _Acc] = {}
     all_roots = [t for t in by_id.values() if roots.of(t.task_id) == t.task_id]
@@ -191,23 +179,46 @@ def cost_per_success(
             else:
                 acc.costs.append(a.cost)
 
-    out = []
-    for (cls, tenant, start), acc in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
-        cost = math.fsum(acc.costs)
-        out.append(
-            CostGroup(
-                task_class=cls,
-                tenant=tenant,
-                window_start=start,
-                tasks=acc.tasks,
-                succeeded=acc.succeeded,
-                attempts=acc.attempts,
-                unpriced_attempts=acc.unpriced,
-                cost=cost,
-                cost_per_success=cost / acc.succeeded if acc.succeeded else None,
-            )
-        )
-    return out
+    return [
+        _cost_group(key, acc)
+        for key, acc in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))
+    ]
+
+
+def _spent_by_root(
+    attempts: Iterable[AttemptRow], by_id: dict[str, TaskRow], roots: _Roots
+) -> tuple[dict[str, list[AttemptRow]], dict[str, TaskRow]]:
+    """Each root's attempts, and a root row for each root the task rows do not list."""
+    orphans: dict[str, TaskRow] = {}
+    spent: dict[str, list[AttemptRow]] = {}
+    for n, a in enumerate(attempts):
+        if a.task_id is not None and a.task_id in by_id:
+            root_id = roots.of(a.task_id)
+        else:
+            # An unknown task's attempts share one root; each task-less attempt is its own
+            # (two name spaces, so a task named "0" never merges with attempt 0).
+            root_id = f"\0task:{a.task_id}" if a.task_id is not None else f"\0attempt:{n}"
+            seen = orphans.get(root_id)
+            if seen is None or a.at < seen.created_at:
+                orphans[root_id] = TaskRow(root_id, a.tenant, a.at)
+        spent.setdefault(root_id, []).append(a)
+    return spent, orphans
+
+
+def _cost_group(key: tuple[str | None, str | None, float | None], acc: _Acc) -> CostGroup:
+    cls, tenant, start = key
+    cost = math.fsum(acc.costs)
+    return CostGroup(
+        task_class=cls,
+        tenant=tenant,
+        window_start=start,
+        tasks=acc.tasks,
+        succeeded=acc.succeeded,
+        attempts=acc.attempts,
+        unpriced_attempts=acc.unpriced,
+        cost=cost,
+        cost_per_success=cost / acc.succeeded if acc.succeeded else None,
+    )
 
 
 class _Roots:
