@@ -37,7 +37,7 @@ from appliance.domain.records import CostMode, Price, TaskStatus
 from appliance.policy.costs import AttemptRow, TaskRow, attempt_cost, cost_per_success
 from appliance.replay.closed_loop import TaskOutcome
 from appliance.sim.engine import EngineStats
-from appliance.sim.virtual import ReplayResult
+from appliance.sim.virtual import ReplayResult, RequestRecord
 
 TASK_KEYS = ("tasks", "tasks_completed", "deadline_goodput", "gpu_s", "cost_per_success")
 
@@ -71,30 +71,35 @@ def policy_metrics(
     """`sessions` maps request id to session id; `tasks` is `task_metrics` of a
     closed-loop workload (None: a trace, whose task figures are null); `pooled_host`: the
     engines share one host tier."""
-    recs = result.records
-    prompt = sum(r.prompt_tokens for r in recs)
-    cached = sum(r.cached_tokens for r in recs)
-    host_hit = sum(r.host_cached_tokens for r in recs)
-    fresh = prompt - cached
-    ttft = [t for r in recs if (t := r.ttft_s) is not None]
+    recs, stats = result.records, result.engine_stats
     step = [r.finish_s - r.arrival_s for r in recs if r.finish_s is not None]
-    span: dict[str, list[float]] = {}
-    for r in recs:
-        if r.finish_s is None:
-            continue
-        s = span.setdefault(sessions.get(r.request_id, r.request_id), [r.arrival_s, r.finish_s])
-        s[0] = min(s[0], r.arrival_s)
-        s[1] = max(s[1], r.finish_s)
-    session_s = [b - a for a, b in span.values()]
-    per_worker = [0] * workers
-    fresh_per_worker = [0] * workers
-    for r in recs:
-        per_worker[r.worker] += 1
-        fresh_per_worker[r.worker] += r.prompt_tokens - r.cached_tokens
-    stats = result.engine_stats
+    prefill = _prefill(recs, stats, optimal_fresh, optimal_with_host_fresh, pooled_host)
     return {
         "requests": len(recs),
         "finished": len(step),
+        **prefill,
+        **_latency(recs, step, sessions),
+        **_balance(recs, stats, workers),
+        **_engine_counts(stats),
+        **(tasks if tasks is not None else dict.fromkeys(TASK_KEYS)),
+        "generated_tokens": sum(s.generation_tokens_total for s in stats),
+        "engine_steps": result.num_steps,
+        "sim_span_s": round(result.end_s, 3),
+    }
+
+
+def _prefill(
+    recs: Sequence[RequestRecord],
+    stats: Sequence[EngineStats],
+    optimal_fresh: int | None,
+    optimal_with_host_fresh: int | None,
+    pooled_host: bool,
+) -> dict[str, object]:
+    """Prompt tokens computed and found in the caches, against the optimal bounds."""
+    prompt = sum(r.prompt_tokens for r in recs)
+    cached = sum(r.cached_tokens for r in recs)
+    fresh = prompt - cached
+    return {
         "prompt_tokens": prompt,
         "fresh_prefill_tokens": fresh,
         "cached_tokens": cached,
@@ -103,10 +108,20 @@ def policy_metrics(
         "vs_optimal_with_host": (
             round(fresh / optimal_with_host_fresh, 4) if optimal_with_host_fresh else None
         ),
-        "host_hit_tokens": host_hit,
+        "host_hit_tokens": sum(r.host_cached_tokens for r in recs),
         "host_load_s": round(sum(s.host_load_s_total for s in stats), 3),
         "host_stored_blocks": _host_blocks(stats, "host_stored_blocks_total", pooled=pooled_host),
         "host_evicted_blocks": _host_blocks(stats, "host_evicted_blocks_total", pooled=pooled_host),
+    }
+
+
+def _latency(
+    recs: Sequence[RequestRecord], step: Sequence[float], sessions: dict[str, str]
+) -> dict[str, object]:
+    """TTFT, step and session tails."""
+    ttft = [t for r in recs if (t := r.ttft_s) is not None]
+    session_s = _session_spans(recs, sessions)
+    return {
         "ttft_p50_s": _r(percentile(ttft, 0.50)),
         "ttft_p95_s": _r(percentile(ttft, 0.95)),
         "ttft_p99_s": _r(percentile(ttft, 0.99)),
@@ -117,9 +132,40 @@ def policy_metrics(
         "session_p50_s": _r(percentile(session_s, 0.50), 2),
         "session_p95_s": _r(percentile(session_s, 0.95), 2),
         "sessions": len(session_s),
+    }
+
+
+def _session_spans(recs: Sequence[RequestRecord], sessions: dict[str, str]) -> list[float]:
+    """Each session's last finish minus its first arrival (finished requests only)."""
+    span: dict[str, list[float]] = {}
+    for r in recs:
+        if r.finish_s is None:
+            continue
+        s = span.setdefault(sessions.get(r.request_id, r.request_id), [r.arrival_s, r.finish_s])
+        s[0] = min(s[0], r.arrival_s)
+        s[1] = max(s[1], r.finish_s)
+    return [b - a for a, b in span.values()]
+
+
+def _balance(
+    recs: Sequence[RequestRecord], stats: Sequence[EngineStats], workers: int
+) -> dict[str, object]:
+    """The busiest worker over the mean, by GPU time, requests and fresh prefill."""
+    per_worker = [0] * workers
+    fresh_per_worker = [0] * workers
+    for r in recs:
+        per_worker[r.worker] += 1
+        fresh_per_worker[r.worker] += r.prompt_tokens - r.cached_tokens
+    return {
         "imbalance": _max_over_mean([s.busy_s_total for s in stats]),
         "requests_imbalance": _max_over_mean([float(x) for x in per_worker]),
         "prefill_imbalance": _max_over_mean([float(x) for x in fresh_per_worker]),
+    }
+
+
+def _engine_counts(stats: Sequence[EngineStats]) -> dict[str, object]:
+    """Preemptions and residency actions, summed over the engines."""
+    return {
         "preemptions": sum(s.num_preemptions_total for s in stats),
         "pins": sum(s.pins_total for s in stats),
         "pins_expired": sum(s.pins_expired_total for s in stats),
@@ -127,10 +173,6 @@ def policy_metrics(
         "pins_reclaimed": sum(s.pins_reclaimed_total for s in stats),
         "demotions": sum(s.demotions_total for s in stats),
         "evictions": sum(s.evictions_total for s in stats),
-        **(tasks if tasks is not None else dict.fromkeys(TASK_KEYS)),
-        "generated_tokens": sum(s.generation_tokens_total for s in stats),
-        "engine_steps": result.num_steps,
-        "sim_span_s": round(result.end_s, 3),
     }
 
 
