@@ -58,9 +58,18 @@ HOST_COLUMNS = (
 
 def render_table(report: Mapping[str, Any]) -> str:
     """The per-policy comparison, the bounds and the trace-statistics check, as text."""
-    policies: Mapping[str, Mapping[str, Any]] = report.get("policies", {})
     setup: Mapping[str, Any] = report.get("setup", {})
     host = bool(setup.get("host_blocks_per_worker"))
+    lines = _policy_rows(report.get("policies", {}), host)
+    lines += _bounds_line(report.get("bounds", {}))
+    lines += _check_line(report.get("trace_stats_check", {}))
+    lines += _gain_lines(report.get("pooled_host_gain", {}))
+    lines += _setup_line(setup, report.get("trace", {}), host)
+    return "\n".join(lines)
+
+
+def _policy_rows(policies: Mapping[str, Mapping[str, Any]], host: bool) -> list[str]:
+    """One row per policy under a header, columns aligned."""
     columns = (*COLUMNS[:3], *HOST_COLUMNS, *COLUMNS[3:]) if host else COLUMNS
     rows = [["policy", *(h for h, _, _ in columns)]]
     for name, m in policies.items():
@@ -74,29 +83,39 @@ def render_table(report: Mapping[str, Any]) -> str:
         for r in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    bounds: Mapping[str, Mapping[str, Any]] = report.get("bounds", {})
-    if bounds:
-        parts = []
-        for name in ("no_cache", "unbounded", "optimal", "optimal_with_host"):
-            b = bounds.get(name)
-            if b is None:
-                continue
-            cap = f", {b['capacity_blocks']} blocks pooled" if b.get("capacity_blocks") else ""
-            parts.append(
-                f"{name} {b['fresh_prefill_tokens'] / 1e6:.2f} Mtok ({b['hit_ratio']:.1%} hit{cap})"
-            )
-        lines.append("bounds (fresh prefill): " + "; ".join(parts))
-    check: Mapping[str, Any] = report.get("trace_stats_check", {})
+    return lines
+
+
+def _bounds_line(bounds: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    if not bounds:
+        return []
+    parts = []
+    for name in ("no_cache", "unbounded", "optimal", "optimal_with_host"):
+        b = bounds.get(name)
+        if b is None:
+            continue
+        cap = f", {b['capacity_blocks']} blocks pooled" if b.get("capacity_blocks") else ""
+        parts.append(
+            f"{name} {b['fresh_prefill_tokens'] / 1e6:.2f} Mtok ({b['hit_ratio']:.1%} hit{cap})"
+        )
+    return ["bounds (fresh prefill): " + "; ".join(parts)]
+
+
+def _check_line(check: Mapping[str, Any]) -> list[str]:
     checks = [
         f"{name} {c['relative_error']:+.3%}"
         for name in ("no_cache", "unbounded")
         if isinstance(c := check.get(name), Mapping)
     ]
-    if checks:
-        ok = all(check[n]["within_1pct"] for n in ("no_cache", "unbounded") if n in check)
-        verdict = "within 1%" if ok else "NOT within 1%"
-        lines.append(f"vs the trace's own statistics: {', '.join(checks)} ({verdict})")
-    gains: Mapping[str, Mapping[str, Any]] = report.get("pooled_host_gain", {})
+    if not checks:
+        return []
+    ok = all(check[n]["within_1pct"] for n in ("no_cache", "unbounded") if n in check)
+    verdict = "within 1%" if ok else "NOT within 1%"
+    return [f"vs the trace's own statistics: {', '.join(checks)} ({verdict})"]
+
+
+def _gain_lines(gains: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    lines = []
     for name, g in gains.items():
         ttft = g.get("ttft_p95_change_s")
         lines.append(
@@ -105,21 +124,24 @@ def render_table(report: Mapping[str, Any]) -> str:
             f"{g['host_hit_tokens_gained'] / 1e6:+.2f} Mtok, TTFT p95 "
             + ("-" if ttft is None else f"{ttft:+.3f} s")
         )
-    trace: Mapping[str, Any] = report.get("trace", {})
-    if setup and trace:
-        host_kv = (
-            f" + {setup.get('host_gib_per_worker')} GiB host "
-            f"({setup.get('host_blocks_per_worker')} blocks)"
-            if host
-            else ""
-        )
-        lines.append(
-            f"{trace.get('requests')} requests, {trace.get('sessions')} sessions; "
-            f"{setup.get('workers')} workers x {setup.get('kv_gib_per_worker')} GiB KV "
-            f"({setup.get('kv_blocks_per_worker')} blocks of {setup.get('block_size')})"
-            f"{host_kv}, profile {setup.get('gpu_profile')}"
-        )
-    return "\n".join(lines)
+    return lines
+
+
+def _setup_line(setup: Mapping[str, Any], trace: Mapping[str, Any], host: bool) -> list[str]:
+    if not (setup and trace):
+        return []
+    host_kv = (
+        f" + {setup.get('host_gib_per_worker')} GiB host "
+        f"({setup.get('host_blocks_per_worker')} blocks)"
+        if host
+        else ""
+    )
+    return [
+        f"{trace.get('requests')} requests, {trace.get('sessions')} sessions; "
+        f"{setup.get('workers')} workers x {setup.get('kv_gib_per_worker')} GiB KV "
+        f"({setup.get('kv_blocks_per_worker')} blocks of {setup.get('block_size')})"
+        f"{host_kv}, profile {setup.get('gpu_profile')}"
+    ]
 
 
 def _cell(value: object, fmt: Any) -> str:
