@@ -56,7 +56,8 @@ from appliance.policy.residency import (
     ResidencyFigures,
     ResidencyKind,
 )
-from appliance.policy.survival import MIN_GAP_S, LogNormal, WaitKey, WaitSurvival
+from appliance.policy.survival import WaitKey, WaitSurvival
+from appliance.policy.wait_curves import MIN_GAP_S, LogNormal
 
 DEFAULT_MAX_RESIDENCY_S = 1800.0
 """No hold past 30 minutes idle: covers the Mooncake conversation trace's p99 gap (1,471 s)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import Lru, ResidencyPolicy, TtlPin
-from appliance.policy.survival import LogNormal
+from appliance.policy.wait_curves import LogNormal
 
 RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper")
 

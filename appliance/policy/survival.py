@@ -43,24 +43,27 @@ are clamped to them.
 
 from __future__ import annotations
 
-import bisect
 import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import NamedTuple
 
-MIN_GAP_S = 1e-3
-"""Shortest gap the bins tell apart: the workload config's fastest tool (file, min 1 ms)."""
-MAX_GAP_S = 86_400.0
-"""Longest: a day, beyond any residency worth holding (the config's longest tool: 1 h)."""
-N_BINS = 64
-"""Bins over 8 decades: each 1.33x the last, a resolution of about +-15% in time."""
-_LOG_SPAN = math.log(MAX_GAP_S / MIN_GAP_S)
-EDGES = tuple(MIN_GAP_S * math.exp(_LOG_SPAN * i / N_BINS) for i in range(N_BINS + 1))
-"""The bins' edges, seconds: bin i holds [EDGES[i], EDGES[i + 1])."""
+from appliance.policy.wait_curves import (
+    DEFAULT_PRIOR,
+    MAX_GAP_S,
+    MIN_GAP_S,
+    MIN_SIGMA,
+    N_BINS,
+    BlendedCurve,
+    LogNormal,
+    WaitCurve,
+    bin_of,
+    hazards,
+    life_table,
+    prior_hazards,
+)
+
 HALF_LIFE_OBS = 200.0
 """Judgement: an estimate from about 290 recent gaps (+-0.03 on a probability) that follows
 a change within a few hundred turns of a key."""
@@ -72,10 +75,6 @@ MAX_CLASS_LEN = 64
 """Longest tool class name kept (the workload config's limit on names)."""
 HINT_SAMPLES_FOR_HALF_TRUST = 5.0
 """Judgement: a hint's record earns half its trust after 5 hinted returns."""
-MIN_SIGMA = 0.05
-"""Narrowest log-normal used (a 5% spread), so a perfect record stays a distribution."""
-Z95 = 1.6448536269514722
-"""The standard normal's 95th percentile: sigma = ln(p95 / median) / Z95."""
 _NEGLIGIBLE = 1e-12
 
 
@@ -89,144 +88,6 @@ def _seconds(name: str, value: float) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return value
-
-
-def _bin(t_s: float) -> int:
-    """The bin holding t_s, clamped to the bins."""
-    return min(max(bisect.bisect_right(EDGES, t_s) - 1, 0), N_BINS - 1)
-
-
-@dataclass(frozen=True, slots=True)
-class LogNormal:
-    """A log-normal wait by its median and sigma (of ln T)."""
-
-    median_s: float
-    sigma: float
-
-    def __post_init__(self) -> None:
-        if not (self.median_s > 0 and math.isfinite(self.median_s)):
-            raise ValueError(f"a log-normal needs a positive median, got {self.median_s!r}")
-        if not (self.sigma > 0 and math.isfinite(self.sigma)):
-            raise ValueError(f"a log-normal needs a positive sigma, got {self.sigma!r}")
-
-    @classmethod
-    def from_median_p95(cls, median_s: float, p95_s: float) -> LogNormal:
-        """As the workload config states a wait (`Dist`); p95 == median is the narrowest."""
-        return cls(median_s, max(math.log(p95_s / median_s) / Z95, MIN_SIGMA))
-
-    def survival(self, t_s: float) -> float:
-        if t_s <= 0:
-            return 1.0
-        return 0.5 * math.erfc(math.log(t_s / self.median_s) / (self.sigma * math.sqrt(2)))
-
-    def area(self, a_s: float, b_s: float) -> float:
-        return self._tail_area(a_s) - self._tail_area(b_s)
-
-    def _tail_area(self, a_s: float) -> float:
-        """E[(T - a)+] = E[T; T > a] - a P(T > a), in closed form."""
-        mean = self.median_s * math.exp(self.sigma**2 / 2)
-        if a_s <= 0:
-            return mean
-        z = (math.log(self.median_s / a_s) + self.sigma**2) / self.sigma
-        return mean * 0.5 * math.erfc(-z / math.sqrt(2)) - a_s * self.survival(a_s)
-
-
-DEFAULT_PRIOR = LogNormal.from_median_p95(2.0, 900.0)
-"""For a tenant never seen: its 5th..95th percentiles (4 ms..900 s) span the workload
-config's tool classes, from file's median (50 ms) to human's p95 (900 s)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Binned:
-    """A survival function by its values at `EDGES`, linear between them, flat outside;
-    `_cumulative[k]` is its integral from `EDGES[0]` to `EDGES[k]` (trapezoids are exact)."""
-
-    at_edges: array[float]
-    _cumulative: array[float] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        total, cumulative = 0.0, array("d", [0.0])
-        for (x, y), (sx, sy) in zip(pairwise(EDGES), pairwise(self.at_edges), strict=True):
-            total += (y - x) * (sx + sy) / 2
-            cumulative.append(total)
-        object.__setattr__(self, "_cumulative", cumulative)
-
-    def survival(self, t_s: float) -> float:
-        """P(T > t_s)."""
-        if t_s <= MIN_GAP_S:
-            return 1.0
-        if t_s >= MAX_GAP_S:
-            return self.at_edges[-1]
-        k = _bin(t_s)
-        frac = (t_s - EDGES[k]) / (EDGES[k + 1] - EDGES[k])
-        return self.at_edges[k] + (self.at_edges[k + 1] - self.at_edges[k]) * frac
-
-    def area(self, a_s: float, b_s: float) -> float:
-        """The integral of P(T > t) over [a_s, b_s]."""
-        if self._linear_between(a_s, b_s):
-            return (b_s - a_s) * (self.survival(a_s) + self.survival(b_s)) / 2
-        return self._integral(b_s) - self._integral(a_s)
-
-    @staticmethod
-    def _linear_between(a_s: float, b_s: float) -> bool:
-        """Whether [a_s, b_s] lies within one bin, or wholly outside the bins."""
-        if a_s >= MAX_GAP_S or b_s <= MIN_GAP_S:
-            return True
-        return a_s > MIN_GAP_S and b_s < MAX_GAP_S and _bin(a_s) == _bin(b_s)
-
-    def _integral(self, t_s: float) -> float:
-        """The integral of P(T > t) from `EDGES[0]` to `t_s` (negative below it)."""
-        if t_s <= MIN_GAP_S:
-            return t_s - MIN_GAP_S
-        if t_s >= MAX_GAP_S:
-            return self._cumulative[-1] + (t_s - MAX_GAP_S) * self.at_edges[-1]
-        k = _bin(t_s)
-        return self._cumulative[k] + (t_s - EDGES[k]) * (self.at_edges[k] + self.survival(t_s)) / 2
-
-
-@dataclass(frozen=True, slots=True)
-class _Blend:
-    """trust * hint + (1 - trust) * data, as survival functions."""
-
-    hint: LogNormal
-    data: _Binned
-    trust: float
-
-    def survival(self, t_s: float) -> float:
-        w = self.trust
-        return w * self.hint.survival(t_s) + (1 - w) * self.data.survival(t_s)
-
-    def area(self, a_s: float, b_s: float) -> float:
-        w = self.trust
-        return w * self.hint.area(a_s, b_s) + (1 - w) * self.data.area(a_s, b_s)
-
-
-def _life_table(
-    events: Sequence[float], censored: Sequence[float], prior: Sequence[float], weight: float
-) -> _Binned:
-    """Product-limit over the bins, the prior's `weight` pseudo-sessions at risk alongside
-    the data: `weight * S` of them still waiting at a bin's start, ending at the prior's
-    hazard there. A censored weight is exposed for half its bin."""
-    waiting = sum(events) + sum(censored)
-    s, at_edges = 1.0, array("d", [1.0])
-    for d, c, prior_hazard in zip(events, censored, prior, strict=True):
-        pseudo = weight * s
-        exposed = waiting - c / 2 + pseudo
-        if exposed > 0:
-            s *= max(0.0, 1.0 - (d + pseudo * prior_hazard) / exposed)
-        waiting -= d + c
-        at_edges.append(s)
-    return _Binned(at_edges)
-
-
-def _hazards(at_edges: Sequence[float]) -> array[float]:
-    """Hazard per bin, P(ends in the bin | waiting at its start), from S at `EDGES`."""
-    return array("d", ((a - b) / a if a > 0 else 1.0 for a, b in pairwise(at_edges)))
-
-
-def _prior_hazards(prior: LogNormal) -> array[float]:
-    # Mass below the first edge is clamped into the first bin, as gaps are.
-    return _hazards([1.0, *(prior.survival(e) for e in EDGES[1:])])
 
 
 class _Moments:
@@ -260,23 +121,23 @@ class _KeyModel:
         self.censored = array("d", [0.0]) * N_BINS
         self.hint_ratio = _Moments()  # log(gap / hint)
         self.log_gap = _Moments()  # log(gap), same samples: what the hint must explain
-        self._curve: _Binned | None = None
+        self._curve: WaitCurve | None = None
 
     def add(self, t_s: float, *, censored: bool, decay: float) -> None:
         if decay < 1:
             for i in range(N_BINS):
                 self.events[i] *= decay
                 self.censored[i] *= decay
-        (self.censored if censored else self.events)[_bin(t_s)] += 1
+        (self.censored if censored else self.events)[bin_of(t_s)] += 1
         self._curve = None
 
     def add_hint(self, gap_s: float, hint_s: float, decay: float) -> None:
         self.hint_ratio.add(math.log(gap_s / hint_s), decay)
         self.log_gap.add(math.log(gap_s), decay)
 
-    def curve(self) -> _Binned:
+    def curve(self) -> WaitCurve:
         if self._curve is None:
-            self._curve = _life_table(self.events, self.censored, self.prior, self.prior_weight)
+            self._curve = life_table(self.events, self.censored, self.prior, self.prior_weight)
         return self._curve
 
     def trust(self) -> float:
@@ -309,8 +170,8 @@ class WaitSurvival:
         self._decay = 0.5 ** (1 / half_life_obs)
         self._max_keys = max_keys
         self._prior_weight = prior_weight
-        self._default = _prior_hazards(default_prior)
-        self._priors = {c: _prior_hazards(p) for c, p in (priors or {}).items()}
+        self._default = prior_hazards(default_prior)
+        self._priors = {c: prior_hazards(p) for c, p in (priors or {}).items()}
         self._unobserved: dict[str | None, _KeyModel] = {}  # prior-only answers, never fed
         self._models: OrderedDict[WaitKey, _KeyModel] = OrderedDict()
 
@@ -361,7 +222,7 @@ class WaitSurvival:
         """0..1: how far this key's hints have earned a say in its answers."""
         return self._answering(key).trust()
 
-    def _curve(self, key: WaitKey, hint_s: float | None) -> _Binned | _Blend:
+    def _curve(self, key: WaitKey, hint_s: float | None) -> WaitCurve | BlendedCurve:
         model = self._answering(key)
         if hint_s is None:
             return model.curve()
@@ -370,7 +231,7 @@ class WaitSurvival:
             return model.curve()
         median_s = hint_s * math.exp(model.hint_ratio.mean)
         spread = max(math.sqrt(model.hint_ratio.var), MIN_SIGMA)
-        return _Blend(LogNormal(median_s, spread), model.curve(), trust)
+        return BlendedCurve(LogNormal(median_s, spread), model.curve(), trust)
 
     def _answering(self, key: WaitKey) -> _KeyModel:
         """The key's own model, else its class's prior, else the tenant's, else the default."""
@@ -415,7 +276,7 @@ class WaitSurvival:
         if key.tool_class in self._priors:
             return self._priors[key.tool_class]
         tenant_wide = self._models.get(WaitKey(key.tenant, None))
-        return self._default if tenant_wide is None else _hazards(tenant_wide.curve().at_edges)
+        return self._default if tenant_wide is None else hazards(tenant_wide.curve().at_edges)
 
 
 def _known(tool_class: str | None) -> str | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.policy.residency_by_name import residency_policy
-from appliance.policy.survival import LogNormal
+from appliance.policy.wait_curves import LogNormal
 from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
 from appliance.replay.closed_loop import AgentTaskLike
 from appliance.replay.report import write_report

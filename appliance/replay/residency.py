@@ -50,7 +50,7 @@ from appliance.policy.residency import (
     ResidencyPolicy,
 )
 from appliance.policy.residency_by_name import residency_policy
-from appliance.policy.survival import LogNormal
+from appliance.policy.wait_curves import LogNormal
 from appliance.sim.engine import AfterTurn, PinDue, SimRequest, TurnEnd
 from appliance.sim.host_tier import HostPriority, HostSession
 from appliance.sim.latency import CopyDirection, LatencyModel

@@ -38,7 +38,7 @@ from pathlib import Path
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.policy.residency import ResidencyPolicy
 from appliance.policy.residency_by_name import residency_policy
-from appliance.policy.survival import LogNormal
+from appliance.policy.wait_curves import LogNormal
 from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
 from appliance.replay.metrics import policy_metrics, task_metrics
 from appliance.replay.progress import ProgressBar

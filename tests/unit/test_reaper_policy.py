@@ -23,7 +23,8 @@ from appliance.policy.residency import (
     Residency,
     ResidencyKind,
 )
-from appliance.policy.survival import LogNormal, WaitKey, WaitSurvival
+from appliance.policy.survival import WaitKey, WaitSurvival
+from appliance.policy.wait_curves import LogNormal
 
 MAX_S = DEFAULT_MAX_RESIDENCY_S
 KB = 1000  # the sessions' KV bytes below: 1,000 bytes, so costs are round numbers

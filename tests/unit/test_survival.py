@@ -10,15 +10,8 @@ from itertools import pairwise
 
 import pytest
 
-from appliance.policy.survival import (
-    DEFAULT_PRIOR,
-    EDGES,
-    MAX_CLASS_LEN,
-    MAX_GAP_S,
-    LogNormal,
-    WaitKey,
-    WaitSurvival,
-)
+from appliance.policy.survival import MAX_CLASS_LEN, WaitKey, WaitSurvival
+from appliance.policy.wait_curves import DEFAULT_PRIOR, EDGES, MAX_GAP_S, LogNormal
 from appliance.workload.spec import WorkloadSpec
 
 PRIORS = {
