@@ -4,8 +4,9 @@ place costs, and which held KV gives way first.
 Model of the world (see `appliance.policy.residency` for the actions): a session idle for
 `a` seconds comes back within the `h` seconds left of the maximum residency with
 probability P, and a hold would last E[W] = E[min(remaining wait, h)] (both from the
-survival model of tool waits, `appliance.policy.survival`, per tenant and tool class, with
-the client's hint as far as its record earns). Per idle period, in seconds of prefill:
+survival model of tool waits, `appliance.policy.survival`, per tenant, tool class and
+session depth, with the client's hint as far as its record earns). Per idle period, in
+seconds of prefill:
 
     C_hold    = v_hbm  x M x E[W]                      keep it in HBM
     C_demote  = v_host x M x E[W] + P x promote_s      copy it to the host tier
@@ -56,7 +57,7 @@ from appliance.policy.residency import (
     ResidencyFigures,
     ResidencyKind,
 )
-from appliance.policy.survival import WaitKey, WaitSurvival
+from appliance.policy.survival import WaitKey, WaitSurvival, depth_of
 from appliance.policy.wait_curves import MIN_GAP_S, LogNormal
 
 DEFAULT_MAX_RESIDENCY_S = 1800.0
@@ -348,7 +349,7 @@ class Reaper:
 
 
 def _key(session: IdleSession) -> WaitKey:
-    return WaitKey(session.tenant, session.tool_class)
+    return WaitKey(session.tenant, session.tool_class, depth_of(session.turns))
 
 
 def _sentence(w: _Weighed) -> str:

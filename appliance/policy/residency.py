@@ -99,6 +99,8 @@ class IdleSession:
     """Whether the turn ended in a tool call (the agent will be back): None when unknown
     (a trace without tool markers)."""
     tool_class: str | None = None
+    turns: int | None = None
+    """The session's turns so far, this one included; None when unknown."""
     expected_wait_s: float | None = None
     """The client's hint of how long it will be away (`X-Expected-Tool-Wait-S`)."""
     recompute_s: float | None = None

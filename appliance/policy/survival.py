@@ -2,10 +2,11 @@
 
 Model of the world: a session's turn ends, a tool runs (milliseconds to hours), then the
 session's next turn arrives, or never does. The gap T between a turn's end and the next
-turn has a distribution per key (tenant, tool class) that drifts as tools and clients
-change. A session that was abandoned, or released at the maximum residency before it came
-back, tells only that T > its idle time: a censored observation, which must not be
-counted as a gap of that length (that would make waits look shorter than they are).
+turn has a distribution per key (tenant, tool class, the session's depth in turns) that
+drifts as tools and clients change. A session that was abandoned, or released at the
+maximum residency before it came back, tells only that T > its idle time: a censored
+observation, which must not be counted as a gap of that length (that would make waits
+look shorter than they are).
 
 The estimator: a life table (the actuarial form of Kaplan-Meier's product-limit
 estimator) over `N_BINS` fixed log-spaced bins from `MIN_GAP_S` to `MAX_GAP_S`. Per bin
@@ -28,7 +29,11 @@ observed sessions deep in the tail.) A key not seen yet answers from its class's
 a class without one, or none, or a name over `MAX_CLASS_LEN` characters (never kept), from
 the tenant-wide model (every observation of the tenant); a tenant not seen yet from
 `DEFAULT_PRIOR`. A class without a prior takes the tenant-wide model's hazards, as they
-stand when the class is first seen, as its prior.
+stand when the class is first seen, as its prior. A depth (1..`MAX_DEPTH` turns so far) is
+a key of its own beside its depth-less key, fed alike, with the depth-less key's hazards
+when the depth is first seen as its prior, and answers for its sessions once it has data:
+a session on its first turn and one on its fifth leave (and return) alike within a class
+only if the data says so.
 
 The client's hint (`X-Expected-Tool-Wait-S`) is judged by its record: per key, the
 decayed mean and spread of log(gap / hint) and of log(gap) over hinted returns. Trust is
@@ -75,6 +80,10 @@ MAX_CLASS_LEN = 64
 """Longest tool class name kept (the workload config's limit on names)."""
 HINT_SAMPLES_FOR_HALF_TRUST = 5.0
 """Judgement: a hint's record earns half its trust after 5 hinted returns."""
+MAX_DEPTH = 4
+"""Depths told apart: a session's 1st, 2nd, 3rd, and 4th or later turn. On the Mooncake
+conversation trace 25 / 39 / 50 / 66 % of sessions come back after their 1st / 2nd / 3rd /
+4th-or-later turn: how deep a session is says how likely it is to return."""
 _NEGLIGIBLE = 1e-12
 
 
@@ -82,6 +91,13 @@ class WaitKey(NamedTuple):
     tenant: str
     tool_class: str | None
     """None (or a name not kept): unknown, answered by the tenant-wide model."""
+    depth: int = 0
+    """The session's turns so far, this one included, capped at `MAX_DEPTH`; 0: unknown."""
+
+
+def depth_of(turns: int | None) -> int:
+    """A session's turns so far as a key's depth: 1..`MAX_DEPTH`, 0 when unknown."""
+    return 0 if turns is None or turns < 1 else min(turns, MAX_DEPTH)
 
 
 def _seconds(name: str, value: float) -> float:
@@ -234,20 +250,34 @@ class WaitSurvival:
         return BlendedCurve(LogNormal(median_s, spread), model.curve(), trust)
 
     def _answering(self, key: WaitKey) -> _KeyModel:
-        """The key's own model, else its class's prior, else the tenant's, else the default."""
+        """The key's own model at its depth, else at any depth, else its class's prior, else
+        the tenant's (at its depth, else at any), else the default."""
         tool_class = _known(key.tool_class)
-        if tool_class is not None:
-            own = self._touch(WaitKey(key.tenant, tool_class))
+        if key.depth:
+            own = self._touch(WaitKey(key.tenant, tool_class, key.depth))
             if own is not None:
                 return own
-            if tool_class in self._priors:
-                return self._prior_only(tool_class)
-        return self._touch(WaitKey(key.tenant, None)) or self._prior_only(None)
+        if tool_class is None:
+            return self._tenant_wide(key.tenant)
+        own = self._touch(WaitKey(key.tenant, tool_class))
+        if own is not None:
+            return own
+        if tool_class in self._priors:
+            return self._prior_only(tool_class)
+        return self._tenant_wide(key.tenant)
+
+    def _tenant_wide(self, tenant: str) -> _KeyModel:
+        return self._touch(WaitKey(tenant, None)) or self._prior_only(None)
 
     def _models_fed_by(self, key: WaitKey) -> list[_KeyModel]:
+        """Most specific first: a depth's model is created with its key's hazards as they
+        stand, before this observation joins them."""
         tool_class = _known(key.tool_class)
         keys = [WaitKey(key.tenant, tool_class)] if tool_class is not None else []
-        return [self._touch_or_add(k) for k in [*keys, WaitKey(key.tenant, None)]]
+        keys.append(WaitKey(key.tenant, None))
+        if key.depth:
+            keys = [k._replace(depth=key.depth) for k in keys] + keys
+        return [self._touch_or_add(k) for k in keys]
 
     def _touch(self, key: WaitKey) -> _KeyModel | None:
         model = self._models.get(key)
@@ -270,7 +300,10 @@ class WaitSurvival:
         return self._unobserved[tool_class]
 
     def _prior_for(self, key: WaitKey) -> Sequence[float]:
-        """Its class's prior, else the tenant-wide model's hazards now, else the default."""
+        """At a depth: the hazards the key answers with at any depth now. Else its class's
+        prior, else the tenant-wide model's hazards now, else the default."""
+        if key.depth:
+            return hazards(self._answering(key._replace(depth=0)).curve().at_edges)
         if key.tool_class is None:
             return self._default
         if key.tool_class in self._priors:

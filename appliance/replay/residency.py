@@ -110,6 +110,8 @@ class PolicyResidency:
         self.by_tool: Counter[tuple[str, str]] = Counter()
         """(tool class, action) -> decisions, revisits included."""
         self._idle: dict[str, IdleSession] = {}
+        self._turns: Counter[str] = Counter()
+        """Session -> turns finished so far: the reaper learns waits per session depth."""
         self._ends: list[tuple[float, str, float]] = []  # (at_s, session, finished_at_s)
         self._max_idle_s: float | None = getattr(self.policy, "max_residency_s", None)
         self._revisits = bool(getattr(self.policy, "revisits_holds", False))
@@ -140,6 +142,7 @@ class PolicyResidency:
     def after_turn(self, end: TurnEnd) -> AfterTurn:
         self._report_ends(end.now_s)
         req = end.request
+        self._turns[_session_id(req)] += 1
         hint = self.hints(req.request_id) if self.hints is not None else None
         session = self._idle_session(req, hint, end)
         self._idle[session.session_id] = session
@@ -216,6 +219,7 @@ class PolicyResidency:
             finished_at_s=end.now_s,
             ends_in_tool_call=hint.ends_in_tool_call if hint else None,
             tool_class=hint.tool_class if hint else None,
+            turns=self._turns[_session_id(req)],
             expected_wait_s=hint.expected_wait_s if hint else None,
             recompute_s=self.latency.prefill_s(n) if n else 0.0,
             kv_usage=end.kv_usage,
