@@ -41,17 +41,19 @@ from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
 from appliance.ledger import Ledger
+from appliance.perf.kv_capacity import (
+    FALLBACK_HBM_BYTES,
+    SIM_GPU_MEMORY_UTILIZATION,
+    default_num_gpu_blocks,
+)
+from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
-from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
-from appliance.sim.worker import WorkerConfig, default_num_gpu_blocks
 from appliance.wiring import EngineView, Wiring, wire
 
 log = logging.getLogger(__name__)
 SIM_MAX_MODEL_LEN = 32768
-SIM_FALLBACK_HBM_BYTES = 80 * 2**30
-"""A profile without a memory reading: the GPU size the simulated worker then assumes."""
 REFRESH_S = 0.5
 
 
@@ -104,8 +106,8 @@ def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
     """The GPU each simulated worker stands for, split as the worker splits it: vLLM's
     memory budget (utilisation x HBM) less the KV pool the worker sizes is weights and
     runtime."""
-    utilization = WorkerConfig().gpu_memory_utilization
-    total_bytes = profile.memory_bytes or SIM_FALLBACK_HBM_BYTES
+    utilization = SIM_GPU_MEMORY_UTILIZATION
+    total_bytes = profile.memory_bytes or FALLBACK_HBM_BYTES
     blocks = default_num_gpu_blocks(profile, block_size, utilization)
     kv_bytes = blocks * block_size * profile.kv_bytes_per_token
     baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)

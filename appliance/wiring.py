@@ -20,6 +20,8 @@ from appliance.ledger import Ledger
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, recent_sessions
 from appliance.ledger.session_history import session_turns
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
 from appliance.ports import Clock, GpuProbe
@@ -37,9 +39,7 @@ from appliance.services.turn_desk import TurnDesk
 from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_speed import WorkerSpeeds
 from appliance.settings import Settings
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import GpuProfile
-from appliance.sim.tokenizer import load_tokenizer
+from appliance.tokenization.tokenizer import load_tokenizer
 
 RESTORE_WINDOW_S = 24 * 3600.0
 RESTORE_MAX = 10_000

@@ -238,7 +238,7 @@ def check_model_request(path: str, body: dict[str, Any], model: str) -> int | No
 
 def chat_encoder(tokenizer: Tokenizer) -> ChatEncoder | None:
     """An incremental encoder for a tokenizer that declares `split_before` (see
-    `SimTokenizer.split_before`) and renders chats itself; None for any other."""
+    `ModelTokenizer.split_before`) and renders chats itself; None for any other."""
     split_before = getattr(tokenizer, "split_before", ())
     if not split_before or not callable(getattr(tokenizer, "render_chat", None)):
         return None

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.policy.residency import (
     DEFAULT_TENANT,
     HeldSession,
@@ -53,7 +54,6 @@ from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.survival import LogNormal
 from appliance.sim.engine import AfterTurn, PinDue, SimRequest, TurnEnd
 from appliance.sim.host_tier import HostPriority, HostSession
-from appliance.sim.latency import CopyDirection, LatencyModel
 from appliance.sim.prefix_cache import Pin
 
 _NUMBERS = re.compile(r"\d[\d.,]*")

@@ -16,8 +16,8 @@ from appliance.engines.vllm_client import VllmClient
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import Ledger
+from appliance.perf.profile import bundled_profile
 from appliance.settings import Settings
-from appliance.sim.profile import bundled_profile
 from appliance.wiring import EngineView, wire
 from tests.fakes import ManualClock
 

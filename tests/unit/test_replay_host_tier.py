@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.policy.residency import HeldSession, IdleSession, Residency, ResidencyDecision
 from appliance.replay import render_table, run_replay
 from appliance.replay.bounds import block_keys, compute_bounds, optimal
@@ -17,8 +19,6 @@ from appliance.replay.residency import PolicyResidency
 from appliance.replay.runner import make_setup, replay_policy
 from appliance.replay.traces import load_trace
 from appliance.sim.host_tier import HostSession
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile
 from tests.paths import MOONCAKE
 
 BLOCK = 512
