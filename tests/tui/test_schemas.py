@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 from appliance.api import schemas
-from appliance.api.schemas import AdminState
+from appliance.api.schemas import AdminStateView
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot
@@ -147,8 +147,8 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 def test_the_servers_snapshot_is_the_schemas() -> None:
     for with_gpu in (True, False):
         payload = json.loads(json.dumps(snapshot(_sources(with_gpu))))
-        state = AdminState.model_validate(payload)
-        assert unknown_keys(AdminState, payload) == []
+        state = AdminStateView.model_validate(payload)
+        assert unknown_keys(AdminStateView, payload) == []
         assert len(state.gpus) == (2 if with_gpu else 0)
         assert [g.kv_bytes for g in state.gpus] == ([None, 5 << 30] if with_gpu else [])
         assert state.gpu_driver == ("560" if with_gpu else None)
@@ -173,14 +173,20 @@ def test_the_unknown_key_check_can_fail() -> None:
     payload = json.loads(json.dumps(snapshot(_sources(True))))
     payload["sessions"][0]["pinned"] = True
     payload["spare"] = 1
-    assert unknown_keys(AdminState, payload) == ["sessions[0].pinned", "spare"]
+    assert unknown_keys(AdminStateView, payload) == ["sessions[0].pinned", "spare"]
 
 
 # -- the console's fast structs are the schema's twins -------------------------------------
+_MIRRORED = {struct: name for name, struct in MIRRORS.items()}
+
+
 def _norm(tp: Any) -> Any:
-    """A type with every model/struct class replaced by its name, so both sides compare."""
-    if isinstance(tp, type) and (issubclass(tp, BaseModel) or issubclass(tp, msgspec.Struct)):
+    """A type with every model class replaced by its name and every struct by the name of
+    the model it mirrors (the names differ), so both sides compare."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
         return tp.__name__
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return _MIRRORED[tp]
     args = typing.get_args(tp)
     if not args:
         return tp
@@ -217,10 +223,10 @@ def test_both_read_a_full_snapshot_the_same() -> None:
 
     body = json.dumps(snapshot_state()).encode()
     fast = msgspec.to_builtins(decode_state(body))
-    checked = schemas.AdminState.model_validate_json(body).model_dump(mode="json")
+    checked = schemas.AdminStateView.model_validate_json(body).model_dump(mode="json")
     assert fast == checked
     server = json.loads(json.dumps(snapshot(_sources(True))))
-    assert msgspec.to_builtins(convert_state(server)) == schemas.AdminState.model_validate(
+    assert msgspec.to_builtins(convert_state(server)) == schemas.AdminStateView.model_validate(
         server
     ).model_dump(mode="json")
 
@@ -231,5 +237,5 @@ def test_the_drift_check_can_fail() -> None:
         host: int = 0
 
     assert _norm(msgspec.structs.fields(Wrong)[0].type) != _norm(
-        schemas.Tiers.model_fields["gpu"].annotation
+        schemas.TiersView.model_fields["gpu"].annotation
     )
