@@ -40,7 +40,7 @@ from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.perf.kv_capacity import (
     FALLBACK_HBM_BYTES,
     SIM_GPU_MEMORY_UTILIZATION,
@@ -346,9 +346,9 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
             probe.close()
 
 
-def _open_ledger(settings: Settings) -> Ledger:
+def _open_ledger(settings: Settings) -> LedgerWriter:
     """The ledger, with the configured price in effect from now."""
-    ledger = Ledger.open(
+    ledger = LedgerWriter.open(
         settings.ledger_path,
         synchronous=settings.ledger.synchronous,
         batch_max=settings.ledger.batch_max,
@@ -384,7 +384,7 @@ async def _started(
         ready.set()
 
 
-async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Ledger) -> None:
+async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: LedgerWriter) -> None:
     """Twice a second: the workers' health and load, their measured speeds, restarts and
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
     of whether it can again."""

@@ -16,7 +16,7 @@ from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.gpu import GpuSnapshot
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, recent_sessions
 from appliance.ledger.session_history import session_turns
@@ -78,7 +78,7 @@ def wire(
     settings: Settings,
     *,
     engines: EngineView,
-    ledger: Ledger,
+    ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
     probe: GpuProbe,
@@ -146,7 +146,7 @@ def wire(
 def _turn_desk(
     settings: Settings,
     engines: EngineView,
-    ledger: Ledger,
+    ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
     cost: LatencyModel,

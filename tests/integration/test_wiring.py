@@ -15,7 +15,7 @@ from appliance.domain.worker import WorkerState
 from appliance.engines.vllm_client import VllmClient
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.fake import FakeProbe
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile
 from appliance.settings import Settings
 from appliance.wiring import EngineView, wire
@@ -29,7 +29,7 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
                      VllmClient(f"http://127.0.0.1:{9 + i}"), state=state)
         for i, state in enumerate((WorkerState.HEALTHY, WorkerState.UNHEALTHY))
     ]  # fmt: skip
-    ledger = Ledger.open(tmp_path / "ledger.db")
+    ledger = LedgerWriter.open(tmp_path / "ledger.db")
     try:
         wired = wire(
             settings,
