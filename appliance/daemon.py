@@ -50,7 +50,7 @@ from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
-from appliance.wiring import EngineView, Wiring, wire
+from appliance.wiring import StartedEngines, Wiring, wire
 
 log = logging.getLogger(__name__)
 SIM_MAX_MODEL_LEN = 32768
@@ -310,7 +310,7 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
     try:
         async with start_engines(settings, kind, feed, log_dir) as engines:
             probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
-            view = EngineView(
+            view = StartedEngines(
                 lambda: engines.workers,
                 engines.served_name,
                 engines.max_model_len,

@@ -56,7 +56,7 @@ class GpuTick:
 
 
 @dataclass
-class EngineView:
+class StartedEngines:
     """What the wiring needs of the started engines."""
 
     workers: Callable[[], Sequence[WorkerHandle]]
@@ -77,7 +77,7 @@ class Wiring:
 def wire(
     settings: Settings,
     *,
-    engines: EngineView,
+    engines: StartedEngines,
     ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
@@ -145,7 +145,7 @@ def wire(
 
 def _turn_desk(
     settings: Settings,
-    engines: EngineView,
+    engines: StartedEngines,
     ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,

@@ -18,7 +18,7 @@ from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile
 from appliance.settings import Settings
-from appliance.wiring import EngineView, wire
+from appliance.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
 
 
@@ -33,7 +33,7 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
     try:
         wired = wire(
             settings,
-            engines=EngineView(lambda: workers, "m", 4096, "test:m"),
+            engines=StartedEngines(lambda: workers, "m", 4096, "test:m"),
             ledger=ledger,
             feed=KvIndexFeed(),
             clock=ManualClock(),

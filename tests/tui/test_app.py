@@ -19,7 +19,7 @@ from tui.messages import StateUpdated
 from tui.screens.dialogs import ConfirmScreen, HelpScreen
 from tui.screens.session_detail import SessionDetailScreen
 from tui.screens.sessions import SessionGrid, SessionsScreen
-from tui.screens.tasks import TasksScreen, TaskTree
+from tui.screens.tasks import TasksScreen, TaskTreeWidget
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -286,7 +286,7 @@ async def test_tasks_show_the_fan_out_and_keep_what_was_collapsed(fake: FakeAppl
         assert "├─" in text or "└─" in text
         screen = app.screen
         assert isinstance(screen, TasksScreen)
-        tree = screen.query_one(TaskTree)
+        tree = screen.query_one(TaskTreeWidget)
         node = screen._task_nodes[parent["id"]]
         assert node.is_expanded
         tree.move_cursor(node)
