@@ -402,7 +402,7 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
         await asyncio.sleep(REFRESH_S)
 
 
-def run(settings: Settings) -> None:
+def run_foreground(settings: Settings) -> None:
     """Foreground: until Ctrl-C or SIGTERM, then a clean stop. The appliance's own log lines
     go to stderr at `log_level`."""
     logging.basicConfig(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.api.admin_sessions import SessionAdmin
-from appliance.api.app import ApiApp, create_app
+from appliance.api.app import ApiApp, create_api_app
 from appliance.api.auth import Caller, Keys
 from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher, HashAlgo
@@ -118,7 +118,7 @@ def wire(
         },
     )
     ledger_path = Path(settings.ledger_path)
-    app = create_app(
+    app = create_api_app(
         ApiContext(
             desk=desk,
             tasks=tasks,
