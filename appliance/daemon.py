@@ -41,11 +41,7 @@ from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
 from appliance.ledger import LedgerWriter
-from appliance.perf.kv_capacity import (
-    FALLBACK_HBM_BYTES,
-    SIM_GPU_MEMORY_UTILIZATION,
-    default_num_gpu_blocks,
-)
+from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.services.worker_watch import WorkerWatch
@@ -106,9 +102,9 @@ def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
     """The GPU each simulated worker stands for, split as the worker splits it: vLLM's
     memory budget (utilisation x HBM) less the KV pool the worker sizes is weights and
     runtime."""
-    utilization = SIM_GPU_MEMORY_UTILIZATION
-    total_bytes = profile.memory_bytes or FALLBACK_HBM_BYTES
-    blocks = default_num_gpu_blocks(profile, block_size, utilization)
+    utilization = kv_capacity.SIM_GPU_MEMORY_UTILIZATION
+    total_bytes = profile.memory_bytes or kv_capacity.FALLBACK_HBM_BYTES
+    blocks = kv_capacity.default_num_gpu_blocks(profile, block_size, utilization)
     kv_bytes = blocks * block_size * profile.kv_bytes_per_token
     baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)
     return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes)
