@@ -25,11 +25,11 @@ def show_config(config: Path | None, *, data_dir: Path | None = None) -> str:
     return dump_yaml(load_settings(config, data_dir=data_dir))
 
 
-def doctor(config: Path | None, *, data_dir: Path | None = None) -> list[_doctor.Check]:
+def run_doctor(config: Path | None, *, data_dir: Path | None = None) -> list[_doctor.Check]:
     return _doctor.run_checks(load_settings(config, data_dir=data_dir))
 
 
-def cost_report(
+def read_cost_report(
     db: Path, *, by: Sequence[str], since: float | None, until: float | None
 ) -> list[dict[str, Any]]:
     from appliance.ledger import reports  # loaded only for this command
@@ -52,10 +52,10 @@ def list_api_keys(*, config: Path | None, data_dir: Path | None) -> list[keystor
     return keystore.load_keys(keystore.keys_path(home))
 
 
-def up(settings: Settings) -> None:
+def run_appliance(settings: Settings) -> None:
     from appliance import daemon  # the daemon's imports are only paid by `up`
 
-    daemon.run(settings)
+    daemon.run_foreground(settings)
 
 
 def run_sim(*, workers: int, port: int, **config: Any) -> None:
@@ -66,7 +66,7 @@ def run_sim(*, workers: int, port: int, **config: Any) -> None:
     run_workers(workers, port, **config)
 
 
-def replay(
+def replay_table(
     trace: Path | None, *, workload: Path | None = None, tasks: int = 100, **options: Any
 ) -> str:
     """`appliance replay`: the comparison table of a trace, or of a closed-loop workload of

@@ -30,17 +30,15 @@ from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
+from appliance.perf import kv_capacity
+from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
-from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
-from appliance.sim.worker import WorkerConfig, default_num_gpu_blocks
-from appliance.wiring import EngineView, Wiring, wire
+from appliance.wiring import StartedEngines, Wiring, wire
 
 log = logging.getLogger(__name__)
-SIM_FALLBACK_HBM_BYTES = 80 * 2**30
-"""A profile without a memory reading: the GPU size the simulated worker then assumes."""
 REFRESH_S = 0.5
 
 
@@ -56,9 +54,9 @@ def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
     """The GPU each simulated worker stands for, split as the worker splits it: vLLM's
     memory budget (utilisation x HBM) less the KV pool the worker sizes is weights and
     runtime."""
-    utilization = WorkerConfig().gpu_memory_utilization
-    total_bytes = profile.memory_bytes or SIM_FALLBACK_HBM_BYTES
-    blocks = default_num_gpu_blocks(profile, block_size, utilization)
+    utilization = kv_capacity.SIM_GPU_MEMORY_UTILIZATION
+    total_bytes = profile.memory_bytes or kv_capacity.FALLBACK_HBM_BYTES
+    blocks = kv_capacity.default_num_gpu_blocks(profile, block_size, utilization)
     kv_bytes = blocks * block_size * profile.kv_bytes_per_token
     baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)
     return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes)
@@ -128,7 +126,7 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
     try:
         async with start_engines(settings, kind, feed, log_dir) as engines:
             probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
-            view = EngineView(
+            view = StartedEngines(
                 lambda: engines.workers,
                 engines.served_name,
                 engines.max_model_len,
@@ -164,9 +162,9 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
             probe.close()
 
 
-def _open_ledger(settings: Settings) -> Ledger:
+def _open_ledger(settings: Settings) -> LedgerWriter:
     """The ledger, with the configured price in effect from now."""
-    ledger = Ledger.open(
+    ledger = LedgerWriter.open(
         settings.ledger_path,
         synchronous=settings.ledger.synchronous,
         batch_max=settings.ledger.batch_max,
@@ -202,7 +200,7 @@ async def _started(
         ready.set()
 
 
-async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Ledger) -> None:
+async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: LedgerWriter) -> None:
     """Twice a second: the workers' health and load, their measured speeds, restarts and
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
     of whether it can again."""
@@ -220,7 +218,7 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
         await asyncio.sleep(REFRESH_S)
 
 
-def run(settings: Settings) -> None:
+def run_foreground(settings: Settings) -> None:
     """Foreground: until Ctrl-C or SIGTERM, then a clean stop. The appliance's own log lines
     go to stderr at `log_level`."""
     logging.basicConfig(

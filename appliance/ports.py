@@ -1,7 +1,9 @@
 """The boundaries the services are written against. Concrete adapters live in
 appliance.ledger, appliance.engines, appliance.gpu and appliance.sim; only the composition
-root (appliance.bootstrap) names them. This module imports appliance.domain only.
-
+root (appliance.bootstrap, daemon, wiring) names them. The models shared with the simulator
+(appliance.perf, appliance.tokenization) reach the services the same way, through protocols
+of their callers (`policy.routing.PrefillCost`, `api.requests.Tokenizer`). This module
+imports appliance.domain only.
 """
 
 from __future__ import annotations

@@ -10,16 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.api.admin_sessions import SessionAdmin
-from appliance.api.app import ApiApp, create_app
+from appliance.api.app import ApiApp, create_api_app
 from appliance.api.auth import Caller, Keys
 from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.gpu import GpuSnapshot
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, recent_sessions
 from appliance.ledger.session_history import session_turns
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
 from appliance.ports import Clock, GpuProbe
@@ -37,9 +39,7 @@ from appliance.services.turn_desk import TurnDesk
 from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_speed import WorkerSpeeds
 from appliance.settings import Settings
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import GpuProfile
-from appliance.sim.tokenizer import load_tokenizer
+from appliance.tokenization.tokenizer import load_tokenizer
 
 RESTORE_WINDOW_S = 24 * 3600.0
 RESTORE_MAX = 10_000
@@ -56,7 +56,7 @@ class GpuTick:
 
 
 @dataclass
-class EngineView:
+class StartedEngines:
     """What the wiring needs of the started engines."""
 
     workers: Callable[[], Sequence[WorkerHandle]]
@@ -77,8 +77,8 @@ class Wiring:
 def wire(
     settings: Settings,
     *,
-    engines: EngineView,
-    ledger: Ledger,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
     probe: GpuProbe,
@@ -110,7 +110,7 @@ def wire(
         admission=admission,
     )
     ledger_path = Path(settings.ledger_path)
-    app = create_app(
+    app = create_api_app(
         ApiContext(
             desk=desk,
             tasks=tasks,
@@ -144,8 +144,8 @@ def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTa
 
 def _turn_desk(
     settings: Settings,
-    engines: EngineView,
-    ledger: Ledger,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
     cost: LatencyModel,

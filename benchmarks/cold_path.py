@@ -32,10 +32,10 @@ from typing import Any
 import orjson
 
 from appliance.domain.records import WorkerId
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.core import default_profile
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile
 
 PAUSES: tuple[tuple[str, float, bool], ...] = (
     ("hot", 0.0, False),

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.sim.engine import SimEngine
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile
 from appliance.sim.trace import (
     BlockTokens,
     conversation_ids,

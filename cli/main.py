@@ -82,7 +82,7 @@ def up(
         server={"host": host, "port": port},
         engine={"kind": engine, "workers": workers, "model": model},
     )
-    bootstrap.up(settings)
+    bootstrap.run_appliance(settings)
 
 
 KeyOpt = Annotated[
@@ -179,15 +179,15 @@ def costs(
     if db is None:
         db = bootstrap.load_settings(config, data_dir=data_dir).ledger_path
     groups = tuple(g.strip() for g in by.split(",") if g.strip())
-    rows = bootstrap.cost_report(db, by=groups, since=since, until=until)
+    rows = bootstrap.read_cost_report(db, by=groups, since=since, until=until)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
     else:
         typer.echo(_table(rows))
 
 
-@app.command()
-def replay(
+@app.command("replay")
+def replay_command(
     trace: Annotated[
         Path | None, typer.Argument(help="Trace file (Mooncake jsonl or Azure csv).")
     ] = None,
@@ -228,7 +228,7 @@ def replay(
 ) -> None:
     """Replay a trace (or an agent workload) through every routing policy in virtual time."""
     typer.echo(
-        bootstrap.replay(
+        bootstrap.replay_table(
             trace,
             workload=workload,
             tasks=tasks,
@@ -337,7 +337,7 @@ def sim(
 @app.command()
 def doctor(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
     """Check GPUs, the engine install, ports, data dir and config: one line each."""
-    checks = bootstrap.doctor(config, data_dir=data_dir)
+    checks = bootstrap.run_doctor(config, data_dir=data_dir)
     width = max(len(c.name) for c in checks)
     for c in checks:
         typer.echo(f"{c.status:<4}  {c.name:<{width}}  {c.detail}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from tui.app import run_console
 
 
-def main() -> None:
+def console_main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tui", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8080")
     parser.add_argument("--api-key", default=None, help="operator key (default: the data dir's)")
@@ -19,4 +19,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    console_main()

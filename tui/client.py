@@ -25,8 +25,7 @@ import httpx
 import msgspec
 from pydantic import ValidationError
 
-from appliance.api.schemas import AdminState as AdminStateModel
-from appliance.api.schemas import ErrorBody, ReleaseResult, SessionDetail
+from appliance.api.schemas import AdminStateView, ErrorBody, ReleaseResult, SessionDetail
 from tui.state import AdminState, decode_state
 
 STATE_PATH = "/admin/v1/state"
@@ -266,7 +265,7 @@ def fetch_state(url: str, api_key: str | None, *, timeout_s: float = 5.0) -> dic
         raise Refused(error_text(response), status=response.status_code)
     try:
         data: dict[str, Any] = response.json()
-        AdminStateModel.model_validate(data)
+        AdminStateView.model_validate(data)
     except (ValueError, ValidationError) as exc:
         raise BadPayload(f"{base}{STATE_PATH} sent an unexpected snapshot: {exc}") from None
     return data

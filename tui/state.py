@@ -1,4 +1,4 @@
-"""The snapshot as the console holds it: a fast twin of `appliance.api.schemas.AdminState`.
+"""The snapshot as the console holds it: a fast twin of `appliance.api.schemas.AdminStateView`.
 
 The pydantic models in appliance/api/schemas.py are the contract the server and the console
 share. Validating 10,000 sessions with them takes about 100 ms, twice a second; msgspec
@@ -145,17 +145,17 @@ def convert_state(data: object) -> AdminState:
 
 
 MIRRORS = {
-    "Tiers": Tiers,
-    "WorkerState": WorkerState,
-    "GpuState": GpuState,
-    "SessionState": SessionState,
-    "TaskState": TaskState,
-    "CostGroup": CostGroup,
-    "CostPoint": CostPoint,
-    "Costs": Costs,
-    "TenantAdmission": TenantAdmission,
-    "Admission": Admission,
-    "Event": Event,
-    "AdminState": AdminState,
+    "TiersView": Tiers,
+    "WorkerStateView": WorkerState,
+    "GpuStateView": GpuState,
+    "SessionStateView": SessionState,
+    "TaskStateView": TaskState,
+    "CostGroupView": CostGroup,
+    "CostPointView": CostPoint,
+    "CostsView": Costs,
+    "TenantAdmissionView": TenantAdmission,
+    "AdmissionView": Admission,
+    "EventView": Event,
+    "AdminStateView": AdminState,
 }
 """Struct by the name of the pydantic model it mirrors (for the drift test)."""

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from appliance.api.schemas import AdminState, Costs, TaskState
+from appliance.api.schemas import AdminStateView, CostsView, TaskStateView
 from tui import format as fmt
 
 View = Literal["status", "sessions", "tasks", "costs", "events"]
@@ -39,11 +39,11 @@ def table(
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
 
-def _state(state: dict[str, Any] | AdminState) -> AdminState:
-    return state if isinstance(state, AdminState) else AdminState.model_validate(state)
+def _state(state: dict[str, Any] | AdminStateView) -> AdminStateView:
+    return state if isinstance(state, AdminStateView) else AdminStateView.model_validate(state)
 
 
-def render_status(state: dict[str, Any] | AdminState) -> str:
+def render_status(state: dict[str, Any] | AdminStateView) -> str:
     """Workers (engine, GPUs, health, load, KV use), GPUs, sessions and tasks in a few lines."""
     s = _state(state)
     out = [f"appliance state at {fmt.clock(s.time)}"]
@@ -118,7 +118,7 @@ def render_status(state: dict[str, Any] | AdminState) -> str:
     return "\n".join(out)
 
 
-def render_sessions(state: dict[str, Any] | AdminState) -> str:
+def render_sessions(state: dict[str, Any] | AdminStateView) -> str:
     """One row per session, the most GPU-resident first."""
     s = _state(state)
     if not s.sessions:
@@ -150,7 +150,7 @@ def render_sessions(state: dict[str, Any] | AdminState) -> str:
     return table(headers, rows, right={4, 5, 6, 7, 8, 9, 11})
 
 
-def _task_row(t: TaskState, now: float) -> list[str]:
+def _task_row(t: TaskStateView, now: float) -> list[str]:
     slack = None if t.deadline_at is None else t.deadline_at - now
     return [
         t.tenant,
@@ -166,7 +166,7 @@ def _task_row(t: TaskState, now: float) -> list[str]:
 TASK_HEADERS = ["tenant", "class", "status", "slack", "tokens", "cost", "children"]
 
 
-def render_tasks(state: dict[str, Any] | AdminState, *, tree: bool = False) -> str:
+def render_tasks(state: dict[str, Any] | AdminStateView, *, tree: bool = False) -> str:
     """Tasks in the appliance's order; with `tree`, each root followed by its fan-out."""
     s = _state(state)
     if not s.tasks:
@@ -179,7 +179,7 @@ def render_tasks(state: dict[str, Any] | AdminState, *, tree: bool = False) -> s
     rows = []
     placed: set[str] = set()
 
-    def walk(t: TaskState, prefix: str, last: bool, depth: int) -> None:
+    def walk(t: TaskStateView, prefix: str, last: bool, depth: int) -> None:
         placed.add(t.id)
         branch = "" if depth == 0 else ("└─ " if last else "├─ ")
         rows.append([prefix + branch + t.id, *_task_row(t, s.time)])
@@ -195,9 +195,9 @@ def render_tasks(state: dict[str, Any] | AdminState, *, tree: bool = False) -> s
     return table(["task", *TASK_HEADERS], rows, right={4, 5, 6, 7})
 
 
-def render_costs(state: dict[str, Any] | AdminState) -> str:
+def render_costs(state: dict[str, Any] | AdminStateView) -> str:
     """Cost per successful task by task class and tenant."""
-    costs: Costs = _state(state).costs
+    costs: CostsView = _state(state).costs
     if costs.groups is None:
         return (
             "costs: not reported in the appliance's state yet "
@@ -231,7 +231,7 @@ def render_costs(state: dict[str, Any] | AdminState) -> str:
     return table(headers, rows, right={2, 3, 4, 5, 6})
 
 
-def render_events(state: dict[str, Any] | AdminState) -> str:
+def render_events(state: dict[str, Any] | AdminStateView) -> str:
     """The appliance's recent events, newest first."""
     events = _state(state).events
     if events is None:

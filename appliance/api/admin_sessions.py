@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from appliance.api.errors import ApiError
+from appliance.api.errors import RequestRefused
 from appliance.api.state_document import session_document
 from appliance.domain.records import WorkerId
 from appliance.ports import Clock
@@ -106,7 +106,7 @@ def _turns_param(raw: str | None) -> int:
     if raw is None:
         return DEFAULT_TURNS
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_TURNS:
-        raise ApiError(
+        raise RequestRefused(
             400, f"'turns' must be a whole number from 1 to {MAX_TURNS}", "invalid_value"
         )
     return int(raw)

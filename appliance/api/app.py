@@ -46,7 +46,7 @@ class ApiApp:
         await self.rest(scope, receive, send)
 
 
-def create_app(ctx: ApiContext) -> ApiApp:
+def create_api_app(ctx: ApiContext) -> ApiApp:
     model_route = guarded(ModelRoute(ctx))
     routes: list[Route] = [
         *(Route(path, model_route, methods=["POST"]) for path in sorted(MODEL_PATHS)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from appliance.api.errors import ApiError
+from appliance.api.errors import RequestRefused
 from appliance.domain.records import TenantId
 
 
@@ -29,11 +29,11 @@ class Keys:
         scheme, _, key = auth.partition(" ")
         who = self._source().get(key.strip()) if scheme.lower() == "bearer" else None
         if who is None:
-            raise ApiError(
+            raise RequestRefused(
                 401,
                 "missing or unknown API key: send 'Authorization: Bearer <key>'",
                 "invalid_api_key",
             )
         if admin and not who.admin:
-            raise ApiError(403, "this route needs an operator key", "not_admin")
+            raise RequestRefused(403, "this route needs an operator key", "not_admin")
         return who

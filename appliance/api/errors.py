@@ -20,7 +20,7 @@ _TYPES = {
 }
 
 
-class ApiError(ApplianceError):
+class RequestRefused(ApplianceError):
     """A request the API refuses; `code` is a stable machine-readable reason."""
 
     def __init__(self, status: int, message: str, code: str, *, param: str | None = None):

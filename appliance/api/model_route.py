@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appliance.api.context import ApiContext
-from appliance.api.errors import ApiError
+from appliance.api.errors import RequestRefused
 from appliance.api.requests import (
     agent_headers,
     chat_encoder,
@@ -39,7 +39,9 @@ class ModelRoute:
         max_tokens = check_model_request(path, body, self._ctx.model)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
-            raise ApiError(400, "'cache_salt' must be a string", "invalid_type", param="cache_salt")
+            raise RequestRefused(
+                400, "'cache_salt' must be a string", "invalid_type", param="cache_salt"
+            )
         plain = (
             path.endswith("chat/completions")
             and self._encoder is not None

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from appliance.api.errors import ApiError
+from appliance.api.errors import RequestRefused
 from appliance.services.sessions import ChatEncoder, ChatTokens
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -58,7 +58,7 @@ class AgentHeaders:
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(
+        raise RequestRefused(
             413,
             f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
             "body_too_large",
@@ -66,12 +66,14 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        raise RequestRefused(
+            400, f"request body is not valid JSON: {exc}", "invalid_json"
+        ) from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+        raise RequestRefused(400, "request body must be a JSON object", "invalid_json")
     # A body cannot nest deeper than it has brackets: only a rare one is walked.
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
-        raise ApiError(
+        raise RequestRefused(
             400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json"
         )
     return body
@@ -93,7 +95,7 @@ def _depth(value: Any) -> int:
 def identifier(value: Any, name: str) -> str:
     """A client's id (a session, a task): 1-256 printable characters, as the headers."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or not value.isprintable():
-        raise ApiError(
+        raise RequestRefused(
             400,
             f"'{name}' must be 1-{MAX_ID_CHARS} printable characters",
             "invalid_value",
@@ -108,7 +110,7 @@ def _text_header(headers: Mapping[str, str], name: str) -> str | None:
         return None
     value = value.strip()
     if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
-        raise ApiError(
+        raise RequestRefused(
             400, f"header {name} must be 1-{MAX_ID_CHARS} printable characters", "invalid_header"
         )
     return value
@@ -122,11 +124,11 @@ def _number_header(headers: Mapping[str, str], name: str, *, integer: bool = Fal
         value = int(raw) if integer else float(raw)
     except ValueError:
         kind = "an integer" if integer else "a number"
-        raise ApiError(
+        raise RequestRefused(
             400, f"header {name} must be {kind}, not {raw!r}", "invalid_header"
         ) from None
     if not integer and (not math.isfinite(value) or value < 0):
-        raise ApiError(400, f"header {name} must be a finite number >= 0", "invalid_header")
+        raise RequestRefused(400, f"header {name} must be a finite number >= 0", "invalid_header")
     return value
 
 
@@ -137,7 +139,7 @@ def agent_headers(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentH
     task_id = _text_header(headers, "x-task-id")
     parent_task_id = _text_header(headers, "x-parent-task-id")
     if task_id is not None and task_id == parent_task_id:
-        raise ApiError(
+        raise RequestRefused(
             400,
             "X-Parent-Task-ID names the task itself",
             "invalid_header",
@@ -158,7 +160,7 @@ def _field(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
     value = body.get(name)
     wrong = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
     if value is not None and wrong:
-        raise ApiError(400, f"'{name}' must be {what}", "invalid_type", param=name)
+        raise RequestRefused(400, f"'{name}' must be {what}", "invalid_type", param=name)
     return value
 
 
@@ -172,7 +174,7 @@ def prompt_tokens(
     previous: ChatTokens | None = None,
     encoder: ChatEncoder | None = None,
 ) -> tuple[Sequence[int], ChatTokens | None]:
-    """The prompt's token ids as vLLM will see them (raises ApiError for any bad field), and
+    """The prompt's token ids as vLLM will see them (raises RequestRefused for any bad field), and
     the rendered chat to keep for the session's next turn (None when the tokenizer cannot
     tokenise incrementally, or for a completion): a chat is tokenised only past what it
     shares with `previous`, the session's last turn, by `encoder` (give the same one every
@@ -206,7 +208,7 @@ def tokenize_checked(
     else:
         ids = _completion_ids(body, tokenizer)
     if len(ids) + (max_tokens or 1) > max_model_len:
-        raise ApiError(
+        raise RequestRefused(
             413,
             f"the prompt has {len(ids)} tokens and asks for {max_tokens or 1} more, above the "
             f"model's limit of {max_model_len}; shorten the prompt or lower max_tokens",
@@ -217,17 +219,21 @@ def tokenize_checked(
 
 def check_model_request(path: str, body: dict[str, Any], model: str) -> int | None:
     """Checks the fields every model request needs (and, for a chat, its messages); returns
-    its `max_tokens` (None: not given). Raises ApiError for any bad field."""
+    its `max_tokens` (None: not given). Raises RequestRefused for any bad field."""
     name = _field(body, "model", str, "a string")
     if name is None:
-        raise ApiError(400, "'model' is required", "missing_field", param="model")
+        raise RequestRefused(400, "'model' is required", "missing_field", param="model")
     if name != model:
-        raise ApiError(404, f"The model `{name}` does not exist.", "model_not_found", param="model")
+        raise RequestRefused(
+            404, f"The model `{name}` does not exist.", "model_not_found", param="model"
+        )
     max_tokens: int | None = _field(body, "max_tokens", int, "an integer")
     if path.endswith("chat/completions"):
         max_tokens = _field(body, "max_completion_tokens", int, "an integer") or max_tokens
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens")
+        raise RequestRefused(
+            400, "'max_tokens' must be at least 1", "invalid_value", param="max_tokens"
+        )
     _field(body, "stream", bool, "true or false")
     _field(body, "stream_options", dict, "an object")
     _check_limits(body)
@@ -238,7 +244,7 @@ def check_model_request(path: str, body: dict[str, Any], model: str) -> int | No
 
 def chat_encoder(tokenizer: Tokenizer) -> ChatEncoder | None:
     """An incremental encoder for a tokenizer that declares `split_before` (see
-    `SimTokenizer.split_before`) and renders chats itself; None for any other."""
+    `ModelTokenizer.split_before`) and renders chats itself; None for any other."""
     split_before = getattr(tokenizer, "split_before", ())
     if not split_before or not callable(getattr(tokenizer, "render_chat", None)):
         return None
@@ -260,7 +266,9 @@ def _chat_ids(
             return chat.ids, chat  # the same array all the way to the session: no copies
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
     except (ValueError, TypeError) as exc:
-        raise ApiError(400, f"cannot render the messages: {exc}", "invalid_messages") from None
+        raise RequestRefused(
+            400, f"cannot render the messages: {exc}", "invalid_messages"
+        ) from None
 
 
 def _check_limits(body: dict[str, Any]) -> None:
@@ -273,19 +281,23 @@ def _check_limits(body: dict[str, Any]) -> None:
         if name == "stop" and isinstance(value, str):
             size = 1
         if not isinstance(size, int) or size < 0:
-            raise ApiError(400, f"'{name}' must be a count or a list", "invalid_type", param=name)
+            raise RequestRefused(
+                400, f"'{name}' must be a count or a list", "invalid_type", param=name
+            )
         if size > limit:
-            raise ApiError(400, f"'{name}' is {size}; the limit is {limit}", "limit_exceeded",
+            raise RequestRefused(400, f"'{name}' is {size}; the limit is {limit}", "limit_exceeded",
                            param=name)  # fmt: skip
 
 
 def _check_messages(body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", "invalid_type", param="messages")
+        raise RequestRefused(
+            400, "'messages' must be a non-empty list", "invalid_type", param="messages"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(
+            raise RequestRefused(
                 400,
                 f"messages[{i}] must be an object with a 'role' string",
                 "invalid_type",
@@ -293,7 +305,7 @@ def _check_messages(body: dict[str, Any]) -> None:
             )
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise ApiError(
+            raise RequestRefused(
                 400,
                 f"messages[{i}].content must be a string or a list of parts",
                 "invalid_type",
@@ -314,7 +326,7 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         )
     ):
         return list(prompt)
-    raise ApiError(
+    raise RequestRefused(
         400,
         f"'prompt' must be a string or a non-empty list of token ids (integers 0-{MAX_TOKEN_ID})",
         "invalid_type",

@@ -1,7 +1,10 @@
 """The admin API's payloads as pydantic models, shared by the server and the console.
 
-`AdminState` is the document `GET /admin/v1/state` publishes: one snapshot of the appliance
-(appliance/services/state.py gathers it, appliance/api/state_document.py builds this model).
+`AdminStateView` is the document `GET /admin/v1/state` publishes: one snapshot of the
+appliance (appliance/services/state.py gathers it, appliance/api/state_document.py builds
+this model). Its parts are named `...View` too: the API's view of what the services hold
+under the plain name (`services.sessions.SessionState` is shown as `SessionStateView`).
+
 Every number here is one the appliance read from a source of truth; a reading it does not
 have is `None`, never a guess, and the console shows it as "-". Sections the server does not
 report yet (`events`, parts of `costs` and `admission`) are `None` or empty so that an older
@@ -18,14 +21,14 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class Tiers(_Model):
+class TiersView(_Model):
     """A quantity split by cache tier."""
 
     gpu: int = 0
     host: int = 0
 
 
-class WorkerState(_Model):
+class WorkerStateView(_Model):
     id: str
     engine: str | None = None
     url: str | None = None
@@ -45,7 +48,7 @@ class WorkerState(_Model):
     measured; see appliance/services/worker_speed.py)."""
 
 
-class GpuState(_Model):
+class GpuStateView(_Model):
     index: int
     name: str
     mem_total_bytes: int
@@ -59,13 +62,13 @@ class GpuState(_Model):
     (NVML)."""
 
 
-class SessionState(_Model):
+class SessionStateView(_Model):
     id: str
     tenant: str
     task_id: str | None = None
     worker: str | None = None
-    resident_tokens: Tiers = Tiers()
-    resident_bytes: Tiers = Tiers()
+    resident_tokens: TiersView = TiersView()
+    resident_bytes: TiersView = TiersView()
     idle_s: float = 0.0
     turns: int = 0
     tool_class: str | None = None
@@ -75,7 +78,7 @@ class SessionState(_Model):
     reason: str | None = None
 
 
-class TaskState(_Model):
+class TaskStateView(_Model):
     id: str
     parent_id: str | None = None
     tenant: str
@@ -87,7 +90,7 @@ class TaskState(_Model):
     children: list[str] = Field(default_factory=list)
 
 
-class CostGroup(_Model):
+class CostGroupView(_Model):
     """One row of the cost-per-successful-task report (the ledger's `cost_report`)."""
 
     task_class: str | None = None
@@ -101,28 +104,28 @@ class CostGroup(_Model):
     currency: str | None = None
 
 
-class CostPoint(_Model):
+class CostPointView(_Model):
     window_start: float
     cost_per_success: float | None = None
     succeeded: int = 0
 
 
-class Costs(_Model):
+class CostsView(_Model):
     currency: str | None = None
-    groups: list[CostGroup] | None = None
+    groups: list[CostGroupView] | None = None
     """None: the server does not report costs yet."""
-    series: list[CostPoint] | None = None
+    series: list[CostPointView] | None = None
     """Cost per successful task over time, oldest first; None: not reported."""
 
 
-class TenantAdmission(_Model):
+class TenantAdmissionView(_Model):
     """What one tenant holds now, as admission counts it."""
 
     in_flight_turns: int = 0
     open_tasks: int = 0
 
 
-class Admission(_Model):
+class AdmissionView(_Model):
     """Admission's counters; empty ({}) where the appliance has no admission control."""
 
     accepted: int | None = None
@@ -133,10 +136,10 @@ class Admission(_Model):
     """Rejections by reason."""
     in_flight_turns: int | None = None
     open_tasks: int | None = None
-    tenants: dict[str, TenantAdmission] = Field(default_factory=dict)
+    tenants: dict[str, TenantAdmissionView] = Field(default_factory=dict)
 
 
-class Event(_Model):
+class EventView(_Model):
     """Something an operator should know happened: a worker restart or outage, a rejection,
     an eviction, a release, a cancelled task (appliance/services/events.py)."""
 
@@ -149,23 +152,23 @@ class Event(_Model):
     tenant: str | None = None
 
 
-class AdminState(_Model):
+class AdminStateView(_Model):
     """One snapshot of the running appliance (`GET /admin/v1/state`)."""
 
     time: float
-    workers: list[WorkerState] = Field(default_factory=list)
-    gpus: list[GpuState] = Field(default_factory=list)
+    workers: list[WorkerStateView] = Field(default_factory=list)
+    gpus: list[GpuStateView] = Field(default_factory=list)
     """Empty on a host without NVIDIA GPUs: a normal state."""
     gpu_driver: str | None = None
     """The NVIDIA driver's version as NVML reports it; under the simulated engine a text
     starting with "simulated": the GPUs are the simulator's model, not measured."""
-    sessions: list[SessionState] = Field(default_factory=list)
-    tasks: list[TaskState] = Field(default_factory=list)
-    costs: Costs = Costs()
-    admission: Admission = Admission()
+    sessions: list[SessionStateView] = Field(default_factory=list)
+    tasks: list[TaskStateView] = Field(default_factory=list)
+    costs: CostsView = CostsView()
+    admission: AdmissionView = AdmissionView()
     routing: dict[str, int] = Field(default_factory=dict)
     """Turns placed by the router, by reason."""
-    events: list[Event] | None = None
+    events: list[EventView] | None = None
     """Newest first; None: the server does not report events yet."""
 
 
@@ -197,7 +200,7 @@ class SessionDetail(_Model):
     """`GET /admin/v1/sessions/{id}?tenant=T`: one session as the state shows it, its
     residency per worker, and its newest turns from the ledger, oldest first."""
 
-    session: SessionState | None = None
+    session: SessionStateView | None = None
     residency: list[SessionResidency] = Field(default_factory=list)
     turns: list[SessionTurn] = Field(default_factory=list)
 
@@ -227,22 +230,22 @@ class ErrorBody(_Model):
 
 
 __all__ = [
-    "AdminState",
-    "Admission",
-    "CostGroup",
-    "CostPoint",
-    "Costs",
+    "AdminStateView",
+    "AdmissionView",
+    "CostGroupView",
+    "CostPointView",
+    "CostsView",
     "ErrorBody",
     "ErrorDetail",
-    "Event",
-    "GpuState",
+    "EventView",
+    "GpuStateView",
     "ReleaseResult",
     "SessionDetail",
     "SessionResidency",
-    "SessionState",
+    "SessionStateView",
     "SessionTurn",
-    "TaskState",
-    "TenantAdmission",
-    "Tiers",
-    "WorkerState",
+    "TaskStateView",
+    "TenantAdmissionView",
+    "TiersView",
+    "WorkerStateView",
 ]

@@ -40,7 +40,7 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
 
 
-class _Request:
+class _HttpRequest:
     __slots__ = (
         "body",
         "headers",
@@ -58,15 +58,15 @@ class _Request:
         self.body: list[bytes] = []
 
 
-class _Connection(asyncio.Protocol):
+class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: ApiServer) -> None:
         self._server = server
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
-        self._request = _Request()
+        self._request = _HttpRequest()
         self._body_size = 0
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[_HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self.closed = asyncio.get_running_loop().create_future()
@@ -127,7 +127,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url = b""
-        self._request = _Request()
+        self._request = _HttpRequest()
         self._body_size = 0
         self._head_size = 0
         self._in_head = True
@@ -209,7 +209,7 @@ class _Connection(asyncio.Protocol):
         if self.idle:
             self.close()
 
-    async def _answer(self, request: _Request) -> bool:
+    async def _answer(self, request: _HttpRequest) -> bool:
         """Runs the app for one request; whether the connection may serve another."""
         scope = {
             "type": "http",
@@ -278,7 +278,7 @@ class _Connection(asyncio.Protocol):
 
 
 class _Response:
-    def __init__(self, conn: _Connection, head_only: bool) -> None:
+    def __init__(self, conn: _ServerConnection, head_only: bool) -> None:
         self._conn = conn
         self._head_only = head_only
         self._chunked = False
@@ -349,7 +349,7 @@ class ApiServer:
         self.port = port
         self.max_body = max_body
         self.grace_s = grace_s
-        self.connections: set[_Connection] = set()
+        self.connections: set[_ServerConnection] = set()
         self.stopping = False
         self.bound: tuple[str, int] | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -358,7 +358,7 @@ class ApiServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), self.host, self.port, reuse_address=True, backlog=2048
+            lambda: _ServerConnection(self), self.host, self.port, reuse_address=True, backlog=2048
         )
         sock = self._server.sockets[0].getsockname()
         self.bound = (sock[0], sock[1])

@@ -15,9 +15,9 @@ from appliance.services.state import CostView, SessionView, StateSnapshot
 from appliance.services.tasks import TaskState
 
 
-def admin_state(snap: StateSnapshot) -> schemas.AdminState:
+def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
     fleet, gpu = snap.fleet, snap.fleet.gpu
-    return schemas.AdminState(
+    return schemas.AdminStateView(
         time=snap.time,
         workers=[_worker(w, fleet.prefill_slowdown[w.id]) for w in fleet.workers],
         gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
@@ -25,24 +25,24 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminState:
         sessions=[session_document(v) for v in snap.sessions],
         tasks=[_task(t) for t in snap.tasks],
         costs=_costs(snap.costs),
-        admission=schemas.Admission.model_validate(snap.admission),
+        admission=schemas.AdmissionView.model_validate(snap.admission),
         routing=snap.routing,
         events=None
         if snap.events is None
-        else [schemas.Event.model_validate(e) for e in snap.events],
+        else [schemas.EventView.model_validate(e) for e in snap.events],
     )
 
 
-def session_document(v: SessionView) -> schemas.SessionState:
+def session_document(v: SessionView) -> schemas.SessionStateView:
     """One session as the state shows it (and `GET /admin/v1/sessions/{id}`)."""
     s = v.session
-    return schemas.SessionState(
+    return schemas.SessionStateView(
         id=s.session_id,
         tenant=s.tenant,
         task_id=_own_id(s.task_id) if s.task_id else None,
         worker=s.home,
-        resident_tokens=schemas.Tiers(**v.resident_tokens),
-        resident_bytes=schemas.Tiers(**v.resident_bytes),
+        resident_tokens=schemas.TiersView(**v.resident_tokens),
+        resident_bytes=schemas.TiersView(**v.resident_bytes),
         idle_s=v.idle_s,
         turns=s.turns,
         tool_class=s.tool_class,
@@ -52,9 +52,9 @@ def session_document(v: SessionView) -> schemas.SessionState:
     )
 
 
-def _worker(w: WorkerStatus, prefill_slowdown: float) -> schemas.WorkerState:
+def _worker(w: WorkerStatus, prefill_slowdown: float) -> schemas.WorkerStateView:
     load = w.load
-    return schemas.WorkerState(
+    return schemas.WorkerStateView(
         id=w.id,
         engine=w.engine,
         url=w.url,
@@ -70,8 +70,8 @@ def _worker(w: WorkerStatus, prefill_slowdown: float) -> schemas.WorkerState:
     )
 
 
-def _gpu(g: GpuReading) -> schemas.GpuState:
-    return schemas.GpuState(
+def _gpu(g: GpuReading) -> schemas.GpuStateView:
+    return schemas.GpuStateView(
         index=g.index,
         name=g.name,
         mem_total_bytes=g.mem_total_bytes,
@@ -83,8 +83,8 @@ def _gpu(g: GpuReading) -> schemas.GpuState:
     )
 
 
-def _task(t: TaskState) -> schemas.TaskState:
-    return schemas.TaskState(
+def _task(t: TaskState) -> schemas.TaskStateView:
+    return schemas.TaskStateView(
         id=t.client_id,
         parent_id=_own_id(t.parent) if t.parent else None,
         tenant=t.tenant,
@@ -97,13 +97,13 @@ def _task(t: TaskState) -> schemas.TaskState:
     )
 
 
-def _costs(c: CostView) -> schemas.Costs:
-    return schemas.Costs(
+def _costs(c: CostView) -> schemas.CostsView:
+    return schemas.CostsView(
         currency=c.currency,
-        groups=[schemas.CostGroup.model_validate(g) for g in c.groups],
+        groups=[schemas.CostGroupView.model_validate(g) for g in c.groups],
         series=None
         if c.series is None
-        else [schemas.CostPoint.model_validate(p) for p in c.series],
+        else [schemas.CostPointView.model_validate(p) for p in c.series],
     )
 
 

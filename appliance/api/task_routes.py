@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from appliance.api.context import ApiContext, Guard
-from appliance.api.errors import ApiError
+from appliance.api.errors import RequestRefused
 from appliance.api.requests import agent_headers, identifier, parse_json_body
 from appliance.domain.errors import LedgerError
 from appliance.domain.records import TaskEventType
@@ -47,7 +47,7 @@ class TaskRoutes:
                  "status": known.status.value}, status_code=200,
             )  # fmt: skip
         if new.parent_id is not None and self._ctx.tasks.get(who.tenant, new.parent_id) is None:
-            raise ApiError(404, f"parent task {new.parent_id} not found", "task_not_found",
+            raise RequestRefused(404, f"parent task {new.parent_id} not found", "task_not_found",
                            param="parent_task_id")  # fmt: skip
         key = self._ctx.tasks.key
         if self._ctx.admission is not None:
@@ -121,7 +121,7 @@ class TaskRoutes:
         who = self._ctx.keys.caller(request.headers)
         task = self._ctx.tasks.get(who.tenant, request.path_params["task_id"])
         if task is None:
-            raise ApiError(
+            raise RequestRefused(
                 404, f"task {request.path_params['task_id']} not found", "task_not_found"
             )
         return JSONResponse(self._ctx.tasks.tree(task))
@@ -153,7 +153,7 @@ def new_task(body: dict[str, Any]) -> NewTask:
     parent = body.get("parent_task_id")
     parent_id = identifier(parent, "parent_task_id") if parent is not None else None
     if parent_id is not None and parent_id == client_id:
-        raise ApiError(400, "a task cannot be its own parent", "invalid_value",
+        raise RequestRefused(400, "a task cannot be its own parent", "invalid_value",
                        param="parent_task_id")  # fmt: skip
     task_class = body.get("task_class")
     return NewTask(
@@ -181,17 +181,19 @@ def task_event(body: dict[str, Any]) -> TaskEventFields:
         kind = TaskEventType(body.get("type"))
     except ValueError:
         allowed = ", ".join(t.value for t in TaskEventType)
-        raise ApiError(
+        raise RequestRefused(
             400, f"'type' must be one of {allowed}", "invalid_value", param="type"
         ) from None
     verified = body.get("verified")
     if verified is not None and not isinstance(verified, bool):
-        raise ApiError(400, "'verified' must be true or false", "invalid_type", param="verified")
+        raise RequestRefused(
+            400, "'verified' must be true or false", "invalid_type", param="verified"
+        )
     evidence = body.get("evidence")
     if evidence is not None and (
         not isinstance(evidence, str) or len(evidence) > MAX_EVIDENCE_CHARS
     ):
-        raise ApiError(400, f"'evidence' must be a string of at most {MAX_EVIDENCE_CHARS} "
+        raise RequestRefused(400, f"'evidence' must be a string of at most {MAX_EVIDENCE_CHARS} "
                        "characters", "invalid_value", param="evidence")  # fmt: skip
     tool_class = body.get("tool_class")
     return TaskEventFields(
@@ -210,7 +212,7 @@ def _number(body: dict[str, Any], name: str, *, positive: bool = False) -> float
     bad = isinstance(value, bool) or not isinstance(value, int | float)
     if bad or not math.isfinite(value) or value < 0 or (positive and value == 0):
         what = "> 0" if positive else ">= 0"
-        raise ApiError(400, f"'{name}' must be a finite number {what}", "invalid_value",
+        raise RequestRefused(400, f"'{name}' must be a finite number {what}", "invalid_value",
                        param=name)  # fmt: skip
     return float(value)
 
@@ -220,5 +222,5 @@ def _count(body: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ApiError(400, f"'{name}' must be an integer >= 0", "invalid_value", param=name)
+        raise RequestRefused(400, f"'{name}' must be an integer >= 0", "invalid_value", param=name)
     return value

@@ -3,7 +3,7 @@
 Model of the world: a model call is a streaming chat completion through the unchanged
 `openai` client (no retries, so each call is exactly one attempt in the ledger) with the
 agent headers; tasks are created, told about tool runs and outcomes, and cancelled through
-`/v1/tasks`. Every failure of a call becomes a `StepResult` or a False answer with one line
+`/v1/tasks`. Every failure of a call becomes a `AgentStepResult` or a False answer with one line
 saying why, never an exception that stops the run; only the preflight (`probe`) raises,
 because without a reachable appliance and a valid key there is nothing to measure.
 """
@@ -20,7 +20,7 @@ from urllib.parse import quote
 import httpx
 import openai
 
-from appliance.bench.report import StepResult
+from appliance.bench.report import AgentStepResult
 from appliance.domain.errors import ApplianceError
 
 
@@ -156,7 +156,7 @@ class ApplianceClient:
         *,
         output_tokens: int,
         headers: Mapping[str, str],
-    ) -> tuple[StepResult, str]:
+    ) -> tuple[AgentStepResult, str]:
         """One streamed model call: its result and the generated text."""
         start = time.perf_counter()
         ttft_s: float | None = None
@@ -191,7 +191,7 @@ class ApplianceClient:
         if usage is None:
             return _failed(task_id, start, "the stream ended without usage"), ""
         details = usage.prompt_tokens_details
-        result = StepResult(
+        result = AgentStepResult(
             task_id=task_id,
             ok=True,
             prompt_tokens=usage.prompt_tokens,
@@ -204,8 +204,8 @@ class ApplianceClient:
         return result, "".join(text)
 
 
-def _failed(task_id: str, start: float, error: str) -> StepResult:
-    return StepResult(task_id, False, e2e_s=time.perf_counter() - start, error=error[:300])
+def _failed(task_id: str, start: float, error: str) -> AgentStepResult:
+    return AgentStepResult(task_id, False, e2e_s=time.perf_counter() - start, error=error[:300])
 
 
 def _openai_message(exc: openai.APIError) -> str:

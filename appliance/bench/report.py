@@ -21,7 +21,7 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class AgentStepResult:
     task_id: str
     ok: bool
     prompt_tokens: int = 0
@@ -53,7 +53,7 @@ class TaskResult:
 class Recorder:
     """Everything one run observed; the agents append, the report reads."""
 
-    steps: list[StepResult] = field(default_factory=list)
+    steps: list[AgentStepResult] = field(default_factory=list)
     tasks: list[TaskResult] = field(default_factory=list)
     rejected_tasks: int = 0
     abandoned_steps: int = 0

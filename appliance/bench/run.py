@@ -92,7 +92,7 @@ def _default_spec() -> WorkloadSpec:
     return load_spec(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD.is_file() else WorkloadSpec()
 
 
-def default_data_dir() -> Path:
+def _default_data_dir() -> Path:
     env = os.environ.get("APPLIANCE_DATA_DIR")
     return Path(env) if env else Path.home() / ".local/share/appliance"
 
@@ -103,7 +103,7 @@ def resolve_keys(
     """Tenant -> API key: `api_key` for all, else each tenant's own key from the data dir."""
     if api_key:
         return dict.fromkeys(tenants, api_key)
-    path = (data_dir or default_data_dir()).expanduser() / KEYS_FILE
+    path = (data_dir or _default_data_dir()).expanduser() / KEYS_FILE
     if not path.is_file():
         raise BadInput(
             f"bench: no API key: {path} does not exist; pass --api-key or --data-dir "

@@ -18,7 +18,7 @@ from appliance.domain.records import (
     TaskRecord,
     TurnRecord,
 )
-from appliance.ledger.writer import Ledger
+from appliance.ledger.writer import LedgerWriter
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ class AsyncLedger:
     """Each method returns once its write committed; the event loop never blocks on the
     disk. `ledger` stays usable directly for fire-and-forget writes."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: LedgerWriter) -> None:
         self.ledger = ledger
 
     async def record_task(self, task: TaskRecord) -> None:

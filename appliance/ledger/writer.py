@@ -51,7 +51,7 @@ _Item = tuple[Callable[[Any], Any] | None, Any, Future[Any]]
 _STOP: Any = object()
 
 
-class Ledger:
+class LedgerWriter:
     """The write side of the ledger file. Thread-safe: any thread may call record_*."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, *, batch_max: int) -> None:
@@ -76,7 +76,7 @@ class Ledger:
         synchronous: Synchronous = "full",
         batch_max: int = 1024,
         busy_timeout_s: float = 5.0,
-    ) -> Ledger:
+    ) -> LedgerWriter:
         """Open (create, migrate) the ledger at `path` and start its writer thread.
         Raises LedgerError, leaving an unusable file untouched."""
         if batch_max < 1:
@@ -150,7 +150,7 @@ class Ledger:
         self._thread.join()
         self._conn.close()
 
-    def __enter__(self) -> Ledger:
+    def __enter__(self) -> LedgerWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

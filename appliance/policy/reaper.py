@@ -52,7 +52,7 @@ from typing import NamedTuple, Protocol
 from appliance.policy.residency import (
     HeldSession,
     IdleSession,
-    Residency,
+    ResidencyAction,
     ResidencyDecision,
     ResidencyFigures,
     ResidencyKind,
@@ -129,12 +129,12 @@ _SAYS = {
 
 class _Record(NamedTuple):
     session: IdleSession
-    action: Residency
+    action: ResidencyAction
 
 
 @dataclass(frozen=True, slots=True)
 class _Weighed:
-    action: Residency
+    action: ResidencyAction
     kind: ResidencyKind
     figures: ResidencyFigures
 
@@ -243,21 +243,21 @@ class Reaper:
             self.survival.observe_censored(_key(s), max(0.0, now - s.finished_at_s))
 
     def _decide(
-        self, session: IdleSession, idle_s: float, standing: Residency | None
+        self, session: IdleSession, idle_s: float, standing: ResidencyAction | None
     ) -> ResidencyDecision:
         if session.ends_in_tool_call is False:
             return ResidencyDecision(
-                Residency.EVICT, "last step: not coming back", kind=ResidencyKind.LAST_STEP
+                ResidencyAction.EVICT, "last step: not coming back", kind=ResidencyKind.LAST_STEP
             )
         if idle_s >= self.max_residency_s:
             return ResidencyDecision(
-                Residency.EVICT,
+                ResidencyAction.EVICT,
                 f"idle {idle_s:.0f} s: past the {self.max_residency_s:g} s maximum residency",
                 kind=ResidencyKind.MAX_RESIDENCY,
             )
         weighed = self._weigh(session, idle_s, standing)
         until_s = None
-        if weighed.action is Residency.HOLD:
+        if weighed.action is ResidencyAction.HOLD:
             revisit_s = max(idle_s * REVISIT_GROWTH, idle_s + MIN_REVISIT_S)
             until_s = session.finished_at_s + min(revisit_s, self.max_residency_s)
         return ResidencyDecision(
@@ -268,18 +268,20 @@ class Reaper:
             figures=weighed.figures,
         )
 
-    def _weigh(self, session: IdleSession, idle_s: float, standing: Residency | None) -> _Weighed:
+    def _weigh(
+        self, session: IdleSession, idle_s: float, standing: ResidencyAction | None
+    ) -> _Weighed:
         p, wait_s = self._outlook(session, idle_s)
         kv_bytes = self._kv_bytes(session)
         loss_s = self._loss_s(session)
         v_hbm = self._tier_value(session.kv_usage, session.hbm_value, loss_s, kv_bytes)
         c_hold = v_hbm * kv_bytes * wait_s
         c_release = p * loss_s
-        costs = {Residency.RELEASE: c_release}
+        costs = {ResidencyAction.RELEASE: c_release}
         cap = self.tenant_cap_bytes
         capped = cap is not None and session.tenant_held_bytes + kv_bytes > cap
         if not capped:
-            costs[Residency.HOLD] = c_hold
+            costs[ResidencyAction.HOLD] = c_hold
         v_host = c_demote = None
         host = session.host
         if host is not None:
@@ -287,7 +289,7 @@ class Reaper:
             promote_s = self._promote_s(session, kv_bytes)
             c_demote = v_host * kv_bytes * wait_s + p * self.second_value * promote_s
             if host.free_bytes >= kv_bytes:
-                costs[Residency.DEMOTE] = c_demote
+                costs[ResidencyAction.DEMOTE] = c_demote
         figures = ResidencyFigures(
             p_return=p,
             expected_wait_s=wait_s,
@@ -299,17 +301,19 @@ class Reaper:
             c_demote=c_demote,
         )
         if p <= self.p_gone:
-            return _Weighed(Residency.EVICT, ResidencyKind.NOT_RETURNING, figures)
-        current = standing if standing is not None and standing in costs else Residency.RELEASE
+            return _Weighed(ResidencyAction.EVICT, ResidencyKind.NOT_RETURNING, figures)
+        current = (
+            standing if standing is not None and standing in costs else ResidencyAction.RELEASE
+        )
         best = min(costs, key=costs.__getitem__)  # ties: release, then hold, then demote
         gain = costs[current] - costs[best]
         if best is not current and gain <= max(self.hysteresis * costs[current], self.min_gain_s):
             return _Weighed(current, ResidencyKind.WITHIN_MARGIN, figures)
         if capped and c_hold < costs[best]:
             kind = ResidencyKind.TENANT_CAP
-        elif best is Residency.HOLD:
+        elif best is ResidencyAction.HOLD:
             kind = ResidencyKind.POOL_FREE if v_hbm == 0 else ResidencyKind.HOLD_CHEAPEST
-        elif best is Residency.DEMOTE:
+        elif best is ResidencyAction.DEMOTE:
             kind = ResidencyKind.DEMOTE_CHEAPEST
         else:
             kind = ResidencyKind.RELEASE_CHEAPEST

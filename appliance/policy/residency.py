@@ -46,7 +46,7 @@ DEFAULT_TENANT = "default"
 """The tenant of a session whose caller names none (the appliance's first tenant)."""
 
 
-class Residency(StrEnum):
+class ResidencyAction(StrEnum):
     RELEASE = "release"
     HOLD = "hold"
     DEMOTE = "demote"
@@ -75,7 +75,7 @@ class ResidencyKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class HostTier:
+class HostTierReading:
     """The worker's host-memory KV tier as it stands when the decision is taken."""
 
     free_bytes: int
@@ -118,7 +118,7 @@ class IdleSession:
     among the worker's holds. None: the policy's default."""
     tenant_held_bytes: int = 0
     """Bytes the tenant holds in HBM already, this session's own hold not counted."""
-    host: HostTier | None = None
+    host: HostTierReading | None = None
     """None: the worker has no host tier (nothing can be demoted)."""
     promote_s: float | None = None
     """Seconds to copy its KV from the host tier back to HBM at the measured bandwidth;
@@ -161,7 +161,7 @@ class ResidencyFigures:
 
 @dataclass(frozen=True, slots=True)
 class ResidencyDecision:
-    action: Residency
+    action: ResidencyAction
     reason: str
     """Why, as a sentence with its figures (the ledger, the console)."""
     until_s: float | None = None
@@ -171,7 +171,7 @@ class ResidencyDecision:
     figures: ResidencyFigures | None = None
 
     def __post_init__(self) -> None:
-        if (self.action is Residency.HOLD) != (self.until_s is not None):
+        if (self.action is ResidencyAction.HOLD) != (self.until_s is not None):
             raise ValueError("a HOLD, and only a HOLD, carries until_s")
 
 
@@ -200,7 +200,7 @@ class Lru:
 
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
         return ResidencyDecision(
-            Residency.RELEASE, "least recently used goes first", kind=ResidencyKind.LRU
+            ResidencyAction.RELEASE, "least recently used goes first", kind=ResidencyKind.LRU
         )
 
     def priority(self, held: HeldSession, now: float) -> float:
@@ -235,10 +235,12 @@ class TtlPin:
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
         if session.ends_in_tool_call is False:
             return ResidencyDecision(
-                Residency.RELEASE, "last step: nothing to pin for", kind=ResidencyKind.LAST_STEP
+                ResidencyAction.RELEASE,
+                "last step: nothing to pin for",
+                kind=ResidencyKind.LAST_STEP,
             )
         return ResidencyDecision(
-            Residency.HOLD,
+            ResidencyAction.HOLD,
             f"pinned for the {self.ttl_s:g} s TTL",
             until_s=now + self.ttl_s,
             kind=ResidencyKind.TTL_PIN,

@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from appliance.perf.latency import LatencyModel
 from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.wait_curves import LogNormal
 from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
@@ -41,7 +42,6 @@ from appliance.replay.runner import (
     replay_workload,
 )
 from appliance.replay.traces import Trace, load_trace, trace_stats_file
-from appliance.sim.latency import LatencyModel
 
 
 def run_replay(

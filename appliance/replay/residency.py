@@ -40,12 +40,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.policy.residency import (
     DEFAULT_TENANT,
     HeldSession,
-    HostTier,
+    HostTierReading,
     IdleSession,
-    Residency,
+    ResidencyAction,
     ResidencyDecision,
     ResidencyPolicy,
 )
@@ -53,7 +54,6 @@ from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.wait_curves import LogNormal
 from appliance.sim.engine import AfterTurn, PinDue, SimRequest, TurnEnd
 from appliance.sim.host_tier import HostPriority, HostSession
-from appliance.sim.latency import CopyDirection, LatencyModel
 from appliance.sim.prefix_cache import Pin
 
 _NUMBERS = re.compile(r"\d[\d.,]*")
@@ -196,11 +196,11 @@ class PolicyResidency:
         for key in [k for k in self._ranks if k[0] == session.session_id]:
             del self._ranks[key]
         self._count(session, decision)
-        if decision.action is Residency.HOLD:
+        if decision.action is ResidencyAction.HOLD:
             return AfterTurn("hold", decision.until_s)
-        if decision.action is Residency.DEMOTE:
+        if decision.action is ResidencyAction.DEMOTE:
             return AfterTurn("demote")
-        if decision.action is Residency.EVICT:
+        if decision.action is ResidencyAction.EVICT:
             return AfterTurn("evict")
         return AfterTurn("release")
 
@@ -262,13 +262,13 @@ class PolicyResidency:
         session = self._idle.get(session_id)
         return session.tenant if session is not None else None
 
-    def _host(self, kv_bytes: int, capacity: int, used: int) -> HostTier | None:
+    def _host(self, kv_bytes: int, capacity: int, used: int) -> HostTierReading | None:
         """The host tier as the policy sees it: room for the whole session (it is a cache
         that evicts to make room) while the session fits in it; None without one."""
         if not capacity:
             return None
         capacity_bytes = self.latency.kv_bytes(capacity * self.block_size)
-        return HostTier(free_bytes=capacity_bytes, usage=used / capacity)
+        return HostTierReading(free_bytes=capacity_bytes, usage=used / capacity)
 
     def _schedule_end(self, session: IdleSession, hint: TurnHint | None) -> None:
         """When the idle period ends without a return: the task's end, or the time-out."""

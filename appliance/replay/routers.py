@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from appliance.domain.block_hash import BlockHasher, cacheable_tokens, event_block_hash
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import WorkerId
+from appliance.perf.latency import LatencyModel
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
 from appliance.sim.engine import SimRequest, StepResult
-from appliance.sim.latency import LatencyModel
 from appliance.sim.virtual import EngineView
 
 _NUMBERS = re.compile(r"\d[\d.,]*")

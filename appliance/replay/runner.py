@@ -36,6 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.kv_capacity import default_num_gpu_blocks
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.policy.residency import ResidencyPolicy
 from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.wait_curves import LogNormal
@@ -47,11 +50,8 @@ from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
 from appliance.sim.engine import SimEngine, StepResult
 from appliance.sim.host_tier import HostTier
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
 from appliance.sim.trace import BlockTokens, trace_arrivals
 from appliance.sim.virtual import RequestRecord, replay
-from appliance.sim.worker import default_num_gpu_blocks
 
 GIB = 1 << 30
 DEFAULT_BLOCK_SIZE = 512

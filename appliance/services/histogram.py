@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from prometheus_client.core import HistogramMetricFamily
 
 
-class Histogram:
+class PromHistogram:
     """Observations counted into fixed upper bounds (`le`), as Prometheus exposes them."""
 
     def __init__(self, bounds: Sequence[float]) -> None:

@@ -29,7 +29,7 @@ from appliance.domain.records import (
 )
 from appliance.policy.routing import RouteDecision, RouteKind
 from appliance.ports import Ledger
-from appliance.services.histogram import Histogram
+from appliance.services.histogram import PromHistogram
 from appliance.services.turn import Attempt, TurnRequest
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class TurnRecords:
         self.predicted_cached_total = 0
         self.actual_cached_total = 0
         self.first_byte_s_total = 0.0
-        self.forward_s = Histogram(FORWARD_BUCKETS_S)
+        self.forward_s = PromHistogram(FORWARD_BUCKETS_S)
         """The router's own time per turn, from the whole request to its forwarding."""
 
     def ledger_failing(self) -> str | None:

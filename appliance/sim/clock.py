@@ -25,7 +25,9 @@ from typing import Protocol
 from appliance.sim.engine import SimEngine, StepResult
 
 
-class Clock(Protocol):
+class EngineClock(Protocol):
+    """What drives an engine: seconds that need not be wall time (`ports.Clock` is)."""
+
     def now(self) -> float: ...
 
     async def sleep(self, seconds: float) -> None: ...
@@ -67,7 +69,7 @@ class VirtualClock:
 
 async def run_engine_loop(
     engine: SimEngine,
-    clock: Clock,
+    clock: EngineClock,
     on_step: Callable[[StepResult], None],
     wake: asyncio.Event,
     stop: asyncio.Event,

@@ -110,8 +110,8 @@ from typing import Literal, Protocol
 
 from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
 from appliance.domain.kv_events import KvEvent
+from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.host_tier import HostPriority, HostTier
-from appliance.sim.latency import CopyDirection, LatencyModel
 from appliance.sim.prefix_cache import NO_HIT, CacheHit, CacheRequest, Pin, PrefixCache
 
 FinishReason = Literal["length", "stop", "abort"]

@@ -51,7 +51,7 @@ HostPriority = Callable[[HostSession, float], float]
 
 
 @dataclass(slots=True)
-class _Entry:
+class _HostEntry:
     owner: str | None
     sink: EventSink | None
 
@@ -77,7 +77,7 @@ class HostTier:
         self.medium = medium
         self.now_s = 0.0
         """The time stores and touches are stamped with (set by the engine each step)."""
-        self._blocks: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        self._blocks: OrderedDict[BlockHash, _HostEntry] = OrderedDict()
         self._last_used: dict[str | None, float] = {}
         self._stored = 0
         self._evicted = 0
@@ -132,7 +132,7 @@ class HostTier:
         if over > 0:
             self._evict(over)
         for h in new:
-            blocks[h] = _Entry(owner, sink)
+            blocks[h] = _HostEntry(owner, sink)
         if new:
             self._last_used[owner] = self.now_s
             self._stored += len(new)

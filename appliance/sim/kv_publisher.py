@@ -32,10 +32,11 @@ class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
 
 class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+    """vLLM's event structs. Each tag on the wire is vLLM's class name, given explicitly:
+    ours are private (`_BlockStored`) so that `domain.kv_events` alone has the public names."""
 
 
-class BlockStored(_KVCacheEvent):
+class _BlockStored(_KVCacheEvent, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -52,7 +53,7 @@ class BlockStored(_KVCacheEvent):
     session_id: str | None = None
 
 
-class BlockRemoved(_KVCacheEvent):
+class _BlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
@@ -60,13 +61,13 @@ class BlockRemoved(_KVCacheEvent):
     ownership: str | None = None
 
 
-class AllBlocksCleared(_KVCacheEvent):
+class _AllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
 def to_wire(event: ev.KvEvent) -> _KVCacheEvent:
     if isinstance(event, ev.BlockStored):
-        return BlockStored(
+        return _BlockStored(
             block_hashes=list(event.block_hashes),
             parent_block_hash=event.parent_block_hash,
             token_ids=list(event.token_ids),
@@ -80,8 +81,8 @@ def to_wire(event: ev.KvEvent) -> _KVCacheEvent:
             session_id=event.session_id,
         )
     if isinstance(event, ev.BlockRemoved):
-        return BlockRemoved(list(event.block_hashes), event.medium, event.group_idx)
-    return AllBlocksCleared()
+        return _BlockRemoved(list(event.block_hashes), event.medium, event.group_idx)
+    return _AllBlocksCleared()
 
 
 def encode_batch(events: list[ev.KvEvent], ts: float, data_parallel_rank: int = 0) -> bytes:

@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.sim import protocol as P
+from appliance.sim.detokenizer import IncrementalDecoder
 from appliance.sim.engine import SimRequest
 from appliance.sim.protocol import (
     ApiError,
@@ -48,7 +49,7 @@ from appliance.sim.protocol import (
     session_id_of,
     validate_body,
 )
-from appliance.sim.tokenizer import ChatTemplateError, IncrementalDecoder
+from appliance.tokenization.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     from appliance.sim.worker import SimWorker

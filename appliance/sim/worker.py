@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from appliance.domain.block_hash import BlockHasher
+from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_gpu_blocks
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile, load_profile
 from appliance.sim.clock import run_engine_loop
 from appliance.sim.engine import RequestOutput, SimEngine, SimRequest, StepResult
 from appliance.sim.kv_publisher import KvEventPublisher
-from appliance.sim.latency import LatencyModel
 from appliance.sim.metrics import FinishedRequest, SimMetrics, cache_config_labels
-from appliance.sim.profile import GpuProfile, bundled_profile, load_profile
-from appliance.sim.tokenizer import SimTokenizer, load_tokenizer
+from appliance.tokenization.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 VLLM_VERSION = "0.32.0"
@@ -54,7 +55,7 @@ class WorkerConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     """KV cache size in blocks, null block included; None: from the GPU profile's memory."""
-    gpu_memory_utilization: float = 0.92
+    gpu_memory_utilization: float = SIM_GPU_MEMORY_UTILIZATION
     max_model_len: int = 8192
     hash_algo: str = "sha256_cbor"
     python_hash_seed: str | None = "0"
@@ -96,14 +97,6 @@ class ScaledClock:
         await asyncio.sleep(max(seconds, 0.0) * self.scale)
 
 
-def default_num_gpu_blocks(profile: GpuProfile, block_size: int, utilization: float) -> int:
-    """KV blocks a GPU of this profile holds after the weights (bf16), like vLLM's sizing."""
-    memory = profile.memory_bytes or 80 * 2**30
-    weights = 2 * (profile.model.params or 0)
-    kv_bytes = max(memory * utilization - weights, 0)
-    return max(int(kv_bytes // (profile.kv_bytes_per_token * block_size)), 2)
-
-
 @dataclass(slots=True)
 class _Timing:
     arrival_s: float
@@ -115,7 +108,7 @@ class _Timing:
 class SimWorker:
     """An engine driven in real time, with its publisher, tokenizer and metrics."""
 
-    def __init__(self, config: WorkerConfig, *, tokenizer: SimTokenizer | None = None) -> None:
+    def __init__(self, config: WorkerConfig, *, tokenizer: ModelTokenizer | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         profile = load_profile(config.gpu_profile) if config.gpu_profile else bundled_profile()

@@ -30,7 +30,7 @@ GAP_TOOL = "human"
 
 
 @dataclass(frozen=True, slots=True)
-class _Request:
+class _TraceRequest:
     at_s: float
     input_tokens: int
     output_tokens: int
@@ -73,7 +73,7 @@ def load_trace_workload(
     return Workload(0, tuple(trees))
 
 
-def _turns(chain: list[_Request], prefix: int, max_context: int) -> tuple[AgentTurn, ...]:
+def _turns(chain: list[_TraceRequest], prefix: int, max_context: int) -> tuple[AgentTurn, ...]:
     turns: list[AgentTurn] = []
     context = prefix
     for k, req in enumerate(chain):
@@ -94,9 +94,9 @@ def _turns(chain: list[_Request], prefix: int, max_context: int) -> tuple[AgentT
     return tuple(turns)
 
 
-def _chains(requests: list[_Request]) -> list[list[_Request]]:
+def _chains(requests: list[_TraceRequest]) -> list[list[_TraceRequest]]:
     owner: dict[tuple[int, ...], int] = {}
-    chains: list[list[_Request]] = []
+    chains: list[list[_TraceRequest]] = []
     for req in requests:
         ids = req.hash_ids
         found = next((owner[ids[:n]] for n in range(len(ids), 1, -1) if ids[:n] in owner), None)
@@ -109,7 +109,7 @@ def _chains(requests: list[_Request]) -> list[list[_Request]]:
     return chains
 
 
-def _read_mooncake(path: Path) -> list[_Request]:
+def _read_mooncake(path: Path) -> list[_TraceRequest]:
     out = []
     try:
         with path.open() as f:
@@ -119,7 +119,7 @@ def _read_mooncake(path: Path) -> list[_Request]:
                 try:
                     row = json.loads(line)
                     out.append(
-                        _Request(
+                        _TraceRequest(
                             float(row["timestamp"]) / 1000,
                             int(row["input_length"]),
                             int(row["output_length"]),
@@ -136,7 +136,7 @@ def _read_mooncake(path: Path) -> list[_Request]:
     return sorted(out, key=lambda r: r.at_s)
 
 
-def _read_azure(path: Path) -> list[_Request]:
+def _read_azure(path: Path) -> list[_TraceRequest]:
     out = []
     try:
         with path.open(newline="") as f:
@@ -146,7 +146,7 @@ def _read_azure(path: Path) -> list[_Request]:
                     head, dot, frac = stamp.partition(".")
                     at = datetime.fromisoformat(head + (dot + frac[:6] if dot else ""))
                     out.append(
-                        _Request(
+                        _TraceRequest(
                             at.timestamp(),
                             int(row["ContextTokens"]),
                             int(row["GeneratedTokens"]),

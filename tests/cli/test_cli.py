@@ -152,9 +152,9 @@ def _ledger_with_one_success(path: Path) -> None:
         TurnRecord,
         WorkerId,
     )
-    from appliance.ledger import Ledger
+    from appliance.ledger import LedgerWriter
 
-    with Ledger.open(path) as ledger:
+    with LedgerWriter.open(path) as ledger:
         ledger.set_price(
             Price(
                 mode=CostMode.TOKENS,

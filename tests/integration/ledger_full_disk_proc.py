@@ -17,7 +17,7 @@ from pathlib import Path
 
 from appliance.domain.errors import LedgerUnavailable
 from appliance.domain.records import TaskId, TaskRecord, TenantId
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 
 
 def task(n: int) -> TaskRecord:
@@ -27,7 +27,7 @@ def task(n: int) -> TaskRecord:
 def main() -> None:
     db = Path(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, no signal
-    ledger = Ledger.open(db)
+    ledger = LedgerWriter.open(db)
     out: dict[str, object] = {}
     for n in range(20):
         ledger.record_task(task(n)).result()

@@ -25,7 +25,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerId,
 )
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 
 
 def turn(turn_id: str, i: int) -> TurnRecord:
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--synchronous", choices=["full", "normal"], default="full")
     ap.add_argument("--window", type=int, default=256)
     args = ap.parse_args()
-    ledger = Ledger.open(args.db, synchronous=args.synchronous)
+    ledger = LedgerWriter.open(args.db, synchronous=args.synchronous)
     ledger.set_price(Price(CostMode.TOKENS, 0.0, fresh_per_mtok=1.0)).result()
     out = sys.stdout
     pending: deque[tuple[str, Future[float | None]]] = deque()

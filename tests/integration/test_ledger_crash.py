@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.records import TaskId, TenantId, TurnId, TurnOutcome, TurnRecord
-from appliance.ledger import Ledger, open_reader
+from appliance.ledger import LedgerWriter, open_reader
 from appliance.ledger.reports import cost_report
 
 HELPER = Path(__file__).with_name("ledger_writer_proc.py")
@@ -93,7 +93,7 @@ def test_sigkill_mid_stream_loses_no_acknowledged_turn(tmp_path: Path, synchrono
     assert len(stored) >= len(acked) >= 3000
 
     # The file takes new writes after the crash.
-    with Ledger.open(db) as ledger:
+    with LedgerWriter.open(db) as ledger:
         futures = [ledger.record_turn(new_turn(f"after-{i}")) for i in range(100)]
         for fut in futures:
             fut.result(timeout=30)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.errors import LedgerError
-from appliance.ledger import Ledger, open_reader
+from appliance.ledger import LedgerWriter, open_reader
 from appliance.ledger.reports import cost_report
 from appliance.ledger.schema import KNOWN, MIGRATION_SET, SCHEMA_VERSION
 
@@ -48,7 +48,7 @@ def assert_one_line(exc: LedgerError, *fragments: str) -> None:
 
 def test_a_new_ledger_has_the_interface_tables_wal_and_its_version(tmp_path: Path) -> None:
     db = tmp_path / "sub" / "dir" / "ledger.db"  # missing directories are created
-    Ledger.open(db).close()
+    LedgerWriter.open(db).close()
     with closing(sqlite3.connect(db)) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert tables >= INTERFACE_TABLES
@@ -59,10 +59,10 @@ def test_a_new_ledger_has_the_interface_tables_wal_and_its_version(tmp_path: Pat
 
 def test_migrations_are_applied_once(tmp_path: Path) -> None:
     db = tmp_path / "ledger.db"
-    Ledger.open(db).close()
+    LedgerWriter.open(db).close()
     first = applied_rows(db)
     for _ in range(3):
-        Ledger.open(db).close()
+        LedgerWriter.open(db).close()
     assert applied_rows(db) == first  # same rows, same applied_at: nothing re-ran
 
 
@@ -94,7 +94,7 @@ def test_opening_waits_out_another_process_about_to_write(tmp_path: Path) -> Non
     release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
     release.start()
     try:
-        Ledger.open(db).close()
+        LedgerWriter.open(db).close()
     finally:
         release.join()
         other.close()
@@ -104,7 +104,7 @@ def test_opening_waits_out_another_process_about_to_write(tmp_path: Path) -> Non
 def test_an_empty_file_is_an_empty_ledger(tmp_path: Path) -> None:
     db = tmp_path / "ledger.db"
     db.touch()
-    Ledger.open(db).close()
+    LedgerWriter.open(db).close()
     assert [n for _, n, _ in applied_rows(db)] == KNOWN
 
 
@@ -121,7 +121,7 @@ def test_a_file_that_is_not_sqlite_is_refused_and_untouched(tmp_path: Path, cont
     db = tmp_path / "ledger.db"
     db.write_bytes(content)
     with pytest.raises(LedgerError) as err:
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert_one_line(err.value, str(db), "not an SQLite database", "move the file away")
     assert err.value.exit_code == 2
     assert files_in(tmp_path) == {"ledger.db": content}  # no -wal, no -shm, same bytes
@@ -137,14 +137,14 @@ def test_a_damaged_sqlite_file_is_refused_and_untouched(tmp_path: Path) -> None:
     content = b"SQLite format 3\x00" + bytes(range(256)) * 16  # the magic, then garbage
     db.write_bytes(content)
     with pytest.raises(LedgerError) as err:
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert_one_line(err.value, str(db), "cannot be read", "move the damaged file away")
     assert db.read_bytes() == content
 
 
 def test_a_ledger_of_a_newer_build_is_refused_and_untouched(tmp_path: Path) -> None:
     db = tmp_path / "ledger.db"
-    Ledger.open(db).close()
+    LedgerWriter.open(db).close()
     with closing(sqlite3.connect(db)) as conn, conn:
         conn.execute(
             "INSERT INTO _sqlite_migrations (migration_set, name, applied_at) VALUES (?, ?, ?)",
@@ -152,7 +152,7 @@ def test_a_ledger_of_a_newer_build_is_refused_and_untouched(tmp_path: Path) -> N
         )
     before = db.read_bytes()
     with pytest.raises(LedgerError) as err:
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert_one_line(err.value, str(db), "newer appliance", "0099_from_the_future", "upgrade")
     assert db.read_bytes() == before
     with pytest.raises(LedgerError, match="newer appliance"):
@@ -163,12 +163,12 @@ def test_a_ledger_of_a_newer_build_is_refused_and_untouched(tmp_path: Path) -> N
 
 def test_a_newer_user_version_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "ledger.db"
-    Ledger.open(db).close()
+    LedgerWriter.open(db).close()
     with closing(sqlite3.connect(db)) as conn:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     before = db.read_bytes()
     with pytest.raises(LedgerError, match="newer appliance"):
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert db.read_bytes() == before
 
 
@@ -178,14 +178,14 @@ def test_a_database_of_another_program_is_refused_and_untouched(tmp_path: Path) 
         conn.execute("CREATE TABLE photos (id INTEGER PRIMARY KEY, path TEXT)")
     before = db.read_bytes()
     with pytest.raises(LedgerError) as err:
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert_one_line(err.value, str(db), "another program", "photos")
     assert db.read_bytes() == before
 
 
 def test_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="is a directory"):
-        Ledger.open(tmp_path)
+        LedgerWriter.open(tmp_path)
 
 
 @pytest.mark.parametrize("below", ["ledger.db", "deeper/ledger.db"])
@@ -194,7 +194,7 @@ def test_a_directory_that_cannot_exist_is_refused(tmp_path: Path, below: str) ->
     (tmp_path / "afile").write_text("I am a file")
     db = tmp_path / "afile" / below
     with pytest.raises(LedgerError) as err:
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert_one_line(err.value, str(db), "cannot create its directory", "writable")
     assert (tmp_path / "afile").read_text() == "I am a file"
 
@@ -202,7 +202,7 @@ def test_a_directory_that_cannot_exist_is_refused(tmp_path: Path, below: str) ->
 def test_a_directory_sqlite_cannot_write_is_refused() -> None:
     db = Path("/proc/appliance-ledger-test.db")  # /proc takes no new files, even from root
     with pytest.raises(LedgerError) as err:
-        Ledger.open(db)
+        LedgerWriter.open(db)
     assert_one_line(err.value, str(db), "cannot open it for writing", "writable")
 
 
@@ -217,6 +217,6 @@ def test_reading_a_missing_ledger_creates_nothing(tmp_path: Path) -> None:
 
 def test_bad_open_arguments_are_ledger_errors(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="synchronous"):
-        Ledger.open(tmp_path / "a.db", synchronous="off")  # type: ignore[arg-type]
+        LedgerWriter.open(tmp_path / "a.db", synchronous="off")  # type: ignore[arg-type]
     with pytest.raises(LedgerError, match="batch_max"):
-        Ledger.open(tmp_path / "b.db", batch_max=0)
+        LedgerWriter.open(tmp_path / "b.db", batch_max=0)

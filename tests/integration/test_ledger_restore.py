@@ -18,7 +18,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerId,
 )
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.ledger.restore import open_tasks, recent_sessions
 
 T = TenantId("t")
@@ -31,7 +31,7 @@ def turn(n: int, task: str, at: float) -> TurnRecord:
 
 def test_open_named_tasks_and_recent_sessions_come_back(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
-    with Ledger.open(path) as ledger:
+    with LedgerWriter.open(path) as ledger:
         for task, at in [("t/root", 10.0), ("t/old", 1.0), ("t/done", 10.0), ("t/turn-abc", 10.0)]:
             ledger.record_task(TaskRecord(TaskId(task), T, at))
         ledger.record_task(TaskRecord(TaskId("t/kid"), T, 11.0, parent_task_id=TaskId("t/root")))

@@ -32,7 +32,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerId,
 )
-from appliance.ledger import AsyncLedger, Ledger, open_reader
+from appliance.ledger import AsyncLedger, LedgerWriter, open_reader
 from appliance.ledger.reports import cost_report
 
 
@@ -42,8 +42,8 @@ def db(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def ledger(db: Path) -> Iterator[Ledger]:
-    led = Ledger.open(db)
+def ledger(db: Path) -> Iterator[LedgerWriter]:
+    led = LedgerWriter.open(db)
     yield led
     led.close()
 
@@ -85,7 +85,7 @@ P1 = Price(CostMode.TOKENS, 0.0, fresh_per_mtok=2.0, cached_per_mtok=0.5, output
 P2 = Price(CostMode.TOKENS, 1000.0, fresh_per_mtok=4.0, cached_per_mtok=1.0, output_per_mtok=20.0)
 
 
-def test_a_turn_is_stored_with_its_price_and_cost(ledger: Ledger, db: Path) -> None:
+def test_a_turn_is_stored_with_its_price_and_cost(ledger: LedgerWriter, db: Path) -> None:
     price_id = ledger.set_price(P1).result()
     t = turn(
         "u1", "A", 10.0, session_id=SessionId("s1"), reasoning_tokens=7, queue_s=0.5,
@@ -106,12 +106,12 @@ def test_a_turn_is_stored_with_its_price_and_cost(ledger: Ledger, db: Path) -> N
     }  # fmt: skip
 
 
-def test_a_turn_before_any_price_is_unpriced(ledger: Ledger, db: Path) -> None:
+def test_a_turn_before_any_price_is_unpriced(ledger: LedgerWriter, db: Path) -> None:
     assert ledger.record_turn(turn("u1", "A", 10.0)).result() is None
     assert rows(db, "SELECT price_id, cost FROM turns") == [{"price_id": None, "cost": None}]
 
 
-def test_a_price_change_never_rewrites_history(ledger: Ledger, db: Path) -> None:
+def test_a_price_change_never_rewrites_history(ledger: LedgerWriter, db: Path) -> None:
     p1 = ledger.set_price(P1).result()
     ledger.record_task(task("A", 100.0, task_class="code")).result()
     ledger.record_turn(turn("old", "A", 500.0)).result()
@@ -140,7 +140,7 @@ def test_a_price_change_never_rewrites_history(ledger: Ledger, db: Path) -> None
     ]  # fmt: skip
 
 
-def test_cost_report_rolls_fan_out_into_the_root(ledger: Ledger, db: Path) -> None:
+def test_cost_report_rolls_fan_out_into_the_root(ledger: LedgerWriter, db: Path) -> None:
     ledger.set_price(P1)
     ledger.record_task(task("R", 100.0, task_class="code"))
     ledger.record_task(task("R1", 101.0, parent_task_id=TaskId("R"), task_class="sub"))
@@ -165,7 +165,7 @@ def test_cost_report_rolls_fan_out_into_the_root(ledger: Ledger, db: Path) -> No
     assert cost_report(db, since=200.0) == []
 
 
-def test_terminal_states_are_final(ledger: Ledger, db: Path) -> None:
+def test_terminal_states_are_final(ledger: LedgerWriter, db: Path) -> None:
     ledger.record_task(task("A", 1.0)).result()
     ledger.record_task_event(event("A", TaskEventType.TOOL_STARTED, 2.0, tool_class="pytest"))
     ledger.record_task_event(
@@ -183,7 +183,7 @@ def test_terminal_states_are_final(ledger: Ledger, db: Path) -> None:
     ]
 
 
-def test_a_rejected_write_fails_alone(ledger: Ledger, db: Path) -> None:
+def test_a_rejected_write_fails_alone(ledger: LedgerWriter, db: Path) -> None:
     futures = [
         ledger.record_turn(turn("a", "T", 1.0)),
         ledger.record_turn(turn("a", "T", 2.0)),  # duplicate id
@@ -208,7 +208,7 @@ def hold_write_lock(db: Path) -> sqlite3.Connection:
     return other
 
 
-def test_a_future_resolves_only_after_the_commit(ledger: Ledger, db: Path) -> None:
+def test_a_future_resolves_only_after_the_commit(ledger: LedgerWriter, db: Path) -> None:
     other = hold_write_lock(db)  # another process-like writer holds the lock
     first = ledger.record_turn(turn("first", None, 1.0))
     time.sleep(0.3)  # the writer took `first` and waits for the lock
@@ -228,7 +228,7 @@ def test_a_future_resolves_only_after_the_commit(ledger: Ledger, db: Path) -> No
 
 
 def test_a_lock_held_past_the_busy_timeout_fails_the_batch(db: Path) -> None:
-    with Ledger.open(db, busy_timeout_s=0.2) as ledger:
+    with LedgerWriter.open(db, busy_timeout_s=0.2) as ledger:
         other = hold_write_lock(db)
         with pytest.raises(LedgerError, match="cannot start a write transaction"):
             ledger.record_turn(turn("lost", None, 1.0)).result(timeout=10)
@@ -239,7 +239,7 @@ def test_a_lock_held_past_the_busy_timeout_fails_the_batch(db: Path) -> None:
 
 
 def test_close_commits_what_was_queued_then_refuses(db: Path) -> None:
-    ledger = Ledger.open(db, batch_max=7)  # many small batches
+    ledger = LedgerWriter.open(db, batch_max=7)  # many small batches
     futures = [ledger.record_turn(turn(f"t{i}", None, float(i))) for i in range(500)]
     ledger.close()
     assert all(f.done() and f.exception() is None for f in futures)
@@ -249,7 +249,7 @@ def test_close_commits_what_was_queued_then_refuses(db: Path) -> None:
     ledger.close()  # idempotent
 
 
-def test_sessions_receipts_and_decisions(ledger: Ledger, db: Path) -> None:
+def test_sessions_receipts_and_decisions(ledger: LedgerWriter, db: Path) -> None:
     s = SessionRecord(SessionId("s1"), TenantId("acme"), 1.0, task_id=TaskId("A"))
     ledger.record_session(s)
     ledger.record_session(
@@ -297,7 +297,7 @@ def _fields(receipt: CacheReceipt) -> dict[str, Any]:
 
 def test_the_async_wrapper_acknowledges_and_survives_cancellation(db: Path) -> None:
     async def main() -> None:
-        aledger = AsyncLedger(Ledger.open(db))
+        aledger = AsyncLedger(LedgerWriter.open(db))
         await aledger.set_price(P1)
         await aledger.record_task(task("A", 1.0))
         assert await aledger.record_turn(turn("u1", "A", 2.0)) == pytest.approx(0.0024)

@@ -13,7 +13,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerId,
 )
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.ledger.session_history import session_turns
 
 
@@ -38,7 +38,7 @@ def turn(turn_id: str, tenant: str, session: str | None, task: str, at: float) -
 
 def test_a_sessions_turns_and_no_one_elses(tmp_path: Path) -> None:
     db = tmp_path / "ledger.db"
-    ledger = Ledger.open(db)
+    ledger = LedgerWriter.open(db)
     try:
         for i in range(5):
             ledger.record_turn(turn(f"a{i}", "acme", "s1", "acme/t1", 10.0 + i))

@@ -10,17 +10,17 @@ import msgspec
 from starlette.testclient import TestClient
 
 from appliance.api.auth import Caller
-from appliance.api.schemas import AdminState
+from appliance.api.schemas import AdminStateView
 from appliance.domain.gpu import GpuReading
 from appliance.domain.records import TenantId, WorkerId
 from appliance.domain.worker import WorkerState
 from appliance.engines.vllm_client import VllmClient
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.fake import FakeProbe
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
+from appliance.perf.profile import bundled_profile
 from appliance.settings import Settings
-from appliance.sim.profile import bundled_profile
-from appliance.wiring import EngineView, wire
+from appliance.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
 from tui.state import decode_state
 
@@ -32,11 +32,11 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
                      VllmClient(f"http://127.0.0.1:{9 + i}"), state=state)
         for i, state in enumerate((WorkerState.HEALTHY, WorkerState.UNHEALTHY))
     ]  # fmt: skip
-    ledger = Ledger.open(tmp_path / "ledger.db")
+    ledger = LedgerWriter.open(tmp_path / "ledger.db")
     try:
         wired = wire(
             settings,
-            engines=EngineView(lambda: workers, "m", 4096, "test:m"),
+            engines=StartedEngines(lambda: workers, "m", 4096, "test:m"),
             ledger=ledger,
             feed=KvIndexFeed(),
             clock=ManualClock(),
@@ -50,7 +50,7 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
             served = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"})
             state = served.json()
             # The published document is the schema's, and the console's twin reads it alike.
-            checked = AdminState.model_validate_json(served.content).model_dump(mode="json")
+            checked = AdminStateView.model_validate_json(served.content).model_dump(mode="json")
             assert msgspec.to_builtins(decode_state(served.content)) == checked == state
             assert [(w["id"], w["healthy"]) for w in state["workers"]] == [
                 ("w0", True),

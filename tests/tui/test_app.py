@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from appliance.api.schemas import AdminState
+from appliance.api.schemas import AdminStateView
 from appliance.policy.admission import AdmitCode
 from appliance.services.events import EventKind
 from appliance.services.state import NO_REAPER_REASON
@@ -19,7 +19,7 @@ from tui.messages import StateUpdated
 from tui.screens.dialogs import ConfirmScreen, HelpScreen
 from tui.screens.session_detail import SessionDetailScreen
 from tui.screens.sessions import SessionGrid, SessionsScreen
-from tui.screens.tasks import TasksScreen, TaskTree
+from tui.screens.tasks import TasksScreen, TaskTreeWidget
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -286,7 +286,7 @@ async def test_tasks_show_the_fan_out_and_keep_what_was_collapsed(fake: FakeAppl
         assert "├─" in text or "└─" in text
         screen = app.screen
         assert isinstance(screen, TasksScreen)
-        tree = screen.query_one(TaskTree)
+        tree = screen.query_one(TaskTreeWidget)
         node = screen._task_nodes[parent["id"]]
         assert node.is_expanded
         tree.move_cursor(node)
@@ -502,7 +502,7 @@ async def test_queued_snapshots_coalesce_to_the_newest(fake: FakeAppliance) -> N
     async with app.run_test(size=(100, 30)) as pilot:
         await started(app, pilot)
         before = app.updates
-        states = [AdminState.model_validate(make_state(tick=i)) for i in range(1, 41)]
+        states = [AdminStateView.model_validate(make_state(tick=i)) for i in range(1, 41)]
         for state in states:  # all queued before the app gets to any of them
             app.post_message(StateUpdated(state))
         await pilot.pause(0.2)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.api.schemas import AdminState
+from appliance.api.schemas import AdminStateView
 from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state
 from tui.client import (
     Backoff,
@@ -32,7 +32,7 @@ def run(coro):  # type: ignore[no-untyped-def]
 
 
 def test_state_is_read_with_the_operator_key(fake: FakeAppliance) -> None:
-    async def go() -> AdminState:
+    async def go() -> AdminStateView:
         client = StateClient(fake.url, ADMIN_KEY)
         try:
             return await client.state()
@@ -164,7 +164,7 @@ def test_the_poller_reports_an_outage_once_per_attempt_and_its_end() -> None:
         client = StateClient(fake.url, ADMIN_KEY, timeout_s=1)
         poller = Poller(client, interval_s=0.02, backoff=Backoff(first_s=0.02, max_s=0.05))
 
-        def on_state(state: AdminState) -> None:
+        def on_state(state: AdminStateView) -> None:
             events.append("state")
             if events.count("state") == 2:
                 fake.down()
@@ -201,7 +201,7 @@ def test_the_poller_keeps_its_cadence_and_wakes_on_demand(fake: FakeAppliance) -
     async def go() -> tuple[int, int]:
         client = StateClient(fake.url, ADMIN_KEY)
         poller = Poller(client, interval_s=10.0)
-        seen: list[AdminState] = []
+        seen: list[AdminStateView] = []
         task = asyncio.create_task(poller.run(seen.append, lambda lost: None, lambda: None))
         await asyncio.sleep(0.3)
         first = len(seen)

@@ -1,5 +1,5 @@
 """The console's schema is the server's: the document `/admin/v1/state` publishes is the
-pydantic `AdminState` built from a services snapshot (appliance/api/state_document.py), every
+pydantic `AdminStateView` built from a services snapshot (appliance/api/state_document.py), every
 key of the rows it validates from its sources is a field the schema knows (nothing silently
 dropped), and the console's fast msgspec structs (tui/state.py) are the published models'
 exact twins, field by field and in their JSON schemas."""
@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel
 
 from appliance.api import schemas
-from appliance.api.schemas import AdminState
+from appliance.api.schemas import AdminStateView
 from appliance.api.state_document import admin_state
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
@@ -124,10 +124,10 @@ def published(snap: StateSnapshot) -> dict[str, Any]:
 def validated_rows(snap: StateSnapshot) -> list[tuple[type[BaseModel], Any]]:
     """The rows the document validates from its sources as they keep them (extra keys there
     would be dropped without a word), each with the model it becomes."""
-    rows: list[tuple[type[BaseModel], Any]] = [(schemas.Admission, snap.admission)]
-    rows += [(schemas.CostGroup, g) for g in snap.costs.groups]
-    rows += [(schemas.CostPoint, p) for p in snap.costs.series or ()]
-    rows += [(schemas.Event, e) for e in snap.events or ()]
+    rows: list[tuple[type[BaseModel], Any]] = [(schemas.AdmissionView, snap.admission)]
+    rows += [(schemas.CostGroupView, g) for g in snap.costs.groups]
+    rows += [(schemas.CostPointView, p) for p in snap.costs.series or ()]
+    rows += [(schemas.EventView, e) for e in snap.events or ()]
     return rows
 
 
@@ -165,9 +165,9 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
         for model, row in validated_rows(snap):
             assert unknown_keys(model, row) == [], model.__name__
         payload = published(snap)
-        state = AdminState.model_validate(payload)
-        assert unknown_keys(AdminState, payload) == []
-        assert state.admission == schemas.Admission()
+        state = AdminStateView.model_validate(payload)
+        assert unknown_keys(AdminStateView, payload) == []
+        assert state.admission == schemas.AdmissionView()
         assert len(state.gpus) == (2 if with_gpu else 0)
         assert [g.kv_bytes for g in state.gpus] == ([None, 5 << 30] if with_gpu else [])
         assert state.gpu_driver == ("560" if with_gpu else None)
@@ -192,14 +192,20 @@ def test_the_unknown_key_check_can_fail() -> None:
     payload = published(snapshot(_sources(True)))
     payload["sessions"][0]["pinned"] = True
     payload["spare"] = 1
-    assert unknown_keys(AdminState, payload) == ["sessions[0].pinned", "spare"]
+    assert unknown_keys(AdminStateView, payload) == ["sessions[0].pinned", "spare"]
 
 
 # -- the console's fast structs are the schema's twins -------------------------------------
+_MIRRORED = {struct: name for name, struct in MIRRORS.items()}
+
+
 def _norm(tp: Any) -> Any:
-    """A type with every model/struct class replaced by its name, so both sides compare."""
-    if isinstance(tp, type) and (issubclass(tp, BaseModel) or issubclass(tp, msgspec.Struct)):
+    """A type with every model class replaced by its name and every struct by the name of
+    the model it mirrors (the names differ), so both sides compare."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
         return tp.__name__
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return _MIRRORED[tp]
     args = typing.get_args(tp)
     if not args:
         return tp
@@ -244,10 +250,10 @@ def _shape(schema: Any) -> Any:
 
 
 def test_the_consoles_json_schema_is_the_published_ones() -> None:
-    published = AdminState.model_json_schema(mode="serialization")
-    twin = msgspec.json.schema(MIRRORS["AdminState"])
-    defs = {**published.pop("$defs"), "AdminState": published}
-    assert twin["$ref"] == "#/$defs/AdminState"
+    published = AdminStateView.model_json_schema(mode="serialization")
+    twin = msgspec.json.schema(MIRRORS["AdminStateView"])
+    defs = {**published.pop("$defs"), "AdminStateView": published}
+    assert twin["$ref"] == "#/$defs/AdminStateView"
     assert set(twin["$defs"]) == set(defs)
     for name, schema in defs.items():
         mine = twin["$defs"][name]
@@ -260,10 +266,10 @@ def test_both_read_a_full_snapshot_the_same() -> None:
 
     body = json.dumps(snapshot_state()).encode()
     fast = msgspec.to_builtins(decode_state(body))
-    checked = schemas.AdminState.model_validate_json(body).model_dump(mode="json")
+    checked = schemas.AdminStateView.model_validate_json(body).model_dump(mode="json")
     assert fast == checked
     server = published(snapshot(_sources(True)))
-    assert msgspec.to_builtins(convert_state(server)) == schemas.AdminState.model_validate(
+    assert msgspec.to_builtins(convert_state(server)) == schemas.AdminStateView.model_validate(
         server
     ).model_dump(mode="json")
 
@@ -274,5 +280,5 @@ def test_the_drift_check_can_fail() -> None:
         host: int = 0
 
     assert _norm(msgspec.structs.fields(Wrong)[0].type) != _norm(
-        schemas.Tiers.model_fields["gpu"].annotation
+        schemas.TiersView.model_fields["gpu"].annotation
     )

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from appliance.api.model_route import RelayedStream
 from appliance.domain.block_hash import BlockHashChain
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
-from appliance.ledger import Ledger
+from appliance.ledger import LedgerWriter
 from appliance.policy.admission import AdmissionLimits
 from appliance.services.admission import (
     AdmissionRefused,
@@ -62,13 +62,13 @@ def key(tenant: str, client_id: str) -> TaskId:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    led = Ledger.open(tmp_path / "ledger.db")
+def ledger(tmp_path: Path) -> Iterator[LedgerWriter]:
+    led = LedgerWriter.open(tmp_path / "ledger.db")
     yield led
     led.close()
 
 
-def make_box(ledger: Ledger, **limits: Any) -> Box:
+def make_box(ledger: LedgerWriter, **limits: Any) -> Box:
     clock, feed = ManualClock(1000.0), EventFeed()
     workers = [Worker(W0), Worker(W1)]
     queues: dict[WorkerId, float] = {}
@@ -98,7 +98,7 @@ def refused(coro: Any) -> AdmissionRefused:
     return err.value
 
 
-def test_a_child_beyond_max_children_is_refused_recorded_and_counted(ledger: Ledger) -> None:
+def test_a_child_beyond_max_children_is_refused_recorded_and_counted(ledger: LedgerWriter) -> None:
     box = make_box(ledger)
     s = box.service
     run(s.admit_task(A, key("a", "p"), max_children=2))
@@ -121,7 +121,7 @@ def test_a_child_beyond_max_children_is_refused_recorded_and_counted(ledger: Led
     assert snap["open_tasks"] == 3
 
 
-def test_a_closed_child_frees_its_place(ledger: Ledger) -> None:
+def test_a_closed_child_frees_its_place(ledger: LedgerWriter) -> None:
     s = make_box(ledger).service
     run(s.admit_task(A, key("a", "p"), max_children=1))
     run(s.admit_task(A, key("a", "c1"), parent=key("a", "p")))
@@ -133,7 +133,7 @@ def test_a_closed_child_frees_its_place(ledger: Ledger) -> None:
 
 
 def test_the_global_cap_and_depth_apply_to_tasks_opened_by_their_first_turn(
-    ledger: Ledger,
+    ledger: LedgerWriter,
 ) -> None:
     s = make_box(ledger, max_children_per_task=1, max_depth=1).service
     ticket = run(s.admit_turn(A, key("a", "c1"), parent=key("a", "root"), one_turn=True))
@@ -146,7 +146,7 @@ def test_the_global_cap_and_depth_apply_to_tasks_opened_by_their_first_turn(
     assert err.code == "depth_cap"
 
 
-def test_a_known_task_is_not_judged_again(ledger: Ledger) -> None:
+def test_a_known_task_is_not_judged_again(ledger: LedgerWriter) -> None:
     s = make_box(ledger).service
     assert run(s.admit_task(A, key("a", "t"))) is not None
     assert run(s.admit_task(A, key("a", "t"))) is None
@@ -154,7 +154,7 @@ def test_a_known_task_is_not_judged_again(ledger: Ledger) -> None:
 
 
 def test_deadline_feasibility_uses_the_healthy_workers_and_the_resident_prefix(
-    ledger: Ledger,
+    ledger: LedgerWriter,
 ) -> None:
     box = make_box(ledger)
     s = box.service
@@ -189,7 +189,7 @@ def test_deadline_feasibility_uses_the_healthy_workers_and_the_resident_prefix(
     assert box.rows("SELECT count(*) FROM admission_events") == [(3,)]
 
 
-def test_deadline_feasibility_takes_each_workers_measured_speed(ledger: Ledger) -> None:
+def test_deadline_feasibility_takes_each_workers_measured_speed(ledger: LedgerWriter) -> None:
     s = make_box(ledger, slowdown={W1: 4.0}).service
     # 100 fresh + 900 reused on w1 is 0.19 s by the profile, 0.76 s at w1's speed.
     err = refused(
@@ -200,7 +200,7 @@ def test_deadline_feasibility_takes_each_workers_measured_speed(ledger: Ledger) 
     assert "prefill 0.760 s" in err.message
 
 
-def test_a_task_deadline_applies_to_its_later_turns(ledger: Ledger) -> None:
+def test_a_task_deadline_applies_to_its_later_turns(ledger: LedgerWriter) -> None:
     box = make_box(ledger)
     run(box.service.admit_task(A, key("a", "t"), deadline_s=10.0))
     run(box.service.admit_turn(A, key("a", "t"), prompt_tokens=10)).release()
@@ -209,7 +209,7 @@ def test_a_task_deadline_applies_to_its_later_turns(ledger: Ledger) -> None:
     assert err.code == "deadline_passed"
 
 
-def test_overload_is_503_with_the_queue_excess_as_retry_after(ledger: Ledger) -> None:
+def test_overload_is_503_with_the_queue_excess_as_retry_after(ledger: LedgerWriter) -> None:
     box = make_box(ledger, max_queue_s=30.0, queue_s_per_priority=10.0, priority_ceilings={"b": 1})
     box.queues.update({W0: 45.0, W1: 38.0})
     err = refused(box.service.admit_turn(A, key("a", "t"), prompt_tokens=10))
@@ -219,7 +219,7 @@ def test_overload_is_503_with_the_queue_excess_as_retry_after(ledger: Ledger) ->
     assert refused(box.service.admit_turn(A, key("a", "t"), priority=5)).code == "overloaded"
 
 
-def test_fair_share_of_in_flight_turns(ledger: Ledger) -> None:
+def test_fair_share_of_in_flight_turns(ledger: LedgerWriter) -> None:
     s = make_box(ledger, turns_per_worker=1).service  # two workers: the box holds 2 turns
     a1 = run(s.admit_turn(A, key("a", "t1")))
     a2 = run(s.admit_turn(A, key("a", "t2")))
@@ -242,7 +242,7 @@ def test_fair_share_of_in_flight_turns(ledger: Ledger) -> None:
     }
 
 
-def test_an_idle_open_task_is_forgotten(ledger: Ledger) -> None:
+def test_an_idle_open_task_is_forgotten(ledger: LedgerWriter) -> None:
     box = make_box(ledger, task_idle_s=60.0)
     s = box.service
     run(s.admit_task(A, key("a", "p"), max_children=1))
@@ -255,7 +255,7 @@ def test_an_idle_open_task_is_forgotten(ledger: Ledger) -> None:
     assert s.snapshot()["open_tasks"] == 1
 
 
-def test_an_idle_task_without_turns_in_flight_stops_counting(ledger: Ledger) -> None:
+def test_an_idle_task_without_turns_in_flight_stops_counting(ledger: LedgerWriter) -> None:
     box = make_box(ledger, task_idle_s=60.0)
     s = box.service
     run(s.admit_task(A, key("a", "p"), max_children=1))
@@ -268,7 +268,7 @@ def test_an_idle_task_without_turns_in_flight_stops_counting(ledger: Ledger) -> 
     assert s.snapshot()["open_tasks"] == 1
 
 
-def test_rates_cover_the_last_minute_and_totals_stay(ledger: Ledger) -> None:
+def test_rates_cover_the_last_minute_and_totals_stay(ledger: LedgerWriter) -> None:
     box = make_box(ledger, max_children_per_task=0)
     s = box.service
     for i in range(3):
@@ -305,7 +305,7 @@ async def _broken() -> AsyncGenerator[bytes, None]:
     raise ConnectionError("the worker broke off")
 
 
-def test_a_stream_releases_its_turn_however_it_ends(ledger: Ledger) -> None:
+def test_a_stream_releases_its_turn_however_it_ends(ledger: LedgerWriter) -> None:
     """Relayed to its end, broken off by the worker, or left by the client (sending raises):
     the turn is released once and the worker's stream is closed."""
     s = make_box(ledger).service
@@ -375,7 +375,7 @@ def test_resident_hint_is_the_previous_prompt_where_it_ran() -> None:
     st.lists(st.one_of(st.none(), st.integers(0, 3)), min_size=10, max_size=10),
 )
 def test_the_counters_never_let_a_cap_be_exceeded(
-    ledger: Ledger, steps: list[tuple[str, int]], caps: list[int | None]
+    ledger: LedgerWriter, steps: list[tuple[str, int]], caps: list[int | None]
 ) -> None:
     """Random task creations, first turns, closes and releases: a model of open children
     per parent (from what the service admitted) never exceeds the parent's cap, and the

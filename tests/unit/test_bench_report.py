@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from appliance.bench.client import BadInput
-from appliance.bench.report import Recorder, StepResult, TaskResult, build_report, percentiles
+from appliance.bench.report import AgentStepResult, Recorder, TaskResult, build_report, percentiles
 from appliance.bench.report import render as render_report
 from appliance.bench.run import resolve_keys
 from appliance.bench.text import words
@@ -33,10 +33,12 @@ def test_percentiles_interpolate_between_order_statistics(
 def make_recorder() -> Recorder:
     rec = Recorder()
     rec.steps += [
-        StepResult("a", True, 1000, 600, 50, ttft_s=0.1, e2e_s=1.0, worker="w0"),
-        StepResult("a", True, 1200, 1100, 40, ttft_s=0.2, e2e_s=2.0, worker="w1"),
-        StepResult("b", False, e2e_s=0.1, error="503 no healthy worker"),
-        StepResult("c", False, e2e_s=0.1, error="429 the deadline is 1.5 s away", rejected=True),
+        AgentStepResult("a", True, 1000, 600, 50, ttft_s=0.1, e2e_s=1.0, worker="w0"),
+        AgentStepResult("a", True, 1200, 1100, 40, ttft_s=0.2, e2e_s=2.0, worker="w1"),
+        AgentStepResult("b", False, e2e_s=0.1, error="503 no healthy worker"),
+        AgentStepResult(
+            "c", False, e2e_s=0.1, error="429 the deadline is 1.5 s away", rejected=True
+        ),
     ]
     rec.tasks += [
         TaskResult("a", True, "succeeded", True, 2, 10.0),

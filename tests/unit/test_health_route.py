@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from appliance.api.app import create_app
+from appliance.api.app import create_api_app
 from appliance.api.auth import Keys
 from appliance.api.context import ApiContext
 
@@ -40,6 +40,6 @@ def test_health_reads_only_the_workers_and_the_ledger(
         metrics=lambda: "",
         costs=lambda: [],
     )
-    with TestClient(create_app(ctx)) as http:
+    with TestClient(create_api_app(ctx)) as http:
         answer = http.get("/health")
     assert (answer.status_code, answer.json()) == (status, says)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from appliance.services.sessions import encode_chat_text
-from appliance.sim.tokenizer import HfTokenizer
+from appliance.tokenization.tokenizer import HfTokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 TEMPLATE = (

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from appliance.services.histogram import Histogram
+from appliance.services.histogram import PromHistogram
 
 
-def exposed(h: Histogram, name: str) -> list[str]:
+def exposed(h: PromHistogram, name: str) -> list[str]:
     class One(Collector):
         def collect(self):  # type: ignore[no-untyped-def]
             yield h.family(name, "What it is.")
@@ -20,7 +20,7 @@ def exposed(h: Histogram, name: str) -> list[str]:
 
 
 def test_buckets_are_cumulative_and_a_value_on_a_bound_counts_in_it() -> None:
-    h = Histogram([0.01, 0.001])
+    h = PromHistogram([0.01, 0.001])
     for value in (0.0005, 0.001, 0.002, 0.5):
         h.observe(value)
     assert exposed(h, "x_seconds") == [
@@ -33,7 +33,7 @@ def test_buckets_are_cumulative_and_a_value_on_a_bound_counts_in_it() -> None:
 
 
 def test_an_empty_histogram_reads_zero() -> None:
-    assert exposed(Histogram([1.0]), "y") == [
+    assert exposed(PromHistogram([1.0]), "y") == [
         'y_bucket{le="1"} 0.0',
         'y_bucket{le="+Inf"} 0.0',
         "y_count 0.0",

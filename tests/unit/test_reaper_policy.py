@@ -18,9 +18,9 @@ from appliance.policy.reaper import (
 )
 from appliance.policy.residency import (
     HeldSession,
-    HostTier,
+    HostTierReading,
     IdleSession,
-    Residency,
+    ResidencyAction,
     ResidencyKind,
 )
 from appliance.policy.survival import WaitKey, WaitSurvival
@@ -78,8 +78,10 @@ def idle(**kw: object) -> IdleSession:
     return IdleSession(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def host(value: float | None = 0.0, *, usage: float = 1.0, free_bytes: int = 10**6) -> HostTier:
-    return HostTier(free_bytes=free_bytes, usage=usage, value=value)
+def host(
+    value: float | None = 0.0, *, usage: float = 1.0, free_bytes: int = 10**6
+) -> HostTierReading:
+    return HostTierReading(free_bytes=free_bytes, usage=usage, value=value)
 
 
 BELOW, ABOVE = 1 - 1e-9, 1 + 1e-9
@@ -319,7 +321,7 @@ def test_a_hold_lapses_after_now_and_by_the_maximum_residency(
     p: float, wait_s: float, idle_s: float, usage: float
 ) -> None:
     decision = exact(p, wait_s).decide(idle(kv_usage=usage, finished_at_s=7.0), now=7.0 + idle_s)
-    if decision.action is Residency.HOLD:
+    if decision.action is ResidencyAction.HOLD:
         assert decision.until_s is not None
         assert 7.0 + idle_s < decision.until_s <= 7.0 + MAX_S
 
@@ -377,7 +379,7 @@ def test_a_hold_lapses_when_the_waits_hazard_no_longer_pays_for_its_bytes() -> N
     ],
 )
 def test_a_hold_never_takes_the_tenant_past_its_cap(
-    held_bytes: int, tier: HostTier | None, action: str, kind: str
+    held_bytes: int, tier: HostTierReading | None, action: str, kind: str
 ) -> None:
     reaper = exact(tenant_cap_bytes=10 * KB)
     session = idle(hbm_value=1e-5, tenant_held_bytes=held_bytes, host=tier, promote_s=0.4)
@@ -549,7 +551,7 @@ def test_unstated_sizes_and_speeds_are_the_bundled_profiles() -> None:
     # 3,000 tokens of Llama-3-8B (128 KiB a token), prefilled at 30k tokens/s, copied at
     # 50 GB/s; P = 0.5, E[W] = 10 s, HBM full at 1e-12 s per byte-second, host free.
     session = IdleSession(
-        "s", 3000, 0.0, kv_usage=1.0, hbm_value=1e-12, host=HostTier(free_bytes=2**40)
+        "s", 3000, 0.0, kv_usage=1.0, hbm_value=1e-12, host=HostTierReading(free_bytes=2**40)
     )
     figures = exact().decide(session, now=0.0).figures
     assert figures is not None

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from appliance.policy.residency import HeldSession, IdleSession, Residency, ResidencyDecision
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
+from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction, ResidencyDecision
 from appliance.replay import render_table, run_replay
 from appliance.replay.bounds import block_keys, compute_bounds, optimal
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.runner import make_setup, replay_policy
 from appliance.replay.traces import load_trace
 from appliance.sim.host_tier import HostSession
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile
 from tests.paths import MOONCAKE
 
 BLOCK = 512
@@ -116,7 +116,7 @@ def test_without_a_host_tier_the_report_has_no_host_columns(hbm_only: dict) -> N
 class Always:
     """A residency policy that does one thing to every finished turn."""
 
-    action: Residency
+    action: ResidencyAction
     name: str = "always"
 
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
@@ -162,7 +162,7 @@ def test_with_lru_a_host_tier_serves_what_the_gpu_lost(tool_wait: Path) -> None:
 
 
 def test_a_policy_that_demotes_sends_every_turn_to_host(tool_wait: Path) -> None:
-    m = replayed(tool_wait, Always(Residency.DEMOTE))
+    m = replayed(tool_wait, Always(ResidencyAction.DEMOTE))
     # A's blocks left the GPU when its turn ended: all 3 come back from the host tier.
     assert m["cached_tokens"] == 3 * BLOCK and m["host_hit_tokens"] == 3 * BLOCK
     assert m["demotions"] == 4 and m["residency_by_action"] == {"demote": 4}
@@ -170,7 +170,7 @@ def test_a_policy_that_demotes_sends_every_turn_to_host(tool_wait: Path) -> None
 
 
 def test_a_policy_that_evicts_puts_every_turn_first_in_line(tool_wait: Path) -> None:
-    m = replayed(tool_wait, Always(Residency.EVICT), host_gib=0.0)
+    m = replayed(tool_wait, Always(ResidencyAction.EVICT), host_gib=0.0)
     # B's and A's blocks went first for C: nothing of A is left (LRU kept its first block).
     assert m["cached_tokens"] == 0
     assert m["evictions"] == 4 and m["residency_by_action"] == {"evict": 4}
@@ -178,7 +178,7 @@ def test_a_policy_that_evicts_puts_every_turn_first_in_line(tool_wait: Path) -> 
 
 def test_demoting_without_a_host_tier_is_refused(tool_wait: Path) -> None:
     with pytest.raises(ValueError, match="no host tier"):
-        replayed(tool_wait, Always(Residency.DEMOTE), host_gib=0.0)
+        replayed(tool_wait, Always(ResidencyAction.DEMOTE), host_gib=0.0)
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,9 @@ class Hosted(Always):
 
 def test_a_policy_with_a_host_order_ranks_the_host_tier() -> None:
     latency = LatencyModel.from_profile(bundled_profile())
-    plain = PolicyResidency(Always(Residency.RELEASE), latency=latency, block_size=BLOCK)
+    plain = PolicyResidency(Always(ResidencyAction.RELEASE), latency=latency, block_size=BLOCK)
     assert plain.host_priority is None  # LRU, as vLLM's
-    ranked = PolicyResidency(Hosted(Residency.RELEASE), latency=latency, block_size=BLOCK)
+    ranked = PolicyResidency(Hosted(ResidencyAction.RELEASE), latency=latency, block_size=BLOCK)
     rank = ranked.host_priority
     assert rank is not None
     assert rank(HostSession("s", 3, 1.0), 2.0) == -3 * BLOCK

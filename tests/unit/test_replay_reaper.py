@@ -13,7 +13,7 @@ from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     HeldSession,
     IdleSession,
-    Residency,
+    ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
 )
@@ -44,7 +44,7 @@ class Recorder:
 
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
         self.decided.append(session)
-        return ResidencyDecision(Residency.HOLD, "hold", now + self.hold_s, ResidencyKind.LRU)
+        return ResidencyDecision(ResidencyAction.HOLD, "hold", now + self.hold_s, ResidencyKind.LRU)
 
     def priority(self, held: HeldSession, now: float) -> float:
         return 0.0

@@ -11,7 +11,7 @@ from appliance.policy.residency import (
     HeldSession,
     IdleSession,
     Lru,
-    Residency,
+    ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
     TtlPin,
@@ -32,21 +32,28 @@ def idle(tool: bool | None = None, **kw: object) -> IdleSession:
 @pytest.mark.parametrize(
     ("policy", "session", "now", "action", "until_s", "reason"),
     [
-        (Lru(), idle(None), 10.0, Residency.RELEASE, None, "least recently used goes first"),
-        (Lru(), idle(True, kv_usage=0.1), 10.0, Residency.RELEASE, None, "least recently"),
-        (Lru(), idle(False, kv_usage=0.99), 10.0, Residency.RELEASE, None, "least recently"),
-        (TtlPin(30.0), idle(None), 10.0, Residency.HOLD, 40.0, "pinned for the 30 s TTL"),
-        (TtlPin(30.0), idle(True, expected_wait_s=500.0), 10.0, Residency.HOLD, 40.0, "pinned"),
-        (TtlPin(30.0), idle(True, kv_usage=0.99), 12.5, Residency.HOLD, 42.5, "pinned"),
-        (TtlPin(30.0), idle(False), 10.0, Residency.RELEASE, None, "last step"),
-        (TtlPin(), idle(None), 0.0, Residency.HOLD, DEFAULT_PIN_TTL_S, "pinned for the 60 s"),
+        (Lru(), idle(None), 10.0, ResidencyAction.RELEASE, None, "least recently used goes first"),
+        (Lru(), idle(True, kv_usage=0.1), 10.0, ResidencyAction.RELEASE, None, "least recently"),
+        (Lru(), idle(False, kv_usage=0.99), 10.0, ResidencyAction.RELEASE, None, "least recently"),
+        (TtlPin(30.0), idle(None), 10.0, ResidencyAction.HOLD, 40.0, "pinned for the 30 s TTL"),
+        (
+            TtlPin(30.0),
+            idle(True, expected_wait_s=500.0),
+            10.0,
+            ResidencyAction.HOLD,
+            40.0,
+            "pinned",
+        ),
+        (TtlPin(30.0), idle(True, kv_usage=0.99), 12.5, ResidencyAction.HOLD, 42.5, "pinned"),
+        (TtlPin(30.0), idle(False), 10.0, ResidencyAction.RELEASE, None, "last step"),
+        (TtlPin(), idle(None), 0.0, ResidencyAction.HOLD, DEFAULT_PIN_TTL_S, "pinned for the 60 s"),
     ],
 )
 def test_decisions(
     policy: Lru | TtlPin,
     session: IdleSession,
     now: float,
-    action: Residency,
+    action: ResidencyAction,
     until_s: float | None,
     reason: str,
 ) -> None:
@@ -113,9 +120,9 @@ def test_bad_names(name: str, needle: str) -> None:
 
 @pytest.mark.parametrize(
     ("action", "until_s"),
-    [(Residency.HOLD, None), (Residency.RELEASE, 5.0), (Residency.EVICT, 5.0)],
+    [(ResidencyAction.HOLD, None), (ResidencyAction.RELEASE, 5.0), (ResidencyAction.EVICT, 5.0)],
 )
-def test_only_a_hold_carries_an_expiry(action: Residency, until_s: float | None) -> None:
+def test_only_a_hold_carries_an_expiry(action: ResidencyAction, until_s: float | None) -> None:
     with pytest.raises(ValueError, match=r"^a HOLD, and only a HOLD, carries until_s$"):
         ResidencyDecision(action, "x", until_s)
 
@@ -138,7 +145,7 @@ def test_each_decision_states_its_exact_reason(
 
 def test_a_ttl_under_a_second_pins_for_that_long() -> None:
     decision = TtlPin(0.5).decide(idle(True), now=10.0)
-    assert (decision.action, decision.until_s) == (Residency.HOLD, 10.5)
+    assert (decision.action, decision.until_s) == (ResidencyAction.HOLD, 10.5)
 
 
 @pytest.mark.parametrize("name", RESIDENCY_NAMES)

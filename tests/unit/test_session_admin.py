@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from appliance.api.admin_sessions import SessionAdmin
-from appliance.api.app import create_app
+from appliance.api.app import create_api_app
 from appliance.api.auth import Caller, Keys
 from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher
@@ -101,7 +101,7 @@ def setup() -> Iterator[Setup]:
             releases, turns, lambda s: held.get(s.session_id, {"gpu": {}, "host": {}})
         ),
     )
-    with TestClient(create_app(ctx)) as http:
+    with TestClient(create_api_app(ctx)) as http:
         yield Setup(http, table, ledger, feed, releases, reads, held)
 
 

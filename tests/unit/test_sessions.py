@@ -12,7 +12,7 @@ from appliance.api.requests import prompt_tokens
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.domain.records import SessionId, TenantId
 from appliance.services.sessions import ChatEncoder, SessionTable, encode_chat_text
-from appliance.sim.tokenizer import FallbackTokenizer
+from appliance.tokenization.tokenizer import FallbackTokenizer
 
 TOK = FallbackTokenizer()
 PIECES = ["alpha", " beta", "\n", "  ", "<s>", "</s>", "<pad>", "<unk>", "<", "/s>", "!?", "é"]

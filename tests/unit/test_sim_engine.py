@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.sim.clock import RealClock, VirtualClock, run_engine_loop
 from appliance.sim.engine import SimEngine, SimRequest, StepResult
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile
 
 LAT = LatencyModel.from_profile(bundled_profile())
 BS = 4

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.sim.engine import AfterTurn, SimEngine, SimRequest, TurnEnd
-from appliance.sim.latency import LatencyModel
 from appliance.sim.prefix_cache import CacheRequest, Pin, PrefixCache
-from appliance.sim.profile import bundled_profile
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from appliance.sim import protocol as P
+from appliance.sim.detokenizer import IncrementalDecoder
 from appliance.sim.engine import EngineStats
 from appliance.sim.metrics import (
     FAMILIES,
@@ -18,12 +19,8 @@ from appliance.sim.metrics import (
     go_float,
     token_buckets,
 )
-from appliance.sim.tokenizer import (
-    ChatTemplateError,
-    FallbackTokenizer,
-    IncrementalDecoder,
-    SimTokenizer,
-)
+from appliance.tokenization.chat_template import ChatTemplateError
+from appliance.tokenization.tokenizer import FallbackTokenizer, ModelTokenizer
 
 JSON = "application/json"
 
@@ -380,7 +377,7 @@ def test_chat_template_renders_like_transformers() -> None:
         tok.render_chat([])
 
 
-class _Bytes(SimTokenizer):
+class _Bytes(ModelTokenizer):
     """Token i is byte i: a two-byte UTF-8 character decodes only once both are in."""
 
     def decode(self, ids: Any, *, skip_special_tokens: bool = False) -> str:

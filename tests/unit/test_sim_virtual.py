@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.sim.engine import SimEngine, SimRequest, StepResult
-from appliance.sim.latency import LatencyModel
-from appliance.sim.profile import bundled_profile
 from appliance.sim.trace import (
     TRACE_BLOCK_TOKENS,
     BlockTokens,

@@ -12,8 +12,8 @@ from appliance.domain.records import WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import DRIVER, SimulatedGpu, SimulatedGpuProbe
+from appliance.perf.profile import bundled_profile
 from appliance.settings import EngineKind
-from appliance.sim.profile import bundled_profile
 
 GPU = SimulatedGpu(
     "NVIDIA H200 sim", mem_total_bytes=1000, baseline_bytes=200, kv_capacity_bytes=600

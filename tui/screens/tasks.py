@@ -58,7 +58,7 @@ def roots_and_children(tasks: list[TaskState]) -> tuple[list[TaskState], dict[st
     return roots, children
 
 
-class TaskTree(Tree[str]):
+class TaskTreeWidget(Tree[str]):
     """Labels are drawn from the latest snapshot when a line is drawn, so a new snapshot
     costs one repaint of the visible lines, not a relabel of every node."""
 
@@ -101,17 +101,17 @@ class TasksScreen(StateScreen):
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="tasks-summary", classes="status")
-        tree = TaskTree("tasks", id="tasks")
+        tree = TaskTreeWidget("tasks", id="tasks")
         tree.show_root = False
         tree.guide_depth = 3
         yield tree
 
     def on_mount(self) -> None:
-        self.query_one(TaskTree).focus()
+        self.query_one(TaskTreeWidget).focus()
 
     @property
-    def task_tree(self) -> TaskTree:
-        return self.query_one(TaskTree)
+    def task_tree(self) -> TaskTreeWidget:
+        return self.query_one(TaskTreeWidget)
 
     def update_body(self, state: AdminState) -> None:
         statuses = Counter(t.status for t in state.tasks)

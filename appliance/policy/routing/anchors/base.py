@@ -87,7 +87,7 @@ class Stateless(AnchorPolicy[None]):
         return None
 
 
-def healthy(workers: Sequence[AnchorWorker]) -> list[AnchorWorker]:
+def healthy_workers(workers: Sequence[AnchorWorker]) -> list[AnchorWorker]:
     alive = [w for w in workers if w.healthy]
     if not alive:
         raise ValueError("no healthy worker")

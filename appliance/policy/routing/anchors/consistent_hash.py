@@ -11,7 +11,7 @@ from appliance.policy.routing.anchors.base import (
     AnchorPolicy,
     AnchorRequest,
     AnchorWorker,
-    healthy,
+    healthy_workers,
 )
 
 _M64 = 0xC6A4A7935BD1E995
@@ -133,4 +133,4 @@ class SessionHash(AnchorPolicy[HashRing]):
         target = next((w for w in workers if w.url == url), None)
         if target is not None and target.healthy:
             return AnchorDecision(target.index, f"ring owner of {self.key(req)}")
-        return AnchorDecision(healthy(workers)[0].index, "ring owner unavailable")
+        return AnchorDecision(healthy_workers(workers)[0].index, "ring owner unavailable")

@@ -10,7 +10,7 @@ from appliance.policy.routing.anchors.base import (
     AnchorRequest,
     AnchorWorker,
     Stateless,
-    healthy,
+    healthy_workers,
     tie_break,
 )
 
@@ -49,7 +49,7 @@ class DynamoKv(Stateless):
     def route(
         self, req: AnchorRequest, workers: Sequence[AnchorWorker], state: None
     ) -> AnchorDecision:
-        alive = healthy(workers)
+        alive = healthy_workers(workers)
         logits = {w.index: self.logit(req, w) for w in alive}
         low = min(logits.values())
         best = tie_break(req, [w for w in alive if logits[w.index] == low])

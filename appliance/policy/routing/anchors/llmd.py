@@ -10,7 +10,7 @@ from appliance.policy.routing.anchors.base import (
     AnchorRequest,
     AnchorWorker,
     Stateless,
-    healthy,
+    healthy_workers,
     tie_break,
 )
 
@@ -70,7 +70,7 @@ class LlmdPrecisePrefix(Stateless):
     def route(
         self, req: AnchorRequest, workers: Sequence[AnchorWorker], state: None
     ) -> AnchorDecision:
-        alive = healthy(workers)
+        alive = healthy_workers(workers)
         c = self.config
         prefix, queue = llmd_prefix_scores(alive), llmd_queue_scores(alive)
         total = {

@@ -11,7 +11,7 @@ from appliance.policy.routing.anchors.base import (
     AnchorPolicy,
     AnchorRequest,
     AnchorWorker,
-    healthy,
+    healthy_workers,
 )
 
 
@@ -157,7 +157,7 @@ class SglangCacheAware(AnchorPolicy[CacheAwareState]):
     def route(
         self, req: AnchorRequest, workers: Sequence[AnchorWorker], state: CacheAwareState
     ) -> AnchorDecision:
-        alive = healthy(workers)
+        alive = healthy_workers(workers)
         if self.imbalanced([w.in_flight for w in workers]):
             best = min(alive, key=lambda w: w.in_flight)
             return AnchorDecision(best.index, "imbalanced: shortest queue")

@@ -11,7 +11,7 @@ from appliance.policy.routing.anchors.base import (
     AnchorRequest,
     AnchorWorker,
     Stateless,
-    healthy,
+    healthy_workers,
 )
 
 
@@ -32,7 +32,7 @@ class RoundRobin(AnchorPolicy[Counter]):
     def route(
         self, req: AnchorRequest, workers: Sequence[AnchorWorker], state: Counter
     ) -> AnchorDecision:
-        alive = healthy(workers)
+        alive = healthy_workers(workers)
         return AnchorDecision(alive[state.value % len(alive)].index, "next in turn")
 
     def record(
@@ -54,5 +54,5 @@ class LeastLoaded(Stateless):
     def route(
         self, req: AnchorRequest, workers: Sequence[AnchorWorker], state: None
     ) -> AnchorDecision:
-        best = min(healthy(workers), key=lambda w: w.in_flight)
+        best = min(healthy_workers(workers), key=lambda w: w.in_flight)
         return AnchorDecision(best.index, f"fewest in flight ({best.in_flight})")

@@ -128,10 +128,31 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
             f"GPU profile {name}: {what}; re-run gpu_calibrate.py to produce a complete file"
         )
 
+    shape = _model_shape(data, fail)
+    device = str(data.get("device", "cuda"))
+    prefill = _prefill_points(data, device, fail)
+    decode = _decode_points(data, fail)
+    copies, d2d_gbps = _copy_points(data, fail)
+    return GpuProfile(
+        name=name,
+        gpu=str(data.get("gpu", device)),
+        model=shape,
+        prefill=tuple(sorted(prefill, key=lambda p: (p.reused_tokens, p.fresh_tokens))),
+        decode=tuple(sorted(decode, key=lambda p: (p.batch_size, p.context_tokens))),
+        copies=tuple(sorted(copies, key=lambda c: c.nbytes)),
+        d2d_gbps=d2d_gbps,
+        memory_bytes=_memory_bytes(data),
+    )
+
+
+_Fail = Callable[[str], ConfigError]
+
+
+def _model_shape(data: Mapping[str, Any], fail: _Fail) -> ModelShape:
     model = data.get("model")
     if not isinstance(model, Mapping) or not _positive_int(model.get("kv_bytes_per_token")):
         raise fail("model.kv_bytes_per_token is missing")
-    shape = ModelShape(
+    return ModelShape(
         kv_bytes_per_token=int(model["kv_bytes_per_token"]),
         params=_opt_int(model.get("params")),
         layers=_opt_int(model.get("layers")),
@@ -140,7 +161,8 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
         dtype=str(model["dtype"]) if "dtype" in model else None,
     )
 
-    device = str(data.get("device", "cuda"))
+
+def _prefill_points(data: Mapping[str, Any], device: str, fail: _Fail) -> list[PrefillPoint]:
     delta = data.get("incremental_prefill_fresh_tokens", _CALIBRATE_DELTA.get(device, 512))
     prefill = [PrefillPoint(n, 0, s) for n, s in _int_keyed(data, "full_prefill_s", fail)]
     prefill += [
@@ -153,7 +175,10 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
         prefill.append(PrefillPoint(int(m[2]), int(m[1]), s))
     if not any(p.reused_tokens == 0 for p in prefill):
         raise fail("full_prefill_s has no points")
+    return prefill
 
+
+def _decode_points(data: Mapping[str, Any], fail: _Fail) -> list[DecodePoint]:
     decode = [DecodePoint(1, c, s) for c, s in _int_keyed(data, "decode_step_s", fail)]
     for field in ("batched_decode_step_s", "grid_decode_step_s"):
         for key, s in _seconds(data, field, fail):
@@ -163,7 +188,11 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
             decode.append(DecodePoint(int(m[1]), int(m[2]), s))
     if not decode:
         raise fail("decode_step_s has no points")
+    return decode
 
+
+def _copy_points(data: Mapping[str, Any], fail: _Fail) -> tuple[list[CopyPoint], float | None]:
+    """The host<->GPU copies, and the device-to-device bandwidth if measured."""
     copies: list[CopyPoint] = []
     d2d_gbps: float | None = None
     for key, entry in dict(data.get("copy_gbps") or {}).items():
@@ -178,20 +207,7 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
             )
     if not copies:
         raise fail("copy_gbps has no host<->GPU copy points")
-
-    return GpuProfile(
-        name=name,
-        gpu=str(data.get("gpu", device)),
-        model=shape,
-        prefill=tuple(sorted(prefill, key=lambda p: (p.reused_tokens, p.fresh_tokens))),
-        decode=tuple(sorted(decode, key=lambda p: (p.batch_size, p.context_tokens))),
-        copies=tuple(sorted(copies, key=lambda c: c.nbytes)),
-        d2d_gbps=d2d_gbps,
-        memory_bytes=_memory_bytes(data),
-    )
-
-
-_Fail = Callable[[str], ConfigError]
+    return copies, d2d_gbps
 
 
 def _seconds(data: Mapping[str, Any], field: str, fail: _Fail) -> list[tuple[str, float]]:

@@ -1,16 +1,15 @@
-"""Text <-> token ids for the simulated engine, identical to vLLM's for the same model dir.
+"""Text <-> token ids, identical to vLLM's for the same model directory: the simulated
+engine's tokenizer, and the one the router tokenises sessions with.
 
 Model of the world: vLLM tokenises a completion prompt with the model's Hugging Face fast
 tokenizer (`tokenizer.json`; BOS comes from its post-processor when `add_special_tokens`),
-and a chat by rendering the model's Jinja chat template to text (transformers' settings:
-sandboxed, `trim_blocks`, `lstrip_blocks`, `loopcontrols`, the special tokens as variables)
-and tokenising that text without adding special tokens. Message content that is a list of
-parts becomes its text parts joined by newlines, missing content the empty string. Given the
-same model directory, `HfTokenizer` therefore yields vLLM's token ids, which is what makes the
-simulated block hashes equal real ones. Without a model directory, `FallbackTokenizer` gives
-deterministic ids (each word hashed into the vocabulary) and a built-in template; its ids
-match nothing real, but they are stable across processes, so hashes still agree between
-simulated workers and the router.
+and a chat by rendering the model's Jinja chat template to text (`chat_template.py`; the
+special tokens are variables) and tokenising that text without adding special tokens.
+Given the same model directory, `HfTokenizer` therefore yields vLLM's token ids, which is
+what makes the simulated block hashes equal real ones. Without a model directory,
+`FallbackTokenizer` gives deterministic ids (each word hashed into the vocabulary) and a
+built-in template; its ids match nothing real, but they are stable across processes, so
+hashes still agree between simulated workers and the router.
 
 Generated text: `word_token_ids` lists tokens that decode to a short lower-case word, from
 which the engine front end draws lorem-like output that decodes cleanly token by token.
@@ -22,78 +21,26 @@ import json
 import re
 import zlib
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+from appliance.tokenization.chat_template import (
+    FALLBACK_CHAT_TEMPLATE,
+    ChatTemplateError,
+    compile_chat_template,
+    normalize_messages,
 )
-"""The template of the project's tiny test model, used when no model directory is given."""
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _WORD = re.compile(r"^ ?[a-z]{2,12}$")
 
 
-class ChatTemplateError(ValueError):
-    """The chat cannot be rendered (vLLM answers 400 BadRequestError)."""
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """As transformers compiles chat templates (`_cached_compile_jinja_template`)."""
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to the template ("string" content format)."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        msg = dict(message)
-        content = msg.get("content")
-        if content is None:
-            msg["content"] = ""
-        elif isinstance(content, list):
-            msg["content"] = "\n".join(
-                str(part.get("text", ""))
-                for part in content
-                if isinstance(part, Mapping) and part.get("type", "text") == "text"
-            )
-        out.append(msg)
-    return out
-
-
-class SimTokenizer:
-    """What the simulated server needs of a tokenizer; subclasses fill in the codec."""
+class ModelTokenizer:
+    """What the simulated server and the router need of a tokenizer; subclasses fill in the
+    codec."""
 
     bos_token: str = "<s>"
     eos_token: str = "</s>"
@@ -128,7 +75,7 @@ class SimTokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        return _compile_template(self.chat_template)
+        return compile_chat_template(self.chat_template)
 
     def render_chat(
         self,
@@ -198,7 +145,7 @@ class SimTokenizer:
         return words or tuple(i for i in self.vocab_ids() if i not in special)
 
 
-class HfTokenizer(SimTokenizer):
+class HfTokenizer(ModelTokenizer):
     """A model directory's `tokenizer.json`, `tokenizer_config.json` and chat template."""
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -280,7 +227,7 @@ def _added_specials(decoder: Mapping[int, Any]) -> frozenset[int]:
     return frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
 
 
-class FallbackTokenizer(SimTokenizer):
+class FallbackTokenizer(ModelTokenizer):
     """Deterministic ids without a model: each word (with its leading space) or run of
     punctuation hashes (CRC-32) into the vocabulary above the four special tokens."""
 
@@ -333,7 +280,7 @@ class FallbackTokenizer(SimTokenizer):
         return range(len(self._SPECIALS), min(self.vocab_size, 4096))
 
 
-def load_tokenizer(model_dir: str | Path | None) -> SimTokenizer:
+def load_tokenizer(model_dir: str | Path | None) -> ModelTokenizer:
     """The model directory's tokenizer, or the fallback when there is none (None, or a
     name that is not a directory holding `tokenizer.json`)."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
@@ -347,25 +294,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-class IncrementalDecoder:
-    """Text deltas of a growing token sequence, holding back incomplete characters (the
-    prefix/read-offset scheme of vLLM's detokenizer)."""
-
-    def __init__(self, tokenizer: SimTokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(token_ids)
-        decode = self._tok.decode
-        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        after = decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return after[len(before) :]
-        return ""

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.domain.errors import ConfigError
-from appliance.sim.latency import CopyDirection, LatencyModel
-from appliance.sim.profile import (
+from appliance.perf.latency import CopyDirection, LatencyModel
+from appliance.perf.profile import (
     DEFAULT_PROFILE,
     DecodePoint,
     PrefillPoint,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from appliance.sim.profile import GpuProfile
+from appliance.perf.profile import GpuProfile
 
 
 class CopyDirection(StrEnum):
