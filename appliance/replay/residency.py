@@ -54,7 +54,7 @@ from appliance.policy.survival import LogNormal
 from appliance.sim.engine import AfterTurn, PinDue, SimRequest, TurnEnd
 from appliance.sim.host_tier import HostPriority, HostSession
 from appliance.sim.latency import CopyDirection, LatencyModel
-from appliance.sim.prefix_cache import Pin
+from appliance.sim.pins import Pin
 
 _NUMBERS = re.compile(r"\d[\d.,]*")
 NO_TOOL = "(none)"

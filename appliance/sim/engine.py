@@ -110,9 +110,11 @@ from typing import Literal, Protocol
 
 from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
 from appliance.domain.kv_events import KvEvent
+from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
 from appliance.sim.host_tier import HostPriority, HostTier
 from appliance.sim.latency import CopyDirection, LatencyModel
-from appliance.sim.prefix_cache import NO_HIT, CacheHit, CacheRequest, Pin, PrefixCache
+from appliance.sim.pins import Pin
+from appliance.sim.prefix_cache import PrefixCache
 
 FinishReason = Literal["length", "stop", "abort"]
 SchedulingPolicy = Literal["fcfs", "priority"]

@@ -12,10 +12,12 @@ import pytest
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, event_block_hash
 from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent
+from appliance.sim.cache_request import CacheRequest
 from appliance.sim.engine import AfterTurn, SimEngine, SimRequest, TurnEnd
 from appliance.sim.host_tier import HostSession, HostTier
 from appliance.sim.latency import CopyDirection, LatencyModel
-from appliance.sim.prefix_cache import CacheRequest, Pin, PrefixCache
+from appliance.sim.pins import Pin
+from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.profile import bundled_profile
 from appliance.sim.virtual import Arrival, replay
 

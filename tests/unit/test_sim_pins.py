@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.sim.cache_request import CacheRequest
 from appliance.sim.engine import AfterTurn, SimEngine, SimRequest, TurnEnd
 from appliance.sim.latency import LatencyModel
-from appliance.sim.prefix_cache import CacheRequest, Pin, PrefixCache
+from appliance.sim.pins import Pin
+from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.profile import bundled_profile
 
 BS = 4
