@@ -23,7 +23,7 @@ from appliance.domain.records import WorkerId
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
-from appliance.sim.engine import SimRequest, StepResult
+from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.latency import LatencyModel
 from appliance.sim.virtual import EngineView
 

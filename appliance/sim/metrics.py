@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from appliance.sim.engine import EngineStats
+from appliance.sim.engine_stats import EngineStats
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.sim import protocol as P
-from appliance.sim.engine import SimRequest
+from appliance.sim.engine_io import SimRequest
 from appliance.sim.protocol import (
     ApiError,
     ChatCompletionRequest,

@@ -29,7 +29,9 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from appliance.sim.engine import EngineStats, SimEngine, SimRequest, StepResult
+from appliance.sim.engine import SimEngine
+from appliance.sim.engine_io import SimRequest, StepResult
+from appliance.sim.engine_stats import EngineStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from appliance.sim import protocol as P
-from appliance.sim.engine import EngineStats
+from appliance.sim.engine_stats import EngineStats
 from appliance.sim.metrics import (
     FAMILIES,
     FinishedRequest,
