@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from appliance.sim import protocol as P
+from appliance.sim.api_errors import ApiError, model_not_found, request_validation_error
 from appliance.sim.engine_stats import EngineStats
 from appliance.sim.metrics import (
     FAMILIES,
@@ -18,6 +19,7 @@ from appliance.sim.metrics import (
     go_float,
     token_buckets,
 )
+from appliance.sim.responses import final_usage_chunk, prompt_details, usage_info
 from appliance.sim.tokenizer import (
     ChatTemplateError,
     FallbackTokenizer,
@@ -28,8 +30,8 @@ from appliance.sim.tokenizer import (
 JSON = "application/json"
 
 
-def error_of(fn: Any, *args: Any, **kwargs: Any) -> P.ApiError:
-    with pytest.raises(P.ApiError) as info:
+def error_of(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
         fn(*args, **kwargs)
     return info.value
 
@@ -106,7 +108,7 @@ def test_union_branches_are_dropped_from_error_locations() -> None:
 
 
 def test_many_errors_are_cut_at_ten() -> None:
-    err = P.request_validation_error([{"loc": ("body", i), "msg": "m"} for i in range(13)])
+    err = request_validation_error([{"loc": ("body", i), "msg": "m"} for i in range(13)])
     assert err.message.splitlines()[0] == "13 validation errors:"
     assert err.message.endswith("  ...and 3 more errors")
     assert len(err.message.splitlines()) == 12
@@ -200,7 +202,7 @@ def test_request_id_header_overrides_the_body() -> None:
 
 
 def test_error_body_and_not_found_message() -> None:
-    err = P.model_not_found("nope", ["tiny"])
+    err = model_not_found("nope", ["tiny"])
     assert err.body() == {
         "error": {
             "message": "The model `nope` does not exist. Valid aliases: tiny.",
@@ -215,7 +217,7 @@ def test_error_body_and_not_found_message() -> None:
 
 
 def test_usage_and_final_usage_chunk() -> None:
-    usage = P.usage_info(10, 3, P.prompt_details(8, None))
+    usage = usage_info(10, 3, prompt_details(8, None))
     assert list(usage) == [
         "prompt_tokens",
         "total_tokens",
@@ -224,7 +226,7 @@ def test_usage_and_final_usage_chunk() -> None:
         "completion_tokens_details",
     ]
     assert usage["total_tokens"] == 13
-    chunk = P.final_usage_chunk({"id": "x"}, usage, "fp")
+    chunk = final_usage_chunk({"id": "x"}, usage, "fp")
     assert chunk == {
         "id": "x",
         "choices": [],
