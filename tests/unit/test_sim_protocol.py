@@ -11,14 +11,8 @@ import pytest
 from appliance.sim import protocol as P
 from appliance.sim.api_errors import ApiError, model_not_found, request_validation_error
 from appliance.sim.engine_stats import EngineStats
-from appliance.sim.metrics import (
-    FAMILIES,
-    FinishedRequest,
-    Histogram,
-    SimMetrics,
-    go_float,
-    token_buckets,
-)
+from appliance.sim.metric_families import FAMILIES, token_buckets
+from appliance.sim.metrics import FinishedRequest, Histogram, SimMetrics, go_float
 from appliance.sim.responses import final_usage_chunk, prompt_details, usage_info
 from appliance.sim.tokenizer import (
     ChatTemplateError,
