@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from appliance.sim.host_tier import HostTier
 from appliance.sim.prefix_cache import PrefixCache
@@ -116,7 +117,7 @@ def _by_source(n: EngineCounters, host: HostTier | None) -> dict[str, int]:
     return out
 
 
-def _host_fields(n: EngineCounters, host: HostTier | None) -> dict[str, int | float]:
+def _host_fields(n: EngineCounters, host: HostTier | None) -> dict[str, Any]:
     if host is None:
         return {}
     h = host.stats
