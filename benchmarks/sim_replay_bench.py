@@ -23,7 +23,7 @@ from pathlib import Path
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import SimEngine
+from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.trace import (
     BlockTokens,
     conversation_ids,
@@ -49,19 +49,15 @@ def run(args: argparse.Namespace) -> tuple[ReplayResult, float, float]:
     latency = LatencyModel.from_profile(bundled_profile())
     num_blocks = int(args.kv_gib * GIB) // (args.block_size * latency.kv_bytes_per_token) + 1
     hasher = BlockHasher(HashAlgo.SHA256, args.block_size)
-    engines = [
-        SimEngine(
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            hasher=hasher,
-            latency=latency,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_kv_events=not args.no_events,
-        )
-        for _ in range(args.workers)
-    ]
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_kv_events=not args.no_events,
+    )
+    engines = [SimEngine(config, hasher=hasher, latency=latency) for _ in range(args.workers)]
     records = load_mooncake(args.trace, limit=args.limit)
     sessions = conversation_ids(records)
     route = session_hash() if args.route == "session" else round_robin()

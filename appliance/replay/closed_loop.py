@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.replay.residency import TurnHint
-from appliance.sim.engine import DEFAULT_VOCAB_SIZE, SimRequest, StepResult, default_output_token
+from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest, StepResult, default_output_token
 from appliance.sim.virtual import Arrival, RequestRecord
 
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from appliance.domain.records import CostMode, Price, TaskStatus
 from appliance.policy.costs import AttemptRow, TaskRow, attempt_cost, cost_per_success
 from appliance.replay.closed_loop import TaskOutcome
-from appliance.sim.engine import EngineStats
+from appliance.sim.engine_stats import EngineStats
 from appliance.sim.virtual import ReplayResult, RequestRecord
 
 TASK_KEYS = ("tasks", "tasks_completed", "deadline_goodput", "gpu_s", "cost_per_success")

@@ -52,9 +52,10 @@ from appliance.policy.residency import (
 )
 from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.wait_curves import LogNormal
-from appliance.sim.engine import AfterTurn, PinDue, SimRequest, TurnEnd
+from appliance.sim.engine_io import SimRequest
 from appliance.sim.host_tier import HostPriority, HostSession
-from appliance.sim.prefix_cache import Pin
+from appliance.sim.pins import Pin
+from appliance.sim.residency_hook import AfterTurn, PinDue, TurnEnd
 
 _NUMBERS = re.compile(r"\d[\d.,]*")
 NO_TOOL = "(none)"
@@ -90,7 +91,7 @@ def wait_priors(tool_classes: Mapping[str, WaitDistribution]) -> dict[str, LogNo
 
 
 class PolicyResidency:
-    """The engines' residency hook (`appliance.sim.engine.Residency`) for one policy."""
+    """The engines' residency hook (`appliance.sim.residency_hook.ResidencyHook`) for one policy."""
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
-from appliance.sim.engine import SimRequest, StepResult
+from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.virtual import EngineView
 
 _NUMBERS = re.compile(r"\d[\d.,]*")

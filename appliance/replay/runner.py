@@ -48,7 +48,8 @@ from appliance.replay.progress import ProgressBar
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
-from appliance.sim.engine import SimEngine, StepResult
+from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import StepResult
 from appliance.sim.host_tier import HostTier
 from appliance.sim.trace import BlockTokens, trace_arrivals
 from appliance.sim.virtual import RequestRecord, replay
@@ -189,19 +190,17 @@ def make_engines(
     pooled_host: bool = False,
 ) -> list[SimEngine]:
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)
+    hosts = host_tiers(setup, residency, pooled=pooled_host)
+    config = EngineConfig(
+        num_blocks=setup.kv_blocks_per_worker + 1,
+        block_size=setup.block_size,
+        max_model_len=setup.max_model_len,
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+    )
     return [
-        SimEngine(
-            num_blocks=setup.kv_blocks_per_worker + 1,
-            block_size=setup.block_size,
-            hasher=hasher,
-            latency=latency,
-            max_model_len=setup.max_model_len,
-            max_num_seqs=setup.max_num_seqs,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            residency=residency,
-            host_tier=host,
-        )
-        for host in host_tiers(setup, residency, pooled=pooled_host)
+        SimEngine(config, hasher=hasher, latency=latency, residency=residency, host=host)
+        for host in hosts
     ]
 
 

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from appliance.sim.engine import SimEngine, StepResult
+from appliance.sim.engine import SimEngine
+from appliance.sim.engine_io import StepResult
 
 
 class EngineClock(Protocol):

@@ -35,11 +35,13 @@ preemptions and prefix-cache counters.
 Public API (the server builds on these names; everything else is private):
 - `SimRequest`: what to run (`eos_after` stands in for an EOS when not `ignore_eos`;
   `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
-- `SimEngine(num_blocks=, block_size=, hasher=, latency=, max_model_len=, max_num_seqs=256,
-  max_num_batched_tokens=8192, enable_prefix_caching=True, output_token_ids=None,
-  policy="fcfs", enable_kv_events=True, residency=None, host_bytes=0, host_tier=None,
-  host_priority=None)` (ValueError unless
-  max_model_len fits in the cache and 1 <= max_num_seqs <= max_num_batched_tokens):
+  It, `RequestOutput` and `StepResult` live in `engine_io.py`, `EngineStats` in
+  `engine_stats.py`, the residency hook's types in `residency_hook.py`.
+- `EngineConfig(num_blocks, block_size, max_model_len, max_num_seqs=256,
+  max_num_batched_tokens=8192, enable_prefix_caching=True, policy="fcfs",
+  enable_kv_events=True)` (ValueError unless max_model_len fits in the cache and
+  1 <= max_num_seqs <= max_num_batched_tokens).
+- `SimEngine(config, hasher=, latency=, residency=None, host=None, output_token_ids=None)`:
   `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
   max_model_len tokens or more, max_tokens < 1), `abort_request(request_id, now)`,
   `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`,
@@ -62,10 +64,9 @@ Public API (the server builds on these names; everything else is private):
   never-preempted requests; prompt tokens by source are counted at the first token;
   request_success_total by finish reason, aborts included; pin counters with a residency).
 
-Host tier (`host_bytes=`, default 0: none; vLLM's `--kv-offloading-size`, native
-OffloadingConnector, LRU): `host_bytes // (block_size * KV bytes per token)` blocks of
-pinned host memory (`host_tier=` passes a `HostTier` instead, e.g. one shared by several
-engines; `host_priority=` orders its evictions). Prompt blocks are copied there as they
+Host tier (`host=`, a `HostTier`, default none; vLLM's `--kv-offloading-size`, native
+OffloadingConnector, LRU: its blocks of pinned host memory, a tier possibly shared by
+several engines, its own priority ordering its evictions). Prompt blocks are copied there as they
 are cached, and a waiting request's lookup continues past its GPU hit into the host tier
 (`PrefixCache`). A request with a host hit is admitted like vLLM's request that waits for
 remote KV: GPU blocks are allocated for the hit (it must fit whole, as any admission),
@@ -101,256 +102,55 @@ a few microseconds per running request.
 
 from __future__ import annotations
 
-import heapq
-import zlib
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
-from appliance.domain.kv_events import KvEvent
 from appliance.perf.latency import CopyDirection, LatencyModel
-from appliance.sim.host_tier import HostPriority, HostTier
-from appliance.sim.prefix_cache import NO_HIT, CacheHit, CacheRequest, Pin, PrefixCache
-
-FinishReason = Literal["length", "stop", "abort"]
-SchedulingPolicy = Literal["fcfs", "priority"]
-KvAction = Literal["release", "hold", "evict", "demote"]
-DEFAULT_VOCAB_SIZE = 32000
-"""Default generated token ids fall below this (a size every supported tokenizer exceeds)."""
-
-
-@dataclass(slots=True)
-class SimRequest:
-    """One generation request. Lower `priority` runs first under the priority policy."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    ignore_eos: bool = True
-    cache_salt: str | None = None
-    session_id: str | None = None
-    priority: int = 0
-    arrival_s: float = 0.0
-    eos_after: int | None = None
-    """When not `ignore_eos`: stop ("stop") after this many generated tokens."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    first_token: bool
-    num_preemptions: int = 0
-    """Times the request was preempted so far."""
-    first_scheduled_s: float | None = None
-    """The `now` of the step that first scheduled it (queue time = this - arrival)."""
-    num_host_cached_tokens: int = 0
-    """Of `num_cached_tokens`, those loaded from the host tier."""
-
-
-@dataclass(slots=True)
-class StepResult:
-    duration_s: float
-    """Modelled GPU time of the step; its outputs are visible at `now + duration_s`."""
-    outputs: list[RequestOutput]
-    events: list[KvEvent]
-    """The step's KV events, oldest first: publish them as one batch."""
-    num_scheduled_tokens: int
-    scheduled: dict[str, int] = field(default_factory=dict)
-    """Request id -> tokens scheduled in this step, in schedule order (running first)."""
-    preempted: list[str] = field(default_factory=list)
-    """Requests preempted (sent back to waiting) in this step."""
-    idle_until_s: float | None = None
-    """Set when the step only waited for host loads: when the first completes."""
+from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
+from appliance.sim.engine_io import (
+    FinishReason,
+    RequestOutput,
+    SimRequest,
+    StepResult,
+    default_output_token,
+)
+from appliance.sim.engine_stats import EngineCounters, EngineStats, engine_stats
+from appliance.sim.host_tier import HostTier
+from appliance.sim.pins import Pin
+from appliance.sim.prefix_cache import PrefixCache
+from appliance.sim.residency_hook import AfterTurn, PinDue, ResidencyHook, TurnEnd
+from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's gauges and cumulative counters (vLLM semantics)."""
+class EngineConfig:
+    """The engine's vLLM settings (ValueError unless max_model_len fits in the cache and
+    1 <= max_num_seqs <= max_num_batched_tokens)."""
 
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_total: int
-    prompt_tokens_by_source: dict[str, int]
-    generation_tokens_total: int
-    num_preemptions_total: int
-    request_success_total: dict[str, int]
-    num_steps_total: int = 0
-    busy_s_total: float = 0.0
-    pinned_blocks: int = 0
-    """Blocks held by residency pins now (they count as used in `kv_cache_usage`)."""
-    pins_total: int = 0
-    pins_expired_total: int = 0
-    pins_resumed_total: int = 0
-    pins_reclaimed_total: int = 0
-    """Pins given back early because an allocation was short."""
-    host_blocks: int = 0
-    """The host tier's capacity in blocks (0: none)."""
-    host_hit_tokens_total: int = 0
-    """Prompt tokens loaded from the host tier (counted at the first token)."""
-    host_load_s_total: float = 0.0
-    """Seconds of host -> GPU copies for those loads."""
-    host_stored_blocks_total: int = 0
-    host_evicted_blocks_total: int = 0
-    demotions_total: int = 0
-    """Finished turns and held sessions whose blocks were demoted to the host tier."""
-    evictions_total: int = 0
-    """Finished turns and held sessions whose blocks were put first in the eviction order."""
+    num_blocks: int
+    """KV blocks, the null block included (vLLM's `num_gpu_blocks`)."""
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    policy: SchedulingPolicy = "fcfs"
+    enable_kv_events: bool = True
 
-
-@dataclass(frozen=True, slots=True)
-class TurnEnd:
-    """A request that has just finished, as a residency hook sees it."""
-
-    request: SimRequest
-    resident_tokens: int
-    """Tokens in the request's cached (pinnable) blocks."""
-    kv_usage: float
-    now_s: float
-    host_blocks: int = 0
-    """The worker's host tier's capacity in blocks (0: none)."""
-    host_used_blocks: int = 0
-    """Of those, blocks in use."""
-    pins: tuple[Pin, ...] = ()
-    """The worker's standing pins."""
-
-
-@dataclass(frozen=True, slots=True)
-class PinDue:
-    """A held session whose pin has come due, as a residency hook that revisits sees it."""
-
-    pin: Pin
-    kv_usage: float
-    now_s: float
-    host_blocks: int = 0
-    host_used_blocks: int = 0
-    pins: tuple[Pin, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class AfterTurn:
-    """What becomes of a finished request's cached blocks."""
-
-    action: KvAction = "release"
-    until_s: float | None = None
-    """"hold" only: when the pin lapses."""
-
-
-class Residency(Protocol):
-    """What the engine asks about a finished request's blocks, and the order in which pins
-    are given back under pressure (lowest first). A hook may also have
-    `revisit(due: PinDue) -> AfterTurn` (asked for each pin as it comes due: "hold"
-    extends it, "demote" or "evict" end it so, "release" lets it lapse) and
-    `turn_arrived(req: SimRequest, now: float) -> None` (told of every request as it
-    arrives: a session's next turn)."""
-
-    def after_turn(self, end: TurnEnd) -> AfterTurn: ...
-
-    def pin_priority(self, pin: Pin, now: float) -> float: ...
-
-
-def default_output_token(req: SimRequest, index: int) -> int:
-    """A deterministic token id for the `index`-th generated token of `req`."""
-    base = zlib.crc32(req.request_id.encode())
-    return (base + 7919 * index) % DEFAULT_VOCAB_SIZE
-
-
-class _Entry:
-    """The engine's state of one unfinished request."""
-
-    __slots__ = (
-        "arrival_s",
-        "cache",
-        "first_scheduled_s",
-        "first_token_sent",
-        "num_cached_tokens",
-        "num_host_cached_tokens",
-        "ready_s",
-        "req",
-        "seq",
-    )
-
-    def __init__(self, req: SimRequest, cache: CacheRequest, arrival_s: float, seq: int):
-        self.req = req
-        self.cache = cache
-        self.arrival_s = arrival_s
-        self.seq = seq
-        self.num_cached_tokens = 0
-        self.num_host_cached_tokens = 0
-        self.ready_s = 0.0  # while loading from the host tier: when the copy ends
-        self.first_token_sent = False
-        self.first_scheduled_s: float | None = None
-
-    def priority_key(self) -> tuple[int, float, str, int]:
-        """vLLM's `Request.__lt__`: priority, then arrival, then request id."""
-        return (self.req.priority, self.arrival_s, self.req.request_id, self.seq)
-
-
-class _WaitingQueue:
-    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on
-    (priority, arrival, request id), where a preempted request simply goes back in."""
-
-    def __init__(self, policy: SchedulingPolicy) -> None:
-        self.priority = policy == "priority"
-        self._fifo: deque[_Entry] = deque()
-        self._heap: list[tuple[tuple[int, float, str, int], _Entry]] = []
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.priority else len(self._fifo)
-
-    def __iter__(self) -> Iterator[_Entry]:
-        return (e for _, e in self._heap) if self.priority else iter(self._fifo)
-
-    def add(self, e: _Entry) -> None:
-        if self.priority:
-            heapq.heappush(self._heap, (e.priority_key(), e))
-        else:
-            self._fifo.append(e)
-
-    def prepend(self, e: _Entry) -> None:
-        if self.priority:
-            self.add(e)
-        else:
-            self._fifo.appendleft(e)
-
-    def peek(self) -> _Entry:
-        return self._heap[0][1] if self.priority else self._fifo[0]
-
-    def pop(self) -> _Entry:
-        return heapq.heappop(self._heap)[1] if self.priority else self._fifo.popleft()
-
-    def remove(self, e: _Entry) -> None:
-        if self.priority:
-            self._heap = [x for x in self._heap if x[1] is not e]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(e)
-
-
-@dataclass(slots=True)
-class _Counters:
-    prompt_tokens: int = 0
-    prompt_cached: int = 0
-    prompt_host: int = 0
-    host_load_s: float = 0.0
-    demotions: int = 0
-    evictions: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    steps: int = 0
-    busy_s: float = 0.0
-    success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    def __post_init__(self) -> None:
+        blocks = -(-self.max_model_len // self.block_size)
+        if blocks > self.num_blocks - 1:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} needs {blocks} blocks "
+                f"of {self.block_size}; the cache has {self.num_blocks - 1}: lower "
+                "max_model_len or give the cache more blocks"
+            )
+        if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), as vLLM does"
+            )
 
 
 class SimEngine:
@@ -358,60 +158,34 @@ class SimEngine:
 
     def __init__(
         self,
+        config: EngineConfig,
         *,
-        num_blocks: int,
-        block_size: int,
         hasher: BlockHasher,
         latency: LatencyModel,
-        max_model_len: int,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        enable_prefix_caching: bool = True,
+        residency: ResidencyHook | None = None,
+        host: HostTier | None = None,
         output_token_ids: Callable[[SimRequest, int], int] | None = None,
-        policy: SchedulingPolicy = "fcfs",
-        enable_kv_events: bool = True,
-        residency: Residency | None = None,
-        host_bytes: int = 0,
-        host_tier: HostTier | None = None,
-        host_priority: HostPriority | None = None,
     ) -> None:
-        if hasher.block_size != block_size:
-            raise ValueError(f"hasher block size {hasher.block_size} != block_size {block_size}")
-        if -(-max_model_len // block_size) > num_blocks - 1:
+        if hasher.block_size != config.block_size:
             raise ValueError(
-                f"max_model_len {max_model_len} needs {-(-max_model_len // block_size)} blocks "
-                f"of {block_size}; the cache has {num_blocks - 1}: lower max_model_len or "
-                "give the cache more blocks"
+                f"hasher block size {hasher.block_size} != block_size {config.block_size}"
             )
-        if not 1 <= max_num_seqs <= max_num_batched_tokens:
-            raise ValueError(
-                f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
-                f"({max_num_batched_tokens}), as vLLM does"
-            )
-        self.block_size = block_size
+        self.config = config
+        self.block_size = config.block_size
         self.hasher = hasher
         self.latency = latency
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy: SchedulingPolicy = policy
-        if host_bytes < 0 or (host_bytes and host_tier is not None):
-            raise ValueError("give host_bytes >= 0 or a host_tier, not both")
-        host_blocks = host_bytes // (block_size * latency.kv_bytes_per_token)
-        if host_bytes and host_blocks < 1:
-            raise ValueError(f"host_bytes {host_bytes} hold no block of {block_size} tokens")
-        self.host = (
-            host_tier
-            if host_tier is not None
-            else (HostTier(host_blocks, priority=host_priority) if host_blocks else None)
-        )
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.policy: SchedulingPolicy = config.policy
+        self.host = host
         self.cache = PrefixCache(
-            num_blocks,
-            block_size,
-            max_model_len=max_model_len,
-            enable_caching=enable_prefix_caching,
-            enable_events=enable_kv_events,
-            host=self.host if enable_prefix_caching else None,
+            config.num_blocks,
+            config.block_size,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            enable_events=config.enable_kv_events,
+            host=host if config.enable_prefix_caching else None,
         )
         self._residency = residency
         self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
@@ -421,14 +195,14 @@ class SimEngine:
         if residency is not None:
             self.cache.pin_priority = residency.pin_priority
         self._token = output_token_ids or default_output_token
-        self._entries: dict[str, _Entry] = {}
-        self._running: list[_Entry] = []
-        self._waiting = _WaitingQueue(policy)
-        self._loading: list[_Entry] = []  # admitted, their host hit on its way to the GPU
+        self._entries: dict[str, RequestState] = {}
+        self._running: list[RequestState] = []
+        self._waiting = WaitingQueue(config.policy)
+        self._loading: list[RequestState] = []  # admitted, their host hit on its way to the GPU
         self._h2d_free_s = 0.0  # when the host -> GPU channel has finished its last copy
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
         self._seq = 0
-        self._n = _Counters()
+        self._n = EngineCounters()
         self._fast_decode = True  # tests turn it off to check it changes nothing
 
     # --- requests ---
@@ -450,7 +224,7 @@ class SimEngine:
             req.request_id, req.prompt_token_ids, self.hasher, keys=keys, session_id=req.session_id
         )
         self._seq += 1
-        entry = _Entry(req, creq, now, self._seq)
+        entry = RequestState(req, creq, now, self._seq)
         self._entries[req.request_id] = entry
         self._waiting.add(entry)
         if self._turn_arrived is not None:
@@ -486,63 +260,20 @@ class SimEngine:
 
     @property
     def stats(self) -> EngineStats:
-        n, cs = self._n, self.cache.stats
-        return EngineStats(
+        return engine_stats(
+            self._n,
+            self.cache,
+            self.host,
             num_running=len(self._running),
             num_waiting=len(self._waiting) + len(self._loading),
-            kv_cache_usage=self.cache.usage,
-            prefix_cache_queries=cs.queries,
-            prefix_cache_hits=cs.hits,
-            prompt_tokens_total=n.prompt_tokens,
-            prompt_tokens_by_source=self._by_source(),
-            generation_tokens_total=n.generation_tokens,
-            num_preemptions_total=n.preemptions,
-            request_success_total=dict(n.success),
-            num_steps_total=n.steps,
-            busy_s_total=n.busy_s,
-            demotions_total=n.demotions,
-            evictions_total=n.evictions,
-            **self._pin_fields(),
-            **self._host_fields(),
+            pins=self._residency is not None,
         )
-
-    def _by_source(self) -> dict[str, int]:
-        n = self._n
-        local = n.prompt_cached - n.prompt_host
-        out = {"local_cache_hit": local, "local_compute": n.prompt_tokens - n.prompt_cached}
-        if self.host is not None:
-            out["external_kv_transfer"] = n.prompt_host
-        return out
-
-    def _host_fields(self) -> dict[str, int | float]:
-        if self.host is None:
-            return {}
-        h = self.host.stats
-        return {
-            "host_blocks": self.host.num_blocks,
-            "host_hit_tokens_total": self._n.prompt_host,
-            "host_load_s_total": self._n.host_load_s,
-            "host_stored_blocks_total": h.stored,
-            "host_evicted_blocks_total": h.evicted,
-        }
-
-    def _pin_fields(self) -> dict[str, int]:
-        if self._residency is None:
-            return {}
-        p = self.cache.pin_stats
-        return {
-            "pinned_blocks": self.cache.num_pinned_blocks,
-            "pins_total": p.pinned,
-            "pins_expired_total": p.expired,
-            "pins_resumed_total": p.resumed,
-            "pins_reclaimed_total": p.reclaimed,
-        }
 
     # --- the step ---
 
     def step(self, now: float) -> StepResult:
         """Schedule one batch, run it on the modelled GPU and return what it produced."""
-        scheduled: list[tuple[_Entry, int, int]] = []  # entry, tokens, computed before
+        scheduled: list[tuple[RequestState, int, int]] = []  # entry, tokens, computed before
         preempted: list[str] = []
         if self._residency is not None:
             self._expire_pins(now)
@@ -588,7 +319,7 @@ class SimEngine:
             self.cache.complete_load(entry.cache)
             self._waiting.prepend(entry)
 
-    def _start_load(self, entry: _Entry, hit: CacheHit, now: float) -> bool:
+    def _start_load(self, entry: RequestState, hit: CacheHit, now: float) -> bool:
         """Admit the waiting request at the head with a hit that continues in the host
         tier: GPU blocks for the whole hit, and its host part's copy queued on the host ->
         GPU channel. False (nothing changed) when the sequence does not fit."""
@@ -607,7 +338,7 @@ class SimEngine:
         return True
 
     def _schedule_running(
-        self, scheduled: list[tuple[_Entry, int, int]], preempted: list[str]
+        self, scheduled: list[tuple[RequestState, int, int]], preempted: list[str]
     ) -> int:
         """Schedule running requests (preempting as needed); returns the budget left."""
         budget = self.max_num_batched_tokens
@@ -651,18 +382,18 @@ class SimEngine:
             i += 1
         return budget
 
-    def _victim(self) -> _Entry:
+    def _victim(self) -> RequestState:
         if self.policy == "priority":
             return max(self._running, key=lambda e: (e.req.priority, e.arrival_s))
         return self._running[-1]
 
-    def _preempt(self, entry: _Entry) -> None:
+    def _preempt(self, entry: RequestState) -> None:
         self.cache.preempt(entry.cache)
         self._n.preemptions += 1
         self._waiting.prepend(entry)
 
     def _schedule_waiting(
-        self, scheduled: list[tuple[_Entry, int, int]], budget: int, now: float
+        self, scheduled: list[tuple[RequestState, int, int]], budget: int, now: float
     ) -> None:
         waiting, cache = self._waiting, self.cache
         while budget > 0 and waiting and len(self._running) < self.max_num_seqs:
@@ -687,7 +418,7 @@ class SimEngine:
                 entry.num_host_cached_tokens = hit.num_host_tokens
                 entry.first_scheduled_s = now
 
-    def _duration(self, scheduled: list[tuple[_Entry, int, int]]) -> float:
+    def _duration(self, scheduled: list[tuple[RequestState, int, int]]) -> float:
         latency = self.latency
         prefill_s = 0.0
         chunks = batch = context = 0
@@ -747,7 +478,7 @@ class SimEngine:
         self._n.evictions += int(n > 0)
         return n
 
-    def _release(self, entry: _Entry, now: float) -> None:
+    def _release(self, entry: RequestState, now: float) -> None:
         """Free a finished request's blocks as the residency hook says (vLLM's free when
         there is none)."""
         creq = entry.cache
@@ -773,7 +504,7 @@ class SimEngine:
             if self.host is None:
                 raise ValueError(
                     f"the residency hook demoted {entry.req.request_id}, but this engine has "
-                    "no host tier (host_bytes=0)"
+                    "no host tier"
                 )
             self.cache.free_to_host(creq)
             self._n.demotions += 1
@@ -784,7 +515,7 @@ class SimEngine:
             return
         self.cache.free(creq)
 
-    def _sample(self, entry: _Entry, now: float) -> RequestOutput:
+    def _sample(self, entry: RequestState, now: float) -> RequestOutput:
         """Append one generated token to a request whose sequence is all computed."""
         req, creq = entry.req, entry.cache
         tokens = creq.all_token_ids
@@ -817,7 +548,9 @@ class SimEngine:
         return out
 
     @staticmethod
-    def _output(entry: _Entry, tokens: list[int], reason: FinishReason | None) -> RequestOutput:
+    def _output(
+        entry: RequestState, tokens: list[int], reason: FinishReason | None
+    ) -> RequestOutput:
         return RequestOutput(
             entry.req.request_id,
             tokens,

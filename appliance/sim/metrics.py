@@ -5,7 +5,8 @@ text prometheus_client writes): every family of real vLLM's `/metrics` appears, 
 order, with the labels `engine` and `model_name` (sorted by name, as exposed), its HELP and
 TYPE lines, and for counters and histograms the `_created` gauge prometheus_client adds.
 Counter families are registered without `_total` and exposed with it. Histograms use vLLM's
-bucket boundaries; the token-count ones go up a 1-2-5 series to max_model_len.
+bucket boundaries; the token-count ones go up a 1-2-5 series to max_model_len. The families
+themselves (names, HELP, labels, buckets) are listed in `metric_families.py`.
 
 Where the numbers come from: gauges and cumulative counters are read from the engine's
 `EngineStats` at scrape time (vLLM's semantics are the engine's); histograms are fed per
@@ -23,170 +24,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from appliance.sim.engine import EngineStats
-
-COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
-
-Buckets = tuple[float, ...]
-TTFT_BUCKETS: Buckets = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
-TTFT_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS: Buckets = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-ITL_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS: Buckets = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
-LATENCY_BUCKETS += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-ITERATION_BUCKETS = tuple(float(2**i) for i in (0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14))
-PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
-PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
-
-
-def token_buckets(max_model_len: int) -> tuple[float, ...]:
-    """vLLM's `build_1_2_5_buckets(max_model_len)`."""
-    out: list[float] = []
-    exp = 0
-    while True:
-        for m in (1, 2, 5):
-            if m * 10**exp > max_model_len:
-                return tuple(out)
-            out.append(float(m * 10**exp))
-        exp += 1
-
-
-@dataclass(frozen=True, slots=True)
-class _Family:
-    name: str
-    kind: str
-    help: str
-    label: str | None = None
-    values: tuple[str, ...] = ()
-    buckets: str = ""  # histograms: which boundary set
-
-
-# One family per entry, in vLLM's exposition order: "kind name [buckets] [label=v1,v2]",
-# then its HELP text on the indented lines below.
-_TABLE = """
-counter vllm:estimated_flops_per_gpu
-    Estimated number of floating point operations per GPU (for Model Flops Utilization
-    calculations).
-counter vllm:estimated_read_bytes_per_gpu
-    Estimated number of bytes read from memory per GPU (for Model Flops Utilization
-    calculations).
-counter vllm:estimated_write_bytes_per_gpu
-    Estimated number of bytes written to memory per GPU (for Model Flops Utilization
-    calculations).
-gauge vllm:num_requests_running
-    Number of requests in model execution batches.
-gauge vllm:num_requests_waiting
-    Number of requests waiting to be processed.
-gauge vllm:num_requests_waiting_by_reason reason=capacity,deferred
-    Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling
-    capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer,
-    blocked status). Sum of all reasons equals vllm:num_requests_waiting.
-gauge vllm:engine_sleep_state sleep_state=awake,weights_offloaded,discard_all
-    Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake;
-    weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.
-gauge vllm:kv_cache_usage_perc
-    KV-cache usage. 1 means 100 percent usage.
-counter vllm:prefix_cache_queries
-    Prefix cache queries, in terms of number of queried tokens.
-counter vllm:prefix_cache_hits
-    Prefix cache hits, in terms of number of cached tokens.
-counter vllm:external_prefix_cache_queries
-    External prefix cache queries from KV connector cross-instance cache sharing, in terms of
-    number of queried tokens.
-counter vllm:external_prefix_cache_hits
-    External prefix cache hits from KV connector cross-instance cache sharing, in terms of
-    number of cached tokens.
-counter vllm:mm_cache_queries
-    Multi-modal cache queries, in terms of number of queried items.
-counter vllm:mm_cache_hits
-    Multi-modal cache hits, in terms of number of cached items.
-counter vllm:num_preemptions
-    Cumulative number of preemption from the engine.
-counter vllm:prompt_tokens
-    Number of prefill tokens processed.
-counter vllm:prompt_tokens_by_source source=local_compute,local_cache_hit,external_kv_transfer
-    Number of prompt tokens by source.
-counter vllm:prompt_tokens_cached
-    Number of cached prompt tokens (local + external).
-counter vllm:prompt_tokens_cached_by_source source=device,host,p2p,disk,external_unspecified
-    Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host
-    (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or
-    external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits +
-    vllm:external_prefix_cache_hits.
-counter vllm:generation_tokens
-    Number of generation tokens processed.
-counter vllm:request_success finished_reason=stop,length,abort,error,repetition
-    Count of successfully processed requests.
-counter vllm:admission_rejections reason=max_num_queued_reqs,max_num_queued_tokens
-    Number of admission attempts rejected by a queue limit, by reason.
-histogram vllm:request_prompt_tokens tokens
-    Number of prefill tokens processed.
-histogram vllm:request_generation_tokens tokens
-    Number of generation tokens processed.
-histogram vllm:iteration_tokens_total iteration
-    Histogram of number of tokens per engine_step.
-histogram vllm:request_max_num_generation_tokens tokens
-    Histogram of maximum number of requested generation tokens.
-histogram vllm:request_params_n n
-    Histogram of the n request parameter.
-histogram vllm:request_params_max_tokens tokens
-    Histogram of the max_tokens request parameter.
-histogram vllm:time_to_first_token_seconds ttft
-    Histogram of time to first token in seconds.
-histogram vllm:inter_token_latency_seconds itl
-    Histogram of inter-token latency in seconds.
-histogram vllm:request_time_per_output_token_seconds itl
-    Histogram of time_per_output_token_seconds per request.
-histogram vllm:e2e_request_latency_seconds latency
-    Histogram of e2e request latency in seconds.
-histogram vllm:request_queue_time_seconds latency
-    Histogram of time spent in WAITING phase for request.
-histogram vllm:request_inference_time_seconds latency
-    Histogram of time spent in RUNNING phase for request.
-histogram vllm:request_prefill_time_seconds latency
-    Histogram of time spent in PREFILL phase for request.
-histogram vllm:request_decode_time_seconds latency
-    Histogram of time spent in DECODE phase for request.
-histogram vllm:request_num_preemptions preemptions
-    Histogram of the number of times a request was preempted.
-histogram vllm:request_prefill_kv_computed_tokens tokens
-    Histogram of new KV tokens computed during prefill (excluding cached tokens).
-"""
-
-
-def _parse_table(table: str) -> tuple[_Family, ...]:
-    families: list[_Family] = []
-    head: list[str] = []
-    help_lines: list[str] = []
-
-    def flush() -> None:
-        if not head:
-            return
-        kind, name, *rest = head
-        label: str | None = None
-        values: tuple[str, ...] = ()
-        buckets = ""
-        for item in rest:
-            if "=" in item:
-                label, _, joined = item.partition("=")
-                values = tuple(joined.split(","))
-            else:
-                buckets = item
-        families.append(_Family(name, kind, " ".join(help_lines), label, values, buckets))
-
-    for line in table.strip().splitlines():
-        if line.startswith(" "):
-            help_lines.append(line.strip())
-        else:
-            flush()
-            head, help_lines = line.split(), []
-    flush()
-    return tuple(families)
-
-
-FAMILIES = _parse_table(_TABLE)
-CACHE_CONFIG_INFO = _Family(
-    "vllm:cache_config_info", GAUGE, "Information of the LLMEngine CacheConfig"
+from appliance.sim.engine_stats import EngineStats
+from appliance.sim.metric_families import (
+    CACHE_CONFIG_INFO,
+    COUNTER,
+    FAMILIES,
+    HISTOGRAM,
+    MetricFamily,
+    bucket_sets,
 )
 
 
@@ -309,15 +154,7 @@ class SimMetrics:
         self.engine = engine
         self.cache_config = dict(cache_config)
         self._created = time.time()
-        sets = {
-            "tokens": token_buckets(max_model_len),
-            "iteration": ITERATION_BUCKETS,
-            "n": PARAMS_N_BUCKETS,
-            "ttft": TTFT_BUCKETS,
-            "itl": ITL_BUCKETS,
-            "latency": LATENCY_BUCKETS,
-            "preemptions": PREEMPTION_BUCKETS,
-        }
+        sets = bucket_sets(max_model_len)
         self.histograms = {f.name: Histogram(sets[f.buckets]) for f in FAMILIES if f.buckets}
 
     def observe_iteration(self, num_tokens: int) -> None:
@@ -395,7 +232,7 @@ class SimMetrics:
         out.append(f"{cc.name}{_fmt_labels(labels)} 1.0")
         return "\n".join(out) + "\n"
 
-    def _labels(self, fam: _Family, key: str, **extra: str) -> str:
+    def _labels(self, fam: MetricFamily, key: str, **extra: str) -> str:
         labels = {"model_name": self.model_name, **extra}
         if fam.name != "vllm:admission_rejections":
             labels["engine"] = self.engine
@@ -403,12 +240,12 @@ class SimMetrics:
             labels[fam.label] = key
         return _fmt_labels(labels)
 
-    def _render_created(self, out: list[str], fam: _Family, keys: Sequence[str]) -> None:
+    def _render_created(self, out: list[str], fam: MetricFamily, keys: Sequence[str]) -> None:
         name = fam.name + "_created"
         out += [f"# HELP {name} {fam.help}", f"# TYPE {name} gauge"]
         out += [f"{name}{self._labels(fam, k)} {go_float(self._created)}" for k in keys]
 
-    def _render_histogram(self, out: list[str], fam: _Family) -> None:
+    def _render_histogram(self, out: list[str], fam: MetricFamily) -> None:
         h = self.histograms[fam.name]
         out += [f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} histogram"]
         cumulative = 0

@@ -43,21 +43,16 @@ follow the GPU events of the same step.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
-from appliance.domain.block_hash import (
-    NO_KEYS,
-    BlockHash,
-    BlockHasher,
-    RequestKeys,
-    cacheable_blocks,
-    event_extra_keys,
-)
+from appliance.domain.block_hash import BlockHash, cacheable_blocks, event_extra_keys
 from appliance.domain.kv_events import KvEvent
 from appliance.sim.block_pool import Block, BlockPool
+from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
 from appliance.sim.host_tier import HostTier
+from appliance.sim.pins import Pin, PinPriority, PinStats, latest_expiry_first
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -73,91 +68,6 @@ class _EventFields(TypedDict):
     session_id: str | None
     lora_id: int | None
     lora_name: str | None
-
-
-class CacheRequest:
-    """The prefix cache's view of one request: its tokens, their block hashes, its progress.
-
-    Block hashes are kept up to date as output tokens are appended, like vLLM's
-    `Request.block_hashes`. `num_computed_tokens` advances when `PrefixCache.allocate`
-    schedules tokens and drops to 0 on preemption.
-    """
-
-    __slots__ = (
-        "_hasher",
-        "all_token_ids",
-        "block_hashes",
-        "keys",
-        "lora_id",
-        "num_computed_tokens",
-        "num_preemptions",
-        "num_prompt_tokens",
-        "report_cached_blocks",
-        "request_id",
-        "session_id",
-        "skip_reading_prefix_cache",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        hasher: BlockHasher,
-        *,
-        keys: RequestKeys = NO_KEYS,
-        session_id: str | None = None,
-        lora_id: int | None = None,
-        report_cached_blocks: bool = False,
-        skip_reading_prefix_cache: bool = False,
-    ) -> None:
-        self.request_id = request_id
-        self._hasher = hasher
-        self.keys = keys
-        self.session_id = session_id
-        self.lora_id = lora_id
-        self.report_cached_blocks = report_cached_blocks
-        """vLLM's `kv_cache_report_mode: "full"`: report reused blocks as BlockStored."""
-        self.skip_reading_prefix_cache = skip_reading_prefix_cache
-        self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.all_token_ids)
-        self.block_hashes: list[BlockHash] = hasher.hash_blocks(self.all_token_ids, keys=keys)
-        self.num_computed_tokens = 0
-        self.num_preemptions = 0
-
-    @property
-    def block_size(self) -> int:
-        return self._hasher.block_size
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def append_output(self, token_ids: Sequence[int]) -> None:
-        """Append generated tokens and hash the blocks they complete."""
-        self.all_token_ids.extend(token_ids)
-        start = len(self.block_hashes)
-        self.block_hashes.extend(
-            self._hasher.hash_blocks(
-                self.all_token_ids,
-                keys=self.keys,
-                start_block=start,
-                parent=self.block_hashes[-1] if start else None,
-            )
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class CacheHit:
-    """The result of a lookup: the cached blocks a request can reuse from token 0."""
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    """Tokens of the GPU hit (`block_ids`)."""
-    num_host_tokens: int = 0
-    """Tokens right after the GPU hit that the host tier holds (to load)."""
-
-
-NO_HIT = CacheHit((), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,47 +87,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Pin:
-    """One owner's pinned blocks: what the eviction order among pins sees."""
-
-    owner: str
-    num_blocks: int
-    pinned_at_s: float
-    until_s: float
-    """When `expire_pins` releases it on its own."""
-    seq: int = 0
-    """Order of pinning (the mechanism's bookkeeping)."""
-
-
-PinPriority = Callable[[Pin, float], float]
-"""(pin, now) -> rank: under pressure the lowest-ranked pin is given back first."""
-
-
-def latest_expiry_first(pin: Pin, now: float) -> float:
-    """The default order under pressure: the pin with the most time left goes first."""
-    return -pin.until_s
-
-
-@dataclass(frozen=True, slots=True)
-class PinStats:
-    """Cumulative pin counters: pins taken and how each ended."""
-
-    pinned: int = 0
-    expired: int = 0
-    """Released by `expire_pins` at their time."""
-    resumed: int = 0
-    """Released because the owner came back (`unpin`)."""
-    reclaimed: int = 0
-    """Given back early because an allocation was short."""
-    replaced: int = 0
-    """Superseded by a newer pin of the same owner."""
-    evicted: int = 0
-    """Ended by `evict_pin`: its blocks went first in the eviction order."""
-    demoted: int = 0
-    """Ended by `demote_pin`: its blocks went to the host tier."""
 
 
 class PrefixCache:

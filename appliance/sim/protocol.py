@@ -1,148 +1,38 @@
-"""Requests and errors of vLLM 0.32's OpenAI-compatible server, for the simulated worker.
+"""Requests of vLLM 0.32's OpenAI-compatible server, for the simulated worker: reading,
+validating and checking them.
 
-Model of the world (vLLM `entrypoints/openai/*/protocol.py`, `serve/exception_handling/`):
-a body is read as JSON, the content type must be `application/json`, and the body is
-validated by a pydantic model whose fields have vLLM's types, so the same inputs fail with
-the same pydantic errors. Those become 400 `{"error": {"message": "N validation error(s):
-...", "type": "Bad Request", "param": "body.<field>", "code": 400}}`. vLLM's own checks
-(its `VLLMValidationError`) become 400 "BadRequestError" with `param` set and
-"(parameter=..., value=...)" appended to the message; plain ValueErrors 400
-"BadRequestError" with `param` null; an unknown model 404 "NotFoundError" with
-`param: "model"`. Checks run in vLLM's order: JSON, content type, "before" validators
-(cache_salt, prompt presence, stream_options), field types, model name, then rendering
-(empty prompt, out-of-vocabulary id, prompt longer than max_model_len) and finally
-max_tokens, which is clamped to what the context has left and must end up >= 1.
-
-Response shapes are plain dicts built in vLLM's field order (pydantic's `model_dump` order),
-with every field vLLM serialises, null where the sim has nothing to say.
+Model of the world (vLLM `entrypoints/openai/*/protocol.py`): a body is read as JSON, the
+content type must be `application/json`, and the body is validated by a pydantic model
+whose fields have vLLM's types, so the same inputs fail with the same pydantic errors
+(`api_errors.py` renders them as vLLM does). Checks run in vLLM's order: JSON, content
+type, "before" validators (cache_salt, prompt presence, stream_options), field types,
+model name, then rendering (empty prompt, out-of-vocabulary id, prompt longer than
+max_model_len) and finally max_tokens, which is clamped to what the context has left and
+must end up >= 1.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_MAX_ERRORS, _MAX_INPUT_CHARS, _MAX_ERROR_CHARS = 10, 200, 1000
-_BRACKETED = re.compile(r"[\[\](){}]")
-_PYDANTIC_MARKERS = (
-    "function-wrap function-after function-before function-plain json-or-python "
-    "lax-or-strict chain default nullable tagged-union union call arguments is-instance "
-    "is-subclass callable str int float bool bytes bytearray list tuple dict set frozenset "
-    "complex none nonetype"
+from appliance.sim.api_errors import (
+    ApiError,
+    bad_request,
+    request_validation_error,
+    vllm_validation_error,
 )
-_INTERNAL_LOC = frozenset(_PYDANTIC_MARKERS.split())
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def random_uuid() -> str:
     """vLLM's request id: 16 hex digits."""
     return f"{uuid.uuid4().int & (2**64 - 1):016x}"
-
-
-class ApiError(Exception):
-    """An error response: status code plus vLLM's `{"error": {...}}` body."""
-
-    def __init__(self, status: int, err_type: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.err_type = err_type
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-def vllm_validation_error(
-    message: str, *, parameter: str | None = None, value: Any = None
-) -> ApiError:
-    """vLLM's `VLLMValidationError`, as its exception handler renders it."""
-    extras = [f"parameter={parameter}"] if parameter is not None else []
-    if value is not None:
-        extras.append(f"value={value}")
-    text = f"{message} ({', '.join(extras)})" if extras else message
-    return ApiError(400, "BadRequestError", text, parameter)
-
-
-def bad_request(message: str) -> ApiError:
-    """A plain ValueError in vLLM: 400 BadRequestError without a param."""
-    return ApiError(400, "BadRequestError", message)
-
-
-def model_not_found(model: str, served: Sequence[str]) -> ApiError:
-    return ApiError(
-        404,
-        "NotFoundError",
-        f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
-        "model",
-    )
-
-
-# --- request validation errors (FastAPI's RequestValidationError, vLLM's formatting) ---
-
-
-def _clean_loc(loc: Sequence[Any]) -> str:
-    parts = [str(p) for p in loc if not _internal(str(p))]
-    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
-
-
-def _internal(segment: str) -> bool:
-    return bool(_BRACKETED.search(segment)) or segment.lower() in _INTERNAL_LOC
-
-
-def _summarize(value: Any) -> str:
-    if isinstance(value, str):
-        return (
-            value[:_MAX_INPUT_CHARS] + "...[truncated]" if len(value) > _MAX_INPUT_CHARS else value
-        )
-    if isinstance(value, list | tuple | set | frozenset | dict):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    text = str(value)
-    return text[:_MAX_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_INPUT_CHARS else text
-
-
-def request_validation_error(errors: Sequence[Any]) -> ApiError:
-    """400 "Bad Request" listing pydantic-style errors (dicts with `loc`) or plain strings."""
-    lines = []
-    for err in errors[:_MAX_ERRORS]:
-        if isinstance(err, Mapping):
-            shown = dict(err)
-            if "input" in shown:
-                shown["input"] = _summarize(shown["input"])
-            shown["loc"] = _clean_loc(tuple(shown.get("loc", ())))
-            if isinstance(shown.get("ctx"), Mapping):
-                shown["ctx"] = {k: _ctx_value(v) for k, v in shown["ctx"].items()}
-            text = str(shown)
-        else:
-            text = str(err)
-        if len(text) > _MAX_ERROR_CHARS:
-            text = text[:_MAX_ERROR_CHARS] + "...[truncated]"
-        lines.append(text)
-    count = len(errors)
-    label = "error" if count == 1 else "errors"
-    message = f"{count} validation {label}:\n" + "".join(f"  {line}\n" for line in lines)
-    if count > len(lines):
-        message += f"  ...and {count - len(lines)} more {label}\n"
-    first = errors[0] if errors else None
-    param = _clean_loc(first["loc"]) if isinstance(first, Mapping) and first.get("loc") else None
-    return ApiError(400, "Bad Request", message.rstrip(), param)
-
-
-def _ctx_value(value: Any) -> Any:
-    return value if isinstance(value, str | int | float | bool | type(None)) else str(value)
 
 
 # --- request models: vLLM's field types, so the same bodies fail the same way ---
@@ -457,113 +347,3 @@ def session_id_of(body: _GenerateRequest, headers: Mapping[str, str]) -> str | N
 def base_request_id(body: _GenerateRequest, headers: Mapping[str, str]) -> str:
     """The X-Request-Id header overrides the body's request_id."""
     return headers.get("x-request-id") or body.request_id
-
-
-# --- response shapes (vLLM's field order; streams drop what vLLM leaves unset) ---
-
-
-def usage_info(
-    prompt_tokens: int, completion_tokens: int, details: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """`UsageInfo`; `details` adds prompt_tokens_details (the final usage)."""
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
-    if details is not None:
-        usage["prompt_tokens_details"] = details
-        usage["completion_tokens_details"] = None
-    return usage
-
-
-def prompt_details(cached_tokens: int, created_cache_tokens: int | None) -> dict[str, Any]:
-    return {
-        "cached_tokens": cached_tokens,
-        "created_cache_tokens": created_cache_tokens,
-        "multimodal_tokens": None,
-    }
-
-
-def completion_choice(
-    index: int,
-    text: str,
-    finish_reason: str | None,
-    token_ids: list[int] | None,
-    prompt_token_ids: list[int] | None,
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": None,
-        "token_ids": token_ids,
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids,
-        "routed_experts": None,
-    }
-
-
-def chat_choice(
-    index: int, content: str, finish_reason: str | None, token_ids: list[int] | None
-) -> dict[str, Any]:
-    message = {"role": "assistant", "content": content, "refusal": None, "annotations": None}
-    message.update(audio=None, function_call=None, reasoning=None)
-    return {
-        "index": index,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": finish_reason or "stop",
-        "stop_reason": None,
-        "token_ids": token_ids,
-        "routed_experts": None,
-    }
-
-
-def response_body(
-    head: dict[str, Any],
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any],
-    fingerprint: str,
-    chat_fields: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A whole (non-streamed) response; `head` is id, object, created, model;
-    `chat_fields` the prompt fields chat responses add after `usage`."""
-    body = {**head, "choices": choices, "service_tier": None, "system_fingerprint": fingerprint}
-    body["usage"] = usage
-    body.update(chat_fields or {})
-    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
-    return body
-
-
-def final_usage_chunk(
-    head: dict[str, Any], usage: dict[str, Any], fingerprint: str
-) -> dict[str, Any]:
-    """The trailing usage chunk, serialised without nulls."""
-    usage = {k: v for k, v in usage.items() if v is not None}
-    details = usage.get("prompt_tokens_details")
-    if details:
-        usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
-    return {**head, "choices": [], "usage": usage, "system_fingerprint": fingerprint}
-
-
-def model_list(model_name: str, root: str, max_model_len: int) -> dict[str, Any]:
-    created = int(time.time())
-    permission = {
-        "id": f"modelperm-{random_uuid()}",
-        "object": "model_permission",
-        "created": created,
-        "allow_create_engine": False,
-        "allow_sampling": True,
-        "allow_logprobs": True,
-        "allow_search_indices": False,
-        "allow_view": True,
-        "allow_fine_tuning": False,
-        "organization": "*",
-        "group": None,
-        "is_blocking": False,
-    }
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "vllm"}
-    card.update(root=root, parent=None, max_model_len=max_model_len, permission=[permission])
-    return {"object": "list", "data": [card]}

@@ -4,21 +4,15 @@ Model of the world (vLLM `entrypoints/openai/{completion,chat_completion}/servin
 `serve/tokenize/`, `serve/instrumentator/`): a generation request is validated
 (`protocol.py`), rendered to token ids (`tokenizer.py`), split into engine requests (one per
 prompt and choice) and answered from the engine's outputs, either as one JSON body or as
-Server-Sent Events ending in `data: [DONE]`. Responses carry every field vLLM serialises,
-in its order, null where the sim has nothing (logprobs, kv_transfer_params without a KV
-connector). Usage counts prompt tokens once per prompt and reports
-`prompt_tokens_details.cached_tokens` (the prefix-cache hit at first scheduling), as with
-`--enable-prompt-tokens-details`. Streams follow vLLM's serialisation: chunks drop unset
-fields, the role chunk opens a chat stream, `system_fingerprint` rides on the finishing
-chunk unless a usage chunk follows, continuous usage adds `usage` to every chunk.
+Server-Sent Events ending in `data: [DONE]` (`responses.py` writes both as vLLM does). An
+`ApiError` (`api_errors.py`) becomes vLLM's error body and status.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -29,26 +23,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from appliance.domain.worker import WORKER_KEEPALIVE_S
-from appliance.sim import protocol as P
+from appliance.sim.api_errors import ApiError, bad_request, model_not_found
 from appliance.sim.detokenizer import IncrementalDecoder
-from appliance.sim.engine import SimRequest
+from appliance.sim.engine_io import SimRequest
 from appliance.sim.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    bad_request,
     base_request_id,
     check_prompt_tokens,
     effective_max_tokens,
-    model_not_found,
     parse_request,
     read_json_body,
     session_id_of,
+    tool_choice_error,
     validate_body,
 )
+from appliance.sim.responses import GenerationReply, Outputs, ReplyChoice, ReplyWriter, model_list
 from appliance.tokenization.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -57,36 +50,15 @@ if TYPE_CHECKING:
 METRICS_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One engine request's progress, as a response choice."""
-
-    index: int
-    prompt_ids: list[int]
-    decoder: IncrementalDecoder
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-
-
 @dataclass(slots=True)
 class _Job:
-    """A validated generation request, ready for the engine."""
+    """A validated generation request, ready for the engine: its engine requests, a text
+    decoder for each choice, and the reply it builds."""
 
-    response_id: str
-    created: int
     requests: list[SimRequest]
-    choices: list[_Choice]
-    prompts: list[list[int]]
-    n: int
+    decoders: list[IncrementalDecoder]
+    reply: GenerationReply
     stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    return_token_ids: bool
 
 
 class SimApi:
@@ -99,6 +71,12 @@ class SimApi:
         self.model_name = cfg.served_model_name
         self.max_model_len = cfg.max_model_len
         self.fingerprint = worker.system_fingerprint
+        self.writer = ReplyWriter(
+            self.model_name,
+            self.fingerprint,
+            cfg.block_size,
+            lambda ids: self.tok.decode(ids, skip_special_tokens=True),
+        )
 
     # --- small routes ---
 
@@ -122,7 +100,7 @@ class SimApi:
 
     async def models(self, request: Request) -> Response:
         root = self.worker.config.model or self.model_name
-        return JSONResponse(P.model_list(self.model_name, root, self.max_model_len))
+        return JSONResponse(model_list(self.model_name, root, self.max_model_len))
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -182,9 +160,9 @@ class SimApi:
         prompts = self._completion_prompts(body)
         job = self._job(body, request, prompts, f"cmpl-{base_request_id(body, request.headers)}")
         if job.stream:
-            return _sse(self._completion_stream(job))
+            return _sse(self.writer.completion_stream(job.reply, self._outputs(job)))
         await self._run(job)
-        return JSONResponse(self._completion_body(job))
+        return JSONResponse(self.writer.completion_body(job.reply))
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(
@@ -192,7 +170,7 @@ class SimApi:
         )
         self._check_model(body.model)
         auto = self.worker.config.enable_auto_tool_choice
-        if error := P.tool_choice_error(body.tool_choice, auto_tools_enabled=auto):
+        if error := tool_choice_error(body.tool_choice, auto_tools_enabled=auto):
             raise error
         ids = self._chat_ids(body)
         check_prompt_tokens(
@@ -206,9 +184,9 @@ class SimApi:
         for req in job.requests:
             req.eos_after = self.worker.natural_length(req.request_id) if natural else None
         if job.stream:
-            return _sse(self._chat_stream(job))
+            return _sse(self.writer.chat_stream(job.reply, self._outputs(job)))
         await self._run(job)
-        return JSONResponse(self._chat_body(job))
+        return JSONResponse(self.writer.chat_body(job.reply))
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         raw = body.prompt
@@ -250,7 +228,8 @@ class SimApi:
         n = body.n or 1
         session_id = session_id_of(body, request.headers)
         reqs: list[SimRequest] = []
-        choices: list[_Choice] = []
+        choices: list[ReplyChoice] = []
+        decoders: list[IncrementalDecoder] = []
         for i, (ids, max_tokens) in enumerate(zip(prompts, limits, strict=True)):
             for _ in range(n):
                 reqs.append(
@@ -264,30 +243,30 @@ class SimApi:
                         priority=body.priority,
                     )
                 )
-                choices.append(_Choice(len(choices), ids, IncrementalDecoder(self.tok)))
+                choices.append(ReplyChoice(len(choices), ids))
+                decoders.append(IncrementalDecoder(self.tok))
         opts = body.stream_options
         include_usage = bool(body.stream and opts and opts.include_usage)
-        return _Job(
+        reply = GenerationReply(
             response_id=response_id,
             created=int(time.time()),
-            requests=reqs,
             choices=choices,
             prompts=prompts,
             n=n,
-            stream=bool(body.stream),
             include_usage=include_usage,
             continuous_usage=include_usage and bool(opts and opts.continuous_usage_stats),
             return_token_ids=bool(body.return_token_ids),
         )
+        return _Job(requests=reqs, decoders=decoders, reply=reply, stream=bool(body.stream))
 
-    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[_Choice, list[int], str]]:
+    async def _outputs(self, job: _Job) -> Outputs:
         """(choice, new token ids, text delta) as the engine produces them."""
-        async for i, out in self.worker.generate(job.requests, n_param=job.n):
-            choice = job.choices[i]
+        async for i, out in self.worker.generate(job.requests, n_param=job.reply.n):
+            choice = job.reply.choices[i]
             if out.first_token or not choice.token_ids:
                 choice.cached_tokens = out.num_cached_tokens
             choice.token_ids += out.new_token_ids
-            delta = choice.decoder.push(out.new_token_ids)
+            delta = job.decoders[i].push(out.new_token_ids)
             if out.finished:
                 choice.finish_reason = out.finish_reason
             yield choice, out.new_token_ids, delta
@@ -295,111 +274,6 @@ class SimApi:
     async def _run(self, job: _Job) -> None:
         async for _ in self._outputs(job):
             pass
-
-    def _usage(self, job: _Job, *, chat: bool) -> dict[str, Any]:
-        """Final usage: prompt tokens once per prompt; cached tokens of the last prompt
-        (completions) or the first choice (chat)."""
-        completion = sum(len(c.token_ids) for c in job.choices)
-        last = job.choices[0] if chat else job.choices[-1]
-        created = None
-        if chat:
-            bs = self.worker.config.block_size
-            created = max(len(last.prompt_ids) // bs * bs - last.cached_tokens, 0)
-        details = P.prompt_details(last.cached_tokens, created)
-        return P.usage_info(sum(len(p) for p in job.prompts), completion, details)
-
-    def _choice_usage(self, job: _Job, c: _Choice) -> dict[str, Any]:
-        return P.usage_info(len(job.prompts[c.index // job.n]), len(c.token_ids))
-
-    def _head(self, job: _Job, obj: str) -> dict[str, Any]:
-        return {
-            "id": job.response_id,
-            "object": obj,
-            "created": job.created,
-            "model": self.model_name,
-        }
-
-    def _completion_body(self, job: _Job) -> dict[str, Any]:
-        rti = job.return_token_ids
-        choices = [
-            P.completion_choice(
-                c.index,
-                self.tok.decode(c.token_ids, skip_special_tokens=True),
-                c.finish_reason,
-                c.token_ids if rti else None,
-                c.prompt_ids if rti else None,
-            )
-            for c in job.choices
-        ]
-        usage = self._usage(job, chat=False)
-        return P.response_body(self._head(job, "text_completion"), choices, usage, self.fingerprint)
-
-    async def _completion_stream(self, job: _Job) -> AsyncIterator[str]:
-        head = self._head(job, "text_completion")
-        rti = job.return_token_ids
-        started: set[int] = set()
-        async for c, new_ids, delta in self._outputs(job):
-            first = c.index not in started
-            started.add(c.index)
-            choice = {"index": c.index, "text": delta, "logprobs": None}
-            choice.update(finish_reason=c.finish_reason, stop_reason=None)
-            choice["prompt_token_ids"] = c.prompt_ids if rti and first else None
-            choice["token_ids"] = new_ids if rti else None
-            chunk: dict[str, Any] = {**head, "choices": [choice]}
-            if job.continuous_usage:
-                chunk["usage"] = self._choice_usage(job, c)
-            if c.finish_reason is not None and not job.include_usage:
-                chunk["system_fingerprint"] = self.fingerprint
-            yield _dumps(chunk)
-        if job.include_usage:
-            yield _dumps(P.final_usage_chunk(head, self._usage(job, chat=False), self.fingerprint))
-
-    def _chat_body(self, job: _Job) -> dict[str, Any]:
-        rti = job.return_token_ids
-        choices = [
-            P.chat_choice(
-                c.index,
-                self.tok.decode(c.token_ids, skip_special_tokens=True),
-                c.finish_reason,
-                c.token_ids if rti else None,
-            )
-            for c in job.choices
-        ]
-        usage = self._usage(job, chat=True)
-        prompt = {"prompt_logprobs": None, "prompt_token_ids": job.prompts[0] if rti else None}
-        prompt["prompt_text"] = None
-        head = self._head(job, "chat.completion")
-        return P.response_body(head, choices, usage, self.fingerprint, prompt)
-
-    async def _chat_stream(self, job: _Job) -> AsyncIterator[str]:
-        head = self._head(job, "chat.completion.chunk")
-        started = False
-        async for c, new_ids, delta in self._outputs(job):
-            if not started:  # the role chunk of every choice comes with the first output
-                started = True
-                for i in range(len(job.choices)):
-                    delta0 = {"role": "assistant", "content": ""}
-                    choice0 = {"index": i, "delta": delta0, "logprobs": None, "finish_reason": None}
-                    chunk: dict[str, Any] = {**head, "choices": [choice0]}
-                    if job.continuous_usage:
-                        chunk["usage"] = P.usage_info(len(job.prompts[0]), 0)
-                        chunk["usage"]["completion_tokens_details"] = None
-                    chunk["prompt_token_ids"] = job.prompts[0] if job.return_token_ids else None
-                    chunk["prompt_text"] = None
-                    yield _dumps(chunk)
-            choice: dict[str, Any] = {"index": c.index, "delta": {"content": delta}}
-            choice.update(logprobs=None, finish_reason=c.finish_reason)
-            if c.finish_reason is not None:
-                choice["stop_reason"] = None
-            choice["token_ids"] = new_ids if job.return_token_ids else None
-            chunk = {**head, "choices": [choice]}
-            if job.continuous_usage:
-                chunk["usage"] = {**self._choice_usage(job, c), "completion_tokens_details": None}
-            if c.finish_reason is not None and not job.include_usage:
-                chunk["system_fingerprint"] = self.fingerprint
-            yield _dumps(chunk)
-        if job.include_usage:
-            yield _dumps(P.final_usage_chunk(head, self._usage(job, chat=True), self.fingerprint))
 
 
 def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:

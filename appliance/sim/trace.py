@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.sim.engine import DEFAULT_VOCAB_SIZE, SimRequest
+from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.virtual import Arrival
 
 TRACE_BLOCK_TOKENS = 512

@@ -29,7 +29,9 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from appliance.sim.engine import EngineStats, SimEngine, SimRequest, StepResult
+from appliance.sim.engine import SimEngine
+from appliance.sim.engine_io import SimRequest, StepResult
+from appliance.sim.engine_stats import EngineStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,82 +127,113 @@ def replay(
     finished request with new arrivals (not before its finish)."""
     if not engines:
         raise ValueError("replay needs at least one engine")
-    router = route or round_robin()
-    records: dict[str, RequestRecord] = {}
-    order: list[RequestRecord] = []
-    heap: list[tuple[float, int, int, int, StepResult | Arrival]] = []
-    seq = 0
-    busy = [False] * len(engines)
-    idle_step: list[int | None] = [None] * len(engines)  # seq of a step that only waits
-    cut_short: set[int] = set()
-    steps = 0
-    now = 0.0
-    empty_steps = [0] * len(engines)
+    return _Replay(engines, arrivals, route or round_robin(), on_step, on_finish).run()
 
-    source: Iterator[Arrival] = iter(arrivals)
-    last_arrival = float("-inf")
 
-    def push_next_arrival() -> None:
-        nonlocal seq, last_arrival
-        arrival = next(source, None)
+class _Replay:
+    """One replay's state: the event heap, each engine's step in flight, the records."""
+
+    def __init__(
+        self,
+        engines: Sequence[SimEngine],
+        arrivals: Iterable[Arrival],
+        router: Route,
+        on_step: Callable[[int, float, StepResult], None] | None,
+        on_finish: Callable[[RequestRecord], Iterable[Arrival]] | None,
+    ) -> None:
+        self.engines = engines
+        self.router = router
+        self.on_step = on_step
+        self.on_finish = on_finish
+        self.records: dict[str, RequestRecord] = {}  # the unfinished ones
+        self.order: list[RequestRecord] = []
+        self.heap: list[tuple[float, int, int, int, StepResult | Arrival]] = []
+        self.seq = 0
+        self.busy = [False] * len(engines)
+        self.idle_step: list[int | None] = [None] * len(engines)  # seq of a step that waits
+        self.cut_short: set[int] = set()
+        self.steps = 0
+        self.now = 0.0
+        self.empty_steps = [0] * len(engines)
+        self.source: Iterator[Arrival] = iter(arrivals)
+        self.last_arrival = float("-inf")
+
+    def run(self) -> ReplayResult:
+        self.push_next_arrival()
+        heap = self.heap
+        while heap:
+            t, _, step_seq, i, payload = heapq.heappop(heap)
+            if step_seq in self.cut_short:
+                self.cut_short.discard(step_seq)
+                continue
+            self.now = t
+            if isinstance(payload, Arrival):
+                if i != _FOLLOW:
+                    self.push_next_arrival()
+                self.arrive(payload)
+            else:
+                self.step_done(i, payload)
+        return ReplayResult(
+            records=self.order,
+            engine_stats=[e.stats for e in self.engines],
+            end_s=max(self.now, self.last_arrival) if self.order else 0.0,
+            num_steps=self.steps,
+        )
+
+    def push_next_arrival(self) -> None:
+        arrival = next(self.source, None)
         if arrival is None:
             return
-        if arrival.time_s < last_arrival:
+        if arrival.time_s < self.last_arrival:
             raise ValueError(
                 f"arrivals must come in time order: {arrival.request.request_id} at "
-                f"{arrival.time_s} after {last_arrival}"
+                f"{arrival.time_s} after {self.last_arrival}"
             )
-        last_arrival = arrival.time_s
-        seq += 1
-        heapq.heappush(heap, (arrival.time_s, _ARRIVAL, seq, -1, arrival))
+        self.last_arrival = arrival.time_s
+        self.seq += 1
+        heapq.heappush(self.heap, (arrival.time_s, _ARRIVAL, self.seq, -1, arrival))
 
-    def start_step(i: int, t: float) -> None:
-        nonlocal seq, steps
-        result = engines[i].step(t)
-        steps += 1
+    def start_step(self, i: int, t: float) -> None:
+        result = self.engines[i].step(t)
+        self.steps += 1
         if result.num_scheduled_tokens == 0 and not result.outputs and result.idle_until_s is None:
-            empty_steps[i] += 1
-            if empty_steps[i] > 2:
+            self.empty_steps[i] += 1
+            if self.empty_steps[i] > 2:
                 raise RuntimeError(f"engine {i} has work but schedules nothing at {t}")
         else:
-            empty_steps[i] = 0
-        busy[i] = True
-        seq += 1
-        idle_step[i] = seq if result.idle_until_s is not None else None
-        heapq.heappush(heap, (t + result.duration_s, _STEP_DONE, seq, i, result))
+            self.empty_steps[i] = 0
+        self.busy[i] = True
+        self.seq += 1
+        self.idle_step[i] = self.seq if result.idle_until_s is not None else None
+        heapq.heappush(self.heap, (t + result.duration_s, _STEP_DONE, self.seq, i, result))
 
-    push_next_arrival()
-    while heap:
-        t, _, step_seq, i, payload = heapq.heappop(heap)
-        if step_seq in cut_short:
-            cut_short.discard(step_seq)
-            continue
-        now = t
-        if isinstance(payload, Arrival):
-            if i != _FOLLOW:
-                push_next_arrival()
-            req = payload.request
-            w = payload.worker
-            if w is None:
-                w = router(req, _views(engines))
-            if not 0 <= w < len(engines):
-                raise ValueError(f"route sent {req.request_id} to engine {w} of {len(engines)}")
-            engines[w].add_request(req, now)
-            rec = RequestRecord(req.request_id, w, now, len(req.prompt_token_ids))
-            records[req.request_id] = rec
-            order.append(rec)
-            waited = idle_step[w]
-            if waited is not None:  # the engine only waits for loads: it steps now
-                cut_short.add(waited)
-                start_step(w, now)
-            elif not busy[w]:
-                start_step(w, now)
-            continue
-        assert isinstance(payload, StepResult)
-        busy[i] = False
-        idle_step[i] = None
-        for out in payload.outputs:
-            rec = records[out.request_id]
+    def arrive(self, arrival: Arrival) -> None:
+        """Route the request, queue it on its engine and step that engine if it is idle."""
+        engines, now = self.engines, self.now
+        req = arrival.request
+        w = arrival.worker
+        if w is None:
+            w = self.router(req, _views(engines))
+        if not 0 <= w < len(engines):
+            raise ValueError(f"route sent {req.request_id} to engine {w} of {len(engines)}")
+        engines[w].add_request(req, now)
+        rec = RequestRecord(req.request_id, w, now, len(req.prompt_token_ids))
+        self.records[req.request_id] = rec
+        self.order.append(rec)
+        waited = self.idle_step[w]
+        if waited is not None:  # the engine only waits for loads: it steps now
+            self.cut_short.add(waited)
+            self.start_step(w, now)
+        elif not self.busy[w]:
+            self.start_step(w, now)
+
+    def step_done(self, i: int, result: StepResult) -> None:
+        """The step's outputs become visible; the engine steps again if it has work."""
+        now = self.now
+        self.busy[i] = False
+        self.idle_step[i] = None
+        for out in result.outputs:
+            rec = self.records[out.request_id]
             if out.first_token:
                 rec.first_token_s = now
                 rec.cached_tokens = out.num_cached_tokens
@@ -209,25 +242,24 @@ def replay(
             if out.finished:
                 rec.finish_s = now
                 rec.finish_reason = out.finish_reason
-                del records[out.request_id]
-                for follow in on_finish(rec) if on_finish is not None else ():
-                    if follow.time_s < now:
-                        raise ValueError(
-                            f"{follow.request.request_id} at {follow.time_s} would arrive "
-                            f"before {rec.request_id} finished at {now}"
-                        )
-                    seq += 1
-                    heapq.heappush(heap, (follow.time_s, _ARRIVAL, seq, _FOLLOW, follow))
-        if on_step is not None:
-            on_step(i, now, payload)
-        if engines[i].has_unfinished_requests():
-            start_step(i, now)
-    return ReplayResult(
-        records=order,
-        engine_stats=[e.stats for e in engines],
-        end_s=max(now, last_arrival) if order else 0.0,
-        num_steps=steps,
-    )
+                del self.records[out.request_id]
+                self.follow(rec)
+        if self.on_step is not None:
+            self.on_step(i, now, result)
+        if self.engines[i].has_unfinished_requests():
+            self.start_step(i, now)
+
+    def follow(self, rec: RequestRecord) -> None:
+        """Queue the arrivals `on_finish` answers a finished request with."""
+        now = self.now
+        for arrival in self.on_finish(rec) if self.on_finish is not None else ():
+            if arrival.time_s < now:
+                raise ValueError(
+                    f"{arrival.request.request_id} at {arrival.time_s} would arrive "
+                    f"before {rec.request_id} finished at {now}"
+                )
+            self.seq += 1
+            heapq.heappush(self.heap, (arrival.time_s, _ARRIVAL, self.seq, _FOLLOW, arrival))
 
 
 def _views(engines: Sequence[SimEngine]) -> list[EngineView]:

@@ -34,7 +34,8 @@ from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_g
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile, load_profile
 from appliance.sim.clock import run_engine_loop
-from appliance.sim.engine import RequestOutput, SimEngine, SimRequest, StepResult
+from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import RequestOutput, SimRequest, StepResult
 from appliance.sim.kv_publisher import KvEventPublisher
 from appliance.sim.metrics import FinishedRequest, SimMetrics, cache_config_labels
 from appliance.tokenization.tokenizer import ModelTokenizer, load_tokenizer
@@ -120,16 +121,19 @@ class SimWorker:
         self.hasher = BlockHasher.for_engine(
             config.hash_algo, config.block_size, config.python_hash_seed
         )
-        self.engine = SimEngine(
+        engine_config = EngineConfig(
             num_blocks=blocks,
             block_size=config.block_size,
-            hasher=self.hasher,
-            latency=self.latency,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            output_token_ids=self._output_token,
             policy=config.scheduling_policy,
+        )
+        self.engine = SimEngine(
+            engine_config,
+            hasher=self.hasher,
+            latency=self.latency,
+            output_token_ids=self._output_token,
         )
         self.clock = ScaledClock(config.time_scale)
         self.metrics = SimMetrics(

@@ -6,7 +6,8 @@ import pytest
 
 from appliance.replay.closed_loop import GpuSeconds, TaskOutcome
 from appliance.replay.metrics import TASK_KEYS, policy_metrics, task_metrics
-from appliance.sim.engine import EngineStats, StepResult
+from appliance.sim.engine_io import StepResult
+from appliance.sim.engine_stats import EngineStats
 from appliance.sim.virtual import ReplayResult, RequestRecord
 
 

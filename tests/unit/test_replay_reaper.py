@@ -21,8 +21,9 @@ from appliance.policy.residency_by_name import residency_policy
 from appliance.replay.closed_loop import ClosedLoop
 from appliance.replay.residency import PolicyResidency, TurnHint, wait_priors
 from appliance.replay.runner import make_engines, make_setup, replay_workload
-from appliance.sim.engine import PinDue, SimRequest, TurnEnd
-from appliance.sim.prefix_cache import Pin
+from appliance.sim.engine_io import SimRequest
+from appliance.sim.pins import Pin
+from appliance.sim.residency_hook import PinDue, TurnEnd
 from appliance.sim.virtual import RequestRecord
 from appliance.sim.virtual import replay as run_virtual
 from appliance.workload import AgentTask, AgentTurn, WorkloadSpec

@@ -19,7 +19,8 @@ from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.sim.clock import RealClock, VirtualClock, run_engine_loop
-from appliance.sim.engine import SimEngine, SimRequest, StepResult
+from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import SimRequest, StepResult
 
 LAT = LatencyModel.from_profile(bundled_profile())
 BS = 4
@@ -27,18 +28,16 @@ OVERHEAD = LAT.prefill.overhead_s
 
 
 def make_engine(**kw: Any) -> SimEngine:
-    bs = kw.pop("block_size", BS)
+    """`kw`: `EngineConfig` fields over these defaults."""
     args: dict[str, Any] = {
         "num_blocks": 64,
-        "block_size": bs,
-        "hasher": BlockHasher(HashAlgo.SHA256, bs),
-        "latency": LAT,
+        "block_size": BS,
         "max_model_len": 128,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 64,
     }
-    args.update(kw)
-    return SimEngine(**args)
+    config = EngineConfig(**{**args, **kw})
+    return SimEngine(config, hasher=BlockHasher(HashAlgo.SHA256, config.block_size), latency=LAT)
 
 
 def req(rid: str, n: int, max_tokens: int = 4, start: int = 0, **kw: Any) -> SimRequest:
@@ -467,10 +466,13 @@ SCHED_WORKLOADS = [
 
 def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
     bs = w["block_size"]
+    config = EngineConfig(
+        num_blocks=w["num_blocks"], block_size=bs, max_model_len=w["max_model_len"],
+        max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
+        policy=w["policy"],
+    )  # fmt: skip
     engine = SimEngine(
-        num_blocks=w["num_blocks"], block_size=bs, hasher=BlockHasher(HashAlgo.SHA256, bs),
-        latency=LAT, max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
-        max_num_batched_tokens=w["max_num_batched_tokens"], policy=w["policy"],
+        config, hasher=BlockHasher(HashAlgo.SHA256, bs), latency=LAT,
         output_token_ids=lambda r, i: vllm_token(r.request_id, i),
     )  # fmt: skip
     steps: list[dict[str, Any]] = []

@@ -14,15 +14,18 @@ from appliance.domain.block_hash import BlockHasher, HashAlgo, event_block_hash
 from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import AfterTurn, SimEngine, SimRequest, TurnEnd
+from appliance.sim.cache_request import CacheRequest
+from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import SimRequest
 from appliance.sim.host_tier import HostSession, HostTier
-from appliance.sim.prefix_cache import CacheRequest, Pin, PrefixCache
+from appliance.sim.pins import Pin
+from appliance.sim.prefix_cache import PrefixCache
+from appliance.sim.residency_hook import AfterTurn, TurnEnd
 from appliance.sim.virtual import Arrival, replay
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)
 LAT = LatencyModel.from_profile(bundled_profile())
-BLOCK_BYTES = BS * LAT.kv_bytes_per_token
 
 
 def hashes(*blocks: int) -> list[bytes]:
@@ -170,18 +173,18 @@ def test_a_host_hit_takes_gpu_blocks_and_is_cached_there_when_the_load_completes
 # --- in the engine ---
 
 
-def engine(**kw: Any) -> SimEngine:
+def engine(residency: Any = None, host_blocks: int = 32, **kw: Any) -> SimEngine:
+    """`kw`: `EngineConfig` fields over these defaults; `host_blocks=0`: no host tier."""
     args: dict[str, Any] = {
         "num_blocks": 17,
         "block_size": BS,
-        "hasher": HASHER,
-        "latency": LAT,
         "max_model_len": 48,
         "max_num_seqs": 4,
         "max_num_batched_tokens": 64,
-        "host_bytes": 32 * BLOCK_BYTES,
     }
-    return SimEngine(**{**args, **kw})
+    host = HostTier(host_blocks) if host_blocks else None
+    config = EngineConfig(**{**args, **kw})
+    return SimEngine(config, hasher=HASHER, latency=LAT, residency=residency, host=host)
 
 
 def drain(e: SimEngine, now: float) -> float:
@@ -261,7 +264,7 @@ def test_an_arrival_cuts_short_a_wait_for_a_load() -> None:
 
 def test_with_room_for_everything_on_the_gpu_a_host_tier_changes_no_schedule() -> None:
     rng = random.Random(3)
-    plain, hosted = engine(host_bytes=0, num_blocks=200), engine(num_blocks=200)
+    plain, hosted = engine(host_blocks=0, num_blocks=200), engine(num_blocks=200)
     now = 0.0
     for k in range(30):
         session = rng.randrange(4)
@@ -318,7 +321,7 @@ def test_demote_copies_a_held_sessions_blocks_to_host_and_frees_them_on_the_gpu(
 
 
 def test_evict_puts_a_held_sessions_blocks_first_in_the_eviction_order() -> None:
-    e = engine(residency=Decide("hold", 100.0), host_bytes=0)
+    e = engine(residency=Decide("hold", 100.0), host_blocks=0)
     e.add_request(SimRequest("t0", tokens(0, 17), 1, session_id="A"), 0.0)
     now = drain(e, 0.0)
     ids = block_ids_in_token_order(e, tokens(0, 17))
@@ -347,9 +350,9 @@ def test_a_residency_hook_can_demote_or_evict_a_finished_turn() -> None:
 
 
 def test_demoting_without_a_host_tier_is_refused() -> None:
-    e = engine(residency=Decide("demote"), host_bytes=0)
+    e = engine(residency=Decide("demote"), host_blocks=0)
     e.add_request(SimRequest("t0", tokens(0, 9), 1, session_id="A"), 0.0)
     with pytest.raises(ValueError, match="no host tier"):
         drain(e, 0.0)
     with pytest.raises(ValueError, match="needs a host tier"):
-        engine(host_bytes=0).demote("A")
+        engine(host_blocks=0).demote("A")

@@ -15,8 +15,12 @@ from hypothesis import strategies as st
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import AfterTurn, SimEngine, SimRequest, TurnEnd
-from appliance.sim.prefix_cache import CacheRequest, Pin, PrefixCache
+from appliance.sim.cache_request import CacheRequest
+from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import SimRequest
+from appliance.sim.pins import Pin
+from appliance.sim.prefix_cache import PrefixCache
+from appliance.sim.residency_hook import AfterTurn, TurnEnd
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)
@@ -186,17 +190,16 @@ class FixedHold:
 
 
 def engine(residency: Any = None, **kw: Any) -> SimEngine:
+    """`kw`: `EngineConfig` fields over these defaults."""
     args: dict[str, Any] = {
         "num_blocks": 17,
         "block_size": BS,
-        "hasher": HASHER,
-        "latency": LAT,
         "max_model_len": 48,
         "max_num_seqs": 4,
         "max_num_batched_tokens": 32,
-        "residency": residency,
     }
-    return SimEngine(**{**args, **kw})
+    config = EngineConfig(**{**args, **kw})
+    return SimEngine(config, hasher=HASHER, latency=LAT, residency=residency)
 
 
 def drain(e: SimEngine, now: float) -> float:

@@ -9,24 +9,20 @@ from typing import Any
 import pytest
 
 from appliance.sim import protocol as P
+from appliance.sim.api_errors import ApiError, model_not_found, request_validation_error
 from appliance.sim.detokenizer import IncrementalDecoder
-from appliance.sim.engine import EngineStats
-from appliance.sim.metrics import (
-    FAMILIES,
-    FinishedRequest,
-    Histogram,
-    SimMetrics,
-    go_float,
-    token_buckets,
-)
+from appliance.sim.engine_stats import EngineStats
+from appliance.sim.metric_families import FAMILIES, token_buckets
+from appliance.sim.metrics import FinishedRequest, Histogram, SimMetrics, go_float
+from appliance.sim.responses import final_usage_chunk, prompt_details, usage_info
 from appliance.tokenization.chat_template import ChatTemplateError
 from appliance.tokenization.tokenizer import FallbackTokenizer, ModelTokenizer
 
 JSON = "application/json"
 
 
-def error_of(fn: Any, *args: Any, **kwargs: Any) -> P.ApiError:
-    with pytest.raises(P.ApiError) as info:
+def error_of(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
         fn(*args, **kwargs)
     return info.value
 
@@ -103,7 +99,7 @@ def test_union_branches_are_dropped_from_error_locations() -> None:
 
 
 def test_many_errors_are_cut_at_ten() -> None:
-    err = P.request_validation_error([{"loc": ("body", i), "msg": "m"} for i in range(13)])
+    err = request_validation_error([{"loc": ("body", i), "msg": "m"} for i in range(13)])
     assert err.message.splitlines()[0] == "13 validation errors:"
     assert err.message.endswith("  ...and 3 more errors")
     assert len(err.message.splitlines()) == 12
@@ -197,7 +193,7 @@ def test_request_id_header_overrides_the_body() -> None:
 
 
 def test_error_body_and_not_found_message() -> None:
-    err = P.model_not_found("nope", ["tiny"])
+    err = model_not_found("nope", ["tiny"])
     assert err.body() == {
         "error": {
             "message": "The model `nope` does not exist. Valid aliases: tiny.",
@@ -212,7 +208,7 @@ def test_error_body_and_not_found_message() -> None:
 
 
 def test_usage_and_final_usage_chunk() -> None:
-    usage = P.usage_info(10, 3, P.prompt_details(8, None))
+    usage = usage_info(10, 3, prompt_details(8, None))
     assert list(usage) == [
         "prompt_tokens",
         "total_tokens",
@@ -221,7 +217,7 @@ def test_usage_and_final_usage_chunk() -> None:
         "completion_tokens_details",
     ]
     assert usage["total_tokens"] == 13
-    chunk = P.final_usage_chunk({"id": "x"}, usage, "fp")
+    chunk = final_usage_chunk({"id": "x"}, usage, "fp")
     assert chunk == {
         "id": "x",
         "choices": [],

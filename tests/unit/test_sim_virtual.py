@@ -13,7 +13,8 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import SimEngine, SimRequest, StepResult
+from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.trace import (
     TRACE_BLOCK_TOKENS,
     BlockTokens,
@@ -36,16 +37,16 @@ BS = 16
 
 
 def engines(n: int, **kw: Any) -> list[SimEngine]:
+    """`kw`: `EngineConfig` fields over these defaults."""
     args: dict[str, Any] = {
         "num_blocks": 2048,
         "block_size": BS,
-        "hasher": BlockHasher(HashAlgo.SHA256, BS),
-        "latency": LAT,
         "max_model_len": 8192,
         "max_num_batched_tokens": 2048,
     }
-    args.update(kw)
-    return [SimEngine(**args) for _ in range(n)]
+    config = EngineConfig(**{**args, **kw})
+    hasher = BlockHasher(HashAlgo.SHA256, config.block_size)
+    return [SimEngine(config, hasher=hasher, latency=LAT) for _ in range(n)]
 
 
 def workload(seed: int, n: int = 300, span_s: float = 600.0) -> list[Arrival]:
@@ -201,8 +202,8 @@ def test_the_real_trace_replays_with_prefix_hits() -> None:
     records = load_mooncake(TRACE, limit=150)
     sessions = conversation_ids(records)
     bs = TRACE_BLOCK_TOKENS
-    fleet = engines(2, block_size=bs, hasher=BlockHasher(HashAlgo.SHA256, bs), num_blocks=2000,
-                    max_model_len=131072, max_num_batched_tokens=8192)  # fmt: skip
+    fleet = engines(2, block_size=bs, num_blocks=2000, max_model_len=131072,
+                    max_num_batched_tokens=8192)  # fmt: skip
     result = replay(fleet, trace_arrivals(records, BlockTokens(), sessions=sessions))
     assert len(result.records) == 150
     assert all(r.finish_s is not None for r in result.records)

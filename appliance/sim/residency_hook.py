@@ -1,0 +1,64 @@
+"""The contract between a simulated engine and a residency policy: what the engine tells
+the hook when a request finishes or a pin comes due, and what the hook answers
+(`engine.py` says how the engine carries the answer out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from appliance.sim.engine_io import SimRequest
+from appliance.sim.pins import Pin
+
+KvAction = Literal["release", "hold", "evict", "demote"]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEnd:
+    """A request that has just finished, as a residency hook sees it."""
+
+    request: SimRequest
+    resident_tokens: int
+    """Tokens in the request's cached (pinnable) blocks."""
+    kv_usage: float
+    now_s: float
+    host_blocks: int = 0
+    """The worker's host tier's capacity in blocks (0: none)."""
+    host_used_blocks: int = 0
+    """Of those, blocks in use."""
+    pins: tuple[Pin, ...] = ()
+    """The worker's standing pins."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinDue:
+    """A held session whose pin has come due, as a residency hook that revisits sees it."""
+
+    pin: Pin
+    kv_usage: float
+    now_s: float
+    host_blocks: int = 0
+    host_used_blocks: int = 0
+    pins: tuple[Pin, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AfterTurn:
+    """What becomes of a finished request's cached blocks."""
+
+    action: KvAction = "release"
+    until_s: float | None = None
+    """"hold" only: when the pin lapses."""
+
+
+class ResidencyHook(Protocol):
+    """What the engine asks about a finished request's blocks, and the order in which pins
+    are given back under pressure (lowest first). A hook may also have
+    `revisit(due: PinDue) -> AfterTurn` (asked for each pin as it comes due: "hold"
+    extends it, "demote" or "evict" end it so, "release" lets it lapse) and
+    `turn_arrived(req: SimRequest, now: float) -> None` (told of every request as it
+    arrives: a session's next turn)."""
+
+    def after_turn(self, end: TurnEnd) -> AfterTurn: ...
+
+    def pin_priority(self, pin: Pin, now: float) -> float: ...
