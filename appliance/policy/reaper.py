@@ -139,6 +139,40 @@ class _Weighed:
     figures: ResidencyFigures
 
 
+@dataclass(frozen=True, slots=True)
+class ReaperTuning:
+    """The reaper's settings (see the module and each default's note)."""
+
+    max_residency_s: float = DEFAULT_MAX_RESIDENCY_S
+    second_value: float = DEFAULT_SECOND_VALUE
+    displaced_wait_s: float = DEFAULT_DISPLACED_WAIT_S
+    pressure_from: float = DEFAULT_PRESSURE_FROM
+    hysteresis: float = DEFAULT_HYSTERESIS
+    min_gain_s: float = DEFAULT_MIN_GAIN_S
+    p_gone: float = DEFAULT_P_GONE
+    tenant_cap_bytes: int | None = None
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    copy_bytes_per_s: float = DEFAULT_COPY_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_residency_s": self.max_residency_s,
+            "second_value": self.second_value,
+            "displaced_wait_s": self.displaced_wait_s,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "copy_bytes_per_s": self.copy_bytes_per_s,
+        }
+        for what, value in positive.items():
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{what} must be positive and finite, got {value!r}")
+        if not (0 <= self.pressure_from < 1 and 0 <= self.hysteresis < 1 and 0 <= self.p_gone < 1):
+            raise ValueError("pressure_from, hysteresis and p_gone must be in [0, 1)")
+        if not self.min_gain_s >= 0:
+            raise ValueError(f"min_gain_s must be >= 0, got {self.min_gain_s!r}")
+
+
 class Reaper:
     """The idle reaper's residency policy; see the module. `survival`: the wait model
     (default: a `WaitSurvival` from `priors`, tool class -> its wait)."""
@@ -151,46 +185,11 @@ class Reaper:
         survival: WaitModel | None = None,
         *,
         priors: Mapping[str, LogNormal] | None = None,
-        max_residency_s: float = DEFAULT_MAX_RESIDENCY_S,
-        second_value: float = DEFAULT_SECOND_VALUE,
-        displaced_wait_s: float = DEFAULT_DISPLACED_WAIT_S,
-        pressure_from: float = DEFAULT_PRESSURE_FROM,
-        hysteresis: float = DEFAULT_HYSTERESIS,
-        min_gain_s: float = DEFAULT_MIN_GAIN_S,
-        p_gone: float = DEFAULT_P_GONE,
-        tenant_cap_bytes: int | None = None,
-        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
-        copy_bytes_per_s: float = DEFAULT_COPY_BYTES_PER_S,
+        tuning: ReaperTuning | None = None,
         name: str = "reaper",
     ) -> None:
-        positive = {
-            "max_residency_s": max_residency_s,
-            "second_value": second_value,
-            "displaced_wait_s": displaced_wait_s,
-            "kv_bytes_per_token": kv_bytes_per_token,
-            "prefill_tokens_per_s": prefill_tokens_per_s,
-            "copy_bytes_per_s": copy_bytes_per_s,
-        }
-        for what, value in positive.items():
-            if not 0 < value < float("inf"):
-                raise ValueError(f"{what} must be positive and finite, got {value!r}")
-        if not (0 <= pressure_from < 1 and 0 <= hysteresis < 1 and 0 <= p_gone < 1):
-            raise ValueError("pressure_from, hysteresis and p_gone must be in [0, 1)")
-        if not min_gain_s >= 0:
-            raise ValueError(f"min_gain_s must be >= 0, got {min_gain_s!r}")
         self.survival: WaitModel = survival if survival is not None else WaitSurvival(priors)
-        self.max_residency_s = max_residency_s
-        self.second_value = second_value
-        self.displaced_wait_s = displaced_wait_s
-        self.pressure_from = pressure_from
-        self.hysteresis = hysteresis
-        self.min_gain_s = min_gain_s
-        self.p_gone = p_gone
-        self.tenant_cap_bytes = tenant_cap_bytes
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.copy_bytes_per_s = copy_bytes_per_s
+        self.tuning = tuning if tuning is not None else ReaperTuning()
         self.name = name
         self._sessions: OrderedDict[str, _Record] = OrderedDict()
 
@@ -217,13 +216,13 @@ class Reaper:
             else IdleSession(held.session_id, held.resident_tokens, held.held_since_s)
         )
         idle_s = max(0.0, now - session.finished_at_s)
-        if session.ends_in_tool_call is False or idle_s >= self.max_residency_s:
+        if session.ends_in_tool_call is False or idle_s >= self.tuning.max_residency_s:
             return 0.0
         p, wait_s = self._outlook(session, idle_s)
         kv_bytes = self._kv_bytes(session)
         saved_s = self._loss_s(session)
         if session.host is not None and session.host.free_bytes >= kv_bytes:
-            saved_s = min(saved_s, self.second_value * self._promote_s(session, kv_bytes))
+            saved_s = min(saved_s, self.tuning.second_value * self._promote_s(session, kv_bytes))
         return value_density(p, wait_s, saved_s, kv_bytes)
 
     def observe_return(self, session_id: str, now: float) -> None:
@@ -249,17 +248,18 @@ class Reaper:
             return ResidencyDecision(
                 ResidencyAction.EVICT, "last step: not coming back", kind=ResidencyKind.LAST_STEP
             )
-        if idle_s >= self.max_residency_s:
+        if idle_s >= self.tuning.max_residency_s:
             return ResidencyDecision(
                 ResidencyAction.EVICT,
-                f"idle {idle_s:.0f} s: past the {self.max_residency_s:g} s maximum residency",
+                f"idle {idle_s:.0f} s: past the {self.tuning.max_residency_s:g} s"
+                " maximum residency",
                 kind=ResidencyKind.MAX_RESIDENCY,
             )
         weighed = self._weigh(session, idle_s, standing)
         until_s = None
         if weighed.action is ResidencyAction.HOLD:
             revisit_s = max(idle_s * REVISIT_GROWTH, idle_s + MIN_REVISIT_S)
-            until_s = session.finished_at_s + min(revisit_s, self.max_residency_s)
+            until_s = session.finished_at_s + min(revisit_s, self.tuning.max_residency_s)
         return ResidencyDecision(
             weighed.action,
             _sentence(weighed),
@@ -278,7 +278,7 @@ class Reaper:
         c_hold = v_hbm * kv_bytes * wait_s
         c_release = p * loss_s
         costs = {ResidencyAction.RELEASE: c_release}
-        cap = self.tenant_cap_bytes
+        cap = self.tuning.tenant_cap_bytes
         capped = cap is not None and session.tenant_held_bytes + kv_bytes > cap
         if not capped:
             costs[ResidencyAction.HOLD] = c_hold
@@ -287,27 +287,28 @@ class Reaper:
         if host is not None:
             v_host = self._tier_value(host.usage, host.value, loss_s, kv_bytes)
             promote_s = self._promote_s(session, kv_bytes)
-            c_demote = v_host * kv_bytes * wait_s + p * self.second_value * promote_s
+            c_demote = v_host * kv_bytes * wait_s + p * self.tuning.second_value * promote_s
             if host.free_bytes >= kv_bytes:
                 costs[ResidencyAction.DEMOTE] = c_demote
         figures = ResidencyFigures(
             p_return=p,
             expected_wait_s=wait_s,
-            horizon_s=self.max_residency_s - idle_s,
+            horizon_s=self.tuning.max_residency_s - idle_s,
             v_hbm=v_hbm,
             c_hold=c_hold,
             c_release=c_release,
             v_host=v_host,
             c_demote=c_demote,
         )
-        if p <= self.p_gone:
+        if p <= self.tuning.p_gone:
             return _Weighed(ResidencyAction.EVICT, ResidencyKind.NOT_RETURNING, figures)
         current = (
             standing if standing is not None and standing in costs else ResidencyAction.RELEASE
         )
         best = min(costs, key=costs.__getitem__)  # ties: release, then hold, then demote
         gain = costs[current] - costs[best]
-        if best is not current and gain <= max(self.hysteresis * costs[current], self.min_gain_s):
+        margin = max(self.tuning.hysteresis * costs[current], self.tuning.min_gain_s)
+        if best is not current and gain <= margin:
             return _Weighed(current, ResidencyKind.WITHIN_MARGIN, figures)
         if capped and c_hold < costs[best]:
             kind = ResidencyKind.TENANT_CAP
@@ -321,35 +322,36 @@ class Reaper:
 
     def _outlook(self, session: IdleSession, idle_s: float) -> tuple[float, float]:
         """(P(back within the residency left), E[wait, truncated there])."""
-        horizon_s = self.max_residency_s - idle_s
+        horizon_s = self.tuning.max_residency_s - idle_s
         key, hint = _key(session), session.expected_wait_s
         p = self.survival.p_return_within(key, idle_s, horizon_s, hint)
         return p, self.survival.expected_remaining_s(key, idle_s, horizon_s, hint)
 
     def _tier_value(self, usage: float, value: float | None, loss_s: float, kv_bytes: int) -> float:
-        pressure = min(1.0, max(0.0, (usage - self.pressure_from) / (1 - self.pressure_from)))
+        start = self.tuning.pressure_from
+        pressure = min(1.0, max(0.0, (usage - start) / (1 - start)))
         if pressure == 0:
             return 0.0
         if value is None:  # a session like this one, sure to be back within displaced_wait_s
-            value = loss_s / (max(kv_bytes, 1) * self.displaced_wait_s)
+            value = loss_s / (max(kv_bytes, 1) * self.tuning.displaced_wait_s)
         return pressure * value
 
     def _kv_bytes(self, session: IdleSession) -> int:
         if session.kv_bytes is not None:
             return session.kv_bytes
-        return session.resident_tokens * self.kv_bytes_per_token
+        return session.resident_tokens * self.tuning.kv_bytes_per_token
 
     def _loss_s(self, session: IdleSession) -> float:
         """What a return costs without its KV: the re-prefill, valued."""
         recompute_s = session.recompute_s
         if recompute_s is None:
-            recompute_s = session.resident_tokens / self.prefill_tokens_per_s
-        return self.second_value * recompute_s
+            recompute_s = session.resident_tokens / self.tuning.prefill_tokens_per_s
+        return self.tuning.second_value * recompute_s
 
     def _promote_s(self, session: IdleSession, kv_bytes: int) -> float:
         if session.promote_s is not None:
             return session.promote_s
-        return kv_bytes / self.copy_bytes_per_s
+        return kv_bytes / self.tuning.copy_bytes_per_s
 
 
 def _key(session: IdleSession) -> WaitKey:

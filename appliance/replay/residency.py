@@ -17,7 +17,7 @@ A policy that learns from its sessions (the reaper: `observe_return`, `observe_a
 is told of each idle period's end exactly once: its session's next turn arriving at an
 engine (`turn_arrived`), or the session ending without one: the workload's task ending
 (`TurnHint.session_ends`: at the turn's end plus its tool wait, when the client gives up),
-or an idle time past the policy's `max_residency_s` (a session timed out). A policy that
+or an idle time past the policy's `tuning.max_residency_s` (a session timed out). A policy that
 revisits its holds (`revisits_holds`) is asked again about each pin as it comes due, with the
 worker as it is then, and the engine extends, demotes, evicts or lets it lapse as it says.
 The host tier is a cache that makes room by evicting, so a session's room there is its
@@ -114,10 +114,11 @@ class PolicyResidency:
         self._turns: Counter[str] = Counter()
         """Session -> turns finished so far: the reaper learns waits per session depth."""
         self._ends: list[tuple[float, str, float]] = []  # (at_s, session, finished_at_s)
-        self._max_idle_s: float | None = getattr(self.policy, "max_residency_s", None)
+        tuning = getattr(self.policy, "tuning", None)
+        self._max_idle_s: float | None = getattr(tuning, "max_residency_s", None)
         self._revisits = bool(getattr(self.policy, "revisits_holds", False))
-        self._capped = getattr(self.policy, "tenant_cap_bytes", None) is not None
-        self._pressure_from: float = getattr(self.policy, "pressure_from", 0.0)
+        self._capped = getattr(tuning, "tenant_cap_bytes", None) is not None
+        self._pressure_from: float = getattr(tuning, "pressure_from", 0.0)
         self._ranks: dict[tuple[str, int], float] = {}  # pin -> priority, at `_ranks_at`
         self._ranks_at = -math.inf
 

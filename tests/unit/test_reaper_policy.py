@@ -14,6 +14,7 @@ from appliance.policy.reaper import (
     DEFAULT_DISPLACED_WAIT_S,
     DEFAULT_MAX_RESIDENCY_S,
     Reaper,
+    ReaperTuning,
     value_density,
 )
 from appliance.policy.residency import (
@@ -62,7 +63,7 @@ class Fixed:
 def exact(p: float = 0.5, wait_s: float = 10.0, **kw: float) -> Reaper:
     """A reaper without margins whose waits are P = p, E[W] = wait_s for every session."""
     settings: dict[str, float] = {"hysteresis": 0.0, "min_gain_s": 0.0, **kw}
-    return Reaper(Fixed({None: (p, wait_s)}), **settings)  # type: ignore[arg-type]
+    return Reaper(Fixed({None: (p, wait_s)}), tuning=ReaperTuning(**settings))  # type: ignore[arg-type]
 
 
 def idle(**kw: object) -> IdleSession:
@@ -534,7 +535,7 @@ def test_a_session_described_only_by_the_original_fields_is_decided() -> None:
 )
 def test_settings_out_of_range_are_refused(setting: str, value: float) -> None:
     with pytest.raises(ValueError, match=setting):
-        Reaper(**{setting: value})  # type: ignore[arg-type]
+        ReaperTuning(**{setting: value})  # type: ignore[arg-type]
 
 
 def test_a_session_the_host_tier_takes_back_cheaply_is_given_back_before_one_it_cannot() -> None:
@@ -583,7 +584,9 @@ def test_past_its_limit_the_reaper_forgets_the_least_recently_decided_session(
 
 
 def test_settings_at_the_edges_of_their_ranges_are_accepted() -> None:
-    reaper = Reaper(pressure_from=0.0, hysteresis=0.0, p_gone=0.0, min_gain_s=0.0)
+    reaper = Reaper(
+        tuning=ReaperTuning(pressure_from=0.0, hysteresis=0.0, p_gone=0.0, min_gain_s=0.0)
+    )
     assert reaper.decide(idle(kv_usage=0.0), now=0.0).kind is not None
 
 

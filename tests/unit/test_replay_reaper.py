@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from appliance.policy.reaper import Reaper
+from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.residency import (
     HeldSession,
     IdleSession,
@@ -36,7 +36,7 @@ class Recorder:
     """A policy that holds for `hold_s` and writes down everything it is told."""
 
     hold_s: float = 10.0
-    max_residency_s: float = 100.0
+    tuning: ReaperTuning = field(default_factory=lambda: ReaperTuning(max_residency_s=100.0))
     revisits_holds: bool = True
     name: str = "recorder"
     decided: list[IdleSession] = field(default_factory=list)
@@ -135,7 +135,7 @@ def test_a_session_that_ends_after_a_tool_call_is_abandoned_when_its_client_give
 
 
 def test_a_session_idle_past_the_maximum_residency_has_timed_out() -> None:
-    policy = Recorder(max_residency_s=100.0)
+    policy = Recorder(tuning=ReaperTuning(max_residency_s=100.0))
     hold = adapter(policy)
     hold.after_turn(end("r1", 5.0))
     hold.turn_arrived(req("x", session="other"), 200.0)
@@ -285,7 +285,8 @@ def test_a_fan_out_storm_does_not_push_out_other_tenants_warm_prefixes_past_its_
     cap = 16 * BLOCK * 131_072  # a tenant may hold 16 blocks of 64
     lru = replay(fan_out_storm(), "lru")
     priors = wait_priors(WorkloadSpec().tool_classes)
-    capped = replay(fan_out_storm(), Reaper(priors=priors, tenant_cap_bytes=cap))
+    capping = Reaper(priors=priors, tuning=ReaperTuning(tenant_cap_bytes=cap))
+    capped = replay(fan_out_storm(), capping)
     assert capped.preemptions == lru.preemptions == 0
     assert capped.kinds.get("tenant_cap", 0) > 0
     returns = [f"o{i}/1" for i in range(8)]
