@@ -36,6 +36,7 @@ from appliance.domain.errors import (
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
+from appliance.services.flights import Flight, Flights
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
@@ -96,8 +97,7 @@ class TurnDesk:
         self._workers = workers
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
-        self._flights: dict[TaskId, set[Flight]] = {}
-        """Turns in flight by task: what `stop` ends."""
+        self._flights = Flights()
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -126,7 +126,7 @@ class TurnDesk:
             )
             turn = _turn_request(t, task, ids, chat, tokenize if ids is None else None, n_prompt)
             task.turns += 1
-            flight = self._flying(task.key)
+            flight = self._flights.take_off(task.key)
             try:
                 reply = await self.handle(turn, queues, flight)
             except asyncio.CancelledError:
@@ -148,7 +148,7 @@ class TurnDesk:
         if ticket is not None:
             ticket.release()
         if task is not None and flight is not None:
-            self._landed(task, flight)
+            self._flights.land(task, flight)
 
     def _known_task(self, t: TurnInput) -> TaskState | None:
         """The open task the turn names, if it exists; a closed one (succeeded, failed,
@@ -163,27 +163,9 @@ class TurnDesk:
         return known
 
     def stop(self, task: TaskId) -> int:
-        """Ends the task's turns in flight (its cancellation): a turn waiting on its worker is
-        cancelled there and answered 409, a stream being relayed ends with an error event;
-        either way the worker's request is closed, which aborts it. How many it ended."""
-        flights = self._flights.get(task, set())
-        for flight in flights:
-            flight.stopped = True
-            if not flight.relaying and flight.task is not None:
-                flight.task.cancel()
-        return len(flights)
-
-    def _flying(self, task: TaskId) -> Flight:
-        flight = Flight(asyncio.current_task())
-        self._flights.setdefault(task, set()).add(flight)
-        return flight
-
-    def _landed(self, task: TaskId, flight: Flight) -> None:
-        flights = self._flights.get(task)
-        if flights is not None:
-            flights.discard(flight)
-            if not flights:
-                del self._flights[task]
+        """Ends the task's turns in flight (its cancellation; services/flights.py): how
+        many it ended."""
+        return self._flights.stop(task)
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
@@ -387,17 +369,6 @@ def _turn_request(
         estimated_tokens=n_prompt,
         received_at=t.received_at,
     )
-
-
-@dataclass(eq=False)
-class Flight:
-    """One turn in flight, as its task's cancellation reaches it."""
-
-    task: asyncio.Task[Any] | None
-    """The request's own task, cancelled while it waits on its worker."""
-    stopped: bool = False
-    relaying: bool = False
-    """Its stream is being relayed: it stops at its next chunk instead."""
 
 
 class _Soon:
