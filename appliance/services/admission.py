@@ -94,6 +94,42 @@ class TurnTicket:
             self._service._release(self._task_id)
 
 
+def _same_speed(worker: WorkerId) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEstimator:
+    """Each healthy worker's queue and a turn's prefill there: the router's queue estimate,
+    and its cost model at the worker's measured speed."""
+
+    workers: Callable[[], Sequence[WorkerEndpoint]]
+    queue_s: Callable[[WorkerEndpoint], float]
+    cost: PrefillCost
+    slowdown: Callable[[WorkerId], float] = _same_speed
+    """Each worker's prefill seconds per second of the cost model's (WorkerSpeeds)."""
+
+    def estimates(
+        self,
+        resident: Mapping[WorkerId, int],
+        prompt_tokens: int,
+        queues: Mapping[WorkerId, float] | None = None,
+    ) -> list[WorkerEstimate]:
+        """`queues`: each worker's queue estimate now, when the caller has them."""
+        estimates = []
+        for w in self.workers():
+            if not w.healthy or w.draining:
+                continue
+            reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
+            fresh = prompt_tokens - reused
+            prefill = (
+                self.cost.prefill_s(fresh, reused) * self.slowdown(w.id) if prompt_tokens else 0.0
+            )
+            queue = queues[w.id] if queues is not None else self.queue_s(w)
+            estimates.append(WorkerEstimate(queue, prefill))
+        return estimates
+
+
 class _Rate:
     """Events per second over the last RATE_WINDOW_S, counted in one-second buckets."""
 
@@ -138,23 +174,16 @@ class AdmissionService:
         self,
         *,
         limits: AdmissionLimits,
+        estimator: WorkerEstimator,
         ledger: Ledger,
         clock: Clock,
-        workers: Callable[[], Sequence[WorkerEndpoint]],
-        queue_s: Callable[[WorkerEndpoint], float],
-        cost: PrefillCost,
         task_idle_s: float = 600.0,
         events: EventFeed | None = None,
-        slowdown: Callable[[WorkerId], float] | None = None,
     ) -> None:
         self.limits = limits
+        self._estimator = estimator
         self._ledger = ledger
         self._clock = clock
-        self._workers = workers
-        self._queue_s = queue_s
-        self._cost = cost
-        # Each worker's prefill seconds per second of the cost model's (WorkerSpeeds).
-        self._slowdown = slowdown or (lambda worker: 1.0)
         self._task_idle_s = task_idle_s
         self._events = events
         self._tasks: dict[TaskId, _Task] = {}
@@ -250,17 +279,7 @@ class AdmissionService:
         prompt_tokens: int,
         queues: Mapping[WorkerId, float] | None = None,
     ) -> BoxLoad:
-        estimates = []
-        for w in self._workers():
-            if not w.healthy or w.draining:
-                continue
-            reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
-            fresh = prompt_tokens - reused
-            prefill = (
-                self._cost.prefill_s(fresh, reused) * self._slowdown(w.id) if prompt_tokens else 0.0
-            )
-            queue = queues[w.id] if queues is not None else self._queue_s(w)
-            estimates.append(WorkerEstimate(queue, prefill))
+        estimates = self._estimator.estimates(resident, prompt_tokens, queues)
         tenants: dict[str, TenantLoad] = {
             t: TenantLoad(self._turns.get(t, 0), self._open.get(t, 0))
             for t in self._turns.keys() | self._open.keys()

@@ -24,6 +24,7 @@ from appliance.services.admission import (
     AdmissionRefused,
     AdmissionService,
     TurnTicket,
+    WorkerEstimator,
     resident_hint,
 )
 from appliance.services.events import EventFeed
@@ -76,14 +77,16 @@ def make_box(ledger: Ledger, **limits: Any) -> Box:
     slowdown: dict[WorkerId, float] = limits.pop("slowdown", {})
     service = AdmissionService(
         limits=AdmissionLimits(**{"retry_after_s": 3.0, **limits}),
+        estimator=WorkerEstimator(
+            lambda: workers,
+            lambda w: queues.get(w.id, 0.0),
+            LinearCost(),
+            lambda w: slowdown.get(w, 1.0),
+        ),
         ledger=ledger,
         clock=clock,
-        workers=lambda: workers,
-        queue_s=lambda w: queues.get(w.id, 0.0),
-        cost=LinearCost(),
         task_idle_s=idle_s,
         events=feed,
-        slowdown=lambda w: slowdown.get(w, 1.0),
     )
     return Box(clock, feed, service, ledger.path, workers, queues)
 
