@@ -156,7 +156,7 @@ def _turn_desk(
 ) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
     e = settings.engine
     hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
-    tasks = TaskBook(ledger, events)
+    tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s)
     queues = QueueBook(cost, clock, speeds.slowdown)
     sessions = SessionTable(hasher)
     records = TurnRecords(
@@ -177,11 +177,11 @@ def _turn_desk(
     )
     admission = AdmissionService(
         limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
+        tasks=tasks,
         # queue_s: the queued prefill ahead of new work
         estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, speeds.slowdown),
         ledger=ledger,
         clock=clock,
-        task_idle_s=settings.admission.task_idle_s,
         events=events,
     )
     desk = TurnDesk(
