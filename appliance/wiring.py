@@ -25,7 +25,7 @@ from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
 from appliance.ports import Clock, GpuProbe
-from appliance.services.admission import AdmissionService
+from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.placement import Placer
@@ -155,7 +155,7 @@ def _turn_desk(
 ) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
     e = settings.engine
     hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
-    tasks = TaskBook(ledger, events)
+    tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s)
     queues = QueueBook(cost, clock, speeds.slowdown)
     sessions = SessionTable(hasher)
     records = TurnRecords(
@@ -176,14 +176,12 @@ def _turn_desk(
     )
     admission = AdmissionService(
         limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
+        tasks=tasks,
+        # queue_s: the queued prefill ahead of new work
+        estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, speeds.slowdown),
         ledger=ledger,
         clock=clock,
-        workers=engines.workers,
-        queue_s=queues.queue_s,  # the queued prefill ahead of new work
-        cost=cost,
-        task_idle_s=settings.admission.task_idle_s,
         events=events,
-        slowdown=speeds.slowdown,
     )
     desk = TurnDesk(
         sessions=sessions,

@@ -55,7 +55,6 @@ class TaskRoutes:
                 who.tenant,
                 key(who.tenant, new.client_id),
                 parent=key(who.tenant, new.parent_id) if new.parent_id else None,
-                max_children=new.max_children,
                 deadline_s=new.deadline_s,
                 priority=agent_headers(request.headers, {}).priority,
             )
@@ -73,8 +72,6 @@ class TaskRoutes:
             await _written(task.written)
         except LedgerError:  # memory never runs ahead of the ledger
             self._ctx.tasks.drop(task)
-            if self._ctx.admission is not None:
-                self._ctx.admission.task_closed(task.key)
             raise
         return JSONResponse(
             {
@@ -101,8 +98,6 @@ class TaskRoutes:
         await _written(task.written)  # a refused write took the change back
         if event.kind == TaskEventType.CANCELLED:
             self._ctx.desk.stop(task.key)
-        if self._ctx.admission is not None and event.kind.terminal_status is not None:
-            self._ctx.admission.task_closed(task.key)
         return JSONResponse({"task_id": task.client_id, "status": task.status.value})
 
     async def cancel_task(self, request: Request) -> Response:
@@ -112,8 +107,6 @@ class TaskRoutes:
         )
         for task in cancelled:
             self._ctx.desk.stop(task.key)  # its turns in flight end too
-            if self._ctx.admission is not None:
-                self._ctx.admission.task_closed(task.key)
             await _written(task.written)
         return JSONResponse({"cancelled": [t.client_id for t in cancelled]})
 

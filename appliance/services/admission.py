@@ -1,13 +1,12 @@
-"""The admission controller: the box's counters, the policy's decision, and its records.
+"""The admission controller: the policy's decision over the box's load, and its records.
 
-It holds what the policy judges (appliance/policy/admission.py states the model of the
-world and every threshold): turns in flight per tenant, open tasks per tenant, and per task
-its parent, depth, cap and open children. A task opens when admission admits it (POST
-/v1/tasks, or the first model turn that names it; a turn without a task id is a one-turn
-task that closes when its turn ends) and closes at its terminal event or cancel. An open
-task with no turn in flight, no new turn and no new child for `task_idle_s` is forgotten:
-it stops counting toward its tenant's open tasks and its parent's children, so a client
-that never closes its tasks cannot lock itself out.
+The policy (appliance/policy/admission.py) states the model of the world and every
+threshold. What it judges is read here: the tasks' load (turns in flight and open tasks per
+tenant, and a new task's parent: its depth, cap and open children) from the task book
+through `TaskView`, which alone keeps the tasks and lets go of those idle too long
+(services/tasks.py); and each healthy worker's queue and a turn's prefill there from
+`WorkerEstimator`. Admission decides; the caller then opens the task or starts the turn in
+the task book.
 
 Queue estimates are the router's (queued prefill seconds per worker) and the prefill of a
 turn comes from the same cost model the router uses, over the prefix its session likely
@@ -22,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -66,32 +65,67 @@ class AdmissionRefused(ApplianceError):
         self.retry_after_s = decision.retry_after_s
 
 
-@dataclass(eq=False)
-class _Task:
-    tenant: TenantId
-    parent: TaskId | None
-    depth: int
-    max_children: int | None
-    deadline_at: float | None
-    last_active_at: float
-    one_turn: bool = False
-    open: bool = True
-    open_children: int = 0
-    in_flight: int = 0
+class KnownTask(Protocol):
+    """A task of the book, as admission reads it."""
+
+    @property
+    def parent(self) -> TaskId | None: ...
+    @property
+    def deadline_at(self) -> float | None: ...
+    @property
+    def unseen(self) -> bool:
+        """Taken back after a restart and named by no turn since: its next turn is judged
+        as opening it."""
+        ...
 
 
-class TurnTicket:
-    """One admitted turn. Release it when the turn ends; releasing twice counts once."""
+class TaskView(Protocol):
+    """What admission reads of the tasks; the task book (services/tasks.py) answers."""
 
-    def __init__(self, service: AdmissionService, task_id: TaskId) -> None:
-        self._service = service
-        self._task_id = task_id
-        self._released = False
+    def find(self, key: TaskId) -> KnownTask | None: ...
+    def parent_load(self, key: TaskId) -> ParentLoad | None:
+        """The task as the parent of a new one; None when there is no such task."""
+        ...
 
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._service._release(self._task_id)
+    def tenant_loads(self, now: float) -> Mapping[str, TenantLoad]:
+        """Turns in flight and open tasks per tenant as of `now`."""
+        ...
+
+
+def _same_speed(worker: WorkerId) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEstimator:
+    """Each healthy worker's queue and a turn's prefill there: the router's queue estimate,
+    and its cost model at the worker's measured speed."""
+
+    workers: Callable[[], Sequence[WorkerEndpoint]]
+    queue_s: Callable[[WorkerEndpoint], float]
+    cost: PrefillCost
+    slowdown: Callable[[WorkerId], float] = _same_speed
+    """Each worker's prefill seconds per second of the cost model's (WorkerSpeeds)."""
+
+    def estimates(
+        self,
+        resident: Mapping[WorkerId, int],
+        prompt_tokens: int,
+        queues: Mapping[WorkerId, float] | None = None,
+    ) -> list[WorkerEstimate]:
+        """`queues`: each worker's queue estimate now, when the caller has them."""
+        estimates = []
+        for w in self.workers():
+            if not w.healthy or w.draining:
+                continue
+            reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
+            fresh = prompt_tokens - reused
+            prefill = (
+                self.cost.prefill_s(fresh, reused) * self.slowdown(w.id) if prompt_tokens else 0.0
+            )
+            queue = queues[w.id] if queues is not None else self.queue_s(w)
+            estimates.append(WorkerEstimate(queue, prefill))
+        return estimates
 
 
 class _Rate:
@@ -138,30 +172,18 @@ class AdmissionService:
         self,
         *,
         limits: AdmissionLimits,
+        tasks: TaskView,
+        estimator: WorkerEstimator,
         ledger: Ledger,
         clock: Clock,
-        workers: Callable[[], Sequence[WorkerEndpoint]],
-        queue_s: Callable[[WorkerEndpoint], float],
-        cost: PrefillCost,
-        task_idle_s: float = 600.0,
         events: EventFeed | None = None,
-        slowdown: Callable[[WorkerId], float] | None = None,
     ) -> None:
         self.limits = limits
+        self._tasks = tasks
+        self._estimator = estimator
         self._ledger = ledger
         self._clock = clock
-        self._workers = workers
-        self._queue_s = queue_s
-        self._cost = cost
-        # Each worker's prefill seconds per second of the cost model's (WorkerSpeeds).
-        self._slowdown = slowdown or (lambda worker: 1.0)
-        self._task_idle_s = task_idle_s
         self._events = events
-        self._tasks: dict[TaskId, _Task] = {}
-        self._idle: OrderedDict[TaskId, None] = OrderedDict()
-        """Open tasks with no turn in flight, least recently active first."""
-        self._turns: dict[TenantId, int] = {}
-        self._open: dict[TenantId, int] = {}
         self.accepted = 0
         self.rejected = 0
         self.rejected_by_code: dict[AdmitCode, int] = {}
@@ -176,22 +198,19 @@ class AdmissionService:
         task_id: TaskId,
         *,
         parent: TaskId | None = None,
-        max_children: int | None = None,
         deadline_s: float | None = None,
         priority: int | None = None,
     ) -> AdmitDecision | None:
-        """Admits a new task (POST /v1/tasks) or raises AdmissionRefused. A task it already
-        knows is not judged again (None): the task book answers that it exists."""
-        if task_id in self._tasks:
+        """Judges a new task (POST /v1/tasks): the decision, or AdmissionRefused. A task the
+        book has already is not judged again (None): the book answers that it exists. The
+        caller opens the task in the book."""
+        if self._tasks.find(task_id) is not None:
             return None
         now = self._clock.now()
-        self._forget_idle(now)
+        box = BoxLoad(self._tasks.tenant_loads(now), self._estimator.estimates({}, 0))
         deadline_at = now + deadline_s if deadline_s is not None else None
         request = AdmitRequest(tenant, Work.TASK, priority, deadline_at, self._parent_load(parent))
-        decision = admit(request, self._box(now, {}, 0), self.limits, now)
-        await self._count(decision, request, task_id, now)
-        self._open_task(tenant, task_id, now, parent, max_children, deadline_at, one_turn=False)
-        return decision
+        return await self._judged(request, box, task_id, now)
 
     async def admit_turn(
         self,
@@ -199,148 +218,52 @@ class AdmissionService:
         task_id: TaskId,
         *,
         parent: TaskId | None = None,
-        one_turn: bool = False,
         deadline_s: float | None = None,
         priority: int | None = None,
         prompt_tokens: int = 0,
         resident_tokens: Mapping[WorkerId, int] | None = None,
         queues: Mapping[WorkerId, float] | None = None,
-    ) -> TurnTicket:
-        """Admits one model turn of `task_id` (opening the task when it is new; `one_turn`:
-        it closes with this turn) or raises AdmissionRefused. Release the ticket when the
-        turn ends. `queues`: each worker's queue estimate now, when the caller has them."""
+    ) -> AdmitDecision:
+        """Judges one model turn of `task_id` (opening the task when it is new, under
+        `parent`): the decision, or AdmissionRefused. The caller opens the task and starts
+        the turn in the book. `queues`: each worker's queue estimate now, when the caller
+        has them."""
         now = self._clock.now()
-        self._forget_idle(now)
-        known = self._tasks.get(task_id)
+        tenants = self._tasks.tenant_loads(now)  # first: it lets go of idle tasks
+        known = self._tasks.find(task_id)
         deadline_at = now + deadline_s if deadline_s is not None else None
         if known is not None and known.deadline_at is not None:
             deadline_at = min(known.deadline_at, deadline_at or known.deadline_at)
-        work = Work.TURN if known is not None else Work.TASK_TURN
+        opens = known is None or known.unseen
+        if known is not None:
+            parent = known.parent  # taken back after a restart: its own parent
         request = AdmitRequest(
             tenant,
-            work,
+            Work.TASK_TURN if opens else Work.TURN,
             priority,
             deadline_at,
-            self._parent_load(parent) if work is Work.TASK_TURN else None,
+            self._parent_load(parent) if opens else None,
         )
-        box = self._box(now, resident_tokens or {}, prompt_tokens, queues)
-        decision = admit(request, box, self.limits, now)
-        await self._count(decision, request, task_id, now)
-        if known is None:
-            self._open_task(tenant, task_id, now, parent, None, deadline_at, one_turn=one_turn)
-        task = self._tasks[task_id]
-        task.in_flight += 1
-        task.last_active_at = now
-        self._idle.pop(task_id, None)
-        self._turns[tenant] = self._turns.get(tenant, 0) + 1
-        return TurnTicket(self, task_id)
-
-    def task_closed(self, task_id: TaskId) -> None:
-        """The task reached a terminal status (succeeded, failed, cancelled)."""
-        task = self._tasks.get(task_id)
-        if task is not None and task.open:
-            self._close(task_id, task)
-
-    # --- the counters ----------------------------------------------------------------
-
-    def _box(
-        self,
-        now: float,
-        resident: Mapping[WorkerId, int],
-        prompt_tokens: int,
-        queues: Mapping[WorkerId, float] | None = None,
-    ) -> BoxLoad:
-        estimates = []
-        for w in self._workers():
-            if not w.healthy or w.draining:
-                continue
-            reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
-            fresh = prompt_tokens - reused
-            prefill = (
-                self._cost.prefill_s(fresh, reused) * self._slowdown(w.id) if prompt_tokens else 0.0
-            )
-            queue = queues[w.id] if queues is not None else self._queue_s(w)
-            estimates.append(WorkerEstimate(queue, prefill))
-        tenants: dict[str, TenantLoad] = {
-            t: TenantLoad(self._turns.get(t, 0), self._open.get(t, 0))
-            for t in self._turns.keys() | self._open.keys()
-        }
-        return BoxLoad(tenants, estimates)
+        estimates = self._estimator.estimates(resident_tokens or {}, prompt_tokens, queues)
+        return await self._judged(request, BoxLoad(tenants, estimates), task_id, now)
 
     def _parent_load(self, parent: TaskId | None) -> ParentLoad | None:
         if parent is None:
             return None
-        client_id = parent.split("/", 1)[-1]
-        known = self._tasks.get(parent)
-        if known is None:  # the task book opens an unknown parent as a root
-            return ParentLoad(client_id, 0, None, 0)
-        return ParentLoad(client_id, known.open_children, known.max_children, known.depth)
-
-    def _open_task(
-        self,
-        tenant: TenantId,
-        task_id: TaskId,
-        now: float,
-        parent: TaskId | None,
-        max_children: int | None,
-        deadline_at: float | None,
-        *,
-        one_turn: bool,
-    ) -> None:
-        depth = 0
-        if parent is not None:
-            if parent not in self._tasks:
-                self._open_task(tenant, parent, now, None, None, None, one_turn=False)
-            above = self._tasks[parent]
-            depth = above.depth + 1
-            above.open_children += 1
-            above.last_active_at = now
-            if parent in self._idle:
-                self._idle.move_to_end(parent)
-        self._tasks[task_id] = _Task(
-            tenant, parent, depth, max_children, deadline_at, now, one_turn=one_turn
-        )
-        self._idle[task_id] = None
-        self._open[tenant] = self._open.get(tenant, 0) + 1
-
-    def _close(self, task_id: TaskId, task: _Task) -> None:
-        task.open = False
-        self._idle.pop(task_id, None)
-        _decrement(self._open, task.tenant)
-        above = self._tasks.get(task.parent) if task.parent is not None else None
-        if above is not None:
-            above.open_children -= 1
-
-    def _release(self, task_id: TaskId) -> None:
-        task = self._tasks[task_id]
-        task.in_flight -= 1
-        task.last_active_at = self._clock.now()
-        _decrement(self._turns, task.tenant)
-        if task.one_turn and task.in_flight == 0:
-            self.task_closed(task_id)
-        elif task.open and task.in_flight == 0:
-            self._idle[task_id] = None
-            self._idle.move_to_end(task_id)
-
-    def _forget_idle(self, now: float) -> None:
-        horizon = now - self._task_idle_s
-        while self._idle:
-            task_id = next(iter(self._idle))
-            task = self._tasks[task_id]
-            if task.last_active_at > horizon:
-                return
-            self._close(task_id, task)
+        # The task book opens an unknown parent as a root.
+        return self._tasks.parent_load(parent) or ParentLoad(parent.split("/", 1)[-1], 0, None, 0)
 
     # --- accounting ------------------------------------------------------------------
 
-    async def _count(
-        self, decision: AdmitDecision, request: AdmitRequest, task_id: TaskId, now: float
-    ) -> None:
-        """Counts the decision; a refusal is recorded and raised."""
+    async def _judged(
+        self, request: AdmitRequest, box: BoxLoad, task_id: TaskId, now: float
+    ) -> AdmitDecision:
+        """The policy's decision, counted; a refusal is recorded and raised."""
+        decision = admit(request, box, self.limits, now)
         if decision.admitted:
             self.accepted += 1
             self._accept_rate.add(now)
-            return
+            return decision
         self.rejected += 1
         self._reject_rate.add(now)
         self.rejected_by_code[decision.code] = self.rejected_by_code.get(decision.code, 0) + 1
@@ -355,7 +278,7 @@ class AdmissionService:
             decision.verdict.value,
             detail,
             task_id,
-            queue_depth=sum(self._turns.values()),
+            queue_depth=box.in_flight_turns,
         )
         try:  # acknowledged before the client hears no
             await asyncio.wrap_future(self._ledger.record_admission_event(event))
@@ -367,23 +290,24 @@ class AdmissionService:
         """state["admission"]: totals, rates over the last minute, refusals by code, and
         what each tenant holds now."""
         now = self._clock.now()
-        self._forget_idle(now)
+        tenants = self._tasks.tenant_loads(now)
         return {
             "accepted": self.accepted,
             "rejected": self.rejected,
             "accept_rate_per_s": round(self._accept_rate.per_s(now), 6),
             "reject_rate_per_s": round(self._reject_rate.per_s(now), 6),
             "by_reason": dict(self.rejected_by_code),
-            "in_flight_turns": sum(self._turns.values()),
-            "open_tasks": sum(self._open.values()),
+            "in_flight_turns": sum(t.in_flight_turns for t in tenants.values()),
+            "open_tasks": sum(t.open_tasks for t in tenants.values()),
             "tenants": {
-                t: {"in_flight_turns": self._turns.get(t, 0), "open_tasks": self._open.get(t, 0)}
-                for t in sorted(self._turns.keys() | self._open.keys())
+                t: {"in_flight_turns": load.in_flight_turns, "open_tasks": load.open_tasks}
+                for t, load in sorted(tenants.items())
             },
         }
 
     def metric_families(self) -> Iterator[Metric]:
         """Its Prometheus metrics (`appliance_admission_*`)."""
+        box = BoxLoad(self._tasks.tenant_loads(self._clock.now()), ())
         yield CounterMetricFamily(
             "appliance_admission_accepted", "Tasks and turns admission let in.", self.accepted
         )
@@ -398,18 +322,10 @@ class AdmissionService:
         yield GaugeMetricFamily(
             "appliance_admission_in_flight_turns",
             "Admitted turns not finished yet.",
-            sum(self._turns.values()),
+            box.in_flight_turns,
         )
         yield GaugeMetricFamily(
             "appliance_admission_open_tasks",
             "Open tasks admission counts.",
-            sum(self._open.values()),
+            box.open_tasks,
         )
-
-
-def _decrement(counts: dict[TenantId, int], tenant: TenantId) -> None:
-    left = counts.get(tenant, 0) - 1
-    if left > 0:
-        counts[tenant] = left
-    else:
-        counts.pop(tenant, None)

@@ -6,6 +6,9 @@ failed, cancelled); a second terminal event is a conflict. Cancelling a task can
 open descendants too. Every change is written to the ledger where it is made; a
 cancellation is also told to the operator's event feed (one event per cancel, naming how
 many open descendants went with it).
+
+The book also keeps what admission counts of its tasks (services/task_load.py), which
+admission reads through its `TaskView`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from appliance.domain.records import (
     TurnRecord,
     can_transition,
 )
+from appliance.policy.admission import ParentLoad, TenantLoad
 from appliance.ports import Ledger
 from appliance.services.events import EventFeed, EventKind
+from appliance.services.task_load import Standing, TaskLoad, TaskLoads
 
 
 class TaskError(ApplianceError):
@@ -56,13 +61,22 @@ class TaskState:
     """Sum of the ledger's costs of this task's attempts (children not included)."""
     written: Future[None] | None = None
     """The ledger write of the latest change; await it before telling a client it is done."""
+    load: TaskLoad = field(default_factory=TaskLoad)
+
+    @property
+    def unseen(self) -> bool:
+        """Taken back after a restart and named by no turn since."""
+        return self.load.standing is Standing.UNSEEN
 
 
 class TaskBook:
-    def __init__(self, ledger: Ledger, events: EventFeed | None = None) -> None:
+    def __init__(
+        self, ledger: Ledger, events: EventFeed | None = None, *, idle_s: float = 600.0
+    ) -> None:
         self._ledger = ledger
         self._events = events
         self._tasks: dict[TaskId, TaskState] = {}
+        self._loads = TaskLoads(self._tasks.get, idle_s)
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
@@ -100,10 +114,12 @@ class TaskBook:
             parent.key if parent else None,
             task_class,
             now + deadline_s if deadline_s is not None else None,
+            load=TaskLoad(parent.load.depth + 1 if parent else 0, max_children),
         )
         self._tasks[key] = state
         if parent is not None:
             parent.children.append(key)
+        self._loads.count(state, now)
         # Not awaited here: the writer keeps order, so the task row lands before its turns;
         # the API awaits `written` where a client is told the task exists.
         state.written = self._ledger.record_task(
@@ -131,9 +147,11 @@ class TaskBook:
             parent = self._tasks.get(state.parent) if state.parent else None
             if parent is not None:
                 parent.children.append(key)
+                state.load.depth = parent.load.depth + 1
 
     def drop(self, state: TaskState) -> None:
         """Forgets a task whose creation the ledger refused: memory never runs ahead of it."""
+        self._loads.let_go(state)
         self._tasks.pop(state.key, None)
         parent = self._tasks.get(state.parent) if state.parent else None
         if parent is not None and state.key in parent.children:
@@ -147,11 +165,16 @@ class TaskBook:
         *,
         parent_id: str | None = None,
         deadline_s: float | None = None,
+        one_turn: bool = False,
     ) -> TaskState:
-        """The task a turn names, created on its first turn (with the turn's X-Deadline-S)."""
-        return self.get(tenant, client_id) or self.create(
-            tenant, client_id, now, parent_id=parent_id, deadline_s=deadline_s
-        )
+        """The task a turn names, created on its first turn (with the turn's X-Deadline-S);
+        `one_turn`: a task of that turn alone (the turn named none)."""
+        known = self.get(tenant, client_id)
+        if known is not None:
+            return known
+        state = self.create(tenant, client_id, now, parent_id=parent_id, deadline_s=deadline_s)
+        state.load.one_turn = one_turn
+        return state
 
     def event(
         self,
@@ -187,6 +210,7 @@ class TaskBook:
             before = (state.status, state.verified)
             state.status = new
             state.verified = verified
+            self._loads.let_go(state)  # for good: a refused write leaves it uncounted
             # A refused write takes the change back (the writer's thread: two assignments).
             state.written.add_done_callback(lambda f: _undo(f, state, before))
         if kind == TaskEventType.CANCELLED and announce and self._events is not None:
@@ -258,6 +282,32 @@ class TaskBook:
             },
             "children": [self.tree(self._tasks[c]) for c in state.children if c in self._tasks],
         }
+
+    # --- turns, and what admission reads (its TaskView) --------------------------------
+
+    def turn_began(self, state: TaskState, now: float) -> None:
+        """A model turn of the task was admitted and starts now."""
+        state.turns += 1
+        self._loads.turn_began(state, now)
+
+    def turn_ended(self, state: TaskState, now: float) -> None:
+        """The turn's answer (or its stream) has ended, however it ended."""
+        self._loads.turn_ended(state, now)
+
+    def find(self, key: TaskId) -> TaskState | None:
+        return self._tasks.get(key)
+
+    def parent_load(self, key: TaskId) -> ParentLoad | None:
+        """The task as the parent of a new one; None when the book has no such task."""
+        state = self._tasks.get(key)
+        if state is None:
+            return None
+        load = state.load
+        return ParentLoad(state.client_id, load.open_children, load.max_children, load.depth)
+
+    def tenant_loads(self, now: float) -> dict[str, TenantLoad]:
+        """Turns in flight and counted open tasks per tenant, as of `now`."""
+        return self._loads.tenant_loads(now)
 
 
 def _undo(written: Future[None], state: TaskState, before: tuple[TaskStatus, bool | None]) -> None:

@@ -8,8 +8,9 @@ else of a turn's life is in the HTTP layer. A session's next chat turn that only
 text may be placed and forwarded before it is tokenised (`TurnInput.estimate` says how long
 it likely is): what it shares with the last turn is that turn's prompt, whose chain is
 known, and it is tokenised and hashed while the worker prefills, ready for the turn after
-it. Admission's ticket and the session's in-flight count are released when the answer is
-complete, or for a stream when it ends, however it ends.
+it. Admission decides; the task book opens the task and counts the turn in flight until
+the answer is complete, or for a stream until it ends, however it ends (the session's
+in-flight count likewise).
 
 Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
 attempt and the turn is placed again, once, without it; a 4xx goes back to the client as
@@ -35,7 +36,8 @@ from appliance.domain.errors import (
 )
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
-from appliance.services.admission import AdmissionService, TurnTicket, resident_hint
+from appliance.services.admission import AdmissionService, resident_hint
+from appliance.services.flights import Flight, Flights
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
@@ -96,8 +98,7 @@ class TurnDesk:
         self._workers = workers
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
-        self._flights: dict[TaskId, set[Flight]] = {}
-        """Turns in flight by task: what `stop` ends."""
+        self._flights = Flights()
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -115,18 +116,23 @@ class TurnDesk:
             n_prompt = len(ids)
         client_task = t.task_id or f"turn-{uuid.uuid4().hex[:16]}"
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
-        ticket = await self._admit(t, client_task, n_prompt, session, queues)
+        await self._admit(t, client_task, n_prompt, session, queues)
         streaming = False
         task: TaskState | None = None
         flight: Flight | None = None
         try:
             now = self._clock.now()
             task = self._tasks.ensure(
-                t.tenant, client_task, now, parent_id=t.parent_task_id, deadline_s=t.deadline_s
+                t.tenant,
+                client_task,
+                now,
+                parent_id=t.parent_task_id,
+                deadline_s=t.deadline_s,
+                one_turn=t.task_id is None,
             )
+            self._tasks.turn_began(task, now)
             turn = _turn_request(t, task, ids, chat, tokenize if ids is None else None, n_prompt)
-            task.turns += 1
-            flight = self._flying(task.key)
+            flight = self._flights.take_off(task.key)
             try:
                 reply = await self.handle(turn, queues, flight)
             except asyncio.CancelledError:
@@ -136,19 +142,19 @@ class TurnDesk:
                 raise TaskError(f"task {client_task} was cancelled", code="task_cancelled",
                                 http_status=409) from None  # fmt: skip
             reply = replace(reply, headers={**reply.headers, "X-Task-ID": client_task})
-            if reply.chunks is not None:  # the ticket goes when the stream ends
+            if reply.chunks is not None:  # the turn ends when the stream ends
                 streaming = True
-                return replace(reply, on_end=partial(self._ended, ticket, task.key, flight))
+                return replace(reply, on_end=partial(self._ended, task, flight))
             return reply
         finally:
             if not streaming:
-                self._ended(ticket, task.key if task is not None else None, flight)
+                self._ended(task, flight)
 
-    def _ended(self, ticket: TurnTicket | None, task: TaskId | None, flight: Flight | None) -> None:
-        if ticket is not None:
-            ticket.release()
-        if task is not None and flight is not None:
-            self._landed(task, flight)
+    def _ended(self, task: TaskState | None, flight: Flight | None) -> None:
+        if task is not None:
+            self._tasks.turn_ended(task, self._clock.now())
+            if flight is not None:
+                self._flights.land(task.key, flight)
 
     def _known_task(self, t: TurnInput) -> TaskState | None:
         """The open task the turn names, if it exists; a closed one (succeeded, failed,
@@ -163,27 +169,9 @@ class TurnDesk:
         return known
 
     def stop(self, task: TaskId) -> int:
-        """Ends the task's turns in flight (its cancellation): a turn waiting on its worker is
-        cancelled there and answered 409, a stream being relayed ends with an error event;
-        either way the worker's request is closed, which aborts it. How many it ended."""
-        flights = self._flights.get(task, set())
-        for flight in flights:
-            flight.stopped = True
-            if not flight.relaying and flight.task is not None:
-                flight.task.cancel()
-        return len(flights)
-
-    def _flying(self, task: TaskId) -> Flight:
-        flight = Flight(asyncio.current_task())
-        self._flights.setdefault(task, set()).add(flight)
-        return flight
-
-    def _landed(self, task: TaskId, flight: Flight) -> None:
-        flights = self._flights.get(task)
-        if flights is not None:
-            flights.discard(flight)
-            if not flights:
-                del self._flights[task]
+        """Ends the task's turns in flight (its cancellation; services/flights.py): how
+        many it ended."""
+        return self._flights.stop(task)
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
@@ -199,16 +187,15 @@ class TurnDesk:
         n_prompt: int,
         session: SessionState | None,
         queues: dict[WorkerId, float],
-    ) -> TurnTicket | None:
-        """Admission's ticket for this turn (None without admission); raises when refused."""
+    ) -> None:
+        """Admission's decision on this turn (none without admission); raises when refused."""
         if self._admission is None:
-            return None
+            return
         parent = self._tasks.key(t.tenant, t.parent_task_id) if t.parent_task_id else None
-        return await self._admission.admit_turn(
+        await self._admission.admit_turn(
             t.tenant,
             self._tasks.key(t.tenant, client_task),
             parent=parent,
-            one_turn=t.task_id is None,
             deadline_s=t.deadline_s,
             priority=t.priority,
             prompt_tokens=n_prompt,
@@ -387,17 +374,6 @@ def _turn_request(
         estimated_tokens=n_prompt,
         received_at=t.received_at,
     )
-
-
-@dataclass(eq=False)
-class Flight:
-    """One turn in flight, as its task's cancellation reaches it."""
-
-    task: asyncio.Task[Any] | None
-    """The request's own task, cancelled while it waits on its worker."""
-    stopped: bool = False
-    relaying: bool = False
-    """Its stream is being relayed: it stops at its next chunk instead."""
 
 
 class _Soon:

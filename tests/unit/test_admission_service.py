@@ -1,11 +1,13 @@
-"""The admission service: its counters, its ledger rows (the real writer on a temporary
-file), the operator feed, the state snapshot and the release of streamed turns."""
+"""The admission service over the task book, as the task routes and the turn desk drive
+them (admission judges, the book opens the task and starts the turn): the counts, the
+ledger rows (the real writer on a temporary file), the operator feed, the state snapshot
+and the end of streamed turns."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,18 +19,26 @@ from hypothesis import strategies as st
 
 from appliance.api.model_route import RelayedStream
 from appliance.domain.block_hash import BlockHashChain
-from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.domain.records import (
+    OpenTask,
+    SessionId,
+    TaskEventType,
+    TaskId,
+    TenantId,
+    WorkerId,
+)
 from appliance.ledger import LedgerWriter
-from appliance.policy.admission import AdmissionLimits
+from appliance.policy.admission import AdmissionLimits, AdmitDecision
 from appliance.services.admission import (
     AdmissionRefused,
     AdmissionService,
-    TurnTicket,
+    WorkerEstimator,
     resident_hint,
 )
 from appliance.services.events import EventFeed
 from appliance.services.sessions import SessionState
-from tests.fakes import LinearCost, ManualClock
+from appliance.services.tasks import TaskBook
+from tests.fakes import AckLedger, LinearCost, ManualClock
 
 A, B = TenantId("a"), TenantId("b")
 W0, W1 = WorkerId("w0"), WorkerId("w1")
@@ -43,11 +53,16 @@ class Worker:
     client: Any = None
 
 
+End = Callable[[], None]
+"""Ends a turn, as the turn desk does when its answer or stream has ended."""
+
+
 @dataclass
 class Box:
     clock: ManualClock
     feed: EventFeed
     service: AdmissionService
+    book: TaskBook
     db: Path
     workers: list[Worker]
     queues: dict[WorkerId, float] = field(default_factory=dict)
@@ -56,9 +71,48 @@ class Box:
         with closing(sqlite3.connect(self.db)) as conn:
             return conn.execute(sql).fetchall()
 
+    async def task(
+        self,
+        tenant: TenantId,
+        name: str,
+        *,
+        parent: str | None = None,
+        max_children: int | None = None,
+        deadline_s: float | None = None,
+    ) -> AdmitDecision | None:
+        """As POST /v1/tasks: admission judges the task, then the book opens it."""
+        decision = await self.service.admit_task(
+            tenant, key(tenant, name), parent=_k(tenant, parent), deadline_s=deadline_s
+        )
+        if decision is not None:
+            self.book.create(tenant, name, self.clock.now(), parent_id=parent,
+                             deadline_s=deadline_s, max_children=max_children)  # fmt: skip
+        return decision
+
+    async def turn(
+        self, tenant: TenantId, name: str, *, parent: str | None = None, one_turn: bool = False,
+        deadline_s: float | None = None, **judged: Any,
+    ) -> End:  # fmt: skip
+        """As the turn desk: admission judges the turn, then the book opens its task (on its
+        first turn) and starts the turn."""
+        await self.service.admit_turn(tenant, key(tenant, name), parent=_k(tenant, parent),
+                                      deadline_s=deadline_s, **judged)  # fmt: skip
+        state = self.book.ensure(tenant, name, self.clock.now(), parent_id=parent,
+                                 deadline_s=deadline_s, one_turn=one_turn)  # fmt: skip
+        self.book.turn_began(state, self.clock.now())
+        return lambda: self.book.turn_ended(state, self.clock.now())
+
+    def close(self, tenant: TenantId, name: str) -> None:
+        """The task's terminal event."""
+        self.book.event(tenant, name, TaskEventType.SUCCEEDED, self.clock.now())
+
 
 def key(tenant: str, client_id: str) -> TaskId:
     return TaskId(f"{tenant}/{client_id}")
+
+
+def _k(tenant: str, name: str | None) -> TaskId | None:
+    return key(tenant, name) if name is not None else None
 
 
 @pytest.fixture
@@ -74,18 +128,21 @@ def make_box(ledger: LedgerWriter, **limits: Any) -> Box:
     queues: dict[WorkerId, float] = {}
     idle_s = limits.pop("task_idle_s", 600.0)
     slowdown: dict[WorkerId, float] = limits.pop("slowdown", {})
+    book = TaskBook(AckLedger(), idle_s=idle_s)
     service = AdmissionService(
         limits=AdmissionLimits(**{"retry_after_s": 3.0, **limits}),
+        tasks=book,
+        estimator=WorkerEstimator(
+            lambda: workers,
+            lambda w: queues.get(w.id, 0.0),
+            LinearCost(),
+            lambda w: slowdown.get(w, 1.0),
+        ),
         ledger=ledger,
         clock=clock,
-        workers=lambda: workers,
-        queue_s=lambda w: queues.get(w.id, 0.0),
-        cost=LinearCost(),
-        task_idle_s=idle_s,
         events=feed,
-        slowdown=lambda w: slowdown.get(w, 1.0),
     )
-    return Box(clock, feed, service, ledger.path, workers, queues)
+    return Box(clock, feed, service, book, ledger.path, workers, queues)
 
 
 def run(coro: Any) -> Any:
@@ -101,10 +158,10 @@ def refused(coro: Any) -> AdmissionRefused:
 def test_a_child_beyond_max_children_is_refused_recorded_and_counted(ledger: LedgerWriter) -> None:
     box = make_box(ledger)
     s = box.service
-    run(s.admit_task(A, key("a", "p"), max_children=2))
+    run(box.task(A, "p", max_children=2))
     for c in ("c1", "c2"):
-        run(s.admit_task(A, key("a", c), parent=key("a", "p")))
-    err = refused(s.admit_task(A, key("a", "c3"), parent=key("a", "p")))
+        run(box.task(A, c, parent="p"))
+    err = refused(box.task(A, "c3", parent="p"))
     assert (err.http_status, err.code, err.retry_after_s) == (429, "children_cap", 3.0)
     assert "task p has 2 open children; its max_children is 2" in err.message
     # The ledger acknowledged the row before the refusal was raised.
@@ -122,119 +179,101 @@ def test_a_child_beyond_max_children_is_refused_recorded_and_counted(ledger: Led
 
 
 def test_a_closed_child_frees_its_place(ledger: LedgerWriter) -> None:
-    s = make_box(ledger).service
-    run(s.admit_task(A, key("a", "p"), max_children=1))
-    run(s.admit_task(A, key("a", "c1"), parent=key("a", "p")))
-    refused(s.admit_task(A, key("a", "c2"), parent=key("a", "p")))
-    s.task_closed(key("a", "c1"))
-    s.task_closed(key("a", "c1"))  # a second close changes nothing
-    run(s.admit_task(A, key("a", "c2"), parent=key("a", "p")))
-    refused(s.admit_task(A, key("a", "c3"), parent=key("a", "p")))
+    box = make_box(ledger)
+    run(box.task(A, "p", max_children=1))
+    run(box.task(A, "c1", parent="p"))
+    refused(box.task(A, "c2", parent="p"))
+    box.close(A, "c1")
+    box.close(A, "c1")  # a retried close changes nothing
+    run(box.task(A, "c2", parent="p"))
+    refused(box.task(A, "c3", parent="p"))
 
 
 def test_the_global_cap_and_depth_apply_to_tasks_opened_by_their_first_turn(
     ledger: LedgerWriter,
 ) -> None:
-    s = make_box(ledger, max_children_per_task=1, max_depth=1).service
-    ticket = run(s.admit_turn(A, key("a", "c1"), parent=key("a", "root"), one_turn=True))
-    err = refused(s.admit_turn(A, key("a", "c2"), parent=key("a", "root")))
+    box = make_box(ledger, max_children_per_task=1, max_depth=1)
+    end = run(box.turn(A, "c1", parent="root", one_turn=True))
+    err = refused(box.turn(A, "c2", parent="root"))
     assert "admission.max_children_per_task is 1" in err.message
-    ticket.release()  # a one-turn task closes with its turn
-    ticket.release()
-    run(s.admit_turn(A, key("a", "c2"), parent=key("a", "root")))
-    err = refused(s.admit_task(A, key("a", "grandchild"), parent=key("a", "c2")))
+    end()  # a one-turn task closes with its turn
+    run(box.turn(A, "c2", parent="root"))
+    err = refused(box.task(A, "grandchild", parent="c2"))
     assert err.code == "depth_cap"
 
 
 def test_a_known_task_is_not_judged_again(ledger: LedgerWriter) -> None:
-    s = make_box(ledger).service
-    assert run(s.admit_task(A, key("a", "t"))) is not None
-    assert run(s.admit_task(A, key("a", "t"))) is None
-    assert s.snapshot()["open_tasks"] == 1
+    box = make_box(ledger)
+    assert run(box.task(A, "t")) is not None
+    assert run(box.task(A, "t")) is None
+    assert box.service.snapshot()["open_tasks"] == 1
 
 
 def test_deadline_feasibility_uses_the_healthy_workers_and_the_resident_prefix(
     ledger: LedgerWriter,
 ) -> None:
     box = make_box(ledger)
-    s = box.service
     # 1000 cold tokens take 1 s anywhere: a 0.5 s deadline cannot be met.
-    err = refused(s.admit_turn(A, key("a", "t1"), deadline_s=0.5, prompt_tokens=1000))
+    err = refused(box.turn(A, "t1", deadline_s=0.5, prompt_tokens=1000))
     assert err.code == "deadline_infeasible"
     assert "prefill 1.000 s" in err.message
     # 900 resident tokens on w1: 100 fresh + 900 reused = 0.19 s.
-    ticket = run(
-        s.admit_turn(
-            A, key("a", "t1"), deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}
-        )
-    )
-    ticket.release()
+    run(box.turn(A, "t1", deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}))()
     # The same prefix on a draining worker does not count.
     box.workers[1].draining = True
-    err = refused(
-        s.admit_turn(
-            A, key("a", "t2"), deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}
-        )
-    )
+    err = refused(box.turn(A, "t2", deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}))
     assert err.code == "deadline_infeasible"
     # Queue wait adds to the prefill.
     box.workers[1].draining = False
     box.queues.update({W0: 0.4, W1: 0.4})
-    err = refused(
-        s.admit_turn(
-            A, key("a", "t3"), deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}
-        )
-    )
+    err = refused(box.turn(A, "t3", deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}))
     assert "queue 0.400 s + prefill 0.190 s" in err.message
     assert box.rows("SELECT count(*) FROM admission_events") == [(3,)]
 
 
 def test_deadline_feasibility_takes_each_workers_measured_speed(ledger: LedgerWriter) -> None:
-    s = make_box(ledger, slowdown={W1: 4.0}).service
+    box = make_box(ledger, slowdown={W1: 4.0})
     # 100 fresh + 900 reused on w1 is 0.19 s by the profile, 0.76 s at w1's speed.
-    err = refused(
-        s.admit_turn(
-            A, key("a", "t1"), deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}
-        )
-    )
+    err = refused(box.turn(A, "t1", deadline_s=0.5, prompt_tokens=1000, resident_tokens={W1: 900}))
     assert "prefill 0.760 s" in err.message
 
 
 def test_a_task_deadline_applies_to_its_later_turns(ledger: LedgerWriter) -> None:
     box = make_box(ledger)
-    run(box.service.admit_task(A, key("a", "t"), deadline_s=10.0))
-    run(box.service.admit_turn(A, key("a", "t"), prompt_tokens=10)).release()
+    run(box.task(A, "t", deadline_s=10.0))
+    run(box.turn(A, "t", prompt_tokens=10))()
     box.clock.t += 10.5
-    err = refused(box.service.admit_turn(A, key("a", "t"), prompt_tokens=10))
+    err = refused(box.turn(A, "t", prompt_tokens=10))
     assert err.code == "deadline_passed"
 
 
 def test_overload_is_503_with_the_queue_excess_as_retry_after(ledger: LedgerWriter) -> None:
     box = make_box(ledger, max_queue_s=30.0, queue_s_per_priority=10.0, priority_ceilings={"b": 1})
     box.queues.update({W0: 45.0, W1: 38.0})
-    err = refused(box.service.admit_turn(A, key("a", "t"), prompt_tokens=10))
+    err = refused(box.turn(A, "t", prompt_tokens=10))
     assert (err.http_status, err.code, err.retry_after_s) == (503, "overloaded", 8.0)
     # b's ceiling lets priority 1 tolerate 40 s; a's ceiling (0) clips its request.
-    run(box.service.admit_turn(B, key("b", "t"), prompt_tokens=10, priority=5)).release()
-    assert refused(box.service.admit_turn(A, key("a", "t"), priority=5)).code == "overloaded"
+    run(box.turn(B, "t", prompt_tokens=10, priority=5))()
+    assert refused(box.turn(A, "t", priority=5)).code == "overloaded"
 
 
 def test_fair_share_of_in_flight_turns(ledger: LedgerWriter) -> None:
-    s = make_box(ledger, turns_per_worker=1).service  # two workers: the box holds 2 turns
-    a1 = run(s.admit_turn(A, key("a", "t1")))
-    a2 = run(s.admit_turn(A, key("a", "t2")))
-    a3 = run(s.admit_turn(A, key("a", "t3")))  # alone, a may use everything, and more
-    b1 = run(s.admit_turn(B, key("b", "t1")))  # b is under its share of 1
-    assert refused(s.admit_turn(B, key("b", "t2"))).code == "tenant_over_share"
-    assert refused(s.admit_turn(A, key("a", "t4"))).code == "tenant_over_share"
-    for ticket in (a1, a2, a3):
-        ticket.release()
-    b2 = run(s.admit_turn(B, key("b", "t2")))
+    box = make_box(ledger, turns_per_worker=1)  # two workers: the box holds 2 turns
+    s = box.service
+    a1 = run(box.turn(A, "t1"))
+    a2 = run(box.turn(A, "t2"))
+    a3 = run(box.turn(A, "t3"))  # alone, a may use everything, and more
+    b1 = run(box.turn(B, "t1"))  # b is under its share of 1
+    assert refused(box.turn(B, "t2")).code == "tenant_over_share"
+    assert refused(box.turn(A, "t4")).code == "tenant_over_share"
+    for end in (a1, a2, a3):
+        end()
+    b2 = run(box.turn(B, "t2"))
     snap = s.snapshot()
     assert snap["in_flight_turns"] == 2
     assert snap["tenants"]["b"]["in_flight_turns"] == 2
-    b1.release()
-    b2.release()
+    b1()
+    b2()
     assert s.snapshot()["in_flight_turns"] == 0
     assert s.snapshot()["tenants"] == {
         "a": {"in_flight_turns": 0, "open_tasks": 3},
@@ -244,36 +283,64 @@ def test_fair_share_of_in_flight_turns(ledger: LedgerWriter) -> None:
 
 def test_an_idle_open_task_is_forgotten(ledger: LedgerWriter) -> None:
     box = make_box(ledger, task_idle_s=60.0)
-    s = box.service
-    run(s.admit_task(A, key("a", "p"), max_children=1))
-    run(s.admit_turn(A, key("a", "c1"), parent=key("a", "p")))  # named: stays open
+    run(box.task(A, "p", max_children=1))
+    run(box.turn(A, "c1", parent="p"))  # named: stays open
     box.clock.t += 30
-    refused(s.admit_task(A, key("a", "c2"), parent=key("a", "p")))
+    refused(box.task(A, "c2", parent="p"))
     box.clock.t += 31  # c1 was admitted 61 s ago, its turn is still in flight
-    refused(s.admit_task(A, key("a", "c2"), parent=key("a", "p")))
+    refused(box.task(A, "c2", parent="p"))
     # p itself had no turn and no new child for 61 s: it no longer counts; c1 still does.
-    assert s.snapshot()["open_tasks"] == 1
+    assert box.service.snapshot()["open_tasks"] == 1
 
 
 def test_an_idle_task_without_turns_in_flight_stops_counting(ledger: LedgerWriter) -> None:
     box = make_box(ledger, task_idle_s=60.0)
-    s = box.service
-    run(s.admit_task(A, key("a", "p"), max_children=1))
-    run(s.admit_turn(A, key("a", "c1"), parent=key("a", "p"))).release()
+    run(box.task(A, "p", max_children=1))
+    run(box.turn(A, "c1", parent="p"))()
     box.clock.t += 59
-    refused(s.admit_task(A, key("a", "c2"), parent=key("a", "p")))
+    refused(box.task(A, "c2", parent="p"))
     box.clock.t += 2
-    run(s.admit_task(A, key("a", "c2"), parent=key("a", "p")))
+    run(box.task(A, "c2", parent="p"))
     # p and c1 were idle for 61 s and are forgotten (for good); only c2 counts.
-    assert s.snapshot()["open_tasks"] == 1
+    assert box.service.snapshot()["open_tasks"] == 1
+
+
+def test_tasks_taken_back_after_a_restart_count_again_once_a_turn_names_them(
+    ledger: LedgerWriter,
+) -> None:
+    box = make_box(ledger, max_children_per_task=1)
+    box.book.restore([
+        OpenTask("a/p", "a", None, None, 990.0, None, 0, 0, 0, 0, 0.0),
+        OpenTask("a/c", "a", "a/p", None, 991.0, None, 2, 0, 0, 0, 0.0),
+        OpenTask("a/other", "a", None, None, 992.0, None, 0, 0, 0, 0, 0.0),
+    ])  # fmt: skip
+    assert box.service.snapshot()["open_tasks"] == 0
+    end = run(box.turn(A, "c"))  # judged as opening c, under its own parent
+    snap = box.service.snapshot()
+    assert (snap["open_tasks"], snap["in_flight_turns"]) == (2, 1)  # c and p, not other
+    assert refused(box.task(A, "c2", parent="p")).code == "children_cap"
+    end()
+    run(box.turn(A, "c"))()  # named again: a turn of an open task
+    assert box.service.snapshot()["accepted"] == 2
+
+
+def test_a_task_the_ledger_refused_to_create_counts_no_more(ledger: LedgerWriter) -> None:
+    box = make_box(ledger)
+    run(box.task(A, "p", max_children=1))
+    run(box.task(A, "c1", parent="p"))
+    child = box.book.get(A, "c1")
+    assert child is not None
+    box.book.drop(child)
+    assert box.service.snapshot()["open_tasks"] == 1
+    run(box.task(A, "c1", parent="p"))  # judged afresh: p has room for it again
 
 
 def test_rates_cover_the_last_minute_and_totals_stay(ledger: LedgerWriter) -> None:
     box = make_box(ledger, max_children_per_task=0)
     s = box.service
     for i in range(3):
-        run(s.admit_turn(A, key("a", f"t{i}"))).release()
-    refused(s.admit_task(A, key("a", "c"), parent=key("a", "t0")))
+        run(box.turn(A, f"t{i}"))()
+    refused(box.task(A, "c", parent="t0"))
     snap = s.snapshot()
     assert snap["accept_rate_per_s"] == pytest.approx(3 / 60, abs=1e-6)
     assert snap["reject_rate_per_s"] == pytest.approx(1 / 60, abs=1e-6)
@@ -308,12 +375,13 @@ async def _broken() -> AsyncGenerator[bytes, None]:
 def test_a_stream_releases_its_turn_however_it_ends(ledger: LedgerWriter) -> None:
     """Relayed to its end, broken off by the worker, or left by the client (sending raises):
     the turn is released once and the worker's stream is closed."""
-    s = make_box(ledger).service
+    box = make_box(ledger)
+    s = box.service
 
     async def relay(chunks: AsyncGenerator[bytes, None], send: Any) -> None:
-        ticket = await s.admit_turn(A, key("a", "t"))
+        end = await box.turn(A, "t")
         assert s.snapshot()["in_flight_turns"] == 1
-        await RelayedStream(chunks, {"X-Task-ID": "t"}, on_end=ticket.release)({}, None, send)
+        await RelayedStream(chunks, {"X-Task-ID": "t"}, on_end=end)({}, None, send)
 
     async def scenario() -> None:
         sent: list[dict[str, Any]] = []
@@ -380,11 +448,11 @@ def test_the_counters_never_let_a_cap_be_exceeded(
     """Random task creations, first turns, closes and releases: a model of open children
     per parent (from what the service admitted) never exceeds the parent's cap, and the
     in-flight count returns to zero."""
-    s = make_box(ledger, max_children_per_task=2, max_depth=3, turns_per_worker=1000).service
+    box = make_box(ledger, max_children_per_task=2, max_depth=3, turns_per_worker=1000)
     parent_of: dict[str, str | None] = {}
     open_children: dict[str, set[str]] = {}
     caps_of: dict[str, int | None] = {}
-    tickets: list[TurnTicket] = []
+    ends: list[End] = []
     n = 0
     for action, i in steps:
         names = sorted(parent_of)
@@ -395,9 +463,9 @@ def test_the_counters_never_let_a_cap_be_exceeded(
             cap = caps[i]
             try:
                 if action == "task":
-                    run(s.admit_task(A, key("a", name), parent=_k(target), max_children=cap))
+                    run(box.task(A, name, parent=target, max_children=cap))
                 else:
-                    tickets.append(run(s.admit_turn(A, key("a", name), parent=_k(target))))
+                    ends.append(run(box.turn(A, name, parent=target)))
             except AdmissionRefused:
                 continue
             parent_of[name] = target
@@ -408,16 +476,12 @@ def test_the_counters_never_let_a_cap_be_exceeded(
                 assert len(open_children[target]) <= limit
             caps_of[name] = cap if action == "task" else None
         elif action == "close" and target is not None:
-            s.task_closed(key("a", target))
+            box.close(A, target)
             above = parent_of[target]
             if above is not None:
                 open_children[above].discard(target)
-        elif action == "release" and tickets:
-            tickets.pop(i % len(tickets)).release()
-    for ticket in tickets:
-        ticket.release()
-    assert s.snapshot()["in_flight_turns"] == 0
-
-
-def _k(name: str | None) -> TaskId | None:
-    return key("a", name) if name is not None else None
+        elif action == "release" and ends:
+            ends.pop(i % len(ends))()
+    for end in ends:
+        end()
+    assert box.service.snapshot()["in_flight_turns"] == 0
