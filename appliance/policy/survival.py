@@ -20,12 +20,11 @@ drift; memory per key is fixed (two arrays of `N_BINS`).
 
 A tool class's prior (a log-normal, from a median and p95 like the workload config's
 `Dist`) enters as `prior_weight` pseudo-sessions, never forgotten, that wait alongside the
-data (prior_weight * S(t) of them still waiting at t) and end at the prior's hazard. So
-the prior's share of a bin's hazard is prior_weight / (n + prior_weight) with n sessions
-observed: a class seen a few times answers from its prior, a well-observed one from its
-data, and past the longest gap seen the prior alone sets the hazard. (Pseudo-sessions
-that waited as the prior does would let a heavy-tailed prior outweigh hundreds of
-observed sessions deep in the tail.) A key not seen yet answers from its class's prior;
+data (prior_weight * min(S(t), S_prior(t)) of them still waiting at t: no more than
+either says, see `life_table`) and end at the prior's hazard. So the prior's share of a
+bin's hazard is at most prior_weight / (n + prior_weight) with n sessions observed: a class
+seen a few times answers from its prior, a well-observed one from its data, and past the
+longest gap seen the prior alone sets the hazard. A key not seen yet answers from its class's prior;
 a class without one, or none, or a name over `MAX_CLASS_LEN` characters (never kept), from
 the tenant-wide model (every observation of the tenant); a tenant not seen yet from
 `DEFAULT_PRIOR`. A class without a prior takes the tenant-wide model's hazards, as they

@@ -143,15 +143,22 @@ def life_table(
     events: Sequence[float], censored: Sequence[float], prior: Sequence[float], weight: float
 ) -> WaitCurve:
     """Product-limit over the bins, the prior's `weight` pseudo-sessions at risk alongside
-    the data: `weight * S` of them still waiting at a bin's start, ending at the prior's
-    hazard there. A censored weight is exposed for half its bin."""
+    the data: `weight * min(S, S_prior)` of them still waiting at a bin's start, ending at
+    the prior's hazard there. A censored weight is exposed for half its bin.
+
+    No more pseudo-sessions wait than the estimate says (else a heavy-tailed prior would
+    outweigh hundreds of observed sessions deep in the tail), nor than the prior says (else
+    a short prior, whose sessions have all ended, would keep ending `weight * S` of them in
+    every bin past its reach: 400 sessions of which 3 in 4 never return, against a prior
+    of 0.5 s, read P(return) 0.51 instead of 0.25)."""
     waiting = sum(events) + sum(censored)
-    s, at_edges = 1.0, array("d", [1.0])
+    s, s_prior, at_edges = 1.0, 1.0, array("d", [1.0])
     for d, c, prior_hazard in zip(events, censored, prior, strict=True):
-        pseudo = weight * s
+        pseudo = weight * min(s, s_prior)
         exposed = waiting - c / 2 + pseudo
         if exposed > 0:
             s *= max(0.0, 1.0 - (d + pseudo * prior_hazard) / exposed)
+        s_prior *= 1.0 - prior_hazard
         waiting -= d + c
         at_edges.append(s)
     return WaitCurve(at_edges)

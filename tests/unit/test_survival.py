@@ -256,6 +256,25 @@ def test_turns_so_far_map_to_a_depth_of_at_most_four(turns: int | None, depth: i
     assert MAX_DEPTH == 4
 
 
+@pytest.mark.parametrize("share", [0.25, 0.65])
+def test_a_short_prior_does_not_pull_down_sessions_that_never_return(share: float) -> None:
+    # The api prior ends nearly every wait within seconds; 400 sessions of which a share
+    # comes back after about 10 s and the rest never does (censored at 30 min). A prior
+    # whose sessions have all ended must not keep ending some in every later bin: the
+    # estimate stays within the binomial error of 400 (3 sigma 0.065; reached: 0.01),
+    # where ending weight x S per bin read 0.51 for 0.25.
+    model = WaitSurvival(PRIORS, half_life_obs=math.inf)
+    key = WaitKey("acme", "api")
+    rng = random.Random(5)
+    for _ in range(400):
+        if rng.random() < share:
+            model.observe_gap(key, rng.lognormvariate(math.log(10.0), 0.3))
+        else:
+            model.observe_censored(key, 1800.0)
+    assert model.p_return_within(key, 0.0, 1800.0) == pytest.approx(share, abs=0.065)
+    assert model.p_return_within(key, 0.0, 100.0) == pytest.approx(share, abs=0.065)
+
+
 def test_forgetting_tracks_a_shift_in_the_waits() -> None:
     # 1,000 gaps of mean 1 s, then 600 of mean 100 s, forgotten at a half-life of 100
     # observations: 289 effective samples, a binomial error of 0.017, and a bias of about
