@@ -4,10 +4,12 @@ Model of the world: a router in front of the simulated engines sees each arrival
 and the engines' gauges (waiting queue, KV usage), and keeps what a real router keeps: an
 index of resident blocks fed by the engines' KV events (applied when a step's outputs
 become visible, as vLLM publishes them after the step), and its own account of the work it
-routed: requests in flight, prefill not yet started (tokens for Dynamo, estimated seconds
-for the appliance) and the blocks of active sequences. First tokens and finishes reach it
-through `on_step`. The policy itself is the appliance's `route` or an anchor policy, called
-unchanged: this module only builds their inputs.
+routed: requests in flight, prefill not yet started (tokens for Dynamo; for the appliance
+the live router's own queue book, `appliance.services.queue_book`, on the replay's virtual
+clock, so the replay judges the policy with the inputs it has live) and the blocks of
+active sequences. First tokens and finishes reach it through `on_step`. The policy itself
+is the appliance's `route` or an anchor policy, called unchanged: this module only builds
+their inputs.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from dataclasses import dataclass
 
 from appliance.domain.block_hash import BlockHasher, cacheable_tokens, event_block_hash
 from appliance.domain.kv_index import KvIndex
-from appliance.domain.records import WorkerId
+from appliance.domain.records import TurnId, WorkerId
 from appliance.perf.latency import LatencyModel
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
+from appliance.services.queue_book import QueueBook
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.virtual import EngineView
 
@@ -37,6 +40,19 @@ _USES_KEYS = _USES_INDEX | {"sglang-cache-aware"}
 
 def worker_url(i: int) -> str:
     return f"http://127.0.0.1:{8100 + i}"
+
+
+class VirtualClock:
+    """The replay's time, as the live services read a clock: set by the replay's events."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        raise RuntimeError("the replay's clock does not sleep: time moves with its events")
 
 
 @dataclass(slots=True)
@@ -71,7 +87,8 @@ class PolicyRouter:
         self.ids = [WorkerId(f"w{i}") for i in range(workers)]
         self.in_flight = [0] * workers
         self.prefill_tokens = [0] * workers
-        self.pending_s: list[dict[str, float]] = [{} for _ in range(workers)]
+        self.clock = VirtualClock()
+        self.queues = QueueBook(latency, self.clock)
         self.active: list[Counter[int]] = [Counter() for _ in range(workers)]
         self.live: dict[str, _Live] = {}
         self.home: dict[str, int] = {}
@@ -98,7 +115,8 @@ class PolicyRouter:
         self.in_flight[w] += 1
         self.prefill_tokens[w] += fresh
         if self.name == APPLIANCE:
-            self.pending_s[w][req.request_id] = self.latency.prefill_s(fresh, cached)
+            prefill_s = self.latency.prefill_s(fresh, cached)
+            self.queues.sent(self.ids[w], TurnId(req.request_id), prefill_s, req.arrival_s)
         full = keys[: n // self.bs]
         if self.name == "dynamo-kv":
             self.active[w].update(full)
@@ -121,7 +139,8 @@ class PolicyRouter:
     ) -> tuple[int, str]:
         n = len(req.prompt_token_ids)
         cap = cacheable_tokens(n, self.bs)
-        queues = [sum(p.values()) for p in self.pending_s]
+        self.clock.t = req.arrival_s
+        queues = [self.queues.routed_s(wid, req.arrival_s) for wid in self.ids]
         total = sum(queues)
         home = self.home.get(req.session_id) if req.session_id else None
         workers = [
@@ -181,6 +200,7 @@ class PolicyRouter:
     # --- watching ---
 
     def on_step(self, i: int, now: float, result: StepResult) -> None:
+        self.clock.t = now
         if self.index is not None:
             for event in result.events:
                 self.index.apply(self.ids[i], event)
@@ -191,11 +211,14 @@ class PolicyRouter:
             if out.first_token and live.prefilling:
                 live.prefilling = False
                 self.prefill_tokens[live.worker] -= live.fresh_tokens
-                self.pending_s[live.worker].pop(out.request_id, None)
+                self.queues.first_byte(self.ids[live.worker], TurnId(out.request_id))
                 if live.session is not None:
                     self.home[live.session] = live.worker
             if out.finished:
                 del self.live[out.request_id]
+                if self.name == APPLIANCE:
+                    wid, turn = self.ids[live.worker], TurnId(out.request_id)
+                    self.queues.ended(wid, turn, failed=False)
                 self.in_flight[live.worker] -= 1
                 active = self.active[live.worker]
                 for k in live.keys if self.name == "dynamo-kv" else ():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.domain.records import TurnId, WorkerId
 from appliance.policy.routing import RouteKind
 from appliance.replay import POLICY_NAMES, render_table, run_replay
 from appliance.replay.bounds import compute_bounds
@@ -19,8 +20,9 @@ from appliance.replay.progress import ProgressBar
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import fitting, make_engines, make_setup, replay_policy
 from appliance.replay.traces import load_trace
+from appliance.sim.engine_io import SimRequest
 from appliance.sim.trace import BlockTokens, trace_arrivals
-from appliance.sim.virtual import replay
+from appliance.sim.virtual import EngineView, replay
 from tests.paths import MOONCAKE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +138,24 @@ def test_session_hash_keeps_every_session_on_one_worker(small: Path) -> None:
     assert all(len(ws) == 1 for ws in where.values())
     assert len({next(iter(ws)) for ws in where.values()}) > 1
     assert not router.live and sum(router.in_flight) == 0  # every request accounted back
+
+
+def test_the_appliance_router_estimates_queues_with_the_live_queue_book() -> None:
+    # What the router sent counts only for the prefill the worker cannot have done yet,
+    # one request after another, as live: a second request's estimate waits for the first.
+    setup, latency = make_setup(workers=2, hbm_gib=1.0)
+    engines = make_engines(setup, latency)
+    router = PolicyRouter("appliance", workers=2, hasher=engines[0].hasher, latency=latency)
+    w0 = WorkerId("w0")
+    views = [EngineView(i, 0, 0, 0.0, e) for i, e in enumerate(engines)]
+    first = SimRequest("a", list(range(4096)), 1, arrival_s=0.0, session_id="a")
+    assert router(first, views) == 0
+    one = latency.prefill_s(4096, 0)
+    assert router.queues.routed_s(w0, 0.0) == pytest.approx(one)
+    assert router.queues.routed_s(w0, one / 2) == pytest.approx(one / 2)
+    assert router.queues.routed_s(w0, one * 2) == 0.0  # done by now, first token or not
+    router.queues.first_byte(w0, TurnId("a"))
+    assert router.queues.routed_s(w0, 0.0) == 0.0
 
 
 def test_replay_is_deterministic(small: Path) -> None:
