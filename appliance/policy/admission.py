@@ -8,7 +8,10 @@ and waits in that worker's queue, so admission is the one place that can say no 
 before any worker spends time on work that will be refused or fail late. It says no, in
 this order, when:
 
-  deadline_passed      the task's deadline is already behind `now`                   (429)
+  deadline_passed      the task's deadline (the earlier of its own and its parent's)
+                       is already behind `now`                                       (429)
+  budget_exhausted     the task, or an ancestor, has a budget and its subtree has
+                       spent it (a turn that would start past it; a new task under it) (429)
   depth_cap            a new task would sit deeper than `max_depth` below its root    (429)
   children_cap         its parent already has its cap of open children: the parent's
                        own `max_children`, clipped to `max_children_per_task` (also the
@@ -71,6 +74,7 @@ class AdmitCode(StrEnum):
 
     ADMITTED = "admitted"
     DEADLINE_PASSED = "deadline_passed"
+    BUDGET_EXHAUSTED = "budget_exhausted"
     DEPTH_CAP = "depth_cap"
     CHILDREN_CAP = "children_cap"
     OVERLOADED = "overloaded"
@@ -145,6 +149,8 @@ class AdmitRequest:
     """X-Priority as sent; None: not sent."""
     deadline_at: float | None = None
     """When the task must be done (Unix seconds); None: no deadline."""
+    budget_left: float | None = None
+    """The least budget left over the task and its ancestors; None: no budget."""
     parent: ParentLoad | None = None
     """Only for work that opens a task with a parent."""
 
@@ -216,6 +222,17 @@ def admit(
     )
 
 
+def effective_deadline(
+    now: float, deadline_s: float | None, parent_deadline_at: float | None
+) -> float | None:
+    """A task's deadline: the earlier of its own (`deadline_s` from `now`) and its
+    parent's; None when neither has one."""
+    own = now + deadline_s if deadline_s is not None else None
+    if own is None or parent_deadline_at is None:
+        return own if own is not None else parent_deadline_at
+    return min(own, parent_deadline_at)
+
+
 def _deny(
     code: AdmitCode,
     reason: str,
@@ -237,6 +254,20 @@ def _deadline_passed(
     late = now - request.deadline_at
     return _deny(
         AdmitCode.DEADLINE_PASSED, f"the task's deadline passed {late:.3f} s ago", priority, limits
+    )
+
+
+def _budget_exhausted(
+    request: AdmitRequest, box: BoxLoad, limits: AdmissionLimits, now: float, priority: int
+) -> AdmitDecision | None:
+    if request.budget_left is None or request.budget_left > 0:
+        return None
+    over = max(0.0, -request.budget_left)  # no "-0"
+    return _deny(
+        AdmitCode.BUDGET_EXHAUSTED,
+        f"the task tree has spent its budget ({over:.6g} over)",
+        priority,
+        limits,
     )
 
 
@@ -352,6 +383,7 @@ def _tasks(load: TenantLoad) -> int:
 _Check = Callable[[AdmitRequest, BoxLoad, AdmissionLimits, float, int], AdmitDecision | None]
 _CHECKS: tuple[_Check, ...] = (
     _deadline_passed,
+    _budget_exhausted,
     _depth_cap,
     _children_cap,
     _overloaded,

@@ -27,6 +27,7 @@ from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
 from appliance.services.queue_book import QueueBook
+from appliance.sim.clock import VirtualClock
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.virtual import EngineView
 
@@ -40,19 +41,6 @@ _USES_KEYS = _USES_INDEX | {"sglang-cache-aware"}
 
 def worker_url(i: int) -> str:
     return f"http://127.0.0.1:{8100 + i}"
-
-
-class VirtualClock:
-    """The replay's time, as the live services read a clock: set by the replay's events."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        raise RuntimeError("the replay's clock does not sleep: time moves with its events")
 
 
 @dataclass(slots=True)
@@ -139,7 +127,7 @@ class PolicyRouter:
     ) -> tuple[int, str]:
         n = len(req.prompt_token_ids)
         cap = cacheable_tokens(n, self.bs)
-        self.clock.t = req.arrival_s
+        self._tick(req.arrival_s)
         queues = [self.queues.routed_s(wid, req.arrival_s) for wid in self.ids]
         total = sum(queues)
         home = self.home.get(req.session_id) if req.session_id else None
@@ -199,8 +187,12 @@ class PolicyRouter:
 
     # --- watching ---
 
+    def _tick(self, t: float) -> None:
+        if t > self.clock.now():  # events of one instant may come in any order
+            self.clock.advance_to(t)
+
     def on_step(self, i: int, now: float, result: StepResult) -> None:
-        self.clock.t = now
+        self._tick(now)
         if self.index is not None:
             for event in result.events:
                 self.index.apply(self.ids[i], event)

@@ -42,6 +42,7 @@ from appliance.policy.admission import (
     Work,
     WorkerEstimate,
     admit,
+    effective_deadline,
 )
 from appliance.policy.routing import PrefillCost
 from appliance.ports import Clock, Ledger, WorkerEndpoint
@@ -83,6 +84,10 @@ class TaskView(Protocol):
     """What admission reads of the tasks; the task book (services/tasks.py) answers."""
 
     def find(self, key: TaskId) -> KnownTask | None: ...
+    def budget_left(self, key: TaskId) -> float | None:
+        """The least budget left over the task and its ancestors; None: no budget."""
+        ...
+
     def parent_load(self, key: TaskId) -> ParentLoad | None:
         """The task as the parent of a new one; None when there is no such task."""
         ...
@@ -208,8 +213,14 @@ class AdmissionService:
             return None
         now = self._clock.now()
         box = BoxLoad(self._tasks.tenant_loads(now), self._estimator.estimates({}, 0))
-        deadline_at = now + deadline_s if deadline_s is not None else None
-        request = AdmitRequest(tenant, Work.TASK, priority, deadline_at, self._parent_load(parent))
+        request = AdmitRequest(
+            tenant,
+            Work.TASK,
+            priority,
+            effective_deadline(now, deadline_s, self._deadline_of(parent)),
+            self._budget_of(parent),
+            self._parent_load(parent),
+        )
         return await self._judged(request, box, task_id, now)
 
     async def admit_turn(
@@ -231,21 +242,31 @@ class AdmissionService:
         now = self._clock.now()
         tenants = self._tasks.tenant_loads(now)  # first: it lets go of idle tasks
         known = self._tasks.find(task_id)
-        deadline_at = now + deadline_s if deadline_s is not None else None
-        if known is not None and known.deadline_at is not None:
-            deadline_at = min(known.deadline_at, deadline_at or known.deadline_at)
-        opens = known is None or known.unseen
         if known is not None:
             parent = known.parent  # taken back after a restart: its own parent
+            deadline_at = effective_deadline(now, deadline_s, known.deadline_at)
+            budget_left = self._tasks.budget_left(task_id)
+        else:  # opened by this turn, under its parent's deadline and budget
+            deadline_at = effective_deadline(now, deadline_s, self._deadline_of(parent))
+            budget_left = self._budget_of(parent)
+        opens = known is None or known.unseen
         request = AdmitRequest(
             tenant,
             Work.TASK_TURN if opens else Work.TURN,
             priority,
             deadline_at,
+            budget_left,
             self._parent_load(parent) if opens else None,
         )
         estimates = self._estimator.estimates(resident_tokens or {}, prompt_tokens, queues)
         return await self._judged(request, BoxLoad(tenants, estimates), task_id, now)
+
+    def _deadline_of(self, task: TaskId | None) -> float | None:
+        known = self._tasks.find(task) if task is not None else None
+        return known.deadline_at if known is not None else None
+
+    def _budget_of(self, task: TaskId | None) -> float | None:
+        return self._tasks.budget_left(task) if task is not None else None
 
     def _parent_load(self, parent: TaskId | None) -> ParentLoad | None:
         if parent is None:

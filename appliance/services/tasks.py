@@ -29,7 +29,7 @@ from appliance.domain.records import (
     TurnRecord,
     can_transition,
 )
-from appliance.policy.admission import ParentLoad, TenantLoad
+from appliance.policy.admission import ParentLoad, TenantLoad, effective_deadline
 from appliance.ports import Ledger
 from appliance.services.events import EventFeed, EventKind
 from appliance.services.task_load import Standing, TaskLoad, TaskLoads
@@ -59,6 +59,10 @@ class TaskState:
     output_tokens: int = 0
     cost: float = 0.0
     """Sum of the ledger's costs of this task's attempts (children not included)."""
+    budget: float | None = None
+    """What the task's subtree may spend, in the ledger's currency; None: no budget."""
+    tree_cost: float = 0.0
+    """Sum of the ledger's costs of the attempts of this task and its descendants."""
     written: Future[None] | None = None
     """The ledger write of the latest change; await it before telling a client it is done."""
     load: TaskLoad = field(default_factory=TaskLoad)
@@ -113,7 +117,8 @@ class TaskBook:
             now,
             parent.key if parent else None,
             task_class,
-            now + deadline_s if deadline_s is not None else None,
+            effective_deadline(now, deadline_s, parent.deadline_at if parent else None),
+            budget=budget,
             load=TaskLoad(parent.load.depth + 1 if parent else 0, max_children),
         )
         self._tasks[key] = state
@@ -254,11 +259,15 @@ class TaskBook:
         task.prompt_tokens += turn.prompt_tokens
         task.cached_tokens += turn.cached_tokens
         task.output_tokens += turn.output_tokens
+        tree = self._lineage(task)  # here, not on the writer's thread
 
         def priced(f: Future[float | None]) -> None:
-            # Runs on the ledger's writer thread; one float addition under the GIL.
+            # Runs on the ledger's writer thread; float additions under the GIL.
             if f.exception() is None and f.result() is not None:
-                task.cost += f.result() or 0.0
+                spent = f.result() or 0.0
+                task.cost += spent
+                for state in tree:
+                    state.tree_cost += spent
 
         cost.add_done_callback(priced)
 
@@ -296,6 +305,21 @@ class TaskBook:
 
     def find(self, key: TaskId) -> TaskState | None:
         return self._tasks.get(key)
+
+    def budget_left(self, key: TaskId) -> float | None:
+        """The least budget left over the task and its ancestors (each budget covers its
+        subtree's spending); None when none of them has a budget."""
+        task = self._tasks.get(key)
+        left = [s.budget - s.tree_cost for s in self._lineage(task) if s.budget is not None]
+        return min(left) if left else None
+
+    def _lineage(self, task: TaskState | None) -> list[TaskState]:
+        """The task, its parent, and so on up to its root (those still in the book)."""
+        chain = []
+        while task is not None:
+            chain.append(task)
+            task = self._tasks.get(task.parent) if task.parent is not None else None
+        return chain
 
     def parent_load(self, key: TaskId) -> ParentLoad | None:
         """The task as the parent of a new one; None when the book has no such task."""

@@ -4,6 +4,7 @@ with Retry-After, written to the ledger's admission_events, and never reach a wo
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -119,6 +120,29 @@ def test_an_infeasible_deadline_is_refused_before_any_worker_sees_it(app: App) -
     task = httpx.get(f"{app.url}/v1/tasks/late", headers=auth, timeout=10).json()
     [(created_at,)] = app.rows("SELECT created_at FROM tasks WHERE task_id = 'alice/late'")
     assert task["deadline_at"] == pytest.approx(created_at + 60, abs=1e-3)
+
+
+def test_a_task_trees_budget_binds_its_later_turns_and_children(app: App) -> None:
+    # Priced per token by default: one short turn costs about 1e-4 USD, past a budget of
+    # 1e-6. The first turn starts within the budget; once the ledger has priced it, the
+    # tree's later turns and new children are refused before any worker sees them.
+    assert app.post("/v1/tasks", {"task_id": "thrifty", "budget": 1e-6}).status_code == 201
+    assert app.chat("spend it", **{"X-Task-ID": "thrifty"}).status_code == 200
+    before = app.worker_requests()
+    for _ in range(50):  # the turn's cost is added when its ledger row is written
+        r = app.chat("and more", **{"X-Task-ID": "thrifty"})
+        if r.status_code == 429:
+            break
+        time.sleep(0.1)
+    error = _refusal(r, 429, "budget_exhausted")
+    assert "spent its budget" in error["message"]
+    r = app.post("/v1/tasks", {"task_id": "thrifty-child", "parent_task_id": "thrifty"})
+    _refusal(r, 429, "budget_exhausted")
+    r = app.chat("a child's turn", **{"X-Task-ID": "kid", "X-Parent-Task-ID": "thrifty"})
+    _refusal(r, 429, "budget_exhausted")
+    assert app.worker_requests() <= before + 1  # at most a turn priced late got through
+    rows = app.rows("SELECT count(*) FROM admission_events WHERE reason LIKE 'budget_exhausted:%'")
+    assert rows[0][0] >= 3
 
 
 def test_a_streamed_turn_is_released_when_its_stream_ends(app: App) -> None:

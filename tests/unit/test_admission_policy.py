@@ -19,6 +19,7 @@ from appliance.policy.admission import (
     Work,
     WorkerEstimate,
     admit,
+    effective_deadline,
     fair_share,
 )
 
@@ -71,6 +72,38 @@ CASES = [
         "deadline_passed",
         429,
         "passed 0.000 s ago",
+    ),
+    (
+        "a turn whose task tree has spent its budget is refused",
+        AdmitRequest("a", Work.TURN, budget_left=-0.25),
+        box(),
+        "budget_exhausted",
+        429,
+        "spent its budget (0.25 over)",
+    ),
+    (
+        "a budget spent to the last cent is spent",
+        AdmitRequest("a", Work.TASK, budget_left=0.0),
+        box(),
+        "budget_exhausted",
+        429,
+        "(0 over)",
+    ),
+    (
+        "a budget with a little left admits the turn",
+        AdmitRequest("a", Work.TURN, budget_left=1e-9),
+        box(),
+        "admitted",
+        200,
+        "admitted",
+    ),
+    (
+        "a passed deadline is said before a spent budget",
+        AdmitRequest("a", Work.TURN, deadline_at=NOW - 1.0, budget_left=-1.0),
+        box(),
+        "deadline_passed",
+        429,
+        "passed",
     ),
     (
         "queue plus prefill beyond the deadline is infeasible",
@@ -567,3 +600,19 @@ def test_fair_share_counts_only_tenants_with_load_and_the_asker() -> None:
     assert fair_share("a", {"a": 0, "b": 0}, 8, LIMITS) == 8
     assert fair_share("a", {"b": 3, "c": 0}, 8, LIMITS) == 4
     assert fair_share("b", {"big": 1, "b": 1}, 8, LIMITS) == 2
+
+
+@pytest.mark.parametrize(
+    ("deadline_s", "parent_at", "expected"),
+    [
+        (None, None, None),
+        (5.0, None, NOW + 5.0),
+        (None, NOW + 2.0, NOW + 2.0),
+        (5.0, NOW + 2.0, NOW + 2.0),  # the parent's is earlier: it binds the child
+        (1.0, NOW + 2.0, NOW + 1.0),  # the child's own is earlier
+    ],
+)
+def test_a_tasks_deadline_is_the_earlier_of_its_own_and_its_parents(
+    deadline_s: float | None, parent_at: float | None, expected: float | None
+) -> None:
+    assert effective_deadline(NOW, deadline_s, parent_at) == expected

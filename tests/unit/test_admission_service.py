@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import AsyncGenerator, Callable, Iterator
+from concurrent.futures import Future
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ from appliance.domain.records import (
     TaskEventType,
     TaskId,
     TenantId,
+    TurnId,
+    TurnOutcome,
+    TurnRecord,
     WorkerId,
 )
 from appliance.ledger import LedgerWriter
@@ -245,6 +249,57 @@ def test_a_task_deadline_applies_to_its_later_turns(ledger: LedgerWriter) -> Non
     box.clock.t += 10.5
     err = refused(box.turn(A, "t", prompt_tokens=10))
     assert err.code == "deadline_passed"
+
+
+def test_a_child_inherits_its_parents_deadline(ledger: LedgerWriter) -> None:
+    # The seed failure mode "deadline-blind admission": a parent due in 2 s; its child
+    # names no deadline of its own, and its first turn (1000 cold tokens: 1 s) waits behind
+    # 1.5 s of queue everywhere: it cannot finish by the parent's deadline.
+    box = make_box(ledger)
+    run(box.task(A, "p", deadline_s=2.0))
+    run(box.task(A, "c", parent="p"))
+    assert box.book.get(A, "c").deadline_at == box.clock.now() + 2.0
+    box.queues.update({W0: 1.5, W1: 1.5})
+    err = refused(box.turn(A, "c", prompt_tokens=1000))
+    assert err.code == "deadline_infeasible"
+    # A grandchild opened by its first turn is judged by the same deadline.
+    err = refused(box.turn(A, "g", parent="c", prompt_tokens=1000))
+    assert err.code == "deadline_infeasible"
+    box.queues.clear()
+    run(box.turn(A, "c", prompt_tokens=1000))()
+    box.clock.t += 2.5
+    assert refused(box.task(A, "late", parent="p")).code == "deadline_passed"
+
+
+def priced_turn(box: Box, tenant: TenantId, name: str, cost: float) -> None:
+    """One attempt of the task, priced by the ledger at `cost`."""
+    done: Future[float | None] = Future()
+    turn = TurnRecord(TurnId(f"{name}-{cost}"), tenant, key(tenant, name), None, W0, "m",
+                      10, 0, 1, TurnOutcome.OK, 0.0, 0.0)  # fmt: skip
+    box.book.add_turn(turn, done)
+    done.set_result(cost)
+
+
+def test_a_budget_covers_the_subtrees_spending(ledger: LedgerWriter) -> None:
+    box = make_box(ledger)
+    run(box.task(A, "root"))
+    box.book.get(A, "root").budget = 1.0
+    run(box.task(A, "child", parent="root"))
+    run(box.task(A, "other"))
+    priced_turn(box, A, "root", 0.4)
+    priced_turn(box, A, "child", 0.5)
+    assert box.book.budget_left(key(A, "child")) == pytest.approx(0.1)
+    run(box.turn(A, "child", prompt_tokens=10))()  # 0.1 left: admitted
+    priced_turn(box, A, "child", 0.1)
+    for name, parent in (("child", None), ("root", None), ("new", "root")):
+        err = refused(box.turn(A, name, parent=parent, prompt_tokens=10))
+        assert (err.http_status, err.code) == (429, "budget_exhausted")
+    assert refused(box.task(A, "late-child", parent="child")).code == "budget_exhausted"
+    run(box.turn(A, "other", prompt_tokens=10))()  # another tree is not charged
+    assert box.book.budget_left(key(A, "other")) is None
+    sql = "SELECT count(*) FROM admission_events WHERE reason LIKE 'budget_exhausted:%'"
+    refusals = box.rows(sql)
+    assert refusals == [(4,)]
 
 
 def test_overload_is_503_with_the_queue_excess_as_retry_after(ledger: LedgerWriter) -> None:
