@@ -192,6 +192,8 @@ def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
         e.hash_algo,
         "--time-scale",
         str(e.sim_time_scale),
+        "--scheduling-policy",
+        "priority",  # as the vLLM workers: turns carry their tenant-clipped priority
     ]
     if e.model:
         argv += ["--model", e.model]

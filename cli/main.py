@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import traceback
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,14 @@ import typer
 
 from appliance import bootstrap
 from appliance.domain.errors import ApplianceError
+
+
+class SimScheduling(StrEnum):
+    """vLLM's --scheduling-policy, for simulated workers run alone."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
 
 app = typer.Typer(
     name="appliance",
@@ -317,6 +326,9 @@ def sim(
     hash_algo: Annotated[str, typer.Option(help="sha256 or sha256_cbor.")] = "sha256_cbor",
     python_hash_seed: Annotated[str, typer.Option(help="The engines' PYTHONHASHSEED.")] = "0",
     time_scale: Annotated[float, typer.Option(help="2.0 runs twice as slow as the GPU.")] = 1.0,
+    scheduling_policy: Annotated[
+        SimScheduling, typer.Option(help="fcfs, or priority (the lowest value first).")
+    ] = SimScheduling.FCFS,
 ) -> None:
     """Run simulated vLLM workers alone (vLLM's HTTP, metrics and KV-event protocols)."""
     bootstrap.run_sim(
@@ -331,6 +343,7 @@ def sim(
         hash_algo=hash_algo,
         python_hash_seed=python_hash_seed,
         time_scale=time_scale,
+        scheduling_policy=scheduling_policy.value,
     )
 
 

@@ -198,6 +198,8 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         "--prefix-caching-hash-algo",
         spec.hash_algo,
         "--enable-prompt-tokens-details",
+        "--scheduling-policy",
+        "priority",  # each turn carries its tenant-clipped X-Priority (lowest value first)
         "--kv-events-config",
         json.dumps(kv_events, separators=(",", ":")),
     ]

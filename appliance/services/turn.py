@@ -42,6 +42,8 @@ class TurnRequest:
     """The prompt's likely length while `prompt_ids` is None."""
     received_at: float | None = None
     """When the whole request had arrived (time.monotonic()), if the server says."""
+    priority: int = 0
+    """X-Priority clipped to the tenant's ceiling by admission (higher runs first)."""
 
     @property
     def stream(self) -> bool:

@@ -116,7 +116,7 @@ class TurnDesk:
             n_prompt = len(ids)
         client_task = t.task_id or f"turn-{uuid.uuid4().hex[:16]}"
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
-        await self._admit(t, client_task, n_prompt, session, queues)
+        priority = await self._admit(t, client_task, n_prompt, session, queues)
         streaming = False
         task: TaskState | None = None
         flight: Flight | None = None
@@ -131,7 +131,8 @@ class TurnDesk:
                 one_turn=t.task_id is None,
             )
             self._tasks.turn_began(task, now)
-            turn = _turn_request(t, task, ids, chat, tokenize if ids is None else None, n_prompt)
+            lazy = tokenize if ids is None else None
+            turn = _turn_request(t, task, ids, chat, lazy, n_prompt, priority)
             flight = self._flights.take_off(task.key)
             try:
                 reply = await self.handle(turn, queues, flight)
@@ -187,12 +188,13 @@ class TurnDesk:
         n_prompt: int,
         session: SessionState | None,
         queues: dict[WorkerId, float],
-    ) -> None:
-        """Admission's decision on this turn (none without admission); raises when refused."""
+    ) -> int:
+        """Admission's decision on this turn (none without admission): the turn's priority,
+        clipped to its tenant's ceiling (0 without admission); raises when refused."""
         if self._admission is None:
-            return
+            return 0
         parent = self._tasks.key(t.tenant, t.parent_task_id) if t.parent_task_id else None
-        await self._admission.admit_turn(
+        decision = await self._admission.admit_turn(
             t.tenant,
             self._tasks.key(t.tenant, client_task),
             parent=parent,
@@ -202,6 +204,7 @@ class TurnDesk:
             resident_tokens=resident_hint(session, n_prompt),
             queues=queues,
         )
+        return decision.priority
 
     # --- placement and forwarding ----------------------------------------------------
 
@@ -342,6 +345,9 @@ class TurnDesk:
         body = dict(turn.body)
         body["cache_salt"] = salt
         body["session_id"] = f"{turn.tenant}/{session.session_id}"
+        # vLLM's priority scheduling runs the lowest value first; the client's own field
+        # is overwritten, so a tenant's ceiling binds.
+        body["priority"] = -turn.priority
         if turn.stream:
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True  # the ledger needs the worker's own counts
@@ -356,6 +362,7 @@ def _turn_request(
     chat: ChatTokens | None,
     tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None,
     n_prompt: int,
+    priority: int,
 ) -> TurnRequest:
     return TurnRequest(
         tenant=t.tenant,
@@ -373,6 +380,7 @@ def _turn_request(
         tokenize=tokenize,
         estimated_tokens=n_prompt,
         received_at=t.received_at,
+        priority=priority,
     )
 
 

@@ -1,0 +1,57 @@
+"""A turn's priority reaches the worker as vLLM's priority scheduling reads it, on a real
+local port: the lowest value runs first, so the desk sends the admission-clipped
+X-Priority negated, and a priority the client wrote into the body never gets through."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.engines.vllm_client import VllmClient
+from appliance.services.turn import TurnRequest
+from tests.fakes import RouterWorker, wired_desk
+
+
+def capturing_worker(bodies: list[dict[str, Any]]) -> Any:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                writer.close()
+                return
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            bodies.append(orjson.loads(await reader.readexactly(length)))
+            body = b'{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    return serve
+
+
+def test_the_worker_gets_the_clipped_priority_negated_and_never_the_clients_own() -> None:
+    bodies: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        server = await asyncio.start_server(capturing_worker(bodies), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        worker = RouterWorker(WorkerId("w0"), VllmClient(f"http://127.0.0.1:{port}"))
+        desk = wired_desk([worker]).desk
+        body = {"model": "m", "prompt": "x", "priority": -1000}  # the client asks to jump
+        for i, priority in enumerate((3, 0, -2)):
+            turn = TurnRequest(TenantId("a"), "/v1/completions", body, list(range(40 + i)),
+                               TaskId("a/t"), SessionId("s"), priority=priority)  # fmt: skip
+            await desk.handle(turn)
+        await worker.client.aclose()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert [b["priority"] for b in bodies] == [-3, 0, 2]
