@@ -205,8 +205,8 @@ def test_progress_bar_draws_on_its_stream() -> None:
 
 def test_replayed_unbounded_cache_matches_the_bound_on_a_slice() -> None:
     """One simulated worker whose cache never fills replays the first 300 requests: its
-    cache hits are the unbounded bound's within 1% (the bound is what the full-trace test
-    checks against the trace's statistics), and no-cache is its prompt total."""
+    cache hits are the unbounded bound's within 1% (the bound is what test_replay_bounds
+    checks against the trace statistics' definitions), and no-cache is its prompt total."""
     trace = load_trace(MOONCAKE, limit=300)
     setup, latency = make_setup(workers=1, hbm_gib=1200.0)
     bounds = compute_bounds(trace, setup.block_size, setup.pooled_blocks)
