@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from appliance.api.context import ApiContext, Guard
 from appliance.api.errors import RequestRefused
+from appliance.api.idempotency import IdempotencyKeys
 from appliance.api.requests import agent_headers, identifier, parse_json_body
 from appliance.domain.errors import LedgerError
 from appliance.domain.records import TaskEventType
@@ -24,13 +25,15 @@ from appliance.domain.records import TaskEventType
 class TaskRoutes:
     def __init__(self, ctx: ApiContext) -> None:
         self._ctx = ctx
+        self._keyed = IdempotencyKeys(lambda request: ctx.keys.caller(request.headers).tenant)
 
     def routes(self, guarded: Guard) -> list[Route]:
+        once = self._keyed  # changes honour Idempotency-Key
         return [
-            Route("/v1/tasks", guarded(self.create_task), methods=["POST"]),
+            Route("/v1/tasks", guarded(once(self.create_task)), methods=["POST"]),
             Route("/v1/tasks/{task_id}", guarded(self.get_task), methods=["GET"]),
-            Route("/v1/tasks/{task_id}/events", guarded(self.task_event), methods=["POST"]),
-            Route("/v1/tasks/{task_id}/cancel", guarded(self.cancel_task), methods=["POST"]),
+            Route("/v1/tasks/{task_id}/events", guarded(once(self.task_event)), methods=["POST"]),
+            Route("/v1/tasks/{task_id}/cancel", guarded(once(self.cancel_task)), methods=["POST"]),
         ]
 
     async def create_task(self, request: Request) -> Response:
