@@ -72,6 +72,12 @@ class EngineSettings(Section):
     """HTTP port of worker 0; worker i listens on base_port + i."""
     kv_events_base_port: int = Field(5557, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i."""
+    kv_retention: bool = True
+    """Load the appliance's retention connector into every vLLM worker it starts, so a
+    waiting session's KV can be held in the worker; false starts plain vLLM workers."""
+    kv_retention_base_port: int = Field(5657, ge=1, le=65535)
+    """ZMQ port on 127.0.0.1 the appliance binds for worker 0's retention control channel;
+    worker i uses +i."""
     block_size: int = Field(32, ge=1, le=1024)
     """KV block size in tokens, pinned on every worker so the router's block hashes match
     (a multiple of 32 on vLLM's CPU build)."""

@@ -63,6 +63,7 @@ def appliance_process(
         APPLIANCE_DATA_DIR=str(data_dir),
         APPLIANCE_ENGINE__BASE_PORT=str(base),
         APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
+        APPLIANCE_ENGINE__KV_RETENTION_BASE_PORT=str(free_port_block(blocks)),
         **(env or {}),
     )
     argv = [str(BIN / "appliance"), "up", "--engine", engine, "--port", str(port)]

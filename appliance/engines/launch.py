@@ -1,18 +1,20 @@
 """How a vLLM worker is started: settings in, command line and environment out (pure).
 
-Model of the world: worker i is one `python -m vllm.entrypoints.openai.api_server` (the `vllm`
-CLI fails on the CPU build) listening on base_port + i, publishing KV events to
+Model of the world: worker i is one `python -m vllm.entrypoints.openai.api_server` (the
+`vllm` CLI fails on the CPU build) listening on base_port + i, publishing KV events to
 tcp://127.0.0.1:(kv_events_base_port + i), a socket the appliance binds (vLLM connects to a
-plain tcp endpoint). Every worker gets the same block size, hash algorithm and
-PYTHONHASHSEED as the router, so the router can recompute the hashes it sees in events.
-GPU build: worker i sees its own GPUs through CUDA_VISIBLE_DEVICES (PCI bus order, so the
-indices are NVML's) and shards the model over them with tensor parallelism. CPU build: each
-worker gets its own slice of the cores (affinity set before exec, OMP_NUM_THREADS = slice
-size, one engine process: VLLM_ENABLE_V1_MULTIPROCESSING=0); two unpinned workers on the
-same cores run ten times slower. Its KV cache is sized by --kv-cache-memory-bytes: the
-configured size, or else `cpu_kv_cache_bytes` of the memory free when the workers start
-(vLLM's own default there, 0.9 of the memory node, refuses to start on any host that is
-doing something else).
+plain tcp endpoint), and loading the appliance's retention connector, whose control channel
+connects to tcp://127.0.0.1:(retention base port + i), bound by the appliance too
+(appliance/engines/retention/plugin.py: what it adds to the command and the PYTHONPATH).
+Every worker gets the same block size, hash algorithm and PYTHONHASHSEED as the router, so
+the router can recompute the hashes it sees in events. GPU build: worker i sees its own
+GPUs through CUDA_VISIBLE_DEVICES (PCI bus order, so the indices are NVML's) and shards the
+model over them with tensor parallelism. CPU build: each worker gets its own slice of the
+cores (affinity set before exec, OMP_NUM_THREADS = slice size, one engine process:
+VLLM_ENABLE_V1_MULTIPROCESSING=0); two unpinned workers on the same cores run ten times
+slower. Its KV cache is sized by --kv-cache-memory-bytes: the configured size, or else
+`cpu_kv_cache_bytes` of the memory free when the workers start (vLLM's own default there,
+0.9 of the memory node, refuses to start on any host that is doing something else).
 
 `exec_argv` wraps the command in a tiny Python trampoline that, before exec'ing vLLM, pins
 the cores and asks the kernel to SIGTERM the worker if the appliance dies (PR_SET_PDEATHSIG),
@@ -31,6 +33,7 @@ from pathlib import PurePath
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
+from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.settings import EngineSettings
 
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
@@ -89,6 +92,8 @@ class LaunchSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     entrypoint: tuple[str, ...] = ENTRYPOINT
     """What follows the interpreter: the module to run (tests put a stand-in here)."""
+    retention: RetentionLaunch | None = None
+    """The retention connector every worker loads, with its control port; None: none."""
 
     def port(self, index: int) -> int:
         return self.base_port + index
@@ -213,6 +218,9 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         args += ["--tensor-parallel-size", str(spec.gpus_per_worker)]
     if spec.enforce_eager:
         args.append("--enforce-eager")
+    if spec.retention is not None:
+        config = spec.retention.kv_transfer_config(index)
+        args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     return (*args, *spec.extra_args)
 
 
@@ -236,6 +244,8 @@ def _env(
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if cpus:
             env["OMP_NUM_THREADS"] = str(len(cpus))
+    if spec.retention is not None and (path := spec.retention.pythonpath(env.get("PYTHONPATH"))):
+        env["PYTHONPATH"] = path
     env.update(spec.extra_env)
     return env
 
@@ -322,4 +332,5 @@ def spec_from_settings(
         extra_args=tuple(engine.extra_args),
         gpu_ids=gpu_ids,
         cpu_ids=tuple(cpu_ids),
+        retention=RetentionLaunch(engine.kv_retention_base_port) if engine.kv_retention else None,
     )

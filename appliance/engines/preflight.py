@@ -157,17 +157,31 @@ def check_port_free(
 
 
 def check_ports(spec: LaunchSpec) -> None:
-    http = {spec.port(i) for i in range(spec.workers)}
-    kv = {spec.kv_events_base_port + i for i in range(spec.workers)}
-    if http & kv:
-        raise PortInUse(
-            f"engine.base_port={spec.base_port} and engine.kv_events_base_port="
-            f"{spec.kv_events_base_port} overlap for {spec.workers} workers; move one of them"
+    n = spec.workers
+    ranges = {
+        f"engine.base_port={spec.base_port}": spec.base_port,
+        f"engine.kv_events_base_port={spec.kv_events_base_port}": spec.kv_events_base_port,
+    }
+    if spec.retention is not None:
+        ranges[f"engine.kv_retention_base_port={spec.retention.base_port}"] = (
+            spec.retention.base_port
         )
-    for i in range(spec.workers):
+    names = list(ranges)
+    for a, b in ((a, b) for i, a in enumerate(names) for b in names[i + 1 :]):
+        if abs(ranges[a] - ranges[b]) < n:
+            raise PortInUse(f"{a} and {b} overlap for {n} workers; move one of them")
+    for i in range(n):
         check_port_free(spec.host, spec.port(i), f"HTTP of worker w{i}")
-    for i in range(spec.workers):
+    for i in range(n):
         check_port_free("127.0.0.1", spec.kv_events_base_port + i, f"KV events of worker w{i}")
+    if spec.retention is not None:
+        for i in range(n):
+            check_port_free(
+                "127.0.0.1",
+                spec.retention.base_port + i,
+                f"retention control of worker w{i}",
+                "choose another engine.kv_retention_base_port",
+            )
 
 
 def check_gpus(needed: Iterable[int], snapshot: GpuSnapshot | None) -> None:

@@ -2,15 +2,16 @@
 
 Model of the world: each worker is one process group (its own session), so one signal
 reaches vLLM and every process it spawned. `start()` checks first (preflight), binds the KV
-event sockets (vLLM connects to them), spawns every worker and waits for all /health 200s;
-if any fails, all are stopped and the error names the cause from the worker's log. After
-that one watcher per worker waits on its process: an exit nobody asked for is reported
-(WorkerEvent EXITED, and the KV index is told to forget the worker) and the worker is
-started again after an exponential backoff (1, 2, 4 ... 30 s); once it has exited more
-than `max_restarts_in_a_row` times in a row (staying up `stable_after_s` starts the count
-anew) it stays FAILED. A health loop polls /health and /metrics every `health_interval_s`:
-HEALTHY <-> UNHEALTHY, and a worker unhealthy for `unhealthy_restart_s` is killed (then
-restarted).
+event and retention control sockets (vLLM connects to them), spawns every worker and waits
+for all /health 200s; if any fails, all are stopped and the error names the cause from the
+worker's log. After that one watcher per worker waits on its process: an exit nobody asked
+for is reported (WorkerEvent EXITED, the KV index is told to forget the worker, and
+`retention`, the workers' retention connectors' control channels, that it holds nothing)
+and the worker is started again after an exponential backoff (1, 2, 4 ... 30 s); once it
+has exited more than `max_restarts_in_a_row` times in a row (staying up `stable_after_s`
+starts the count anew) it stays FAILED. A health loop polls /health and /metrics every
+`health_interval_s`: HEALTHY <-> UNHEALTHY, and a worker unhealthy for
+`unhealthy_restart_s` is killed (then restarted).
 
 `stop()` drains: every worker is marked `draining` (the router sends nothing new), requests
 already running or waiting finish until vllm:num_requests_running + waiting reach 0 or the
@@ -33,7 +34,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -53,6 +54,8 @@ from appliance.engines.errors import PortInUse, WorkerStartFailed
 from appliance.engines.kv_events import KvEventSubscriber
 from appliance.engines.launch import LaunchSpec, plan_workers
 from appliance.engines.preflight import preflight
+from appliance.engines.retention.client import RetentionClient
+from appliance.engines.retention.plugin import plugin_path
 from appliance.engines.supervised_worker import SupervisedWorker
 from appliance.engines.vllm_client import VllmClient
 from appliance.engines.worker_process import reap_group, signal_group
@@ -91,6 +94,9 @@ class Supervisor:
         gpu_snapshot: GpuSnapshot | None = None,
         base_env: Mapping[str, str] | None = None,
     ) -> None:
+        if spec.retention is not None and spec.retention.python_path is None:
+            path = str(log_dir / "retention-pythonpath")  # made in start()
+            spec = replace(spec, retention=replace(spec.retention, python_path=path))
         self.spec = spec
         self.timings = timings or SupervisorTimings()
         self._log_dir = log_dir
@@ -122,6 +128,8 @@ class Supervisor:
         self._stopping = False
         self._stopped = False
         self._health_task: asyncio.Task[None] | None = None
+        self.retention: RetentionClient | None = None
+        """The workers' retention connectors, once started (None: they load none)."""
 
     # --- reading ---
 
@@ -168,6 +176,7 @@ class Supervisor:
             self._log_dir.mkdir(parents=True, exist_ok=True)
             atexit.register(self.kill_now)
             self._subscribe()
+            self._bind_retention()
             for slot in self._slots:
                 await slot.spawn()
             deadline = time.monotonic() + self.timings.startup_timeout_s
@@ -228,6 +237,9 @@ class Supervisor:
             await asyncio.gather(*(s.terminate(self.timings.term_grace_s) for s in self._slots))
         finally:
             self.kill_now()  # whatever is left, e.g. after a second cancellation
+            if self.retention is not None:
+                await self.retention.aclose()
+                self.retention = None
             for slot in self._slots:
                 if slot.subscriber is not None:
                     slot.subscriber.close()
@@ -266,6 +278,23 @@ class Supervisor:
                     f"events ({exc}); choose another engine.kv_events_base_port"
                 ) from None
 
+    def _bind_retention(self) -> None:
+        """The control channels' sockets, bound before the workers connect to them."""
+        plan = self.spec.retention
+        if plan is None:
+            return
+        assert plan.python_path is not None
+        plugin_path(Path(plan.python_path))
+        endpoints = {s.handle.id: plan.endpoint(s.launch.index) for s in self._slots}
+        self.retention = RetentionClient(endpoints)
+        try:
+            self.retention.bind()
+        except zmq.ZMQError as exc:
+            raise PortInUse(
+                f"cannot bind the retention control channel ({exc}); choose another "
+                "engine.kv_retention_base_port"
+            ) from None
+
     def _kv_batch(self, worker: WorkerId, batch: KvEventBatch) -> None:
         if self._on_kv_batch is not None:
             self._on_kv_batch(worker, batch)
@@ -288,6 +317,8 @@ class Supervisor:
             if self._stopping:
                 return
             self._kv_reset(slot.handle.id, f"worker exited with code {code}")
+            if self.retention is not None:
+                self.retention.forget(slot.handle.id)  # a restarted worker holds nothing
             now = time.monotonic()
             if slot.healthy_since is not None and now - slot.healthy_since >= t.stable_after_s:
                 slot.failures = 0

@@ -21,6 +21,7 @@ from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.engines.errors import GpuNotFound, ModelNotFound, PortInUse, VllmNotInstalled
 from appliance.engines.launch import Device, LaunchSpec
 from appliance.engines.preflight import check_model, parse_probe, probe_vllm
+from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.engines.supervisor import Supervisor
 from tests.ports import free_port, free_port_block
 
@@ -117,6 +118,21 @@ def test_overlapping_port_ranges(spec: LaunchSpec, tmp_path: Path) -> None:
     port = free_port()
     err = start_fails(replace(spec, base_port=port, kv_events_base_port=port + 1), tmp_path)
     assert isinstance(err, PortInUse) and "overlap" in err.message
+    retention = RetentionLaunch(spec.kv_events_base_port + 1)
+    err = start_fails(replace(spec, retention=retention), tmp_path)
+    assert isinstance(err, PortInUse)
+    assert err.message.startswith("engine.kv_events_base_port=") and "overlap" in err.message
+
+
+def test_retention_port_in_use(spec: LaunchSpec, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        port = free_port_block(2)
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        err = start_fails(replace(spec, retention=RetentionLaunch(port)), tmp_path)
+    assert isinstance(err, PortInUse)
+    assert f"127.0.0.1:{port + 1} (retention control of worker w1) is in use" in err.message
+    assert err.message.endswith("choose another engine.kv_retention_base_port")
 
 
 def gpu(index: int) -> GpuReading:

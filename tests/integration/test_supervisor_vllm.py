@@ -14,11 +14,9 @@ import itertools
 import os
 import random
 import signal
-import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import psutil
 import pytest
@@ -31,31 +29,14 @@ from appliance.engines.preflight import probe_vllm
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.worker_process import group_alive
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from tests.loop_thread import LoopThread
 from tests.ports import free_port_block
 from tests.processes import live_children_since
 
 pytestmark = pytest.mark.vllm
-T = TypeVar("T")
 BLOCK = 32
 KV_BYTES = 4 * 2**20
 MAX_LEN = 2048
-
-
-class LoopThread:
-    """An event loop on its own thread, shared by the module's tests."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 240) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
 
 
 class Workers:

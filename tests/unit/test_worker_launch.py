@@ -21,6 +21,7 @@ from appliance.engines.launch import (
     spec_from_settings,
     split_cpus,
 )
+from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.settings import EngineSettings
 
 BASE_ENV = {
@@ -191,6 +192,38 @@ def test_kv_events_config_and_addresses() -> None:
         "endpoint": "tcp://127.0.0.1:5558",
         "topic": "kv@w1@llama",
     }
+
+
+def test_every_worker_loads_the_retention_connector_on_its_own_port() -> None:
+    spec = replace(GPU, retention=RetentionLaunch(5657, python_path="/run/plugin"))
+    launches = plan_workers(spec, {**BASE_ENV, "PYTHONPATH": "/site/extra"})
+    configs = [json.loads(flag(w.argv, "--kv-transfer-config") or "") for w in launches]
+    assert configs[1] == {
+        "kv_connector": "RetentionConnector",
+        "kv_connector_module_path": "appliance.engines.retention.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "control_endpoint": "tcp://127.0.0.1:5658",
+            "max_held_fraction": 0.8,
+            "reserve_fraction": 0.05,
+            "report_interval_s": 5.0,
+        },
+    }
+    assert configs[0]["kv_connector_extra_config"]["control_endpoint"] == "tcp://127.0.0.1:5657"
+    assert {w.env["PYTHONPATH"] for w in launches} == {
+        os.pathsep.join(["/run/plugin", "/site/extra"])
+    }
+    plain = plan_workers(GPU, BASE_ENV)[0]
+    assert flag(plain.argv, "--kv-transfer-config") is None and "PYTHONPATH" not in plain.env
+
+
+@pytest.mark.parametrize(("on", "loaded"), [(True, True), (False, False)])
+def test_the_retention_connector_is_on_unless_turned_off(on: bool, loaded: bool) -> None:
+    engine = EngineSettings(model="/m/tiny", kv_retention=on, kv_retention_base_port=6000)
+    spec = spec_from_settings(engine, python="/p", device=Device.CPU)
+    assert (spec.retention == RetentionLaunch(6000)) if loaded else spec.retention is None
+    argv = plan_workers(spec, {})[0].argv
+    assert (flag(argv, "--kv-transfer-config") is not None) == loaded
 
 
 def test_wildcard_host_is_reached_on_loopback() -> None:

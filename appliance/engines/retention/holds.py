@@ -1,0 +1,293 @@
+"""The retention connector's bookkeeping, apart from vLLM: which finished request each key
+last had, which keys are held on which blocks, and in which order holds give way.
+
+Model of the world: vLLM frees a finished request's blocks into its free queue, where the
+full ones stay findable by hash (a prefix-cache hit) until an allocation evicts them, least
+recently used first. A hold takes one reference on each of those blocks (`KvPool.hold`),
+which keeps them out of the free queue while hits still find them; giving it back drops
+the reference, so they are ordinary cached blocks again. Nothing is held unless the
+appliance asks: `finished` only remembers a key's newest request (its blocks and their
+hashes then), and a hold takes the leading blocks that still carry those hashes, since
+a hit is a prefix and a block that was evicted and reused carries another hash.
+
+A hold never makes an allocation fail: before vLLM would leave a waiting request waiting
+(`make_room`) or preempt a running one (`relieve`), holds are given back lowest priority
+first (ties: the hold asked for longest ago), never the waiting request's own session. The
+sum of held blocks stays under a cap; a hold over it displaces holds of no higher priority,
+then is cut to a prefix.
+
+Single-threaded: the connector calls it on vLLM's scheduler thread only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from appliance.engines.retention.protocol import (
+    GiveBackReason,
+    GivenBack,
+    HeldKv,
+    RetentionDirective,
+    RetentionEvictFirst,
+    RetentionHold,
+    RetentionOrder,
+    RetentionRelease,
+)
+
+Entry = tuple[object, object]
+"""(a block, the hash it carried when its request finished)."""
+
+
+class KvPool(Protocol):
+    """What the book needs of vLLM's block pool (`vllm_pool.VllmKvPool` adapts it)."""
+
+    def usable_blocks(self) -> int: ...
+
+    def free_blocks(self) -> int:
+        """Free or evictable blocks."""
+        ...
+
+    def is_cached(self, block: object, block_hash: object) -> bool:
+        """The block still carries this hash (it was not evicted since)."""
+        ...
+
+    def hold(self, blocks: Sequence[object]) -> None:
+        """One more reference on each block (out of the free queue while referenced)."""
+        ...
+
+    def give_back(self, blocks: Sequence[object], *, first: bool) -> None:
+        """Drop that reference; blocks nobody else references go to the free queue, last
+        block first, at its tail (`first`: at its head, evicted before any other)."""
+        ...
+
+    def evict_first(self, blocks: Sequence[object]) -> None:
+        """Move those of the blocks nobody references to the head of the free queue."""
+        ...
+
+
+@dataclass(slots=True)
+class _Finished:
+    groups: tuple[tuple[Entry, ...], ...]
+    """Per KV cache group, the request's full cached blocks in prefix order."""
+    version: int
+
+
+@dataclass(slots=True)
+class _Held:
+    key: str
+    blocks: tuple[object, ...]
+    tokens: int
+    until_s: float
+    priority: float
+    seq: int
+    """When it was last asked for; the older goes first among equal priorities."""
+    version: int
+    """The finished request whose blocks it holds."""
+
+
+class HoldBook:
+    def __init__(
+        self,
+        pool: KvPool,
+        block_sizes: Sequence[int],
+        *,
+        max_held_fraction: float = 0.8,
+        remember_blocks: int | None = None,
+    ) -> None:
+        self._pool = pool
+        self._block_sizes = tuple(block_sizes)
+        self._cap = int(pool.usable_blocks() * max_held_fraction)
+        self._remember = remember_blocks or 2 * pool.usable_blocks()
+        self._finished: OrderedDict[str, _Finished] = OrderedDict()
+        self._remembered = 0
+        self._holds: dict[str, _Held] = {}
+        self._given_back: list[GivenBack] = []
+        self._counter = 0
+        self.dirty = False
+        """Something changed since the last `take_given_back`."""
+
+    # --- reading ---
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self._holds.values())
+
+    def held_of(self, key: str | None) -> int:
+        held = self._holds.get(key) if key is not None else None
+        return len(held.blocks) if held is not None else 0
+
+    def __bool__(self) -> bool:
+        """True while anything is held."""
+        return bool(self._holds)
+
+    def held(self) -> tuple[HeldKv, ...]:
+        return tuple(
+            HeldKv(h.key, len(h.blocks), h.tokens, h.until_s, h.priority) for h in self._order()
+        )
+
+    def take_given_back(self) -> tuple[GivenBack, ...]:
+        """What was given back since the previous call; clears `dirty`."""
+        out, self._given_back = tuple(self._given_back), []
+        self.dirty = False
+        return out
+
+    # --- what vLLM tells ---
+
+    def finished(self, key: str, groups: Sequence[Sequence[Entry]]) -> None:
+        """`key`'s newest request finished with these full cached blocks (not held)."""
+        size = sum(len(g) for g in groups)
+        if not size:
+            return
+        old = self._finished.pop(key, None)
+        if old is not None:
+            self._remembered -= sum(len(g) for g in old.groups)
+        self._finished[key] = _Finished(tuple(tuple(g) for g in groups), self._next())
+        self._remembered += size
+        while self._remembered > self._remember and len(self._finished) > 1:
+            _, dropped = self._finished.popitem(last=False)
+            self._remembered -= sum(len(g) for g in dropped.groups)
+
+    # --- what the appliance asks ---
+
+    def apply(self, directive: RetentionDirective, now_s: float) -> None:
+        match directive:
+            case RetentionHold():
+                self._hold(directive, now_s)
+            case RetentionRelease(key=key):
+                self._give_back(key, GiveBackReason.RELEASED)
+            case RetentionEvictFirst(key=key):
+                self._evict_first(key)
+            case RetentionOrder(priorities=priorities):
+                for key, priority in priorities.items():
+                    if key in self._holds:
+                        self._holds[key].priority = priority
+                        self.dirty = True
+
+    def expire(self, now_s: float) -> None:
+        for held in [h for h in self._holds.values() if h.until_s <= now_s]:
+            self._give_back(held.key, GiveBackReason.EXPIRED)
+
+    def release_all(self, reason: GiveBackReason) -> None:
+        for key in list(self._holds):
+            self._give_back(key, reason)
+
+    # --- pressure ---
+
+    def make_room(self, need_free: int, *, protect: str | None = None) -> int:
+        """Gives holds back, in order, until `need_free` blocks are free (a waiting
+        request's need; never its own session's hold). Returns how many it gave back."""
+        given = 0
+        if self._pool.free_blocks() >= need_free:
+            return given  # the common case, before sorting anything
+        for held in self._order():
+            if self._pool.free_blocks() >= need_free:
+                break
+            if held.key != protect:
+                self._give_back(held.key, GiveBackReason.PRESSURE)
+                given += 1
+        return given
+
+    def relieve(self, reserve_free: int) -> bool:
+        """A running request is short of blocks: gives back at least one hold, then more
+        until `reserve_free` blocks are free. False when nothing was held."""
+        given = False
+        for held in self._order():
+            if given and self._pool.free_blocks() >= reserve_free:
+                break
+            self._give_back(held.key, GiveBackReason.PRESSURE)
+            given = True
+        return given
+
+    # --- the mechanism ---
+
+    def _next(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _order(self) -> list[_Held]:
+        return sorted(self._holds.values(), key=lambda h: (h.priority, h.seq))
+
+    def _hold(self, d: RetentionHold, now_s: float) -> None:
+        if d.until_s <= now_s:
+            self._give_back(d.key, GiveBackReason.EXPIRED)
+            return
+        held, done = self._holds.get(d.key), self._finished.get(d.key)
+        runs = self._cached_runs(done) if done is not None else ()
+        if held is not None and (done is None or done.version == held.version or not any(runs)):
+            held.until_s, held.priority, held.seq = d.until_s, d.priority, self._next()
+            self.dirty = True  # an extension: no newer request whose blocks are still cached
+            return
+        if done is None or not any(runs):
+            self._note(d.key, 0, GiveBackReason.NOT_FOUND)
+            return
+        runs = self._fit(d, runs, len(held.blocks) if held is not None else 0)
+        blocks = tuple(b for run in runs for b in run)
+        if not blocks:  # the cap is full of holds that come before this one
+            if held is not None:
+                self._give_back(d.key, GiveBackReason.CAPPED)
+            else:
+                self._note(d.key, 0, GiveBackReason.CAPPED)
+            return
+        # The new reference first, then the old one dropped: blocks both requests share
+        # never pass through the free queue.
+        self._pool.hold(blocks)
+        if held is not None:
+            self._pool.give_back(held.blocks, first=False)
+        tokens = len(runs[0]) * self._block_sizes[0]
+        self._holds[d.key] = _Held(
+            d.key, blocks, tokens, d.until_s, d.priority, self._next(), done.version
+        )
+        self.dirty = True
+
+    def _cached_runs(self, done: _Finished) -> tuple[tuple[object, ...], ...]:
+        """Per group, the leading blocks that still carry the hashes they finished with."""
+        runs = []
+        for group in done.groups:
+            run = []
+            for block, block_hash in group:
+                if not self._pool.is_cached(block, block_hash):
+                    break
+                run.append(block)
+            runs.append(tuple(run))
+        return tuple(runs)
+
+    def _fit(
+        self, d: RetentionHold, runs: tuple[tuple[object, ...], ...], own: int
+    ) -> tuple[tuple[object, ...], ...]:
+        """The runs within the cap: holds of no higher priority give way first (in order),
+        then the runs are cut to prefixes."""
+        want = sum(len(r) for r in runs)
+        for held in self._order():
+            if self.held_blocks - own + want <= self._cap or held.priority > d.priority:
+                break
+            if held.key != d.key:
+                self._give_back(held.key, GiveBackReason.CAPPED)
+        room = self._cap - (self.held_blocks - own)
+        if room >= want:
+            return runs
+        room = max(room, 0)
+        return tuple(r[: len(r) * room // want] for r in runs)
+
+    def _give_back(self, key: str, reason: GiveBackReason, *, first: bool = False) -> None:
+        held = self._holds.pop(key, None)
+        if held is not None:
+            self._pool.give_back(held.blocks, first=first)
+            self._note(key, len(held.blocks), reason)
+
+    def _evict_first(self, key: str) -> None:
+        done = self._finished.pop(key, None)
+        if done is not None:
+            self._remembered -= sum(len(g) for g in done.groups)
+        if key in self._holds:
+            self._give_back(key, GiveBackReason.EVICTED, first=True)
+        elif done is not None:
+            blocks = tuple(b for run in self._cached_runs(done) for b in run)
+            self._pool.evict_first(blocks)
+            self._note(key, len(blocks), GiveBackReason.EVICTED)
+
+    def _note(self, key: str, blocks: int, reason: GiveBackReason) -> None:
+        self._given_back.append(GivenBack(key, blocks, reason))
+        self.dirty = True
