@@ -5,7 +5,9 @@ concrete engines.
 `sim` runs the simulated workers, one `appliance sim` child process each; `vllm` has the
 supervisor start `vllm serve` workers; `external` connects to servers started elsewhere.
 Every kind ends up as the same worker handles behind the same client, KV-event subscribers
-and index, so the router cannot tell them apart.
+and index, so the router cannot tell them apart. With `engine.kv_retention` the vLLM and
+the simulated workers also speak the retention control protocol, each to a socket the
+appliance binds for it (`Engines.retention`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
+from appliance.engines.errors import PortInUse
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.engines.retention.client import RetentionClient
+from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.engines.worker_process import spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
@@ -45,6 +52,9 @@ class Engines:
     refresh: Callable[[], Awaitable[Any]]
     """One reading of every worker's health (where the appliance does not supervise it)
     and load."""
+    retention: RetentionClient | None = None
+    """The workers' retention control channels (None: `engine.kv_retention` is off, or
+    the workers are external)."""
 
 
 def resolve_kind(settings: Settings) -> EngineKind:
@@ -104,7 +114,7 @@ async def _vllm_engines(
 
     try:
         limit = await model_limit(supervisor.workers, name, e.max_model_len)
-        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads)
+        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads, supervisor.retention)
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 
@@ -133,15 +143,19 @@ async def _connected_engines(
         label=kind.value,
     )
     procs = []
+    retention = None
     try:
+        retention = await _bind_retention(settings, launches)
         for launch in launches:
             proc, _ = await spawn(launch, log_dir / f"sim-{launch.worker}.log")
             procs.append(proc)
         if launches:
             await _await_healthy(external, procs, log_dir)
         limit = await model_limit(external.workers, name, e.max_model_len)
-        yield Engines(kind, external.workers, name, limit, external.refresh)
+        yield Engines(kind, external.workers, name, limit, external.refresh, retention)
     finally:
+        if retention is not None:
+            await retention.aclose()
         await external.aclose()
         await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs))
 
@@ -164,6 +178,29 @@ def sim_launches(settings: Settings) -> list[WorkerLaunch]:
         )
         for i in range(e.workers)
     ]
+
+
+def _retention_launch(settings: Settings) -> RetentionLaunch | None:
+    e = settings.engine
+    return RetentionLaunch(e.kv_retention_base_port) if e.kv_retention else None
+
+
+async def _bind_retention(
+    settings: Settings, launches: Sequence[WorkerLaunch]
+) -> RetentionClient | None:
+    """The simulated workers' retention control sockets, bound before they start."""
+    plan = _retention_launch(settings)
+    if plan is None or not launches:
+        return None
+    client = RetentionClient({w.worker: plan.endpoint(w.index) for w in launches})
+    try:
+        return client.bind()
+    except zmq.ZMQError as exc:
+        await client.aclose()
+        raise PortInUse(
+            f"cannot bind the retention control channel ({exc}); choose another "
+            "engine.kv_retention_base_port"
+        ) from None
 
 
 def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
@@ -199,6 +236,8 @@ def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
         argv += ["--model", e.model]
     if e.gpu_profile:
         argv += ["--gpu-profile", str(e.gpu_profile)]
+    if (retention := _retention_launch(settings)) is not None:
+        argv += ["--retention-endpoint", retention.endpoint(index)]  # as vLLM's connector
     return argv
 
 

@@ -73,8 +73,9 @@ class EngineSettings(Section):
     kv_events_base_port: int = Field(5557, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i."""
     kv_retention: bool = True
-    """Load the appliance's retention connector into every vLLM worker it starts, so a
-    waiting session's KV can be held in the worker; false starts plain vLLM workers."""
+    """Load the appliance's retention connector into every vLLM worker it starts (and give
+    every simulated worker its control endpoint), so a waiting session's KV can be held in
+    the worker; false starts plain workers."""
     kv_retention_base_port: int = Field(5657, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's retention control channel;
     worker i uses +i."""

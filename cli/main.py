@@ -329,8 +329,16 @@ def sim(
     scheduling_policy: Annotated[
         SimScheduling, typer.Option(help="fcfs, or priority (the lowest value first).")
     ] = SimScheduling.FCFS,
+    num_gpu_blocks_override: Annotated[
+        int | None, typer.Option(help="KV blocks, the null block included (default: the GPU's).")
+    ] = None,
+    retention_endpoint: Annotated[
+        str | None,
+        typer.Option(help="ZMQ endpoint of worker 0's KV retention control; worker i: port+i."),
+    ] = None,
 ) -> None:
-    """Run simulated vLLM workers alone (vLLM's HTTP, metrics and KV-event protocols)."""
+    """Run simulated vLLM workers alone (vLLM's HTTP, metrics, KV-event and KV retention
+    protocols)."""
     bootstrap.run_sim(
         workers=workers,
         port=port,
@@ -344,6 +352,8 @@ def sim(
         python_hash_seed=python_hash_seed,
         time_scale=time_scale,
         scheduling_policy=scheduling_policy.value,
+        num_gpu_blocks=num_gpu_blocks_override,
+        retention_endpoint=retention_endpoint,
     )
 
 

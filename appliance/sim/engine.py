@@ -41,7 +41,8 @@ Public API (the server builds on these names; everything else is private):
   max_num_batched_tokens=8192, enable_prefix_caching=True, policy="fcfs",
   enable_kv_events=True)` (ValueError unless max_model_len fits in the cache and
   1 <= max_num_seqs <= max_num_batched_tokens).
-- `SimEngine(config, hasher=, latency=, residency=None, host=None, output_token_ids=None)`:
+- `SimEngine(config, hasher=, latency=, residency=None, host=None, output_token_ids=None,
+  retention=None)`:
   `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
   max_model_len tokens or more, max_tokens < 1), `abort_request(request_id, now)`,
   `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`,
@@ -95,6 +96,14 @@ or evicts it, or lets it lapse, as the answer says; a hook with `turn_arrived(re
 told of each request as it is added. A running request is never preempted for its own
 session's pin (only a request adopting a hit spares it: it may hold those very blocks).
 
+Retention (`retention=`, a `RetentionHook`, default none; the live worker's
+`retention.SimRetention`, the retention connector's twin): called where vLLM's scheduler
+calls its KV connector: at the start of each step, for each waiting request just before
+its allocation (holds are given back until its prompt fits), when a running request is
+short of blocks (holds given back: it is not scheduled this step and nobody is
+preempted, as vLLM does on `has_pending_block_frees`), and before a finished or aborted
+request's blocks are freed.
+
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
 a few microseconds per running request.
@@ -119,7 +128,7 @@ from appliance.sim.engine_stats import EngineCounters, EngineStats, engine_stats
 from appliance.sim.host_tier import HostTier
 from appliance.sim.pins import Pin
 from appliance.sim.prefix_cache import PrefixCache
-from appliance.sim.residency_hook import AfterTurn, PinDue, ResidencyHook, TurnEnd
+from appliance.sim.residency_hook import AfterTurn, PinDue, ResidencyHook, RetentionHook, TurnEnd
 from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
 
 
@@ -165,6 +174,7 @@ class SimEngine:
         residency: ResidencyHook | None = None,
         host: HostTier | None = None,
         output_token_ids: Callable[[SimRequest, int], int] | None = None,
+        retention: RetentionHook | None = None,
     ) -> None:
         if hasher.block_size != config.block_size:
             raise ValueError(
@@ -188,6 +198,9 @@ class SimEngine:
             host=host if config.enable_prefix_caching else None,
         )
         self._residency = residency
+        self._retention = retention
+        if retention is not None:
+            retention.bind(self.cache.pool)
         self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
         self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
             residency, "turn_arrived", None
@@ -237,6 +250,7 @@ class SimEngine:
             return
         if entry in self._running:
             self._running.remove(entry)
+            self._finished(entry)
             self.cache.free(entry.cache)
         elif entry in self._loading:
             self._loading.remove(entry)
@@ -275,6 +289,8 @@ class SimEngine:
         """Schedule one batch, run it on the modelled GPU and return what it produced."""
         scheduled: list[tuple[RequestState, int, int]] = []  # entry, tokens, computed before
         preempted: list[str] = []
+        if self._retention is not None:
+            self._retention.step_begins()
         if self._residency is not None:
             self._expire_pins(now)
         if self.host is not None:
@@ -361,6 +377,8 @@ class SimEngine:
                 ok = True
             else:
                 while not (ok := self.cache.allocate(creq, n) is not None):
+                    if self._retention is not None and self._retention.relieve():
+                        break  # holds given back: retried next step, nobody preempted
                     victim = self._victim()
                     vi = running.index(victim)
                     del running[vi]
@@ -400,6 +418,8 @@ class SimEngine:
             entry = waiting.peek()
             creq = entry.cache
             hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
+            if self._retention is not None and creq.num_computed_tokens == 0:
+                self._retention.admitting(creq, hit)
             if hit.num_host_tokens:
                 if not self._start_load(entry, hit, now):
                     break
@@ -478,6 +498,10 @@ class SimEngine:
         self._n.evictions += int(n > 0)
         return n
 
+    def _finished(self, entry: RequestState) -> None:
+        if self._retention is not None:
+            self._retention.finished(entry.cache, self.cache.block_ids(entry.cache))
+
     def _release(self, entry: RequestState, now: float) -> None:
         """Free a finished request's blocks as the residency hook says (vLLM's free when
         there is none)."""
@@ -541,6 +565,7 @@ class SimEngine:
             reason = "length"
         if reason is not None:
             del self._entries[req.request_id]
+            self._finished(entry)
             self._release(entry, now)
             self._n.success[reason] += 1
         out = self._output(entry, [token], reason)

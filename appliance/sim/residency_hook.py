@@ -1,12 +1,16 @@
-"""The contract between a simulated engine and a residency policy: what the engine tells
-the hook when a request finishes or a pin comes due, and what the hook answers
-(`engine.py` says how the engine carries the answer out)."""
+"""The contracts between a simulated engine and what decides where a session's KV stays:
+a residency policy (the replay's), told when a request finishes or a pin comes due, whose
+answer the engine carries out (`engine.py` says how); and the retention connector's twin
+(`retention.py`), called where vLLM's scheduler calls its KV connector."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from appliance.sim.block_pool import BlockPool
+from appliance.sim.cache_request import CacheHit, CacheRequest
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.pins import Pin
 
@@ -62,3 +66,29 @@ class ResidencyHook(Protocol):
     def after_turn(self, end: TurnEnd) -> AfterTurn: ...
 
     def pin_priority(self, pin: Pin, now: float) -> float: ...
+
+
+class RetentionHook(Protocol):
+    """Where the engine calls the retention connector's twin (`retention.SimRetention`),
+    at the points vLLM's scheduler calls a KV connector."""
+
+    def bind(self, pool: BlockPool) -> None:
+        """The engine's block pool, once built (vLLM's `bind_gpu_block_pool`)."""
+        ...
+
+    def step_begins(self) -> None:
+        """A step starts: directives and expiries, before anything is admitted."""
+        ...
+
+    def admitting(self, request: CacheRequest, hit: CacheHit) -> None:
+        """A waiting request is about to be allocated: make room for its prompt."""
+        ...
+
+    def relieve(self) -> bool:
+        """A running request is short of blocks: True when holds were given back (the
+        engine retries next step instead of preempting)."""
+        ...
+
+    def finished(self, request: CacheRequest, block_ids: Sequence[int]) -> None:
+        """A request finished or was aborted; its blocks are freed next."""
+        ...

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from appliance import eventloop
+from appliance.engines.retention.plugin import RetentionTuning
 from appliance.sim.server import create_app, make_server
 from appliance.sim.worker import SimWorker, WorkerConfig, free_port, offset_endpoint
 
@@ -51,12 +52,12 @@ async def serve_worker(
 
 class ThreadedWorker:
     """A worker serving HTTP from its own event loop in a background thread (tests, tools).
-    Port 0 picks a free port."""
+    Port 0 picks a free port. `retention`: its retention connector's settings."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, *, retention: RetentionTuning | None = None) -> None:
         if config.port == 0:
             config = replace(config, port=free_port(config.host))
-        self.worker = SimWorker(config)
+        self.worker = SimWorker(config, retention=retention)
         self.base_url = f"http://{config.host}:{config.port}"
         self._server: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,10 +97,13 @@ class ThreadedWorker:
         self.stop()
 
 
-async def serve_workers(n: int, base_port: int, **config: Any) -> None:
+async def serve_workers(
+    n: int, base_port: int, *, retention_endpoint: str | None = None, **config: Any
+) -> None:
     """Run n workers in this event loop: worker i on base_port + i, its KV events on the
-    configured endpoint's port + i. Each is a separate server (engine label "0", DP rank 0),
-    as n separate `vllm serve` processes are."""
+    configured endpoint's port + i, its retention control channel (if any) on
+    `retention_endpoint`'s port + i. Each is a separate server (engine label "0", DP rank
+    0), as n separate `vllm serve` processes are."""
     base = WorkerConfig(**config)
     workers = [
         SimWorker(
@@ -108,7 +112,8 @@ async def serve_workers(n: int, base_port: int, **config: Any) -> None:
                 port=base_port + i,
                 kv_events_endpoint=offset_endpoint(base.kv_events_endpoint, i),
                 kv_events_replay_endpoint=offset_endpoint(base.kv_events_replay_endpoint, i),
-            )
+            ),
+            retention=RetentionTuning(offset_endpoint(retention_endpoint, i)),  # None: none
         )
         for i in range(n)
     ]

@@ -9,10 +9,13 @@ times faster, for tests). Each engine step's KV events go out as one batch throu
 generation request is one or more engine requests (n choices, several prompts) whose
 outputs are routed to per-request queues; closing a stream early aborts what is left.
 Requests are timed on the worker's clock for the latency histograms of `/metrics`.
+Given `retention` (the retention connector's settings, with its control endpoint), the
+worker speaks the retention control protocol as a vLLM worker's connector does
+(`retention.py`).
 
-`serve_workers(n, base_port, ...)` runs n independent workers in one event loop, worker i on
-HTTP port base_port + i and KV-event endpoint port + i (vLLM's data-parallel offset), which
-is what `appliance sim` starts.
+`serve_workers(n, base_port, ...)` (serving.py) runs n independent workers in one event
+loop, worker i on HTTP port base_port + i and KV-event and retention endpoints port + i
+(vLLM's data-parallel offset), which is what `appliance sim` starts.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from appliance.domain.block_hash import BlockHasher
+from appliance.engines.retention.plugin import RetentionTuning
 from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_gpu_blocks
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile, load_profile
@@ -38,6 +42,7 @@ from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest, StepResult
 from appliance.sim.kv_publisher import KvEventPublisher
 from appliance.sim.metrics import FinishedRequest, SimMetrics, cache_config_labels
+from appliance.sim.retention import SimRetention
 from appliance.tokenization.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -109,7 +114,13 @@ class _Timing:
 class SimWorker:
     """An engine driven in real time, with its publisher, tokenizer and metrics."""
 
-    def __init__(self, config: WorkerConfig, *, tokenizer: ModelTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        tokenizer: ModelTokenizer | None = None,
+        retention: RetentionTuning | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         profile = load_profile(config.gpu_profile) if config.gpu_profile else bundled_profile()
@@ -129,11 +140,15 @@ class SimWorker:
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
         )
+        self.retention: SimRetention | None = None
+        if retention is not None and retention.control_endpoint:
+            self.retention = SimRetention(retention, block_size=config.block_size)
         self.engine = SimEngine(
             engine_config,
             hasher=self.hasher,
             latency=self.latency,
             output_token_ids=self._output_token,
+            retention=self.retention,
         )
         self.clock = ScaledClock(config.time_scale)
         self.metrics = SimMetrics(
@@ -163,7 +178,8 @@ class SimWorker:
     # --- lifecycle ---
 
     async def start(self) -> None:
-        """Open the publisher and start the engine loop in the running event loop."""
+        """Open the publisher and the retention channel, and start the engine loop in the
+        running event loop."""
         if self.kv_events_endpoint and self.publisher is None:
             self.publisher = KvEventPublisher(
                 self.kv_events_endpoint,
@@ -171,6 +187,8 @@ class SimWorker:
                 topic=self.config.kv_events_topic,
                 data_parallel_rank=self.config.data_parallel_rank,
             )
+        if self.retention is not None:
+            self.retention.start()
         self._stop.clear()
         self._loop_task = asyncio.create_task(
             run_engine_loop(self.engine, self.clock, self._on_step, self._wake, self._stop),
@@ -186,6 +204,8 @@ class SimWorker:
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        if self.retention is not None:
+            self.retention.close()
 
     @property
     def healthy(self) -> bool:
