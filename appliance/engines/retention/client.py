@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.domain.records import WorkerId
+from appliance.domain.retention import RetainedKv, ReturnedKv
 from appliance.engines.retention.protocol import (
     RetentionDirective,
     RetentionEvictFirst,
@@ -61,6 +62,11 @@ class WorkerRetention:
 
 
 class RetentionClient:
+    """The appliance's `ports.KvRetention` for vLLM workers."""
+
+    controls = True
+    """Directives reach the workers (`ports.KvRetention`)."""
+
     def __init__(self, endpoints: Mapping[WorkerId, str], *, backlog: int = 1000) -> None:
         self.endpoints = dict(endpoints)
         self._ctx = zmq.asyncio.Context()
@@ -135,6 +141,27 @@ class RetentionClient:
 
     def view(self, worker: WorkerId) -> WorkerRetention:
         return self._views[worker]
+
+    def retained(self, worker: WorkerId) -> dict[str, RetainedKv]:
+        """What the worker holds by key, as its latest report shows it."""
+        view = self._views.get(worker)
+        if view is None or view.report is None:
+            return {}
+        return {h.key: RetainedKv(h.key, h.tokens, h.until_s, h.priority) for h in view.report.held}
+
+    def kv_usage(self, worker: WorkerId) -> float | None:
+        """Share of the pool not free (requests' and held blocks), per the latest report."""
+        view = self._views.get(worker)
+        report = view.report if view is not None else None
+        if report is None or report.pool_blocks <= 0:
+            return None
+        return 1.0 - min(report.free_blocks, report.pool_blocks) / report.pool_blocks
+
+    async def returned(self) -> AsyncIterator[ReturnedKv]:
+        """Every hold given back, as the reports arrive (`reports`: one reader)."""
+        async for worker, report in self.reports():
+            for g in report.given_back:
+                yield ReturnedKv(worker, g.key, g.blocks, g.reason.value)
 
     def forget(self, worker: WorkerId) -> None:
         """The worker's process exited: it holds nothing, and no connector is there."""
