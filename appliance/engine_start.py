@@ -27,6 +27,7 @@ from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.engines.retention.client import RetentionClient
 from appliance.engines.worker_process import spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
@@ -45,6 +46,17 @@ class Engines:
     refresh: Callable[[], Awaitable[Any]]
     """One reading of every worker's health (where the appliance does not supervise it)
     and load."""
+    retention: RetentionClient | None = None
+    """The workers' retention connectors' control channels (vLLM with engine.kv_retention)."""
+
+    @property
+    def no_retention(self) -> str:
+        """Why the workers have no retention channel (when they have none)."""
+        if self.kind == EngineKind.VLLM:
+            return "engine.kv_retention is false"
+        if self.kind == EngineKind.SIM:
+            return "the simulated workers have no retention channel"
+        return "external vLLM workers have no retention channel"
 
 
 def resolve_kind(settings: Settings) -> EngineKind:
@@ -104,7 +116,7 @@ async def _vllm_engines(
 
     try:
         limit = await model_limit(supervisor.workers, name, e.max_model_len)
-        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads)
+        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads, supervisor.retention)
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 

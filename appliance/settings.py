@@ -227,6 +227,17 @@ class AdmissionSettings(Section):
         return self
 
 
+class ResidencySettings(Section):
+    """The idle reaper (appliance/policy/reaper.py; appliance/services/reaper_loop.py)."""
+
+    reaper: bool = True
+    """Run the idle reaper: decisions recorded, sent where workers have engine.kv_retention."""
+    max_residency_s: float = Field(1800.0, gt=0)
+    """No hold past this many seconds idle: the session is evicted and counts as abandoned."""
+    pressure_from: float = Field(0.8, ge=0, lt=1)
+    """KV usage (0..1) under which a hold costs nothing; above, what it would push out."""
+
+
 class Settings(BaseSettings):
     """The whole configuration of one appliance."""
 
@@ -250,6 +261,7 @@ class Settings(BaseSettings):
     ledger: LedgerSettings = LedgerSettings()
     costs: CostSettings = CostSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    residency: ResidencySettings = ResidencySettings()
 
     @property
     def ledger_path(self) -> Path:
