@@ -105,7 +105,8 @@ def residency_rows(kv: SessionKvNow, per_token: int) -> list[dict[str, Any]]:
         for w in kv.workers:
             n = {"gpu_held": w.held, "gpu": w.gpu - w.held, "host": w.host, "gone": w.gone}[tier]
             if n > 0:
-                row = {"worker": w.worker, "tier": tier, "tokens": n, "bytes": n * per_token}
+                row: dict[str, Any] = {"worker": w.worker, "tier": tier, "tokens": n}
+                row["bytes"] = n * per_token
                 if tier == "gpu_held":
                     row["held_until"] = w.held_until
                 rows.append(row)

@@ -80,6 +80,7 @@ class RetentionClient:
         """Workers whose connector said hello at least once."""
         self._gone: set[str] = set()
         """Incarnations of workers that exited."""
+        self._retained: dict[WorkerId, tuple[RetentionReport, dict[str, RetainedKv]]] = {}
 
     def bind(self) -> RetentionClient:
         """Binds every worker's socket (zmq.ZMQError when a port is taken) and starts
@@ -142,12 +143,18 @@ class RetentionClient:
     def view(self, worker: WorkerId) -> WorkerRetention:
         return self._views[worker]
 
-    def retained(self, worker: WorkerId) -> dict[str, RetainedKv]:
-        """What the worker holds by key, as its latest report shows it."""
+    def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
+        """What the worker holds by key, as its latest report shows it (built once a report:
+        the state asks for every session)."""
         view = self._views.get(worker)
-        if view is None or view.report is None:
+        report = view.report if view is not None else None
+        if report is None:
             return {}
-        return {h.key: RetainedKv(h.key, h.tokens, h.until_s, h.priority) for h in view.report.held}
+        cached = self._retained.get(worker)
+        if cached is None or cached[0] is not report:
+            held = {h.key: RetainedKv(h.key, h.tokens, h.until_s, h.priority) for h in report.held}
+            cached = self._retained[worker] = (report, held)
+        return cached[1]
 
     def kv_usage(self, worker: WorkerId) -> float | None:
         """Share of the pool not free (requests' and held blocks), per the latest report."""
