@@ -84,9 +84,9 @@ def _secret(data_dir: Path) -> bytes:
 
 
 async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> None:
-    """`appliance up` until cancelled: engines, the wired appliance, the API and the refresh
-    loop run under one task group; cancelling it drains the API, stops the workers and
-    closes the ledger."""
+    """`appliance up` until cancelled: engines, the wired appliance, the API, the refresh
+    loop and the idle reaper run under one task group; cancelling it drains the API, stops
+    the workers and closes the ledger."""
     check_port_free(settings.server.host, settings.server.port, "the API", "pass --port")
     data_dir = ensure_data_dir(settings.data_dir)
     with lock_data_dir(data_dir):
@@ -131,6 +131,8 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
                 engines.served_name,
                 engines.max_model_len,
                 runtime_identity(settings, kind),
+                engines.retention,
+                engines.no_retention,
             )
             wired = wire(
                 settings,
@@ -152,10 +154,13 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
             )
             async with asyncio.TaskGroup() as group:
                 serving = group.create_task(server.serve())
-                refresher = group.create_task(_refresh(engines, wired, clock, ledger))
+                loops = [group.create_task(_refresh(engines, wired, clock, ledger))]
+                if wired.reaper is not None:
+                    loops.append(group.create_task(wired.reaper.run()))
                 await _started(server, serving, ready)
                 await serving
-                refresher.cancel()
+                for loop in loops:
+                    loop.cancel()
     finally:
         ledger.close()
         if probe is not None:

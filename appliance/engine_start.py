@@ -56,6 +56,13 @@ class Engines:
     """The workers' retention control channels (None: `engine.kv_retention` is off, or
     the workers are external)."""
 
+    @property
+    def no_retention(self) -> str:
+        """Why the workers have no retention channel (when they have none)."""
+        if self.kind in (EngineKind.VLLM, EngineKind.SIM):
+            return "engine.kv_retention is false"
+        return "external vLLM workers have no retention channel"
+
 
 def resolve_kind(settings: Settings) -> EngineKind:
     kind = settings.engine.kind

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.records import (
     AdmissionEvent,
+    CacheEviction,
     CacheReceipt,
     Price,
     PriceId,
@@ -27,6 +28,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerId,
 )
+from appliance.domain.retention import RetainedKv, ReturnedKv
 from appliance.domain.worker import LoadSnapshot
 
 
@@ -62,6 +64,11 @@ class Ledger(Protocol):
         ...
 
     def record_cache_receipt(self, receipt: CacheReceipt) -> Future[None]: ...
+
+    def record_cache_eviction(self, eviction: CacheEviction) -> Future[None]:
+        """Marks the receipt of that prefix on that worker evicted, with its cause (a later
+        receipt of the same prefix there clears the mark)."""
+        ...
 
     def record_residency_event(self, event: ResidencyEvent) -> Future[None]: ...
 
@@ -150,3 +157,45 @@ class KvLookup(Protocol):
     block hashes (event form) are resident."""
 
     def lookup(self, chain: Sequence[int], *, medium: str | None = None) -> dict[WorkerId, int]: ...
+
+
+class KvRetention(Protocol):
+    """Holds on waiting sessions' KV inside the workers (vLLM: the retention connector each
+    worker loads, `engine.kv_retention`). Keys are `"{tenant}/{session}"`. A directive goes
+    out at once and takes effect at the worker's next scheduler step; each returns False when
+    it was not sent (no connector of that worker is connected). `controls` False: a
+    retention that sends nothing (plain or external vLLM, the simulator), so the reaper's
+    decisions are recorded but change nothing in the workers."""
+
+    @property
+    def controls(self) -> bool: ...
+
+    async def hold(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
+        """Hold (or extend, or move to its newest request) `key`'s cached prefix until the
+        unix time `until_s`; under pressure the lowest `priority` is given back first."""
+        ...
+
+    async def release(self, worker: WorkerId, key: str) -> bool:
+        """Stop holding: the blocks are ordinary cached blocks, least recently used first."""
+        ...
+
+    async def evict_first(self, worker: WorkerId, key: str) -> bool:
+        """Stop holding, and evict the key's blocks before any other."""
+        ...
+
+    async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
+        """New priorities for held keys."""
+        ...
+
+    def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
+        """What the worker holds, as its latest report shows it (empty: nothing, or unknown)."""
+        ...
+
+    def kv_usage(self, worker: WorkerId) -> float | None:
+        """Share of the worker's KV pool that requests and holds take (0..1; cached blocks
+        nobody holds count as free), as its latest report shows it; None: no report."""
+        ...
+
+    def returned(self) -> AsyncIterator[ReturnedKv]:
+        """Every hold a worker gives back, as its reports arrive (forever; one reader)."""
+        ...

@@ -73,9 +73,8 @@ class EngineSettings(Section):
     kv_events_base_port: int = Field(5557, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i."""
     kv_retention: bool = True
-    """Load the appliance's retention connector into every vLLM worker it starts (and give
-    every simulated worker its control endpoint), so a waiting session's KV can be held in
-    the worker; false starts plain workers."""
+    """Give every worker the appliance starts (vLLM or simulated) its retention connector, so
+    a waiting session's KV can be held in the worker; false starts plain workers."""
     kv_retention_base_port: int = Field(5657, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's retention control channel;
     worker i uses +i."""
@@ -228,6 +227,17 @@ class AdmissionSettings(Section):
         return self
 
 
+class ResidencySettings(Section):
+    """The idle reaper (appliance/policy/reaper.py; appliance/services/reaper_loop.py)."""
+
+    reaper: bool = True
+    """Run the idle reaper: decisions recorded, sent where workers have engine.kv_retention."""
+    max_residency_s: float = Field(1800.0, gt=0)
+    """No hold past this many seconds idle: the session is evicted and counts as abandoned."""
+    pressure_from: float = Field(0.8, ge=0, lt=1)
+    """KV usage (0..1) under which a hold costs nothing; above, what it would push out."""
+
+
 class Settings(BaseSettings):
     """The whole configuration of one appliance."""
 
@@ -251,6 +261,7 @@ class Settings(BaseSettings):
     ledger: LedgerSettings = LedgerSettings()
     costs: CostSettings = CostSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    residency: ResidencySettings = ResidencySettings()
 
     @property
     def ledger_path(self) -> Path:

@@ -18,19 +18,26 @@ from appliance.domain.gpu import GpuSnapshot
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
-from appliance.ledger.restore import open_tasks, recent_sessions
+from appliance.ledger.restore import open_tasks, recent_sessions, session_gaps
 from appliance.ledger.session_history import session_turns
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
+from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
-from appliance.ports import Clock, GpuProbe
+from appliance.policy.survival import WaitKey
+from appliance.policy.wait_curves import LogNormal
+from appliance.ports import Clock, GpuProbe, KvRetention
 from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
+from appliance.services.no_retention import NoRetention
 from appliance.services.placement import Placer
 from appliance.services.queue_book import QueueBook
+from appliance.services.reaper_loop import ReaperLoop
+from appliance.services.residency_inputs import LiveInputs
 from appliance.services.session_admin import SessionReleases
+from appliance.services.session_kv import SessionKv
 from appliance.services.sessions import SessionTable
 from appliance.services.state import StateSources, metrics_text, snapshot
 from appliance.services.tasks import TaskBook
@@ -40,6 +47,7 @@ from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_speed import WorkerSpeeds
 from appliance.settings import Settings
 from appliance.tokenization.tokenizer import load_tokenizer
+from appliance.workload.spec import WorkloadSpec
 
 RESTORE_WINDOW_S = 24 * 3600.0
 RESTORE_MAX = 10_000
@@ -63,6 +71,10 @@ class StartedEngines:
     served_name: str
     max_model_len: int
     runtime_identity: str
+    retention: KvRetention | None = None
+    """The workers' retention channels; None: they have none (`no_retention`)."""
+    no_retention: str = "the workers have no retention channel"
+    """Why there is none, when there is none."""
 
 
 @dataclass
@@ -72,6 +84,8 @@ class Wiring:
     speeds: WorkerSpeeds
     events: EventFeed
     gpu: GpuTick
+    reaper: ReaperLoop | None
+    """The idle reaper's loop (None: `residency.reaper` is off); the daemon runs it."""
 
 
 def wire(
@@ -95,7 +109,8 @@ def wire(
         settings, engines, ledger, feed, clock, cost, speeds, events, secret
     )
     _restore(settings.ledger_path, clock.now(), tasks, sessions)
-    releases = SessionReleases(sessions, ledger, events, profile.kv_bytes_per_token)
+    reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
+    releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     sources = StateSources(
         workers=lambda: [w.status() for w in workers()],
         desk=desk,
@@ -105,7 +120,7 @@ def wire(
         kv_bytes_per_token=profile.kv_bytes_per_token,
         currency=settings.costs.currency,
         events=events,
-        releases=releases,
+        kv=kv,
         cost_series=CostSeries(),
         admission=admission,
     )
@@ -128,11 +143,11 @@ def wire(
             sessions_admin=SessionAdmin(
                 releases,
                 lambda tenant, sid, limit: session_turns(ledger_path, tenant, sid, limit=limit),
-                desk.placer.residency,
+                kv,
             ),
         )
     )
-    return Wiring(app, desk, speeds, events, gpu)
+    return Wiring(app, desk, speeds, events, gpu, reaper)
 
 
 def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable) -> None:
@@ -140,6 +155,77 @@ def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTa
     since = now - RESTORE_WINDOW_S
     tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
     sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
+
+
+def _session_kv(
+    desk: TurnDesk,
+    ledger: LedgerWriter,
+    events: EventFeed,
+    profile: GpuProfile,
+    reaper: ReaperLoop | None,
+) -> tuple[SessionReleases, SessionKv]:
+    """Operators' releases, and what the state and the operators see of sessions' KV."""
+    releases = SessionReleases(
+        desk.sessions,
+        ledger,
+        events,
+        profile.kv_bytes_per_token,
+        kv_release=reaper.release if reaper is not None else None,
+    )
+    return releases, SessionKv(desk.placer.residency, releases, reaper)
+
+
+def _reaper_loop(
+    settings: Settings,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
+    feed: KvIndexFeed,
+    clock: Clock,
+    desk: TurnDesk,
+    tasks: TaskBook,
+    profile: GpuProfile,
+) -> ReaperLoop | None:
+    """The idle reaper on live inputs, its survival model warmed with the waits between the
+    ledger's recent turns (RESTORE_WINDOW_S, RESTORE_MAX)."""
+    r = settings.residency
+    if not r.reaper:
+        return None
+    priors = {
+        name: LogNormal.from_median_p95(c.median, c.p95)
+        for name, c in WorkloadSpec().tool_classes.items()
+    }
+    tuning = ReaperTuning(
+        max_residency_s=r.max_residency_s,
+        pressure_from=r.pressure_from,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+    )
+    reaper = Reaper(priors=priors, tuning=tuning)
+    now = clock.now()
+    for gap in session_gaps(settings.ledger_path, since=now - RESTORE_WINDOW_S, now=now,
+                            limit=RESTORE_MAX):  # fmt: skip
+        key = WaitKey(gap.tenant, None, gap.depth)
+        if gap.returned:
+            reaper.survival.observe_gap(key, gap.seconds)
+        else:
+            reaper.survival.observe_censored(key, gap.seconds)
+    inputs = LiveInputs(
+        index=feed,
+        workers=engines.workers,
+        prefill_s=lambda worker, n: desk.queues.prefill_s(worker, n, 0),
+        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.is_terminal,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        model=engines.served_name,
+        runtime_identity=engines.runtime_identity,
+    )
+    retention = engines.retention
+    if retention is None:
+        note = f"{engines.no_retention}: decisions are recorded, none is sent"
+        retention = NoRetention(note)
+    else:
+        note = "holds are sent to the workers' retention connectors"
+    loop = ReaperLoop(reaper, retention, inputs, ledger=ledger, clock=clock, note=note)
+    desk.sessions.listener = loop  # hears of every turn's start and end
+    return loop
 
 
 def _turn_desk(

@@ -15,6 +15,8 @@ import msgspec
 class Tiers(msgspec.Struct, frozen=True):
     gpu: int = 0
     host: int = 0
+    gpu_held: int = 0
+    gone: int = 0
 
 
 class WorkerState(msgspec.Struct, frozen=True):
@@ -56,6 +58,7 @@ class SessionState(msgspec.Struct, frozen=True):
     expected_wait_s: float | None = None
     decision: str | None = None
     reason: str | None = None
+    held_until: float | None = None
 
 
 class TaskState(msgspec.Struct, frozen=True):
@@ -118,6 +121,16 @@ class Event(msgspec.Struct, frozen=True):
     tenant: str | None = None
 
 
+class Residency(msgspec.Struct, frozen=True):
+    reaper: bool = False
+    retention: bool = False
+    note: str | None = None
+    waiting: int | None = None
+    held: int | None = None
+    decisions: dict[str, int] = {}
+    unsent: int | None = None
+
+
 class AdminState(msgspec.Struct, frozen=True):
     time: float
     workers: list[WorkerState] = []
@@ -129,6 +142,7 @@ class AdminState(msgspec.Struct, frozen=True):
     admission: Admission = Admission()
     routing: dict[str, int] = {}
     events: list[Event] | None = None
+    residency: Residency = Residency()
 
 
 _decoder = msgspec.json.Decoder(AdminState)
@@ -156,6 +170,7 @@ MIRRORS = {
     "TenantAdmissionView": TenantAdmission,
     "AdmissionView": Admission,
     "EventView": Event,
+    "ResidencyStateView": Residency,
     "AdminStateView": AdminState,
 }
 """Struct by the name of the pydantic model it mirrors (for the drift test)."""

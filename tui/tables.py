@@ -119,7 +119,8 @@ def render_status(state: dict[str, Any] | AdminStateView) -> str:
 
 
 def render_sessions(state: dict[str, Any] | AdminStateView) -> str:
-    """One row per session, the most GPU-resident first."""
+    """One row per session, the most GPU-resident first: its prefix on GPU (of it held, and
+    until when), in host memory, and gone."""
     s = _state(state)
     if not s.sessions:
         return "no sessions"
@@ -131,7 +132,10 @@ def render_sessions(state: dict[str, Any] | AdminStateView) -> str:
             fmt.text(x.task_id),
             fmt.text(x.worker),
             str(x.resident_tokens.gpu),
+            str(x.resident_tokens.gpu_held),
+            fmt.clock(x.held_until),
             str(x.resident_tokens.host),
+            str(x.resident_tokens.gone),
             fmt.size(x.resident_bytes.gpu),
             fmt.size(x.resident_bytes.host),
             fmt.seconds(x.idle_s),
@@ -144,10 +148,11 @@ def render_sessions(state: dict[str, Any] | AdminStateView) -> str:
         for x in ordered
     ]
     headers = [
-        "session", "tenant", "task", "worker", "gpu_tokens", "host_tokens", "gpu_bytes",
-        "host_bytes", "idle", "turns", "tool", "wait", "decision", "reason",
+        "session", "tenant", "task", "worker", "gpu_tokens", "held_tokens", "held_until",
+        "host_tokens", "gone_tokens", "gpu_bytes", "host_bytes", "idle", "turns", "tool", "wait",
+        "decision", "reason",
     ]  # fmt: skip
-    return table(headers, rows, right={4, 5, 6, 7, 8, 9, 11})
+    return table(headers, rows, right={4, 5, 7, 8, 9, 10, 11, 12, 14})
 
 
 def _task_row(t: TaskStateView, now: float) -> list[str]:

@@ -1,11 +1,13 @@
 """Operators' routes for one session: its detail and its release (operator key).
 
 `GET /admin/v1/sessions/{id}?tenant=T[&turns=N]`: the session as the state shows it, its
-residency per worker and tier (the tokens of its prefix the KV index sees there now) and its
-newest N turns (default 50, at most 500), oldest first, read from the ledger in a thread so
-the event loop never waits on the disk.
-`POST /admin/v1/sessions/{id}/release?tenant=T`: drops the appliance's hold on the session's
-KV (appliance/services/session_admin.py); answered once its ledger row has committed.
+residency per worker and tier (`gpu_held` until T, `gpu` not held, `host`, `gone`: the KV
+index's view of its prefix there now and the worker's retention connector's holds,
+appliance/services/session_kv.py) and its newest N turns (default 50, at most 500), oldest
+first, read from the ledger in a thread so the event loop never waits on the disk.
+`POST /admin/v1/sessions/{id}/release?tenant=T`: releases the session's KV in every worker
+that holds it (appliance/services/session_admin.py); answered once its ledger row has
+committed.
 
 Session ids are chosen by each tenant, so `tenant` names whose session it is; it may be left
 out when only one tenant has a session of that id. The id is the rest of the path and may
@@ -26,10 +28,9 @@ from starlette.routing import Route
 
 from appliance.api.errors import RequestRefused
 from appliance.api.state_document import session_document
-from appliance.domain.records import WorkerId
 from appliance.ports import Clock
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, SessionReleases
-from appliance.services.sessions import SessionState
+from appliance.services.session_kv import SessionKv, SessionKvNow
 from appliance.services.state import session_view
 
 DEFAULT_TURNS = 50
@@ -43,8 +44,8 @@ class SessionAdmin:
     session_turns: Callable[[str, str, int], list[dict[str, Any]]]
     """(tenant, session id, limit) -> the session's newest turns from the ledger, oldest
     first; blocking (it reads the file)."""
-    residency: Callable[[SessionState], dict[str, dict[WorkerId, int]]]
-    """The session's prefix as the KV index holds it now (`Router.residency`)."""
+    kv: SessionKv
+    """Where the session's KV is now, and what was decided."""
 
 
 def session_routes(
@@ -69,15 +70,10 @@ def session_routes(
             admin.session_turns, session.tenant, session.session_id, limit
         )
         per_token = releases.kv_bytes_per_token
-        held = admin.residency(session)
-        view = session_view(session, clock.now(), per_token, held, releases.in_effect(session))
+        kv = admin.kv.now(session)
+        view = session_view(session, clock.now(), per_token, kv)
         row = session_document(view).model_dump(mode="json")
-        residency = [
-            {"worker": w, "tier": tier, "tokens": n, "bytes": n * per_token}
-            for tier, workers in held.items()
-            for w, n in sorted(workers.items())
-            if n > 0
-        ]
+        residency = residency_rows(kv, per_token)
         return JSONResponse({"session": row, "residency": residency, "turns": turns})
 
     async def release(request: Request) -> Response:
@@ -100,6 +96,21 @@ def session_routes(
         Route("/admin/v1/sessions/{session_id:path}/release", guarded(release), methods=["POST"]),
         Route("/admin/v1/sessions/{session_id:path}", guarded(detail), methods=["GET"]),
     ]
+
+
+def residency_rows(kv: SessionKvNow, per_token: int) -> list[dict[str, Any]]:
+    """Per tier (`gpu_held`, `gpu` not held, `host`, `gone`), each worker with any of it."""
+    rows = []
+    for tier in ("gpu_held", "gpu", "host", "gone"):
+        for w in kv.workers:
+            n = {"gpu_held": w.held, "gpu": w.gpu - w.held, "host": w.host, "gone": w.gone}[tier]
+            if n > 0:
+                row: dict[str, Any] = {"worker": w.worker, "tier": tier, "tokens": n}
+                row["bytes"] = n * per_token
+                if tier == "gpu_held":
+                    row["held_until"] = w.held_until
+                rows.append(row)
+    return rows
 
 
 def _turns_param(raw: str | None) -> int:

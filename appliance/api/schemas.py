@@ -22,10 +22,14 @@ class _Model(BaseModel):
 
 
 class TiersView(_Model):
-    """A quantity split by cache tier."""
+    """A quantity of a session's prefix by cache tier: the most any one worker has on its GPU
+    (`gpu`, held or not), held there by its retention connector (`gpu_held`, part of `gpu`),
+    in its host tier (`host`), and the least any one worker lacks (`gone`)."""
 
     gpu: int = 0
     host: int = 0
+    gpu_held: int = 0
+    gone: int = 0
 
 
 class WorkerStateView(_Model):
@@ -74,8 +78,11 @@ class SessionStateView(_Model):
     tool_class: str | None = None
     expected_wait_s: float | None = None
     decision: str | None = None
-    """The reaper's last residency decision for this session (hold / demote / evict)."""
+    """The residency decision standing for this session: the idle reaper's (hold, release,
+    evict) or an operator's (released); None while a turn is in flight."""
     reason: str | None = None
+    held_until: float | None = None
+    """When the hold on its KV lapses on its own (unix time); None: not held."""
 
 
 class TaskStateView(_Model):
@@ -152,6 +159,24 @@ class EventView(_Model):
     tenant: str | None = None
 
 
+class ResidencyStateView(_Model):
+    """The idle reaper (appliance/services/reaper_loop.py): whether it runs, whether its
+    decisions reach the workers (a retention channel), and what it has decided."""
+
+    reaper: bool = False
+    retention: bool = False
+    note: str | None = None
+    """What its decisions do, or why they do nothing in the workers."""
+    waiting: int | None = None
+    """Sessions between turns it follows."""
+    held: int | None = None
+    """Sessions it holds now."""
+    decisions: dict[str, int] = Field(default_factory=dict)
+    """Decisions since start, by action."""
+    unsent: int | None = None
+    """Directives no worker took (its connector not connected)."""
+
+
 class AdminStateView(_Model):
     """One snapshot of the running appliance (`GET /admin/v1/state`)."""
 
@@ -170,6 +195,8 @@ class AdminStateView(_Model):
     """Turns placed by the router, by reason."""
     events: list[EventView] | None = None
     """Newest first; None: the server does not report events yet."""
+    residency: ResidencyStateView = ResidencyStateView()
+    """The idle reaper; its defaults where the server does not report it."""
 
 
 class SessionTurn(_Model):
@@ -188,12 +215,15 @@ class SessionTurn(_Model):
 
 
 class SessionResidency(_Model):
-    """Where a session's prefix is resident: tokens of it on one worker, in one tier."""
+    """Where a session's prefix is: tokens of it on one worker, in one tier: `gpu_held` (held
+    by the worker's retention connector until `held_until`), `gpu` (cached, not held: the
+    engine evicts it when it needs the room), `host`, `gone` (on neither)."""
 
     worker: str
     tier: str = "gpu"
     tokens: int = 0
     bytes: int = 0
+    held_until: float | None = None
 
 
 class SessionDetail(_Model):
@@ -240,6 +270,7 @@ __all__ = [
     "EventView",
     "GpuStateView",
     "ReleaseResult",
+    "ResidencyStateView",
     "SessionDetail",
     "SessionResidency",
     "SessionStateView",

@@ -30,6 +30,7 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
         events=None
         if snap.events is None
         else [schemas.EventView.model_validate(e) for e in snap.events],
+        residency=schemas.ResidencyStateView.model_validate(fleet.residency),
     )
 
 
@@ -49,6 +50,7 @@ def session_document(v: SessionView) -> schemas.SessionStateView:
         expected_wait_s=s.expected_wait_s,
         decision=v.decision,
         reason=v.reason,
+        held_until=v.held_until,
     )
 
 

@@ -194,8 +194,24 @@ class CacheReceipt:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheEviction:
+    """A cached prefix (a receipt's) that left a worker's GPU tier, and why."""
+
+    prefix_digest: str
+    model: str
+    runtime_identity: str
+    tenant_domain: str
+    worker: WorkerId
+    at: float
+    cause: str
+    """How it went: `lru` (released, then evicted by the engine for room), `reaper_evict`,
+    `pressure`, `capped`, `expired` (its hold given back), `worker_lost`, `operator`."""
+
+
+@dataclass(frozen=True, slots=True)
 class ResidencyEvent:
-    """A reaper decision about a session's KV: hold, demote, evict, release (with why)."""
+    """A residency decision about a session's KV (hold, demote, evict, release, with why),
+    or what became of it (given back by its worker, evicted)."""
 
     at: float
     session_id: SessionId
@@ -204,6 +220,8 @@ class ResidencyEvent:
     reason: str
     tokens: int = 0
     tier: CacheTier | None = None
+    figures_json: str | None = None
+    """The numbers behind it as JSON: the decision's kind, hold end, inputs and costs."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from appliance.domain.records import (
     AdmissionEvent,
+    CacheEviction,
     CacheReceipt,
     Price,
     PriceId,
@@ -50,6 +51,9 @@ class AsyncLedger:
 
     async def record_cache_receipt(self, receipt: CacheReceipt) -> None:
         await acknowledged(self.ledger.record_cache_receipt(receipt))
+
+    async def record_cache_eviction(self, eviction: CacheEviction) -> None:
+        await acknowledged(self.ledger.record_cache_eviction(eviction))
 
     async def record_residency_event(self, event: ResidencyEvent) -> None:
         await acknowledged(self.ledger.record_residency_event(event))

@@ -1,6 +1,7 @@
 """What a restarted appliance takes back from its ledger (read-only): the open tasks the
 clients named, and the sessions active lately, so a task created before a restart is still
-found (and not created twice), and a session's next turn goes where its prefix may still be.
+found (and not created twice), and a session's next turn goes where its prefix may still be;
+and the waits between sessions' turns, which the idle reaper's survival model learns from.
 
 Turns without a task id are tasks of one turn of their own (`turn-...`): they are not taken
 back. Both lists are bounded (the newest `limit` active since `since`); a session's prefix
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import NamedTuple, cast
 
 from appliance.domain.errors import LedgerError
 from appliance.domain.records import OpenTask, RecentSession
@@ -47,6 +49,40 @@ def recent_sessions(path: str | Path, *, since: float, limit: int) -> list[Recen
         RecentSession(sid.split("/", 1)[-1], tenant, task, worker, created, last)
         for sid, tenant, task, worker, created, last in reversed(rows)
     ]
+
+
+_GAPS = """SELECT tenant, depth, finished_at, next_started FROM (
+        SELECT tenant, finished_at,
+            lead(started_at) OVER turns_of AS next_started, row_number() OVER turns_of AS depth
+        FROM (SELECT tenant, started_at, finished_at,
+                coalesce(session_id, 'task:' || task_id) AS session
+            FROM turns
+            WHERE outcome = 'ok' AND finished_at >= ? AND (session_id IS NOT NULL
+                OR substr(task_id, length(tenant) + 2, 5) != ?))
+        WINDOW turns_of AS (PARTITION BY tenant, session ORDER BY started_at))
+    ORDER BY finished_at DESC LIMIT ?"""
+
+
+class TurnGap(NamedTuple):
+    """The wait after a session's `depth`-th turn: `seconds` until its next turn began, or,
+    when none has (`returned` False), the seconds it has waited so far."""
+
+    tenant: str
+    depth: int
+    seconds: float
+    returned: bool
+
+
+def session_gaps(path: str | Path, *, since: float, now: float, limit: int) -> list[TurnGap]:
+    """The waits after sessions' turns that ended since `since` (the newest `limit`), oldest
+    first. Tasks of one turn are no sessions: nothing comes back to them."""
+    rows = _read(path, _GAPS, (since, ONE_TURN_PREFIX, limit))
+    gaps = []
+    for row in reversed(rows):
+        tenant, depth, finished_at, next_started = cast(tuple[str, int, float, float | None], row)
+        end = now if next_started is None else next_started
+        gaps.append(TurnGap(tenant, depth, max(0.0, end - finished_at), next_started is not None))
+    return gaps
 
 
 def _read(path: str | Path, sql: str, params: tuple[object, ...]) -> list[tuple[object, ...]]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from appliance.domain.records import (
     AdmissionEvent,
+    CacheEviction,
     CacheReceipt,
     CostMode,
     Price,
@@ -100,7 +101,8 @@ UPSERT_RECEIPT = """INSERT INTO cache_receipts (prefix_digest, token_count, mode
     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
     ON CONFLICT (prefix_digest, model, runtime_identity, tenant_domain, worker, tier)
     DO UPDATE SET token_count = excluded.token_count,
-        last_used_at = max(cache_receipts.last_used_at, excluded.last_used_at)"""
+        last_used_at = max(cache_receipts.last_used_at, excluded.last_used_at),
+        evicted_at = NULL, evicted_cause = NULL"""
 
 
 def receipt_params(r: CacheReceipt) -> tuple[Any, ...]:
@@ -117,13 +119,22 @@ def receipt_params(r: CacheReceipt) -> tuple[Any, ...]:
     )
 
 
+MARK_EVICTED = """UPDATE cache_receipts SET evicted_at = ?, evicted_cause = ?
+    WHERE prefix_digest = ? AND model = ? AND runtime_identity = ? AND tenant_domain = ?
+        AND worker = ? AND tier = 'gpu' AND evicted_at IS NULL"""
+
+
+def eviction_params(e: CacheEviction) -> tuple[Any, ...]:
+    return (e.at, e.cause, e.prefix_digest, e.model, e.runtime_identity, e.tenant_domain, e.worker)
+
+
 INSERT_RESIDENCY = """INSERT INTO residency_events (at, session_id, worker, action, reason,
-    tokens, tier) VALUES (?, ?, ?, ?, ?, ?, ?)"""
+    tokens, tier, figures) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"""
 
 
 def residency_params(e: ResidencyEvent) -> tuple[Any, ...]:
     tier = e.tier.value if e.tier is not None else None
-    return (e.at, e.session_id, e.worker, e.action, e.reason, e.tokens, tier)
+    return (e.at, e.session_id, e.worker, e.action, e.reason, e.tokens, tier, e.figures_json)
 
 
 INSERT_ADMISSION = """INSERT INTO admission_events (at, tenant, task_id, decision, reason,

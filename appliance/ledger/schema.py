@@ -182,6 +182,19 @@ def _turns_by_session(db: Database) -> None:
     )
 
 
+@migrations(name="0004_live_residency")
+def _live_residency(db: Database) -> None:
+    _run(
+        db,
+        [
+            "ALTER TABLE residency_events ADD COLUMN figures TEXT",
+            "ALTER TABLE cache_receipts ADD COLUMN evicted_at REAL",
+            "ALTER TABLE cache_receipts ADD COLUMN evicted_cause TEXT",
+            "PRAGMA user_version = 4",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

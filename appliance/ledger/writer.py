@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from appliance.domain.errors import LedgerError, LedgerUnavailable
 from appliance.domain.records import (
     AdmissionEvent,
+    CacheEviction,
     CacheReceipt,
     Price,
     PriceId,
@@ -101,6 +102,9 @@ class LedgerWriter:
 
     def record_cache_receipt(self, receipt: CacheReceipt) -> Future[None]:
         return self._submit(self._write_receipt, receipt)
+
+    def record_cache_eviction(self, eviction: CacheEviction) -> Future[None]:
+        return self._submit(self._write_eviction, eviction)
 
     def record_residency_event(self, event: ResidencyEvent) -> Future[None]:
         return self._submit(self._write_residency, event)
@@ -289,6 +293,9 @@ class LedgerWriter:
 
     def _write_receipt(self, receipt: CacheReceipt) -> None:
         self._conn.execute(rows.UPSERT_RECEIPT, rows.receipt_params(receipt))
+
+    def _write_eviction(self, eviction: CacheEviction) -> None:
+        self._conn.execute(rows.MARK_EVICTED, rows.eviction_params(eviction))
 
     def _write_residency(self, event: ResidencyEvent) -> None:
         self._conn.execute(rows.INSERT_RESIDENCY, rows.residency_params(event))

@@ -2,23 +2,25 @@
 
 Model of the world: a session is (tenant, session id); ids are chosen by each tenant, so the
 operator names the tenant too, or leaves it out when only one tenant has a session of that
-id. Releasing drops the appliance's hold on the session's KV so that the room can go to
-others. Nothing pins KV yet (there is no idle reaper), so a release is a recorded decision:
-the session's residency decision reads "released" ("released by operator") until its next
+id. Releasing drops the holds on the session's KV so that the room can go to others: every
+worker whose retention connector holds it is told to release it (`kv_release`, the idle
+reaper's `release`), and the reaper holds it no more until its next turn; the blocks stay
+in the engine's prefix cache, least recently used first, until the engine needs the room.
+The session's residency decision reads "released" ("released by operator") until its next
 turn starts, a `residency_events` row (session `tenant/id`, action "release", the tokens it
-held on the GPU) is written where the release is made, and the event feed says so. The
-blocks stay in the engine's prefix cache until the engine needs the room. A session with a
-request in flight is never released (its KV is in use); releasing a session that is
+had on the GPU) is written where the release is made, and the event feed says so. A session
+with a request in flight is never released (its KV is in use); releasing a session that is
 released already changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from appliance.domain.errors import ApplianceError
-from appliance.domain.records import CacheTier, ResidencyEvent, SessionId, TenantId
+from appliance.domain.records import CacheTier, ResidencyEvent, SessionId, TenantId, WorkerId
 from appliance.ports import Ledger
 from appliance.services.events import EventFeed, EventKind
 from appliance.services.sessions import SessionState, SessionTable
@@ -44,9 +46,16 @@ class Release:
 
 class SessionReleases:
     def __init__(
-        self, sessions: SessionTable, ledger: Ledger, feed: EventFeed, kv_bytes_per_token: int
+        self,
+        sessions: SessionTable,
+        ledger: Ledger,
+        feed: EventFeed,
+        kv_bytes_per_token: int,
+        kv_release: Callable[[SessionState], list[WorkerId]] | None = None,
     ) -> None:
+        """`kv_release`: lets the session's KV go in the workers; returns the workers told."""
         self._sessions = sessions
+        self._kv_release = kv_release
         self._ledger = ledger
         self._feed = feed
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -102,6 +111,7 @@ class SessionReleases:
             return held, None
         tokens = max(session.resident_tokens.values(), default=0)
         release = Release(now, session.turns, tokens, tokens * self.kv_bytes_per_token)
+        told = self._kv_release(session) if self._kv_release is not None else []
         self._released[(session.tenant, session.session_id)] = release
         written = self._ledger.record_residency_event(
             ResidencyEvent(
@@ -115,6 +125,8 @@ class SessionReleases:
             )
         )
         where = f" on {session.home}" if session.home else ""
+        if told:
+            where += f"; holds released on {', '.join(told)}"
         self._feed.record(
             now,
             EventKind.RELEASE,

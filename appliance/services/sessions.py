@@ -25,7 +25,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.domain.block_hash import BlockHashChain, BlockHasher, RequestKeys
 from appliance.domain.records import RecentSession, SessionId, TaskId, TenantId, WorkerId
@@ -168,13 +168,28 @@ class SessionState:
     is tokenised when it only appends to them; see `appended_token_bound`)."""
 
 
+class TurnListener(Protocol):
+    """Told when a session's turn starts, and when it has no turn left in flight."""
+
+    def turn_began(self, session: SessionState, now: float) -> None: ...
+
+    def turn_ended(self, session: SessionState, now: float) -> None: ...
+
+
 class SessionTable:
-    """Sessions by (tenant, id), least recently used first; bounded so memory stays flat."""
+    """Sessions by (tenant, id), least recently used first; bounded so memory stays flat.
+    `listener` (the idle reaper) hears of every turn's start and end."""
 
     def __init__(
-        self, hasher: BlockHasher, *, max_sessions: int = 100_000, max_donors: int = 256
+        self,
+        hasher: BlockHasher,
+        *,
+        max_sessions: int = 100_000,
+        max_donors: int = 256,
+        listener: TurnListener | None = None,
     ) -> None:
         self._hasher = hasher
+        self.listener = listener
         self._max = max_sessions
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
         self._donors: OrderedDict[tuple[str, tuple[int, ...]], tuple[TokenIds, BlockHashChain]]
@@ -195,6 +210,21 @@ class SessionTable:
             self._evict_idle()
         self._sessions.move_to_end(key)
         return state
+
+    def began(self, state: SessionState, now: float) -> None:
+        """A turn of the session starts now."""
+        state.in_flight += 1
+        state.turns += 1
+        state.last_active_at = now
+        if self.listener is not None:
+            self.listener.turn_began(state, now)
+
+    def ended(self, state: SessionState, now: float) -> None:
+        """A turn of the session has ended (its answer, or its stream), however it ended."""
+        state.in_flight -= 1
+        state.last_active_at = now
+        if not state.in_flight and self.listener is not None:
+            self.listener.turn_ended(state, now)
 
     def restore(self, sessions: Iterable[RecentSession]) -> None:
         """Takes back recent sessions from the ledger after a restart, least recently active

@@ -2,12 +2,13 @@
 appliance's own `/metrics`.
 
 Every number comes from a source of truth the appliance holds: worker readings (health,
-/metrics), the GPU probe's latest tick, the router's sessions (resident tokens from the KV
-index), the task book, and the router's own counters. Nothing is estimated here. Beside
-them: the operator's event feed (newest first), each session's release by an operator
-(shown as its residency decision until its next turn), and the cost-per-success series,
-which every snapshot extends. Under the simulated engine the GPU probe is the simulator's
-model, and `gpu_driver` says so.
+/metrics), the GPU probe's latest tick, the router's sessions (resident tokens by tier from
+the KV index, held ones from the workers' retention connectors: `services/session_kv.py`),
+the task book, and the router's own counters. Nothing is estimated here. Beside them: the
+operator's event feed (newest first), each session's residency decision (an operator's
+release until its next turn, else the idle reaper's), the idle reaper's status, and the
+cost-per-success series, which every snapshot extends. Under the simulated engine the GPU
+probe is the simulator's model, and `gpu_driver` says so.
 
 `snapshot` gathers these facts as a `StateSnapshot`; the API publishes it as the document
 the console reads (appliance/api/state_document.py builds the pydantic `AdminState`).
@@ -15,7 +16,7 @@ the console reads (appliance/api/state_document.py builds the pydantic `AdminSta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,14 +37,12 @@ from appliance.policy.costs import (
 from appliance.services.admission import AdmissionService
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
-from appliance.services.session_admin import RELEASE_REASON, RELEASED, Release, SessionReleases
+from appliance.services.session_kv import SessionKv, SessionKvNow
 from appliance.services.sessions import SessionState
 from appliance.services.tasks import TaskBook, TaskState
 from appliance.services.turn_desk import TurnDesk
 
 EVENTS_SHOWN = 100
-NO_REAPER_REASON = "residency decisions arrive with the idle reaper"
-TIERS = ("gpu", "host")
 
 
 @dataclass
@@ -56,25 +55,27 @@ class StateSources:
     kv_bytes_per_token: int
     currency: str
     events: EventFeed | None = None
-    releases: SessionReleases | None = None
+    kv: SessionKv | None = None
+    """Where each session's KV is, what was decided, and the idle reaper's status."""
     cost_series: CostSeries | None = None
     admission: AdmissionService | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Fleet:
-    """The workers, each one's measured prefill slowdown, and the GPU probe's latest tick."""
+    """The workers, each one's measured prefill slowdown, the GPU probe's latest tick, and
+    the idle reaper's status."""
 
     workers: list[WorkerStatus]
     prefill_slowdown: dict[WorkerId, float]
     gpu: GpuSnapshot | None
+    residency: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class SessionView:
-    """One session now: the KV index's view of its prefix (the most any one worker holds,
-    per tier) and its residency decision: an operator's release still in effect, else none
-    yet."""
+    """One session now: its prefix by tier (the most any one worker has: GPU, of it held,
+    host; and the least any lacks: gone) and its residency decision."""
 
     session: SessionState
     resident_tokens: dict[str, int]
@@ -82,6 +83,7 @@ class SessionView:
     idle_s: float
     decision: str | None
     reason: str
+    held_until: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +115,8 @@ class StateSnapshot:
 
 def snapshot(src: StateSources) -> StateSnapshot:
     now = src.clock_now()
-    releases = src.releases
-    sessions = [
-        session_view(
-            s,
-            now,
-            src.kv_bytes_per_token,
-            src.desk.placer.residency(s),
-            releases.in_effect(s) if releases else None,
-        )
-        for s in src.desk.sessions
-    ]
+    kv = src.kv or SessionKv(src.desk.placer.residency)
+    sessions = [session_view(s, now, src.kv_bytes_per_token, kv.now(s)) for s in src.desk.sessions]
     return StateSnapshot(
         time=now,
         fleet=_fleet(src),
@@ -139,7 +132,8 @@ def snapshot(src: StateSources) -> StateSnapshot:
 def _fleet(src: StateSources) -> Fleet:
     workers = list(src.workers())
     slowdown = {w.id: src.desk.queues.slowdown(w.id) for w in workers}
-    return Fleet(workers, slowdown, src.gpus())
+    residency = src.kv.status() if src.kv is not None else {}
+    return Fleet(workers, slowdown, src.gpus(), residency)
 
 
 def _costs(src: StateSources, now: float) -> CostView:
@@ -152,22 +146,19 @@ def _costs(src: StateSources, now: float) -> CostView:
 
 
 def session_view(
-    s: SessionState,
-    now: float,
-    kv_bytes_per_token: int,
-    residency: Mapping[str, Mapping[WorkerId, int]],
-    release: Release | None = None,
+    s: SessionState, now: float, kv_bytes_per_token: int, kv: SessionKvNow
 ) -> SessionView:
-    """One session as the state shows it (and `GET /admin/v1/sessions/{id}`); `residency` is
-    the KV index's view now (`Router.residency`)."""
-    tokens = {tier: max(residency.get(tier, {}).values(), default=0) for tier in TIERS}
+    """One session as the state shows it (and `GET /admin/v1/sessions/{id}`); `kv` is where
+    its KV is now and what was decided (`SessionKv.now`)."""
+    tokens = kv.most()
     return SessionView(
         session=s,
         resident_tokens=tokens,
         resident_bytes={tier: n * kv_bytes_per_token for tier, n in tokens.items()},
         idle_s=round(max(0.0, now - s.last_active_at), 3) if not s.in_flight else 0.0,
-        decision=RELEASED if release is not None else None,
-        reason=RELEASE_REASON if release is not None else NO_REAPER_REASON,
+        decision=kv.decision,
+        reason=kv.reason,
+        held_until=kv.held_until,
     )
 
 

@@ -218,9 +218,7 @@ class TurnDesk:
         when the caller has them already; `flight`: what its task's cancellation stops."""
         now = self._clock.now()
         session = self._session(turn, now)
-        session.in_flight += 1
-        session.turns += 1
-        session.last_active_at = now
+        self.sessions.began(session, now)
         try:
             reply = await self._forward(turn, session, queues, flight or Flight(None))
         except BaseException:
@@ -244,8 +242,7 @@ class TurnDesk:
         return state
 
     def _release(self, session: SessionState) -> None:
-        session.in_flight -= 1
-        session.last_active_at = self._clock.now()
+        self.sessions.ended(session, self._clock.now())
 
     async def _forward(
         self,

@@ -19,7 +19,7 @@ from appliance.domain.records import (
     WorkerId,
 )
 from appliance.ledger import LedgerWriter
-from appliance.ledger.restore import open_tasks, recent_sessions
+from appliance.ledger.restore import TurnGap, open_tasks, recent_sessions, session_gaps
 
 T = TenantId("t")
 
@@ -51,3 +51,36 @@ def test_open_named_tasks_and_recent_sessions_come_back(tmp_path: Path) -> None:
     sessions = recent_sessions(path, since=5.0, limit=10)
     assert [(s.session_id, s.worker) for s in sessions] == [("s-mid", "w1"), ("s-new", "w1")]
     assert [s.session_id for s in recent_sessions(path, since=0.0, limit=1)] == ["s-new"]
+
+
+def test_the_waits_between_sessions_turns_come_back_for_the_reaper(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+
+    def at(n: int, session: str | None, task: str, start: float, ok: bool = True) -> TurnRecord:
+        outcome = TurnOutcome.OK if ok else TurnOutcome.FAILED
+        return TurnRecord(TurnId(f"g{n}"), T, TaskId(task), SessionId(session) if session
+                          else None, WorkerId("w0"), "m", 100, 40, 5, outcome, start,
+                          start + 1)  # fmt: skip
+
+    with LedgerWriter.open(path) as ledger:
+        for task in ("t/a", "t/turn-x", "t/b"):
+            ledger.record_task(TaskRecord(TaskId(task), T, 0.0))
+        for record in [
+            at(1, "s1", "t/a", 10.0),  # ends 11, next at 14: 3 s
+            at(2, "s1", "t/a", 14.0),  # ends 15, next at 25: 10 s
+            at(3, "s1", "t/a", 20.0, ok=False),  # failed attempts are no turns
+            at(4, "s1", "t/a", 25.0),  # ends 26, no next: waited 74 s by now
+            at(5, None, "t/turn-x", 30.0),  # a task of one turn: no session
+            at(6, None, "t/b", 40.0),  # the session of task b, keyed by its task
+        ]:
+            ledger.record_turn(record)
+        ledger.flush()
+    gaps = session_gaps(path, since=0.0, now=100.0, limit=100)
+    assert gaps == [
+        TurnGap("t", 1, 3.0, True),
+        TurnGap("t", 2, 10.0, True),
+        TurnGap("t", 3, 74.0, False),
+        TurnGap("t", 1, 59.0, False),
+    ]
+    assert session_gaps(path, since=0.0, now=100.0, limit=1) == [TurnGap("t", 1, 59.0, False)]
+    assert session_gaps(path, since=30.0, now=100.0, limit=10) == [TurnGap("t", 1, 59.0, False)]

@@ -15,6 +15,7 @@ import pytest
 from appliance.domain.errors import LedgerError
 from appliance.domain.records import (
     AdmissionEvent,
+    CacheEviction,
     CacheReceipt,
     CacheTier,
     CostMode,
@@ -289,6 +290,42 @@ def test_sessions_receipts_and_decisions(ledger: LedgerWriter, db: Path) -> None
     assert rows(db, "SELECT decision, reason, queue_depth FROM admission_events") == [
         {"decision": "deny", "reason": "over budget", "queue_depth": 3}
     ]
+
+
+def test_an_eviction_marks_its_receipt_until_the_prefix_is_cached_again(
+    ledger: LedgerWriter, db: Path
+) -> None:
+    receipt = CacheReceipt("ab12", 4096, "m", "rt", "acme", WorkerId("w1"), CacheTier.GPU, 2.0, 2.0)
+    ledger.record_cache_receipt(receipt)
+    other = CacheReceipt(**{**_fields(receipt), "worker": WorkerId("w2")})
+    ledger.record_cache_receipt(other)
+    for at, cause in ((5.0, "lru"), (6.0, "pressure")):  # the first eviction stands
+        eviction = CacheEviction("ab12", "m", "rt", "acme", WorkerId("w1"), at, cause)
+        ledger.record_cache_eviction(eviction)
+    ledger.record_residency_event(
+        ResidencyEvent(
+            5.0,
+            SessionId("acme/s"),
+            WorkerId("w1"),
+            "evicted",
+            "lru: ...",
+            96,
+            CacheTier.GPU,
+            figures_json='{"kind": "lru"}',
+        )
+    )
+    ledger.flush()
+    query = "SELECT worker, evicted_at, evicted_cause FROM cache_receipts ORDER BY worker"
+    assert rows(db, query) == [
+        {"worker": "w1", "evicted_at": 5.0, "evicted_cause": "lru"},
+        {"worker": "w2", "evicted_at": None, "evicted_cause": None},
+    ]
+    assert rows(db, "SELECT action, figures FROM residency_events") == [
+        {"action": "evicted", "figures": '{"kind": "lru"}'}
+    ]
+    ledger.record_cache_receipt(CacheReceipt(**{**_fields(receipt), "last_used_at": 9.0}))
+    ledger.flush()
+    assert rows(db, query)[0] == {"worker": "w1", "evicted_at": None, "evicted_cause": None}
 
 
 def _fields(receipt: CacheReceipt) -> dict[str, Any]:

@@ -193,3 +193,25 @@ async def _undecodable_messages_are_dropped_on_both_sides(client: RetentionClien
         await client.wait_for(W0, lambda v: "t/b" in v.held, 5)  # the client lives on
     finally:
         ch.close()
+
+
+def test_the_port_shows_what_each_worker_holds_and_gives_back() -> None:
+    with_client(_the_port_shows_what_each_worker_holds_and_gives_back)
+
+
+async def _the_port_shows_what_each_worker_holds_and_gives_back(client: RetentionClient) -> None:
+    assert client.controls and client.retained(W0) == {} and client.kv_usage(W0) is None
+    returned = client.returned()
+    ch = channel(client, W0, "700-eeee")
+    try:
+        gave = (GivenBack("t/old", 3, GiveBackReason.PRESSURE),)
+        ch.publish(holding("700-eeee", "t/a", gave=gave))
+        first = await asyncio.wait_for(anext(returned), 5)
+        assert (first.worker, first.key, first.blocks, first.reason) == (W0, "t/old", 3, "pressure")
+        held = client.retained(W0)
+        assert list(held) == ["t/a"] and held["t/a"].tokens == 128
+        assert client.retained(W0) is held  # built once per report
+        assert client.kv_usage(W0) == 0.5  # 50 of 100 blocks free
+        assert client.retained(W1) == {} and client.kv_usage(W1) is None
+    finally:
+        ch.close()

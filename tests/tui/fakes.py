@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from appliance.policy.routing import RouteKind
-from appliance.services.state import NO_REAPER_REASON
+from appliance.services.session_kv import NO_DECISION_REASON
 
 ADMIN_KEY = "sk-admin-test"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: snapshots show UTC times, so looks are stable
@@ -134,7 +134,7 @@ def make_state(
                 "tool_class": TOOLS[i % len(TOOLS)],
                 "expected_wait_s": [2.0, 15.0, 0.5, 4.0, None][i % 5],
                 "decision": None,
-                "reason": NO_REAPER_REASON,
+                "reason": NO_DECISION_REASON,
             }
         )
     return {

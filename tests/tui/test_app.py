@@ -10,7 +10,7 @@ import pytest
 from appliance.api.schemas import AdminStateView
 from appliance.policy.admission import AdmitCode
 from appliance.services.events import EventKind
-from appliance.services.state import NO_REAPER_REASON
+from appliance.services.session_kv import NO_DECISION_REASON
 from tests.tui.conftest import console, screen_text, until_text, wait_until
 from tests.tui.fakes import FakeAppliance, json_reply, make_state
 from tui.app import ConsoleApp
@@ -168,7 +168,7 @@ async def test_enter_opens_the_session_and_escape_goes_back(fake: FakeAppliance)
         await until_text(pilot, f"Session {first}")
         await until_text(pilot, "404 Not Found")  # this appliance has no turns route yet
         text = screen_text(app)
-        assert NO_REAPER_REASON in text
+        assert NO_DECISION_REASON in text
         tenant = next(x["tenant"] for x in fake.state["sessions"] if x["id"] == first)
         assert f"GET /admin/v1/sessions/{first}?tenant={tenant}" in [
             f"{r.method} {r.path}" for r in fake.requests

@@ -6,7 +6,7 @@ from __future__ import annotations
 from appliance.api.schemas import AdminStateView
 from appliance.policy.routing import RouteKind
 from appliance.services.session_admin import RELEASE_REASON, RELEASED
-from appliance.services.state import NO_REAPER_REASON
+from appliance.services.session_kv import NO_DECISION_REASON
 from tests.tui.fakes import make_state
 
 
@@ -16,6 +16,6 @@ def test_the_fake_state_says_only_what_the_product_says() -> None:
         AdminStateView.model_validate(state)  # the schema the API publishes
         assert state["routing"] and set(state["routing"]) <= {k.value for k in RouteKind}
         shown = {(s["decision"], s["reason"]) for s in state["sessions"]}
-        assert shown <= {(None, NO_REAPER_REASON), (RELEASED, RELEASE_REASON)}
+        assert shown <= {(None, NO_DECISION_REASON), (RELEASED, RELEASE_REASON)}
         # The host tier the state reports is exercised, not always 0.
         assert any(s["resident_tokens"]["host"] > 0 for s in state["sessions"])

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from appliance.services.events import EventKind
 from appliance.services.session_admin import RELEASE_REASON, RELEASED
-from appliance.services.state import NO_REAPER_REASON
+from appliance.services.session_kv import NO_DECISION_REASON
 from tests.tui.fakes import SIM_DRIVER, T0, make_state
 from tui import format as fmt
 from tui.tables import (
@@ -42,9 +42,10 @@ def small_state() -> dict[str, Any]:
             {"id": "s-small", "tenant": "bob", "task_id": "kid", "worker": "w0",
              "resident_tokens": {"gpu": 10, "host": 0}, "resident_bytes": {"gpu": 1280, "host": 0},
              "idle_s": 1.25, "turns": 1, "tool_class": None, "expected_wait_s": None,
-             "decision": None, "reason": NO_REAPER_REASON},
+             "decision": None, "reason": NO_DECISION_REASON},
             {"id": "s-big", "tenant": "alice", "task_id": "root", "worker": "w0",
-             "resident_tokens": {"gpu": 2048, "host": 512},
+             "resident_tokens": {"gpu": 2048, "host": 512, "gpu_held": 1024, "gone": 64},
+             "held_until": T0 + 30,
              "resident_bytes": {"gpu": 2048 * 1024, "host": 512 * 1024}, "idle_s": 75.0,
              "turns": 4, "tool_class": "shell", "expected_wait_s": 3.0, "decision": RELEASED,
              "reason": RELEASE_REASON},
@@ -95,14 +96,15 @@ def test_status_without_gpus_or_workers() -> None:
 def test_sessions_most_resident_first() -> None:
     lines = render_sessions(small_state()).splitlines()
     assert lines[0].split() == [
-        "session", "tenant", "task", "worker", "gpu_tokens", "host_tokens", "gpu_bytes",
-        "host_bytes", "idle", "turns", "tool", "wait", "decision", "reason",
+        "session", "tenant", "task", "worker", "gpu_tokens", "held_tokens", "held_until",
+        "host_tokens", "gone_tokens", "gpu_bytes", "host_bytes", "idle", "turns", "tool", "wait",
+        "decision", "reason",
     ]  # fmt: skip
     assert lines[1].split() == [
-        "s-big", "alice", "root", "w0", "2048", "512", "2.0", "MiB", "512.0", "KiB", "1m15s",
-        "4", "shell", "3.0s", RELEASED, *RELEASE_REASON.split(),
+        "s-big", "alice", "root", "w0", "2048", "1024", "00:00:30Z", "512", "64", "2.0", "MiB",
+        "512.0", "KiB", "1m15s", "4", "shell", "3.0s", RELEASED, *RELEASE_REASON.split(),
     ]  # fmt: skip
-    assert lines[2].split()[0] == "s-small" and lines[2].endswith(NO_REAPER_REASON)
+    assert lines[2].split()[0] == "s-small" and lines[2].endswith(NO_DECISION_REASON)
     assert render_sessions(small_state() | {"sessions": []}) == "no sessions"
 
 

@@ -370,6 +370,6 @@ def test_session_detail_and_release_over_http(appliance: Appliance) -> None:
             "SELECT action, reason, tokens FROM residency_events WHERE session_id = ?",
             ["agents/ops/check 1"],
         ).fetchall()
-    assert [tuple(r) for r in rows] == [
-        ("release", "released by operator", released.json()["released_tokens"])
-    ]
+    by_operator = [tuple(r) for r in rows if r[1] == "released by operator"]
+    assert by_operator == [("release", "released by operator", released.json()["released_tokens"])]
+    assert {r[0] for r in rows} <= {"hold", "release", "evict"}  # the idle reaper's, besides

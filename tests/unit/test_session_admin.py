@@ -26,6 +26,7 @@ from appliance.domain.records import (
 )
 from appliance.services.events import EventFeed
 from appliance.services.session_admin import SessionReleases
+from appliance.services.session_kv import SessionKv
 from appliance.services.sessions import SessionState, SessionTable
 from appliance.services.state import session_view
 from appliance.services.tasks import TaskBook
@@ -98,7 +99,9 @@ def setup() -> Iterator[Setup]:
         metrics=lambda: "",
         costs=lambda: [],
         sessions_admin=SessionAdmin(
-            releases, turns, lambda s: held.get(s.session_id, {"gpu": {}, "host": {}})
+            releases,
+            turns,
+            SessionKv(lambda s: held.get(s.session_id, {"gpu": {}, "host": {}}), releases),
         ),
     )
     with TestClient(create_api_app(ctx)) as http:
@@ -126,7 +129,7 @@ def test_the_detail_has_the_session_its_residency_and_its_turns(setup: Setup) ->
     body = r.json()
     assert body["session"]["id"] == "a/b c" and body["session"]["tenant"] == "acme"
     assert body["session"]["idle_s"] == 10.0 and body["session"]["decision"] is None
-    assert body["session"]["resident_tokens"] == {"gpu": 512, "host": 256}
+    assert body["session"]["resident_tokens"] == {"gpu": 512, "host": 256, "gpu_held": 0, "gone": 0}
     assert body["residency"] == [
         {"worker": "w1", "tier": "gpu", "tokens": 512, "bytes": 512 * KV_BYTES_PER_TOKEN},
         {"worker": "w2", "tier": "gpu", "tokens": 64, "bytes": 64 * KV_BYTES_PER_TOKEN},
@@ -195,9 +198,8 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
     )
     (event,) = setup.feed.recent()
     assert (event["kind"], event["subject"], event["tenant"]) == ("release", "s1", "acme")
-    none: dict[str, dict[WorkerId, int]] = {}
-    release = setup.releases.in_effect(session)
-    shown = session_view(session, 130.0, KV_BYTES_PER_TOKEN, none, release)
+    kv = SessionKv(lambda s: {}, setup.releases)
+    shown = session_view(session, 130.0, KV_BYTES_PER_TOKEN, kv.now(session))
     assert (shown.decision, shown.reason) == ("released", "released by operator")
 
     again = setup.http.post("/admin/v1/sessions/s1/release", headers=OPS)
@@ -205,7 +207,7 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
 
     session.turns += 1  # the session's next turn ends the release
     assert setup.releases.in_effect(session) is None
-    assert session_view(session, 131.0, KV_BYTES_PER_TOKEN, none).decision is None
+    assert session_view(session, 131.0, KV_BYTES_PER_TOKEN, kv.now(session)).decision is None
 
 
 def test_a_session_with_a_request_in_flight_is_not_released(setup: Setup) -> None:

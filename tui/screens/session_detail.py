@@ -40,9 +40,14 @@ def session_fields(s: SessionState, tasks: dict[str, str]) -> Table:
             f"{fmt.num(s.resident_tokens.gpu)} tokens · {fmt.size(s.resident_bytes.gpu)}",
         ),
         (
+            "held on GPU",
+            f"{fmt.num(s.resident_tokens.gpu_held)} tokens until {fmt.clock(s.held_until)}",
+        ),
+        (
             "resident host",
             f"{fmt.num(s.resident_tokens.host)} tokens · {fmt.size(s.resident_bytes.host)}",
         ),
+        ("gone", f"{fmt.num(s.resident_tokens.gone)} tokens"),
         ("idle", fmt.seconds(s.idle_s)),
         ("turns", str(s.turns)),
         ("tool", f"{fmt.text(s.tool_class)} · expected wait {fmt.seconds(s.expected_wait_s)}"),
@@ -96,8 +101,10 @@ def residency_table(residency: list[SessionResidency]) -> RenderableType:
     table.add_column("tier", no_wrap=True)
     table.add_column("tokens", justify="right", no_wrap=True)
     table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("held until", no_wrap=True)
     for r in residency:
-        table.add_row(r.worker, r.tier, fmt.num(r.tokens), fmt.size(r.bytes))
+        until = fmt.clock(r.held_until) if r.tier == "gpu_held" else ""
+        table.add_row(r.worker, r.tier, fmt.num(r.tokens), fmt.size(r.bytes), until)
     return table
 
 

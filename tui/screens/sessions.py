@@ -58,6 +58,15 @@ SESSION_COLUMNS: list[Column[SessionState]] = [
         priority=50,
     ),
     Column(
+        "held_tokens",
+        "held tok",
+        8,
+        lambda s: fmt.tokens(s.resident_tokens.gpu_held),
+        lambda s: s.resident_tokens.gpu_held,
+        align="right",
+        priority=35,
+    ),
+    Column(
         "gpu_bytes",
         "GPU bytes",
         9,

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.domain.records import WorkerId
+from appliance.domain.retention import RetainedKv, ReturnedKv
 from appliance.engines.retention.protocol import (
     RetentionDirective,
     RetentionEvictFirst,
@@ -61,6 +62,11 @@ class WorkerRetention:
 
 
 class RetentionClient:
+    """The appliance's `ports.KvRetention` for vLLM workers."""
+
+    controls = True
+    """Directives reach the workers (`ports.KvRetention`)."""
+
     def __init__(self, endpoints: Mapping[WorkerId, str], *, backlog: int = 1000) -> None:
         self.endpoints = dict(endpoints)
         self._ctx = zmq.asyncio.Context()
@@ -74,6 +80,7 @@ class RetentionClient:
         """Workers whose connector said hello at least once."""
         self._gone: set[str] = set()
         """Incarnations of workers that exited."""
+        self._retained: dict[WorkerId, tuple[RetentionReport, dict[str, RetainedKv]]] = {}
 
     def bind(self) -> RetentionClient:
         """Binds every worker's socket (zmq.ZMQError when a port is taken) and starts
@@ -135,6 +142,33 @@ class RetentionClient:
 
     def view(self, worker: WorkerId) -> WorkerRetention:
         return self._views[worker]
+
+    def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
+        """What the worker holds by key, as its latest report shows it (built once a report:
+        the state asks for every session)."""
+        view = self._views.get(worker)
+        report = view.report if view is not None else None
+        if report is None:
+            return {}
+        cached = self._retained.get(worker)
+        if cached is None or cached[0] is not report:
+            held = {h.key: RetainedKv(h.key, h.tokens, h.until_s, h.priority) for h in report.held}
+            cached = self._retained[worker] = (report, held)
+        return cached[1]
+
+    def kv_usage(self, worker: WorkerId) -> float | None:
+        """Share of the pool not free (requests' and held blocks), per the latest report."""
+        view = self._views.get(worker)
+        report = view.report if view is not None else None
+        if report is None or report.pool_blocks <= 0:
+            return None
+        return 1.0 - min(report.free_blocks, report.pool_blocks) / report.pool_blocks
+
+    async def returned(self) -> AsyncIterator[ReturnedKv]:
+        """Every hold given back, as the reports arrive (`reports`: one reader)."""
+        async for worker, report in self.reports():
+            for g in report.given_back:
+                yield ReturnedKv(worker, g.key, g.blocks, g.reason.value)
 
     def forget(self, worker: WorkerId) -> None:
         """The worker's process exited: it holds nothing, and no connector is there."""

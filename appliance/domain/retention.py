@@ -1,0 +1,35 @@
+"""What the workers hold for the appliance, as plain values: a session's KV a worker's
+retention connector keeps out of its eviction order (`RetainedKv`), and a hold a worker gave
+back on its own or as told (`ReturnedKv`). Keys are the sessions' retention keys,
+`"{tenant}/{session}"` (the `session_id` the appliance forwards in every turn's body).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from appliance.domain.records import WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedKv:
+    """One key's hold in one worker, as its latest report shows it."""
+
+    key: str
+    tokens: int
+    """Prefix tokens the held blocks cover."""
+    until_s: float
+    """Unix time at which the hold lapses on its own."""
+    priority: float
+    """Under pressure the lowest priority is given back first."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnedKv:
+    """A hold a worker gave back (`reason`: released, expired, pressure, capped, evicted,
+    not_found, reset; see `appliance.engines.retention.protocol.GiveBackReason`)."""
+
+    worker: WorkerId
+    key: str
+    blocks: int
+    reason: str

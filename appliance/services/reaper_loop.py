@@ -1,0 +1,386 @@
+"""The idle reaper, live: the residency policy (`appliance.policy.reaper`) run on the
+appliance's sessions, its decisions sent to the workers and recorded.
+
+Model of the world: a session's turn ends on its worker, and its prompt's KV stays there,
+cached, until something needs the room. At every turn's end (the session table calls
+`turn_ended` once a session has no turn in flight) the loop asks the reaper about the
+session as the live inputs show it (`services/residency_inputs.py`) and sends the decision
+through the retention port: HOLD until the revisit the reaper names, plus `HOLD_GRACE_S` so
+that the revisit's extension arrives first, with the reaper's priority (value per
+byte-second: under pressure the worker gives back the lowest first); RELEASE (a hold it had
+is dropped: LRU from here); EVICT (its blocks go first). DEMOTE never comes: no worker
+reports a host tier. Each decision is a `residency_events` row with its reason and figures.
+
+`tick` decides again on each hold as it comes due (the pool as it is then), ends the idle
+periods that end without a return (the session's task closed: its KV goes first; past the
+maximum residency: the reaper evicts it) and tells the reaper (`observe_abandoned`), re-sends
+each worker's priorities every `ORDER_S`, and watches each waiting session's prefix in the
+KV index: fewer of its tokens on its worker than were (the worker's `BlockRemoved` events)
+means its KV was evicted, which is recorded with its cause, and its cache receipt marked.
+The session's next turn (`turn_began`) ends its idle period in a return (`observe_return`).
+Holds the workers give back on their own (pressure, the cap, a lapse) are recorded.
+
+Directives go out in order through `services/retention_outbox.py`; with a retention that
+controls nothing (`NoRetention`) none is sent, and decisions are made and recorded all the
+same. An operator's `release` reaches every worker that holds the session, and the reaper
+holds it no more until its next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter, OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from appliance.domain.records import CacheEviction, ResidencyEvent, WorkerId
+from appliance.domain.retention import ReturnedKv
+from appliance.policy.reaper import Reaper
+from appliance.policy.residency import (
+    HeldSession,
+    IdleSession,
+    ResidencyAction,
+    ResidencyDecision,
+    ResidencyKind,
+)
+from appliance.ports import Clock, KvRetention, Ledger
+from appliance.services import residency_records as rows
+from appliance.services.residency_inputs import (
+    LiveInputs,
+    ends_in_tool_call,
+    idle_session,
+    kv_usage,
+    prefix_tokens,
+    resident_tokens,
+    retention_key,
+)
+from appliance.services.retention_outbox import RetentionOutbox
+from appliance.services.sessions import SessionState
+
+log = logging.getLogger(__name__)
+TICK_S = 0.5
+"""How often holds coming due are decided again (the reaper's shortest revisit is 1 s)."""
+HOLD_GRACE_S = 5.0
+"""A hold outlives its revisit by this much: the revisit's directive reaches the worker
+(at its next scheduler step) before the hold lapses on its own."""
+WATCH_S = 1.0
+"""How often the waiting sessions' prefixes are looked up in the KV index."""
+ORDER_S = 5.0
+"""How often each worker's holds get their priorities now (they fall as waits go on)."""
+MAX_WAITING = 100_000
+"""Waiting sessions followed (the session table's bound); the oldest is dropped first."""
+OPERATOR_REASON = "released by operator"
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A session between its turns, as the loop follows it."""
+
+    session: SessionState
+    worker: WorkerId
+    idle: IdleSession
+    """The policy's view at its last decision."""
+    decision: ResidencyDecision
+    due_s: float
+    """When to decide again: a hold's revisit, else the maximum residency; inf: never."""
+    seen_tokens: int = 0
+    """Most of its prefix the KV index has shown on its worker since its turn ended."""
+    ended_by: str | None = None
+    """What ended its hold other than the reaper: a give-back's reason, or an operator."""
+    evicted: bool = False
+
+
+class ReaperLoop:
+    def __init__(
+        self,
+        reaper: Reaper,
+        retention: KvRetention,
+        inputs: LiveInputs,
+        *,
+        ledger: Ledger,
+        clock: Clock,
+        tick_s: float = TICK_S,
+        note: str | None = None,
+    ) -> None:
+        self.reaper = reaper
+        self.retention = retention
+        self.note = note or "holds are sent to the workers' retention connectors"
+        """What the reaper's decisions do (the log, `/admin/v1/state`)."""
+        self._inputs = inputs
+        self._ledger = ledger
+        self._clock = clock
+        self._tick_s = tick_s
+        self._waiting: OrderedDict[str, _Waiting] = OrderedDict()
+        self._held: dict[str, WorkerId] = {}
+        """Key -> the worker the loop last asked to hold it."""
+        self._tooled: OrderedDict[str, None] = OrderedDict()
+        """Sessions whose turns named a tool class or a wait (their last step names none)."""
+        self.outbox = RetentionOutbox(retention)
+        self._watched_at = self._ordered_at = -math.inf
+        self.decisions: Counter[str] = Counter()
+        """Decisions by action since start."""
+
+    # --- the turn desk's hooks (through the session table) -----------------------------
+
+    def turn_began(self, session: SessionState, now: float) -> None:
+        """The session's next turn: its idle period ends in a return."""
+        key = retention_key(session)
+        if self._waiting.pop(key, None) is not None:
+            self.reaper.observe_return(key, now)
+
+    def turn_ended(self, session: SessionState, now: float) -> None:
+        """The session has no turn in flight any more: decide where its KV waits."""
+        try:
+            self._turn_ended(session, now)
+        except Exception:  # never into the turn desk: the turn itself went well
+            log.exception("idle reaper: no decision on session %s", session.session_id)
+
+    def _turn_ended(self, session: SessionState, now: float) -> None:
+        worker = session.home
+        if worker is None or not prefix_tokens(session) or _one_turn(session):
+            return
+        key = retention_key(session)
+        ends = ends_in_tool_call(session, key in self._tooled)
+        if ends:
+            self._tooled[key] = None
+            self._tooled.move_to_end(key)
+            if len(self._tooled) > MAX_WAITING:
+                self._tooled.popitem(last=False)
+        moved_from = self._held.get(key)
+        if moved_from is not None and moved_from != worker:
+            self.outbox.release(moved_from, key)
+            del self._held[key]
+        seen = resident_tokens(self._inputs.index, session, worker)
+        # Just computed there, whatever the index has heard so far.
+        tokens = max(seen, prefix_tokens(session))
+        usage = kv_usage(self._inputs, self.retention, worker)
+        idle = idle_session(self._inputs, session, worker, tokens=tokens, finished_at_s=now,
+                            kv_usage_now=usage, ends=ends)  # fmt: skip
+        idle = replace(idle, hbm_value=self._hbm_value(worker, key, usage, now))
+        waiting = _Waiting(session, worker, idle, _NONE, math.inf, seen_tokens=seen)
+        self._waiting[key] = waiting
+        self._waiting.move_to_end(key)
+        if len(self._waiting) > MAX_WAITING:
+            self._waiting.popitem(last=False)
+        self._decide(key, waiting, now)
+
+    # --- deciding and sending ---------------------------------------------------------
+
+    def _decide(self, key: str, w: _Waiting, now: float) -> None:
+        decision = self.reaper.decide(w.idle, now)
+        priority = None
+        if decision.action is ResidencyAction.HOLD:
+            assert decision.until_s is not None
+            held = HeldSession(key, w.idle.resident_tokens, w.idle.finished_at_s, decision.until_s)
+            priority = self.reaper.priority(held, now)
+            until_s = decision.until_s + HOLD_GRACE_S
+            self.outbox.hold(w.worker, key, until_s, priority)
+            self._held[key] = w.worker
+            w.due_s, w.ended_by = decision.until_s, None
+        else:
+            if decision.action is ResidencyAction.EVICT and not w.evicted:
+                self.outbox.evict_first(w.worker, key)
+            elif key in self._held:
+                self.outbox.release(w.worker, key)
+            self._held.pop(key, None)
+            w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
+        w.decision = decision
+        self.decisions[decision.action.value] += 1
+        self._write(rows.decision_row(w.idle, w.worker, decision, now, priority))
+        if decision.kind is ResidencyKind.MAX_RESIDENCY:
+            self._abandoned(key, w, now)
+
+    def _abandoned(self, key: str, w: _Waiting, now: float) -> None:
+        """The idle period ended without a return: the reaper learns a censored wait; the
+        session stays watched until its KV is gone."""
+        self.reaper.observe_abandoned(key, now)
+        w.due_s = math.inf
+        if w.evicted:
+            del self._waiting[key]
+
+    def _hbm_value(self, worker: WorkerId, key: str, usage: float, now: float) -> float | None:
+        """The value of the space a hold takes: the lowest priority among the worker's other
+        holds (None under the reaper's `pressure_from`, or with none)."""
+        if usage < self.reaper.tuning.pressure_from:
+            return None
+        values = [self._priority(k, w, now) for k, w in self._held_on(worker) if k != key]
+        return min(values) if values else None
+
+    def _held_on(self, worker: WorkerId) -> list[tuple[str, _Waiting]]:
+        return [
+            (k, w)
+            for k, on in self._held.items()
+            if on == worker and (w := self._waiting.get(k)) is not None
+        ]
+
+    def _priority(self, key: str, w: _Waiting, now: float) -> float:
+        held = HeldSession(key, w.idle.resident_tokens, w.idle.finished_at_s, w.due_s)
+        return self.reaper.priority(held, now)
+
+    def _write(self, row: ResidencyEvent) -> None:
+        self._ledger.record_residency_event(row).add_done_callback(_log_refusal)
+
+    def _mark(self, eviction: CacheEviction) -> None:
+        self._ledger.record_cache_eviction(eviction).add_done_callback(_log_refusal)
+
+    # --- the periodic tick ------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Closed tasks' sessions end, due holds are decided again, prefixes are watched
+        (every `WATCH_S`) and priorities re-sent (every `ORDER_S`)."""
+        for key, w in list(self._waiting.items()):
+            task = w.session.task_id
+            if w.due_s < math.inf and task is not None and self._inputs.task_closed(task):
+                self._session_ended(key, w, "its task closed", now)
+            elif w.due_s <= now:
+                self._revisit(key, w, now)
+        if now - self._watched_at >= WATCH_S:
+            self._watched_at = now
+            self._watch(now)
+        if now - self._ordered_at >= ORDER_S:
+            self._ordered_at = now
+            self._send_order(now)
+
+    def _revisit(self, key: str, w: _Waiting, now: float) -> None:
+        usage = kv_usage(self._inputs, self.retention, w.worker)
+        tokens = w.idle.resident_tokens
+        if w.seen_tokens:  # the index has heard of its blocks: it says what is left
+            tokens = resident_tokens(self._inputs.index, w.session, w.worker)
+        w.idle = replace(
+            w.idle,
+            resident_tokens=tokens,
+            kv_bytes=tokens * self._inputs.kv_bytes_per_token,
+            recompute_s=self._inputs.prefill_s(w.worker, tokens) if tokens else 0.0,
+            kv_usage=usage,
+            hbm_value=self._hbm_value(w.worker, key, usage, now),
+        )
+        self._decide(key, w, now)
+
+    def _session_ended(self, key: str, w: _Waiting, why: str, now: float) -> None:
+        if not w.evicted:
+            self.outbox.evict_first(w.worker, key)
+        self._held.pop(key, None)
+        w.decision = ResidencyDecision(ResidencyAction.EVICT, f"{why}: not coming back")
+        self.decisions[ResidencyAction.EVICT.value] += 1
+        self._write(rows.closed_row(w.idle, w.worker, why, now))
+        self._abandoned(key, w, now)
+
+    def _watch(self, now: float) -> None:
+        """Records each waiting session whose prefix lost blocks on its worker."""
+        for key, w in list(self._waiting.items()):
+            if w.evicted:
+                continue
+            n = resident_tokens(self._inputs.index, w.session, w.worker)
+            if n >= w.seen_tokens:
+                w.seen_tokens = n
+                continue
+            if n >= prefix_tokens(w.session):
+                continue
+            w.evicted = True
+            cause = rows.eviction_cause(w.decision.action, w.ended_by)
+            row, mark = rows.eviction_records(self._inputs, w.session, w.worker, cause,
+                                              tokens_left=n, now=now)  # fmt: skip
+            self._write(row)
+            if mark is not None:
+                self._mark(mark)
+            if w.due_s == math.inf:
+                del self._waiting[key]
+
+    def _send_order(self, now: float) -> None:
+        by_worker: dict[WorkerId, dict[str, float]] = {}
+        for key, worker in self._held.items():
+            w = self._waiting.get(key)
+            if w is not None:
+                by_worker.setdefault(worker, {})[key] = self._priority(key, w, now)
+        for worker, priorities in by_worker.items():
+            if len(priorities) > 1:
+                self.outbox.order(worker, priorities)
+
+    # --- what the workers and the operators do ----------------------------------------
+
+    def returned(self, r: ReturnedKv, now: float) -> None:
+        """A worker gave a hold back: recorded, unless the reaper asked for it."""
+        if r.reason in rows.OWN_DIRECTIVES:
+            return
+        if self._held.get(r.key) == r.worker:
+            del self._held[r.key]
+        w = self._waiting.get(r.key)
+        block = w.session.chain.block_size if w is not None and w.session.chain else 0
+        if w is not None and w.worker == r.worker and w.decision.action is ResidencyAction.HOLD:
+            w.ended_by = r.reason
+        self._write(rows.returned_row(r, r.blocks * block, now))
+
+    def release(self, session: SessionState) -> list[WorkerId]:
+        """An operator's release: every worker holding the session lets it go, and the reaper
+        holds it no more until its next turn. Returns those workers."""
+        key = retention_key(session)
+        holders = {w.id for w in self._inputs.workers() if key in self.retention.retained(w.id)}
+        held = self._held.pop(key, None)
+        if held is not None:
+            holders.add(held)
+        for worker in sorted(holders):
+            self.outbox.release(worker, key)
+        w = self._waiting.get(key)
+        if w is not None:
+            w.decision = ResidencyDecision(ResidencyAction.RELEASE, OPERATOR_REASON)
+            w.ended_by = rows.OPERATOR
+            if w.due_s < math.inf:  # no hold again before the maximum residency
+                w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
+        return sorted(holders)
+
+    def decision_of(self, session: SessionState) -> ResidencyDecision | None:
+        """The reaper's standing decision on a waiting session (None: in flight, or none)."""
+        w = self._waiting.get(retention_key(session))
+        return w.decision if w is not None and w.decision is not _NONE else None
+
+    def status(self) -> dict[str, Any]:
+        """The loop at a glance (`/admin/v1/state` "residency")."""
+        return {
+            "reaper": True,
+            "retention": self.retention.controls,
+            "note": self.note,
+            "waiting": len(self._waiting),
+            "held": len(self._held),
+            "decisions": dict(self.decisions),
+            "unsent": self.outbox.unsent,
+        }
+
+    # --- running ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Ticks, sends and reads the workers' give-backs until cancelled."""
+        log.info("idle reaper: %s", self.note)
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self.outbox.run())
+            group.create_task(self._returns())
+            while True:
+                try:
+                    self.tick(self._clock.now())
+                except Exception:
+                    log.exception("idle reaper: a tick failed")
+                await asyncio.sleep(self._tick_s)
+
+    async def _returns(self) -> None:
+        async for r in self.retention.returned():
+            try:
+                self.returned(r, self._clock.now())
+            except Exception:
+                log.exception("idle reaper: a give-back could not be recorded")
+
+
+_NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")
+
+
+def _one_turn(session: SessionState) -> bool:
+    """A turn that named neither a session nor a task: nothing comes back to it."""
+    task = session.task_id or ""
+    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
+
+
+def _log_refusal(written: Future[None]) -> None:
+    exc = written.exception()
+    if exc is not None:
+        log.error("ledger refused a residency record: %s", exc)

@@ -1,0 +1,114 @@
+"""What the idle reaper is told of a waiting session, read from the live appliance.
+
+Model of the world: a session's turn has just ended on its worker (or a hold of it has come
+due). The policy (`appliance.policy.reaper`) weighs the session's expected wait against the
+re-prefill its KV saves and what HBM is worth now; this builds its `IdleSession` from what
+the appliance knows at that instant:
+
+- resident tokens: the leading tokens of the session's last prompt the KV index sees on the
+  worker's GPU tier, and at a turn's end at least the prompt's full blocks the worker has
+  just computed (its KV events may arrive a moment after the answer);
+- re-prefill seconds: those tokens at the worker's measured prefill speed (the GPU
+  profile's, times its measured slowdown: `services/worker_speed.py`);
+- HBM pressure: the share of the worker's KV pool that requests and holds take, from its
+  retention connector's latest report when it has one, else vLLM's `kv_cache_usage_perc`
+  (the same measure, polled); a GPU's NVML memory reading says nothing of it, since vLLM
+  allocates the whole pool at start;
+- the tool class, the client's expected wait and the session's depth from its turn's
+  headers and counts; and whether the turn ended in a tool call: yes when the client named
+  a tool class or a wait, no when a client that named them on earlier turns of the session
+  names neither (its last step), unknown for a client that never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from appliance.domain.kv_events import Medium
+from appliance.domain.records import TaskId, WorkerId
+from appliance.policy.residency import IdleSession
+from appliance.ports import KvLookup, KvRetention, WorkerEndpoint
+from appliance.services.sessions import SessionState
+
+
+@dataclass(frozen=True, slots=True)
+class LiveInputs:
+    """Where the reaper loop reads the live appliance."""
+
+    index: KvLookup
+    workers: Callable[[], Sequence[WorkerEndpoint]]
+    prefill_s: Callable[[WorkerId, int], float]
+    """(worker, tokens) -> seconds a prefill of that many fresh tokens takes there now."""
+    task_closed: Callable[[TaskId], bool]
+    """Whether the task a client named has closed (succeeded, failed, cancelled)."""
+    kv_bytes_per_token: int
+    model: str
+    runtime_identity: str
+    """With `model`: what the cache receipts of this appliance are kept against."""
+
+
+def retention_key(session: SessionState) -> str:
+    """The key a worker keeps the session's KV under: the `session_id` the turn desk
+    forwards in every turn's body."""
+    return f"{session.tenant}/{session.session_id}"
+
+
+def prefix_tokens(session: SessionState) -> int:
+    """Tokens of the full blocks of the session's last prompt (its cache receipt's)."""
+    chain = session.chain
+    return len(chain.hashes) * chain.block_size if chain is not None else 0
+
+
+def resident_tokens(index: KvLookup, session: SessionState, worker: WorkerId) -> int:
+    """Leading tokens of the session's last prompt on the worker's GPU tier now."""
+    chain = session.chain
+    if chain is None or not chain.hashes:
+        return 0
+    blocks = index.lookup(chain.event_hashes, medium=Medium.GPU).get(worker, 0)
+    return blocks * chain.block_size
+
+
+def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> float:
+    """The worker's HBM pressure now, 0..1 (see the module)."""
+    reported = retention.kv_usage(worker)
+    if reported is not None:
+        return reported
+    endpoint = next((w for w in inputs.workers() if w.id == worker), None)
+    load = endpoint.load if endpoint is not None else None
+    return load.kv_cache_usage_perc if load is not None else 0.0
+
+
+def ends_in_tool_call(session: SessionState, speaks_tools: bool) -> bool | None:
+    """Whether the turn that just ended leads to a tool call (see the module);
+    `speaks_tools`: an earlier turn of the session named a tool class or a wait."""
+    if session.tool_class is not None or session.expected_wait_s is not None:
+        return True
+    return False if speaks_tools else None
+
+
+def idle_session(
+    inputs: LiveInputs,
+    session: SessionState,
+    worker: WorkerId,
+    *,
+    tokens: int,
+    finished_at_s: float,
+    kv_usage_now: float,
+    ends: bool | None,
+) -> IdleSession:
+    """The policy's view of the session, waiting since `finished_at_s` on `worker` with
+    `tokens` of its prefix resident there."""
+    return IdleSession(
+        session_id=retention_key(session),
+        resident_tokens=tokens,
+        finished_at_s=finished_at_s,
+        ends_in_tool_call=ends,
+        tool_class=session.tool_class,
+        turns=session.turns,
+        expected_wait_s=session.expected_wait_s,
+        recompute_s=inputs.prefill_s(worker, tokens) if tokens else 0.0,
+        kv_usage=kv_usage_now,
+        tenant=session.tenant,
+        kv_bytes=tokens * inputs.kv_bytes_per_token,
+    )

@@ -1,0 +1,412 @@
+"""The idle reaper's live loop over a fake retention port (it records every directive), a KV
+index the test sets, a ledger that keeps its rows and a clock the test moves: what it
+decides at a turn's end, what it sends, what it records, and what it does as holds come
+due, workers give holds back, prefixes are evicted, tasks close and operators release."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.records import (
+    CacheEviction,
+    ResidencyEvent,
+    SessionId,
+    TaskId,
+    TenantId,
+    WorkerId,
+)
+from appliance.domain.retention import RetainedKv, ReturnedKv
+from appliance.domain.worker import LoadSnapshot
+from appliance.policy.reaper import Reaper
+from appliance.policy.wait_curves import LogNormal
+from appliance.services.events import EventFeed
+from appliance.services.no_retention import NoRetention
+from appliance.services.reaper_loop import HOLD_GRACE_S, ReaperLoop
+from appliance.services.residency_inputs import LiveInputs
+from appliance.services.session_admin import SessionReleases
+from appliance.services.sessions import SessionState, SessionTable
+from tests.fakes import FixedIndex, ManualClock, RouterWorker
+
+W0, W1 = WorkerId("w0"), WorkerId("w1")
+BLOCK = 16
+PROMPT = 160  # 10 full blocks
+PRIORS = {
+    "api": LogNormal.from_median_p95(0.5, 2.0),
+    "approval": LogNormal.from_median_p95(600, 7200),
+}
+
+
+@dataclass
+class FakeRetention:
+    """Records every directive; `held` and `usage` are what the workers' reports say."""
+
+    controls: bool = True
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    held: dict[WorkerId, dict[str, RetainedKv]] = field(default_factory=dict)
+    usage: dict[WorkerId, float] = field(default_factory=dict)
+    returns: asyncio.Queue[ReturnedKv] | None = None
+
+    async def hold(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
+        self.calls.append(("hold", worker, key, until_s, priority))
+        return True
+
+    async def release(self, worker: WorkerId, key: str) -> bool:
+        self.calls.append(("release", worker, key))
+        return True
+
+    async def evict_first(self, worker: WorkerId, key: str) -> bool:
+        self.calls.append(("evict_first", worker, key))
+        return True
+
+    async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
+        self.calls.append(("order", worker, dict(priorities)))
+        return True
+
+    def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
+        return self.held.get(worker, {})
+
+    def kv_usage(self, worker: WorkerId) -> float | None:
+        return self.usage.get(worker)
+
+    async def returned(self) -> AsyncIterator[ReturnedKv]:
+        assert self.returns is not None
+        while True:
+            yield await self.returns.get()
+
+    def kinds(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+@dataclass
+class Rows:
+    residency: list[ResidencyEvent] = field(default_factory=list)
+    evictions: list[CacheEviction] = field(default_factory=list)
+
+    def record_residency_event(self, event: ResidencyEvent) -> Future[None]:
+        self.residency.append(event)
+        return _done()
+
+    def record_cache_eviction(self, eviction: CacheEviction) -> Future[None]:
+        self.evictions.append(eviction)
+        return _done()
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *_: _done()
+
+    def last(self) -> ResidencyEvent:
+        return self.residency[-1]
+
+    def figures(self, i: int = -1) -> dict[str, Any]:
+        raw = self.residency[i].figures_json
+        assert raw is not None
+        return dict(json.loads(raw))
+
+
+def _done() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f
+
+
+@dataclass
+class Setup:
+    loop: ReaperLoop
+    table: SessionTable
+    retention: FakeRetention
+    rows: Rows
+    index: FixedIndex
+    clock: ManualClock
+    closed: set[str]
+    workers: list[RouterWorker]
+
+    def session(self, sid: str, *, tool: str | None = None, wait_s: float | None = None,
+                task: str | None = None, worker: WorkerId = W0) -> SessionState:  # fmt: skip
+        s = self.table.open(TenantId("acme"), SessionId(sid), self.clock.t)
+        self.table.hash_prompt(s, list(range(100, 100 + PROMPT)), "salt")
+        s.home, s.tool_class, s.expected_wait_s = worker, tool, wait_s
+        s.task_id = TaskId(task) if task else None
+        return s
+
+    def turn(self, s: SessionState, *, tool: str | None = None, wait_s: float | None = None,
+             worker: WorkerId = W0) -> None:  # fmt: skip
+        """One turn of the session, ending now."""
+        self.table.began(s, self.clock.t)
+        s.home, s.tool_class, s.expected_wait_s = worker, tool, wait_s
+        self.table.ended(s, self.clock.t)
+
+    def sent(self) -> list[tuple[Any, ...]]:
+        asyncio.run(self.loop.outbox.flush())
+        calls, self.retention.calls = self.retention.calls, []
+        return calls
+
+
+def build(*, retention: Any = None, usage: float = 0.1) -> Setup:
+    clock = ManualClock(1000.0)
+    fake = FakeRetention()
+    index = FixedIndex({W0: PROMPT // BLOCK})
+    closed: set[str] = set()
+    load = LoadSnapshot(time=0.0, running=0, waiting=0, kv_cache_usage_perc=usage)
+    workers = [RouterWorker(W0, None, load=load), RouterWorker(W1, None, load=load)]
+    inputs = LiveInputs(
+        index=index,
+        workers=lambda: workers,
+        prefill_s=lambda worker, n: n * 1e-3,
+        task_closed=lambda key: key in closed,
+        kv_bytes_per_token=1024,
+        model="m",
+        runtime_identity="test:m",
+    )
+    loop = ReaperLoop(
+        Reaper(priors=PRIORS),
+        retention or fake,
+        inputs,
+        ledger=Rows(),
+        clock=clock,  # type: ignore[arg-type]
+    )
+    rows = loop._ledger  # the Rows given above
+    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, BLOCK), listener=loop)
+    return Setup(loop, table, fake, rows, index, clock, closed, workers)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def s() -> Setup:
+    return build()
+
+
+def test_a_short_expected_wait_is_held_until_its_revisit(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    [(kind, worker, key, until_s, priority)] = s.sent()
+    assert (kind, worker, key) == ("hold", W0, "acme/a")
+    row = s.rows.last()
+    assert (row.action, row.session_id, row.worker, row.tokens) == ("hold", "acme/a", W0, PROMPT)
+    figures = s.rows.figures()
+    assert figures["kind"] == "pool_free" and figures["until_s"] == pytest.approx(1001.0)
+    assert until_s == figures["until_s"] + HOLD_GRACE_S  # outlives its revisit
+    assert priority > 0 and figures["priority"] == priority
+    assert "P " in row.reason and row.reason.startswith("pool_free: hold")
+    assert s.loop.decision_of(session).action == "hold"  # type: ignore[union-attr]
+
+
+def test_under_pressure_an_approval_wait_is_released_and_an_api_wait_held() -> None:
+    s = build(usage=0.9)
+    s.turn(s.session("slow"), tool="approval", wait_s=3600.0)
+    s.turn(s.session("fast"), tool="api", wait_s=1.0)
+    sent = s.sent()
+    assert [(c[0], c[2]) for c in sent] == [("hold", "acme/fast")]  # nothing held: no release
+    slow, fast = s.rows.residency
+    assert (slow.action, s.rows.figures(0)["kind"]) == ("release", "release_cheapest")
+    assert (fast.action, s.rows.figures(1)["kind"]) == ("hold", "hold_cheapest")
+    assert s.rows.figures(0)["kv_usage"] == 0.9  # the worker's reading, no report yet
+
+
+def test_the_connectors_report_is_the_pressure_when_there_is_one() -> None:
+    s = build(usage=0.1)
+    s.retention.usage[W0] = 0.95
+    s.turn(s.session("slow"), tool="approval", wait_s=3600.0)
+    assert s.rows.last().action == "release" and s.rows.figures()["kv_usage"] == 0.95
+
+
+def test_a_last_step_is_evicted(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.sent()
+    s.clock.t += 0.5
+    s.turn(session)  # its client named tools before: no tool now is its last step
+    assert s.sent() == [("evict_first", W0, "acme/a")]
+    assert (s.rows.last().action, s.rows.figures()["kind"]) == ("evict", "last_step")
+
+
+def test_a_client_that_never_names_tools_is_not_taken_for_a_last_step(s: Setup) -> None:
+    s.turn(s.session("a"))
+    assert s.rows.figures()["kind"] != "last_step"
+
+
+def test_a_hold_is_decided_again_at_its_revisit_and_extended(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    first = s.sent()[0]
+    s.loop.tick(1000.5)
+    assert s.sent() == [] and len(s.rows.residency) == 1  # not due yet
+    s.clock.t = 1001.0
+    s.loop.tick(1001.0)
+    [again] = s.sent()
+    assert again[0] == "hold" and again[3] > first[3]  # extended
+    assert s.rows.figures()["idle_s"] == 1.0 and len(s.rows.residency) == 2
+
+
+def test_a_hold_under_new_pressure_is_dropped_at_its_revisit() -> None:
+    s = build(usage=0.1)
+    s.turn(s.session("slow"), tool="approval", wait_s=3600.0)
+    assert s.sent()[0][0] == "hold"  # room enough: holding costs nothing
+    s.retention.usage[W0] = 0.99
+    s.loop.tick(1001.0)
+    assert s.sent() == [("release", W0, "acme/slow")]
+    assert s.rows.last().action == "release"
+
+
+def test_the_next_turn_ends_the_idle_period_in_a_return(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.clock.t += 3.0
+    s.table.began(session, s.clock.t)
+    assert s.loop.decision_of(session) is None
+    assert len(s.loop.reaper.survival) > 0  # the 3 s gap was learned (WaitSurvival keys)
+    s.loop.tick(1010.0)  # nothing waits: no revisit, no eviction
+    assert len(s.rows.residency) == 1
+
+
+def test_a_session_that_moved_worker_releases_its_old_hold(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.sent()
+    s.index.blocks[W1] = PROMPT // BLOCK
+    s.turn(session, tool="api", wait_s=1.0, worker=W1)
+    assert [(c[0], c[1]) for c in s.sent()] == [("release", W0), ("hold", W1)]
+
+
+def test_an_eviction_is_recorded_with_its_cause_and_marks_the_receipt(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="approval", wait_s=3600.0)
+    s.retention.usage[W0] = 0.99
+    s.loop.tick(1001.0)  # released at its revisit
+    s.index.blocks[W0] = 4  # the engine evicted the tail of its prefix
+    s.loop.tick(1003.0)
+    row = s.rows.last()
+    assert (row.action, row.tokens) == ("evicted", 4 * BLOCK)
+    assert row.reason.startswith("lru: ")
+    [mark] = s.rows.evictions
+    assert session.chain is not None
+    assert mark.prefix_digest == session.chain.hashes[-1].hex() and mark.cause == "lru"
+    assert (mark.worker, mark.tenant_domain, mark.model, mark.runtime_identity) == (
+        W0, "acme", "m", "test:m",
+    )  # fmt: skip
+    s.index.blocks[W0] = 0
+    s.loop.tick(1005.0)
+    assert len(s.rows.evictions) == 1  # once per idle period
+
+
+def test_a_hold_given_back_under_pressure_is_recorded_and_is_the_cause(s: Setup) -> None:
+    s.turn(s.session("a"), tool="api", wait_s=1.0)
+    s.loop.returned(ReturnedKv(W0, "acme/a", 10, "pressure"), 1000.2)
+    row = s.rows.last()
+    assert (row.action, row.tokens) == ("given_back", PROMPT)
+    assert row.reason.startswith("pressure: ")
+    s.loop.returned(ReturnedKv(W0, "acme/a", 10, "released"), 1000.3)  # asked for: no row
+    assert s.rows.last() is row
+    s.index.blocks[W0] = 0
+    s.loop.tick(1000.4)
+    assert s.rows.evictions[0].cause == "pressure"
+
+
+def test_a_held_session_that_vanishes_was_lost_with_its_worker(s: Setup) -> None:
+    s.turn(s.session("a"), tool="api", wait_s=1.0)
+    s.index.blocks[W0] = 0  # the index forgot the worker (a restart)
+    s.loop.tick(1000.1)
+    assert s.rows.evictions[0].cause == "worker_lost"
+
+
+def test_a_closed_tasks_session_is_evicted_and_ends(s: Setup) -> None:
+    session = s.session("a", task="acme/t1")
+    s.turn(session, tool="human", wait_s=60.0)
+    s.sent()
+    s.closed.add("acme/t1")
+    s.loop.tick(1000.1)
+    assert s.sent() == [("evict_first", W0, "acme/a")]
+    assert s.rows.last().reason.startswith("session_ended: its task closed")
+    s.loop.tick(5000.0)  # ended: never decided again
+    assert s.rows.last().reason.startswith("session_ended")
+
+
+def test_past_the_maximum_residency_a_session_is_evicted_and_abandoned(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="approval", wait_s=3600.0)
+    s.retention.usage[W0] = 0.99
+    s.loop.tick(1001.0)  # released: next due at the maximum residency
+    s.sent()
+    s.loop.tick(1000.0 + 1800.0)
+    assert s.sent() == [("evict_first", W0, "acme/a")]
+    assert s.rows.figures()["kind"] == "max_residency"
+    s.loop.tick(1000.0 + 3600.0)
+    assert s.rows.figures()["kind"] == "max_residency"  # decided once
+
+
+def test_holds_get_their_priorities_again(s: Setup) -> None:
+    s.turn(s.session("a"), tool="api", wait_s=1.0)
+    s.turn(s.session("b"), tool="api", wait_s=2.0)
+    s.sent()
+    s.loop.tick(1000.1)
+    [order] = [c for c in s.sent() if c[0] == "order"]
+    assert order[1] == W0 and set(order[2]) == {"acme/a", "acme/b"}
+
+
+def test_an_operators_release_reaches_the_workers_that_hold_it(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.sent()
+    s.retention.held[W1] = {"acme/a": RetainedKv("acme/a", 32, 2000.0, 0.1)}  # an old hold
+    releases = SessionReleases(
+        s.table,
+        s.rows,
+        EventFeed(),
+        1024,
+        kv_release=s.loop.release,  # type: ignore[arg-type]
+    )
+    releases.release(session, 1000.2)
+    assert sorted(s.sent()) == [("release", W0, "acme/a"), ("release", W1, "acme/a")]
+    assert s.rows.last().action == "release" and s.rows.last().reason == "released by operator"
+    assert s.loop.decision_of(session).reason == "released by operator"  # type: ignore[union-attr]
+    s.loop.tick(1001.0)  # its revisit is gone: not held again before its next turn
+    assert [c for c in s.sent() if c[0] == "hold"] == []
+
+
+def test_without_retention_decisions_are_recorded_and_nothing_is_sent() -> None:
+    s = build(retention=NoRetention("the simulated workers have no retention channel"))
+    s.turn(s.session("a"), tool="api", wait_s=1.0)
+    assert s.rows.last().action == "hold" and s.loop.decisions["hold"] == 1
+    asyncio.run(s.loop.outbox.flush())
+    assert s.loop.outbox.unsent == 0  # nothing was queued to send
+
+
+def test_a_turn_without_a_session_or_task_gets_no_decision(s: Setup) -> None:
+    one = s.session("task:acme/turn-abc", task="acme/turn-abc")
+    s.turn(one)
+    assert s.rows.residency == []
+
+
+def test_the_loop_reads_the_workers_give_backs_as_they_come() -> None:
+    async def go() -> Rows:
+        s = build()
+        s.retention.returns = asyncio.Queue()
+        s.turn(s.session("a"), tool="api", wait_s=1.0)
+        task = asyncio.create_task(s.loop.run())
+        await s.retention.returns.put(ReturnedKv(W0, "acme/a", 10, "capped"))
+        for _ in range(50):
+            if s.rows.last().action == "given_back":
+                break
+            await asyncio.sleep(0.01)
+        assert s.retention.calls[0][0] == "hold"  # the sender sent the turn's hold
+        task.cancel()
+        return s.rows
+
+    rows = asyncio.run(go())
+    assert rows.last().reason.startswith("capped: ")
+
+
+def test_a_decision_that_fails_never_reaches_the_turn(s: Setup) -> None:
+    session = s.session("a")
+    session.home = WorkerId("nowhere")
+    s.index.blocks.clear()
+    s.loop.reaper.decide = None  # type: ignore[assignment,method-assign]
+    s.table.began(session, 1000.0)
+    s.table.ended(session, 1000.0)  # logged, not raised
+    assert session.in_flight == 0 and math.isfinite(s.clock.t)
