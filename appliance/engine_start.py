@@ -37,6 +37,7 @@ from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.engines.worker_process import spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
+from appliance.perf.profile import bundled_profile, load_profile
 from appliance.settings import EngineKind, Settings
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,10 @@ def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
         argv += ["--gpu-profile", str(e.gpu_profile)]
     if (retention := _retention_launch(settings)) is not None:
         argv += ["--retention-endpoint", retention.endpoint(index)]  # as vLLM's connector
+    if e.kv_cache_memory_bytes is not None:  # the pool as vLLM would size it from the bytes
+        profile = load_profile(e.gpu_profile) if e.gpu_profile else bundled_profile()
+        per_block = e.block_size * profile.kv_bytes_per_token
+        argv += ["--num-gpu-blocks-override", str(max(1, e.kv_cache_memory_bytes // per_block))]
     return argv
 
 

@@ -88,8 +88,8 @@ class EngineSettings(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Fraction of each GPU's memory a worker may take (weights + KV cache)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    """KV cache size per worker in bytes; None sizes it from gpu_memory_utilization (GPU) or
-    from the memory free at start (CPU build: 40 % shared by the workers, at most 4 GiB each)."""
+    """KV cache size per worker in bytes (a simulated worker: at its profile's bytes per token);
+    None: from gpu_memory_utilization (GPU), or 40 % of free memory (CPU build, <= 4 GiB)."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit (the API
     takes the limit each worker reports)."""

@@ -10,8 +10,8 @@ time), and the ledger says so with the cause, on its residency rows and its cach
 The pool is 8 MiB of the tiny model's KV (1 KiB per token: 8192 tokens, 255 blocks of 32).
 `residency.pressure_from` is 0 so that any use of the pool is pressure: a held session makes
 holding a long wait cost more than its re-prefill, as a full pool would on a real one. The
-module's appliance is parametrised by engine so the simulated workers can join once they
-speak the retention protocol; only vLLM's CPU build is required now.
+module's appliance runs on the simulated workers (the same pool at the simulated GPU's
+bytes per token) and on vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class Reaped:
             return db.execute(sql, args).fetchall()
 
 
-ENGINES = [pytest.param("vllm", marks=pytest.mark.vllm)]
-"""Add "sim" once the simulated workers take retention directives."""
+ENGINES = ["sim", pytest.param("vllm", marks=pytest.mark.vllm)]
+SIM_KV_BYTES_PER_TOKEN = 131_072
+"""The bundled H200 profile's (Llama-3-8B): the simulated pool is sized from the bytes."""
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -90,16 +91,15 @@ def reaped(
     data_dir = tmp_path_factory.mktemp(f"reaper-{request.param}")
     key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
     env = {"APPLIANCE_RESIDENCY__PRESSURE_FROM": "0", "APPLIANCE_LOG_LEVEL": "DEBUG"}
-    model = "sim"
+    model_dir = request.getfixturevalue("tiny_model_dir")  # the sim takes its tokenizer
+    env["APPLIANCE_ENGINE__MODEL"] = str(model_dir)
+    env["APPLIANCE_ENGINE__MAX_MODEL_LEN"] = "4096"
     if request.param == "vllm":
-        model_dir = request.getfixturevalue("tiny_model_dir")
-        env |= {
-            "APPLIANCE_ENGINE__MODEL": str(model_dir),
-            "APPLIANCE_ENGINE__PYTHON": request.getfixturevalue("vllm_python"),
-            "APPLIANCE_ENGINE__MAX_MODEL_LEN": "4096",
-            "APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES": str(KV_BYTES),
-        }
-        model = model_dir.name
+        env["APPLIANCE_ENGINE__PYTHON"] = request.getfixturevalue("vllm_python")
+        env["APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES"] = str(KV_BYTES)
+    else:  # the same 8,192-token pool at the simulated GPU's bytes per token
+        env["APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES"] = str(POOL_TOKENS * SIM_KV_BYTES_PER_TOKEN)
+    model = model_dir.name
     started = time.monotonic()
     with appliance_process(data_dir, engine=request.param, workers=1, env=env) as up:
         print(f"appliance up in {time.monotonic() - started:.1f}s")
