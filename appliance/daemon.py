@@ -21,6 +21,7 @@ from typing import Any
 
 from appliance import keystore
 from appliance.api.auth import Caller
+from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId
@@ -143,7 +144,15 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
                 keys=keys,
                 secret=_secret(data_dir),
             )
-            server = ApiServer(wired.app, settings.server.host, settings.server.port, grace_s=30)
+            server = ApiServer(
+                wired.app,
+                settings.server.host,
+                settings.server.port,
+                max_body=MAX_BODY_BYTES,
+                grace_s=30,
+                idle_s=settings.server.idle_timeout_s,
+                request_s=settings.server.request_timeout_s,
+            )
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
                 f"appliance: engine {kind.value} ({_plural(len(engines.workers), 'worker')}, model "
