@@ -6,14 +6,14 @@ the whole body (benchmarks/router_overhead.py, `http-relay` path, on this kind o
 and that time is latency added to every agent turn. This server does only what the API
 needs: HTTP/1.1 with keep-alive (requests on one connection are answered in order, one at a
 time), Content-Length and chunked request bodies (the app gets the body whole, at most
-`max_body` bytes, else 413; a head of at most 64 KiB and 100 headers, else 431),
-`Expect: 100-continue`, answers framed by Content-Length, or
-chunked when the app streams; once the client has hung up, sending raises OSError (ASGI
-2.4), which ends a streaming answer and so closes its worker request. A connection idle for
-`idle_s` is closed, and a request whose head and body have not all arrived within
-`request_s` of its first byte gets 408 (a client sending a byte a second is no longer kept
-forever). `stop()` refuses new connections, closes idle ones and gives requests
-in flight `grace_s` to finish.
+`max_body` bytes, else 413, at once when the declared length is larger; a head of at most
+64 KiB and 100 headers, else 431), `Expect: 100-continue`, answers framed by
+Content-Length, or chunked when the app streams (`http_answer.py`); once the client has hung
+up, sending raises OSError (ASGI 2.4), which ends a streaming answer and so closes its worker
+request. A connection idle for `idle_s` is closed, and a request whose head and body have
+not all arrived within `request_s` of its first byte gets 408 (a client sending a byte a
+second is no longer kept forever). Every refusal is the API's error JSON. `stop()` refuses
+new connections, closes idle ones and gives requests in flight `grace_s` to finish.
 """
 
 from __future__ import annotations
@@ -28,30 +28,20 @@ from urllib.parse import unquote
 
 import httptools
 
+from appliance.api.http_answer import AnswerWriter, refusal_bytes
+
 log = logging.getLogger(__name__)
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-REASONS = {200: b"OK", 201: b"Created", 400: b"Bad Request", 404: b"Not Found",
-           408: b"Request Timeout", 413: b"Payload Too Large",
-           431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}  # fmt: skip
-HIGH_WATER = 1 << 20
 MAX_HEAD_BYTES = 64 * 1024
 """The request line and headers together, at most (read before the API key is checked)."""
 MAX_HEADERS = 100
+HEAD_TOO_LARGE = "request head too large (64 KiB and 100 headers at most)"
 
 
 class _HttpRequest:
-    __slots__ = (
-        "body",
-        "headers",
-        "http_version",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "raw_path",
-        "received_at",
-    )
+    __slots__ = ("body", "headers", "http_version", "keep_alive", "method", "path", "query",
+                 "raw_path", "received_at")  # fmt: skip
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
@@ -94,13 +84,13 @@ class _ServerConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.reject(400, b"upgrades are not supported")
+            self.reject(400, "upgrade_not_supported", "upgrades are not supported")
         except httptools.HttpParserError as exc:
-            self.reject(400, f"malformed request: {exc}".encode())
+            self.reject(400, "malformed_request", f"malformed request: {exc}")
         if self._in_head and self._transport is not None:  # the head is still arriving
             self._head_size += len(data)
             if self._head_size > MAX_HEAD_BYTES:
-                self.reject(431, b"request head too large (64 KiB and 100 headers at most)")
+                self.reject(431, "head_too_large", HEAD_TOO_LARGE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disconnected = True
@@ -136,7 +126,7 @@ class _ServerConnection(asyncio.Protocol):
 
     def _request_too_slow(self) -> None:
         if self._transport is not None:
-            self.reject(408, b"the request did not arrive in time")
+            self.reject(408, "request_timeout", "the request did not arrive in time")
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -144,12 +134,17 @@ class _ServerConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self._request.headers) >= MAX_HEADERS:
             if self._transport is not None:
-                self.reject(431, b"request head too large (64 KiB and 100 headers at most)")
+                self.reject(431, "head_too_large", HEAD_TOO_LARGE)
             return
         self._request.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self._transport is None:
+            return
+        if _declared_length(self._request.headers) > self._server.max_body:
+            self.reject(413, "body_too_large", "request body too large")
+            return
         request = self._request
         url = httptools.parse_url(self._url)
         request.method = self._parser.get_method().decode("ascii")
@@ -166,7 +161,7 @@ class _ServerConnection(asyncio.Protocol):
         self._body_size += len(body)
         if self._body_size > self._server.max_body:
             if self._transport is not None:
-                self.reject(413, b"request body too large")
+                self.reject(413, "body_too_large", "request body too large")
             return
         self._request.body.append(body)
 
@@ -229,7 +224,7 @@ class _ServerConnection(asyncio.Protocol):
         }
         body = b"".join(request.body)
         sent_body = False
-        response = _Response(self, request.method == "HEAD")
+        response = AnswerWriter(self, request.method == "HEAD")
 
         async def receive() -> dict[str, Any]:
             nonlocal sent_body
@@ -246,11 +241,11 @@ class _ServerConnection(asyncio.Protocol):
                 return False
             log.exception("the app failed on %s %s", request.method, request.path)
             if not response.started:
-                response.error(500)
+                response.error()
             return False
         if not response.finished:
             if not response.started:
-                response.error(500)
+                response.error()
             return False
         return request.keep_alive and not self.disconnected and not self._server.stopping
 
@@ -262,70 +257,15 @@ class _ServerConnection(asyncio.Protocol):
         if self._writable is not None:
             await self._writable
 
-    def reject(self, status: int, message: bytes) -> None:
-        """A plain-text answer; the connection then closes."""
-        head = b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))
-        self.write(
-            head + b"content-type: text/plain\r\ncontent-length: %d\r\nconnection: close"
-            b"\r\n\r\n%s" % (len(message), message)
-        )
+    def reject(self, status: int, code: str, message: str) -> None:
+        """The error JSON; the connection then closes."""
+        self.write(refusal_bytes(status, code, message))
         self.close()
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-
-
-class _Response:
-    def __init__(self, conn: _ServerConnection, head_only: bool) -> None:
-        self._conn = conn
-        self._head_only = head_only
-        self._chunked = False
-        self._head = b""
-        self.started = False
-        self.finished = False
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if self._conn.disconnected:
-            raise ConnectionResetError("the client disconnected")
-        kind = message["type"]
-        if kind == "http.response.start":
-            self._start(message)
-        elif kind == "http.response.body":
-            self._body(message.get("body", b""), message.get("more_body", False))
-            await self._conn.drain()
-
-    def _start(self, message: dict[str, Any]) -> None:
-        status = message["status"]
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
-        length = False
-        for name, value in message.get("headers", ()):
-            length = length or name.lower() == b"content-length"
-            lines.append(b"%s: %s\r\n" % (name, value))
-        if not length and status >= 200 and status not in (204, 304):
-            self._chunked = True
-            lines.append(b"transfer-encoding: chunked\r\n")
-        lines.append(b"\r\n")
-        self._head = b"".join(lines)
-        self.started = True
-
-    def _body(self, data: bytes, more: bool) -> None:
-        out = []
-        if self._head:
-            out.append(self._head)
-            self._head = b""
-        if data and not self._head_only:
-            out.append(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
-        if not more:
-            if self._chunked and not self._head_only:
-                out.append(b"0\r\n\r\n")
-            self.finished = True
-        if out:
-            self._conn.write(b"".join(out))
-
-    def error(self, status: int) -> None:
-        self._conn.reject(status, b"internal error; see the appliance log")
 
 
 class ApiServer:
@@ -398,3 +338,11 @@ class ApiServer:
                 break
         for conn in list(self.connections):
             conn.close()
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The Content-Length a head declares (the parser has checked it is a number), else 0."""
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else 0
+    return 0

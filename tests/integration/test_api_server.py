@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -134,17 +135,54 @@ def test_pipelined_requests_are_answered_in_order_and_expect_continue_is_honoure
     run(main())
 
 
-def test_bad_requests_get_a_clear_status_and_a_closed_connection() -> None:
+def refusal(out: bytes, status: int, code: str) -> str:
+    """The one answer on the connection: `status` with the API's error JSON; its message."""
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status) and out.count(b"HTTP/1.1 ") == 1, out
+    assert b"content-type: application/json" in head and b"connection: close" in head, head
+    error = json.loads(body)["error"]
+    assert error["code"] == code and error["type"] and error["param"] is None, error
+    return str(error["message"])
+
+
+def test_bad_requests_get_a_clear_status_the_error_json_and_a_closed_connection() -> None:
+    """The server's own refusals were plain text, where every other refusal is JSON."""
+
     async def main() -> None:
         server = await serving(Probe(), max_body=1000)
         out = await raw(server, b"NOT HTTP\r\n\r\n")
-        assert out.startswith(b"HTTP/1.1 400 ") and b"malformed request" in out
-        big = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000
-        out = await raw(server, big)
-        assert out.startswith(b"HTTP/1.1 413 ")
-        assert out.count(b"HTTP/1.1 ") == 1  # the cut-off request is never served
+        assert "malformed request" in refusal(out, 400, "malformed_request")
+        big = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        big += b"1388\r\n" + b"x" * 5000 + b"\r\n0\r\n\r\n"
+        refusal(await raw(server, big), 413, "body_too_large")  # never served
         out = await raw(server, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert out.startswith(b"HTTP/1.1 500 ")
+        assert out.startswith(b"HTTP/1.1 500 ")  # Starlette's own answer, then closed
+        await server.stop()
+
+        async def broken(scope: object, receive: object, send: object) -> None:
+            raise RuntimeError("bug")
+
+        server = ApiServer(broken, "127.0.0.1", 0)
+        await server.start()
+        out = await raw(server, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        refusal(out, 500, "internal")  # the app failed before its answer began
+        await server.stop()
+
+    run(main())
+
+
+def test_a_body_declared_past_the_limit_is_refused_before_it_is_sent() -> None:
+    """A Content-Length past `max_body` used to be read up to the limit (or waited for until
+    the request's deadline) before the 413; and `Expect: 100-continue` got its 100 first."""
+
+    async def main() -> None:
+        server = await serving(Probe(), max_body=1000)
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
+        start = time.monotonic()
+        refusal(await raw(server, head + b"\r\n"), 413, "body_too_large")
+        out = await raw(server, head + b"Expect: 100-continue\r\n\r\n")
+        refusal(out, 413, "body_too_large")  # no 100 Continue before it
+        assert time.monotonic() - start < 1.0
         await server.stop()
 
     run(main())
