@@ -64,7 +64,11 @@ class _ServerConnection(asyncio.Protocol):
         self._idle_handle: asyncio.TimerHandle | None = None
         self._request_handle: asyncio.TimerHandle | None = None
         self._head_size = 0
+        """Bytes of the head arriving, counted from the data after the data it began in."""
+        self._fields_size = 0
+        """Bytes of its headers' names and values, counted as the parser finds them."""
         self._in_head = False
+        self._began = False
 
     @property
     def idle(self) -> bool:
@@ -81,13 +85,16 @@ class _ServerConnection(asyncio.Protocol):
         if self._transport is None:  # refused and closing
             return
         self._idle_timer()
+        self._began = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.reject(400, "upgrade_not_supported", "upgrades are not supported")
         except httptools.HttpParserError as exc:
             self.reject(400, "malformed_request", f"malformed request: {exc}")
-        if self._in_head and self._transport is not None:  # the head is still arriving
+        # A head still arriving that began before this data holds all of it (one that began
+        # in it may share it with the request before, and is measured when it is whole).
+        if self._in_head and not self._began and self._transport is not None:
             self._head_size += len(data)
             if self._head_size > MAX_HEAD_BYTES:
                 self.reject(431, "head_too_large", HEAD_TOO_LARGE)
@@ -120,7 +127,9 @@ class _ServerConnection(asyncio.Protocol):
         self._request = _HttpRequest()
         self._body_size = 0
         self._head_size = 0
+        self._fields_size = 0
         self._in_head = True
+        self._began = True
         loop = asyncio.get_running_loop()
         self._request_handle = loop.call_later(self._server.request_s, self._request_too_slow)
 
@@ -136,11 +145,15 @@ class _ServerConnection(asyncio.Protocol):
             if self._transport is not None:
                 self.reject(431, "head_too_large", HEAD_TOO_LARGE)
             return
+        self._fields_size += len(name) + len(value)
         self._request.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         if self._transport is None:
+            return
+        if len(self._url) + self._fields_size > MAX_HEAD_BYTES:
+            self.reject(431, "head_too_large", HEAD_TOO_LARGE)
             return
         if _declared_length(self._request.headers) > self._server.max_body:
             self.reject(413, "body_too_large", "request body too large")

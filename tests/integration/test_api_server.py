@@ -188,6 +188,28 @@ def test_a_body_declared_past_the_limit_is_refused_before_it_is_sent() -> None:
     run(main())
 
 
+def test_pipelined_requests_read_together_are_not_taken_for_a_large_head() -> None:
+    """The head's size was counted as all the data read while a head was arriving, so a read
+    of many small pipelined requests ending inside one's head was refused 431."""
+
+    async def main() -> None:
+        server = await serving(Probe())
+        one = b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 200 + b"\r\n\r\n"
+        last = b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        assert server.bound is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.bound[1])
+        writer.write(one * 400 + last[:20])  # about 100 KB, the last head cut short
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(last[20:])
+        out = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert out.count(b"HTTP/1.1 200 OK") == 401 and b" 431 " not in out
+        await server.stop()
+
+    run(main())
+
+
 def test_stop_lets_a_request_in_flight_finish_and_closes_idle_connections() -> None:
     async def main() -> None:
         probe = Probe()
