@@ -12,8 +12,10 @@ Content-Length, or chunked when the app streams (`http_answer.py`); once the cli
 up, sending raises OSError (ASGI 2.4), which ends a streaming answer and so closes its worker
 request. A connection idle for `idle_s` is closed, and a request whose head and body have
 not all arrived within `request_s` of its first byte gets 408 (a client sending a byte a
-second is no longer kept forever). Every refusal is the API's error JSON. `stop()` refuses
-new connections, closes idle ones and gives requests in flight `grace_s` to finish.
+second is no longer kept forever). A client that sends request after request without
+reading the answers is read no further while `MAX_QUEUED` of them wait. Every refusal is
+the API's error JSON. `stop()` refuses new connections, closes idle ones and gives requests
+in flight `grace_s` to finish.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ MAX_HEAD_BYTES = 64 * 1024
 """The request line and headers together, at most (read before the API key is checked)."""
 MAX_HEADERS = 100
 HEAD_TOO_LARGE = "request head too large (64 KiB and 100 headers at most)"
+MAX_QUEUED = 8
+"""Requests of one connection read and waiting for their answer, at most (pipelining)."""
 
 
 class _HttpRequest:
@@ -69,6 +73,8 @@ class _ServerConnection(asyncio.Protocol):
         """Bytes of its headers' names and values, counted as the parser finds them."""
         self._in_head = False
         self._began = False
+        self._queued_bytes = 0
+        self._reading = True
 
     @property
     def idle(self) -> bool:
@@ -186,6 +192,8 @@ class _ServerConnection(asyncio.Protocol):
             return
         self._request.received_at = time.monotonic()
         self._queue.append(self._request)
+        self._queued_bytes += self._body_size
+        self._flow()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -195,6 +203,8 @@ class _ServerConnection(asyncio.Protocol):
         try:
             while self._queue and not self.disconnected:
                 request = self._queue.popleft()
+                self._queued_bytes -= sum(map(len, request.body))
+                self._flow()
                 keep = await self._answer(request)
                 if not keep:
                     self.close()
@@ -203,6 +213,18 @@ class _ServerConnection(asyncio.Protocol):
             self._task = None
             self._idle_timer()
             self._server.request_done()
+
+    def _flow(self) -> None:
+        """Reads on while fewer than `MAX_QUEUED` requests, with at most `max_body` bytes of
+        bodies, wait for their answers: a client that sends without reading the answers
+        stops being read, rather than have the appliance keep all it sent."""
+        full = len(self._queue) >= MAX_QUEUED or self._queued_bytes > self._server.max_body
+        if full == self._reading and self._transport is not None:
+            self._reading = not full
+            if full:
+                self._transport.pause_reading()
+            else:
+                self._transport.resume_reading()
 
     def _idle_timer(self) -> None:
         """Closes the connection after `idle_s` without a request; reset by any data."""

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from appliance.api.server import ApiServer
+from appliance.api.server import MAX_QUEUED, ApiServer, _ServerConnection
 from appliance.eventloop import run
 
 
@@ -206,6 +206,55 @@ def test_pipelined_requests_read_together_are_not_taken_for_a_large_head() -> No
         writer.close()
         assert out.count(b"HTTP/1.1 200 OK") == 401 and b" 431 " not in out
         await server.stop()
+
+    run(main())
+
+
+class _Transport:
+    """Stands in for the socket of one connection: what was written, and reading's state."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_client_that_reads_no_answers_is_read_no_further_until_it_does() -> None:
+    """Pipelined requests were all read and queued whatever their number: a client sending
+    without reading held the appliance's memory without bound."""
+
+    async def main() -> None:
+        server = ApiServer(app(Probe()), "127.0.0.1", 0)  # type: ignore[arg-type]
+        conn = _ServerConnection(server)
+        transport = _Transport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        conn.pause_writing()  # the client reads nothing: the socket's buffer is full
+        request = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx"
+        conn.data_received(request * (MAX_QUEUED - 1))
+        await asyncio.sleep(0.05)
+        assert transport.reading
+        conn.data_received(request * 2)
+        await asyncio.sleep(0.05)
+        assert not transport.reading  # MAX_QUEUED wait: it reads no more
+        conn.resume_writing()  # the client reads again
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if transport.out.count(b"HTTP/1.1 200 OK") == MAX_QUEUED + 1:
+                break
+        assert transport.out.count(b"HTTP/1.1 200 OK") == MAX_QUEUED + 1
+        assert transport.reading
+        conn.connection_lost(None)
 
     run(main())
 
