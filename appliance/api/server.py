@@ -55,7 +55,7 @@ class _HttpRequest:
 class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: ApiServer) -> None:
         self._server = server
-        self._parser = httptools.HttpRequestParser(self)
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
         self._request = _HttpRequest()
@@ -88,12 +88,13 @@ class _ServerConnection(asyncio.Protocol):
         self._idle_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._transport is None:  # refused and closing
+        parser = self._parser
+        if self._transport is None or parser is None:  # refused and closing
             return
         self._idle_timer()
         self._began = False
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.reject(400, "upgrade_not_supported", "upgrades are not supported")
         except httptools.HttpParserError as exc:
@@ -113,6 +114,12 @@ class _ServerConnection(asyncio.Protocol):
             self._idle_handle.cancel()
         if self._request_handle is not None:
             self._request_handle.cancel()
+        # The parser and the timers hold this connection's bound methods: without those
+        # cycles a closed connection, and a request it was reading (a body of up to
+        # `max_body`), is freed now rather than when the collector next walks its oldest
+        # generation, which on a quiet appliance can be minutes away.
+        self._parser = self._idle_handle = self._request_handle = None
+        self._queue.clear()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
         if not self.closed.done():
@@ -166,13 +173,15 @@ class _ServerConnection(asyncio.Protocol):
             return
         request = self._request
         url = httptools.parse_url(self._url)
-        request.method = self._parser.get_method().decode("ascii")
+        parser = self._parser
+        assert parser is not None  # called back by it
+        request.method = parser.get_method().decode("ascii")
         request.raw_path = url.path
         path = url.path.decode("latin-1")
         request.path = unquote(path) if "%" in path else path
         request.query = url.query or b""
-        request.http_version = self._parser.get_http_version()
-        request.keep_alive = self._parser.should_keep_alive()
+        request.http_version = parser.get_http_version()
+        request.keep_alive = parser.should_keep_alive()
         if (b"expect", b"100-continue") in request.headers and self._transport is not None:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -258,6 +267,7 @@ class _ServerConnection(asyncio.Protocol):
             "extensions": {"appliance": {"received_at": request.received_at}},
         }
         body = b"".join(request.body)
+        request.body.clear()  # the connection keeps its last request until the next begins
         sent_body = False
         response = AnswerWriter(self, request.method == "HEAD")
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import time
+import tracemalloc
+import weakref
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -259,6 +262,33 @@ def test_a_client_that_reads_no_answers_is_read_no_further_until_it_does() -> No
     run(main())
 
 
+def test_a_closed_connection_is_freed_without_the_collector() -> None:
+    """The parser and the timers held the connection's bound methods: a closed connection,
+    with the body it was reading, waited for a full collection (often minutes away)."""
+
+    async def main() -> None:
+        server = await serving(Probe(), max_body=4 * 2**20)
+        assert server.bound is not None
+        _, writer = await asyncio.open_connection("127.0.0.1", server.bound[1])
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n")
+        writer.write(b"x" * 2_000_000)  # half of it, then the client goes
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        [conn] = server.connections
+        gone = weakref.ref(conn)
+        del conn
+        writer.close()
+        await asyncio.sleep(0.1)
+        assert gone() is None
+        await server.stop()
+
+    gc.disable()
+    try:
+        run(main())
+    finally:
+        gc.enable()
+
+
 def test_stop_lets_a_request_in_flight_finish_and_closes_idle_connections() -> None:
     async def main() -> None:
         probe = Probe()
@@ -345,6 +375,30 @@ def test_a_request_that_trickles_in_is_cut_off_at_its_deadline() -> None:
         head = await answer_while_sending(server, (bytes([b]) for b in slow), 0.05)
         assert head.startswith(b"HTTP/1.1 408 ")
         assert 0.4 <= time.monotonic() - start < 3.0  # the deadline (timers may fire a hair early)
+        await server.stop()
+
+    run(main())
+
+
+def test_a_kept_alive_connection_keeps_no_body_it_has_answered() -> None:
+    """The connection held its last request, body and all, until the next one began: an
+    idle kept-alive connection could hold `max_body` bytes for `idle_s`."""
+
+    async def main() -> None:
+        server = await serving(Probe(), max_body=4 * 2**20)
+        assert server.bound is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.bound[1])
+        tracemalloc.start()
+        body = b"x" * 2_000_000
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n" + body)
+        del body
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b'"head"'), 5)  # answered; the connection stays
+        await asyncio.sleep(0.05)
+        held, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert held < 500_000, held
+        writer.close()
         await server.stop()
 
     run(main())
