@@ -30,6 +30,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from appliance.api.heap_trim import HeapTrim
 from appliance.api.http_answer import AnswerWriter, refusal_bytes
 
 log = logging.getLogger(__name__)
@@ -288,6 +289,8 @@ class _ServerConnection(asyncio.Protocol):
             if not response.started:
                 response.error()
             return False
+        finally:
+            self._server.heap.after(len(body))
         if not response.finished:
             if not response.started:
                 response.error()
@@ -306,6 +309,7 @@ class _ServerConnection(asyncio.Protocol):
         """The error JSON; the connection then closes."""
         self.write(refusal_bytes(status, code, message))
         self.close()
+        self._server.heap.after(self._body_size)
 
     def close(self) -> None:
         if self._transport is not None:
@@ -335,6 +339,8 @@ class ApiServer:
         self.max_body = max_body
         self.grace_s = grace_s
         self.connections: set[_ServerConnection] = set()
+        self.heap = HeapTrim()
+        """Gives memory back to the OS after a large body (`heap_trim.py`)."""
         self.stopping = False
         self.bound: tuple[str, int] | None = None
         self._server: asyncio.AbstractServer | None = None
