@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
+import functools
 from collections.abc import Callable
 
 LARGE_BODY = 1 << 20
@@ -22,10 +22,12 @@ LARGE_BODY = 1 << 20
 DELAY_S = 1.0
 
 
+@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, from the symbols the process has loaded (no library search)."""
     try:
-        trim: Callable[[int], int] = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
         return None
     return trim
 
