@@ -21,6 +21,7 @@ from typing import Any
 
 from appliance import keystore
 from appliance.api.auth import Caller
+from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId
@@ -145,7 +146,7 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
                 keys=keys,
                 secret=_secret(data_dir),
             )
-            server = ApiServer(wired.app, settings.server.host, settings.server.port, grace_s=30)
+            server = _api_server(wired.app, settings)
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
                 f"appliance: engine {kind.value} ({_plural(len(engines.workers), 'worker')}, model "
@@ -165,6 +166,12 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
         ledger.close()
         if probe is not None:
             probe.close()
+
+
+def _api_server(app: Any, settings: Settings) -> ApiServer:
+    s = settings.server
+    return ApiServer(app, s.host, s.port, max_body=MAX_BODY_BYTES, grace_s=30,
+                     idle_s=s.idle_timeout_s, request_s=s.request_timeout_s)  # fmt: skip
 
 
 def _open_ledger(settings: Settings) -> LedgerWriter:

@@ -15,14 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveFloat,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -53,6 +46,10 @@ class ServerSettings(Section):
     """Address the HTTP API listens on. Keep 127.0.0.1 unless a proxy with TLS fronts it."""
     port: int = Field(8080, ge=1, le=65535)
     """TCP port of the HTTP API."""
+    request_timeout_s: PositiveFloat = 30.0
+    """Seconds a request's head and body have to arrive, from its first byte; later: 408."""
+    idle_timeout_s: PositiveFloat = 75.0
+    """Seconds a kept-alive connection may wait for its next request before it is closed."""
 
 
 class EngineSettings(Section):

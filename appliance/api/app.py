@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -59,7 +60,23 @@ def create_api_app(ctx: ApiContext) -> ApiApp:
             return ctx.keys.caller(request.headers, admin=True)
 
         routes += session_routes(ctx.sessions_admin, ctx.clock, operator, guarded)
-    return ApiApp(model_route, Starlette(routes=routes))
+    handlers = {HTTPException: _routing_refusal}
+    return ApiApp(model_route, Starlette(routes=routes, exception_handlers=handlers))
+
+
+_ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _routing_refusal(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route: 404; a route without this method: 405), as
+    the error JSON every other refusal is, not its plain text."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    response = error_response(
+        exc.status_code, message, _ROUTING_CODES.get(exc.status_code, "http_error")
+    )
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def guarded(handler: Handler) -> Handler:

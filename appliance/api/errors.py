@@ -13,9 +13,12 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    431: "request_too_large",
     503: "service_unavailable",
 }
 
@@ -28,6 +31,20 @@ class RequestRefused(ApplianceError):
         self.param = param
 
 
+def error_body(
+    status: int, message: str, code: str, *, param: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    """`{"error": {"message", "type", "param", "code"}}`: what every refusal of the API says."""
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "api_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
 def error_response(
     status: int,
     message: str,
@@ -37,14 +54,7 @@ def error_response(
     retry_after_s: float | None = None,
 ) -> JSONResponse:
     """The error JSON; `retry_after_s` becomes a `Retry-After` header in whole seconds (>= 1)."""
-    body = {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "api_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+    body = error_body(status, message, code, param=param)
     headers = None
     if retry_after_s is not None:
         headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}

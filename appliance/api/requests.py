@@ -80,15 +80,19 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def _depth(value: Any) -> int:
-    """How deep a parsed JSON value nests (iterative: a deep one must not overflow)."""
-    deepest, stack = 0, [(value, 1)]
+    """How deep a parsed JSON value nests, up to one past `MAX_JSON_DEPTH`. Iterative (a deep
+    one must not overflow) and holding one iterator per level, not every value seen: a wide
+    body (a million small objects) makes no list of them."""
+    deepest, stack = 0, [iter((value,))]
     while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_JSON_DEPTH:
-                stack.extend((child, depth + 1) for child in children)
+        for item in stack[-1]:
+            if isinstance(item, dict | list):
+                deepest = max(deepest, len(stack))
+                if len(stack) <= MAX_JSON_DEPTH:
+                    stack.append(iter(item.values() if isinstance(item, dict) else item))
+                    break
+        else:
+            stack.pop()
     return deepest
 
 

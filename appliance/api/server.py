@@ -6,13 +6,15 @@ the whole body (benchmarks/router_overhead.py, `http-relay` path, on this kind o
 and that time is latency added to every agent turn. This server does only what the API
 needs: HTTP/1.1 with keep-alive (requests on one connection are answered in order, one at a
 time), Content-Length and chunked request bodies (the app gets the body whole, at most
-`max_body` bytes, else 413; a head of at most 64 KiB and 100 headers, else 431),
-`Expect: 100-continue`, answers framed by Content-Length, or
-chunked when the app streams; once the client has hung up, sending raises OSError (ASGI
-2.4), which ends a streaming answer and so closes its worker request. A connection idle for
-`idle_s` is closed, and a request whose head and body have not all arrived within
-`request_s` of its first byte gets 408 (a client sending a byte a second is no longer kept
-forever). `stop()` refuses new connections, closes idle ones and gives requests
+`max_body` bytes, else 413, at once when the declared length is larger; a head of at most
+64 KiB and 100 headers, else 431), `Expect: 100-continue`, answers framed by
+Content-Length, or chunked when the app streams (`http_answer.py`); once the client has hung
+up, sending raises OSError (ASGI 2.4), which ends a streaming answer and so closes its worker
+request. A connection idle for `idle_s` is closed, and a request whose head and body have
+not all arrived within `request_s` of its first byte gets 408 (a client sending a byte a
+second is no longer kept forever). A client that sends request after request without
+reading the answers is read no further while `MAX_QUEUED` of them wait. Every refusal is
+the API's error JSON. `stop()` refuses new connections, closes idle ones and gives requests
 in flight `grace_s` to finish.
 """
 
@@ -28,30 +30,23 @@ from urllib.parse import unquote
 
 import httptools
 
+from appliance.api.heap_trim import HeapTrim
+from appliance.api.http_answer import AnswerWriter, refusal_bytes
+
 log = logging.getLogger(__name__)
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-REASONS = {200: b"OK", 201: b"Created", 400: b"Bad Request", 404: b"Not Found",
-           408: b"Request Timeout", 413: b"Payload Too Large",
-           431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}  # fmt: skip
-HIGH_WATER = 1 << 20
 MAX_HEAD_BYTES = 64 * 1024
 """The request line and headers together, at most (read before the API key is checked)."""
 MAX_HEADERS = 100
+HEAD_TOO_LARGE = "request head too large (64 KiB and 100 headers at most)"
+MAX_QUEUED = 8
+"""Requests of one connection read and waiting for their answer, at most (pipelining)."""
 
 
 class _HttpRequest:
-    __slots__ = (
-        "body",
-        "headers",
-        "http_version",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "raw_path",
-        "received_at",
-    )
+    __slots__ = ("body", "headers", "http_version", "keep_alive", "method", "path", "query",
+                 "raw_path", "received_at")  # fmt: skip
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
@@ -61,7 +56,7 @@ class _HttpRequest:
 class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: ApiServer) -> None:
         self._server = server
-        self._parser = httptools.HttpRequestParser(self)
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
         self._request = _HttpRequest()
@@ -74,7 +69,13 @@ class _ServerConnection(asyncio.Protocol):
         self._idle_handle: asyncio.TimerHandle | None = None
         self._request_handle: asyncio.TimerHandle | None = None
         self._head_size = 0
+        """Bytes of the head arriving, counted from the data after the data it began in."""
+        self._fields_size = 0
+        """Bytes of its headers' names and values, counted as the parser finds them."""
         self._in_head = False
+        self._began = False
+        self._queued_bytes = 0
+        self._reading = True
 
     @property
     def idle(self) -> bool:
@@ -88,19 +89,23 @@ class _ServerConnection(asyncio.Protocol):
         self._idle_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._transport is None:  # refused and closing
+        parser = self._parser
+        if self._transport is None or parser is None:  # refused and closing
             return
         self._idle_timer()
+        self._began = False
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.reject(400, b"upgrades are not supported")
+            self.reject(400, "upgrade_not_supported", "upgrades are not supported")
         except httptools.HttpParserError as exc:
-            self.reject(400, f"malformed request: {exc}".encode())
-        if self._in_head and self._transport is not None:  # the head is still arriving
+            self.reject(400, "malformed_request", f"malformed request: {exc}")
+        # A head still arriving that began before this data holds all of it (one that began
+        # in it may share it with the request before, and is measured when it is whole).
+        if self._in_head and not self._began and self._transport is not None:
             self._head_size += len(data)
             if self._head_size > MAX_HEAD_BYTES:
-                self.reject(431, b"request head too large (64 KiB and 100 headers at most)")
+                self.reject(431, "head_too_large", HEAD_TOO_LARGE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disconnected = True
@@ -110,6 +115,12 @@ class _ServerConnection(asyncio.Protocol):
             self._idle_handle.cancel()
         if self._request_handle is not None:
             self._request_handle.cancel()
+        # The parser and the timers hold this connection's bound methods: without those
+        # cycles a closed connection, and a request it was reading (a body of up to
+        # `max_body`), is freed now rather than when the collector next walks its oldest
+        # generation, which on a quiet appliance can be minutes away.
+        self._parser = self._idle_handle = self._request_handle = None
+        self._queue.clear()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
         if not self.closed.done():
@@ -130,13 +141,15 @@ class _ServerConnection(asyncio.Protocol):
         self._request = _HttpRequest()
         self._body_size = 0
         self._head_size = 0
+        self._fields_size = 0
         self._in_head = True
+        self._began = True
         loop = asyncio.get_running_loop()
         self._request_handle = loop.call_later(self._server.request_s, self._request_too_slow)
 
     def _request_too_slow(self) -> None:
         if self._transport is not None:
-            self.reject(408, b"the request did not arrive in time")
+            self.reject(408, "request_timeout", "the request did not arrive in time")
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -144,21 +157,32 @@ class _ServerConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self._request.headers) >= MAX_HEADERS:
             if self._transport is not None:
-                self.reject(431, b"request head too large (64 KiB and 100 headers at most)")
+                self.reject(431, "head_too_large", HEAD_TOO_LARGE)
             return
+        self._fields_size += len(name) + len(value)
         self._request.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self._transport is None:
+            return
+        if len(self._url) + self._fields_size > MAX_HEAD_BYTES:
+            self.reject(431, "head_too_large", HEAD_TOO_LARGE)
+            return
+        if _declared_length(self._request.headers) > self._server.max_body:
+            self.reject(413, "body_too_large", "request body too large")
+            return
         request = self._request
         url = httptools.parse_url(self._url)
-        request.method = self._parser.get_method().decode("ascii")
+        parser = self._parser
+        assert parser is not None  # called back by it
+        request.method = parser.get_method().decode("ascii")
         request.raw_path = url.path
         path = url.path.decode("latin-1")
         request.path = unquote(path) if "%" in path else path
         request.query = url.query or b""
-        request.http_version = self._parser.get_http_version()
-        request.keep_alive = self._parser.should_keep_alive()
+        request.http_version = parser.get_http_version()
+        request.keep_alive = parser.should_keep_alive()
         if (b"expect", b"100-continue") in request.headers and self._transport is not None:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -166,7 +190,7 @@ class _ServerConnection(asyncio.Protocol):
         self._body_size += len(body)
         if self._body_size > self._server.max_body:
             if self._transport is not None:
-                self.reject(413, b"request body too large")
+                self.reject(413, "body_too_large", "request body too large")
             return
         self._request.body.append(body)
 
@@ -178,6 +202,8 @@ class _ServerConnection(asyncio.Protocol):
             return
         self._request.received_at = time.monotonic()
         self._queue.append(self._request)
+        self._queued_bytes += self._body_size
+        self._flow()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -187,6 +213,8 @@ class _ServerConnection(asyncio.Protocol):
         try:
             while self._queue and not self.disconnected:
                 request = self._queue.popleft()
+                self._queued_bytes -= sum(map(len, request.body))
+                self._flow()
                 keep = await self._answer(request)
                 if not keep:
                     self.close()
@@ -195,6 +223,18 @@ class _ServerConnection(asyncio.Protocol):
             self._task = None
             self._idle_timer()
             self._server.request_done()
+
+    def _flow(self) -> None:
+        """Reads on while fewer than `MAX_QUEUED` requests, with at most `max_body` bytes of
+        bodies, wait for their answers: a client that sends without reading the answers
+        stops being read, rather than have the appliance keep all it sent."""
+        full = len(self._queue) >= MAX_QUEUED or self._queued_bytes > self._server.max_body
+        if full == self._reading and self._transport is not None:
+            self._reading = not full
+            if full:
+                self._transport.pause_reading()
+            else:
+                self._transport.resume_reading()
 
     def _idle_timer(self) -> None:
         """Closes the connection after `idle_s` without a request; reset by any data."""
@@ -228,8 +268,9 @@ class _ServerConnection(asyncio.Protocol):
             "extensions": {"appliance": {"received_at": request.received_at}},
         }
         body = b"".join(request.body)
+        request.body.clear()  # the connection keeps its last request until the next begins
         sent_body = False
-        response = _Response(self, request.method == "HEAD")
+        response = AnswerWriter(self, request.method == "HEAD")
 
         async def receive() -> dict[str, Any]:
             nonlocal sent_body
@@ -246,11 +287,13 @@ class _ServerConnection(asyncio.Protocol):
                 return False
             log.exception("the app failed on %s %s", request.method, request.path)
             if not response.started:
-                response.error(500)
+                response.error()
             return False
+        finally:
+            self._server.heap.after(len(body))
         if not response.finished:
             if not response.started:
-                response.error(500)
+                response.error()
             return False
         return request.keep_alive and not self.disconnected and not self._server.stopping
 
@@ -262,70 +305,16 @@ class _ServerConnection(asyncio.Protocol):
         if self._writable is not None:
             await self._writable
 
-    def reject(self, status: int, message: bytes) -> None:
-        """A plain-text answer; the connection then closes."""
-        head = b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))
-        self.write(
-            head + b"content-type: text/plain\r\ncontent-length: %d\r\nconnection: close"
-            b"\r\n\r\n%s" % (len(message), message)
-        )
+    def reject(self, status: int, code: str, message: str) -> None:
+        """The error JSON; the connection then closes."""
+        self.write(refusal_bytes(status, code, message))
         self.close()
+        self._server.heap.after(self._body_size)
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-
-
-class _Response:
-    def __init__(self, conn: _ServerConnection, head_only: bool) -> None:
-        self._conn = conn
-        self._head_only = head_only
-        self._chunked = False
-        self._head = b""
-        self.started = False
-        self.finished = False
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if self._conn.disconnected:
-            raise ConnectionResetError("the client disconnected")
-        kind = message["type"]
-        if kind == "http.response.start":
-            self._start(message)
-        elif kind == "http.response.body":
-            self._body(message.get("body", b""), message.get("more_body", False))
-            await self._conn.drain()
-
-    def _start(self, message: dict[str, Any]) -> None:
-        status = message["status"]
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
-        length = False
-        for name, value in message.get("headers", ()):
-            length = length or name.lower() == b"content-length"
-            lines.append(b"%s: %s\r\n" % (name, value))
-        if not length and status >= 200 and status not in (204, 304):
-            self._chunked = True
-            lines.append(b"transfer-encoding: chunked\r\n")
-        lines.append(b"\r\n")
-        self._head = b"".join(lines)
-        self.started = True
-
-    def _body(self, data: bytes, more: bool) -> None:
-        out = []
-        if self._head:
-            out.append(self._head)
-            self._head = b""
-        if data and not self._head_only:
-            out.append(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
-        if not more:
-            if self._chunked and not self._head_only:
-                out.append(b"0\r\n\r\n")
-            self.finished = True
-        if out:
-            self._conn.write(b"".join(out))
-
-    def error(self, status: int) -> None:
-        self._conn.reject(status, b"internal error; see the appliance log")
 
 
 class ApiServer:
@@ -350,6 +339,8 @@ class ApiServer:
         self.max_body = max_body
         self.grace_s = grace_s
         self.connections: set[_ServerConnection] = set()
+        self.heap = HeapTrim()
+        """Gives memory back to the OS after a large body (`heap_trim.py`)."""
         self.stopping = False
         self.bound: tuple[str, int] | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -398,3 +389,11 @@ class ApiServer:
                 break
         for conn in list(self.connections):
             conn.close()
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The Content-Length a head declares (the parser has checked it is a number), else 0."""
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else 0
+    return 0
