@@ -1,6 +1,6 @@
 """An attempt's ledger rows (route decision, turn, cache receipt, session) are handed to the
 ledger together once its answer is out, so the writer commits them in one transaction; a
-failed attempt's decision is written with its failed turn row."""
+failed attempt's decision is written with its failed turn row. Attempt ids need no random draw."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from appliance.domain.errors import EngineUnavailable
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
-from appliance.services.turn import TurnRequest
+from appliance.services.turn import TurnRequest, new_turn_id
 from tests.fakes import AckLedger, RouterWorker, wired_desk
 
 
@@ -83,3 +83,10 @@ def test_a_failed_attempts_decision_goes_with_its_failed_turn() -> None:
     assert ledger.seen == ["route_decision", "turn", "session",  # no receipt for a failure
                            "route_decision", "turn", "cache_receipt", "session"]  # fmt: skip
     assert [t.worker for t in ledger.turns] == ["w0", "w1"]
+
+
+def test_attempt_ids_are_32_hex_digits_and_never_repeat() -> None:
+    ids = [new_turn_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len({i[:16] for i in ids}) == 1  # this process's prefix, then a serial number
