@@ -19,7 +19,9 @@ index, load and cache (see `EngineView`); `round_robin()` and `session_hash()` a
 Closed loops: `on_finish(record)` sees each request as it finishes and may return more
 arrivals (an agent's next turn after its tool wait), at that time or later; they join the
 heap like any other arrival, so a workload whose turns wait on each other's completions
-runs in the same virtual time.
+runs in the same virtual time. It may also return `Timer`s: a callback at a time (a
+client's announcement, a scheduled look at a waiting session), run before arrivals of the
+same time; after it every engine with work that is not stepping steps, as on an arrival.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class Arrival:
     time_s: float
     request: SimRequest
     worker: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """A callback at `time_s` in virtual time, given that time."""
+
+    time_s: float
+    fire: Callable[[float], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +120,7 @@ def session_hash() -> Route:
     return route
 
 
-_ARRIVAL, _STEP_DONE = 0, 1
+_TIMER, _ARRIVAL, _STEP_DONE = 0, 1, 2
 _FOLLOW = -2  # the engine slot of an arrival `on_finish` returned (-1: from `arrivals`)
 
 
@@ -120,7 +130,7 @@ def replay(
     route: Route | None = None,
     *,
     on_step: Callable[[int, float, StepResult], None] | None = None,
-    on_finish: Callable[[RequestRecord], Iterable[Arrival]] | None = None,
+    on_finish: Callable[[RequestRecord], Iterable[Arrival | Timer]] | None = None,
 ) -> ReplayResult:
     """Run every arrival to completion; `on_step(engine, time, result)` sees each step as
     its outputs become visible (KV events included); `on_finish(record)` may answer a
@@ -139,7 +149,7 @@ class _Replay:
         arrivals: Iterable[Arrival],
         router: Route,
         on_step: Callable[[int, float, StepResult], None] | None,
-        on_finish: Callable[[RequestRecord], Iterable[Arrival]] | None,
+        on_finish: Callable[[RequestRecord], Iterable[Arrival | Timer]] | None,
     ) -> None:
         self.engines = engines
         self.router = router
@@ -147,7 +157,7 @@ class _Replay:
         self.on_finish = on_finish
         self.records: dict[str, RequestRecord] = {}  # the unfinished ones
         self.order: list[RequestRecord] = []
-        self.heap: list[tuple[float, int, int, int, StepResult | Arrival]] = []
+        self.heap: list[tuple[float, int, int, int, StepResult | Arrival | Timer]] = []
         self.seq = 0
         self.busy = [False] * len(engines)
         self.idle_step: list[int | None] = [None] * len(engines)  # seq of a step that waits
@@ -171,6 +181,10 @@ class _Replay:
                 if i != _FOLLOW:
                     self.push_next_arrival()
                 self.arrive(payload)
+            elif isinstance(payload, Timer):
+                payload.fire(t)
+                for w in range(len(self.engines)):
+                    self.kick(w)
             else:
                 self.step_done(i, payload)
         return ReplayResult(
@@ -220,12 +234,16 @@ class _Replay:
         rec = RequestRecord(req.request_id, w, now, len(req.prompt_token_ids))
         self.records[req.request_id] = rec
         self.order.append(rec)
+        self.kick(w)
+
+    def kick(self, w: int) -> None:
+        """Step engine `w` now if it has work and is not stepping (or only waits for loads)."""
         waited = self.idle_step[w]
         if waited is not None:  # the engine only waits for loads: it steps now
             self.cut_short.add(waited)
-            self.start_step(w, now)
-        elif not self.busy[w]:
-            self.start_step(w, now)
+            self.start_step(w, self.now)
+        elif not self.busy[w] and self.engines[w].has_unfinished_requests():
+            self.start_step(w, self.now)
 
     def step_done(self, i: int, result: StepResult) -> None:
         """The step's outputs become visible; the engine steps again if it has work."""
@@ -252,14 +270,16 @@ class _Replay:
     def follow(self, rec: RequestRecord) -> None:
         """Queue the arrivals `on_finish` answers a finished request with."""
         now = self.now
-        for arrival in self.on_finish(rec) if self.on_finish is not None else ():
-            if arrival.time_s < now:
+        for event in self.on_finish(rec) if self.on_finish is not None else ():
+            if event.time_s < now:
+                what = event.request.request_id if isinstance(event, Arrival) else "a timer"
                 raise ValueError(
-                    f"{arrival.request.request_id} at {arrival.time_s} would arrive "
-                    f"before {rec.request_id} finished at {now}"
+                    f"{what} at {event.time_s} would arrive before {rec.request_id} finished "
+                    f"at {now}"
                 )
             self.seq += 1
-            heapq.heappush(self.heap, (arrival.time_s, _ARRIVAL, self.seq, _FOLLOW, arrival))
+            kind = _ARRIVAL if isinstance(event, Arrival) else _TIMER
+            heapq.heappush(self.heap, (event.time_s, kind, self.seq, _FOLLOW, event))
 
 
 def _views(engines: Sequence[SimEngine]) -> list[EngineView]:

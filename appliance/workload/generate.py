@@ -88,19 +88,14 @@ def task_tree(spec: WorkloadSpec, *, seed: int, index: int, start_s: float) -> T
                     turns=child_turns,
                 )
             )
-        spawn = turns[fork]
-        turns = (
-            *turns[:fork],
-            AgentTurn(
-                spawn.appended_tokens,
-                spawn.output_tokens,
-                SUBAGENT_TOOL,
-                0.0,
-                tuple(c.task_id for c in children),
-                forks=fan.fork_context,
-            ),
-            *turns[fork + 1 :],
+        spawn = replace(
+            turns[fork],
+            tool_class=SUBAGENT_TOOL,
+            tool_wait_s=0.0,
+            spawns=tuple(c.task_id for c in children),
+            forks=fan.fork_context,
         )
+        turns = (*turns[:fork], spawn, *turns[fork + 1 :])
     root = AgentTask(
         task_id=task_id,
         parent_id=None,
