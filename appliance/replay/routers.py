@@ -17,7 +17,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from appliance.domain.block_hash import BlockHasher, cacheable_tokens, event_block_hash
+from appliance.domain.block_hash import (
+    NO_KEYS,
+    BlockHasher,
+    RequestKeys,
+    cacheable_tokens,
+    event_block_hash,
+)
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import WorkerId
 from appliance.perf.latency import LatencyModel
@@ -106,8 +112,11 @@ class PolicyRouter:
         return w
 
     def _keys(self, req: SimRequest) -> tuple[int, ...]:
-        """Event hashes of the prompt's full blocks (what KV events name)."""
-        digests = self.hasher.hash_blocks(req.prompt_token_ids)
+        """Event hashes of the prompt's full blocks (what KV events name: salted with the
+        request's tenant, as the engines hash them; SGLang's tree, which sees text, not)."""
+        salted = req.cache_salt and self.name in _USES_INDEX
+        keys = RequestKeys(cache_salt=req.cache_salt) if salted else NO_KEYS
+        digests = self.hasher.hash_blocks(req.prompt_token_ids, keys=keys)
         return tuple(event_block_hash(d) for d in digests)
 
     def _resident(self, keys: tuple[int, ...]) -> list[int]:
