@@ -28,7 +28,9 @@ cannot finish anything before its turn (LEAD_TOO_SHORT); one whose measured accu
 (decayed share of prefetches used) is under `min_accuracy` after `min_samples` wastes
 more than the floor allows (LOW_ACCURACY). Leads are measured on every signal, issued or
 not, so the first rule lifts as soon as leads lengthen; the second lets every
-`probe_every`-th ask through to keep measuring.
+`probe_every`-th ask through to keep measuring. A prefill, which takes the GPU, also waits
+for the key's first lead (LEAD_UNMEASURED): a signal that comes with its turn would start
+one just as the turn arrives (a promotion is the copy the turn would make anyway).
 
 Pure: no clock (times are arguments), no I/O, no randomness.
 """
@@ -106,6 +108,8 @@ class PrefetchKind(StrEnum):
     BYTES_BUDGET = "bytes_budget"
     PREFILL_BUDGET = "prefill_budget"
     LEAD_TOO_SHORT = "lead_too_short"
+    LEAD_UNMEASURED = "lead_unmeasured"
+    """A prefill waits until the key's signals have shown how early they come."""
     LOW_ACCURACY = "low_accuracy"
 
 
@@ -193,7 +197,7 @@ class ReturnModel(Protocol):
     ) -> float: ...
 
 
-class _Record:
+class _KeyRecord:
     """A key's decayed lead and accuracy, and its probe count."""
 
     __slots__ = ("lead_s", "lead_weight", "probes", "settled", "used", "weight")
@@ -220,8 +224,9 @@ def first_likely_return_s(
     """The first idle time, on the wait model's bin edges before `horizon_s`, from which the
     turn is back within the window with probability >= `threshold` (None: none is). The
     window is `window_s`, or one bin from there when that is wider (the model tells times
-    apart no finer than its bins), but no longer than a prefetch is held (`hold_s`)."""
-    for idle_s in (0.0, *EDGES):
+    apart no finer than its bins), but no longer than a prefetch is held (`hold_s`). Idle
+    times under `DEFAULT_MIN_LEAD_S` are not looked at: nothing restores that fast."""
+    for idle_s in (0.0, *(e for e in EDGES if e >= DEFAULT_MIN_LEAD_S)):
         if idle_s >= horizon_s:
             break
         window = min(hold_s, max(window_s, idle_s * (_BIN_RATIO - 1)))
@@ -235,16 +240,18 @@ class PrefetchPolicy:
 
     def __init__(self, tuning: PrefetchTuning | None = None) -> None:
         self.tuning = tuning if tuning is not None else PrefetchTuning()
-        self._records: OrderedDict[PrefetchKey, _Record] = OrderedDict()
+        self._records: OrderedDict[PrefetchKey, _KeyRecord] = OrderedDict()
         self._bytes: dict[str, int] = {}
         self._bucket: dict[str, tuple[float, float]] = {}  # tenant -> (seconds, at)
 
     def decide(self, ask: PrefetchAsk, now: float) -> PrefetchDecision:
-        """What to do on a signal; a PROMOTE or PREFILL is charged to the tenant's budgets
-        until the caller settles it."""
-        off = self._switched_off(ask.key)
-        if off is not None:
-            return off
+        """What to do on a signal (`gate`, then `choose`)."""
+        off = self.gate(ask.key)
+        return off if off is not None else self.choose(ask, now)
+
+    def choose(self, ask: PrefetchAsk, now: float) -> PrefetchDecision:
+        """What to do on a signal that passed the `gate`; a PROMOTE or PREFILL is charged
+        to the tenant's budgets until the caller settles it."""
         decision = self._choose(ask, now)
         if decision.action is not PrefetchAction.SKIP:
             tenant = ask.key.tenant
@@ -282,7 +289,10 @@ class PrefetchPolicy:
     def outstanding_bytes(self, tenant: str) -> int:
         return self._bytes.get(tenant, 0)
 
-    def _switched_off(self, key: PrefetchKey) -> PrefetchDecision | None:
+    def gate(self, key: PrefetchKey) -> PrefetchDecision | None:
+        """A SKIP when the key's signals are not used or it switched itself off (each call
+        counts towards its next probe), else None: ask `choose` (before the caller looks
+        at residency or load: most signals end here or there)."""
         t = self.tuning
         if key.trigger not in t.triggers:
             return _skip(key, PrefetchKind.NOTHING, f"the {key.trigger} signal is not used")
@@ -334,6 +344,8 @@ class PrefetchPolicy:
             )
         if not t.prefill:
             return _skip(key, PrefetchKind.NO_PREFILL, "nothing cached past HBM; prefill is off")
+        if self.lead_s(key) is None:
+            return _skip(key, PrefetchKind.LEAD_UNMEASURED, "no lead of its signals seen yet")
         if ask.worker.waiting or ask.worker.kv_usage >= t.max_kv_usage:
             return _skip(key, PrefetchKind.BUSY, f"{ask.worker.waiting} requests wait there")
         level, _ = self._refill(key.tenant, now)
@@ -358,10 +370,10 @@ class PrefetchPolicy:
         level, at = self._bucket.get(tenant, (t.prefill_burst_s, now))
         return min(t.prefill_burst_s, level + max(0.0, now - at) * t.prefill_rate), now
 
-    def _record(self, key: PrefetchKey) -> _Record:
+    def _record(self, key: PrefetchKey) -> _KeyRecord:
         r = self._records.get(key)
         if r is None:
-            r = self._records[key] = _Record()
+            r = self._records[key] = _KeyRecord()
             if len(self._records) > MAX_KEYS:
                 self._records.popitem(last=False)
         else:

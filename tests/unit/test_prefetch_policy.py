@@ -55,6 +55,10 @@ CASES = [
      A.SKIP, K.PREFILL_BUDGET),
     ("a signal that is not used", need(host=8_000), IDLE, False,
      {"triggers": frozenset({PrefetchTrigger.HAZARD})}, A.SKIP, K.NOTHING),
+    ("prefill before any lead is seen", need(), IDLE, False, {"lead": None},
+     A.SKIP, K.LEAD_UNMEASURED),
+    ("promote before any lead is seen", need(host=8_000), IDLE, False, {"lead": None},
+     A.PROMOTE, K.HOST_COPY),
 ]  # fmt: skip
 
 
@@ -71,7 +75,11 @@ def test_a_signal_is_answered_by_residency_load_and_budget(
     action: PrefetchAction,
     kind: PrefetchKind,
 ) -> None:
-    policy = PrefetchPolicy(PrefetchTuning(**tuning))  # type: ignore[arg-type]
+    settings = dict(tuning)
+    lead = settings.pop("lead", 1.0)
+    policy = PrefetchPolicy(PrefetchTuning(**settings))  # type: ignore[arg-type]
+    if lead is not None:
+        policy.observe_lead(KEY, lead)  # type: ignore[arg-type]
     d = policy.decide(PrefetchAsk(KEY, need_, worker, in_flight), now=0.0)
     assert (d.action, d.kind) == (action, kind)
     assert d.reason
@@ -94,6 +102,7 @@ def test_speculative_bytes_are_charged_until_settled() -> None:
 
 def test_the_prefill_bucket_refills_at_its_rate() -> None:
     policy = PrefetchPolicy(PrefetchTuning(prefill_rate=0.5, prefill_burst_s=2.0))
+    policy.observe_lead(KEY, 1.0)
     ask = PrefetchAsk(KEY, need(prefill_s=1.5), IDLE)
     assert policy.decide(ask, 0.0).action is A.PREFILL  # 0.5 s left
     assert policy.decide(ask, 1.0).kind is K.PREFILL_BUDGET  # 1.0 s
