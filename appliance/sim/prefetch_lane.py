@@ -25,10 +25,17 @@ and a cancelled copy keeps its slot on the channel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys, cacheable_blocks
+from appliance.domain.block_hash import (
+    NO_KEYS,
+    BlockHash,
+    BlockHasher,
+    RequestKeys,
+    cacheable_blocks,
+)
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.cache_request import CacheHit, CacheRequest
 from appliance.sim.copy_channel import CopyChannel
@@ -125,11 +132,17 @@ class PrefetchLane:
         done, self._done = self._done, []
         return done
 
-    def probe(self, req: SimRequest) -> tuple[int, int]:
+    def block_hashes(self, req: SimRequest) -> list[BlockHash]:
+        """The prompt's block hashes, as this engine hashes them (for `probe`)."""
+        return self.hasher.hash_blocks(req.prompt_token_ids, keys=_keys(req))
+
+    def probe(self, req: SimRequest, hashes: Sequence[BlockHash] | None = None) -> tuple[int, int]:
         """(tokens of the prompt in HBM, tokens past them on the host tier), in whole
-        blocks, as a lookup would find them now; changes nothing."""
+        blocks, as a lookup would find them now; changes nothing. `hashes`: its
+        `block_hashes`, if known."""
         bs = self.hasher.block_size
-        hashes = self.hasher.hash_blocks(req.prompt_token_ids, keys=_keys(req))
+        if hashes is None:
+            hashes = self.block_hashes(req)
         hashes = hashes[: cacheable_blocks(len(req.prompt_token_ids), bs)]
         gpu = 0
         for h in hashes:

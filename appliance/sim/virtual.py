@@ -21,7 +21,8 @@ arrivals (an agent's next turn after its tool wait), at that time or later; they
 heap like any other arrival, so a workload whose turns wait on each other's completions
 runs in the same virtual time. It may also return `Timer`s: a callback at a time (a
 client's announcement, a scheduled look at a waiting session), run before arrivals of the
-same time; after it every engine with work that is not stepping steps, as on an arrival.
+same time, which may answer with more timers; after it every engine with work that is not
+stepping steps (one waiting for a host load goes on waiting).
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class Timer:
-    """A callback at `time_s` in virtual time, given that time."""
+    """A callback at `time_s` in virtual time, given that time; it may return more."""
 
     time_s: float
-    fire: Callable[[float], None]
+    fire: Callable[[float], Iterable[Timer] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +183,11 @@ class _Replay:
                     self.push_next_arrival()
                 self.arrive(payload)
             elif isinstance(payload, Timer):
-                payload.fire(t)
-                for w in range(len(self.engines)):
-                    self.kick(w)
+                for timer in payload.fire(t) or ():
+                    self.push(max(timer.time_s, t), _TIMER, timer)
+                for w, engine in enumerate(self.engines):
+                    if not self.busy[w] and engine.has_unfinished_requests():
+                        self.start_step(w, t)
             else:
                 self.step_done(i, payload)
         return ReplayResult(
@@ -227,23 +230,19 @@ class _Replay:
         req = arrival.request
         w = arrival.worker
         if w is None:
-            w = self.router(req, _views(engines))
+            w = self.router(req, engine_views(engines))
         if not 0 <= w < len(engines):
             raise ValueError(f"route sent {req.request_id} to engine {w} of {len(engines)}")
         engines[w].add_request(req, now)
         rec = RequestRecord(req.request_id, w, now, len(req.prompt_token_ids))
         self.records[req.request_id] = rec
         self.order.append(rec)
-        self.kick(w)
-
-    def kick(self, w: int) -> None:
-        """Step engine `w` now if it has work and is not stepping (or only waits for loads)."""
         waited = self.idle_step[w]
         if waited is not None:  # the engine only waits for loads: it steps now
             self.cut_short.add(waited)
-            self.start_step(w, self.now)
-        elif not self.busy[w] and self.engines[w].has_unfinished_requests():
-            self.start_step(w, self.now)
+            self.start_step(w, now)
+        elif not self.busy[w]:
+            self.start_step(w, now)
 
     def step_done(self, i: int, result: StepResult) -> None:
         """The step's outputs become visible; the engine steps again if it has work."""
@@ -271,18 +270,23 @@ class _Replay:
         """Queue the arrivals `on_finish` answers a finished request with."""
         now = self.now
         for event in self.on_finish(rec) if self.on_finish is not None else ():
+            if isinstance(event, Timer):  # a callback due now or earlier runs now
+                self.push(max(event.time_s, now), _TIMER, event)
+                continue
             if event.time_s < now:
-                what = event.request.request_id if isinstance(event, Arrival) else "a timer"
                 raise ValueError(
-                    f"{what} at {event.time_s} would arrive before {rec.request_id} finished "
-                    f"at {now}"
+                    f"{event.request.request_id} at {event.time_s} would arrive before "
+                    f"{rec.request_id} finished at {now}"
                 )
-            self.seq += 1
-            kind = _ARRIVAL if isinstance(event, Arrival) else _TIMER
-            heapq.heappush(self.heap, (event.time_s, kind, self.seq, _FOLLOW, event))
+            self.push(event.time_s, _ARRIVAL, event)
+
+    def push(self, t: float, kind: int, event: Arrival | Timer) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, _FOLLOW, event))
 
 
-def _views(engines: Sequence[SimEngine]) -> list[EngineView]:
+def engine_views(engines: Sequence[SimEngine]) -> list[EngineView]:
+    """What a routing callback sees of each engine now."""
     views = []
     for i, e in enumerate(engines):
         s = e.stats
