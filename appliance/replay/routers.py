@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from appliance.domain.block_hash import (
     NO_KEYS,
+    BlockHash,
     BlockHasher,
     RequestKeys,
     cacheable_tokens,
@@ -110,6 +111,21 @@ class PolicyRouter:
             self.active[w].update(full)
         self.live[req.request_id] = _Live(w, fresh, full, req.session_id)
         return w
+
+    def predict(
+        self,
+        req: SimRequest,
+        views: Sequence[EngineView],
+        digests: Sequence[BlockHash] | None = None,
+    ) -> int | None:
+        """Where the session's next turn, starting with `req`'s prompt, would go now,
+        changing nothing: the appliance's policy asked as for a turn (`digests`: the
+        prompt's salted block hashes, if known); an anchor, which keeps state of its own,
+        answers with the worker the session last ran on."""
+        if self.name != APPLIANCE:
+            return self.home.get(req.session_id) if req.session_id else None
+        keys = self._keys(req) if digests is None else tuple(map(event_block_hash, digests))
+        return self._appliance(req, views, self._resident(keys))[0]
 
     def _keys(self, req: SimRequest) -> tuple[int, ...]:
         """Event hashes of the prompt's full blocks (what KV events name: salted with the
