@@ -2,10 +2,11 @@
 its next turn arrives (the mechanism behind `appliance.policy.prefetch`).
 
 Model of the world: `start(req, now, prefill=, hold_s=)` takes the session's stable prefix
-(`req`: its last prompt, session and salt; whole blocks of it count) and looks it up as a
-waiting request would. A part the host tier holds past the HBM hit is promoted: HBM blocks
-are allocated for it now and its copy queued on the engine's host -> GPU channel
-(`CopyChannel`) after any copy before it; the blocks are cached when it lands. With
+(`req`: its last prompt, session and salt; its whole blocks, all of them, are what may be
+restored) and looks it up as a waiting request would. A part the host tier holds past the
+HBM hit is promoted: HBM blocks are allocated for it now and its copy queued on the
+engine's host -> GPU channel (`CopyChannel`) after any copy before it; the blocks are
+cached when it lands. With
 `prefill`, the rest of the prefix is then computed in what each step leaves of its token
 budget, at most `max_tokens_per_step`, and only in a step where no real request waits
 for admission. A prefetch never takes what a real request needs: it never makes pins give
@@ -29,13 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from appliance.domain.block_hash import (
-    NO_KEYS,
-    BlockHash,
-    BlockHasher,
-    RequestKeys,
-    cacheable_blocks,
-)
+from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, RequestKeys
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.cache_request import CacheHit, CacheRequest
 from appliance.sim.copy_channel import CopyChannel
@@ -143,7 +138,7 @@ class PrefetchLane:
         bs = self.hasher.block_size
         if hashes is None:
             hashes = self.block_hashes(req)
-        hashes = hashes[: cacheable_blocks(len(req.prompt_token_ids), bs)]
+        hashes = hashes[: len(req.prompt_token_ids) // bs]
         gpu = 0
         for h in hashes:
             if self.cache.pool.get_cached_block(h) is None:
@@ -162,8 +157,12 @@ class PrefetchLane:
             return None
         self._seq += 1
         rid = f"{PREFETCH_ID}:{sid}:{self._seq}"
-        creq = CacheRequest(rid, req.prompt_token_ids, self.hasher, keys=_keys(req), session_id=sid)
-        target = creq.num_tokens // self.hasher.block_size * self.hasher.block_size
+        bs = self.hasher.block_size
+        target = len(req.prompt_token_ids) // bs * bs
+        # One token past the last whole block, so a lookup may cover that block too (it
+        # never covers the block of a prompt's last token); it is never computed.
+        tokens = [*req.prompt_token_ids[:target], 0]
+        creq = CacheRequest(rid, tokens, self.hasher, keys=_keys(req), session_id=sid)
         hit = self.cache.lookup(creq)
         host = hit.num_host_tokens
         if not host and (not prefill or hit.num_tokens >= target):
