@@ -205,7 +205,10 @@ def replay_command(
         typer.Option(
             "--residency",
             help=(
-                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS or reaper (repeat; default: lru)."
+                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, reaper, or the reaper with "
+                "restore on lead time and/or branch-local state (--workload only): "
+                "reaper+prefetch[:TRIGGER,...], reaper+branches, reaper+prefetch+branches "
+                "(triggers: tool_finished, tool_due, hazard; default all). Repeat; default: lru."
             ),
         ),
     ] = None,

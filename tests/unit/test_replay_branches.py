@@ -105,3 +105,17 @@ def test_a_fan_out_storm_under_branch_quotas_keeps_other_tenants_warm_sessions()
     cold = lru["reuse_by_tool"]["search"]  # type: ignore[index]
     assert warm["cached_tokens"] >= 8 * 2 * BLOCK  # every other session's return hits
     assert cold["cached_tokens"] < 8 * 2 * BLOCK
+
+
+def test_the_table_says_what_ended_branches_held_and_what_prefetches_did() -> None:
+    from appliance.replay import render_table, run_workload
+
+    out = run_workload(fan_out_of_16(), policies=["appliance"], workers=2, hbm_gib=8.0,
+                       residencies=["reaper", "reaper+prefetch+branches"])  # fmt: skip
+    text = render_table(out)
+    assert "appliance+reaper: 16 branches ended" in text
+    assert (
+        "appliance+reaper+prefetch+branches: 16 branches ended; their own KV held at most 0 MiB"
+        in text
+    )
+    assert "appliance+reaper+prefetch+branches: 0 prefetches" in text
