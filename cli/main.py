@@ -208,7 +208,8 @@ def replay_command(
                 "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, reaper, or the reaper with "
                 "restore on lead time and/or branch-local state (--workload only): "
                 "reaper+prefetch[:TRIGGER,...], reaper+branches, reaper+prefetch+branches "
-                "(triggers: tool_finished, tool_due, hazard; default all). Repeat; default: lru."
+                "(triggers: tool_finished, tool_due, hazard; default tool_finished). "
+                "Repeat; default: lru."
             ),
         ),
     ] = None,

@@ -9,19 +9,23 @@ now. Three signals say the turn is near (`PrefetchTrigger`): the client announce
 tool's end (`tool_finished`); the survival model of waits, with the client's expected
 duration as far as its record earns trust (`tool_started`'s `expected_s`), says the turn
 is likely within a window (`TOOL_DUE`); or the same model from history alone says so
-(`HAZARD`). On a signal the caller asks `decide` with the worker the router would place
-the turn on, how much of the prefix that worker holds in HBM and, past that, in its host
-tier, and its load. The answer: PROMOTE (copy the host part to HBM: the turn's TTFT then
-holds only the part of the copy not done yet), PREFILL (nothing of it is cached anywhere
-past the HBM hit: compute it while the worker is idle) or SKIP, each with a kind
-(`PrefetchKind`) and a sentence.
+(`HAZARD`); only the first is on by default (`DEFAULT_TRIGGERS`). On a signal the caller
+asks `decide` with the worker the router would place the turn on, how much of the prefix
+that worker holds in HBM and, past that, in its host tier, and its load. The answer:
+PROMOTE (copy the host part to HBM: the turn's TTFT then holds only the part of the copy
+not done yet), PREFILL (nothing of it is cached anywhere past the HBM hit: compute it
+while the worker is idle) or SKIP, each with a kind (`PrefetchKind`) and a sentence.
 
 Bounds: per tenant, the bytes of speculative KV not yet settled (`budget_bytes`) and a
 bucket of prefill seconds that refills at `prefill_rate` up to `prefill_burst_s`; paused
-under load (a promotion while the worker's KV usage is at `max_kv_usage`, a prefill unless
-no request waits there). Every prefetch is settled once by the caller (`settle`: was it
-used by the next turn?) and every signal's lead (the seconds from the signal to the turn)
-is reported (`observe_lead`), per key (tenant, tool class, trigger).
+under load (more than `max_waiting` requests waiting for admission on the worker). A
+decision carries its `value`, the reaper's value density (`appliance.policy.reaper`) of the
+restored KV: P(used) x seconds saved / (bytes x seconds until the turn), from the key's
+measured accuracy and lead: where the restored KV ranks among the worker's holds until its
+turn comes (a hold ranked by the session's wait alone would be the first to go). Every
+prefetch is settled once by the caller (`settle`: was it used by the next turn?) and every
+signal's lead (the seconds from the signal to the turn) is reported (`observe_lead`), per
+key (tenant, tool class, trigger).
 
 Switching itself off: a key whose measured lead (decayed mean) is under `min_lead_s`
 cannot finish anything before its turn (LEAD_TOO_SHORT); one whose measured accuracy
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
+from appliance.policy.reaper import value_density
 from appliance.policy.survival import WaitKey
 from appliance.policy.wait_curves import EDGES
 
@@ -53,8 +58,9 @@ DEFAULT_PREFILL_RATE = 0.25
 """Judgement: a tenant may spend a quarter of one GPU's time on speculative prefill."""
 DEFAULT_PREFILL_BURST_S = 10.0
 """Judgement: ten seconds of prefill at once (a dozen 30k-token contexts)."""
-DEFAULT_MAX_KV_USAGE = 0.9
-"""Judgement: above 90% of HBM held, a promotion would push out what others are about to use."""
+DEFAULT_MAX_WAITING = 0
+"""Judgement: a worker where any request waits for admission is under load: a prefetch would
+take the blocks, budget or copy channel that request needs next."""
 DEFAULT_MIN_LEAD_S = 0.05
 """Judgement: under 50 ms of lead (a step of 2k prefill tokens, or 0.4 GB of copy on the
 bundled profile) a prefetch finishes nothing before its turn: the turn does the work."""
@@ -84,6 +90,12 @@ class PrefetchTrigger(StrEnum):
     """The wait model with the client's expected duration says the turn is near."""
     HAZARD = "hazard"
     """The wait model from history alone says the turn is near."""
+
+
+DEFAULT_TRIGGERS = frozenset({PrefetchTrigger.TOOL_FINISHED})
+"""The client's announcements only: in the replay (docs/benchmarks.md) the wait model's
+triggers added prefetches used less often (a fifth to a third of their bytes unused, where
+announcements left a twentieth), so they are asked for by name."""
 
 
 class PrefetchAction(StrEnum):
@@ -140,10 +152,8 @@ class PrefetchNeed:
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
     waiting: int
-    """Requests queued for admission."""
+    """Requests queued for admission (or for their KV's copy from the host tier)."""
     running: int
-    kv_usage: float
-    """Share of HBM held by requests and holds, 0..1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +175,9 @@ class PrefetchDecision:
     """Charged to the tenant's budget until `settle`."""
     prefill_s: float = 0.0
     """Drawn from the tenant's prefill bucket."""
+    value: float = 0.0
+    """Value density of the restored KV (seconds saved per byte-second): its rank among the
+    worker's holds until its turn."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,17 +187,17 @@ class PrefetchTuning:
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     prefill_rate: float = DEFAULT_PREFILL_RATE
     prefill_burst_s: float = DEFAULT_PREFILL_BURST_S
-    max_kv_usage: float = DEFAULT_MAX_KV_USAGE
+    max_waiting: int = DEFAULT_MAX_WAITING
     min_lead_s: float = DEFAULT_MIN_LEAD_S
     min_accuracy: float = DEFAULT_MIN_ACCURACY
     prefill: bool = True
-    triggers: frozenset[PrefetchTrigger] = frozenset(PrefetchTrigger)
+    triggers: frozenset[PrefetchTrigger] = DEFAULT_TRIGGERS
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0 or self.prefill_rate < 0 or self.prefill_burst_s < 0:
             raise ValueError("prefetch budgets must be >= 0")
-        if not (0 < self.max_kv_usage <= 1 and 0 <= self.min_accuracy <= 1):
-            raise ValueError("max_kv_usage must be in (0, 1], min_accuracy in [0, 1]")
+        if self.max_waiting < 0 or not 0 <= self.min_accuracy <= 1:
+            raise ValueError("max_waiting must be >= 0, min_accuracy in [0, 1]")
         if not (self.min_lead_s >= 0 and math.isfinite(self.min_lead_s)):
             raise ValueError(f"min_lead_s must be finite and >= 0, got {self.min_lead_s!r}")
 
@@ -332,22 +345,21 @@ class PrefetchPolicy:
                 f"{need.kv_bytes / 2**20:.0f} MiB would pass the tenant's "
                 f"{t.budget_bytes / 2**30:g} GiB of speculative KV",
             )
+        if ask.worker.waiting > t.max_waiting:
+            return _skip(key, PrefetchKind.BUSY, f"{ask.worker.waiting} requests wait there")
         if need.host_tokens > 0:
-            if ask.worker.kv_usage >= t.max_kv_usage:
-                return _skip(key, PrefetchKind.BUSY, f"HBM {ask.worker.kv_usage:.0%} held")
             return PrefetchDecision(
                 PrefetchAction.PROMOTE,
                 PrefetchKind.HOST_COPY,
                 f"copy {need.host_tokens} tokens from the host tier ({need.copy_s * 1e3:.0f} ms)",
                 key,
                 kv_bytes=need.kv_bytes,
+                value=self._value(key, need.copy_s, need.kv_bytes),
             )
         if not t.prefill:
             return _skip(key, PrefetchKind.NO_PREFILL, "nothing cached past HBM; prefill is off")
         if self.lead_s(key) is None:
             return _skip(key, PrefetchKind.LEAD_UNMEASURED, "no lead of its signals seen yet")
-        if ask.worker.waiting or ask.worker.kv_usage >= t.max_kv_usage:
-            return _skip(key, PrefetchKind.BUSY, f"{ask.worker.waiting} requests wait there")
         level, _ = self._refill(key.tenant, now)
         if need.prefill_s > level:
             return _skip(
@@ -363,7 +375,15 @@ class PrefetchPolicy:
             key,
             kv_bytes=need.kv_bytes,
             prefill_s=need.prefill_s,
+            value=self._value(key, need.prefill_s, need.kv_bytes),
         )
+
+    def _value(self, key: PrefetchKey, saved_s: float, kv_bytes: int) -> float:
+        """Value density of a restore: P(used) from the key's accuracy (1 before any is
+        settled), the wait from its lead (a hold's length before any is seen)."""
+        accuracy, lead_s = self.accuracy(key), self.lead_s(key)
+        p = 1.0 if accuracy is None else accuracy
+        return value_density(p, DEFAULT_HOLD_S if lead_s is None else lead_s, saved_s, kv_bytes)
 
     def _refill(self, tenant: str, now: float) -> tuple[float, float]:
         t = self.tuning

@@ -41,7 +41,8 @@ def residency_policy(
 def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) -> ResidencyPlan:
     """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
     defaults; `priors`: tool class -> its wait, else the default wait prior), the reaper
-    with `+prefetch` (every trigger, or `+prefetch:TRIGGER,...` those) and/or `+branches`;
+    with `+prefetch` (the default triggers, or `+prefetch:TRIGGER,...` those) and/or
+    `+branches`;
     ValueError else."""
     base, *options = name.split("+")
     prefetch: PrefetchPolicy | None = None

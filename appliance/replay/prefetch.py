@@ -169,6 +169,14 @@ class PrefetchDriver:
         if due:
             self._timers[req.request_id] = (sid, due)
 
+    def held_value(self, session_id: str) -> float | None:
+        """The value a waiting session's prefetch was decided at (None: none this wait)."""
+        idle = self._idle.get(session_id)
+        if idle is None or idle.row is None:
+            return None
+        decision = self._decisions.get(idle.row)
+        return decision.value if decision is not None else None
+
     def turn_arrived(self, req: SimRequest, now: float) -> None:
         sid = req.session_id or req.request_id
         idle = self._idle.pop(sid, None)
@@ -345,4 +353,4 @@ _GRACE_S = 60.0
 
 def _load(engine: SimEngine) -> WorkerLoad:
     s = engine.stats
-    return WorkerLoad(s.num_waiting, s.num_running, s.kv_cache_usage)
+    return WorkerLoad(s.num_waiting, s.num_running)

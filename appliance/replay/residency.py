@@ -24,8 +24,10 @@ The host tier is a cache that makes room by evicting, so a session's room there 
 capacity and its pressure the share in use.
 
 Two optional companions: a `watch` told of every turn end (with the idle session as the
-policy saw it and the hint) and every arrival (restore on lead time, `prefetch.py`), and a
-`bound` that may overrule a decision (a branch's quota, `branches.py`).
+policy saw it and the hint) and every arrival, which may rank a pin above the policy's
+priority (restore on lead time, `prefetch.py`: a prefetched session keeps the value it was
+restored for until its turn), and a `bound` that may overrule a decision (a branch's quota,
+`branches.py`).
 
 Host-tier eviction order: the host tier is LRU, as vLLM's, unless the policy has a
 `host_priority(held: HeldSession, now) -> float` method, which then ranks the sessions
@@ -85,11 +87,15 @@ Bound = Callable[[IdleSession, ResidencyDecision], ResidencyDecision]
 
 
 class ResidencyWatch(Protocol):
-    """Told of each turn end (the session as the policy sees it) and each arrival."""
+    """Told of each turn end (the session as the policy sees it) and each arrival; may rank
+    a held session higher than the policy does (`held_value`: a session whose KV it
+    restored for a turn about to come, at the value it restored it for)."""
 
     def turn_ended(self, end: TurnEnd, hint: TurnHint | None, session: IdleSession) -> None: ...
 
     def turn_arrived(self, req: SimRequest, now: float) -> None: ...
+
+    def held_value(self, session_id: str) -> float | None: ...
 
 
 class WaitDistribution(Protocol):
@@ -212,7 +218,10 @@ class PolicyResidency:
             held = HeldSession(
                 pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
             )
-            rank = self._ranks[key] = self.policy.priority(held, now)
+            rank = self.policy.priority(held, now)
+            if self.watch is not None and (value := self.watch.held_value(pin.owner)):
+                rank = max(rank, value)  # a prefetched session, about to be back
+            self._ranks[key] = rank
         return rank
 
     def _decide(self, session: IdleSession, now: float) -> AfterTurn:

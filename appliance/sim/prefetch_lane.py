@@ -9,15 +9,17 @@ engine's host -> GPU channel (`CopyChannel`) after any copy before it; the block
 cached when it lands. With
 `prefill`, the rest of the prefix is then computed in what each step leaves of its token
 budget, at most `max_tokens_per_step`, and only in a step where no real request waits
-for admission. A prefetch never takes what a real request needs: it never makes pins give
-way, and when a real allocation would be short the engine cancels prefetches in flight
-first (`cancel_one`), freeing their blocks. Done, its blocks are pinned for the session
-for `hold_s` (a residency pin: the next turn's admission takes it over; under pressure it
-gives way in the pin order), and the speculative request is forgotten: no output, no
-sampled token, no finish. The session's next turn, arriving meanwhile (`turn_arrived`),
-waits for a copy in flight (its TTFT then holds only what is left of the copy) and stops a
-prefill where it is (what is computed is pinned for it). Each prefetch's end is written
-down (`take_done`): tokens restored, copy and prefill seconds, how it ended.
+for admission. A prefetch never takes what others need or hold: it only uses blocks an
+allocation may take without a pin giving way (free ones, or cached ones nobody holds), and
+when a real allocation would be short the engine cancels prefetches in flight first
+(`cancel_one`), freeing their blocks. Done,
+its blocks are pinned for the session for `hold_s` (a residency pin: the next turn's
+admission takes it over; under pressure it gives way in the pin order), and the
+speculative request is forgotten: no output, no sampled token, no finish. The session's
+next turn, arriving meanwhile (`turn_arrived`), waits for a copy in flight (its TTFT then
+holds only what is left of the copy) and stops a prefill where it is (what is computed is
+pinned for it). Each prefetch's end is written down (`take_done`): tokens restored, copy
+and prefill seconds, how it ended.
 
 What the sim leaves out: a speculative chunk is charged to its step like any chunk (a real
 request's first token in the same step waits for it: `max_tokens_per_step` bounds that),
@@ -38,9 +40,12 @@ from appliance.sim.engine_io import SimRequest
 from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.waiting_queue import RequestState
 
-DEFAULT_MAX_TOKENS_PER_STEP = 2048
-"""Judgement: a speculative chunk adds at most about 65 ms to a step on the bundled profile,
-the most a real request's first token waits for it."""
+DEFAULT_MAX_TOKENS_PER_STEP = 8192
+"""vLLM's default step budget: a speculative prefill takes what a step leaves, whole. In
+smaller chunks each would read the context again (the latency model's cost per reused
+token) and pay its own overhead: 2,048-token chunks cost about half again a turn's own
+prefill of the same tokens here. The price: a request that arrives during such a step
+waits for it (up to about 0.3 s on the bundled profile)."""
 PREFETCH_ID = "prefetch"
 """Speculative requests are named `prefetch:SESSION:N`."""
 
@@ -62,10 +67,7 @@ class PrefetchStart:
 @dataclass(frozen=True, slots=True)
 class PrefetchDone:
     session_id: str
-    request_id: str
-    started_s: float
     ended_s: float
-    gpu_tokens: int
     restored_tokens: int
     """Tokens it copied or computed that were cached when it ended."""
     copy_s: float
@@ -74,18 +76,19 @@ class PrefetchDone:
     end: PrefetchEnd
 
 
-@dataclass(slots=True)
 class _Spec:
-    state: RequestState
-    prefill: bool
-    hold_s: float
-    gpu_tokens: int
-    target: int
-    copy_s: float = 0.0
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    loading: bool = False
-    admitted: bool = False
+    """A prefetch in flight: its speculative request and its progress."""
+
+    __slots__ = ("admitted", "copy_s", "gpu_tokens", "hold_s", "loading", "prefill",
+                 "prefill_s", "prefill_tokens", "state", "target")  # fmt: skip
+
+    def __init__(self, state: RequestState, prefill: bool, hold_s: float, gpu_tokens: int,
+                 target: int) -> None:  # fmt: skip
+        self.state, self.prefill, self.hold_s = state, prefill, hold_s
+        self.gpu_tokens, self.target = gpu_tokens, target
+        self.copy_s = self.prefill_s = 0.0
+        self.prefill_tokens = 0
+        self.loading = self.admitted = False
 
 
 class PrefetchLane:
@@ -167,9 +170,8 @@ class PrefetchLane:
         host = hit.num_host_tokens
         if not host and (not prefill or hit.num_tokens >= target):
             return None
-        spec = _Spec(
-            RequestState(req, creq, now, self._seq), prefill, hold_s, hit.num_tokens, target
-        )
+        state = RequestState(req, creq, now, self._seq)
+        spec = _Spec(state, prefill, hold_s, hit.num_tokens, target)
         if host:
             if not self.cache.can_allocate(creq, host, hit):
                 return None
@@ -277,18 +279,7 @@ class PrefetchLane:
                 self.cache.pin(sid, creq, now_s=now, until_s=now + spec.hold_s)
             self.cache.free(creq)
         self._done.append(
-            PrefetchDone(
-                sid,
-                creq.request_id,
-                spec.state.arrival_s,
-                now,
-                spec.gpu_tokens,
-                restored,
-                spec.copy_s,
-                spec.prefill_tokens,
-                spec.prefill_s,
-                end,
-            )
+            PrefetchDone(sid, now, restored, spec.copy_s, spec.prefill_tokens, spec.prefill_s, end)
         )
         del self._specs[sid]
         return self._parked.pop(sid, [])

@@ -24,7 +24,7 @@ from appliance.policy.wait_curves import LogNormal
 
 GIB = 1 << 30
 KEY = PrefetchKey("acme", "test", PrefetchTrigger.TOOL_FINISHED)
-IDLE = WorkerLoad(waiting=0, running=1, kv_usage=0.5)
+IDLE = WorkerLoad(waiting=0, running=1)
 
 
 def need(tokens: int = 10_000, gpu: int = 2_000, host: int = 0, kv_bytes: int = GIB,
@@ -36,13 +36,13 @@ A, K = PrefetchAction, PrefetchKind
 CASES = [
     # (what, need, worker, in flight, tuning, expected action, expected kind)
     ("host part: promote", need(host=8_000), IDLE, False, {}, A.PROMOTE, K.HOST_COPY),
-    ("host part, busy worker: promote all the same", need(host=8_000),
-     WorkerLoad(3, 8, 0.5), False, {}, A.PROMOTE, K.HOST_COPY),
-    ("host part, HBM at the limit", need(host=8_000), WorkerLoad(0, 1, 0.95), False, {},
+    ("host part, requests wait", need(host=8_000), WorkerLoad(1, 8), False, {},
      A.SKIP, K.BUSY),
+    ("host part, requests wait, as many as allowed", need(host=8_000), WorkerLoad(2, 8), False,
+     {"max_waiting": 2}, A.PROMOTE, K.HOST_COPY),
     ("nothing cached past HBM, idle worker: prefill", need(), IDLE, False, {},
      A.PREFILL, K.IDLE_PREFILL),
-    ("nothing cached past HBM, requests wait", need(), WorkerLoad(1, 1, 0.5), False, {},
+    ("nothing cached past HBM, requests wait", need(), WorkerLoad(1, 1), False, {},
      A.SKIP, K.BUSY),
     ("nothing cached past HBM, prefill off", need(), IDLE, False, {"prefill": False},
      A.SKIP, K.NO_PREFILL),
@@ -117,7 +117,7 @@ def test_the_prefill_bucket_refills_at_its_rate() -> None:
 def test_a_key_whose_signals_come_too_late_switches_itself_off(
     leads: list[float], kind: PrefetchKind | None
 ) -> None:
-    policy = PrefetchPolicy()
+    policy = PrefetchPolicy(PrefetchTuning(triggers=frozenset(PrefetchTrigger)))
     for lead in leads:
         policy.observe_lead(KEY, lead)
     d = policy.decide(PrefetchAsk(KEY, need(host=8_000), IDLE), 0.0)
@@ -160,6 +160,13 @@ def test_a_key_used_often_enough_stays_on() -> None:
     assert policy.decide(ask, 0.0).action is A.PROMOTE
 
 
+def test_only_announcements_are_used_unless_asked_for() -> None:
+    policy = PrefetchPolicy()
+    for trigger in PrefetchTrigger:
+        d = policy.decide(PrefetchAsk(KEY._replace(trigger=trigger), need(host=8_000), IDLE), 0.0)
+        assert (d.action is A.PROMOTE) == (trigger is PrefetchTrigger.TOOL_FINISHED)
+
+
 def test_the_first_likely_return_follows_the_wait_model() -> None:
     model = WaitSurvival({"test": LogNormal(30.0, 0.05)})
     key = WaitKey("acme", "test")
@@ -168,3 +175,17 @@ def test_the_first_likely_return_follows_the_wait_model() -> None:
     broad = WaitSurvival({"test": LogNormal.from_median_p95(30.0, 120.0)})
     assert first_likely_return_s(broad, key, hint_s=None, horizon_s=1800.0) is None
     assert first_likely_return_s(model, key, hint_s=None, horizon_s=10.0) is None
+
+
+def test_a_restore_is_worth_its_accuracy_and_lead() -> None:
+    policy = PrefetchPolicy()
+    ask = PrefetchAsk(KEY, need(prefill_s=0.5, kv_bytes=GIB), IDLE)
+    policy.observe_lead(KEY, 2.0)
+    first = policy.decide(ask, 0.0)
+    assert first.value == pytest.approx(1.0 * 0.5 / (GIB * 2.0))
+    policy.settle(first, used=True)
+    policy.settle(policy.decide(ask, 0.0), used=False)
+    later = policy.decide(ask, 0.0)
+    assert 0 < later.value < first.value  # half its restores are used now
+    promote = policy.decide(PrefetchAsk(KEY, need(host=8_000, kv_bytes=GIB), IDLE), 0.0)
+    assert promote.value == pytest.approx(0.02 * later.value / 0.5)  # saves its copy

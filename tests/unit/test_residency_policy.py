@@ -172,12 +172,14 @@ def test_the_baselines_decisions_carry_a_fixed_kind(
     ("name", "triggers", "branches"),
     [
         ("reaper", None, False),
-        ("reaper+prefetch", frozenset(PrefetchTrigger), False),
+        ("reaper+prefetch", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
         ("reaper+prefetch:tool_finished", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
         ("reaper+prefetch:hazard,tool_due",
          frozenset({PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE}), False),
         ("reaper+branches", None, True),
-        ("reaper+prefetch+branches", frozenset(PrefetchTrigger), True),
+        ("reaper+prefetch+branches", frozenset({PrefetchTrigger.TOOL_FINISHED}), True),
+        ("reaper+prefetch:tool_finished,tool_due,hazard+branches", frozenset(PrefetchTrigger),
+         True),
     ],
 )  # fmt: skip
 def test_the_reapers_options_by_name(
