@@ -45,11 +45,9 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from appliance.policy.reaper import value_density
-from appliance.policy.survival import WaitKey
-from appliance.policy.wait_curves import EDGES
 
 DEFAULT_BUDGET_BYTES = 8 << 30
 """Judgement: a tenant's unsettled speculative KV, two full 30k-token contexts of the bundled
@@ -72,10 +70,6 @@ DEFAULT_PROBE_EVERY = 16
 """A switched-off key still prefetches on every 16th ask, so its accuracy is measured."""
 DEFAULT_HALF_LIFE = 50.0
 """Judgement: leads and accuracy follow a change within about a hundred signals of a key."""
-DEFAULT_DUE_WINDOW_S = 5.0
-DEFAULT_DUE_THRESHOLD = 0.6
-"""Judgement: `TOOL_DUE` and `HAZARD` fire once the turn is more likely than 0.6 to come
-within 5 s (a prefetch is held for `DEFAULT_HOLD_S`, and settled unused if it does not)."""
 DEFAULT_HOLD_S = 30.0
 """Judgement: a prefetch the turn has not used within 30 s is given up (its KV is ordinary
 cache from then on)."""
@@ -202,14 +196,6 @@ class PrefetchTuning:
             raise ValueError(f"min_lead_s must be finite and >= 0, got {self.min_lead_s!r}")
 
 
-class ReturnModel(Protocol):
-    """What the policy asks of a survival model of waits (`WaitSurvival`)."""
-
-    def p_return_within(
-        self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
-    ) -> float: ...
-
-
 class _KeyRecord:
     """A key's decayed lead and accuracy, and its probe count."""
 
@@ -221,31 +207,6 @@ class _KeyRecord:
 
 
 _DECAY = 0.5 ** (1 / DEFAULT_HALF_LIFE)
-_BIN_RATIO = EDGES[1] / EDGES[0]
-
-
-def first_likely_return_s(
-    model: ReturnModel,
-    key: WaitKey,
-    *,
-    hint_s: float | None,
-    horizon_s: float,
-    window_s: float = DEFAULT_DUE_WINDOW_S,
-    threshold: float = DEFAULT_DUE_THRESHOLD,
-    hold_s: float = DEFAULT_HOLD_S,
-) -> float | None:
-    """The first idle time, on the wait model's bin edges before `horizon_s`, from which the
-    turn is back within the window with probability >= `threshold` (None: none is). The
-    window is `window_s`, or one bin from there when that is wider (the model tells times
-    apart no finer than its bins), but no longer than a prefetch is held (`hold_s`). Idle
-    times under `DEFAULT_MIN_LEAD_S` are not looked at: nothing restores that fast."""
-    for idle_s in (0.0, *(e for e in EDGES if e >= DEFAULT_MIN_LEAD_S)):
-        if idle_s >= horizon_s:
-            break
-        window = min(hold_s, max(window_s, idle_s * (_BIN_RATIO - 1)))
-        if model.p_return_within(key, idle_s, window, hint_s) >= threshold:
-            return idle_s
-    return None
 
 
 class PrefetchPolicy:

@@ -42,11 +42,10 @@ from appliance.policy.prefetch import (
     PrefetchNeed,
     PrefetchPolicy,
     PrefetchTrigger,
-    ReturnModel,
     WorkerLoad,
-    first_likely_return_s,
 )
 from appliance.policy.residency import IdleSession
+from appliance.policy.return_due import ReturnModel, first_likely_return_s
 from appliance.policy.survival import WaitKey, depth_of
 from appliance.replay.residency import TurnHint
 from appliance.sim.engine import SimEngine

@@ -17,8 +17,8 @@ from appliance.policy.prefetch import (
     PrefetchTrigger,
     PrefetchTuning,
     WorkerLoad,
-    first_likely_return_s,
 )
+from appliance.policy.return_due import first_likely_return_s
 from appliance.policy.survival import WaitKey, WaitSurvival
 from appliance.policy.wait_curves import LogNormal
 
