@@ -196,6 +196,9 @@ def replay_command(
         typer.Option(help="Replay a closed-loop agent workload from this spec (YAML) instead."),
     ] = None,
     tasks: Annotated[int, typer.Option(help="Root tasks generated from --workload.")] = 100,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the --workload draw (default: the file's).")
+    ] = None,
     policy: Annotated[
         list[str] | None,
         typer.Option("--policy", help="Routing policy to replay (repeat; default: all)."),
@@ -236,6 +239,7 @@ def replay_command(
             trace,
             workload=workload,
             tasks=tasks,
+            seed=seed,
             policies=policy,
             residencies=residency,
             workers=workers,

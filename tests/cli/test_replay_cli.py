@@ -88,12 +88,14 @@ def test_the_reaper_restores_on_lead_time_and_keeps_branches_local(tmp_path: Pat
     spec = tmp_path / "workload.yaml"
     spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
     out = tmp_path / "report.json"
-    r = run("replay", "--workload", str(spec), "--tasks", "6", "--workers", "1", "--policy",
-            "appliance", "--residency", "reaper+prefetch+branches", "--report", str(out),
-            data_dir=tmp_path)  # fmt: skip
+    r = run("replay", "--workload", str(spec), "--tasks", "6", "--seed", "3", "--workers", "1",
+            "--policy", "appliance", "--residency", "reaper+prefetch+branches", "--report",
+            str(out), data_dir=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "appliance+reaper+prefetch+branches:" in r.stdout  # its prefetch line
-    m = json.loads(out.read_text())["policies"]["appliance+reaper+prefetch+branches"]
+    report = json.loads(out.read_text())
+    assert report["trace"]["path"].endswith("(seed 3)")
+    m = report["policies"]["appliance+reaper+prefetch+branches"]
     assert m["prefetch"]["prefetches"] == len(m["prefetch"]["rows"])
     assert m["prefill_s"] > 0
 
@@ -108,6 +110,7 @@ def test_the_reaper_restores_on_lead_time_and_keeps_branches_local(tmp_path: Pat
         (["{trace}", "--residency", "mru"], "unknown residency policy 'mru'"),
         (["{trace}", "--residency", "ttl-pin:soon"], "needs a number of seconds"),
         (["{trace}", "--residency", "reaper+prefetch"], "replay a closed-loop workload"),
+        (["{trace}", "--seed", "3"], "--seed draws a workload"),
         (["--workload", "{spec}", "--residency", "reaper+prefetch:soon"], "triggers are"),
     ],
 )
