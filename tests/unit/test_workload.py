@@ -344,3 +344,11 @@ def test_a_fan_out_with_fork_context_marks_its_spawning_turn() -> None:
     assert spawning and all(turn.forks for turn in spawning)
     plain = generate(WorkloadSpec(), root_tasks=300).trees
     assert not any(turn.forks for t in plain for turn in t.root.turns)
+
+
+def test_the_variant_files_differ_from_the_default_only_as_they_say() -> None:
+    no_lead = load_spec(ROOT / "configs" / "workload-no-lead.yaml")
+    assert no_lead == _without_leads(WorkloadSpec())
+    fanout = load_spec(ROOT / "configs" / "workload-fanout.yaml")
+    assert fanout.tool_classes == WorkloadSpec().tool_classes
+    assert all(c.fanout is not None and c.fanout.fork_context for c in fanout.task_classes)
