@@ -123,12 +123,8 @@ class SimRetention:
     def step_begins(self) -> None:
         if self._book is None:
             return
-        now = time.time()
-        if self._channel is not None:
-            while not self._channel.directives.empty():
-                self._book.apply(self._channel.directives.get_nowait(), now)
-        self._book.expire(now)
-        if self._book.dirty:
+        pending = self._channel.pending() if self._channel is not None else ()
+        if self._book.catch_up(pending, time.time()):
             self._publish()
 
     def admitting(self, request: CacheRequest, hit: CacheHit) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
 
 from appliance.domain.block_hash import BlockHasher
 from appliance.engines.retention.plugin import RetentionTuning
@@ -42,6 +43,10 @@ class StandIn:
         self.directives: queue.SimpleQueue[RetentionDirective] = queue.SimpleQueue()
         self.reports: list[RetentionReport] = []
         self.closed = False
+
+    def pending(self) -> Iterator[RetentionDirective]:
+        while not self.directives.empty():
+            yield self.directives.get_nowait()
 
     def publish(self, report: RetentionReport) -> None:
         self.reports.append(report)

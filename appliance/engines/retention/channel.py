@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import suppress
 
 import msgspec
@@ -53,6 +54,11 @@ class ControlChannel:
         self._stop = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="retention-control", daemon=True)
+
+    def pending(self) -> Iterator[RetentionDirective]:
+        """The directives received and not yet taken, oldest first."""
+        while not self.directives.empty():
+            yield self.directives.get_nowait()
 
     def start(self) -> ControlChannel:
         self._thread.start()

@@ -181,12 +181,8 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
     def _housekeeping(self) -> None:
         if self._book is None:
             return
-        now = time.time()
-        if self._channel is not None:
-            while not self._channel.directives.empty():
-                self._book.apply(self._channel.directives.get_nowait(), now)
-        self._book.expire(now)
-        if self._book.dirty:
+        pending = self._channel.pending() if self._channel is not None else ()
+        if self._book.catch_up(pending, time.time()):
             self._publish()
 
     def _publish(self) -> None:

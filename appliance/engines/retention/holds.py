@@ -22,7 +22,7 @@ Single-threaded: the connector calls it on vLLM's scheduler thread only.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,6 +169,14 @@ class HoldBook:
     def expire(self, now_s: float) -> None:
         for held in [h for h in self._holds.values() if h.until_s <= now_s]:
             self._give_back(held.key, GiveBackReason.EXPIRED)
+
+    def catch_up(self, directives: Iterable[RetentionDirective], now_s: float) -> bool:
+        """A scheduler step's start: the directives that came since, in order, then the
+        holds due; whether a report is owed."""
+        for directive in directives:
+            self.apply(directive, now_s)
+        self.expire(now_s)
+        return self.dirty
 
     def release_all(self, reason: GiveBackReason) -> None:
         for key in list(self._holds):
