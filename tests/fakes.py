@@ -5,6 +5,7 @@ desk wired over them as the daemon wires it."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,3 +130,18 @@ def wired_desk(
         tasks=TaskBook(ledger), clock=clock, workers=lambda: workers,
     )  # fmt: skip
     return Wired(desk, queues, index, ledger, clock, speeds)
+
+
+async def read_request_body(reader: asyncio.StreamReader) -> bytes | None:
+    """One HTTP/1.1 request's body as a fake worker reads it (Content-Length framing);
+    None when the client has closed the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return await reader.readexactly(length)

@@ -12,26 +12,17 @@ import orjson
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.engines.vllm_client import VllmClient
 from appliance.services.turn import TurnRequest
-from tests.fakes import RouterWorker, wired_desk
+from tests.fakes import RouterWorker, read_request_body, wired_desk
 
 
 def capturing_worker(bodies: list[dict[str, Any]]) -> Any:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                writer.close()
-                return
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            bodies.append(orjson.loads(await reader.readexactly(length)))
-            body = b'{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}'
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        while (body := await read_request_body(reader)) is not None:
+            bodies.append(orjson.loads(body))
+            answer = b'{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
             await writer.drain()
+        writer.close()
 
     return serve
 

@@ -11,7 +11,7 @@ import orjson
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.engines.vllm_client import VllmClient
 from appliance.services.turn import TurnRequest
-from tests.fakes import RouterWorker, Wired, wired_desk
+from tests.fakes import RouterWorker, Wired, read_request_body, wired_desk
 
 EVENTS = [
     b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n',
@@ -41,17 +41,9 @@ async def breaking_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 
 async def healthy_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     while True:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError:
+        if await read_request_body(reader) is None:
             writer.close()
             return
-        length = next(
-            int(line.split(b":", 1)[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        await reader.readexactly(length)
         body = b'{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}'
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         await writer.drain()
