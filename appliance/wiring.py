@@ -29,6 +29,7 @@ from appliance.policy.survival import WaitKey
 from appliance.policy.wait_curves import LogNormal
 from appliance.ports import Clock, GpuProbe, KvRetention
 from appliance.services.admission import AdmissionService, WorkerEstimator
+from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.no_retention import NoRetention
@@ -104,9 +105,9 @@ def wire(
     gpu = GpuTick(probe)
     workers = engines.workers
     cost = LatencyModel.from_profile(profile)
-    speeds = WorkerSpeeds(cost)
+    speeds, queues = _measured_queues(cost, clock)
     desk, admission, sessions, tasks = _turn_desk(
-        settings, engines, ledger, feed, clock, cost, speeds, events, secret
+        settings, engines, ledger, feed, clock, cost, queues, events, secret
     )
     _restore(settings.ledger_path, clock.now(), tasks, sessions)
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
@@ -148,6 +149,14 @@ def wire(
         )
     )
     return Wiring(app, desk, speeds, events, gpu, reaper)
+
+
+def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:
+    """The worker speeds and the queue book over one record of the router's own attempts:
+    the book writes it, the speeds take a sample only where it shows one request at a time."""
+    spans = AttemptSpans(clock)
+    speeds = WorkerSpeeds(cost, spans)
+    return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
 
 
 def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable) -> None:
@@ -235,14 +244,13 @@ def _turn_desk(
     feed: KvIndexFeed,
     clock: Clock,
     cost: LatencyModel,
-    speeds: WorkerSpeeds,
+    queues: QueueBook,
     events: EventFeed,
     secret: bytes,
 ) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
     e = settings.engine
     hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
     tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s)
-    queues = QueueBook(cost, clock, speeds.slowdown)
     sessions = SessionTable(hasher)
     records = TurnRecords(
         ledger,
@@ -264,7 +272,7 @@ def _turn_desk(
         limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
         tasks=tasks,
         # queue_s: the queued prefill ahead of new work
-        estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, speeds.slowdown),
+        estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, queues.slowdown),
         ledger=ledger,
         clock=clock,
         events=events,

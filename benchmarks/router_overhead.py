@@ -58,7 +58,9 @@ process's CPU time in the phase, less its CPU at rest (health and /metrics polli
 events; measured for 2 s before the phase), per request. `appliance_forward_ms` is the
 appliance's own time per turn before it forwards it (its `appliance_forward_seconds`
 histogram, read before and after the phase): the mean, and the share of turns at or under
-each bound.
+each bound. `appliance_prefill_slowdown` is each worker's prefill speed as the appliance
+measured it after the phase (1: not measured; the simulated workers run at the profile's
+speed, and a worker measured slower than the other draws sessions away from it).
 
 Before anything starts, `cold_path.py` (beside this script) times pieces of a router's
 decision work hot and after a pause, on the quiet machine (`cold_path_us` in the JSON): on
@@ -639,6 +641,16 @@ def forward_histogram(metrics_url: str) -> dict[str, float]:
     }
 
 
+def prefill_slowdowns(metrics_url: str) -> dict[str, float]:
+    """Each worker's prefill slowdown as the appliance measured it (1: never measured): a
+    worker measured slower than the other looks slower to its placement."""
+    text = httpx.get(metrics_url, timeout=10).text
+    gauge = "appliance_worker_prefill_slowdown"
+    return {
+        s.labels["worker"]: round(s.value, 3) for s in parse_metrics(text, only=[gauge]).samples
+    }
+
+
 def forward_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """The phase's share of turns at or under each bound and their mean, in ms."""
     n = after["count"] - before["count"]
@@ -1035,6 +1047,7 @@ async def run(
                     row["appliance_forward_ms"] = forward_summary(
                         own0, forward_histogram(metrics_url)
                     )
+                    row["appliance_prefill_slowdown"] = prefill_slowdowns(metrics_url)
                 rows.append(row)
                 o = row["overhead_first_ms"]
                 print(
@@ -1043,7 +1056,12 @@ async def run(
                     f"first byte p50={row['first_byte_ms']['p50']:.1f} ms "
                     f"hit={row['cache_hit']} busy={row['machine_busy']} "
                     f"cpu/req={row['cpu_ms_per_request']} ({time.monotonic() - t:.1f} s)"
-                    + (f" own={row['appliance_forward_ms']}" if own0 is not None else ""),
+                    + (
+                        f" own={row['appliance_forward_ms']} "
+                        f"slowdown={row['appliance_prefill_slowdown']}"
+                        if own0 is not None
+                        else ""
+                    ),
                     flush=True,
                 )
                 procs.check()

@@ -14,12 +14,14 @@ from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.routing.core import default_profile
+from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.placement import Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import SessionTable
 from appliance.services.tasks import TaskBook
 from appliance.services.turn_desk import TurnDesk
 from appliance.services.turn_records import TurnRecords
+from appliance.services.worker_speed import WorkerSpeeds
 
 
 class ManualClock:
@@ -93,6 +95,8 @@ class Wired:
     index: Any
     ledger: AckLedger
     clock: ManualClock
+    speeds: WorkerSpeeds
+    """The measured speeds (the queue book reads them unless the test fixed a slowdown)."""
 
 
 def wired_desk(
@@ -104,13 +108,17 @@ def wired_desk(
     slowdown: dict[str, float] | None = None,
     block_size: int = 16,
 ) -> Wired:
-    """The turn desk as the daemon wires it (queue book, turn records, placer), over fakes of
-    the outside only: workers, the KV index, the ledger and the clock."""
+    """The turn desk as the daemon wires it (queue book, turn records, placer, worker
+    speeds), over fakes of the outside only: workers, the KV index, the ledger and the clock.
+    `slowdown`: fixed per worker; without it, measured (`Wired.speeds`)."""
     clock = clock or ManualClock(100.0)
     index = index if index is not None else FixedIndex()
     ledger = ledger or AckLedger()
-    speeds = slowdown or {}
-    queues = QueueBook(LinearCost(), clock, lambda w: speeds.get(w, 1.0))
+    spans = AttemptSpans(clock)
+    speeds = WorkerSpeeds(LinearCost(), spans)
+    fixed = slowdown
+    measured = speeds.slowdown if fixed is None else lambda w: fixed.get(w, 1.0)
+    queues = QueueBook(LinearCost(), clock, measured, spans)
     sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size))
     placer = Placer(
         workers=lambda: workers, index=index, sessions=sessions, queues=queues,
@@ -121,7 +129,7 @@ def wired_desk(
         sessions=sessions, placer=placer, queues=queues, records=TurnRecords(ledger, model="m"),
         tasks=TaskBook(ledger), clock=clock, workers=lambda: workers,
     )  # fmt: skip
-    return Wired(desk, queues, index, ledger, clock)
+    return Wired(desk, queues, index, ledger, clock, speeds)
 
 
 async def read_request_body(reader: asyncio.StreamReader) -> bytes | None:

@@ -12,10 +12,10 @@ the worker reports waiting requests that are not the router's own (other clients
 restarted router), those count at the worker's mean prompt length instead, if that is more.
 
 A worker's reading is up to a refresh old, so the router's own requests are counted as
-they were when it was taken (`_own_at`): a stale reading of its own queue must never look
-like load. Failed attempts are remembered for `FAILURE_WINDOW_S` (a tie-breaker of the
-routing policy). The book takes `now` from its clock, so the replay can run it in virtual
-time.
+they were when it was taken (`AttemptSpans.in_flight_at`, the spans the book writes): a
+stale reading of its own queue must never look like load. Failed attempts are remembered
+for `FAILURE_WINDOW_S` (a tie-breaker of the routing policy). The book takes `now` from its
+clock, so the replay can run it in virtual time.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from appliance.domain.records import TurnId, WorkerId
 from appliance.policy.routing import PrefillCost
 from appliance.ports import Clock, WorkerEndpoint
+from appliance.services.attempt_spans import AttemptSpans
 
 FAILURE_WINDOW_S = 60.0
-SPAN_MEMORY_S = 30.0  # longer than any worker reading can be old
 MEAN_PREFILL_WEIGHT = 0.1
 """Smoothing of the moving average of recent turns' prefill seconds."""
 
@@ -39,17 +39,16 @@ class QueueBook:
         cost: PrefillCost,
         clock: Clock,
         slowdown: Callable[[WorkerId], float] | None = None,
+        spans: AttemptSpans | None = None,
     ) -> None:
         self._cost = cost
         self._clock = clock
         self.slowdown = slowdown or (lambda worker: 1.0)
         """Each worker's prefill seconds per second of the cost model's (WorkerSpeeds)."""
+        self.spans = spans or AttemptSpans(clock)
+        """When the router's attempts at each worker ran (written here as they go)."""
         # Failed attempts per worker in the last FAILURE_WINDOW_S, oldest first.
         self._failures: dict[WorkerId, deque[float]] = {}
-        # When each attempt in flight at each worker started, and (start, end) of the ones
-        # that ended in the last SPAN_MEMORY_S, oldest end first.
-        self._running: dict[WorkerId, dict[TurnId, float]] = {}
-        self._ended: dict[WorkerId, deque[tuple[float, float]]] = {}
         # Prefill work sent to each worker whose first byte has not come back yet: its
         # estimated seconds and when the worker should be done with it.
         self._pending: dict[WorkerId, dict[TurnId, tuple[float, float]]] = {}
@@ -61,7 +60,7 @@ class QueueBook:
         """An attempt left for `worker`, with `prefill_s` of estimated prefill."""
         done_by = started_at + self.routed_s(worker, started_at) + prefill_s
         self._pending.setdefault(worker, {})[turn] = (prefill_s, done_by)
-        self._running.setdefault(worker, {})[turn] = started_at
+        self.spans.began(worker, turn, started_at)
         self._mean_prefill_s += MEAN_PREFILL_WEIGHT * (prefill_s - self._mean_prefill_s)
 
     def first_byte(self, worker: WorkerId, turn: TurnId) -> None:
@@ -70,9 +69,7 @@ class QueueBook:
 
     def ended(self, worker: WorkerId, turn: TurnId, *, failed: bool) -> None:
         self._pending.get(worker, {}).pop(turn, None)
-        end = self._clock.now()
-        started = self._running.get(worker, {}).pop(turn, end)
-        self._ended.setdefault(worker, deque()).append((started, end))
+        end = self.spans.ended(worker, turn)
         if failed:
             self._failures.setdefault(worker, deque()).append(end)
 
@@ -90,7 +87,7 @@ class QueueBook:
         """Prefill seconds ahead of a new request at `worker` (the module docstring)."""
         load = worker.load
         routed = self.routed_s(worker.id, self._clock.now())
-        foreign = load.waiting - self._own_at(worker.id, load.time) if load else 0
+        foreign = load.waiting - self.spans.in_flight_at(worker.id, load.time) if load else 0
         if load is None or foreign <= 0:
             return routed
         mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
@@ -112,18 +109,3 @@ class QueueBook:
         while seen and seen[0] < horizon:
             seen.popleft()
         return len(seen)
-
-    def _own_at(self, worker: WorkerId, t: float) -> int:
-        """The router's attempts in flight at `worker` at time `t` (recent ones are kept)."""
-        running = sum(1 for start in self._running.get(worker, {}).values() if start <= t)
-        ended = self._ended.get(worker)
-        if not ended:
-            return running
-        horizon = self._clock.now() - SPAN_MEMORY_S
-        while ended and ended[0][1] < horizon:
-            ended.popleft()
-        for start, end in reversed(ended):  # only the ends after `t`: a reading's age
-            if end <= t:
-                break
-            running += start <= t
-        return running

@@ -3,6 +3,8 @@ at a worker, and the reply the API sends back."""
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +12,17 @@ from typing import Any
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
 from appliance.services.sessions import ChatTokens
+
+_PROCESS = secrets.randbits(64)
+_SERIAL = itertools.count()
+
+
+def new_turn_id() -> TurnId:
+    """A new attempt's id: 32 hex digits like a UUID's, this process's random 64 bits then a
+    serial number, so unique across restarts without a random draw per turn (os.urandom is
+    a system call that lets the ledger's and the KV events' threads take the interpreter
+    in the middle of the turn)."""
+    return TurnId(f"{_PROCESS:016x}{next(_SERIAL):016x}")
 
 
 class NoWorker(ApplianceError):

@@ -34,7 +34,7 @@ from appliance.domain.errors import (
     EngineUnavailable,
     LedgerUnavailable,
 )
-from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, TurnOutcome, WorkerId
+from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService, resident_hint
 from appliance.services.flights import Flight, Flights
@@ -43,7 +43,7 @@ from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import ChatTokens, SessionState, SessionTable
 from appliance.services.tasks import TaskBook, TaskError, TaskState
-from appliance.services.turn import Attempt, NoWorker, Reply, TurnRequest
+from appliance.services.turn import Attempt, NoWorker, Reply, TurnRequest, new_turn_id
 from appliance.services.turn_records import TurnRecords
 
 log = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ class TurnDesk:
         predicted = placement.resident.get(worker, 0)
         est = self.queues.prefill_s(worker, turn.prompt_len - predicted, predicted)
         now = self._clock.now()
-        attempt = Attempt(TurnId(uuid.uuid4().hex), worker, predicted, now, est)
+        attempt = Attempt(new_turn_id(), worker, predicted, now, est)
         chain = session.chain
         if chain is not None and chain.hashes:
             # The last full block's hash commits to the whole prefix and the tenant salt.

@@ -11,10 +11,17 @@ slowdown; samples are smoothed, and a worker never measured (or measured on too 
 prefills) counts as the profile says (1).
 
 Only calm intervals count: a prefill that shares the worker's steps with other requests'
-prefills and decodes takes longer, and that is queueing, which the router already counts,
-not speed. So an interval is a sample only when both of its readings show at most one
-request running and none waiting; a busy worker keeps the slowdown measured when it was
-calm (speed is the hardware's and the model's, it does not drift with load).
+prefills and decodes takes longer, and that is batching and queueing, which the router
+already counts, not speed. So an interval is a sample only when the worker did one request
+at a time throughout: every request it finished in the interval, and every one running at
+either reading, was the router's (no more than the router had there), none was waiting at
+either reading, and the router's never overlapped (`AttemptSpans.one_at_a_time`). Calm
+readings alone are not enough: twice a second leaves room for several short requests in
+between, and under load (50 agent sessions on two simulated workers, the router-overhead
+benchmark) such intervals measured workers that run at the profile's speed 2-6x slower,
+each differently, so one looked slower than the other and sessions left their prefix there.
+A busy worker keeps the slowdown measured when it was calm (speed is the hardware's and the
+model's, it does not drift with load); a worker never calm stays at 1.
 
 The router's queue estimates, the seconds a resident prefix saves, and admission's prefill
 estimates all scale by it, so a router in front of workers slower than its profile sees
@@ -25,6 +32,7 @@ work back.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import LoadSnapshot
@@ -55,11 +63,20 @@ def measured_slowdown(delta: LoadSnapshot, cost: PrefillCost) -> float | None:
     return min(high, max(low, delta.prefill_sum_s / n / modelled))
 
 
+class OwnTraffic(Protocol):
+    """What the router knows of its own attempts at each worker (AttemptSpans)."""
+
+    def in_flight_at(self, worker: WorkerId, t: float) -> int: ...
+
+    def one_at_a_time(self, worker: WorkerId, since: float, until: float) -> int | None: ...
+
+
 class WorkerSpeeds:
     """The running slowdown of every worker, fed each time the daemon polls them."""
 
-    def __init__(self, cost: PrefillCost) -> None:
+    def __init__(self, cost: PrefillCost, spans: OwnTraffic) -> None:
         self._cost = cost
+        self._spans = spans
         self._last: dict[WorkerId, LoadSnapshot] = {}
         self._slowdown: dict[WorkerId, float] = {}
 
@@ -69,10 +86,14 @@ class WorkerSpeeds:
             load, last = w.load, self._last.get(w.id)
             if load is None or (last is not None and load.time <= last.time):
                 continue
-            if last is None or not (_calm(last) and _calm(load)):
+            if last is None:
+                self._last[w.id] = load  # the first reading: what the next compares with
+                continue
+            delta = load.since(last)
+            if not self._alone(w.id, last, load, delta.prefill_count):
                 self._last[w.id] = load  # busy in between: measure from here
                 continue
-            sample = measured_slowdown(load.since(last), self._cost)
+            sample = measured_slowdown(delta, self._cost)
             if sample is None:
                 continue  # too few prefills yet: the next reading compares with `last`
             self._last[w.id] = load
@@ -85,6 +106,11 @@ class WorkerSpeeds:
         """Measured prefill seconds per second of the cost model's (1 until measured)."""
         return self._slowdown.get(worker, 1.0)
 
-
-def _calm(load: LoadSnapshot) -> bool:
-    return load.running <= 1 and load.waiting == 0
+    def _alone(self, worker: WorkerId, last: LoadSnapshot, load: LoadSnapshot, done: int) -> bool:
+        """Whether the worker did one request at a time from `last` to `load`, `done` of
+        them finishing in between (the module docstring)."""
+        for reading in (last, load):
+            if reading.waiting or reading.running > self._spans.in_flight_at(worker, reading.time):
+                return False
+        own = self._spans.one_at_a_time(worker, last.time, load.time)
+        return own is not None and done <= own

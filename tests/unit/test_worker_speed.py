@@ -1,9 +1,10 @@
 """A worker's prefill slowdown against the cost model: measured from the increments of its
-request-level prefill histograms between two readings, smoothed, 1 until measured."""
+request-level prefill histograms between two readings in which it did the router's requests
+one at a time, smoothed, 1 until measured."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -106,8 +107,27 @@ class Worker:
     load: LoadSnapshot | None = None
 
 
+@dataclass
+class OwnTraffic:
+    """The router's attempts as the tests set them: `running` in flight at any time, and in
+    any interval `sequential` of them one at a time (None: two overlapped)."""
+
+    running: int = 1
+    sequential: int | None = 1000
+
+    def in_flight_at(self, worker: WorkerId, t: float) -> int:
+        return self.running
+
+    def one_at_a_time(self, worker: WorkerId, since: float, until: float) -> int | None:
+        return self.sequential
+
+
+def speeds_of(own: OwnTraffic | None = None) -> WorkerSpeeds:
+    return WorkerSpeeds(COST, own or OwnTraffic())
+
+
 def test_speeds_start_at_the_profile_then_follow_readings_smoothly() -> None:
-    speeds, w = WorkerSpeeds(COST), Worker(WorkerId("w0"))
+    speeds, w = speeds_of(), Worker(WorkerId("w0"))
     speeds.observe([w])  # no reading yet
     w.load = reading(1.0, 0, 0.0, 0, 0)
     speeds.observe([w])  # the first reading is only what the next one compares with
@@ -124,7 +144,7 @@ def test_speeds_start_at_the_profile_then_follow_readings_smoothly() -> None:
 
 
 def test_a_reading_with_too_few_prefills_is_pooled_with_the_next() -> None:
-    speeds, w = WorkerSpeeds(COST), Worker(WorkerId("w0"), reading(1.0, 0, 0.0, 0, 0))
+    speeds, w = speeds_of(), Worker(WorkerId("w0"), reading(1.0, 0, 0.0, 0, 0))
     speeds.observe([w])
     w.load = reading(1.5, 2, 2 * 2.0, 2_000, 2_000)  # 2 requests at 2x: too few alone
     speeds.observe([w])
@@ -135,7 +155,7 @@ def test_a_reading_with_too_few_prefills_is_pooled_with_the_next() -> None:
 
 
 def test_an_engine_restart_measures_from_its_new_counters() -> None:
-    speeds, w = WorkerSpeeds(COST), Worker(WorkerId("w0"), reading(1.0, 100, 100.0, 10**6, 10**6))
+    speeds, w = speeds_of(), Worker(WorkerId("w0"), reading(1.0, 100, 100.0, 10**6, 10**6))
     speeds.observe([w])
     w.load = reading(2.0, 4, 4 * 0.5, 4_000, 4_000)  # counters went back: a new engine
     speeds.observe([w])
@@ -143,7 +163,7 @@ def test_an_engine_restart_measures_from_its_new_counters() -> None:
 
 
 def test_a_busy_interval_is_queueing_not_speed() -> None:
-    speeds, w = WorkerSpeeds(COST), Worker(WorkerId("w0"), reading(1.0, 0, 0.0, 0, 0))
+    speeds, w = speeds_of(), Worker(WorkerId("w0"), reading(1.0, 0, 0.0, 0, 0))
     speeds.observe([w])
     w.load = reading(1.5, 4, 4 * 1.0, 4_000, 4_000)  # 1 s each, as the model says
     speeds.observe([w])
@@ -188,7 +208,7 @@ def test_a_worker_without_a_sample_leaves_the_next_one_measured(
 ) -> None:
     """Each worker of a poll is read on its own: one that gives no sample (it stays at 1)
     does not keep the worker after it from being measured."""
-    speeds = WorkerSpeeds(COST)
+    speeds = speeds_of()
     first, second = Worker(WorkerId("w0"), first_then), Worker(WorkerId("w1"), CALM)
     speeds.observe([first, second])
     first.load, second.load = first_now, reading(1.5, 4, 4 * 2.0, 4_000, 4_000)
@@ -198,7 +218,7 @@ def test_a_worker_without_a_sample_leaves_the_next_one_measured(
 
 
 def test_a_lost_reading_keeps_the_slowdown_and_the_last_reading() -> None:
-    speeds, w = WorkerSpeeds(COST), Worker(WorkerId("w0"), CALM)
+    speeds, w = speeds_of(), Worker(WorkerId("w0"), CALM)
     speeds.observe([w])
     w.load = reading(1.5, 4, 4 * 2.0, 4_000, 4_000)
     speeds.observe([w])
@@ -208,3 +228,50 @@ def test_a_lost_reading_keeps_the_slowdown_and_the_last_reading() -> None:
     w.load = reading(2.0, 8, 8.0 + 4 * 3.0, 8_000, 8_000)  # measured from the 1.5 s reading
     speeds.observe([w])
     assert speeds.slowdown(w.id) == pytest.approx(2.0 + SMOOTHING * 1.0)
+
+
+@pytest.mark.parametrize(
+    ("own", "done", "then", "now"),
+    [
+        (OwnTraffic(sequential=None), 4, CALM, reading(1.5, 4, 4 * 5.0, 4_000, 4_000)),
+        (OwnTraffic(sequential=3), 4, CALM, reading(1.5, 4, 4 * 5.0, 4_000, 4_000)),
+        (OwnTraffic(running=0), 4, CALM, reading(1.5, 4, 4 * 5.0, 4_000, 4_000, running=0)),
+        (
+            OwnTraffic(running=0),
+            4,
+            reading(1.0, 0, 0.0, 0, 0, running=0),
+            reading(1.5, 4, 4 * 5.0, 4_000, 4_000, running=1),
+        ),
+    ],
+    ids=[
+        "the router's requests overlapped",
+        "a request finished that was not the router's",
+        "a request running at the first reading was not the router's",
+        "a request running at the second reading was not the router's",
+    ],
+)
+def test_prefills_the_worker_did_beside_other_requests_are_no_sample(
+    own: OwnTraffic, done: int, then: LoadSnapshot, now: LoadSnapshot
+) -> None:
+    """Calm readings at both ends are not enough: the worker must have done one request at a
+    time in between, and only the router's (the others' prefills shared its steps)."""
+    own = replace(own)  # the parameter is shared between runs; this test changes it below
+    speeds, w = speeds_of(own), Worker(WorkerId("w0"), then)
+    speeds.observe([w])
+    w.load = now
+    speeds.observe([w])
+    assert now.prefill_count - then.prefill_count == done
+    assert speeds.slowdown(w.id) == 1.0
+    own.running, own.sequential = 1, 1000  # from the spoiled reading on, alone again
+    w.load = reading(2.0, 8, 20.0 + 4 * 2.0, 8_000, 8_000)
+    speeds.observe([w])
+    assert speeds.slowdown(w.id) == pytest.approx(2.0)
+
+
+def test_as_many_finished_as_the_router_had_there_one_at_a_time_is_a_sample() -> None:
+    own = OwnTraffic(running=1, sequential=4)
+    speeds, w = speeds_of(own), Worker(WorkerId("w0"), CALM)
+    speeds.observe([w])
+    w.load = reading(1.5, 4, 4 * 2.0, 4_000, 4_000)
+    speeds.observe([w])
+    assert speeds.slowdown(w.id) == pytest.approx(2.0)

@@ -1,0 +1,92 @@
+"""An attempt's ledger rows (route decision, turn, cache receipt, session) are handed to the
+ledger together once its answer is out, so the writer commits them in one transaction; a
+failed attempt's decision is written with its failed turn row. Attempt ids need no random draw."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from typing import Any
+
+from appliance.domain.errors import EngineUnavailable
+from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.services.turn import TurnRequest, new_turn_id
+from tests.fakes import AckLedger, RouterWorker, wired_desk
+
+
+class RowLog(AckLedger):
+    """Every row in the order it was handed over, with the worker's answers in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("record_"):
+            return super().__getattr__(name)
+
+        def record(row: Any) -> Future[Any]:
+            self.seen.append(name.removeprefix("record_"))
+            return super(RowLog, self).__getattr__(name)(row)
+
+        return record
+
+    def record_turn(self, record: Any) -> Future[Any]:
+        self.seen.append("turn")
+        return super().record_turn(record)
+
+
+def turn() -> TurnRequest:
+    return TurnRequest(TenantId("a"), "/v1/completions", {"model": "m"}, list(range(100)),
+                       TaskId("a/t"), SessionId("s"))  # fmt: skip
+
+
+def test_an_attempts_rows_go_together_once_its_answer_is_out() -> None:
+    ledger = RowLog()
+
+    class Client:
+        async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
+            await asyncio.sleep(0)  # a loop turn or two while the worker works
+            await asyncio.sleep(0)
+            ledger.seen.append("answered")
+            return b'{"usage": {"prompt_tokens": 100, "completion_tokens": 1}}'
+
+    wired = wired_desk([RouterWorker(WorkerId("w0"), Client())], ledger=ledger)
+
+    async def main() -> None:
+        await wired.desk.handle(turn())
+        await asyncio.sleep(0)  # the rows are written on the loop's next turn
+
+    asyncio.run(main())
+    assert ledger.seen == ["answered", "route_decision", "turn", "cache_receipt", "session"]
+
+
+def test_a_failed_attempts_decision_goes_with_its_failed_turn() -> None:
+    ledger = RowLog()
+
+    class Down:
+        async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
+            raise EngineUnavailable("w0 is down")
+
+    class Up:
+        async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
+            return b'{"usage": {"prompt_tokens": 100, "completion_tokens": 1}}'
+
+    workers = [RouterWorker(WorkerId("w0"), Down()), RouterWorker(WorkerId("w1"), Up())]
+    wired = wired_desk(workers, ledger=ledger)
+
+    async def main() -> None:
+        await wired.desk.handle(turn())
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert ledger.seen == ["route_decision", "turn", "session",  # no receipt for a failure
+                           "route_decision", "turn", "cache_receipt", "session"]  # fmt: skip
+    assert [t.worker for t in ledger.turns] == ["w0", "w1"]
+
+
+def test_attempt_ids_are_32_hex_digits_and_never_repeat() -> None:
+    ids = [new_turn_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len({i[:16] for i in ids}) == 1  # this process's prefix, then a serial number
