@@ -158,6 +158,10 @@ class KvLookup(Protocol):
 
     def lookup(self, chain: Sequence[int], *, medium: str | None = None) -> dict[WorkerId, int]: ...
 
+    def losses(self, worker: WorkerId) -> int:
+        """A count that changes whenever the worker loses blocks (eviction, restart)."""
+        ...
+
 
 class KvRetention(Protocol):
     """Holds on waiting sessions' KV inside the workers (vLLM: the retention connector each

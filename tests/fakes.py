@@ -81,9 +81,20 @@ class FixedIndex:
     """A KV index that holds `blocks` leading blocks of any chain on each worker."""
 
     blocks: dict[WorkerId, int] = field(default_factory=dict)
+    lost: dict[WorkerId, int] = field(default_factory=dict)
+    lookups: int = 0
 
     def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
+        self.lookups += 1
         return self.blocks
+
+    def losses(self, worker: WorkerId) -> int:
+        return self.lost.get(worker, 0)
+
+    def evict(self, worker: WorkerId, left: int) -> None:
+        """The worker lost blocks: `left` leading blocks of any chain remain."""
+        self.blocks[worker] = left
+        self.lost[worker] = self.lost.get(worker, 0) + 1
 
 
 @dataclass

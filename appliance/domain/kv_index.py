@@ -77,6 +77,7 @@ class KvIndex:
         self._removed = 0
         self._unknown_removals = 0
         self._forgotten = 0
+        self._losses: dict[WorkerId, int] = {}
 
     def _slot(self, worker: WorkerId, medium: str) -> int:
         slot = self._slot_of.get((worker, medium))
@@ -154,6 +155,7 @@ class KvIndex:
     def _clear(self, worker: WorkerId, h: int, bits: int) -> None:
         """`h` leaves the slots in `bits` (all of them `worker`'s)."""
         where = self._where[h] & ~bits
+        self._losses[worker] = self._losses.get(worker, 0) + 1
         if where & self._worker_mask(worker) == 0:
             self._by_worker[worker].discard(h)
         if where:
@@ -176,6 +178,7 @@ class KvIndex:
     def forget_worker(self, worker: WorkerId) -> int:
         """Drops every block the worker held, on every tier; returns how many hashes."""
         held = self._by_worker.pop(worker, set())
+        self._losses[worker] = self._losses.get(worker, 0) + 1
         mask = self._worker_mask(worker)
         slots = [i for i, (w, _) in enumerate(self._slots) if w == worker]
         for h in held:
@@ -202,6 +205,8 @@ class KvIndex:
     def _leading(self, worker: WorkerId, chain: Sequence[int], medium: str | None) -> int:
         """How many leading blocks of `chain` the worker holds (the router's hot path: one
         set probe per block)."""
+        if medium is not None and self._only_slot(worker, medium):
+            medium = None  # the worker has no other tier: its set answers, in C
         if medium is None:
             # Equivalent mutants on the next line: lookup asks only holders, always keys of
             # `_by_worker`, so the default is never used.
@@ -218,6 +223,16 @@ class KvIndex:
             if not where.get(h, 0) & bit:
                 return i
         return len(chain)
+
+    def _only_slot(self, worker: WorkerId, medium: str) -> bool:
+        """Whether (worker, medium) is the worker's one tier."""
+        slot = self._slot_of.get((worker, medium))
+        return slot is not None and self._worker_mask(worker) == 1 << slot
+
+    def losses(self, worker: WorkerId) -> int:
+        """How often the worker lost blocks (a removal on any tier, a forget): while it
+        stays the same, no lookup on that worker answers less than before."""
+        return self._losses.get(worker, 0)
 
     def _holders(self, where: int, medium: str | None) -> set[WorkerId]:
         """The workers among the slots in the mask `where` (on `medium`, or any tier)."""

@@ -134,6 +134,10 @@ class KvIndexFeed:
         with self._lock:
             return self.index.lookup(chain, medium=medium)
 
+    def losses(self, worker: WorkerId) -> int:
+        with self._lock:
+            return self.index.losses(worker)
+
     def read(self, fn: Callable[[KvIndex], T]) -> T:
         """Runs `fn` on the index under the lock (keep it short: events wait meanwhile)."""
         with self._lock:

@@ -32,8 +32,10 @@ import asyncio
 import logging
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from appliance.domain.records import CacheEviction, ResidencyEvent, WorkerId
@@ -48,6 +50,7 @@ from appliance.policy.residency import (
 )
 from appliance.ports import Clock, KvRetention, Ledger
 from appliance.services import residency_records as rows
+from appliance.services.prefix_watch import PrefixWatch
 from appliance.services.residency_inputs import (
     LiveInputs,
     ends_in_tool_call,
@@ -104,6 +107,7 @@ class ReaperLoop:
         clock: Clock,
         tick_s: float = TICK_S,
         note: str | None = None,
+        defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self.reaper = reaper
         self.retention = retention
@@ -113,6 +117,7 @@ class ReaperLoop:
         self._ledger = ledger
         self._clock = clock
         self._tick_s = tick_s
+        self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, _Waiting] = OrderedDict()
         self._held: dict[str, WorkerId] = {}
         """Key -> the worker the loop last asked to hold it."""
@@ -120,6 +125,7 @@ class ReaperLoop:
         """Sessions whose turns named a tool class or a wait (their last step names none)."""
         self.outbox = RetentionOutbox(retention)
         self._watched_at = self._ordered_at = -math.inf
+        self._prefixes = PrefixWatch(inputs.index)
         self.decisions: Counter[str] = Counter()
         """Decisions by action since start."""
 
@@ -132,7 +138,14 @@ class ReaperLoop:
             self.reaper.observe_return(key, now)
 
     def turn_ended(self, session: SessionState, now: float) -> None:
-        """The session has no turn in flight any more: decide where its KV waits."""
+        """The session has no turn in flight any more: where its KV waits is decided once
+        its answer is out (`defer`: the event loop's next turn), unless its next turn has
+        begun by then; no answer waits for the decision's few tenths of a millisecond."""
+        self._defer(partial(self._decide_ended, session, now))
+
+    def _decide_ended(self, session: SessionState, now: float) -> None:
+        if session.in_flight:
+            return
         try:
             self._turn_ended(session, now)
         except Exception:  # never into the turn desk: the turn itself went well
@@ -270,15 +283,8 @@ class ReaperLoop:
 
     def _watch(self, now: float) -> None:
         """Records each waiting session whose prefix lost blocks on its worker."""
-        for key, w in list(self._waiting.items()):
-            if w.evicted:
-                continue
-            n = resident_tokens(self._inputs.index, w.session, w.worker)
-            if n >= w.seen_tokens:
-                w.seen_tokens = n
-                continue
-            if n >= prefix_tokens(w.session):
-                continue
+        for key, n in self._prefixes.shrunk(list(self._waiting.items())):
+            w = self._waiting[key]
             w.evicted = True
             cause = rows.eviction_cause(w.decision.action, w.ended_by)
             row, mark = rows.eviction_records(self._inputs, w.session, w.worker, cause,
@@ -372,6 +378,10 @@ class ReaperLoop:
 
 
 _NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")
+
+
+def _on_the_next_loop_turn(call: Callable[[], None]) -> None:
+    asyncio.get_running_loop().call_soon(call)
 
 
 def _one_turn(session: SessionState) -> bool:

@@ -459,3 +459,69 @@ def test_resident_of_an_unknown_block_is_false() -> None:
     assert not index.resident(W0, 99, medium="GPU")
     index.apply(W0, removed(1))
     assert not index.resident(W0, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, chain=st.lists(HASHES, max_size=8))
+def test_a_worker_whose_losses_stay_the_same_answers_no_less(ops, chain) -> None:
+    """The reaper looks a waiting session's prefix up again only after its worker's
+    `losses` changed: in between, no lookup on that worker may answer less."""
+    index = KvIndex()
+
+    def answers(worker: WorkerId) -> list[int]:
+        return [index.lookup(chain, medium=m).get(worker, 0) for m in (None, "GPU", "CPU")]
+
+    for op, worker, medium, hashes in ops:
+        before = {w: (index.losses(w), answers(w)) for w in (W0, W1, W2)}
+        if op == "store":
+            index.apply(worker, stored(*hashes, medium=medium))
+        elif op == "remove":
+            index.apply(worker, removed(*hashes, medium=medium))
+        else:
+            index.forget_worker(worker)
+        for w, (losses, was) in before.items():
+            if index.losses(w) == losses:
+                assert all(now >= then for now, then in zip(answers(w), was, strict=True))
+            else:
+                assert w == worker and op != "store" and index.losses(w) > losses
+
+
+@pytest.mark.parametrize(
+    ("events", "losses"),
+    [
+        ([stored(1, 2)], 0),
+        ([removed(9)], 0),
+        ([stored(1, 2), stored(1), removed(1)], 0),  # one of two copies: still resident
+        ([stored(1, 2), removed(2)], 1),
+        ([stored(1, 2), removed(1, 2)], 2),
+        ([stored(1), stored(1, medium="CPU"), removed(1, medium="CPU")], 1),
+        ([stored(1, 2), AllBlocksCleared()], 1),
+    ],
+    ids=[
+        "stored",
+        "unknown removal",
+        "a copy left",
+        "one removed",
+        "two removed",
+        "off the host tier",
+        "cleared",
+    ],
+)
+def test_losses_count_the_blocks_a_worker_lost(events: list[KvEvent], losses: int) -> None:
+    index = KvIndex()
+    for event in events:
+        index.apply(W0, event)
+    index.apply(W1, stored(1, 2))
+    assert (index.losses(W0), index.losses(W1)) == (losses, 0)
+
+
+def test_a_one_tier_worker_answers_for_that_tier_only() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2, 3))
+    index.apply(W1, stored(1, 2, medium="CPU"))
+    assert index.lookup((1, 2, 3), medium="GPU") == {W0: 3}
+    assert index.lookup((1, 2, 3), medium="CPU") == {W1: 2}
+    index.apply(W0, stored(1, 2, medium="CPU"))  # now two tiers: GPU still counts alone
+    index.apply(W0, removed(2))
+    assert index.lookup((1, 2, 3), medium="GPU") == {W0: 1}
+    assert index.lookup((1, 2, 3)) == {W0: 3, W1: 2}  # 2 on the host, 1 and 3 on the GPU

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +149,13 @@ class Setup:
         return calls
 
 
-def build(*, retention: Any = None, usage: float = 0.1) -> Setup:
+def _at_once(call: Callable[[], None]) -> None:
+    call()
+
+
+def build(
+    *, retention: Any = None, usage: float = 0.1, defer: Callable[..., None] | None = _at_once
+) -> Setup:
     clock = ManualClock(1000.0)
     fake = FakeRetention()
     index = FixedIndex({W0: PROMPT // BLOCK})
@@ -171,6 +177,7 @@ def build(*, retention: Any = None, usage: float = 0.1) -> Setup:
         inputs,
         ledger=Rows(),
         clock=clock,  # type: ignore[arg-type]
+        defer=defer,
     )
     rows = loop._ledger  # the Rows given above
     table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, BLOCK), listener=loop)
@@ -231,6 +238,24 @@ def test_a_client_that_never_names_tools_is_not_taken_for_a_last_step(s: Setup) 
     assert s.rows.figures()["kind"] != "last_step"
 
 
+def test_a_turns_end_is_decided_after_its_answer_unless_the_next_turn_began() -> None:
+    """With the product's default `defer`: nothing is decided while the desk still has
+    the answer to send; on the loop's next turn it is, unless the session is busy again."""
+    s = build(defer=None)
+
+    async def go() -> tuple[int, int, int]:
+        a, b = s.session("a"), s.session("b")
+        s.turn(a, tool="api", wait_s=1.0)
+        s.turn(b, tool="api", wait_s=1.0)
+        s.table.began(b, s.clock.t)  # b's next turn, before the loop turned
+        decided_at_once = len(s.rows.residency)
+        await asyncio.sleep(0)
+        return decided_at_once, len(s.rows.residency), int(s.loop.decision_of(b) is None)
+
+    assert asyncio.run(go()) == (0, 1, 1)
+    assert s.rows.last().session_id == "acme/a"
+
+
 def test_a_hold_is_decided_again_at_its_revisit_and_extended(s: Setup) -> None:
     session = s.session("a")
     s.turn(session, tool="api", wait_s=1.0)
@@ -279,7 +304,7 @@ def test_an_eviction_is_recorded_with_its_cause_and_marks_the_receipt(s: Setup) 
     s.turn(session, tool="approval", wait_s=3600.0)
     s.retention.usage[W0] = 0.99
     s.loop.tick(1001.0)  # released at its revisit
-    s.index.blocks[W0] = 4  # the engine evicted the tail of its prefix
+    s.index.evict(W0, 4)  # the engine evicted the tail of its prefix
     s.loop.tick(1003.0)
     row = s.rows.last()
     assert (row.action, row.tokens) == ("evicted", 4 * BLOCK)
@@ -290,9 +315,42 @@ def test_an_eviction_is_recorded_with_its_cause_and_marks_the_receipt(s: Setup) 
     assert (mark.worker, mark.tenant_domain, mark.model, mark.runtime_identity) == (
         W0, "acme", "m", "test:m",
     )  # fmt: skip
-    s.index.blocks[W0] = 0
+    s.index.evict(W0, 0)
     s.loop.tick(1005.0)
     assert len(s.rows.evictions) == 1  # once per idle period
+
+
+def test_a_seen_prefix_is_looked_up_again_only_after_its_worker_lost_blocks(s: Setup) -> None:
+    s.retention.usage[W0] = 0.99  # released, not held: no revisits
+    session = s.session("a")
+    s.turn(session, tool="approval", wait_s=3600.0)
+    s.loop.tick(1001.0)
+    looked = s.index.lookups
+    s.loop.tick(1003.0)
+    s.index.evict(W1, 0)  # another worker's loss
+    s.loop.tick(1005.0)
+    assert s.index.lookups == looked
+    s.index.evict(W0, 4)
+    s.loop.tick(1007.0)
+    assert s.index.lookups == looked + 1 and s.rows.last().action == "evicted"
+
+
+def test_a_prefix_not_yet_seen_whole_is_looked_up_until_it_is(s: Setup) -> None:
+    """Its worker's KV events may come after the answer: the watch waits for them, so that
+    a later loss is told from blocks that never arrived."""
+    s.index.blocks[W0] = 0
+    s.retention.usage[W0] = 0.99  # released, not held: no revisits
+    s.turn(s.session("a"), tool="approval", wait_s=3600.0)
+    s.loop.tick(1001.0)
+    s.loop.tick(1003.0)  # still nothing seen: looked up at each watch
+    looked = s.index.lookups
+    s.index.blocks[W0] = PROMPT // BLOCK
+    s.loop.tick(1005.0)
+    s.loop.tick(1007.0)
+    assert s.index.lookups == looked + 1
+    s.index.evict(W0, 2)
+    s.loop.tick(1009.0)
+    assert (s.rows.last().action, s.rows.last().tokens) == ("evicted", 2 * BLOCK)
 
 
 def test_a_hold_given_back_under_pressure_is_recorded_and_is_the_cause(s: Setup) -> None:
@@ -303,14 +361,14 @@ def test_a_hold_given_back_under_pressure_is_recorded_and_is_the_cause(s: Setup)
     assert row.reason.startswith("pressure: ")
     s.loop.returned(ReturnedKv(W0, "acme/a", 10, "released"), 1000.3)  # asked for: no row
     assert s.rows.last() is row
-    s.index.blocks[W0] = 0
+    s.index.evict(W0, 0)
     s.loop.tick(1000.4)
     assert s.rows.evictions[0].cause == "pressure"
 
 
 def test_a_held_session_that_vanishes_was_lost_with_its_worker(s: Setup) -> None:
     s.turn(s.session("a"), tool="api", wait_s=1.0)
-    s.index.blocks[W0] = 0  # the index forgot the worker (a restart)
+    s.index.evict(W0, 0)  # the index forgot the worker (a restart)
     s.loop.tick(1000.1)
     assert s.rows.evictions[0].cause == "worker_lost"
 

@@ -1,0 +1,57 @@
+"""Which waiting sessions' prefixes lost blocks on their worker, read from the KV index.
+
+Model of the world: a session's turn ended on its worker; the index hears its prompt's
+blocks stored (possibly a moment after the answer) and, later, removed when the worker
+evicts them. A session whose prefix the index shows fewer tokens of than it has shown
+since its turn ended, and fewer than the prompt's full blocks, lost KV. With thousands of
+sessions waiting, a lookup of each one's chain every watch would cost milliseconds of the
+event loop; so a session whose whole prefix the index has shown is looked up again only
+after its worker's `KvLookup.losses` count moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from appliance.domain.records import WorkerId
+from appliance.ports import KvLookup
+from appliance.services.residency_inputs import prefix_tokens, resident_tokens
+from appliance.services.sessions import SessionState
+
+
+class Watched(Protocol):
+    session: SessionState
+    worker: WorkerId
+    seen_tokens: int
+    """Most of its prefix the index has shown on its worker since its turn ended."""
+    evicted: bool
+
+
+class PrefixWatch:
+    def __init__(self, index: KvLookup) -> None:
+        self._index = index
+        self._losses_seen: dict[WorkerId, int] = {}
+        """Each worker's `losses` count at the last scan."""
+
+    def shrunk(self, waiting: Iterable[tuple[str, Watched]]) -> list[tuple[str, int]]:
+        """(key, tokens left) of each session not yet known evicted whose prefix lost
+        blocks; raises each one's `seen_tokens` to what the index shows now."""
+        counts: dict[WorkerId, int] = {}
+
+        def lost(worker: WorkerId) -> bool:
+            if worker not in counts:  # read before the lookups: a loss after it shows next time
+                counts[worker] = self._index.losses(worker)
+            return counts[worker] != self._losses_seen.get(worker)
+
+        out = []
+        for key, w in waiting:
+            if w.evicted or (not lost(w.worker) and w.seen_tokens >= prefix_tokens(w.session)):
+                continue
+            n = resident_tokens(self._index, w.session, w.worker)
+            if n >= w.seen_tokens:
+                w.seen_tokens = n
+            elif n < prefix_tokens(w.session):
+                out.append((key, n))
+        self._losses_seen.update(counts)
+        return out
