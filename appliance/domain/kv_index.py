@@ -205,8 +205,10 @@ class KvIndex:
     def _leading(self, worker: WorkerId, chain: Sequence[int], medium: str | None) -> int:
         """How many leading blocks of `chain` the worker holds (the router's hot path: one
         set probe per block)."""
-        if medium is not None and self._only_slot(worker, medium):
-            medium = None  # the worker has no other tier: its set answers, in C
+        # Equivalent mutants on the next two lines and in `_only_slot`: without the shortcut
+        # the probe below gives the same answer, per block.
+        if medium is not None and self._only_slot(worker, medium):  # pragma: no mutate
+            medium = None  # pragma: no mutate (the worker has no other tier: its set answers)
         if medium is None:
             # Equivalent mutants on the next line: lookup asks only holders, always keys of
             # `_by_worker`, so the default is never used.
@@ -226,8 +228,8 @@ class KvIndex:
 
     def _only_slot(self, worker: WorkerId, medium: str) -> bool:
         """Whether (worker, medium) is the worker's one tier."""
-        slot = self._slot_of.get((worker, medium))
-        return slot is not None and self._worker_mask(worker) == 1 << slot
+        slot = self._slot_of.get((worker, medium))  # pragma: no mutate
+        return slot is not None and self._worker_mask(worker) == 1 << slot  # pragma: no mutate
 
     def losses(self, worker: WorkerId) -> int:
         """How often the worker lost blocks (a removal on any tier, a forget): while it

@@ -115,6 +115,13 @@ CASES = [
         medium="GPU",
     ),
     Case("missing medium reads as GPU", [(W0, stored(1, medium=None))], (1,), {W0: 1}, "GPU"),
+    Case(
+        "tiers: a block no worker holds ends the match",
+        [(W0, stored(1)), (W0, stored(2, medium="CPU"))],
+        (1, 9),
+        {W0: 1},
+        medium="GPU",
+    ),
 ]
 
 
