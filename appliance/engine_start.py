@@ -2,8 +2,10 @@
 Part of the composition root (with bootstrap.py, daemon.py and wiring.py): it names the
 concrete engines.
 
-`sim` runs the simulated workers, one `appliance sim` child process each; `vllm` has the
-supervisor start `vllm serve` workers; `external` connects to servers started elsewhere.
+`sim` runs the simulated workers, one `appliance sim` child process each, kept running as
+the supervisor keeps vLLM's (an exit forgets the worker's KV and holds at once, and it is
+started again); `vllm` has the supervisor start `vllm serve` workers; `external` connects
+to servers started elsewhere.
 Every kind ends up as the same worker handles behind the same client, KV-event subscribers
 and index, so the router cannot tell them apart. With `engine.kv_retention` the vLLM and
 the simulated workers also speak the retention control protocol, each to a socket the
@@ -18,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from asyncio.subprocess import Process
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +30,15 @@ import zmq
 
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import WorkerId
-from appliance.domain.worker import WORKER_KEEPALIVE_S
+from appliance.domain.worker import WORKER_KEEPALIVE_S, restart_backoff_s
 from appliance.engines.errors import PortInUse
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
 from appliance.engines.retention.client import RetentionClient
 from appliance.engines.retention.plugin import RetentionLaunch
-from appliance.engines.worker_process import spawn, terminate_group
+from appliance.engines.supervisor import SupervisorTimings
+from appliance.engines.worker_process import reap_group, spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
 from appliance.perf.profile import bundled_profile, load_profile
@@ -150,22 +154,67 @@ async def _connected_engines(
         keepalive_s=WORKER_KEEPALIVE_S if launches else e.external_keepalive_s,
         label=kind.value,
     )
-    procs = []
+    procs: dict[WorkerId, Process] = {}
+    keepers: list[asyncio.Task[None]] = []
     retention = None
     try:
         retention = await _bind_retention(settings, launches)
         for launch in launches:
-            proc, _ = await spawn(launch, log_dir / f"sim-{launch.worker}.log")
-            procs.append(proc)
+            procs[launch.worker], _ = await spawn(launch, _sim_log(log_dir, launch))
         if launches:
-            await _await_healthy(external, procs, log_dir)
+            await _await_healthy(external, list(procs.values()), log_dir)
+        for launch, handle in zip(launches, external.workers, strict=False):
+            keep = _keep_running(launch, handle, procs, log_dir, feed, retention)
+            keepers.append(asyncio.create_task(keep, name=f"keep {launch.worker}"))
         limit = await model_limit(external.workers, name, e.max_model_len)
         yield Engines(kind, external.workers, name, limit, external.refresh, retention)
     finally:
+        for task in keepers:
+            task.cancel()
+        await asyncio.gather(*keepers, return_exceptions=True)
         if retention is not None:
             await retention.aclose()
         await external.aclose()
-        await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs))
+        await asyncio.gather(*(terminate_group(p, grace_s=5.0) for p in procs.values()))
+
+
+def _sim_log(log_dir: Path, launch: WorkerLaunch) -> Path:
+    return log_dir / f"sim-{launch.worker}.log"
+
+
+async def _keep_running(
+    launch: WorkerLaunch,
+    handle: WorkerHandle,
+    procs: dict[WorkerId, Process],
+    log_dir: Path,
+    feed: KvIndexFeed,
+    retention: RetentionClient | None,
+) -> None:
+    """Keeps a simulated worker running as the supervisor keeps a vLLM worker: when its
+    process exits, the KV index forgets its blocks and the retention view its holds at once
+    (a restarted worker holds nothing), and it is started again after the same backoff,
+    until it has exited more than `max_restarts_in_a_row` times in a row."""
+    t = SupervisorTimings()
+    failures = 0
+    while True:
+        proc, started = procs[launch.worker], time.monotonic()
+        code = await proc.wait()
+        feed.on_reset(launch.worker, f"worker exited with code {code}")
+        if retention is not None:
+            retention.forget(launch.worker)
+        await reap_group(proc.pid, 1.0, proc)
+        stable = time.monotonic() - started >= t.stable_after_s
+        failures = 1 if stable else failures + 1
+        if failures > t.max_restarts_in_a_row:
+            log.error("simulated worker %s exited %d times in a row; not started again",
+                      launch.worker, failures)  # fmt: skip
+            return
+        backoff = restart_backoff_s(failures, base_s=t.restart_base_s, cap_s=t.restart_cap_s)
+        log.warning("simulated worker %s exited with code %s; starting it again in %.0f s",
+                    launch.worker, code, backoff)  # fmt: skip
+        await asyncio.sleep(backoff)
+        procs[launch.worker], _ = await spawn(launch, _sim_log(log_dir, launch))
+        handle.restarts += 1
 
 
 def sim_launches(settings: Settings) -> list[WorkerLaunch]:
