@@ -12,20 +12,31 @@ after its worker's `KvLookup.losses` count moved.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from dataclasses import dataclass
 
 from appliance.domain.records import WorkerId
+from appliance.policy.residency import IdleSession, ResidencyDecision
 from appliance.ports import KvLookup
 from appliance.services.residency_inputs import prefix_tokens, resident_tokens
 from appliance.services.sessions import SessionState
 
 
-class Watched(Protocol):
+@dataclass(slots=True)
+class WaitingSession:
+    """A session between its turns, as the reaper loop follows it."""
+
     session: SessionState
     worker: WorkerId
-    seen_tokens: int
-    """Most of its prefix the index has shown on its worker since its turn ended."""
-    evicted: bool
+    idle: IdleSession
+    """The policy's view at its last decision."""
+    decision: ResidencyDecision
+    due_s: float
+    """When to decide again: a hold's revisit, else the maximum residency; inf: never."""
+    seen_tokens: int = 0
+    """Most of its prefix the KV index has shown on its worker since its turn ended."""
+    ended_by: str | None = None
+    """What ended its hold other than the reaper: a give-back's reason, or an operator."""
+    evicted: bool = False
 
 
 class PrefixWatch:
@@ -34,7 +45,7 @@ class PrefixWatch:
         self._losses_seen: dict[WorkerId, int] = {}
         """Each worker's `losses` count at the last scan."""
 
-    def shrunk(self, waiting: Iterable[tuple[str, Watched]]) -> list[tuple[str, int]]:
+    def shrunk(self, waiting: Iterable[tuple[str, WaitingSession]]) -> list[tuple[str, int]]:
         """(key, tokens left) of each session not yet known evicted whose prefix lost
         blocks; raises each one's `seen_tokens` to what the index shows now."""
         counts: dict[WorkerId, int] = {}

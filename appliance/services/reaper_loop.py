@@ -34,7 +34,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -43,19 +43,19 @@ from appliance.domain.retention import ReturnedKv
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     HeldSession,
-    IdleSession,
     ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
 )
 from appliance.ports import Clock, KvRetention, Ledger
 from appliance.services import residency_records as rows
-from appliance.services.prefix_watch import PrefixWatch
+from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
     ends_in_tool_call,
     idle_session,
     kv_usage,
+    one_turn,
     prefix_tokens,
     resident_tokens,
     retention_key,
@@ -76,24 +76,6 @@ ORDER_S = 5.0
 MAX_WAITING = 100_000
 """Waiting sessions followed (the session table's bound); the oldest is dropped first."""
 OPERATOR_REASON = "released by operator"
-
-
-@dataclass(slots=True)
-class _Waiting:
-    """A session between its turns, as the loop follows it."""
-
-    session: SessionState
-    worker: WorkerId
-    idle: IdleSession
-    """The policy's view at its last decision."""
-    decision: ResidencyDecision
-    due_s: float
-    """When to decide again: a hold's revisit, else the maximum residency; inf: never."""
-    seen_tokens: int = 0
-    """Most of its prefix the KV index has shown on its worker since its turn ended."""
-    ended_by: str | None = None
-    """What ended its hold other than the reaper: a give-back's reason, or an operator."""
-    evicted: bool = False
 
 
 class ReaperLoop:
@@ -118,7 +100,7 @@ class ReaperLoop:
         self._clock = clock
         self._tick_s = tick_s
         self._defer = defer or _on_the_next_loop_turn
-        self._waiting: OrderedDict[str, _Waiting] = OrderedDict()
+        self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
         self._held: dict[str, WorkerId] = {}
         """Key -> the worker the loop last asked to hold it."""
         self._tooled: OrderedDict[str, None] = OrderedDict()
@@ -153,7 +135,7 @@ class ReaperLoop:
 
     def _turn_ended(self, session: SessionState, now: float) -> None:
         worker = session.home
-        if worker is None or not prefix_tokens(session) or _one_turn(session):
+        if worker is None or not prefix_tokens(session) or one_turn(session):
             return
         key = retention_key(session)
         ends = ends_in_tool_call(session, key in self._tooled)
@@ -173,7 +155,7 @@ class ReaperLoop:
         idle = idle_session(self._inputs, session, worker, tokens=tokens, finished_at_s=now,
                             kv_usage_now=usage, ends=ends)  # fmt: skip
         idle = replace(idle, hbm_value=self._hbm_value(worker, key, usage, now))
-        waiting = _Waiting(session, worker, idle, _NONE, math.inf, seen_tokens=seen)
+        waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen_tokens=seen)
         self._waiting[key] = waiting
         self._waiting.move_to_end(key)
         if len(self._waiting) > MAX_WAITING:
@@ -182,7 +164,7 @@ class ReaperLoop:
 
     # --- deciding and sending ---------------------------------------------------------
 
-    def _decide(self, key: str, w: _Waiting, now: float) -> None:
+    def _decide(self, key: str, w: WaitingSession, now: float) -> None:
         decision = self.reaper.decide(w.idle, now)
         priority = None
         if decision.action is ResidencyAction.HOLD:
@@ -206,7 +188,7 @@ class ReaperLoop:
         if decision.kind is ResidencyKind.MAX_RESIDENCY:
             self._abandoned(key, w, now)
 
-    def _abandoned(self, key: str, w: _Waiting, now: float) -> None:
+    def _abandoned(self, key: str, w: WaitingSession, now: float) -> None:
         """The idle period ended without a return: the reaper learns a censored wait; the
         session stays watched until its KV is gone."""
         self.reaper.observe_abandoned(key, now)
@@ -222,14 +204,14 @@ class ReaperLoop:
         values = [self._priority(k, w, now) for k, w in self._held_on(worker) if k != key]
         return min(values) if values else None
 
-    def _held_on(self, worker: WorkerId) -> list[tuple[str, _Waiting]]:
+    def _held_on(self, worker: WorkerId) -> list[tuple[str, WaitingSession]]:
         return [
             (k, w)
             for k, on in self._held.items()
             if on == worker and (w := self._waiting.get(k)) is not None
         ]
 
-    def _priority(self, key: str, w: _Waiting, now: float) -> float:
+    def _priority(self, key: str, w: WaitingSession, now: float) -> float:
         held = HeldSession(key, w.idle.resident_tokens, w.idle.finished_at_s, w.due_s)
         return self.reaper.priority(held, now)
 
@@ -248,6 +230,8 @@ class ReaperLoop:
             task = w.session.task_id
             if w.due_s < math.inf and task is not None and self._inputs.task_closed(task):
                 self._session_ended(key, w, "its task closed", now)
+            elif w.due_s <= now and (w.evicted or w.decision.action is ResidencyAction.EVICT):
+                self._expire(key, w, now)
             elif w.due_s <= now:
                 self._revisit(key, w, now)
         if now - self._watched_at >= WATCH_S:
@@ -257,7 +241,7 @@ class ReaperLoop:
             self._ordered_at = now
             self._send_order(now)
 
-    def _revisit(self, key: str, w: _Waiting, now: float) -> None:
+    def _revisit(self, key: str, w: WaitingSession, now: float) -> None:
         usage = kv_usage(self._inputs, self.retention, w.worker)
         tokens = w.idle.resident_tokens
         if w.seen_tokens:  # the index has heard of its blocks: it says what is left
@@ -272,7 +256,16 @@ class ReaperLoop:
         )
         self._decide(key, w, now)
 
-    def _session_ended(self, key: str, w: _Waiting, why: str, now: float) -> None:
+    def _expire(self, key: str, w: WaitingSession, now: float) -> None:
+        """A session whose KV is gone, or goes first, is not decided again: at the maximum
+        residency its wait ends unreturned."""
+        end_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
+        if now < end_s:
+            w.due_s = end_s
+        else:
+            self._abandoned(key, w, now)
+
+    def _session_ended(self, key: str, w: WaitingSession, why: str, now: float) -> None:
         if not w.evicted:
             self.outbox.evict_first(w.worker, key)
         self._held.pop(key, None)
@@ -287,6 +280,8 @@ class ReaperLoop:
             w = self._waiting[key]
             w.evicted = True
             cause = rows.eviction_cause(w.decision.action, w.ended_by)
+            w.decision = ResidencyDecision(ResidencyAction.EVICT, f"evicted ({cause})")
+            self._held.pop(key, None)
             row, mark = rows.eviction_records(self._inputs, w.session, w.worker, cause,
                                               tokens_left=n, now=now)  # fmt: skip
             self._write(row)
@@ -382,12 +377,6 @@ _NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")
 
 def _on_the_next_loop_turn(call: Callable[[], None]) -> None:
     asyncio.get_running_loop().call_soon(call)
-
-
-def _one_turn(session: SessionState) -> bool:
-    """A turn that named neither a session nor a task: nothing comes back to it."""
-    task = session.task_id or ""
-    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
 
 
 def _log_refusal(written: Future[None]) -> None:

@@ -79,6 +79,12 @@ def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> fl
     return load.kv_cache_usage_perc if load is not None else 0.0
 
 
+def one_turn(session: SessionState) -> bool:
+    """A turn that named neither a session nor a task: nothing comes back to it."""
+    task = session.task_id or ""
+    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
+
+
 def ends_in_tool_call(session: SessionState, speaks_tools: bool) -> bool | None:
     """Whether the turn that just ended leads to a tool call (see the module);
     `speaks_tools`: an earlier turn of the session named a tool class or a wait."""

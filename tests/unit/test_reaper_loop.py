@@ -371,6 +371,29 @@ def test_a_held_session_that_vanishes_was_lost_with_its_worker(s: Setup) -> None
     s.index.evict(W0, 0)  # the index forgot the worker (a restart)
     s.loop.tick(1000.1)
     assert s.rows.evictions[0].cause == "worker_lost"
+    s.sent()
+    decided = len(s.rows.residency)
+    for t in (1001.0, 1002.0, 1004.0, 1008.0):  # its revisits: nothing is left to hold
+        s.loop.tick(t)
+    assert len(s.rows.residency) == decided and s.sent() == []
+    assert s.loop.decision_of(s.table.get(TenantId("acme"), SessionId("a"))).action == "evict"  # type: ignore[union-attr]
+    s.loop.tick(1000.0 + 1800.0)  # at the maximum residency it is forgotten
+    assert s.loop.status()["waiting"] == 0 and len(s.rows.residency) == decided
+
+
+def test_an_evicted_decision_is_not_made_again_at_the_maximum_residency(s: Setup) -> None:
+    """A session the reaper put first to evict gets no second evict row when the maximum
+    residency comes; its wait ends unreturned."""
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.clock.t += 0.5
+    s.turn(session)  # its last step: evicted
+    s.sent()
+    decided = len(s.rows.residency)
+    s.loop.tick(s.clock.t + 1800.0)
+    assert len(s.rows.residency) == decided and s.sent() == []
+    assert s.rows.figures()["kind"] == "last_step"
+    assert s.loop.status()["waiting"] == 1  # followed until its KV is gone
 
 
 def test_a_closed_tasks_session_is_evicted_and_ends(s: Setup) -> None:
