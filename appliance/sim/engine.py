@@ -104,6 +104,12 @@ short of blocks (holds given back: it is not scheduled this step and nobody is
 preempted, as vLLM does on `has_pending_block_frees`), and before a finished or aborted
 request's blocks are freed.
 
+Prefetches (`prefetches`, a `PrefetchLane`: `prefetch_lane.py` says what it does): a
+session's KV restored before its next turn, a promotion on the host -> GPU channel the host
+loads use, a prefill in what a step leaves when no request waits. A real allocation that
+would be short cancels prefetches in flight first; `release_branch(session, own)` ends a
+branch's pin and drops its own blocks on every tier.
+
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
 a few microseconds per running request.
@@ -111,12 +117,13 @@ a few microseconds per running request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
+from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, RequestKeys
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
+from appliance.sim.copy_channel import CopyChannel
 from appliance.sim.engine_io import (
     FinishReason,
     RequestOutput,
@@ -127,6 +134,7 @@ from appliance.sim.engine_io import (
 from appliance.sim.engine_stats import EngineCounters, EngineStats, engine_stats
 from appliance.sim.host_tier import HostTier
 from appliance.sim.pins import Pin
+from appliance.sim.prefetch_lane import PrefetchLane
 from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.residency_hook import AfterTurn, PinDue, ResidencyHook, RetentionHook, TurnEnd
 from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
@@ -212,7 +220,9 @@ class SimEngine:
         self._running: list[RequestState] = []
         self._waiting = WaitingQueue(config.policy)
         self._loading: list[RequestState] = []  # admitted, their host hit on its way to the GPU
-        self._h2d_free_s = 0.0  # when the host -> GPU channel has finished its last copy
+        self._h2d = CopyChannel()
+        self.prefetches = PrefetchLane(self.cache, hasher, latency, self._h2d)
+        self._now = 0.0  # the `now` of the step under way
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
         self._seq = 0
         self._n = EngineCounters()
@@ -239,7 +249,8 @@ class SimEngine:
         self._seq += 1
         entry = RequestState(req, creq, now, self._seq)
         self._entries[req.request_id] = entry
-        self._waiting.add(entry)
+        if not self.prefetches.turn_arrived(entry, now):
+            self._waiting.add(entry)
         if self._turn_arrived is not None:
             self._turn_arrived(req, now)
 
@@ -255,13 +266,13 @@ class SimEngine:
         elif entry in self._loading:
             self._loading.remove(entry)
             self.cache.free(entry.cache)
-        else:
+        elif not self.prefetches.unpark(entry):
             self._waiting.remove(entry)
         self._n.success["abort"] += 1
         self._pending.append(self._output(entry, [], "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._entries) or bool(self._pending)
+        return bool(self._entries) or bool(self._pending) or self.prefetches.busy
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """The KV blocks an unfinished request holds, in token order (empty if none)."""
@@ -279,7 +290,7 @@ class SimEngine:
             self.cache,
             self.host,
             num_running=len(self._running),
-            num_waiting=len(self._waiting) + len(self._loading),
+            num_waiting=len(self._waiting) + len(self._loading) + self.prefetches.num_parked,
             pins=self._residency is not None,
         )
 
@@ -291,19 +302,25 @@ class SimEngine:
         preempted: list[str] = []
         if self._retention is not None:
             self._retention.step_begins()
-        if self._residency is not None:
+        lane = self.prefetches
+        self._now = now
+        if self._residency is not None or lane.started:
             self._expire_pins(now)
         if self.host is not None:
             self.host.now_s = now
             if self._loading:
                 self._finish_loads(now)
+            if lane.busy:
+                self._queue_first(lane.finish_loads(now))
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(scheduled, budget, now)
+            budget = self._schedule_waiting(scheduled, budget, now)
+        speculative = lane.schedule(0 if preempted or self._waiting else budget, now)
         outputs, self._pending = self._pending, []
-        duration = self._duration(scheduled)
-        by_request: dict[str, int] = {}
-        total = 0
+        duration = self._duration(scheduled + speculative)
+        lane.after_step(speculative, now)
+        by_request = {e.cache.request_id: n for e, n, _ in speculative}
+        total = sum(by_request.values())
         finished = False
         for entry, n, _ in scheduled:
             total += n
@@ -320,10 +337,28 @@ class SimEngine:
             self._n.busy_s += duration
         events = self.cache.take_events()
         result = StepResult(duration, outputs, events, total, by_request, preempted)
-        if not (total or outputs or events or preempted) and self._loading:
-            result.idle_until_s = min(e.ready_s for e in self._loading)
+        ready = [e.ready_s for e in self._loading]
+        if (lane_ready := lane.next_ready_s()) is not None:
+            ready.append(lane_ready)
+        if not (total or outputs or events or preempted) and ready:
+            result.idle_until_s = min(ready)
             result.duration_s = result.idle_until_s - now
         return result
+
+    def _queue_first(self, entries: list[RequestState]) -> None:
+        """Requests that waited for their session's prefetch go to the head of the queue."""
+        for entry in reversed(entries):
+            self._waiting.prepend(entry)
+
+    def _room(self, creq: CacheRequest, n: int, hit: CacheHit = NO_HIT, full: bool = False) -> None:
+        """Cancel prefetches in flight while a real allocation would be short (before any
+        pin gives way: speculation goes first)."""
+        lane = self.prefetches
+        while lane.busy and not self.cache.can_allocate(creq, n, hit, full_sequence_must_fit=full):
+            released = lane.cancel_one(self._now)
+            if released is None:
+                return
+            self._queue_first(released)
 
     def _finish_loads(self, now: float) -> None:
         """Requests whose host blocks have arrived cache them and wait again, in front."""
@@ -340,15 +375,15 @@ class SimEngine:
         tier: GPU blocks for the whole hit, and its host part's copy queued on the host ->
         GPU channel. False (nothing changed) when the sequence does not fit."""
         n = hit.num_host_tokens
+        self._room(entry.cache, n, hit, full=True)
         new_blocks = self.cache.allocate(
             entry.cache, n, hit, full_sequence_must_fit=True, delay_cache_blocks=True
         )
         if new_blocks is None:
             return False
         self._waiting.pop()
-        start = max(now, self._h2d_free_s)
         copy_s = self.latency.kv_copy_s(n, CopyDirection.H2D)
-        entry.ready_s = self._h2d_free_s = start + copy_s
+        entry.ready_s = self._h2d.reserve(now, copy_s)
         self._n.host_load_s += copy_s
         self._loading.append(entry)
         return True
@@ -376,6 +411,7 @@ class SimEngine:
                 creq.num_computed_tokens = c + 1
                 ok = True
             else:
+                self._room(creq, n)
                 while not (ok := self.cache.allocate(creq, n) is not None):
                     if self._retention is not None and self._retention.relieve():
                         break  # holds given back: retried next step, nobody preempted
@@ -412,7 +448,8 @@ class SimEngine:
 
     def _schedule_waiting(
         self, scheduled: list[tuple[RequestState, int, int]], budget: int, now: float
-    ) -> None:
+    ) -> int:
+        """Admit waiting requests in queue order; returns the budget left."""
         waiting, cache = self._waiting, self.cache
         while budget > 0 and waiting and len(self._running) < self.max_num_seqs:
             entry = waiting.peek()
@@ -425,18 +462,20 @@ class SimEngine:
                     break
             else:
                 n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
+                self._room(creq, n, hit, full=True)
                 if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
                     break
                 waiting.pop()
                 self._running.append(entry)
                 scheduled.append((entry, n, creq.num_computed_tokens - n))
                 budget -= n
-            if self._residency is not None:
+            if self._residency is not None or self.prefetches.started:
                 cache.unpin(self._owner(entry.req))
             if entry.first_scheduled_s is None:
                 entry.num_cached_tokens = hit.num_tokens + hit.num_host_tokens
                 entry.num_host_cached_tokens = hit.num_host_tokens
                 entry.first_scheduled_s = now
+        return budget
 
     def _duration(self, scheduled: list[tuple[RequestState, int, int]]) -> float:
         latency = self.latency
@@ -501,6 +540,14 @@ class SimEngine:
     def _finished(self, entry: RequestState) -> None:
         if self._retention is not None:
             self._retention.finished(entry.cache, self.cache.block_ids(entry.cache))
+
+    def release_branch(self, session_id: str, own: Sequence[BlockHash], now: float) -> None:
+        """A branch (a child task's session) ended: its prefetch stops, its pin ends, and
+        its own blocks (`own`; its parent's are not among them) go on every tier."""
+        self._queue_first(self.prefetches.cancel_one(now, session_id) or [])
+        self.cache.end_pin(session_id, forget=own)
+        if self.host is not None:
+            self.host.discard(own)
 
     def _release(self, entry: RequestState, now: float) -> None:
         """Free a finished request's blocks as the residency hook says (vLLM's free when

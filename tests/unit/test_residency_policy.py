@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from appliance.policy.prefetch import PrefetchTrigger
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     DEFAULT_PIN_TTL_S,
@@ -16,7 +17,7 @@ from appliance.policy.residency import (
     ResidencyKind,
     TtlPin,
 )
-from appliance.policy.residency_by_name import RESIDENCY_NAMES, residency_policy
+from appliance.policy.residency_by_name import RESIDENCY_NAMES, residency_plan, residency_policy
 
 
 def idle(tool: bool | None = None, **kw: object) -> IdleSession:
@@ -165,3 +166,41 @@ def test_the_baselines_decisions_carry_a_fixed_kind(
     policy: Lru | TtlPin, session: IdleSession, kind: ResidencyKind
 ) -> None:
     assert policy.decide(session, 10.0).kind is kind
+
+
+@pytest.mark.parametrize(
+    ("name", "triggers", "branches"),
+    [
+        ("reaper", None, False),
+        ("reaper+prefetch", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
+        ("reaper+prefetch:tool_finished", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
+        ("reaper+prefetch:hazard,tool_due",
+         frozenset({PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE}), False),
+        ("reaper+branches", None, True),
+        ("reaper+prefetch+branches", frozenset({PrefetchTrigger.TOOL_FINISHED}), True),
+        ("reaper+prefetch:tool_finished,tool_due,hazard+branches", frozenset(PrefetchTrigger),
+         True),
+    ],
+)  # fmt: skip
+def test_the_reapers_options_by_name(
+    name: str, triggers: frozenset[PrefetchTrigger] | None, branches: bool
+) -> None:
+    plan = residency_plan(name)
+    assert isinstance(plan.policy, Reaper) and plan.policy.name == name
+    assert (plan.prefetch.tuning.triggers if plan.prefetch else None) == triggers
+    assert (plan.branches is not None) == branches
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("lru+prefetch", "only the reaper"),
+        ("reaper+prefetch:soon", "prefetch triggers are"),
+        ("reaper+pin", "unknown residency option 'pin'"),
+        ("reaper+branches:3", "unknown residency option"),
+        ("reaper+prefetch+prefetch", "unknown residency option"),
+    ],
+)
+def test_bad_options(name: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        residency_plan(name)
