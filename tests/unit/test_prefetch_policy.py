@@ -325,11 +325,14 @@ def test_leads_are_a_decayed_mean() -> None:
 
 def test_settling_never_leaves_a_tenant_owing_or_with_bytes_it_never_had() -> None:
     policy = PrefetchPolicy()
-    for kv_bytes in (GIB, 0):
-        other = PrefetchDecision(A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="b"), kv_bytes)
-        policy.settle(other, used=True)
-        policy.refund(other, 0.0)
-        assert policy.outstanding_bytes("b") == 0
+    for kv_bytes in (0, GIB):  # tenants never charged: nothing owed, nothing left over
+        refunded = PrefetchDecision(A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="b"),
+                                    kv_bytes=kv_bytes)  # fmt: skip
+        settled = PrefetchDecision(A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="c"),
+                                   kv_bytes=kv_bytes)  # fmt: skip
+        policy.refund(refunded, 0.0)
+        policy.settle(settled, used=True)
+        assert policy.outstanding_bytes("b") == policy.outstanding_bytes("c") == 0
     policy.settle(policy.decide(PrefetchAsk(KEY, need(host=8_000), IDLE), 0.0), used=True)
     assert policy.outstanding_bytes("acme") == 0
 
