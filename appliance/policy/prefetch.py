@@ -244,6 +244,14 @@ class PrefetchPolicy:
         r.used = r.used * _DECAY + (1.0 if used else 0.0)
         r.settled += 1
 
+    def refund(self, decision: PrefetchDecision, now: float) -> None:
+        """A prefetch decided but never started (no room for it after all): its charges go
+        back to the tenant's budgets, and its key learns nothing."""
+        t, tenant = self.tuning, decision.key.tenant
+        self._bytes[tenant] = max(0, self._bytes.get(tenant, 0) - decision.kv_bytes)
+        level, _ = self._refill(tenant, now)
+        self._bucket[tenant] = (min(t.prefill_burst_s, level + decision.prefill_s), now)
+
     def observe_lead(self, key: PrefetchKey, lead_s: float) -> None:
         """A signal of `key` came `lead_s` before its turn (issued or not)."""
         r = self._record(key)
@@ -281,7 +289,7 @@ class PrefetchPolicy:
                 f"{t.min_lead_s * 1e3:.0f} ms",
             )
         if r.settled >= DEFAULT_MIN_SAMPLES and r.used / r.weight < t.min_accuracy:
-            r.probes += 1
+            r.probes += 1  # pragma: no mutate (equivalent: counting down also probes every 16th)
             if r.probes % DEFAULT_PROBE_EVERY:
                 return _skip(
                     key,
@@ -356,7 +364,7 @@ class PrefetchPolicy:
         if r is None:
             r = self._records[key] = _KeyRecord()
             if len(self._records) > MAX_KEYS:
-                self._records.popitem(last=False)
+                self._records.popitem(last=False)  # pragma: no mutate (equivalent: None is false)
         else:
             self._records.move_to_end(key)
         return r

@@ -48,9 +48,8 @@ def first_likely_return_s(
     window is `window_s`, or one bin from there when that is wider (the model tells times
     apart no finer than its bins), but no longer than a prefetch is held (`hold_s`). Idle
     times under `DEFAULT_MIN_LEAD_S` are not looked at: nothing restores that fast."""
-    for idle_s in (0.0, *(e for e in EDGES if e >= DEFAULT_MIN_LEAD_S)):
-        if idle_s >= horizon_s:
-            break
+    late = (e for e in EDGES if e >= DEFAULT_MIN_LEAD_S)  # pragma: no mutate (none equals it)
+    for idle_s in (a for a in (0.0, *late) if a < horizon_s):
         window = min(hold_s, max(window_s, idle_s * (_BIN_RATIO - 1)))
         if model.p_return_within(key, idle_s, window, hint_s) >= threshold:
             return idle_s

@@ -247,7 +247,7 @@ class PrefetchDriver:
         prefill = decision.action is PrefetchAction.PREFILL
         start = engine.prefetches.start(idle.req, now, prefill=prefill, hold_s=DEFAULT_HOLD_S)
         if start is None:
-            self.policy.settle(decision, used=False)
+            self.policy.refund(decision, now)
             self.skipped["no_room"] += 1
             return
         idle.row = self._running[session_id] = len(self.rows)

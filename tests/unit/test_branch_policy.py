@@ -42,3 +42,12 @@ def test_a_branch_keeps_no_more_than_its_quota(
 def test_a_quota_is_not_negative() -> None:
     with pytest.raises(ValueError, match="quota"):
         BranchQuota(quota_bytes=-1)
+
+
+def test_a_release_over_the_quota_says_both_sizes_and_what_it_overrides() -> None:
+    bounded = BranchQuota(quota_bytes=3 << 20).bound(HOLD, 5 << 20)
+    assert bounded.reason == "release: the branch's own 5 MiB pass its 3 MiB quota (was: hold)"
+
+
+def test_a_quota_of_nothing_is_allowed() -> None:
+    assert BranchQuota(quota_bytes=0).bound(HOLD, 1).action is ResidencyAction.RELEASE

@@ -9,6 +9,7 @@ from appliance.policy.prefetch import PrefetchTrigger
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     DEFAULT_PIN_TTL_S,
+    DEFAULT_TENANT,
     HeldSession,
     IdleSession,
     Lru,
@@ -18,6 +19,8 @@ from appliance.policy.residency import (
     TtlPin,
 )
 from appliance.policy.residency_by_name import RESIDENCY_NAMES, residency_plan, residency_policy
+from appliance.policy.survival import WaitKey
+from appliance.policy.wait_curves import LogNormal
 
 
 def idle(tool: bool | None = None, **kw: object) -> IdleSession:
@@ -204,3 +207,20 @@ def test_the_reapers_options_by_name(
 def test_bad_options(name: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         residency_plan(name)
+
+
+@pytest.mark.parametrize("name", ["reaper", "reaper+prefetch", "reaper+branches"])
+def test_the_reaper_of_every_name_takes_the_priors(name: str) -> None:
+    priors = {"test": LogNormal(600.0, 0.05)}  # tests take ten minutes, always
+    key = WaitKey(DEFAULT_TENANT, "test")
+    for policy in (residency_plan(name, priors=priors).policy,
+                   residency_policy(name, priors=priors)):  # fmt: skip
+        assert isinstance(policy, Reaper)
+        assert policy.survival.p_return_within(key, 0.0, 60.0) < 0.01
+    assert residency_policy(name).survival.p_return_within(key, 0.0, 60.0) > 0.1  # type: ignore[attr-defined]
+
+
+def test_a_bad_trigger_names_the_known_ones() -> None:
+    with pytest.raises(ValueError) as bad:
+        residency_plan("reaper+prefetch:soon")
+    assert str(bad.value) == "prefetch triggers are tool_finished, tool_due, hazard, got 'soon'"
