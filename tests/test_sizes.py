@@ -1,7 +1,7 @@
 """The size rules of the house: no function in appliance/ over 60 lines, no module over 400
-(the simulator's engine and prefix cache, one job each: "near 600", up to 650), no
-constructor with more than 8 parameters. Plain records (dataclasses and models that only
-carry fields) are not constructors in this sense: their width is the wire or ledger row's."""
+(the simulator's engine and prefix cache, one job each, up to 620), no constructor with more
+than 8 parameters. Plain records (dataclasses and models that only carry fields) are not
+constructors in this sense: their width is the width of the wire or ledger row they mirror."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "appliance"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
-LARGER_MODULES = {"sim/engine.py": 650, "sim/prefix_cache.py": 650}
+LARGER_MODULES = {"sim/engine.py": 620, "sim/prefix_cache.py": 620}
 MAX_INIT_PARAMETERS = 8
 
 

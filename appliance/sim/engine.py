@@ -80,21 +80,22 @@ cached (`num_cached_tokens`) and, apart, as `host_hit_tokens_total`
 (`vllm:prompt_tokens_cached_by_source{source="host"}`). A step with nothing to schedule
 but loads in flight lasts until the first load completes (`idle_until_s`).
 
-Residency (`residency=`, default none: vLLM as above): when a request finishes (not
-aborted), `residency.after_turn(TurnEnd(...))` says what becomes of its cached blocks
-(`AfterTurn`): "release" (vLLM's free), "hold" until a time (pinned, `PrefixCache.pin`,
-owner: its session, else its id), "evict" (freed to the head of the eviction order) or
-"demote" (copied to the host tier, then freed and forgotten on the GPU; ValueError without
-a host tier). Pins due by a step's `now` are released at the start of that step, except
-those of sessions whose next request is already waiting; a session's pin is released when
-its next request is admitted (that request then holds what it reuses); and under pressure
-the cache gives pins back in `residency.pin_priority` order before the scheduler would
-preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do the same to a
-held session's pin at any time between steps. A hook with `revisit(PinDue)` is asked again
-about each pin as it comes due (before it would lapse) and the engine extends it, demotes
-or evicts it, or lets it lapse, as the answer says; a hook with `turn_arrived(req, now)` is
-told of each request as it is added. A running request is never preempted for its own
-session's pin (only a request adopting a hit spares it: it may hold those very blocks).
+Residency (`residency=`, default none: vLLM as above; `pin_keeper.py` carries it out): when
+a request finishes (not aborted), `residency.after_turn(TurnEnd(...))` says what becomes of
+its cached blocks (`AfterTurn`): "release" (vLLM's free), "hold" until a time (pinned,
+`PrefixCache.pin`, owner: its session, else its id), "evict" (freed to the head of the
+eviction order) or "demote" (copied to the host tier, then freed and forgotten on the GPU;
+ValueError without a host tier). Pins due by a step's `now` are released at the start of
+that step, except those of sessions whose next request is already waiting; a session's pin
+is released when its next request is admitted (that request then holds what it reuses); and
+under pressure the cache gives pins back in `residency.pin_priority` order before the
+scheduler would preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do
+the same to a held session's pin at any time between steps. A hook with `revisit(PinDue)` is
+asked again about each pin as it comes due (before it would lapse) and the engine extends
+it, demotes or evicts it, or lets it lapse, as the answer says; a hook with
+`turn_arrived(req, now)` is told of each request as it is added. A running request is never
+preempted for its own session's pin (only a request adopting a hit spares it: it may hold
+those very blocks).
 
 Retention (`retention=`, a `RetentionHook`, default none; the live worker's
 `retention.SimRetention`, the retention connector's twin): called where vLLM's scheduler
@@ -133,10 +134,10 @@ from appliance.sim.engine_io import (
 )
 from appliance.sim.engine_stats import EngineCounters, EngineStats, engine_stats
 from appliance.sim.host_tier import HostTier
-from appliance.sim.pins import Pin
+from appliance.sim.pin_keeper import PinKeeper, pin_owner
 from appliance.sim.prefetch_lane import PrefetchLane
 from appliance.sim.prefix_cache import PrefixCache
-from appliance.sim.residency_hook import AfterTurn, PinDue, ResidencyHook, RetentionHook, TurnEnd
+from appliance.sim.residency_hook import ResidencyHook, RetentionHook
 from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
 
 
@@ -209,12 +210,9 @@ class SimEngine:
         self._retention = retention
         if retention is not None:
             retention.bind(self.cache.pool)
-        self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
         self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
             residency, "turn_arrived", None
         )
-        if residency is not None:
-            self.cache.pin_priority = residency.pin_priority
         self._token = output_token_ids or default_output_token
         self._entries: dict[str, RequestState] = {}
         self._running: list[RequestState] = []
@@ -226,6 +224,7 @@ class SimEngine:
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
         self._seq = 0
         self._n = EngineCounters()
+        self._pins = PinKeeper(self.cache, self._n, residency, host)
         self._fast_decode = True  # tests turn it off to check it changes nothing
 
     # --- requests ---
@@ -305,7 +304,7 @@ class SimEngine:
         lane = self.prefetches
         self._now = now
         if self._residency is not None or lane.started:
-            self._expire_pins(now)
+            self._pins.expire(now, self._waiting)
         if self.host is not None:
             self.host.now_s = now
             if self._loading:
@@ -470,7 +469,7 @@ class SimEngine:
                 scheduled.append((entry, n, creq.num_computed_tokens - n))
                 budget -= n
             if self._residency is not None or self.prefetches.started:
-                cache.unpin(self._owner(entry.req))
+                cache.unpin(pin_owner(entry.req))
             if entry.first_scheduled_s is None:
                 entry.num_cached_tokens = hit.num_tokens + hit.num_host_tokens
                 entry.num_host_cached_tokens = hit.num_host_tokens
@@ -492,50 +491,16 @@ class SimEngine:
             prefill_s -= (chunks - 1) * latency.prefill.overhead_s
         return prefill_s + (latency.decode_step_s(batch, context) if batch else 0.0)
 
-    @staticmethod
-    def _owner(req: SimRequest) -> str:
-        return req.session_id if req.session_id is not None else req.request_id
-
-    def _expire_pins(self, now: float) -> None:
-        due = self.cache.next_pin_expiry_s()
-        if due is None or due > now:
-            return
-        keep = {self._owner(e.req) for e in self._waiting}
-        if self._revisit is not None:
-            for pin in self.cache.due_pins(now, keep=keep):
-                self._carry_out_revisit(pin, now)
-        self.cache.expire_pins(now, keep=keep)
-
-    def _carry_out_revisit(self, pin: Pin, now: float) -> None:
-        """Ask the hook again about a due pin and do what it says ("release": it lapses)."""
-        assert self._revisit is not None
-        used, capacity = self._host_blocks()
-        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used, self.cache.pins))
-        if after.action == "hold" and after.until_s is not None and after.until_s > now:
-            self.cache.extend_pin(pin.owner, after.until_s)
-        elif after.action == "demote" and self.host is not None:
-            self.demote(pin.owner)
-        elif after.action == "evict":
-            self.evict(pin.owner)
-
-    def _host_blocks(self) -> tuple[int, int]:
-        """(blocks in use, capacity) of the host tier; (0, 0) without one."""
-        return (len(self.host), self.host.num_blocks) if self.host is not None else (0, 0)
-
     def demote(self, session_id: str) -> int:
         """Copy a held session's pinned blocks to the host tier and free them on the GPU
         (forgotten there unless someone else holds them); returns the blocks copied (0:
         the session holds none). ValueError without a host tier."""
-        n = self.cache.demote_pin(session_id)
-        self._n.demotions += int(n > 0)
-        return n
+        return self._pins.demote(session_id)
 
     def evict(self, session_id: str) -> int:
         """Put a held session's pinned blocks first in the GPU eviction order (still
         findable until reused); returns how many went there."""
-        n = self.cache.evict_pin(session_id)
-        self._n.evictions += int(n > 0)
-        return n
+        return self._pins.evict(session_id)
 
     def _finished(self, entry: RequestState) -> None:
         if self._retention is not None:
@@ -548,43 +513,6 @@ class SimEngine:
         self.cache.end_pin(session_id, forget=own)
         if self.host is not None:
             self.host.discard(own)
-
-    def _release(self, entry: RequestState, now: float) -> None:
-        """Free a finished request's blocks as the residency hook says (vLLM's free when
-        there is none)."""
-        creq = entry.cache
-        if self._residency is None:
-            self.cache.free(creq)
-            return
-        blocks = self.cache.pool.blocks
-        cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
-        used, capacity = self._host_blocks()
-        end = TurnEnd(
-            entry.req,
-            cached * self.block_size,
-            self.cache.usage,
-            now,
-            capacity,
-            used,
-            self.cache.pins,
-        )
-        after = self._residency.after_turn(end)
-        if after.action == "hold" and after.until_s is not None and after.until_s > now:
-            self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=after.until_s)
-        elif after.action == "demote":
-            if self.host is None:
-                raise ValueError(
-                    f"the residency hook demoted {entry.req.request_id}, but this engine has "
-                    "no host tier"
-                )
-            self.cache.free_to_host(creq)
-            self._n.demotions += 1
-            return
-        elif after.action == "evict":
-            self.cache.free_first(creq)
-            self._n.evictions += 1
-            return
-        self.cache.free(creq)
 
     def _sample(self, entry: RequestState, now: float) -> RequestOutput:
         """Append one generated token to a request whose sequence is all computed."""
@@ -613,7 +541,7 @@ class SimEngine:
         if reason is not None:
             del self._entries[req.request_id]
             self._finished(entry)
-            self._release(entry, now)
+            self._pins.release(entry, now)
             self._n.success[reason] += 1
         out = self._output(entry, [token], reason)
         out.first_token = first
