@@ -67,11 +67,17 @@ def run_sim(*, workers: int, port: int, **config: Any) -> None:
 
 
 def replay_table(
-    trace: Path | None, *, workload: Path | None = None, tasks: int = 100, **options: Any
+    trace: Path | None,
+    *,
+    workload: Path | None = None,
+    tasks: int = 100,
+    seed: int | None = None,
+    **options: Any,
 ) -> str:
     """`appliance replay`: the comparison table of a trace, or of a closed-loop workload of
-    `tasks` root tasks generated from the `workload` spec (priced at the configured
-    GPU-second); the JSON report goes where `report` says."""
+    `tasks` root tasks generated from the `workload` spec (`seed`: its draw's, else the
+    spec's; priced at the configured GPU-second); the JSON report goes where `report`
+    says."""
     from appliance.replay import render_table, run_replay, run_workload
 
     if (trace is None) == (workload is None):
@@ -84,17 +90,19 @@ def replay_table(
             if options.pop("limit", None) is not None:
                 raise ConfigError("replay: --limit cuts a trace; a workload takes --tasks N")
             spec = load_spec(workload)
-            generated = generate(spec, root_tasks=tasks)
+            generated = generate(spec, root_tasks=tasks, seed=seed)
             result = run_workload(
                 generated.tasks,
                 wait_priors=wait_priors(spec.tool_classes),
                 gpu_second=load_settings().costs.gpu_second,
-                source=str(workload),
+                source=str(workload) if seed is None else f"{workload} (seed {seed})",
                 progress=sys.stderr.isatty(),
                 **options,
             )
         else:
             assert trace is not None
+            if seed is not None:
+                raise ConfigError("replay: --seed draws a workload; a trace is replayed as is")
             if not trace.is_file():
                 raise ConfigError(
                     f"trace {trace} does not exist; pass a Mooncake .jsonl or Azure .csv"

@@ -205,6 +205,9 @@ def replay_command(
         typer.Option(help="Replay a closed-loop agent workload from this spec (YAML) instead."),
     ] = None,
     tasks: Annotated[int, typer.Option(help="Root tasks generated from --workload.")] = 100,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the --workload draw (default: the file's).")
+    ] = None,
     policy: Annotated[
         list[str] | None,
         typer.Option("--policy", help="Routing policy to replay (repeat; default: all)."),
@@ -214,7 +217,11 @@ def replay_command(
         typer.Option(
             "--residency",
             help=(
-                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS or reaper (repeat; default: lru)."
+                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, reaper, or the reaper with "
+                "restore on lead time and/or branch-local state (--workload only): "
+                "reaper+prefetch[:TRIGGER,...], reaper+branches, reaper+prefetch+branches "
+                "(triggers: tool_finished, tool_due, hazard; default tool_finished). "
+                "Repeat; default: lru."
             ),
         ),
     ] = None,
@@ -241,6 +248,7 @@ def replay_command(
             trace,
             workload=workload,
             tasks=tasks,
+            seed=seed,
             policies=policy,
             residencies=residency,
             workers=workers,

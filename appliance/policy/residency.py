@@ -72,6 +72,8 @@ class ResidencyKind(StrEnum):
     """Holding was cheapest, but the tenant's held bytes would pass its cap."""
     WITHIN_MARGIN = "within_margin"
     """Another action is cheaper, by less than the margin: the standing one stays."""
+    BRANCH_QUOTA = "branch_quota"
+    """A branch's own KV is over its quota: released (`appliance.policy.branches`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,69 @@
-"""Residency policies by the names the CLI and the replay take."""
+"""Residency policies by the names the CLI and the replay take, with the reaper's options:
+restore on lead time (`+prefetch`, `appliance.policy.prefetch`) and branch-local state
+(`+branches`, `appliance.policy.branches`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
+from appliance.policy.branches import BranchQuota
+from appliance.policy.prefetch import PrefetchPolicy, PrefetchTrigger, PrefetchTuning
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import Lru, ResidencyPolicy, TtlPin
 from appliance.policy.wait_curves import LogNormal
 
-RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper")
+RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper", "reaper+prefetch", "reaper+branches")
+PREFETCH = "prefetch"
+BRANCHES = "branches"
+_KNOWN = (
+    "lru, ttl-pin, ttl-pin:SECONDS, reaper, reaper+prefetch[:TRIGGER,...], reaper+branches "
+    f"(both may be given; triggers: {', '.join(PrefetchTrigger)})"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyPlan:
+    """A residency policy and the reaper's options the name asked for."""
+
+    policy: ResidencyPolicy
+    prefetch: PrefetchPolicy | None = None
+    branches: BranchQuota | None = None
 
 
 def residency_policy(
     name: str, *, priors: Mapping[str, LogNormal] | None = None
 ) -> ResidencyPolicy:
+    """The residency policy of a name (`residency_plan`), without its options."""
+    return residency_plan(name, priors=priors).policy
+
+
+def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) -> ResidencyPlan:
     """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
-    defaults; `priors`: tool class -> its wait, else the default wait prior); ValueError
-    else."""
+    defaults; `priors`: tool class -> its wait, else the default wait prior), the reaper
+    with `+prefetch` (the default triggers, or `+prefetch:TRIGGER,...` those) and/or
+    `+branches`;
+    ValueError else."""
+    base, *options = name.split("+")
+    prefetch: PrefetchPolicy | None = None
+    branches: BranchQuota | None = None
+    for option in options:
+        what, sep, arg = option.partition(":")
+        if what == PREFETCH and prefetch is None:
+            tuning = PrefetchTuning(triggers=_triggers(arg)) if sep else PrefetchTuning()
+            prefetch = PrefetchPolicy(tuning)
+        elif what == BRANCHES and branches is None and not sep:
+            branches = BranchQuota()
+        else:
+            raise ValueError(f"unknown residency option {option!r} in {name!r}; known: {_KNOWN}")
+    if options and base != "reaper":
+        raise ValueError(f"{name!r}: only the reaper takes +prefetch or +branches")
+    if options:
+        return ResidencyPlan(Reaper(priors=priors, name=name), prefetch, branches)
+    return ResidencyPlan(_base(base, priors))
+
+
+def _base(name: str, priors: Mapping[str, LogNormal] | None) -> ResidencyPolicy:
     base, sep, arg = name.partition(":")
     if base == "lru" and not sep:
         return Lru()
@@ -30,6 +77,13 @@ def residency_policy(
         except ValueError:
             raise ValueError(f"ttl-pin:SECONDS needs a number of seconds, got {arg!r}") from None
         return TtlPin(ttl_s, name=f"ttl-pin:{ttl_s:g}")
-    raise ValueError(
-        f"unknown residency policy {name!r}; known: lru, ttl-pin, ttl-pin:SECONDS, reaper"
-    )
+    raise ValueError(f"unknown residency policy {name!r}; known: {_KNOWN}")
+
+
+def _triggers(arg: str) -> frozenset[PrefetchTrigger]:
+    try:
+        return frozenset(PrefetchTrigger(t) for t in arg.split(","))
+    except ValueError:
+        raise ValueError(
+            f"prefetch triggers are {', '.join(PrefetchTrigger)}, got {arg!r}"
+        ) from None

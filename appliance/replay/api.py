@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.perf.latency import LatencyModel
-from appliance.policy.residency_by_name import residency_policy
+from appliance.policy.residency_by_name import residency_plan
 from appliance.policy.wait_curves import LogNormal
 from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
 from appliance.replay.closed_loop import AgentTaskLike
@@ -39,9 +39,9 @@ from appliance.replay.runner import (
     fitting,
     make_setup,
     replay_policy,
-    replay_workload,
 )
 from appliance.replay.traces import Trace, load_trace, trace_stats_file
+from appliance.replay.workload_replay import replay_workload
 
 
 def run_replay(
@@ -72,7 +72,7 @@ def run_replay(
         host_gib=host_gib,
         block_size=block_size,
     )
-    rows = _rows(policies, residencies, setup)
+    rows = _rows(policies, residencies, setup, workload=False)
     loaded = load_trace(trace, limit=limit)
     replayed = fitting(loaded, setup)
     keys = block_keys(replayed, setup.block_size)
@@ -126,7 +126,7 @@ def run_workload(
         host_gib=host_gib,
         block_size=block_size,
     )
-    rows = _rows(policies, residencies, setup)
+    rows = _rows(policies, residencies, setup, workload=True)
     out: dict[str, Any] = {
         "trace": {
             "path": source,
@@ -185,17 +185,25 @@ def _workload_row(
 
 
 def _rows(
-    policies: list[str] | None, residencies: list[str] | None, setup: ReplaySetup
+    policies: list[str] | None,
+    residencies: list[str] | None,
+    setup: ReplaySetup,
+    *,
+    workload: bool,
 ) -> list[Row]:
     """The report's rows, routing-major, then (with a host tier) the first routing policy
-    under each residency policy with the host tier pooled; ValueError for unknown names."""
+    under each residency policy with the host tier pooled; ValueError for unknown names,
+    and for the reaper's options on a trace (no announcements, no child tasks)."""
     names = list(policies) if policies else list(POLICY_NAMES)
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown:
         raise ValueError(
             f"unknown routing policy {', '.join(unknown)}; known: {', '.join(POLICY_NAMES)}"
         )
-    holds = [residency_policy(r).name for r in (residencies or [DEFAULT_RESIDENCY])]
+    plans = [residency_plan(r) for r in (residencies or [DEFAULT_RESIDENCY])]
+    if not workload and any(p.prefetch or p.branches for p in plans):
+        raise ValueError("+prefetch and +branches replay a closed-loop workload (--workload)")
+    holds = [p.policy.name for p in plans]
     rows = [Row(p, r) for p in names for r in holds]
     if len({row.name for row in rows}) != len(rows):
         raise ValueError("a routing or residency policy is named twice")

@@ -10,8 +10,11 @@ the whole conversation so far (previous prompt and the tokens the engine generat
 its own `appended_tokens`, and arrives `tool_wait_s` after the previous turn finished. A
 turn that `spawns` child tasks (optional field) starts each child `start_s` after it
 finished; the parent's next turn arrives `tool_wait_s` after the last child ended (the
-orchestrator joins its sub-agents). Appended tokens are pseudo-random, seeded by task and
-turn, so runs are reproducible and tasks share nothing but their prefix. Every request
+orchestrator joins its sub-agents); a child of a turn that `forks` (optional field) starts
+from the parent's whole conversation so far instead of the prefix (a branch: the parent's
+exact tokens, so its exact blocks). Appended tokens are pseudo-random, seeded by task and
+turn, so runs are reproducible and tasks share nothing but their prefix (and a branch its
+parent's conversation). Every request
 carries its tenant as `cache_salt` (tenants never share cache entries, as in the
 appliance) and its task id as session id. A turn whose conversation no longer fits
 `max_model_len` is not sent, and the task ends there unfinished.
@@ -19,7 +22,13 @@ appliance) and its task id as session id. A turn whose conversation no longer fi
 A task whose last turn calls a tool (its session abandoned there: the tool never answers)
 never completes. A task meets its deadline when all its turns finished by `start_s + deadline_s`
 (`deadline_s` counts from the task's start, as `X-Deadline-S` does). Its GPU-seconds are
-its requests' shares of the steps they ran in (`GpuSeconds`).
+its requests' shares of the steps they ran in (`GpuSeconds`), its prefetches' included.
+
+Events for a listener (`LoopListener`, optional), as timers of the replay: a tool call's
+end announced (`tool_finished`) `announce_lead_s` (optional field, at most the wait) before
+the turn it releases, 0 if not early (then just before the turn); and a child task's end
+(`task_ended`): its last turn's end, or, when that turn called a tool that never answers,
+when its client gives up.
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ from typing import Protocol
 
 from appliance.replay.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest, StepResult, default_output_token
-from appliance.sim.virtual import Arrival, RequestRecord
+from appliance.sim.prefetch_lane import PREFETCH_ID
+from appliance.sim.virtual import Arrival, RequestRecord, Timer
+
+Event = Arrival | Timer
 
 
 class AgentTurnLike(Protocol):
@@ -48,6 +60,15 @@ class AgentTurnLike(Protocol):
 
     @property
     def tool_wait_s(self) -> float: ...
+
+
+class LoopListener(Protocol):
+    """Told of the clients' announcements and of child tasks' ends, at their times; may
+    answer with timers of its own."""
+
+    def tool_finished(self, session_id: str, now: float) -> Sequence[Timer]: ...
+
+    def task_ended(self, task_id: str, now: float) -> Sequence[Timer]: ...
 
 
 class AgentTaskLike(Protocol):
@@ -110,6 +131,19 @@ class TaskOutcome:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class BranchView:
+    """A child task's session as a branch: its conversation so far (last prompt and what
+    was generated) and how many of its first tokens are not its own (its prefix, or its
+    parent's conversation when it forked)."""
+
+    task_id: str
+    parent_id: str
+    tenant: str
+    context: list[int]
+    fork_tokens: int
+
+
 @dataclass(slots=True)
 class _Run:
     task: AgentTaskLike
@@ -122,10 +156,16 @@ class _Run:
     """Children it waits for before its next turn."""
     joined_s: float = 0.0
     """When the last of those children ended so far."""
+    fork_tokens: int = 0
+    """Tokens it started from that are not its own (its prefix, or its parent's conversation)."""
 
 
 def _spawns(turn: AgentTurnLike) -> tuple[str, ...]:
     return tuple(getattr(turn, "spawns", ()))
+
+
+def _lead_s(turn: AgentTurnLike) -> float:
+    return min(float(getattr(turn, "announce_lead_s", 0.0)), turn.tool_wait_s)
 
 
 class ClosedLoop:
@@ -138,6 +178,7 @@ class ClosedLoop:
         max_model_len: int,
         vocab_size: int = DEFAULT_VOCAB_SIZE,
         seed: int = 0,
+        listener: LoopListener | None = None,
     ) -> None:
         ids = [t.task_id for t in tasks]
         if len(set(ids)) != len(ids):
@@ -157,6 +198,7 @@ class ClosedLoop:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.seed = seed
+        self.listener = listener
         self._runs = {t.task_id: _Run(t) for t in sorted(tasks, key=lambda t: t.start_s)}
         self._prefixes: dict[tuple[str, str], tuple[random.Random, list[int]]] = {}
         self._turn_of: dict[str, tuple[str, int]] = {}  # request id -> (task id, turn)
@@ -169,7 +211,7 @@ class ClosedLoop:
             if run.task.task_id not in self._parent:
                 yield from self._start(run, run.task.start_s)
 
-    def on_finish(self, rec: RequestRecord) -> list[Arrival]:
+    def on_finish(self, rec: RequestRecord) -> list[Event]:
         task_id, k = self._turn_of[rec.request_id]
         run = self._runs[task_id]
         now = rec.finish_s if rec.finish_s is not None else rec.arrival_s
@@ -179,16 +221,26 @@ class ClosedLoop:
         run.context.extend(default_output_token(req_stub, i) for i in range(rec.output_tokens))
         turn = run.task.turns[k]
         children = _spawns(turn)
-        out: list[Arrival] = []
+        out: list[Event] = []
         if children:
             run.children = set(children)
             run.joined_s = now
             for child in children:
-                out += self._start(self._runs[child], now + self._runs[child].task.start_s)
+                child_run = self._runs[child]
+                forked = run.context if getattr(turn, "forks", False) else None
+                out += self._start(child_run, now + child_run.task.start_s, forked)
             return out  # the next turn comes when the last child has ended (`_ended`)
         if k + 1 < len(run.task.turns):
-            return self._next(run, now + turn.tool_wait_s)
+            return self._next(run, now + turn.tool_wait_s, _lead_s(turn))
         return self._ended(run, now + turn.tool_wait_s)  # a last tool call: it gave up then
+
+    def branch(self, task_id: str) -> BranchView | None:
+        """A child task as a branch of its parent (None: a root, or unknown)."""
+        parent_id = self._parent.get(task_id)
+        if parent_id is None:
+            return None
+        run = self._runs[task_id]
+        return BranchView(task_id, parent_id, run.task.tenant, run.context, run.fork_tokens)
 
     def hint(self, request_id: str) -> TurnHint | None:
         """What the task says about a turn's end: whether a tool call follows, which, how long."""
@@ -217,6 +269,10 @@ class ClosedLoop:
         spent: dict[str, float] = {}
         for rid, (task_id, _) in self._turn_of.items():
             spent[task_id] = spent.get(task_id, 0.0) + gpu_s.get(rid, 0.0)
+        for rid, seconds in gpu_s.items():
+            if rid.startswith(PREFETCH_ID):  # `prefetch:SESSION:N`: its task's
+                task_id = rid.split(":")[1]
+                spent[task_id] = spent.get(task_id, 0.0) + seconds
         return [
             TaskOutcome(
                 task_id=t.task_id,
@@ -239,31 +295,46 @@ class ClosedLoop:
 
     # --- the loop ---
 
-    def _start(self, run: _Run, at_s: float) -> list[Arrival]:
+    def _start(self, run: _Run, at_s: float, forked: list[int] | None = None) -> list[Event]:
         t = run.task
-        key = str(getattr(t, "prefix_id", t.task_class))
-        run.context = self._prefix(t.tenant, key, t.shared_prefix_tokens)
+        if forked is not None:
+            run.context = list(forked)
+        else:
+            key = str(getattr(t, "prefix_id", t.task_class))
+            run.context = self._prefix(t.tenant, key, t.shared_prefix_tokens)
+        run.fork_tokens = len(run.context)
         return self._next(run, at_s)
 
-    def _next(self, run: _Run, at_s: float) -> list[Arrival]:
-        """The task's next turn at `at_s`, or its end there when that turn cannot be sent."""
+    def _next(self, run: _Run, at_s: float, lead_s: float | None = None) -> list[Event]:
+        """The task's next turn at `at_s`, or its end there when that turn cannot be sent;
+        after a tool call (`lead_s`), its end announced that much before."""
         arrival = self._turn(run, at_s)
-        return [arrival] if arrival is not None else self._ended(run, at_s)
+        if arrival is None:
+            return self._ended(run, at_s)
+        listener, sid = self.listener, run.task.task_id
+        if listener is None or lead_s is None:
+            return [arrival]
+        return [Timer(at_s - lead_s, lambda now: listener.tool_finished(sid, now)), arrival]
 
-    def _ended(self, run: _Run, at_s: float) -> list[Arrival]:
+    def _ended(self, run: _Run, at_s: float) -> list[Event]:
         """A task has no more turns: its parent resumes once its last child has ended."""
-        parent_id = self._parent.get(run.task.task_id)
+        task_id = run.task.task_id
+        parent_id = self._parent.get(task_id)
         if parent_id is None:
             return []
+        out: list[Event] = []
+        if (listener := self.listener) is not None:
+            out.append(Timer(at_s, lambda now: listener.task_ended(task_id, now)))
         parent = self._runs[parent_id]
-        parent.children.discard(run.task.task_id)
+        parent.children.discard(task_id)
         parent.joined_s = max(parent.joined_s, at_s)
         if parent.children:
-            return []
+            return out
         k = parent.next_turn - 1  # the turn that spawned
         if k + 1 >= len(parent.task.turns):
-            return self._ended(parent, parent.joined_s)
-        return self._next(parent, parent.joined_s + parent.task.turns[k].tool_wait_s)
+            return out + self._ended(parent, parent.joined_s)
+        at_s = parent.joined_s + parent.task.turns[k].tool_wait_s
+        return out + self._next(parent, at_s, _lead_s(parent.task.turns[k]))
 
     # --- prompts ---
 

@@ -17,14 +17,17 @@ Report layout (token counts in tokens, times in seconds):
                          "pins_resumed", "pins_reclaimed", "demotions", "evictions",
                          "tasks", "tasks_completed", "deadline_goodput", "gpu_s",
                          "cost_per_success", "routed_by_reason", "residency_by_reason",
-                         "residency_by_action", ...}},
+                         "residency_by_action", ...,
+                         "prefill_s", "prefetch": {...} | null, "branches": {...} | null}},
      "pooled_host_gain": {NAME: {"versus", "fresh_prefill_saved_tokens",
                                  "host_hit_tokens_gained", "ttft_p95_change_s"}}}
                                                        # with a host tier only
 NAME is the routing policy, `+RESIDENCY` when that is not `lru` (`appliance+ttl-pin`),
 `+pooled-host` for the run with the workers' host tiers pooled. The task figures are null
-for a trace; a closed-loop workload has no bounds. The table shows the host-tier columns
-only when the workers have one.
+for a trace; a closed-loop workload has no bounds, and adds `prefill_s`, `prefetch`
+(`workload_replay.py`: restore on lead time, `+prefetch` rows) and `branches` (the KV
+ended child tasks still hold). The table shows the host-tier columns only when the workers
+have one, and a line per row with prefetches or child tasks.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def render_table(report: Mapping[str, Any]) -> str:
     lines += _bounds_line(report.get("bounds", {}))
     lines += _check_line(report.get("trace_stats_check", {}))
     lines += _gain_lines(report.get("pooled_host_gain", {}))
+    lines += _prefetch_lines(report.get("policies", {}))
+    lines += _branch_lines(report.get("policies", {}))
     lines += _setup_line(setup, report.get("trace", {}), host)
     return "\n".join(lines)
 
@@ -124,6 +129,42 @@ def _gain_lines(gains: Mapping[str, Mapping[str, Any]]) -> list[str]:
             f"{g['host_hit_tokens_gained'] / 1e6:+.2f} Mtok, TTFT p95 "
             + ("-" if ttft is None else f"{ttft:+.3f} s")
         )
+    return lines
+
+
+def _prefetch_lines(policies: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per row with restore on lead time: what it did, what went unused, what it saved, and
+    how often it was switched off."""
+    lines = []
+    for name, m in policies.items():
+        p = m.get("prefetch")
+        if not isinstance(p, Mapping):
+            continue
+        skipped = p.get("skipped", {})
+        off = skipped.get("lead_too_short", 0) + skipped.get("low_accuracy", 0)
+        share = p.get("unused_bytes_share")
+        lines.append(
+            f"{name}: {p['prefetches']} prefetches, {p['used']} used "
+            f"({_cell(p.get('accuracy'), lambda v: f'{v:.0%}')}); "
+            f"{p['restored_bytes'] / 2**30:.1f} GiB restored, "
+            f"{_cell(share, lambda v: f'{v:.0%}')} unused; "
+            f"{p['prefill_s']:.1f} s prefilled ({p['unused_prefill_s']:.1f} s unused); "
+            f"TTFT saved {p['ttft_saved_s']:.1f} s; switched off {off} times"
+        )
+    return lines
+
+
+def _branch_lines(policies: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per row of a workload with child tasks: the KV ended branches still held."""
+    lines = []
+    for name, m in policies.items():
+        b = m.get("branches")
+        if isinstance(b, Mapping):
+            lines.append(
+                f"{name}: {b['ended']} branches ended; their own KV held at most "
+                f"{b['held_bytes_max'] / 2**20:.0f} MiB, a tick after an end "
+                f"{b['held_bytes_max_after_tick'] / 2**20:.0f} MiB"
+            )
     return lines
 
 

@@ -23,6 +23,12 @@ worker as it is then, and the engine extends, demotes, evicts or lets it lapse a
 The host tier is a cache that makes room by evicting, so a session's room there is its
 capacity and its pressure the share in use.
 
+Two optional companions: a `watch` told of every turn end (with the idle session as the
+policy saw it and the hint) and every arrival, which may rank a pin above the policy's
+priority (restore on lead time, `prefetch.py`: a prefetched session keeps the value it was
+restored for until its turn), and a `bound` that may overrule a decision (a branch's quota,
+`branches.py`).
+
 Host-tier eviction order: the host tier is LRU, as vLLM's, unless the policy has a
 `host_priority(held: HeldSession, now) -> float` method, which then ranks the sessions
 whose blocks the host tier holds, the lowest evicted first (`resident_tokens` their host
@@ -76,6 +82,20 @@ class TurnHint:
 
 Hints = Callable[[str], TurnHint | None]
 """Request id -> its hint, if the workload has one."""
+Bound = Callable[[IdleSession, ResidencyDecision], ResidencyDecision]
+"""The last word on a decision (e.g. a branch's quota)."""
+
+
+class ResidencyWatch(Protocol):
+    """Told of each turn end (the session as the policy sees it) and each arrival; may rank
+    a held session higher than the policy does (`held_value`: a session whose KV it
+    restored for a turn about to come, at the value it restored it for)."""
+
+    def turn_ended(self, end: TurnEnd, hint: TurnHint | None, session: IdleSession) -> None: ...
+
+    def turn_arrived(self, req: SimRequest, now: float) -> None: ...
+
+    def held_value(self, session_id: str) -> float | None: ...
 
 
 class WaitDistribution(Protocol):
@@ -100,11 +120,15 @@ class PolicyResidency:
         latency: LatencyModel,
         block_size: int,
         hints: Hints | None = None,
+        watch: ResidencyWatch | None = None,
+        bound: Bound | None = None,
     ) -> None:
         self.policy = residency_policy(policy) if isinstance(policy, str) else policy
         self.latency = latency
         self.block_size = block_size
         self.hints = hints
+        self.watch = watch
+        self.bound = bound
         self.reasons: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()
@@ -149,6 +173,8 @@ class PolicyResidency:
         session = self._idle_session(req, hint, end)
         self._idle[session.session_id] = session
         self._schedule_end(session, hint)
+        if self.watch is not None:
+            self.watch.turn_ended(end, hint, session)
         return self._decide(session, end.now_s)
 
     def revisit(self, due: PinDue) -> AfterTurn:
@@ -170,6 +196,8 @@ class PolicyResidency:
     def turn_arrived(self, req: SimRequest, now: float) -> None:
         """A request arrived: its session's idle period, if any, ends in a return."""
         self._report_ends(now)
+        if self.watch is not None:
+            self.watch.turn_arrived(req, now)
         sid = _session_id(req)
         if self._idle.pop(sid, None) is not None:
             observe = getattr(self.policy, "observe_return", None)
@@ -190,11 +218,16 @@ class PolicyResidency:
             held = HeldSession(
                 pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
             )
-            rank = self._ranks[key] = self.policy.priority(held, now)
+            rank = self.policy.priority(held, now)
+            if self.watch is not None and (value := self.watch.held_value(pin.owner)):
+                rank = max(rank, value)  # a prefetched session, about to be back
+            self._ranks[key] = rank
         return rank
 
     def _decide(self, session: IdleSession, now: float) -> AfterTurn:
         decision = self.policy.decide(session, now)
+        if self.bound is not None:
+            decision = self.bound(session, decision)
         for key in [k for k in self._ranks if k[0] == session.session_id]:
             del self._ranks[key]
         self._count(session, decision)

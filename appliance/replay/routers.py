@@ -19,7 +19,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from appliance.domain.block_hash import BlockHasher, cacheable_tokens, event_block_hash
+from appliance.domain.block_hash import (
+    NO_KEYS,
+    BlockHash,
+    BlockHasher,
+    RequestKeys,
+    cacheable_tokens,
+    event_block_hash,
+)
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import TurnId, WorkerId
 from appliance.perf.latency import LatencyModel
@@ -111,9 +118,27 @@ class PolicyRouter:
         self.live[req.request_id] = _Live(w, fresh, full, req.session_id)
         return w
 
+    def predict(
+        self,
+        req: SimRequest,
+        views: Sequence[EngineView],
+        digests: Sequence[BlockHash] | None = None,
+    ) -> int | None:
+        """Where the session's next turn, starting with `req`'s prompt, would go now,
+        changing nothing: the appliance's policy asked as for a turn (`digests`: the
+        prompt's salted block hashes, if known); an anchor, which keeps state of its own,
+        answers with the worker the session last ran on."""
+        if self.name != APPLIANCE:
+            return self.home.get(req.session_id) if req.session_id else None
+        keys = self._keys(req) if digests is None else tuple(map(event_block_hash, digests))
+        return self._appliance(req, views, self._resident(keys))[0]
+
     def _keys(self, req: SimRequest) -> tuple[int, ...]:
-        """Event hashes of the prompt's full blocks (what KV events name)."""
-        digests = self.hasher.hash_blocks(req.prompt_token_ids)
+        """Event hashes of the prompt's full blocks (what KV events name: salted with the
+        request's tenant, as the engines hash them; SGLang's tree, which sees text, not)."""
+        salted = req.cache_salt and self.name in _USES_INDEX
+        keys = RequestKeys(cache_salt=req.cache_salt) if salted else NO_KEYS
+        digests = self.hasher.hash_blocks(req.prompt_token_ids, keys=keys)
         return tuple(event_block_hash(d) for d in digests)
 
     def _resident(self, keys: tuple[int, ...]) -> list[int]:

@@ -24,14 +24,13 @@ is still announced by the worker that stored it, so routers see it there.
 Each row is a routing policy with a residency policy (`residency.py`): `lru` is vLLM as
 shipped and keeps the routing policy's own name; any other is named `ROUTING+RESIDENCY`;
 a pooled-host row adds `+pooled-host`.
-A closed-loop workload (`closed_loop.py`) replays the same way, its turns released by
+A closed-loop workload (`workload_replay.py`) replays the same way, its turns released by
 completions instead of a trace's timestamps, with the tasks' deadlines and outcomes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,19 +39,15 @@ from appliance.perf.kv_capacity import default_num_gpu_blocks
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.policy.residency import ResidencyPolicy
-from appliance.policy.residency_by_name import residency_policy
-from appliance.policy.wait_curves import LogNormal
-from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
-from appliance.replay.metrics import policy_metrics, task_metrics
+from appliance.replay.metrics import policy_metrics
 from appliance.replay.progress import ProgressBar
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
 from appliance.sim.engine import EngineConfig, SimEngine
-from appliance.sim.engine_io import StepResult
 from appliance.sim.host_tier import HostTier
 from appliance.sim.trace import BlockTokens, trace_arrivals
-from appliance.sim.virtual import RequestRecord, replay
+from appliance.sim.virtual import replay
 
 GIB = 1 << 30
 DEFAULT_BLOCK_SIZE = 512
@@ -242,12 +237,13 @@ def replay_policy(
         workers=setup.workers,
         pooled_host=pooled_host,
     )
-    return _with_counts(out, router, hold, wall_s)
+    return with_decision_counts(out, router, hold, wall_s)
 
 
-def _with_counts(
+def with_decision_counts(
     out: dict[str, object], router: PolicyRouter, hold: PolicyResidency, wall_s: float
 ) -> dict[str, object]:
+    """`out` with the routing and residency decisions counted, and the row's wall time."""
     out["routed_by_reason"] = dict(router.reasons.most_common(8))
     out["residency_by_reason"] = dict(hold.reasons.most_common(8))
     out["residency_by_action"] = dict(hold.actions.most_common())
@@ -257,68 +253,9 @@ def _with_counts(
     return out
 
 
-def reuse_by_tool(records: Sequence[RequestRecord], loop: ClosedLoop) -> dict[str, object]:
-    """Tool class -> how much of the turns that follow a wait on it was found cached: the
-    turns, their prompt and cached tokens, and the hit ratio."""
-    sums: dict[str, list[int]] = {}
-    for r in records:
-        tool = loop.previous_tool(r.request_id)
-        if tool is not None:
-            s = sums.setdefault(tool, [0, 0, 0])
-            s[0] += 1
-            s[1] += r.prompt_tokens
-            s[2] += r.cached_tokens
-    return {
-        tool: {"turns": n, "prompt_tokens": p, "cached_tokens": c, "hit": round(c / p, 4)}
-        for tool, (n, p, c) in sorted(sums.items())
-    }
-
-
 def _by_tool(hold: PolicyResidency) -> dict[str, dict[str, int]]:
     """Tool class -> action -> decisions (revisits included)."""
     out: dict[str, dict[str, int]] = {}
     for (tool, action), n in sorted(hold.by_tool.items()):
         out.setdefault(tool, {})[action] = n
     return out
-
-
-def replay_workload(
-    tasks: Sequence[AgentTaskLike],
-    policy: str,
-    setup: ReplaySetup,
-    latency: LatencyModel,
-    *,
-    residency: str | ResidencyPolicy = DEFAULT_RESIDENCY,
-    gpu_second: float = DEFAULT_GPU_SECOND,
-    pooled_host: bool = False,
-    wait_priors: Mapping[str, LogNormal] | None = None,
-) -> dict[str, object]:
-    """Replay a closed-loop workload with `policy` routing and `residency` holding: each
-    task's next turn arrives when its last one finished plus its tool wait. `wait_priors`
-    (tool class -> its wait) are the reaper's priors. Returns the same metrics as
-    `replay_policy`, the task figures filled in."""
-    loop = ClosedLoop(tasks, max_model_len=setup.max_model_len, seed=setup.token_seed)
-    if isinstance(residency, str):
-        residency = residency_policy(residency, priors=wait_priors)
-    hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size, hints=loop.hint)
-    engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
-    router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
-    gpu = GpuSeconds()
-
-    def on_step(i: int, now: float, result: StepResult) -> None:
-        router.on_step(i, now, result)
-        gpu.on_step(i, now, result)
-
-    t0 = time.perf_counter()
-    result = replay(engines, loop.arrivals(), router, on_step=on_step, on_finish=loop.on_finish)
-    wall_s = time.perf_counter() - t0
-    outcomes = loop.outcomes(gpu.by_request)
-    out = policy_metrics(
-        result,
-        loop.sessions(),
-        workers=setup.workers,
-        tasks=task_metrics(outcomes, gpu_second=gpu_second),
-        pooled_host=pooled_host,
-    )
-    out["reuse_by_tool"] = reuse_by_tool(result.records, loop)
-    return _with_counts(out, router, hold, wall_s)

@@ -80,21 +80,22 @@ cached (`num_cached_tokens`) and, apart, as `host_hit_tokens_total`
 (`vllm:prompt_tokens_cached_by_source{source="host"}`). A step with nothing to schedule
 but loads in flight lasts until the first load completes (`idle_until_s`).
 
-Residency (`residency=`, default none: vLLM as above): when a request finishes (not
-aborted), `residency.after_turn(TurnEnd(...))` says what becomes of its cached blocks
-(`AfterTurn`): "release" (vLLM's free), "hold" until a time (pinned, `PrefixCache.pin`,
-owner: its session, else its id), "evict" (freed to the head of the eviction order) or
-"demote" (copied to the host tier, then freed and forgotten on the GPU; ValueError without
-a host tier). Pins due by a step's `now` are released at the start of that step, except
-those of sessions whose next request is already waiting; a session's pin is released when
-its next request is admitted (that request then holds what it reuses); and under pressure
-the cache gives pins back in `residency.pin_priority` order before the scheduler would
-preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do the same to a
-held session's pin at any time between steps. A hook with `revisit(PinDue)` is asked again
-about each pin as it comes due (before it would lapse) and the engine extends it, demotes
-or evicts it, or lets it lapse, as the answer says; a hook with `turn_arrived(req, now)` is
-told of each request as it is added. A running request is never preempted for its own
-session's pin (only a request adopting a hit spares it: it may hold those very blocks).
+Residency (`residency=`, default none: vLLM as above; `pin_keeper.py` carries it out): when
+a request finishes (not aborted), `residency.after_turn(TurnEnd(...))` says what becomes of
+its cached blocks (`AfterTurn`): "release" (vLLM's free), "hold" until a time (pinned,
+`PrefixCache.pin`, owner: its session, else its id), "evict" (freed to the head of the
+eviction order) or "demote" (copied to the host tier, then freed and forgotten on the GPU;
+ValueError without a host tier). Pins due by a step's `now` are released at the start of
+that step, except those of sessions whose next request is already waiting; a session's pin
+is released when its next request is admitted (that request then holds what it reuses); and
+under pressure the cache gives pins back in `residency.pin_priority` order before the
+scheduler would preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do
+the same to a held session's pin at any time between steps. A hook with `revisit(PinDue)` is
+asked again about each pin as it comes due (before it would lapse) and the engine extends
+it, demotes or evicts it, or lets it lapse, as the answer says; a hook with
+`turn_arrived(req, now)` is told of each request as it is added. A running request is never
+preempted for its own session's pin (only a request adopting a hit spares it: it may hold
+those very blocks).
 
 Retention (`retention=`, a `RetentionHook`, default none; the live worker's
 `retention.SimRetention`, the retention connector's twin): called where vLLM's scheduler
@@ -104,6 +105,12 @@ short of blocks (holds given back: it is not scheduled this step and nobody is
 preempted, as vLLM does on `has_pending_block_frees`), and before a finished or aborted
 request's blocks are freed.
 
+Prefetches (`prefetches`, a `PrefetchLane`: `prefetch_lane.py` says what it does): a
+session's KV restored before its next turn, a promotion on the host -> GPU channel the host
+loads use, a prefill in what a step leaves when no request waits. A real allocation that
+would be short cancels prefetches in flight first; `release_branch(session, own)` ends a
+branch's pin and drops its own blocks on every tier.
+
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
 a few microseconds per running request.
@@ -111,12 +118,13 @@ a few microseconds per running request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
+from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, RequestKeys
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
+from appliance.sim.copy_channel import CopyChannel
 from appliance.sim.engine_io import (
     FinishReason,
     RequestOutput,
@@ -126,9 +134,10 @@ from appliance.sim.engine_io import (
 )
 from appliance.sim.engine_stats import EngineCounters, EngineStats, engine_stats
 from appliance.sim.host_tier import HostTier
-from appliance.sim.pins import Pin
+from appliance.sim.pin_keeper import PinKeeper, pin_owner
+from appliance.sim.prefetch_lane import PrefetchLane
 from appliance.sim.prefix_cache import PrefixCache
-from appliance.sim.residency_hook import AfterTurn, PinDue, ResidencyHook, RetentionHook, TurnEnd
+from appliance.sim.residency_hook import ResidencyHook, RetentionHook
 from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
 
 
@@ -201,21 +210,21 @@ class SimEngine:
         self._retention = retention
         if retention is not None:
             retention.bind(self.cache.pool)
-        self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
         self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
             residency, "turn_arrived", None
         )
-        if residency is not None:
-            self.cache.pin_priority = residency.pin_priority
         self._token = output_token_ids or default_output_token
         self._entries: dict[str, RequestState] = {}
         self._running: list[RequestState] = []
         self._waiting = WaitingQueue(config.policy)
         self._loading: list[RequestState] = []  # admitted, their host hit on its way to the GPU
-        self._h2d_free_s = 0.0  # when the host -> GPU channel has finished its last copy
+        self._h2d = CopyChannel()
+        self.prefetches = PrefetchLane(self.cache, hasher, latency, self._h2d)
+        self._now = 0.0  # the `now` of the step under way
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
         self._seq = 0
         self._n = EngineCounters()
+        self._pins = PinKeeper(self.cache, self._n, residency, host)
         self._fast_decode = True  # tests turn it off to check it changes nothing
 
     # --- requests ---
@@ -239,7 +248,8 @@ class SimEngine:
         self._seq += 1
         entry = RequestState(req, creq, now, self._seq)
         self._entries[req.request_id] = entry
-        self._waiting.add(entry)
+        if not self.prefetches.turn_arrived(entry, now):
+            self._waiting.add(entry)
         if self._turn_arrived is not None:
             self._turn_arrived(req, now)
 
@@ -255,13 +265,13 @@ class SimEngine:
         elif entry in self._loading:
             self._loading.remove(entry)
             self.cache.free(entry.cache)
-        else:
+        elif not self.prefetches.unpark(entry):
             self._waiting.remove(entry)
         self._n.success["abort"] += 1
         self._pending.append(self._output(entry, [], "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._entries) or bool(self._pending)
+        return bool(self._entries) or bool(self._pending) or self.prefetches.busy
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """The KV blocks an unfinished request holds, in token order (empty if none)."""
@@ -279,7 +289,7 @@ class SimEngine:
             self.cache,
             self.host,
             num_running=len(self._running),
-            num_waiting=len(self._waiting) + len(self._loading),
+            num_waiting=len(self._waiting) + len(self._loading) + self.prefetches.num_parked,
             pins=self._residency is not None,
         )
 
@@ -291,19 +301,25 @@ class SimEngine:
         preempted: list[str] = []
         if self._retention is not None:
             self._retention.step_begins()
-        if self._residency is not None:
-            self._expire_pins(now)
+        lane = self.prefetches
+        self._now = now
+        if self._residency is not None or lane.started:
+            self._pins.expire(now, self._waiting)
         if self.host is not None:
             self.host.now_s = now
             if self._loading:
                 self._finish_loads(now)
+            if lane.busy:
+                self._queue_first(lane.finish_loads(now))
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(scheduled, budget, now)
+            budget = self._schedule_waiting(scheduled, budget, now)
+        speculative = lane.schedule(0 if preempted or self._waiting else budget, now)
         outputs, self._pending = self._pending, []
-        duration = self._duration(scheduled)
-        by_request: dict[str, int] = {}
-        total = 0
+        duration = self._duration(scheduled + speculative)
+        lane.after_step(speculative, now)
+        by_request = {e.cache.request_id: n for e, n, _ in speculative}
+        total = sum(by_request.values())
         finished = False
         for entry, n, _ in scheduled:
             total += n
@@ -320,10 +336,28 @@ class SimEngine:
             self._n.busy_s += duration
         events = self.cache.take_events()
         result = StepResult(duration, outputs, events, total, by_request, preempted)
-        if not (total or outputs or events or preempted) and self._loading:
-            result.idle_until_s = min(e.ready_s for e in self._loading)
+        ready = [e.ready_s for e in self._loading]
+        if (lane_ready := lane.next_ready_s()) is not None:
+            ready.append(lane_ready)
+        if not (total or outputs or events or preempted) and ready:
+            result.idle_until_s = min(ready)
             result.duration_s = result.idle_until_s - now
         return result
+
+    def _queue_first(self, entries: list[RequestState]) -> None:
+        """Requests that waited for their session's prefetch go to the head of the queue."""
+        for entry in reversed(entries):
+            self._waiting.prepend(entry)
+
+    def _room(self, creq: CacheRequest, n: int, hit: CacheHit = NO_HIT, full: bool = False) -> None:
+        """Cancel prefetches in flight while a real allocation would be short (before any
+        pin gives way: speculation goes first)."""
+        lane = self.prefetches
+        while lane.busy and not self.cache.can_allocate(creq, n, hit, full_sequence_must_fit=full):
+            released = lane.cancel_one(self._now)
+            if released is None:
+                return
+            self._queue_first(released)
 
     def _finish_loads(self, now: float) -> None:
         """Requests whose host blocks have arrived cache them and wait again, in front."""
@@ -340,15 +374,15 @@ class SimEngine:
         tier: GPU blocks for the whole hit, and its host part's copy queued on the host ->
         GPU channel. False (nothing changed) when the sequence does not fit."""
         n = hit.num_host_tokens
+        self._room(entry.cache, n, hit, full=True)
         new_blocks = self.cache.allocate(
             entry.cache, n, hit, full_sequence_must_fit=True, delay_cache_blocks=True
         )
         if new_blocks is None:
             return False
         self._waiting.pop()
-        start = max(now, self._h2d_free_s)
         copy_s = self.latency.kv_copy_s(n, CopyDirection.H2D)
-        entry.ready_s = self._h2d_free_s = start + copy_s
+        entry.ready_s = self._h2d.reserve(now, copy_s)
         self._n.host_load_s += copy_s
         self._loading.append(entry)
         return True
@@ -376,6 +410,7 @@ class SimEngine:
                 creq.num_computed_tokens = c + 1
                 ok = True
             else:
+                self._room(creq, n)
                 while not (ok := self.cache.allocate(creq, n) is not None):
                     if self._retention is not None and self._retention.relieve():
                         break  # holds given back: retried next step, nobody preempted
@@ -412,7 +447,8 @@ class SimEngine:
 
     def _schedule_waiting(
         self, scheduled: list[tuple[RequestState, int, int]], budget: int, now: float
-    ) -> None:
+    ) -> int:
+        """Admit waiting requests in queue order; returns the budget left."""
         waiting, cache = self._waiting, self.cache
         while budget > 0 and waiting and len(self._running) < self.max_num_seqs:
             entry = waiting.peek()
@@ -425,18 +461,20 @@ class SimEngine:
                     break
             else:
                 n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
+                self._room(creq, n, hit, full=True)
                 if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
                     break
                 waiting.pop()
                 self._running.append(entry)
                 scheduled.append((entry, n, creq.num_computed_tokens - n))
                 budget -= n
-            if self._residency is not None:
-                cache.unpin(self._owner(entry.req))
+            if self._residency is not None or self.prefetches.started:
+                cache.unpin(pin_owner(entry.req))
             if entry.first_scheduled_s is None:
                 entry.num_cached_tokens = hit.num_tokens + hit.num_host_tokens
                 entry.num_host_cached_tokens = hit.num_host_tokens
                 entry.first_scheduled_s = now
+        return budget
 
     def _duration(self, scheduled: list[tuple[RequestState, int, int]]) -> float:
         latency = self.latency
@@ -453,91 +491,28 @@ class SimEngine:
             prefill_s -= (chunks - 1) * latency.prefill.overhead_s
         return prefill_s + (latency.decode_step_s(batch, context) if batch else 0.0)
 
-    @staticmethod
-    def _owner(req: SimRequest) -> str:
-        return req.session_id if req.session_id is not None else req.request_id
-
-    def _expire_pins(self, now: float) -> None:
-        due = self.cache.next_pin_expiry_s()
-        if due is None or due > now:
-            return
-        keep = {self._owner(e.req) for e in self._waiting}
-        if self._revisit is not None:
-            for pin in self.cache.due_pins(now, keep=keep):
-                self._carry_out_revisit(pin, now)
-        self.cache.expire_pins(now, keep=keep)
-
-    def _carry_out_revisit(self, pin: Pin, now: float) -> None:
-        """Ask the hook again about a due pin and do what it says ("release": it lapses)."""
-        assert self._revisit is not None
-        used, capacity = self._host_blocks()
-        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used, self.cache.pins))
-        if after.action == "hold" and after.until_s is not None and after.until_s > now:
-            self.cache.extend_pin(pin.owner, after.until_s)
-        elif after.action == "demote" and self.host is not None:
-            self.demote(pin.owner)
-        elif after.action == "evict":
-            self.evict(pin.owner)
-
-    def _host_blocks(self) -> tuple[int, int]:
-        """(blocks in use, capacity) of the host tier; (0, 0) without one."""
-        return (len(self.host), self.host.num_blocks) if self.host is not None else (0, 0)
-
     def demote(self, session_id: str) -> int:
         """Copy a held session's pinned blocks to the host tier and free them on the GPU
         (forgotten there unless someone else holds them); returns the blocks copied (0:
         the session holds none). ValueError without a host tier."""
-        n = self.cache.demote_pin(session_id)
-        self._n.demotions += int(n > 0)
-        return n
+        return self._pins.demote(session_id)
 
     def evict(self, session_id: str) -> int:
         """Put a held session's pinned blocks first in the GPU eviction order (still
         findable until reused); returns how many went there."""
-        n = self.cache.evict_pin(session_id)
-        self._n.evictions += int(n > 0)
-        return n
+        return self._pins.evict(session_id)
 
     def _finished(self, entry: RequestState) -> None:
         if self._retention is not None:
             self._retention.finished(entry.cache, self.cache.block_ids(entry.cache))
 
-    def _release(self, entry: RequestState, now: float) -> None:
-        """Free a finished request's blocks as the residency hook says (vLLM's free when
-        there is none)."""
-        creq = entry.cache
-        if self._residency is None:
-            self.cache.free(creq)
-            return
-        blocks = self.cache.pool.blocks
-        cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
-        used, capacity = self._host_blocks()
-        end = TurnEnd(
-            entry.req,
-            cached * self.block_size,
-            self.cache.usage,
-            now,
-            capacity,
-            used,
-            self.cache.pins,
-        )
-        after = self._residency.after_turn(end)
-        if after.action == "hold" and after.until_s is not None and after.until_s > now:
-            self.cache.pin(self._owner(entry.req), creq, now_s=now, until_s=after.until_s)
-        elif after.action == "demote":
-            if self.host is None:
-                raise ValueError(
-                    f"the residency hook demoted {entry.req.request_id}, but this engine has "
-                    "no host tier"
-                )
-            self.cache.free_to_host(creq)
-            self._n.demotions += 1
-            return
-        elif after.action == "evict":
-            self.cache.free_first(creq)
-            self._n.evictions += 1
-            return
-        self.cache.free(creq)
+    def release_branch(self, session_id: str, own: Sequence[BlockHash], now: float) -> None:
+        """A branch (a child task's session) ended: its prefetch stops, its pin ends, and
+        its own blocks (`own`; its parent's are not among them) go on every tier."""
+        self._queue_first(self.prefetches.cancel_one(now, session_id) or [])
+        self.cache.end_pin(session_id, forget=own)
+        if self.host is not None:
+            self.host.discard(own)
 
     def _sample(self, entry: RequestState, now: float) -> RequestOutput:
         """Append one generated token to a request whose sequence is all computed."""
@@ -566,7 +541,7 @@ class SimEngine:
         if reason is not None:
             del self._entries[req.request_id]
             self._finished(entry)
-            self._release(entry, now)
+            self._pins.release(entry, now)
             self._n.success[reason] += 1
         out = self._output(entry, [token], reason)
         out.first_token = first

@@ -140,6 +140,13 @@ class HostTier:
                 sink.extend(self._stored_event(h) for h in new)
         return new
 
+    def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Drop the held ones among `block_hashes` at once (their owner has ended); returns
+        how many were held."""
+        held = [h for h in dict.fromkeys(block_hashes) if h in self._blocks]
+        self._remove(held)
+        return len(held)
+
     def _stored_event(self, block_hash: BlockHash) -> BlockStored:
         return BlockStored(
             block_hashes=(event_block_hash(block_hash),),
@@ -152,12 +159,15 @@ class HostTier:
 
     def _evict(self, n: int) -> None:
         victims = self._lru_victims(n) if self.priority is None else self._ranked_victims(n)
+        self._remove(victims)
+        self._evicted += len(victims)
+
+    def _remove(self, victims: Sequence[BlockHash]) -> None:
         by_sink: dict[int, tuple[EventSink, list[int]]] = {}
         for h in victims:
             entry = self._blocks.pop(h)
             if entry.sink is not None:
                 by_sink.setdefault(id(entry.sink), (entry.sink, []))[1].append(event_block_hash(h))
-        self._evicted += len(victims)
         for sink, hashes in by_sink.values():
             sink.append(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium, group_idx=0))
 

@@ -348,6 +348,14 @@ class PrefixCache:
         self._bump(demoted=1)
         return self._demote(entry[1], owner)
 
+    def end_pin(self, owner: str, *, forget: Collection[BlockHash] = ()) -> int:
+        """End `owner`'s pin as `unpin` does (not counted as a return), then forget on the
+        GPU the blocks of `forget` nobody holds; returns how many were forgotten."""
+        entry = self._pins.pop(owner, None)
+        self.pool.free_blocks(reversed(entry[1] if entry is not None else []))
+        gone = [b for h in forget if (b := self.pool.get_cached_block(h)) is not None]
+        return self.pool.evict_cached(gone)
+
     def preempt(self, request: CacheRequest) -> None:
         """Free a running request's blocks and send it back to waiting, to recompute from
         whatever of its prefix is still cached when it is next scheduled."""

@@ -19,7 +19,10 @@ index, load and cache (see `EngineView`); `round_robin()` and `session_hash()` a
 Closed loops: `on_finish(record)` sees each request as it finishes and may return more
 arrivals (an agent's next turn after its tool wait), at that time or later; they join the
 heap like any other arrival, so a workload whose turns wait on each other's completions
-runs in the same virtual time.
+runs in the same virtual time. It may also return `Timer`s: a callback at a time (a
+client's announcement, a scheduled look at a waiting session), run before arrivals of the
+same time, which may answer with more timers; after it every engine with work that is not
+stepping steps (one waiting for a host load goes on waiting).
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ class Arrival:
     time_s: float
     request: SimRequest
     worker: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """A callback at `time_s` in virtual time, given that time; it may return more."""
+
+    time_s: float
+    fire: Callable[[float], Iterable[Timer] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +121,7 @@ def session_hash() -> Route:
     return route
 
 
-_ARRIVAL, _STEP_DONE = 0, 1
+_TIMER, _ARRIVAL, _STEP_DONE = 0, 1, 2
 _FOLLOW = -2  # the engine slot of an arrival `on_finish` returned (-1: from `arrivals`)
 
 
@@ -120,7 +131,7 @@ def replay(
     route: Route | None = None,
     *,
     on_step: Callable[[int, float, StepResult], None] | None = None,
-    on_finish: Callable[[RequestRecord], Iterable[Arrival]] | None = None,
+    on_finish: Callable[[RequestRecord], Iterable[Arrival | Timer]] | None = None,
 ) -> ReplayResult:
     """Run every arrival to completion; `on_step(engine, time, result)` sees each step as
     its outputs become visible (KV events included); `on_finish(record)` may answer a
@@ -139,7 +150,7 @@ class _Replay:
         arrivals: Iterable[Arrival],
         router: Route,
         on_step: Callable[[int, float, StepResult], None] | None,
-        on_finish: Callable[[RequestRecord], Iterable[Arrival]] | None,
+        on_finish: Callable[[RequestRecord], Iterable[Arrival | Timer]] | None,
     ) -> None:
         self.engines = engines
         self.router = router
@@ -147,7 +158,7 @@ class _Replay:
         self.on_finish = on_finish
         self.records: dict[str, RequestRecord] = {}  # the unfinished ones
         self.order: list[RequestRecord] = []
-        self.heap: list[tuple[float, int, int, int, StepResult | Arrival]] = []
+        self.heap: list[tuple[float, int, int, int, StepResult | Arrival | Timer]] = []
         self.seq = 0
         self.busy = [False] * len(engines)
         self.idle_step: list[int | None] = [None] * len(engines)  # seq of a step that waits
@@ -171,6 +182,12 @@ class _Replay:
                 if i != _FOLLOW:
                     self.push_next_arrival()
                 self.arrive(payload)
+            elif isinstance(payload, Timer):
+                for timer in payload.fire(t) or ():
+                    self.push(max(timer.time_s, t), _TIMER, timer)
+                for w, engine in enumerate(self.engines):
+                    if not self.busy[w] and engine.has_unfinished_requests():
+                        self.start_step(w, t)
             else:
                 self.step_done(i, payload)
         return ReplayResult(
@@ -213,7 +230,7 @@ class _Replay:
         req = arrival.request
         w = arrival.worker
         if w is None:
-            w = self.router(req, _views(engines))
+            w = self.router(req, engine_views(engines))
         if not 0 <= w < len(engines):
             raise ValueError(f"route sent {req.request_id} to engine {w} of {len(engines)}")
         engines[w].add_request(req, now)
@@ -252,17 +269,24 @@ class _Replay:
     def follow(self, rec: RequestRecord) -> None:
         """Queue the arrivals `on_finish` answers a finished request with."""
         now = self.now
-        for arrival in self.on_finish(rec) if self.on_finish is not None else ():
-            if arrival.time_s < now:
+        for event in self.on_finish(rec) if self.on_finish is not None else ():
+            if isinstance(event, Timer):  # a callback due now or earlier runs now
+                self.push(max(event.time_s, now), _TIMER, event)
+                continue
+            if event.time_s < now:
                 raise ValueError(
-                    f"{arrival.request.request_id} at {arrival.time_s} would arrive "
-                    f"before {rec.request_id} finished at {now}"
+                    f"{event.request.request_id} at {event.time_s} would arrive before "
+                    f"{rec.request_id} finished at {now}"
                 )
-            self.seq += 1
-            heapq.heappush(self.heap, (arrival.time_s, _ARRIVAL, self.seq, _FOLLOW, arrival))
+            self.push(event.time_s, _ARRIVAL, event)
+
+    def push(self, t: float, kind: int, event: Arrival | Timer) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, _FOLLOW, event))
 
 
-def _views(engines: Sequence[SimEngine]) -> list[EngineView]:
+def engine_views(engines: Sequence[SimEngine]) -> list[EngineView]:
+    """What a routing callback sees of each engine now."""
     views = []
     for i, e in enumerate(engines):
         s = e.stats

@@ -10,11 +10,14 @@ whose tool call is abandoned (the class's `abandoned` share) ends after that tur
 call never answered, and fails. A root that fans out picks a turn before its last; that
 turn's tool is `subagent`, which starts the children at once and joins them before the
 parent's next turn. Children share the
-parent's tenant, class and prefix (not its conversation), draw their own statement, turns
-and outcome, carry no deadline of their own (the parent's covers them) and do not fan out.
+parent's tenant, class and prefix (its whole conversation too when the fan-out has
+`fork_context`), draw their own statement, turns and outcome, carry no deadline of their own
+(the parent's covers them) and do not fan out. A tool call of a class with
+`announce_lead_s` draws how early its end is announced, at most its wait.
 
-Determinism: root task i draws from `random.Random(f"{seed}/task/{i}")` and arrivals from
-their own stream, so task i is the same whatever number of tasks is generated, and the same
+Determinism: root task i draws from `random.Random(f"{seed}/task/{i}")`, its announcement
+leads from `f"{seed}/announce/{i}"` (so a spec without leads draws as before) and arrivals
+from their own stream, so task i is the same whatever number of tasks is generated, and the same
 seed and spec always give the same workload.
 """
 
@@ -24,6 +27,7 @@ import itertools
 import math
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from appliance.workload.model import SUBAGENT_TOOL, AgentTask, AgentTurn, TaskTree, Workload
@@ -84,18 +88,14 @@ def task_tree(spec: WorkloadSpec, *, seed: int, index: int, start_s: float) -> T
                     turns=child_turns,
                 )
             )
-        spawn = turns[fork]
-        turns = (
-            *turns[:fork],
-            AgentTurn(
-                spawn.appended_tokens,
-                spawn.output_tokens,
-                SUBAGENT_TOOL,
-                0.0,
-                tuple(c.task_id for c in children),
-            ),
-            *turns[fork + 1 :],
+        spawn = replace(
+            turns[fork],
+            tool_class=SUBAGENT_TOOL,
+            tool_wait_s=0.0,
+            spawns=tuple(c.task_id for c in children),
+            forks=fan.fork_context,
         )
+        turns = (*turns[:fork], spawn, *turns[fork + 1 :])
     root = AgentTask(
         task_id=task_id,
         parent_id=None,
@@ -109,7 +109,28 @@ def task_tree(spec: WorkloadSpec, *, seed: int, index: int, start_s: float) -> T
         shared_prefix_tokens=cls.prefix_tokens,
         turns=turns,
     )
-    return TaskTree(root, tuple(children))
+    return _with_leads(spec, random.Random(f"{seed}/announce/{index}"), root, children)
+
+
+def _with_leads(
+    spec: WorkloadSpec, rng: random.Random, root: AgentTask, children: Sequence[AgentTask]
+) -> TaskTree:
+    """The tree with each tool call's announcement lead drawn (none drawn when no tool
+    class has one: the tree is as it was)."""
+    if all(c.announce_lead_s is None for c in spec.tool_classes.values()):
+        return TaskTree(root, tuple(children))
+
+    def leads(task: AgentTask) -> AgentTask:
+        turns = []
+        for turn in task.turns:
+            tool = spec.tool_classes.get(turn.tool_class or "")
+            if tool is not None and tool.announce_lead_s is not None:
+                lead_s = min(round(_draw(rng, tool.announce_lead_s), 3), turn.tool_wait_s)
+                turn = replace(turn, announce_lead_s=lead_s)
+            turns.append(turn)
+        return replace(task, turns=tuple(turns))
+
+    return TaskTree(leads(root), tuple(leads(c) for c in children))
 
 
 def _turns(

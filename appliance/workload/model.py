@@ -5,10 +5,12 @@ a prefix shared by every task of its kind (system prompt and tool schemas, `pref
 the text, the same id the same tokens), then the task statement; each turn appends new tokens
 (turn 0: the statement; later turns: the previous tool's result, the observation), calls the
 model for `output_tokens`, and then runs a tool of `tool_class` for `tool_wait_s` (none after
-the last turn). A turn that `spawns` child tasks waits for all of them to finish before the
-parent's next turn (the orchestrator joins its sub-agents); children carry the parent's
-prefix, tenant and class. A task ends with an outcome: succeeded or failed, and whether the
-outcome was verified (tests ran, a reviewer approved). Times are seconds, counts tokens.
+the last turn), whose end the client may announce before the next turn
+(`announce_lead_s`). A turn that `spawns` child tasks waits for all of them to finish before
+the parent's next turn (the orchestrator joins its sub-agents); children carry the parent's
+prefix, tenant and class, and with `forks` start from the parent's whole conversation. A
+task ends with an outcome: succeeded or failed, and whether the outcome was verified (tests
+ran, a reviewer approved). Times are seconds, counts tokens.
 
 Nothing here knows about HTTP or a clock: the same values drive the live benchmark and the
 virtual-time replay.
@@ -34,6 +36,12 @@ class AgentTurn:
     """How long that tool runs (for `subagent`: the overhead beyond waiting for children)."""
     spawns: tuple[str, ...] = ()
     """Task ids of the children started after this turn."""
+    forks: bool = False
+    """Those children start from this task's conversation so far (branches of it), not
+    only from its prefix."""
+    announce_lead_s: float = 0.0
+    """How long before the next turn the client announces the tool's end (`tool_finished`);
+    0: not early, with the turn. At most `tool_wait_s`."""
 
 
 @dataclass(frozen=True, slots=True)

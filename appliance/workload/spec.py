@@ -66,6 +66,10 @@ class ToolClass(Dist):
     abandoned: float = Field(default=0.0, ge=0, le=1)
     """Share of calls after which the session never returns: the task ends unfinished,
     its client giving up when the drawn wait is over."""
+    announce_lead_s: Dist | None = None
+    """How long before the session's next turn the client announces the call's end
+    (`tool_finished`), drawn per call and at most the call's wait; None: never early (the
+    announcement comes with the turn)."""
 
 
 class Tenant(_Strict):
@@ -99,6 +103,9 @@ class Fanout(_Strict):
     """Most children of a fan-out."""
     child_turns: Dist
     """Turns of each child task."""
+    fork_context: bool = False
+    """Children start from the parent's whole conversation so far (a branch of it: its
+    exact blocks), not only from its prefix."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -151,18 +158,22 @@ def _d(median: float, p95: float, lo: float, hi: float) -> Dist:
     return Dist(median=median, p95=p95, min=lo, max=hi)
 
 
-def _tool(median: float, p95: float, lo: float, hi: float, abandoned: float = 0.0) -> ToolClass:
-    return ToolClass(median=median, p95=p95, min=lo, max=hi, abandoned=abandoned)
+def _tool(wait: Dist, *, abandoned: float = 0.0, announce_lead_s: Dist | None = None) -> ToolClass:
+    return ToolClass(**wait.model_dump(), abandoned=abandoned, announce_lead_s=announce_lead_s)
 
 
 def _default_tool_classes() -> dict[str, ToolClass]:
     return {
-        "api": _tool(0.5, 2.0, 0.05, 30),
-        "file": _tool(0.05, 1.0, 0.001, 20),
-        "search": _tool(1.5, 10.0, 0.1, 60),
-        "test": _tool(30, 120, 5, 1800),
-        "human": _tool(120, 900, 5, 3600, abandoned=0.1),
-        "approval": _tool(600, 7200, 30, 14400, abandoned=0.2),
+        "api": _tool(_d(0.5, 2.0, 0.05, 30), announce_lead_s=_d(0.3, 1.0, 0.2, 5)),
+        "file": _tool(_d(0.05, 1.0, 0.001, 20)),
+        "search": _tool(_d(1.5, 10.0, 0.1, 60), announce_lead_s=_d(0.5, 2.0, 0.2, 5)),
+        "test": _tool(_d(30, 120, 5, 1800), announce_lead_s=_d(1.0, 5.0, 0.2, 20)),
+        "human": _tool(
+            _d(120, 900, 5, 3600), abandoned=0.1, announce_lead_s=_d(8.0, 30.0, 1.0, 120)
+        ),
+        "approval": _tool(
+            _d(600, 7200, 30, 14400), abandoned=0.2, announce_lead_s=_d(1.0, 5.0, 0.2, 30)
+        ),
     }
 
 

@@ -84,6 +84,22 @@ def test_the_reaper_replays_a_workload_with_its_tool_classes_as_priors(tmp_path:
     assert sum(m["residency_by_kind"].values()) >= m["requests"]
 
 
+def test_the_reaper_restores_on_lead_time_and_keeps_branches_local(tmp_path: Path) -> None:
+    spec = tmp_path / "workload.yaml"
+    spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
+    out = tmp_path / "report.json"
+    r = run("replay", "--workload", str(spec), "--tasks", "6", "--seed", "3", "--workers", "1",
+            "--policy", "appliance", "--residency", "reaper+prefetch+branches", "--report",
+            str(out), data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "appliance+reaper+prefetch+branches:" in r.stdout  # its prefetch line
+    report = json.loads(out.read_text())
+    assert report["trace"]["path"].endswith("(seed 3)")
+    m = report["policies"]["appliance+reaper+prefetch+branches"]
+    assert m["prefetch"]["prefetches"] == len(m["prefetch"]["rows"])
+    assert m["prefill_s"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -93,6 +109,9 @@ def test_the_reaper_replays_a_workload_with_its_tool_classes_as_priors(tmp_path:
         (["--workload", "{tmp}/nope.yaml"], "cannot read it"),
         (["{trace}", "--residency", "mru"], "unknown residency policy 'mru'"),
         (["{trace}", "--residency", "ttl-pin:soon"], "needs a number of seconds"),
+        (["{trace}", "--residency", "reaper+prefetch"], "replay a closed-loop workload"),
+        (["{trace}", "--seed", "3"], "--seed draws a workload"),
+        (["--workload", "{spec}", "--residency", "reaper+prefetch:soon"], "triggers are"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], needle: str, tmp_path: Path) -> None:

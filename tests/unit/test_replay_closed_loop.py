@@ -128,3 +128,25 @@ def test_ttl_pin_pins_only_turns_that_end_in_a_tool_call(report: dict) -> None:
         "pinned for the N s TTL": 3,
         "last step: nothing to pin for": 3,
     }
+
+
+def test_the_routers_index_finds_a_tenants_blocks() -> None:
+    """The engines hash a tenant's prompts with its salt; the router's index lookups must
+    too, or no worker ever looks resident and placement ignores reuse."""
+    from appliance.replay.routers import PolicyRouter
+
+    setup, latency = make_setup(workers=2, hbm_gib=4.0)
+    tasks = [task("a", [t(2 * BLOCK, 8, "file", 1.0), t(100, 8)])]
+    loop = ClosedLoop(tasks, max_model_len=setup.max_model_len)
+    engines = make_engines(setup, latency)
+    router = PolicyRouter("appliance", workers=2, hasher=engines[0].hasher, latency=latency)
+    seen: list[tuple[str, str]] = []
+
+    def route(req: SimRequest, views: list) -> int:  # type: ignore[type-arg]
+        w = router(req, views)
+        seen.append((req.request_id, router.reasons.most_common(1)[0][0]))
+        return w
+
+    replay(engines, loop.arrivals(), route, on_step=router.on_step, on_finish=loop.on_finish)
+    assert [rid for rid, _ in seen] == ["a/0", "a/1"]
+    assert router.reasons["prefix_resident"] == 1  # the second turn: 3 blocks resident

@@ -20,7 +20,8 @@ from appliance.policy.residency import (
 from appliance.policy.residency_by_name import residency_policy
 from appliance.replay.closed_loop import ClosedLoop
 from appliance.replay.residency import PolicyResidency, TurnHint, wait_priors
-from appliance.replay.runner import make_engines, make_setup, replay_workload
+from appliance.replay.runner import make_engines, make_setup
+from appliance.replay.workload_replay import replay_workload
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.pins import Pin
 from appliance.sim.residency_hook import PinDue, TurnEnd

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from appliance.policy.prefetch import PrefetchTrigger
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     DEFAULT_PIN_TTL_S,
+    DEFAULT_TENANT,
     HeldSession,
     IdleSession,
     Lru,
@@ -16,7 +18,9 @@ from appliance.policy.residency import (
     ResidencyKind,
     TtlPin,
 )
-from appliance.policy.residency_by_name import RESIDENCY_NAMES, residency_policy
+from appliance.policy.residency_by_name import RESIDENCY_NAMES, residency_plan, residency_policy
+from appliance.policy.survival import WaitKey
+from appliance.policy.wait_curves import LogNormal
 
 
 def idle(tool: bool | None = None, **kw: object) -> IdleSession:
@@ -165,3 +169,58 @@ def test_the_baselines_decisions_carry_a_fixed_kind(
     policy: Lru | TtlPin, session: IdleSession, kind: ResidencyKind
 ) -> None:
     assert policy.decide(session, 10.0).kind is kind
+
+
+@pytest.mark.parametrize(
+    ("name", "triggers", "branches"),
+    [
+        ("reaper", None, False),
+        ("reaper+prefetch", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
+        ("reaper+prefetch:tool_finished", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
+        ("reaper+prefetch:hazard,tool_due",
+         frozenset({PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE}), False),
+        ("reaper+branches", None, True),
+        ("reaper+prefetch+branches", frozenset({PrefetchTrigger.TOOL_FINISHED}), True),
+        ("reaper+prefetch:tool_finished,tool_due,hazard+branches", frozenset(PrefetchTrigger),
+         True),
+    ],
+)  # fmt: skip
+def test_the_reapers_options_by_name(
+    name: str, triggers: frozenset[PrefetchTrigger] | None, branches: bool
+) -> None:
+    plan = residency_plan(name)
+    assert isinstance(plan.policy, Reaper) and plan.policy.name == name
+    assert (plan.prefetch.tuning.triggers if plan.prefetch else None) == triggers
+    assert (plan.branches is not None) == branches
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("lru+prefetch", "only the reaper"),
+        ("reaper+prefetch:soon", "prefetch triggers are"),
+        ("reaper+pin", "unknown residency option 'pin'"),
+        ("reaper+branches:3", "unknown residency option"),
+        ("reaper+prefetch+prefetch", "unknown residency option"),
+    ],
+)
+def test_bad_options(name: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        residency_plan(name)
+
+
+@pytest.mark.parametrize("name", ["reaper", "reaper+prefetch", "reaper+branches"])
+def test_the_reaper_of_every_name_takes_the_priors(name: str) -> None:
+    priors = {"test": LogNormal(600.0, 0.05)}  # tests take ten minutes, always
+    key = WaitKey(DEFAULT_TENANT, "test")
+    for policy in (residency_plan(name, priors=priors).policy,
+                   residency_policy(name, priors=priors)):  # fmt: skip
+        assert isinstance(policy, Reaper)
+        assert policy.survival.p_return_within(key, 0.0, 60.0) < 0.01
+    assert residency_policy(name).survival.p_return_within(key, 0.0, 60.0) > 0.1  # type: ignore[attr-defined]
+
+
+def test_a_bad_trigger_names_the_known_ones() -> None:
+    with pytest.raises(ValueError) as bad:
+        residency_plan("reaper+prefetch:soon")
+    assert str(bad.value) == "prefetch triggers are tool_finished, tool_due, hazard, got 'soon'"

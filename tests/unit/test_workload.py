@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -300,3 +301,54 @@ def test_a_trace_line_that_is_not_a_request_names_its_line(tmp_path: Path) -> No
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n{"x": 1}\n')
     with pytest.raises(ConfigError, match="line 2 is not a Mooncake request"):
         load_trace_workload(trace)
+
+
+def _without_leads(spec: WorkloadSpec) -> WorkloadSpec:
+    data = spec.model_dump()
+    for tool in data["tool_classes"].values():
+        tool["announce_lead_s"] = None
+    return parse_spec(data)
+
+
+def test_announcement_leads_are_drawn_apart_and_change_nothing_else() -> None:
+    spec = WorkloadSpec()
+    with_leads = generate(spec, root_tasks=100)
+    without = generate(_without_leads(spec), root_tasks=100)
+    assert all(t.announce_lead_s == 0 for x in without.tasks for t in x.turns)
+    stripped = [
+        [dataclasses.replace(t, announce_lead_s=0.0) for t in x.turns] for x in with_leads.tasks
+    ]
+    assert stripped == [list(x.turns) for x in without.tasks]
+
+
+def test_a_lead_is_drawn_per_announced_call_and_never_passes_its_wait() -> None:
+    spec = WorkloadSpec()
+    turns = [t for x in generate(spec, root_tasks=300).tasks for t in x.turns]
+    for turn in turns:
+        tool = spec.tool_classes.get(turn.tool_class or "")
+        if tool is None or tool.announce_lead_s is None:
+            assert turn.announce_lead_s == 0
+        else:
+            lead = tool.announce_lead_s
+            assert min(lead.min, turn.tool_wait_s) <= turn.announce_lead_s <= turn.tool_wait_s
+    assert {t.tool_class for t in turns if t.announce_lead_s >= 0.2} >= {"test", "human"}
+
+
+def test_a_fan_out_with_fork_context_marks_its_spawning_turn() -> None:
+    data = WorkloadSpec().model_dump()
+    for c in data["task_classes"]:
+        if c["fanout"] is not None:
+            c["fanout"]["fork_context"] = True
+    trees = generate(parse_spec(data), root_tasks=300).trees
+    spawning = [turn for t in trees for turn in t.root.turns if turn.spawns]
+    assert spawning and all(turn.forks for turn in spawning)
+    plain = generate(WorkloadSpec(), root_tasks=300).trees
+    assert not any(turn.forks for t in plain for turn in t.root.turns)
+
+
+def test_the_variant_files_differ_from_the_default_only_as_they_say() -> None:
+    no_lead = load_spec(ROOT / "configs" / "workload-no-lead.yaml")
+    assert no_lead == _without_leads(WorkloadSpec())
+    fanout = load_spec(ROOT / "configs" / "workload-fanout.yaml")
+    assert fanout.tool_classes == WorkloadSpec().tool_classes
+    assert all(c.fanout is not None and c.fanout.fork_context for c in fanout.task_classes)
