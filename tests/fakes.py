@@ -6,6 +6,9 @@ desk wired over them as the daemon wires it."""
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +18,7 @@ from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.routing.core import default_profile
 from appliance.services.attempt_spans import AttemptSpans
+from appliance.services.flights import Flights
 from appliance.services.placement import Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import SessionTable
@@ -25,16 +29,42 @@ from appliance.services.worker_speed import WorkerSpeeds
 
 
 class ManualClock:
-    """`now()` is `t`; `sleep` moves it on without waiting."""
+    """`now()` is `t`; `sleep` and `advance` move it on without waiting, and ring the alarms
+    (`alarm`: the turn desk's deadlines) that come due on the way."""
 
     def __init__(self, t: float = 1000.0) -> None:
         self.t = t
+        self._alarms: list[tuple[float, int, Callable[[], None]]] = []
+        self._armed = itertools.count()
 
     def now(self) -> float:
         return self.t
 
     async def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
         self.t += seconds
+        while self._alarms and self._alarms[0][0] <= self.t:
+            heapq.heappop(self._alarms)[2]()
+
+    @property
+    def alarms(self) -> int:
+        """Alarms armed and not yet rung."""
+        return len(self._alarms)
+
+    def alarm(self, when: float, call: Callable[[], None]) -> Callable[[], None]:
+        """Rings at `when` once the clock reaches it (an alarm due already: at the next
+        move); returns what disarms it."""
+        entry = (when, next(self._armed), call)
+        heapq.heappush(self._alarms, entry)
+
+        def disarm() -> None:
+            if entry in self._alarms:
+                self._alarms.remove(entry)
+                heapq.heapify(self._alarms)
+
+        return disarm
 
 
 class LinearCost:
@@ -140,6 +170,7 @@ def wired_desk(
         sessions=sessions, placer=placer, queues=queues, records=TurnRecords(ledger, model="m"),
         tasks=TaskBook(ledger), clock=clock, workers=lambda: workers,
     )  # fmt: skip
+    desk.flights = Flights(clock.alarm)  # deadlines ring as the test moves the clock
     return Wired(desk, queues, index, ledger, clock, speeds)
 
 

@@ -1,41 +1,75 @@
-"""Turns in flight by task: what a task's cancellation reaches.
+"""Turns in flight by task: what a task's cancellation and the turn's deadline reach.
 
 A turn waiting on its worker is cancelled there (the desk answers 409); a stream being
 relayed stops at its next chunk with an error event. Either way the worker's request is
 closed, which aborts it.
+
+A turn whose task has a deadline arms one alarm at it when it takes off, disarmed when it
+lands. If the alarm goes off while the turn still waits on its worker (no first byte: a
+stream not started, or an answer not yet given), the turn is aborted as a cancellation
+aborts it and the desk answers 504 `deadline_missed`; a stream already relaying runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from appliance.domain.records import TaskId
+from appliance.ports import Clock
+from appliance.services.tasks import TaskError
+
+DEADLINE_MISSED = "deadline_missed"
+"""The error of a turn aborted at its deadline: its turn row's, and the client's code."""
+Disarm = Callable[[], None]
+Alarm = Callable[[float, Callable[[], None]], Disarm]
+"""(when, on the clock's scale; what to call then) -> what disarms it."""
+
+
+def loop_alarm(clock: Clock) -> Alarm:
+    """An alarm on the event loop's timer: at `when` by `clock`, as far ahead as it says."""
+
+    def arm(when: float, call: Callable[[], None]) -> Disarm:
+        delay = max(0.0, when - clock.now())
+        return asyncio.get_running_loop().call_later(delay, call).cancel
+
+    return arm
 
 
 @dataclass(eq=False)
 class Flight:
-    """One turn in flight, as its task's cancellation reaches it."""
+    """One turn in flight, as its task's cancellation and its deadline reach it."""
 
     task: asyncio.Task[Any] | None
     """The request's own task, cancelled while it waits on its worker."""
     stopped: bool = False
     relaying: bool = False
     """Its stream is being relayed: it stops at its next chunk instead."""
+    missed: bool = False
+    """Its deadline passed while it waited on its worker: it was stopped for that."""
+    disarm: Disarm | None = None
 
 
 class Flights:
-    def __init__(self) -> None:
+    def __init__(self, alarm: Alarm) -> None:
         self._by_task: dict[TaskId, set[Flight]] = {}
+        self._alarm = alarm
 
-    def take_off(self, task: TaskId) -> Flight:
-        """The current request's turn of `task` is in flight."""
+    def take_off(self, task: TaskId, deadline_at: float | None = None) -> Flight:
+        """The current request's turn of `task` is in flight; it must have its first byte
+        by `deadline_at` (None: no deadline)."""
         flight = Flight(asyncio.current_task())
         self._by_task.setdefault(task, set()).add(flight)
+        if deadline_at is not None:
+            flight.disarm = self._alarm(deadline_at, partial(_deadline, flight))
         return flight
 
     def land(self, task: TaskId, flight: Flight) -> None:
+        if flight.disarm is not None:
+            flight.disarm()
         flights = self._by_task.get(task)
         if flights is not None:
             flights.discard(flight)
@@ -50,3 +84,20 @@ class Flights:
             if not flight.relaying and flight.task is not None:
                 flight.task.cancel()
         return len(flights)
+
+
+def _deadline(flight: Flight) -> None:
+    """The flight's deadline has come: aborted unless it has started or was stopped."""
+    if flight.relaying or flight.stopped or flight.task is None:
+        return
+    flight.stopped = flight.missed = True
+    flight.task.cancel()
+
+
+def stopped_error(client_task: str, flight: Flight) -> TaskError:
+    """What a client whose turn was stopped while it waited on its worker is told."""
+    if flight.missed:
+        return TaskError(f"task {client_task}'s deadline passed before its worker started "
+                         "the turn; the turn was aborted", code=DEADLINE_MISSED,
+                         http_status=504)  # fmt: skip
+    return TaskError(f"task {client_task} was cancelled", code="task_cancelled", http_status=409)

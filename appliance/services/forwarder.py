@@ -13,7 +13,7 @@ in the queue book and in the turn records exactly once (`finish`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -60,26 +60,31 @@ class Forwarder:
         *,
         stopped: Callable[[], bool] = lambda: False,
     ) -> Reply:
-        """A streamed attempt: raises before the first byte; once open, the reply's chunks
-        relay it, and however it ends `on_end` runs and the attempt is finished. Once
-        `stopped()` (its task was cancelled), it ends at the next chunk with an error event."""
+        """A streamed attempt: raises before the worker's head; returns once its first
+        chunk is in (a worker sends its head at once, its first chunk once the request has
+        started: until then the turn waits on its worker, and cancelling this call aborts
+        it there), or the stream ended or broke before any. The reply's chunks relay it,
+        and however it ends `on_end` runs and the attempt is finished. Once `stopped()`
+        (its task was cancelled), it ends at the next chunk with an error event."""
         stream = worker.client.open_stream(turn.path, body)
         response = await stream.__aenter__()
+        try:
+            source = await self._started(response.chunks().__aiter__(), attempt)
+        except asyncio.CancelledError:
+            await stream.__aexit__(None, None, None)  # closes the request: vLLM aborts it
+            raise
 
         async def chunks() -> AsyncGenerator[bytes, None]:
             outcome, error = TurnOutcome.OK, None
             usage = UsageScanner()
             try:
-                async for data in response.chunks():  # relayed as they come, unparsed
+                async for data in source:  # relayed as they come, unparsed
                     if stopped():
                         outcome = TurnOutcome.CANCELLED
                         event = {"error": {"message": "the task was cancelled",
                                            "type": "task_cancelled", "code": 409}}  # fmt: skip
                         yield b"data: " + orjson.dumps(event) + b"\n\n"
                         break
-                    if attempt.first_byte_at is None:
-                        attempt.first_byte_at = self._clock.now()
-                        self._queues.first_byte(attempt.worker, attempt.turn_id)
                     usage.feed(data)
                     yield data
                 if usage.last:
@@ -97,6 +102,21 @@ class Forwarder:
                 self.finish(turn, attempt, outcome, error=error)
 
         return Reply(200, headers(turn, attempt), chunks=chunks())
+
+    async def _started(
+        self, pieces: AsyncIterator[bytes], attempt: Attempt
+    ) -> AsyncIterator[bytes]:
+        """Waits for the stream's first chunk (the attempt's first byte): the stream's
+        chunks from it on. One that ends or breaks first does so when relayed."""
+        try:
+            first = await anext(pieces)
+        except StopAsyncIteration:
+            return pieces
+        except Exception as exc:  # raised again where the relay reports it
+            return _broken(exc)
+        attempt.first_byte_at = self._clock.now()
+        self._queues.first_byte(attempt.worker, attempt.turn_id)
+        return _chained(first, pieces)
 
     def finish(
         self, turn: TurnRequest, attempt: Attempt, outcome: TurnOutcome, *, error: str | None = None
@@ -156,3 +176,14 @@ def usage_of(data: bytes) -> dict[str, Any] | None:
         return None
     usage = chunk.get("usage") if isinstance(chunk, dict) else None
     return usage if isinstance(usage, dict) else None
+
+
+async def _chained(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for data in rest:
+        yield data
+
+
+async def _broken(exc: Exception) -> AsyncIterator[bytes]:
+    raise exc
+    yield b""  # an async generator that raises when iterated

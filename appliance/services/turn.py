@@ -3,6 +3,7 @@ at a worker, and the reply the API sends back."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -92,3 +93,18 @@ class Reply:
     chunks: AsyncGenerator[bytes, None] | None = None
     on_end: Callable[[], None] | None = None
     """A stream's: runs once it has ended, however it ended."""
+
+
+class Soon:
+    """A call made on the event loop's next turn (after the current task's sends went out),
+    or by `now()` when its result is needed first; once either way."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call: Callable[[], None] | None = call
+        self._handle = asyncio.get_running_loop().call_soon(self.now)
+
+    def now(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            self._handle.cancel()
+            call()

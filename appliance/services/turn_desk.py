@@ -10,7 +10,9 @@ it likely is): what it shares with the last turn is that turn's prompt, whose ch
 known, and it is tokenised and hashed while the worker prefills, ready for the turn after
 it. Admission decides; the task book opens the task and counts the turn in flight until
 the answer is complete, or for a stream until it ends, however it ends (the session's
-in-flight count likewise).
+in-flight count likewise). A turn whose task has a deadline and that still waits on its
+worker then (no first byte) is aborted and answered 504 `deadline_missed`
+(services/flights.py); a non-streamed answer after the deadline is of no use to the task.
 
 Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
 attempt and the turn is placed again, once, without it; a 4xx goes back to the client as
@@ -35,15 +37,22 @@ from appliance.domain.errors import (
     LedgerUnavailable,
 )
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
+from appliance.policy.admission import effective_deadline
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService, resident_hint
-from appliance.services.flights import Flight, Flights
+from appliance.services.flights import (
+    DEADLINE_MISSED,
+    Flight,
+    Flights,
+    loop_alarm,
+    stopped_error,
+)
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import ChatTokens, SessionState, SessionTable
 from appliance.services.tasks import TaskBook, TaskError, TaskState
-from appliance.services.turn import Attempt, NoWorker, Reply, TurnRequest, new_turn_id
+from appliance.services.turn import Attempt, NoWorker, Reply, Soon, TurnRequest, new_turn_id
 from appliance.services.turn_records import TurnRecords
 
 log = logging.getLogger(__name__)
@@ -98,7 +107,8 @@ class TurnDesk:
         self._workers = workers
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
-        self._flights = Flights()
+        self.flights = Flights(loop_alarm(clock))
+        """Turns in flight: their cancellation and deadlines (an alarm on the loop's timer)."""
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -133,15 +143,15 @@ class TurnDesk:
             self._tasks.turn_began(task, now)
             lazy = tokenize if ids is None else None
             turn = _turn_request(t, task, ids, chat, lazy, n_prompt, priority)
-            flight = self._flights.take_off(task.key)
+            deadline_at = effective_deadline(now, t.deadline_s, task.deadline_at)
+            flight = self.flights.take_off(task.key, deadline_at)
             try:
                 reply = await self.handle(turn, queues, flight)
             except asyncio.CancelledError:
                 if not flight.stopped:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                raise TaskError(f"task {client_task} was cancelled", code="task_cancelled",
-                                http_status=409) from None  # fmt: skip
+                raise stopped_error(client_task, flight) from None
             reply = replace(reply, headers={**reply.headers, "X-Task-ID": client_task})
             if reply.chunks is not None:  # the turn ends when the stream ends
                 streaming = True
@@ -155,7 +165,7 @@ class TurnDesk:
         if task is not None:
             self._tasks.turn_ended(task, self._clock.now())
             if flight is not None:
-                self._flights.land(task.key, flight)
+                self.flights.land(task.key, flight)
 
     def _known_task(self, t: TurnInput) -> TaskState | None:
         """The open task the turn names, if it exists; a closed one (succeeded, failed,
@@ -172,7 +182,7 @@ class TurnDesk:
     def stop(self, task: TaskId) -> int:
         """Ends the task's turns in flight (its cancellation; services/flights.py): how
         many it ended."""
-        return self._flights.stop(task)
+        return self.flights.stop(task)
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
@@ -253,7 +263,7 @@ class TurnDesk:
     ) -> Reply:
         tried: set[WorkerId] = set()
         last_error: ApplianceError | None = None
-        tokenized: _Soon | None = None
+        tokenized: Soon | None = None
         for _ in range(2):  # the first choice, then one retry elsewhere
             # A retry comes later: the queues are estimated again.
             placement = self.placer.place(turn, session, frozenset(tried), queues)
@@ -266,7 +276,7 @@ class TurnDesk:
             attempt = self._begin(turn, session, placement, worker_id)
             body = self._worker_body(turn, session, placement.salt)
             if turn.tokenize is not None and tokenized is None:  # once the request is sent
-                tokenized = _Soon(partial(self._tokenize_sent, turn, session, attempt))
+                tokenized = Soon(partial(self._tokenize_sent, turn, session, attempt))
             if turn.received_at is not None and not tried:
                 self.records.forward_s.observe(time.monotonic() - turn.received_at)
             try:
@@ -279,8 +289,9 @@ class TurnDesk:
                 else:
                     on_answer = tokenized.now if tokenized is not None else None
                     reply = await self._forwarder.post(turn, worker, attempt, body, on_answer)
-            except asyncio.CancelledError:  # the client left, or the task was cancelled
-                self._forwarder.finish(turn, attempt, TurnOutcome.CANCELLED)
+            except asyncio.CancelledError:  # the client left, the task was cancelled, or
+                error = DEADLINE_MISSED if flight.missed else None  # its deadline passed
+                self._forwarder.finish(turn, attempt, TurnOutcome.CANCELLED, error=error)
                 raise
             except EngineUnavailable as exc:
                 self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
@@ -316,7 +327,7 @@ class TurnDesk:
         self.records.placed(attempt, placement.decision)
         return attempt
 
-    def _stream_ended(self, session: SessionState, tokenized: _Soon | None) -> None:
+    def _stream_ended(self, session: SessionState, tokenized: Soon | None) -> None:
         if tokenized is not None:
             tokenized.now()
         self._release(session)
@@ -379,18 +390,3 @@ def _turn_request(
         received_at=t.received_at,
         priority=priority,
     )
-
-
-class _Soon:
-    """A call made on the event loop's next turn (after the current task's sends went out),
-    or by `now()` when its result is needed first; once either way."""
-
-    def __init__(self, call: Callable[[], None]) -> None:
-        self._call: Callable[[], None] | None = call
-        self._handle = asyncio.get_running_loop().call_soon(self.now)
-
-    def now(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            self._handle.cancel()
-            call()

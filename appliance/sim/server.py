@@ -5,11 +5,14 @@ Model of the world (vLLM `entrypoints/openai/{completion,chat_completion}/servin
 (`protocol.py`), rendered to token ids (`tokenizer.py`), split into engine requests (one per
 prompt and choice) and answered from the engine's outputs, either as one JSON body or as
 Server-Sent Events ending in `data: [DONE]` (`responses.py` writes both as vLLM does). An
-`ApiError` (`api_errors.py`) becomes vLLM's error body and status.
+`ApiError` (`api_errors.py`) becomes vLLM's error body and status. A client that hangs up
+aborts its requests: a stream's when the next event cannot be sent, one answered as a whole
+body at once (vLLM's `with_cancellation`: the handler races the client's disconnect).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -161,7 +164,8 @@ class SimApi:
         job = self._job(body, request, prompts, f"cmpl-{base_request_id(body, request.headers)}")
         if job.stream:
             return _sse(self.writer.completion_stream(job.reply, self._outputs(job)))
-        await self._run(job)
+        if not await _unless_disconnected(request, self._run(job)):
+            return Response(status_code=499)  # nobody reads it: the client is gone
         return JSONResponse(self.writer.completion_body(job.reply))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -185,7 +189,8 @@ class SimApi:
             req.eos_after = self.worker.natural_length(req.request_id) if natural else None
         if job.stream:
             return _sse(self.writer.chat_stream(job.reply, self._outputs(job)))
-        await self._run(job)
+        if not await _unless_disconnected(request, self._run(job)):
+            return Response(status_code=499)
         return JSONResponse(self.writer.chat_body(job.reply))
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
@@ -274,6 +279,29 @@ class SimApi:
     async def _run(self, job: _Job) -> None:
         async for _ in self._outputs(job):
             pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+    """Runs `work` unless the client hangs up first (then it is cancelled, which aborts its
+    engine requests): whether it ran to its end. vLLM's `with_cancellation`."""
+    running = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((running, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not running.done():
+            running.cancel()  # leaving `generate` early aborts its engine requests
+    if not running.done():
+        return False
+    running.result()  # its errors are the handler's
+    return True
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has hung up (the body is read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -239,6 +239,26 @@ def test_client_disconnect_aborts_the_request(client: httpx.Client) -> None:
     assert snapshot.total("vllm:num_requests_running") == 0
 
 
+def test_a_client_that_hangs_up_before_a_whole_answer_aborts_the_request() -> None:
+    """As vLLM's `with_cancellation`: a request answered as one body is aborted too."""
+    body = {"prompt": ids(9, 30), "max_tokens": 1000, "ignore_eos": True}
+    with (
+        ThreadedWorker(sim_config(time_scale=1.0)) as worker,
+        httpx.Client(base_url=worker.base_url) as c,
+    ):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            c.post("/v1/completions", json=body, timeout=0.3)  # 1000 steps: seconds
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            snapshot = parse(c.get("/metrics").text)
+            if snapshot.total("vllm:request_success_total", finished_reason="abort"):
+                break
+            time.sleep(0.05)
+    assert snapshot.total("vllm:request_success_total", finished_reason="abort") == 1
+    assert snapshot.total("vllm:request_success_total", finished_reason="length") == 0
+    assert snapshot.total("vllm:num_requests_running") == 0
+
+
 # --- metrics and KV events ---
 
 
