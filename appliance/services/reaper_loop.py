@@ -116,8 +116,8 @@ class ReaperLoop:
     def turn_began(self, session: SessionState, now: float) -> None:
         """The session's next turn: its idle period ends in a return."""
         key = retention_key(session)
-        if self._waiting.pop(key, None) is not None:
-            self.reaper.observe_return(key, now)
+        if self._waiting.pop(key, None) is not None:  # the wait model learns after the send
+            self._defer(partial(self.reaper.observe_return, key, now))
 
     def turn_ended(self, session: SessionState, now: float) -> None:
         """The session has no turn in flight any more: where its KV waits is decided once
