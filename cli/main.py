@@ -6,7 +6,6 @@ shown only with APPLIANCE_DEBUG=1.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from appliance import bootstrap
+from appliance import __version__, bootstrap
 from appliance.domain.errors import ApplianceError
 
 
@@ -48,7 +47,7 @@ app.add_typer(keys_app, name="keys")
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"appliance {importlib.metadata.version('agent-appliance')}")
+        typer.echo(f"appliance {__version__}")
         raise typer.Exit()
 
 
