@@ -10,7 +10,7 @@ from typing import Any
 
 from appliance import doctor as _doctor
 from appliance import keystore
-from appliance import settings as _settings
+from appliance import settings_load as _settings
 from appliance.datadir import ensure_data_dir
 from appliance.domain.errors import ConfigError
 from appliance.settings import Settings
