@@ -57,6 +57,11 @@ class EngineSettings(Section):
     """Number of engine workers (one per GPU group)."""
     gpus_per_worker: int = Field(1, ge=1, le=16)
     """GPUs given to each worker through CUDA_VISIBLE_DEVICES (its tensor-parallel size)."""
+    gpus: list[int] | None = None
+    """GPU indices (nvidia-smi's, PCI bus order) the workers share out in order,
+    gpus_per_worker each (`up --gpus 0,1,2,3`); without workers set, one worker per
+    gpus_per_worker of them. None: the appliance's own CUDA_VISIBLE_DEVICES when it lists
+    indices, else 0, 1, ... Simulated workers carry the ids only."""
     base_port: int = Field(8100, ge=1, le=65535)
     """HTTP port of worker 0; worker i listens on base_port + i."""
     kv_events_base_port: int = Field(5557, ge=1, le=65535)
@@ -96,6 +101,23 @@ class EngineSettings(Section):
     """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None
     """GPU profile JSON for the sim engine's latency model; None = the bundled H200 profile."""
+
+    @model_validator(mode="after")
+    def _gpus_for_every_worker(self) -> EngineSettings:
+        if self.gpus is None:
+            return self
+        if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"engine.gpus={self.gpus}: list each GPU index (>= 0) once")
+        if "workers" not in self.model_fields_set:
+            self.workers = max(1, len(self.gpus) // self.gpus_per_worker)
+        need = self.workers * self.gpus_per_worker
+        if len(self.gpus) < need:
+            raise ValueError(
+                f"engine.workers={self.workers} x engine.gpus_per_worker={self.gpus_per_worker}"
+                f" needs {need} GPUs but engine.gpus lists {len(self.gpus)}; list more GPUs or "
+                "lower one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _external_needs_urls(self) -> EngineSettings:
