@@ -87,6 +87,8 @@ class Wiring:
     gpu: GpuTick
     reaper: ReaperLoop | None
     """The idle reaper's loop (None: `residency.reaper` is off); the daemon runs it."""
+    admission: AdmissionService
+    """Its `limits` are replaced on a reload (`admission_limits`)."""
 
 
 def wire(
@@ -148,7 +150,7 @@ def wire(
             ),
         )
     )
-    return Wiring(app, desk, speeds, events, gpu, reaper)
+    return Wiring(app, desk, speeds, events, gpu, reaper, admission)
 
 
 def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:
@@ -237,6 +239,12 @@ def _reaper_loop(
     return loop
 
 
+def admission_limits(settings: Settings) -> AdmissionLimits:
+    """The admission policy's limits: every `admission.*` key but `task_idle_s`, which the
+    task book reads once."""
+    return AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"}))
+
+
 def _turn_desk(
     settings: Settings,
     engines: StartedEngines,
@@ -269,7 +277,7 @@ def _turn_desk(
         salt=TenantSalts(secret),
     )
     admission = AdmissionService(
-        limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
+        limits=admission_limits(settings),
         tasks=tasks,
         # queue_s: the queued prefill ahead of new work
         estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, queues.slowdown),
