@@ -13,7 +13,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
 from appliance.ledger import LedgerWriter
 from appliance.live_reload import LiveReload
+from appliance.oplog import start_logging
 from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
@@ -126,7 +126,7 @@ def key_callers(key_file: keystore.KeyFile) -> Callable[[], dict[str, Caller]]:
 
 
 async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
-    log_dir = ensure_data_dir(data_dir / "logs")
+    log_dir = ensure_data_dir(settings.log_path)
     kind = resolve_kind(settings)
     keys_file = keystore.keys_path(data_dir)
     keystore.ensure_default_keys(keys_file)
@@ -153,6 +153,7 @@ async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
             )
             if control.live is not None:
                 _reloads(control.live, key_file, ledger, wired)
+            _log_plan(kind, engines, log_dir)
             server = _api_server(wired.app, settings)
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
@@ -161,20 +162,30 @@ async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
                 f"API at {url}; keys in {keys_file}\nappliance: {gpu_plan(kind, engines.workers)}",
                 flush=True,
             )
-            async with asyncio.TaskGroup() as group:
-                serving = group.create_task(server.serve())
-                loops = [group.create_task(_refresh(engines, wired, clock, ledger))]
-                if wired.reaper is not None:
-                    loops.append(group.create_task(wired.reaper.run()))
-                await _started(server, serving, control.ready)
-                loops.append(group.create_task(_ready(engines, ledger, control.notifier, url)))
-                await serving
-                for loop in loops:
-                    loop.cancel()
+            try:
+                await _run_api(server, engines, wired, ledger, clock, control, url)
+            finally:
+                log.info("the API has drained; stopping the workers")
     finally:
-        ledger.close()
-        if probe is not None:
+        if probe is not None:  # the workers had started
+            log.info("workers stopped; closing the ledger")
             probe.close()
+        ledger.close()
+
+
+async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: LedgerWriter,
+                   clock: WallClock, control: Control, url: str) -> None:  # fmt: skip
+    """The API and the loops behind it, until the API stops (cancelled: after its drain)."""
+    async with asyncio.TaskGroup() as group:
+        serving = group.create_task(server.serve())
+        loops = [group.create_task(_refresh(engines, wired, clock, ledger))]
+        if wired.reaper is not None:
+            loops.append(group.create_task(wired.reaper.run()))
+        await _started(server, serving, control.ready)
+        loops.append(group.create_task(_ready(engines, ledger, control.notifier, url)))
+        await serving
+        for loop in loops:
+            loop.cancel()
 
 
 def _engines_view(settings: Settings, kind: EngineKind, engines: Engines) -> StartedEngines:
@@ -200,6 +211,14 @@ def gpu_plan(kind: EngineKind, workers: Sequence[Any]) -> str:
     if kind == EngineKind.EXTERNAL:
         return "GPUs: those of the external servers"
     return "GPUs: none (vLLM's CPU build)"
+
+
+def _log_plan(kind: EngineKind, engines: Engines, log_dir: Path) -> None:
+    for w in engines.workers:
+        log.info("plan: worker %s (%s) at %s, GPUs %s", w.id, kind.value, w.url,
+                 ",".join(map(str, w.gpus)) or "none")  # fmt: skip
+    log.info("plan: model %s, max_model_len %d; worker logs in %s",
+             engines.served_name, engines.max_model_len, log_dir)  # fmt: skip
 
 
 def _reloads(live: LiveReload, key_file: keystore.KeyFile, ledger: LedgerWriter,
@@ -292,12 +311,15 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
 def run_foreground(settings: Settings, reload: Callable[[], Settings] | None = None) -> None:
     """Foreground: until Ctrl-C or SIGTERM, then a clean stop; SIGHUP reloads (with `reload`,
     which reads the settings again from the sources they came from). The appliance's own log
-    lines go to stderr at `log_level`."""
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    lines go to stderr and to appliance.log in the log dir at `log_level`."""
+    stop_logging = start_logging(settings.log_level, ensure_data_dir(settings.log_path))
+    try:
+        _run(settings, reload)
+    finally:
+        stop_logging()
+
+
+def _run(settings: Settings, reload: Callable[[], Settings] | None) -> None:
     notifier = Notifier.from_env()
     live = LiveReload(settings, reload or (lambda: settings), settings.data_dir.expanduser())
     loop = new_event_loop()

@@ -30,7 +30,7 @@ LIVE_SECTIONS = ("log_level", "costs", "admission")
 RESTART_ONLY = frozenset({"admission.task_idle_s"})
 """... but these keys of them, which the running services read once at start."""
 
-Applier = Callable[[Settings], None]
+Applier = Callable[[Settings], object]
 
 
 def flat(settings: Settings) -> dict[str, Any]:

@@ -265,7 +265,10 @@ class Settings(BaseSettings):
     debug: bool = False
     """Print tracebacks for known errors ($APPLIANCE_DEBUG=1)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Level of the appliance's own log lines."""
+    """Level of the appliance's own log lines (stderr and appliance.log; a reload applies it)."""
+    log_dir: Path | None = None
+    """Directory of appliance.log (rotated at 10 MiB, 5 kept) and the workers' logs; None =
+    logs/ in the data dir."""
     server: ServerSettings = ServerSettings()
     engine: EngineSettings = EngineSettings()
     routing: RoutingSettings = RoutingSettings()
@@ -277,6 +280,10 @@ class Settings(BaseSettings):
     @property
     def ledger_path(self) -> Path:
         return self.ledger.path or self.data_dir / "ledger.db"
+
+    @property
+    def log_path(self) -> Path:
+        return (self.log_dir or self.data_dir / "logs").expanduser()
 
     @classmethod
     def settings_customise_sources(

@@ -20,6 +20,7 @@ from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, recent_sessions, session_gaps
 from appliance.ledger.session_history import session_turns
+from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
@@ -103,7 +104,7 @@ def wire(
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
 ) -> Wiring:
-    events = EventFeed()
+    events = LoggedEventFeed()
     gpu = GpuTick(probe)
     workers = engines.workers
     cost = LatencyModel.from_profile(profile)
@@ -264,7 +265,7 @@ def _turn_desk(
         ledger,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
-        on_turn=tasks.add_turn,
+        on_turn=log_turns(tasks.add_turn),
     )
     placer = Placer(
         workers=engines.workers,

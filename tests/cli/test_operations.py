@@ -6,6 +6,7 @@ once; live settings apply, the others are named)."""
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 from pathlib import Path
@@ -111,3 +112,29 @@ def test_reload_makes_a_new_key_work_at_once_and_applies_live_settings(tmp_path:
         prices = [row[0] for row in db.execute("SELECT fresh_per_mtok FROM prices ORDER BY 1")]
     assert prices == [3.0, 5.0]  # a new price version from the reload on
     assert "DEBUG appliance.daemon: log level now DEBUG" in up.log.read_text()
+
+
+def test_a_turn_leaves_its_request_line_in_the_log_file(tmp_path: Path) -> None:
+    prompt = "Summarise the build log of this repository. " * 40  # some whole KV blocks
+    with appliance_process(tmp_path, workers=1) as up:
+        key = add_key(tmp_path, "alice")
+        headers = {"Authorization": f"Bearer {key}", "X-Session-ID": "s1", "X-Task-ID": "t1"}
+        messages = [{"role": "user", "content": prompt}]
+        body = {"model": "sim", "messages": messages, "max_tokens": 4}
+        for _ in range(2):  # the second turn finds the first one's prefix cached
+            r = httpx.post(f"{up.url}/v1/chat/completions", headers=headers, json=body, timeout=30)
+            assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0
+    log = (tmp_path / "logs" / "appliance.log").read_text()
+    lines = [line for line in log.splitlines() if " INFO appliance.requests: turn " in line]
+    assert len(lines) == 2, log[-3000:]
+    for line in lines:
+        for field in ("tenant=alice", "session=s1", "task=alice/t1", "worker=w0", "status=ok"):
+            assert f" {field} " in line, line
+        assert re.search(r" ttft_s=\d\S* latency_s=\d+\.\d{3}$", line), line
+    assert " cached_tokens=0 " in lines[0] and f" cached_tokens={cached} " in lines[1]
+    assert "appliance.daemon: plan: worker w0 (sim) at http://127.0.0.1:" in log
+    for said in ("SIGTERM: draining", "the API has drained", "workers stopped"):
+        assert said in log, said
+    assert log.rstrip().endswith("appliance.daemon: stopped")
