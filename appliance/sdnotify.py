@@ -26,6 +26,7 @@ class Notifier:
         self.address = address
         self.watchdog_s = watchdog_usec / 1e6 if watchdog_usec else None
         """The service's watchdog interval, or None: no watchdog asked for."""
+        self._failing = False
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | None = None) -> Notifier:
@@ -51,11 +52,15 @@ class Notifier:
             target = "\0" + target[1:]
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.setblocking(False)  # a reader that lags never stalls the event loop
                 s.connect(target)
-                s.sendall("\n".join(fields).encode())
+                s.send("\n".join(fields).encode())
         except OSError as exc:
-            log.warning("sd_notify to %s failed: %s", self.address, exc)
+            if not self._failing:
+                log.warning("sd_notify to %s failed (said once): %s", self.address, exc)
+            self._failing = True
             return False
+        self._failing = False
         return True
 
     def ready(self, status: str) -> bool:
