@@ -3,6 +3,8 @@ concrete ledger, engines and probes; the CLI calls the functions here and nothin
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -76,6 +78,36 @@ def reload_appliance(config: Path | None, *, data_dir: Path | None, timeout_s: f
     if not answer.get("ok", False):
         raise instance.InstanceError(describe(answer))
     return describe(answer)
+
+
+def install_service(root: Path) -> list[str]:
+    """`appliance service install`: the unit, the user, the config and the data dir under
+    `root`, the unit running this very `appliance`."""
+    from appliance import service_files
+
+    return service_files.write_service(root, _own_executable())
+
+
+def uninstall_service(root: Path) -> list[str]:
+    from appliance import service_files
+
+    return service_files.remove_service(root)
+
+
+def service_report(root: Path) -> tuple[list[str], bool]:
+    from appliance import service_files
+
+    return service_files.describe_service(root)
+
+
+def _own_executable() -> str:
+    """The `appliance` of this installation (beside its Python), else the one on PATH."""
+    beside = Path(sys.executable).parent / "appliance"
+    found = str(beside) if beside.is_file() else shutil.which("appliance")
+    if found is None:
+        raise ConfigError("cannot find the `appliance` command of this installation; run "
+                          "it from the virtual environment install.sh made")  # fmt: skip
+    return os.path.abspath(found)
 
 
 def run_sim(*, workers: int, port: int, **config: Any) -> None:

@@ -41,8 +41,12 @@ config_app = typer.Typer(
 keys_app = typer.Typer(
     help="Manage API keys (tenants and operators).", no_args_is_help=True, rich_markup_mode=None
 )
+service_app = typer.Typer(
+    help="The appliance as a systemd service.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
+app.add_typer(service_app, name="service")
 
 
 def _version(value: bool) -> None:
@@ -435,6 +439,38 @@ def keys_list(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
     """List key names and roles (never the keys)."""
     for k in bootstrap.list_api_keys(config=config, data_dir=data_dir):
         typer.echo(f"{k.name}\t{'admin' if k.admin else 'tenant'}\t{k.created_at}")
+
+
+RootOpt = Annotated[
+    Path,
+    typer.Option("--root", help="Lay the files out under this folder as under / (packaging)."),
+]
+
+
+@service_app.command("install")
+def service_install(root: RootOpt = Path("/")) -> None:
+    """Write the systemd unit, its user, a config file and the data dir; print what to run
+    next."""
+    for line in bootstrap.install_service(root):
+        typer.echo(line)
+
+
+@service_app.command("uninstall")
+def service_uninstall(root: RootOpt = Path("/")) -> None:
+    """Remove the unit and its user's entry (the config and the data dir stay)."""
+    for line in bootstrap.uninstall_service(root):
+        typer.echo(line)
+
+
+@service_app.command("status")
+def service_status(root: RootOpt = Path("/")) -> None:
+    """Which of the service's files are installed and what systemctl says; exit 1 without
+    the unit."""
+    lines, installed = bootstrap.service_report(root)
+    for line in lines:
+        typer.echo(line)
+    if not installed:
+        raise typer.Exit(1)
 
 
 def _table(rows: list[dict[str, object]]) -> str:

@@ -44,6 +44,9 @@ def test_help_lists_every_command_of_the_interface() -> None:
         "doctor",
         "config",
         "keys",
+        "stop",
+        "reload",
+        "service",
     ):
         assert f" {command} " in out, command
 

@@ -51,7 +51,7 @@ def test_up_refuses_too_few_gpus_or_a_bad_list_in_one_line(tmp_path: Path) -> No
 
 
 def test_stop_drains_a_turn_in_flight_and_lets_the_data_dir_go(tmp_path: Path) -> None:
-    slow = {"APPLIANCE_ENGINE__SIM_TIME_SCALE": "20"}  # a turn of 64 tokens takes seconds
+    slow = {"APPLIANCE_ENGINE__SIM_TIME_SCALE": "5"}  # a turn of 64 tokens takes seconds
     with appliance_process(tmp_path, workers=1, env=slow) as up:
         key = add_key(tmp_path, "alice")
         answer: dict[str, object] = {}
