@@ -29,6 +29,7 @@ from appliance.service_files import unit_text
 from appliance.settings_yaml import documented_yaml
 from tests.cli.test_cli import APPLIANCE, ROOT, run
 from tests.ports import free_port, free_port_block
+from tests.running import BIN
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
 """From Debian's systemd package: install.sh --dev installs it where it is missing."""
@@ -86,6 +87,16 @@ def test_packaging_holds_the_unit_service_install_writes_for_opt_appliance() -> 
     assert (packaging / "appliance.sysusers").read_text() == (
         ROOT / "appliance/data/appliance.sysusers"
     ).read_text()
+
+
+def test_the_container_recipe_and_compose_file_pass_their_linters() -> None:
+    for argv in (
+        [str(BIN / "hadolint"), "--failure-threshold", "info", "packaging/Dockerfile"],
+        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+         "packaging/compose.yaml"],
+    ):  # fmt: skip
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 class _Notifications:
