@@ -31,7 +31,7 @@ app = typer.Typer(
     name="appliance",
     help="A single-box serving appliance for LLM agent workloads.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion [bash|zsh|fish]
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: the rich panels showed every flag as `<bool>`
 )

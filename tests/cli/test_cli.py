@@ -49,6 +49,7 @@ def test_help_lists_every_command_of_the_interface() -> None:
         "service",
     ):
         assert f" {command} " in out, command
+    assert "--install-completion" in out and "--show-completion" in out
 
 
 def test_config_show_prints_the_effective_configuration(tmp_path: Path) -> None:

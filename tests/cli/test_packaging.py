@@ -99,6 +99,19 @@ def test_the_container_recipe_and_compose_file_pass_their_linters() -> None:
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_bash_completes_the_commands(tmp_path: Path) -> None:
+    script = (
+        'eval "$("$APP" --show-completion)"\n'
+        'COMP_WORDS=(appliance st); COMP_CWORD=1; _appliance_completion "$APP"\n'
+        'printf "%s\\n" "${COMPREPLY[@]}"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("_")} | {"APP": str(APPLIANCE)}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert set(r.stdout.split()) == {"status", "stop"}
+
+
 class _Notifications:
     """A local NOTIFY_SOCKET, bound and read as systemd binds and reads it for a Type=notify
     service."""
