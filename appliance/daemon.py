@@ -13,13 +13,13 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import keystore
+from appliance import __version__, keystore
 from appliance.api.auth import Caller
 from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
@@ -32,12 +32,15 @@ from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
 from appliance.ledger import LedgerWriter
+from appliance.live_reload import LiveReload
+from appliance.oplog import start_logging
 from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
+from appliance.sdnotify import Notifier
 from appliance.services.worker_watch import WorkerWatch
 from appliance.settings import EngineKind, Settings
-from appliance.wiring import StartedEngines, Wiring, wire
+from appliance.wiring import StartedEngines, Wiring, admission_limits, wire
 
 log = logging.getLogger(__name__)
 REFRESH_S = 0.5
@@ -84,14 +87,24 @@ def _secret(data_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text().strip())
 
 
-async def serve(settings: Settings, *, ready: asyncio.Event | None = None) -> None:
+@dataclass
+class Control:
+    """What reaches the running appliance from outside it: `ready` is set once the API
+    serves (tests), `live` applies reloads (SIGHUP), `notifier` tells systemd."""
+
+    ready: asyncio.Event | None = None
+    live: LiveReload | None = None
+    notifier: Notifier = field(default_factory=lambda: Notifier(None))
+
+
+async def serve(settings: Settings, *, control: Control | None = None) -> None:
     """`appliance up` until cancelled: engines, the wired appliance, the API, the refresh
     loop and the idle reaper run under one task group; cancelling it drains the API, stops
     the workers and closes the ledger."""
     check_port_free(settings.server.host, settings.server.port, "the API", "pass --port")
     data_dir = ensure_data_dir(settings.data_dir)
     with lock_data_dir(data_dir):
-        await _serve(settings, data_dir, ready)
+        await _serve(settings, data_dir, control or Control())
 
 
 def _plural(n: int, noun: str) -> str:
@@ -112,12 +125,12 @@ def key_callers(key_file: keystore.KeyFile) -> Callable[[], dict[str, Caller]]:
     return now
 
 
-async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None) -> None:
-    log_dir = ensure_data_dir(data_dir / "logs")
+async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
+    log_dir = ensure_data_dir(settings.log_path)
     kind = resolve_kind(settings)
     keys_file = keystore.keys_path(data_dir)
     keystore.ensure_default_keys(keys_file)
-    keys = key_callers(keystore.KeyFile(keys_file))
+    key_file = keystore.KeyFile(keys_file)
     ledger = _open_ledger(settings)
     gpu_profile = settings.engine.gpu_profile
     profile = load_profile(gpu_profile) if gpu_profile else bundled_profile()
@@ -127,45 +140,108 @@ async def _serve(settings: Settings, data_dir: Path, ready: asyncio.Event | None
     try:
         async with start_engines(settings, kind, feed, log_dir) as engines:
             probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
-            view = StartedEngines(
-                lambda: engines.workers,
-                engines.served_name,
-                engines.max_model_len,
-                runtime_identity(settings, kind),
-                engines.retention,
-                engines.no_retention,
-            )
             wired = wire(
                 settings,
-                engines=view,
+                engines=_engines_view(settings, kind, engines),
                 ledger=ledger,
                 feed=feed,
                 clock=clock,
                 probe=probe,
                 profile=profile,
-                keys=keys,
+                keys=key_callers(key_file),
                 secret=_secret(data_dir),
             )
+            if control.live is not None:
+                _reloads(control.live, key_file, ledger, wired)
+            _log_plan(kind, engines, log_dir)
             server = _api_server(wired.app, settings)
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
-                f"appliance: engine {kind.value} ({_plural(len(engines.workers), 'worker')}, model "
-                f"{engines.served_name}); API at {url}; keys in {keys_file}",
+                f"appliance {__version__}: engine {kind.value} "
+                f"({_plural(len(engines.workers), 'worker')}, model {engines.served_name}); "
+                f"API at {url}; keys in {keys_file}\nappliance: {gpu_plan(kind, engines.workers)}",
                 flush=True,
             )
-            async with asyncio.TaskGroup() as group:
-                serving = group.create_task(server.serve())
-                loops = [group.create_task(_refresh(engines, wired, clock, ledger))]
-                if wired.reaper is not None:
-                    loops.append(group.create_task(wired.reaper.run()))
-                await _started(server, serving, ready)
-                await serving
-                for loop in loops:
-                    loop.cancel()
+            try:
+                await _run_api(server, engines, wired, ledger, clock, control, url)
+            finally:
+                log.info("the API has drained; stopping the workers")
     finally:
-        ledger.close()
-        if probe is not None:
+        if probe is not None:  # the workers had started
+            log.info("workers stopped; closing the ledger")
             probe.close()
+        ledger.close()
+
+
+async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: LedgerWriter,
+                   clock: WallClock, control: Control, url: str) -> None:  # fmt: skip
+    """The API and the loops behind it, until the API stops (cancelled: after its drain)."""
+    async with asyncio.TaskGroup() as group:
+        serving = group.create_task(server.serve())
+        loops = [group.create_task(_refresh(engines, wired, clock, ledger))]
+        if wired.reaper is not None:
+            loops.append(group.create_task(wired.reaper.run()))
+        await _started(server, serving, control.ready)
+        loops.append(group.create_task(_ready(engines, ledger, control.notifier, url)))
+        await serving
+        for loop in loops:
+            loop.cancel()
+
+
+def _engines_view(settings: Settings, kind: EngineKind, engines: Engines) -> StartedEngines:
+    return StartedEngines(
+        lambda: engines.workers,
+        engines.served_name,
+        engines.max_model_len,
+        runtime_identity(settings, kind),
+        engines.retention,
+        engines.no_retention,
+    )
+
+
+def gpu_plan(kind: EngineKind, workers: Sequence[Any]) -> str:
+    """Which GPUs each worker was given, as `up` prints it at start."""
+    given = [(w.id, w.gpus) for w in workers if w.gpus]
+    if given:
+        plan = "; ".join(f"{wid} -> {','.join(map(str, gpus))}" for wid, gpus in given)
+        how = " (simulated: ids only)" if kind == EngineKind.SIM else ""
+        return f"GPUs by worker{how}: {plan}"
+    if kind == EngineKind.SIM:
+        return "GPUs: none (simulated workers; --gpus gives them GPU ids)"
+    if kind == EngineKind.EXTERNAL:
+        return "GPUs: those of the external servers"
+    return "GPUs: none (vLLM's CPU build)"
+
+
+def _log_plan(kind: EngineKind, engines: Engines, log_dir: Path) -> None:
+    for w in engines.workers:
+        log.info("plan: worker %s (%s) at %s, GPUs %s", w.id, kind.value, w.url,
+                 ",".join(map(str, w.gpus)) or "none")  # fmt: skip
+    log.info("plan: model %s, max_model_len %d; worker logs in %s",
+             engines.served_name, engines.max_model_len, log_dir)  # fmt: skip
+
+
+def _reloads(live: LiveReload, key_file: keystore.KeyFile, ledger: LedgerWriter,
+             wired: Wiring) -> None:  # fmt: skip
+    """What a reload changes in the running appliance (appliance/live_reload.py)."""
+    live.on_keys(key_file.refresh)
+    live.on_change("log_level", _set_log_level)
+    live.on_change("costs", lambda s: ledger.set_price(configured_price(s, time.time())))
+    live.on_change("admission", lambda s: setattr(wired.admission, "limits", admission_limits(s)))
+
+
+def _set_log_level(settings: Settings) -> None:
+    logging.getLogger().setLevel(settings.log_level)
+    log.debug("log level now %s", settings.log_level)
+
+
+async def _ready(engines: Engines, ledger: LedgerWriter, notifier: Notifier, url: str) -> None:
+    """Tells systemd the appliance is ready once the API serves (the caller waited for it)
+    and every worker is healthy, with the ledger writing: what `/health` then says."""
+    while not (all(w.healthy for w in engines.workers) and ledger.failing is None):
+        await asyncio.sleep(0.1)
+    if notifier.ready(f"serving at {url} with {_plural(len(engines.workers), 'worker')}"):
+        log.info("told systemd: ready")
 
 
 def _api_server(app: Any, settings: Settings) -> ApiServer:
@@ -182,20 +258,22 @@ def _open_ledger(settings: Settings) -> LedgerWriter:
         batch_max=settings.ledger.batch_max,
         busy_timeout_s=settings.ledger.busy_timeout_s,
     )
-    c = settings.costs
-    ledger.set_price(
-        Price(
-            mode=CostMode(c.mode),
-            effective_from=time.time(),
-            currency=c.currency,
-            fresh_per_mtok=c.fresh_per_mtok,
-            cached_per_mtok=c.cached_per_mtok,
-            output_per_mtok=c.output_per_mtok,
-            reasoning_per_mtok=c.reasoning_per_mtok,
-            gpu_second=c.gpu_second,
-        )
-    ).result()
+    ledger.set_price(configured_price(settings, time.time())).result()
     return ledger
+
+
+def configured_price(settings: Settings, effective_from: float) -> Price:
+    c = settings.costs
+    return Price(
+        mode=CostMode(c.mode),
+        effective_from=effective_from,
+        currency=c.currency,
+        fresh_per_mtok=c.fresh_per_mtok,
+        cached_per_mtok=c.cached_per_mtok,
+        output_per_mtok=c.output_per_mtok,
+        reasoning_per_mtok=c.reasoning_per_mtok,
+        gpu_second=c.gpu_second,
+    )
 
 
 async def _started(
@@ -230,24 +308,52 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
         await asyncio.sleep(REFRESH_S)
 
 
-def run_foreground(settings: Settings) -> None:
-    """Foreground: until Ctrl-C or SIGTERM, then a clean stop. The appliance's own log lines
-    go to stderr at `log_level`."""
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def run_foreground(settings: Settings, reload: Callable[[], Settings] | None = None) -> None:
+    """Foreground: until Ctrl-C or SIGTERM, then a clean stop; SIGHUP reloads (with `reload`,
+    which reads the settings again from the sources they came from). The appliance's own log
+    lines go to stderr and to appliance.log in the log dir at `log_level`."""
+    stop_logging = start_logging(settings.log_level, ensure_data_dir(settings.log_path))
+    try:
+        _run(settings, reload)
+    finally:
+        stop_logging()
+
+
+def _run(settings: Settings, reload: Callable[[], Settings] | None) -> None:
+    notifier = Notifier.from_env()
+    live = LiveReload(settings, reload or (lambda: settings), settings.data_dir.expanduser())
     loop = new_event_loop()
-    main = loop.create_task(serve(settings))
+    main = loop.create_task(serve(settings, control=Control(live=live, notifier=notifier)))
+    pinger = loop.create_task(_watchdog(notifier))
 
     def stop(name: str) -> None:
         log.warning("%s: draining (requests in flight may finish), then stopping", name)
+        notifier.stopping("draining")
         main.cancel()
+
+    def hangup() -> None:
+        notifier.reloading()
+        live.run()
+        notifier.ready("reloaded")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop, sig.name)
-    with contextlib.suppress(asyncio.CancelledError):
-        loop.run_until_complete(main)
-    loop.close()
+    loop.add_signal_handler(signal.SIGHUP, hangup)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(main)
+    finally:
+        pinger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(pinger)
+        loop.close()
     log.warning("stopped")
+
+
+async def _watchdog(notifier: Notifier) -> None:
+    """`WATCHDOG=1` every half of the service's watchdog interval, from the event loop."""
+    if notifier.watchdog_s is None:
+        return
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(notifier.watchdog_s / 2)

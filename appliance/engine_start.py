@@ -164,6 +164,7 @@ async def _connected_engines(
         if launches:
             await _await_healthy(external, list(procs.values()), log_dir)
         for launch, handle in zip(launches, external.workers, strict=False):
+            handle.gpus = launch.gpus
             keep = _keep_running(launch, handle, procs, log_dir, feed, retention)
             keepers.append(asyncio.create_task(keep, name=f"keep {launch.worker}"))
         limit = await model_limit(external.workers, name, e.max_model_len)
@@ -230,11 +231,20 @@ def sim_launches(settings: Settings) -> list[WorkerLaunch]:
             port=e.base_port + i,
             url=f"http://127.0.0.1:{e.base_port + i}",
             kv_events_endpoint=f"tcp://127.0.0.1:{e.kv_events_base_port + i}",
-            gpus=(),
+            gpus=sim_gpus(settings, i),
             cpus=(),
         )
         for i in range(e.workers)
     ]
+
+
+def sim_gpus(settings: Settings, index: int) -> tuple[int, ...]:
+    """The GPU ids simulated worker `index` carries (`engine.gpus`, shared out as vLLM's
+    workers share them); none without it."""
+    e = settings.engine
+    if e.gpus is None:
+        return ()
+    return tuple(e.gpus[index * e.gpus_per_worker : (index + 1) * e.gpus_per_worker])
 
 
 def _retention_launch(settings: Settings) -> RetentionLaunch | None:

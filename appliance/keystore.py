@@ -117,21 +117,31 @@ class KeyFile:
             self._reload()
         return self._keys
 
-    def _reload(self) -> None:
+    def refresh(self) -> int:
+        """Read the file again now, whatever its stamp says (`appliance reload`); the number
+        of keys in effect. Raises ApiKeyError (the last good keys stay) when it is bad."""
+        self._checked = self._clock()
+        error = self._reload(force=True)
+        if error is not None:
+            raise ApiKeyError(error)
+        return len(self._keys)
+
+    def _reload(self, *, force: bool = False) -> str | None:
         try:
             st = self._path.stat()
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
             stamp = (0, 0, 0)
-        if stamp == self._stamp:
-            return
+        if stamp == self._stamp and not force:
+            return None
         try:
             self._keys = load_keys(self._path)
         except ApiKeyError as exc:
             log.error("API keys not reloaded, the last good ones stay: %s", exc.message)
-            return
+            return exc.message
         self._stamp = stamp
         self.version += 1
+        return None
 
 
 def ensure_default_keys(path: Path) -> list[ApiKey]:

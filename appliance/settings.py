@@ -1,4 +1,5 @@
-"""The appliance's settings: one typed tree, built once in bootstrap and passed down.
+"""The appliance's settings: one typed tree, built once in bootstrap and passed down
+(appliance/settings_load.py builds it from its sources).
 
 Sources, strongest first: explicit values (CLI flags), environment variables
 (`APPLIANCE_` prefix, `__` between nested keys, e.g. `APPLIANCE_SERVER__PORT=9000`), the YAML
@@ -9,21 +10,12 @@ docstring; `configs/appliance.yaml` documents the same keys with their defaults
 
 from __future__ import annotations
 
-import os
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
-
-from appliance.domain.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "APPLIANCE_"
 
@@ -65,6 +57,11 @@ class EngineSettings(Section):
     """Number of engine workers (one per GPU group)."""
     gpus_per_worker: int = Field(1, ge=1, le=16)
     """GPUs given to each worker through CUDA_VISIBLE_DEVICES (its tensor-parallel size)."""
+    gpus: list[int] | None = None
+    """GPU indices (nvidia-smi's, PCI bus order) the workers share out in order,
+    gpus_per_worker each (`up --gpus 0,1,2,3`); without workers set, one worker per
+    gpus_per_worker of them. None: the appliance's own CUDA_VISIBLE_DEVICES when it lists
+    indices, else 0, 1, ... Simulated workers carry the ids only."""
     base_port: int = Field(8100, ge=1, le=65535)
     """HTTP port of worker 0; worker i listens on base_port + i."""
     kv_events_base_port: int = Field(5557, ge=1, le=65535)
@@ -104,6 +101,23 @@ class EngineSettings(Section):
     """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None
     """GPU profile JSON for the sim engine's latency model; None = the bundled H200 profile."""
+
+    @model_validator(mode="after")
+    def _gpus_for_every_worker(self) -> EngineSettings:
+        if self.gpus is None:
+            return self
+        if any(g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"engine.gpus={self.gpus}: list each GPU index (>= 0) once")
+        if "workers" not in self.model_fields_set:
+            self.workers = max(1, len(self.gpus) // self.gpus_per_worker)
+        need = self.workers * self.gpus_per_worker
+        if len(self.gpus) < need:
+            raise ValueError(
+                f"engine.workers={self.workers} x engine.gpus_per_worker={self.gpus_per_worker}"
+                f" needs {need} GPUs but engine.gpus lists {len(self.gpus)}; list more GPUs or "
+                "lower one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _external_needs_urls(self) -> EngineSettings:
@@ -251,7 +265,10 @@ class Settings(BaseSettings):
     debug: bool = False
     """Print tracebacks for known errors ($APPLIANCE_DEBUG=1)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Level of the appliance's own log lines."""
+    """Level of the appliance's own log lines (stderr and appliance.log; a reload applies it)."""
+    log_dir: Path | None = None
+    """Directory of appliance.log (rotated at 10 MiB, 5 kept) and the workers' logs; None =
+    logs/ in the data dir."""
     server: ServerSettings = ServerSettings()
     engine: EngineSettings = EngineSettings()
     routing: RoutingSettings = RoutingSettings()
@@ -264,6 +281,10 @@ class Settings(BaseSettings):
     def ledger_path(self) -> Path:
         return self.ledger.path or self.data_dir / "ledger.db"
 
+    @property
+    def log_path(self) -> Path:
+        return (self.log_dir or self.data_dir / "logs").expanduser()
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -273,125 +294,5 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # load() merges file, environment and flags itself, in that order of strength.
+        # settings_load.load() merges file, environment and flags, in that order of strength.
         return (init_settings,)
-
-
-def load(config_file: Path | None = None, **flags: Any) -> Settings:
-    """Build the settings: defaults, then the YAML file, then the environment, then `flags`.
-
-    `flags` are CLI values for top-level keys or nested dicts for sections; None means "not
-    given" and never hides the file or the environment. Raises ConfigError with one line that
-    names the key, the value and the fix.
-    """
-    path = config_file or _env_config_path()
-    _check_env_keys()
-    layers = [_read_yaml(path) if path else {}, EnvSettingsSource(Settings)(), _given(flags)]
-    values: dict[str, Any] = {}
-    for layer in layers:
-        _deep_merge(values, layer)
-    try:
-        return Settings(**values)
-    except ValidationError as exc:
-        raise ConfigError(_one_line(exc, path)) from None
-
-
-def _given(flags: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flags.items():
-        if isinstance(value, dict):
-            value = _given(value)
-        if value is not None and value != {}:
-            out[key] = value
-    return out
-
-
-def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> None:
-    for key, value in other.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _deep_merge(into[key], value)
-        else:
-            into[key] = value
-
-
-def _env_config_path() -> Path | None:
-    raw = os.environ.get(ENV_PREFIX + "CONFIG")
-    return Path(raw) if raw else None
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(
-            f"config file {path}: {exc.strerror}; pass an existing --config"
-        ) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config file {path}{where}: not valid YAML; fix the syntax") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path}: must be a mapping of keys, not {type(data).__name__}"
-        )
-    return data
-
-
-# Environment variables the appliance reads itself rather than as settings keys.
-_NON_SETTING_ENV = {"CONFIG", "VLLM_PYTHON", "TEST_CACHE"}
-
-
-def _check_env_keys() -> None:
-    """An APPLIANCE_* variable that names no setting is a typo: say so instead of ignoring it."""
-    for name in os.environ:
-        if not name.startswith(ENV_PREFIX):
-            continue
-        parts = name[len(ENV_PREFIX) :].lower().split("__")
-        if parts[0].upper() in _NON_SETTING_ENV:
-            continue
-        model: type[BaseModel] | None = Settings
-        for part in parts:
-            fields = model.model_fields if model else {}
-            if part not in fields:
-                raise ConfigError(
-                    f"environment {name}: unknown key '{'.'.join(parts)}'; "
-                    "see `appliance config show` for the known keys"
-                )
-            annotation = fields[part].annotation
-            model = (
-                annotation
-                if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-                else None
-            )
-
-
-def _one_line(exc: ValidationError, path: Path | None) -> str:
-    err = exc.errors()[0]
-    key = ".".join(str(p) for p in err["loc"]) or "(root)"
-    value = err.get("input")
-    source = f"config {path}" if path else "config"
-    if err["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{key}'; remove it or check configs/appliance.yaml"
-    message = err["msg"].removeprefix("Value error, ")
-    about = _describe(tuple(str(p) for p in err["loc"]))
-    fix = f"; expected: {' '.join(about.split())}" if about else ""
-    return f"{source}: {key}={value!r} is invalid: {message}{fix}"
-
-
-def _describe(loc: tuple[str, ...]) -> str | None:
-    """The docstring of the field at `loc`, the best one-line hint of what a key wants."""
-    model: type[BaseModel] = Settings
-    description = None
-    for part in loc:
-        field = model.model_fields.get(part)
-        if field is None:
-            break
-        description = field.description
-        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            break
-        model = field.annotation
-    return description

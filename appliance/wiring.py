@@ -20,6 +20,7 @@ from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, recent_sessions, session_gaps
 from appliance.ledger.session_history import session_turns
+from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
@@ -87,6 +88,8 @@ class Wiring:
     gpu: GpuTick
     reaper: ReaperLoop | None
     """The idle reaper's loop (None: `residency.reaper` is off); the daemon runs it."""
+    admission: AdmissionService
+    """Its `limits` are replaced on a reload (`admission_limits`)."""
 
 
 def wire(
@@ -101,7 +104,7 @@ def wire(
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
 ) -> Wiring:
-    events = EventFeed()
+    events = LoggedEventFeed()
     gpu = GpuTick(probe)
     workers = engines.workers
     cost = LatencyModel.from_profile(profile)
@@ -148,7 +151,7 @@ def wire(
             ),
         )
     )
-    return Wiring(app, desk, speeds, events, gpu, reaper)
+    return Wiring(app, desk, speeds, events, gpu, reaper, admission)
 
 
 def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:
@@ -237,6 +240,12 @@ def _reaper_loop(
     return loop
 
 
+def admission_limits(settings: Settings) -> AdmissionLimits:
+    """The admission policy's limits: every `admission.*` key but `task_idle_s`, which the
+    task book reads once."""
+    return AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"}))
+
+
 def _turn_desk(
     settings: Settings,
     engines: StartedEngines,
@@ -256,7 +265,7 @@ def _turn_desk(
         ledger,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
-        on_turn=tasks.add_turn,
+        on_turn=log_turns(tasks.add_turn),
     )
     placer = Placer(
         workers=engines.workers,
@@ -269,7 +278,7 @@ def _turn_desk(
         salt=TenantSalts(secret),
     )
     admission = AdmissionService(
-        limits=AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"})),
+        limits=admission_limits(settings),
         tasks=tasks,
         # queue_s: the queued prefill ahead of new work
         estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, queues.slowdown),

@@ -6,7 +6,6 @@ shown only with APPLIANCE_DEBUG=1.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from appliance import bootstrap
+from appliance import __version__, bootstrap
 from appliance.domain.errors import ApplianceError
 
 
@@ -32,7 +31,7 @@ app = typer.Typer(
     name="appliance",
     help="A single-box serving appliance for LLM agent workloads.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion [bash|zsh|fish]
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: the rich panels showed every flag as `<bool>`
 )
@@ -42,13 +41,17 @@ config_app = typer.Typer(
 keys_app = typer.Typer(
     help="Manage API keys (tenants and operators).", no_args_is_help=True, rich_markup_mode=None
 )
+service_app = typer.Typer(
+    help="The appliance as a systemd service.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
+app.add_typer(service_app, name="service")
 
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"appliance {importlib.metadata.version('agent-appliance')}")
+        typer.echo(f"appliance {__version__}")
         raise typer.Exit()
 
 
@@ -82,16 +85,51 @@ def up(
     model: Annotated[str | None, typer.Option(help="Model path or name.")] = None,
     host: Annotated[str | None, typer.Option(help="Listen address.")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port.")] = None,
+    gpus: Annotated[
+        str | None,
+        typer.Option(
+            help="GPU indices the workers share out, e.g. 0,1,2,3 (engine.gpus).",
+            callback=lambda text: _gpu_list(text) and text,
+        ),
+    ] = None,
     data_dir: DataDirOpt = None,
 ) -> None:
     """Start the whole appliance in the foreground."""
-    settings = bootstrap.load_settings(
-        config,
-        data_dir=data_dir,
-        server={"host": host, "port": port},
-        engine={"kind": engine, "workers": workers, "model": model},
-    )
-    bootstrap.run_appliance(settings)
+    flags = {
+        "data_dir": data_dir,
+        "server": {"host": host, "port": port},
+        "engine": {"kind": engine, "workers": workers, "model": model, "gpus": _gpu_list(gpus)},
+    }
+    settings = bootstrap.load_settings(config, **flags)
+    bootstrap.run_appliance(settings, lambda: bootstrap.load_settings(config, **flags))
+
+
+def _gpu_list(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise typer.BadParameter(f"{text!r}: give GPU indices separated by commas, e.g. 0,1,2,3")
+    return [int(p) for p in parts]
+
+
+TimeoutOpt = Annotated[
+    float, typer.Option("--timeout", help="Seconds to wait for the appliance.", min=0)
+]
+
+
+@app.command()
+def stop(config: ConfigOpt = None, data_dir: DataDirOpt = None, timeout: TimeoutOpt = 120) -> None:
+    """Stop the appliance running on the data dir: it drains (requests in flight finish),
+    stops its workers and exits; waits until it has."""
+    typer.echo(bootstrap.stop_appliance(config, data_dir=data_dir, timeout_s=timeout))
+
+
+@app.command()
+def reload(config: ConfigOpt = None, data_dir: DataDirOpt = None, timeout: TimeoutOpt = 30) -> None:
+    """Make the appliance running on the data dir read its API keys and its config again:
+    applies log_level, costs and admission at once, names what needs a restart."""
+    typer.echo(bootstrap.reload_appliance(config, data_dir=data_dir, timeout_s=timeout))
 
 
 KeyOpt = Annotated[
@@ -409,6 +447,38 @@ def keys_list(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
     """List key names and roles (never the keys)."""
     for k in bootstrap.list_api_keys(config=config, data_dir=data_dir):
         typer.echo(f"{k.name}\t{'admin' if k.admin else 'tenant'}\t{k.created_at}")
+
+
+RootOpt = Annotated[
+    Path,
+    typer.Option("--root", help="Lay the files out under this folder as under / (packaging)."),
+]
+
+
+@service_app.command("install")
+def service_install(root: RootOpt = Path("/")) -> None:
+    """Write the systemd unit, its user, a config file and the data dir; print what to run
+    next."""
+    for line in bootstrap.install_service(root):
+        typer.echo(line)
+
+
+@service_app.command("uninstall")
+def service_uninstall(root: RootOpt = Path("/")) -> None:
+    """Remove the unit and its user's entry (the config and the data dir stay)."""
+    for line in bootstrap.uninstall_service(root):
+        typer.echo(line)
+
+
+@service_app.command("status")
+def service_status(root: RootOpt = Path("/")) -> None:
+    """Which of the service's files are installed and what systemctl says; exit 1 without
+    the unit."""
+    lines, installed = bootstrap.service_report(root)
+    for line in lines:
+        typer.echo(line)
+    if not installed:
+        raise typer.Exit(1)
 
 
 def _table(rows: list[dict[str, object]]) -> str:

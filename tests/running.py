@@ -64,8 +64,8 @@ def appliance_process(
         APPLIANCE_ENGINE__BASE_PORT=str(base),
         APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
         APPLIANCE_ENGINE__KV_RETENTION_BASE_PORT=str(free_port_block(blocks)),
-        **(env or {}),
     )
+    full.update(env or {})  # the test's own win, the ports too
     argv = [str(BIN / "appliance"), "up", "--engine", engine, "--port", str(port)]
     if workers is not None:
         argv += ["--workers", str(workers)]

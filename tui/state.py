@@ -133,6 +133,7 @@ class Residency(msgspec.Struct, frozen=True):
 
 class AdminState(msgspec.Struct, frozen=True):
     time: float
+    version: str | None = None
     workers: list[WorkerState] = []
     gpus: list[GpuState] = []
     gpu_driver: str | None = None

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from appliance import __version__
 from appliance.api.context import ApiContext, Guard
 from appliance.api.state_document import admin_state
 
@@ -57,9 +58,11 @@ class AdminRoutes:
     async def health(self, request: Request) -> Response:
         failing = self._ctx.ledger_failing()
         if failing is not None:
-            return JSONResponse({"status": "degraded", "ledger": failing}, status_code=503)
+            return JSONResponse(
+                {"status": "degraded", "ledger": failing, "version": __version__}, status_code=503
+            )
         healthy = self._ctx.healthy()
         return JSONResponse(
-            {"status": "ok" if healthy else "no healthy worker"},
+            {"status": "ok" if healthy else "no healthy worker", "version": __version__},
             status_code=200 if healthy else 503,
         )

@@ -181,6 +181,8 @@ class AdminStateView(_Model):
     """One snapshot of the running appliance (`GET /admin/v1/state`)."""
 
     time: float
+    version: str | None = None
+    """The appliance's version (`appliance --version`); None from one that does not say."""
     workers: list[WorkerStateView] = Field(default_factory=list)
     gpus: list[GpuStateView] = Field(default_factory=list)
     """Empty on a host without NVIDIA GPUs: a normal state."""

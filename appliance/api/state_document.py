@@ -8,6 +8,7 @@ JSON-ready rows (costs, events, admission) are validated into their models.
 
 from __future__ import annotations
 
+from appliance import __version__
 from appliance.api import schemas
 from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
@@ -19,6 +20,7 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
     fleet, gpu = snap.fleet, snap.fleet.gpu
     return schemas.AdminStateView(
         time=snap.time,
+        version=__version__,
         workers=[_worker(w, fleet.prefill_slowdown[w.id]) for w in fleet.workers],
         gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
         gpu_driver=gpu.driver if gpu else None,

@@ -303,14 +303,17 @@ def spec_from_settings(
     kv_cache_memory_bytes: int | None = None,
     free_memory_bytes: int | None = None,
 ) -> LaunchSpec:
-    """The launch spec the settings describe. The GPUs are those of the appliance's own
-    CUDA_VISIBLE_DEVICES when it is a list of indices, else 0, 1, ... On the CPU build
+    """The launch spec the settings describe. The GPUs are `engine.gpus`, else those of the
+    appliance's own CUDA_VISIBLE_DEVICES when it is a list of indices, else 0, 1, ... On the
+    CPU build
     without a configured KV size, the workers share `free_memory_bytes` (host memory free)."""
     if not engine.model:
         raise ConfigError("engine.model is not set; pass --model PATH_OR_NAME")
     visible = (base_env or {}).get("CUDA_VISIBLE_DEVICES", "")
     parts = [p.strip() for p in visible.split(",") if p.strip()]
     gpu_ids = tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+    if engine.gpus is not None:
+        gpu_ids = tuple(engine.gpus)
     if device == Device.CPU and kv_cache_memory_bytes is None and free_memory_bytes is not None:
         kv_cache_memory_bytes = cpu_kv_cache_bytes(free_memory_bytes, engine.workers)
     return LaunchSpec(

@@ -49,14 +49,18 @@ class SimulatedGpu:
 
 
 class SimulatedGpuProbe:
-    """One reading per simulated worker, in the workers' order (GPU i is worker i)."""
+    """One reading per simulated worker, in the workers' order: GPU i is worker i, or the
+    first GPU id the worker was given (`engine.gpus`)."""
 
     def __init__(self, gpu: SimulatedGpu, workers: Callable[[], Sequence[WorkerEndpoint]]) -> None:
         self.gpu = gpu
         self._workers = workers
 
     def snapshot(self) -> GpuSnapshot:
-        readings = tuple(self.reading(i, w) for i, w in enumerate(self._workers()))
+        readings = tuple(
+            self.reading(_first(getattr(w, "gpus", ()), i), w)
+            for i, w in enumerate(self._workers())
+        )
         return GpuSnapshot(time.time(), DRIVER, readings, read_host(), None)
 
     def reading(self, index: int, worker: WorkerEndpoint) -> GpuReading:
@@ -84,3 +88,7 @@ class SimulatedGpuProbe:
 
     def close(self) -> None:
         pass
+
+
+def _first(gpus: Sequence[int], default: int) -> int:
+    return gpus[0] if gpus else default

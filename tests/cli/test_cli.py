@@ -44,8 +44,12 @@ def test_help_lists_every_command_of_the_interface() -> None:
         "doctor",
         "config",
         "keys",
+        "stop",
+        "reload",
+        "service",
     ):
         assert f" {command} " in out, command
+    assert "--install-completion" in out and "--show-completion" in out
 
 
 def test_config_show_prints_the_effective_configuration(tmp_path: Path) -> None:

@@ -86,6 +86,16 @@ async def test_overview_without_gpus_says_so_calmly(fake: FakeAppliance) -> None
         assert "w0      sim     ok" in text
 
 
+async def test_the_header_shows_the_appliances_version(fake: FakeAppliance) -> None:
+    state = make_state()
+    state["version"] = "9.8.7"
+    fake.set_state(state)
+    app = console(fake.url)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(app, pilot)
+        assert "v9.8.7" in screen_text(app).splitlines()[0]
+
+
 async def test_overview_follows_new_snapshots(fake: FakeAppliance) -> None:
     app = console(fake.url)
     async with app.run_test(size=(120, 36)) as pilot:

@@ -9,7 +9,8 @@ import pytest
 
 from appliance.domain.errors import ConfigError
 from appliance.policy.admission import AdmissionLimits
-from appliance.settings import AdmissionSettings, load
+from appliance.settings import AdmissionSettings
+from appliance.settings_load import load
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from appliance.domain.errors import ConfigError
-from appliance.settings import Settings, load
+from appliance.settings import Settings
+from appliance.settings_load import load
 from appliance.settings_yaml import documented_yaml
 
 ROOT = Path(__file__).resolve().parents[2]

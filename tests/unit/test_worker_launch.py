@@ -280,6 +280,34 @@ def test_spec_from_settings() -> None:
         spec_from_settings(EngineSettings(), python="/p", device=Device.CPU)
 
 
+def test_engine_gpus_win_over_the_environment_and_each_worker_sees_its_own() -> None:
+    """`up --gpus 4,5,6,7` with two GPUs per worker: worker i gets the i-th pair through
+    CUDA_VISIBLE_DEVICES, whatever the appliance's own CUDA_VISIBLE_DEVICES says; no
+    workers given: one per pair."""
+    engine = EngineSettings(model="/m/Qwen3-8B", gpus=[4, 5, 6, 7], gpus_per_worker=2)
+    assert engine.workers == 2
+    spec = spec_from_settings(
+        engine, python="/p", device=Device.CUDA, base_env={"CUDA_VISIBLE_DEVICES": "0"}
+    )
+    plans = plan_workers(spec, BASE_ENV)
+    assert [p.gpus for p in plans] == [(4, 5), (6, 7)]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["4,5", "6,7"]
+    assert all("--tensor-parallel-size" in p.argv for p in plans)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"gpus": [0, 1], "workers": 3}, "needs 3 GPUs but engine.gpus lists 2"),
+        ({"gpus": [0, 0]}, "list each GPU index"),
+        ({"gpus": []}, "needs 1 GPUs but engine.gpus lists 0"),
+    ],
+)
+def test_engine_gpus_that_cannot_serve_the_workers_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineSettings(**fields)
+
+
 GIB = 2**30
 
 

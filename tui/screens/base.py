@@ -65,7 +65,7 @@ class StateScreen(Screen[None]):
 
     def show_state(self, state: AdminState) -> None:
         self._shown = state
-        self.query_one(TopBar).set_time(state.time)
+        self.query_one(TopBar).set_time(state.time, state.version)
         self.update_body(state)
 
     def update_body(self, state: AdminState) -> None:

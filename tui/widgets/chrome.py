@@ -20,7 +20,8 @@ TABS = (
 
 class TopBar(Widget):
     """`1 Overview 2 Sessions ...` with the current screen lit, and on the right which
-    appliance this is and the time of the snapshot on screen."""
+    appliance this is (its address, and its version once a snapshot says it) and the time of
+    the snapshot on screen."""
 
     DEFAULT_CSS = """
     TopBar { height: 1; background: $panel; }
@@ -31,10 +32,12 @@ class TopBar(Widget):
         self.current = current
         self.label = label
         self.snapshot_time: float | None = None
+        self.version: str | None = None
 
-    def set_time(self, unix_s: float) -> None:
-        if unix_s != self.snapshot_time:
+    def set_time(self, unix_s: float, version: str | None = None) -> None:
+        if unix_s != self.snapshot_time or version != self.version:
             self.snapshot_time = unix_s
+            self.version = version
             self.refresh()
 
     def render(self) -> RenderResult:
@@ -45,7 +48,8 @@ class TopBar(Widget):
             else:
                 line.append(f" {key}", style="bold")
                 line.append(f" {title} ", style="dim")
-        right = Text(f"{self.label}  {fmt.clock(self.snapshot_time)} ", style="dim")
+        version = f" v{self.version}" if self.version else ""
+        right = Text(f"{self.label}{version}  {fmt.clock(self.snapshot_time)} ", style="dim")
         gap = self.size.width - line.cell_len - right.cell_len
         if gap >= 1:
             line.append(" " * gap)
