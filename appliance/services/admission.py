@@ -284,6 +284,8 @@ class AdmissionService:
         if decision.admitted:
             self.accepted += 1
             self._accept_rate.add(now)
+            if log.isEnabledFor(logging.DEBUG):  # the hot path: no formatting at INFO
+                log.debug("admission admitted %s of tenant %s", task_id, request.tenant)
             return decision
         self.rejected += 1
         self._reject_rate.add(now)

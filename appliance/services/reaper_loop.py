@@ -184,6 +184,7 @@ class ReaperLoop:
             w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
         w.decision = decision
         self.decisions[decision.action.value] += 1
+        log.debug("idle reaper: %s %s on %s: %s", decision.action, key, w.worker, decision.reason)
         self._write(rows.decision_row(w.idle, w.worker, decision, now, priority))
         if decision.kind is ResidencyKind.MAX_RESIDENCY:
             self._abandoned(key, w, now)

@@ -6,6 +6,7 @@ and the end of streamed turns."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import Future
@@ -540,3 +541,20 @@ def test_the_counters_never_let_a_cap_be_exceeded(
     for end in ends:
         end()
     assert box.service.snapshot()["in_flight_turns"] == 0
+
+
+def test_decisions_are_logged_admissions_at_debug_refusals_at_info(
+    ledger: LedgerWriter, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = make_box(ledger)
+    with caplog.at_level(logging.DEBUG, logger="appliance.services.admission"):
+        run(box.task(A, "p", max_children=1))
+        run(box.task(A, "c1", parent="p"))
+        refused(box.task(A, "c2", parent="p"))
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (logging.DEBUG, "admission admitted a/c1 of tenant a") in lines
+    assert any(level == logging.INFO and "refused a/c2" in text for level, text in lines)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="appliance.services.admission"):
+        run(box.task(A, "q"))
+    assert caplog.records == []

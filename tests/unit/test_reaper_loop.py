@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
@@ -202,6 +203,14 @@ def test_a_short_expected_wait_is_held_until_its_revisit(s: Setup) -> None:
     assert priority > 0 and figures["priority"] == priority
     assert "P " in row.reason and row.reason.startswith("pool_free: hold")
     assert s.loop.decision_of(session).action == "hold"  # type: ignore[union-attr]
+
+
+def test_each_decision_is_logged_at_debug(s: Setup, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="appliance.services.reaper_loop"):
+        s.turn(s.session("a"), tool="api", wait_s=1.0)
+    [record] = caplog.records
+    assert record.levelno == logging.DEBUG
+    assert record.getMessage().startswith("idle reaper: hold acme/a on w0: hold: HBM has room")
 
 
 def test_under_pressure_an_approval_wait_is_released_and_an_api_wait_held() -> None:
