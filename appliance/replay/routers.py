@@ -7,7 +7,10 @@ become visible, as vLLM publishes them after the step), and its own account of t
 routed: requests in flight, prefill not yet started (tokens for Dynamo; for the appliance
 the live router's own queue book, `appliance.services.queue_book`, on the replay's virtual
 clock, so the replay judges the policy with the inputs it has live) and the blocks of
-active sequences. First tokens and finishes reach it through `on_step`. The policy itself
+active sequences. First tokens and finishes reach it through `on_step`. The appliance's
+book reads each engine's gauges at the arrival as a worker reading (its waiting requests,
+and its mean prompt over the first tokens so far, as vLLM's counters give it live); the
+anchors read them as their sources do. The policy itself
 is the appliance's `route` or an anchor policy, called unchanged: this module only builds
 their inputs.
 """
@@ -29,6 +32,7 @@ from appliance.domain.block_hash import (
 )
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import TurnId, WorkerId
+from appliance.domain.worker import LoadSnapshot
 from appliance.perf.latency import LatencyModel
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
@@ -82,6 +86,10 @@ class PolicyRouter:
         self.ids = [WorkerId(f"w{i}") for i in range(workers)]
         self.in_flight = [0] * workers
         self.prefill_tokens = [0] * workers
+        self.first_tokens = [0] * workers
+        self.first_token_prompts = [0] * workers
+        """Per engine: requests that had their first token, and their prompt tokens (vLLM's
+        `time_to_first_token_seconds_count` and `prompt_tokens_total`)."""
         self.clock = VirtualClock()
         self.queues = QueueBook(latency, self.clock)
         self.active: list[Counter[int]] = [Counter() for _ in range(workers)]
@@ -153,7 +161,9 @@ class PolicyRouter:
         n = len(req.prompt_token_ids)
         cap = cacheable_tokens(n, self.bs)
         self._tick(req.arrival_s)
-        queues = [self.queues.routed_s(wid, req.arrival_s) for wid in self.ids]
+        queues = [0.0] * self.n
+        for v in views:
+            queues[v.index] = self.queues.queue_at(self.ids[v.index], self._reading(v, req))
         total = sum(queues)
         home = self.home.get(req.session_id) if req.session_id else None
         workers = [
@@ -172,6 +182,17 @@ class PolicyRouter:
         if decision.worker is None:
             raise RuntimeError(f"the appliance's policy placed nothing: {decision.reason}")
         return self.ids.index(decision.worker), decision.kind
+
+    def _reading(self, v: EngineView, req: SimRequest) -> LoadSnapshot:
+        """The engine's gauges at the arrival, as the book reads a worker's /metrics."""
+        return LoadSnapshot(
+            time=req.arrival_s,
+            running=v.num_running,
+            waiting=v.num_waiting,
+            kv_cache_usage_perc=v.kv_cache_usage,
+            prompt_tokens=self.first_token_prompts[v.index],
+            ttft_count=self.first_tokens[v.index],
+        )
 
     def _anchor(
         self,
@@ -227,6 +248,8 @@ class PolicyRouter:
                 continue
             if out.first_token and live.prefilling:
                 live.prefilling = False
+                self.first_tokens[live.worker] += 1
+                self.first_token_prompts[live.worker] += out.num_prompt_tokens
                 self.prefill_tokens[live.worker] -= live.fresh_tokens
                 self.queues.first_byte(self.ids[live.worker], TurnId(out.request_id))
                 if live.session is not None:

@@ -1,6 +1,7 @@
 """The router's queue estimate: its own requests in a stale worker reading are not load;
-requests the worker reports beyond them are, at the worker's mean prompt length; a request
-it sent counts only for the prefill the worker cannot have done yet."""
+requests the worker reports waiting beyond those the book counts are, at the worker's mean
+prompt length, its own past their estimate included; a request it sent counts only for the
+prefill the worker cannot have done yet."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
 from appliance.domain.worker import LoadSnapshot
+from appliance.services.queue_book import QueueBook
 from appliance.services.turn import TurnRequest
 from tests.fakes import LinearCost, ManualClock, RouterWorker, Wired, wired_desk
 
@@ -124,5 +126,48 @@ def test_a_slow_workers_queue_is_the_prefill_at_its_measured_speed() -> None:
         return seen
 
     # 100 fresh tokens x 1 ms x 20 = 2 s, 1 s of it done; one foreign request of 1000
-    # tokens x 1 ms x 20 = 20 s.
-    assert asyncio.run(main()) == pytest.approx([1.0, 0.0, 20.0])
+    # tokens x 1 ms x 20 = 20 s on top.
+    assert asyncio.run(main()) == pytest.approx([1.0, 0.0, 21.0])
+
+
+def book_and_worker() -> tuple[QueueBook, ManualClock, RouterWorker]:
+    clock = ManualClock(100.0)
+    return QueueBook(LinearCost(), clock), clock, RouterWorker(WorkerId("w0"), None)
+
+
+def test_the_routers_own_request_still_waiting_past_its_estimate_is_load() -> None:
+    # A worker whose KV cache is full holds a request back until running ones end: long
+    # after the book's estimate of its prefill ran out, the worker still reports it waiting.
+    book, clock, w0 = book_and_worker()
+    book.sent(w0.id, TurnId("a"), 0.1, 100.0)
+    clock.t = 102.0
+    assert book.queue_s(w0) == 0.0  # no reading: the book alone thinks it done
+    w0.load = reading(102.0, waiting=1)
+    assert book.queue_s(w0) == pytest.approx(1.0)  # 1000 tokens x 1 ms
+
+
+def test_a_request_the_book_still_counts_is_not_counted_again_from_the_reading() -> None:
+    book, clock, w0 = book_and_worker()
+    book.sent(w0.id, TurnId("a"), 0.1, 100.0)
+    w0.load = reading(100.0, waiting=1)  # that request
+    clock.t = 100.05
+    assert book.queue_s(w0) == pytest.approx(0.05)
+    w0.load = reading(100.0, waiting=2)  # and one that is not the router's
+    assert book.queue_s(w0) == pytest.approx(1.05)
+    book.sent(w0.id, TurnId("b"), 0.1, 100.05)  # sent after the reading: not in it
+    assert book.queue_s(w0) == pytest.approx(1.15)
+
+
+def test_a_request_that_left_the_queue_since_the_reading_is_not_load() -> None:
+    book, clock, w0 = book_and_worker()
+    book.sent(w0.id, TurnId("a"), 0.1, 100.0)
+    book.sent(w0.id, TurnId("b"), 0.1, 100.0)
+    w0.load = reading(100.0, waiting=2)
+    clock.t = 101.0
+    book.first_byte(w0.id, TurnId("a"))  # streamed: its prefill is done
+    book.ended(w0.id, TurnId("b"), failed=False)  # answered whole before the next reading
+    clock.t = 102.0
+    assert book.queue_s(w0) == 0.0
+    book.ended(w0.id, TurnId("a"), failed=False)  # a second time: not another that left
+    w0.load = reading(100.5, waiting=3)
+    assert book.queue_s(w0) == pytest.approx(1.0)

@@ -158,6 +158,20 @@ def test_the_appliance_router_estimates_queues_with_the_live_queue_book() -> Non
     assert router.queues.routed_s(w0, 0.0) == 0.0
 
 
+def test_the_appliance_router_reads_the_engines_waiting_requests_as_the_live_book_does() -> None:
+    # An engine whose KV cache is full holds the router's request back past its estimate:
+    # the engine's waiting count says so, and the next turn goes where nothing waits.
+    setup, latency = make_setup(workers=2, hbm_gib=1.0)
+    engines = make_engines(setup, latency)
+    router = PolicyRouter("appliance", workers=2, hasher=engines[0].hasher, latency=latency)
+    first = SimRequest("a", list(range(4096)), 1, arrival_s=0.0, session_id="a")
+    assert router(first, [EngineView(i, 0, 0, 0.0, e) for i, e in enumerate(engines)]) == 0
+    later = 2 * latency.prefill_s(4096, 0)  # the estimate ran out; no first token
+    second = SimRequest("b", list(range(10**5, 10**5 + 4096)), 1, arrival_s=later)
+    held = [EngineView(0, 0, 1, 0.0, engines[0]), EngineView(1, 0, 0, 0.0, engines[1])]
+    assert router(second, held) == 1  # with no queue either side, w0 (listed first)
+
+
 def test_replay_is_deterministic(small: Path) -> None:
     setup, latency = make_setup(workers=2, hbm_gib=1.0)
     trace = load_trace(small)
