@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 from starlette.testclient import TestClient
 
+from appliance import __version__
 from appliance.api.auth import Caller
 from appliance.api.schemas import AdminStateView
 from appliance.domain.gpu import GpuReading
@@ -46,7 +47,7 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
             secret=b"s" * 32,
         )
         with TestClient(wired.app) as http:
-            assert http.get("/health").json() == {"status": "ok"}
+            assert http.get("/health").json() == {"status": "ok", "version": __version__}
             served = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"})
             state = served.json()
             # The published document is the schema's, and the console's twin reads it alike.

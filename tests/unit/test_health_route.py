@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from appliance import __version__
 from appliance.api.app import create_api_app
 from appliance.api.auth import Keys
 from appliance.api.context import ApiContext
@@ -42,4 +43,4 @@ def test_health_reads_only_the_workers_and_the_ledger(
     )
     with TestClient(create_api_app(ctx)) as http:
         answer = http.get("/health")
-    assert (answer.status_code, answer.json()) == (status, says)
+    assert (answer.status_code, answer.json()) == (status, {**says, "version": __version__})
