@@ -78,12 +78,14 @@ def _acknowledged() -> Future[Any]:
 
 @dataclass
 class FixedIndex:
-    """A KV index that holds `blocks` leading blocks of any chain on each worker."""
+    """A KV index that holds `blocks` leading blocks of any chain on each worker (on the
+    host tier, medium "CPU": `host`)."""
 
     blocks: dict[WorkerId, int] = field(default_factory=dict)
+    host: dict[WorkerId, int] = field(default_factory=dict)
 
     def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
-        return self.blocks
+        return self.host if medium == "CPU" else self.blocks
 
 
 @dataclass

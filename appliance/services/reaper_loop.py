@@ -8,8 +8,10 @@ session as the live inputs show it (`services/residency_inputs.py`) and sends th
 through the retention port: HOLD until the revisit the reaper names, plus `HOLD_GRACE_S` so
 that the revisit's extension arrives first, with the reaper's priority (value per
 byte-second: under pressure the worker gives back the lowest first); RELEASE (a hold it had
-is dropped: LRU from here); EVICT (its blocks go first). DEMOTE never comes: no worker
-reports a host tier. Each decision is a `residency_events` row with its reason and figures.
+is dropped: LRU from here); EVICT (its blocks go first); DEMOTE (where the worker reports a
+host tier: its blocks copied there, then evicted first on the GPU; from then on its host
+copy is what is watched). Each decision is a `residency_events` row with its reason and
+figures.
 
 `tick` decides again on each hold as it comes due (the pool as it is then), ends the idle
 periods that end without a return (the session's task closed: its KV goes first; past the
@@ -36,11 +38,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from appliance.domain.records import CacheEviction, ResidencyEvent, WorkerId
+from appliance.domain.kv_events import Medium
+from appliance.domain.records import CacheEviction, CacheTier, ResidencyEvent, WorkerId
 from appliance.domain.retention import ReturnedKv
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     HeldSession,
+    HostTierReading,
     IdleSession,
     ResidencyAction,
     ResidencyDecision,
@@ -51,8 +55,10 @@ from appliance.services import residency_records as rows
 from appliance.services.residency_inputs import (
     LiveInputs,
     ends_in_tool_call,
+    host_reading,
     idle_session,
     kv_usage,
+    one_turn,
     prefix_tokens,
     resident_tokens,
     retention_key,
@@ -140,7 +146,7 @@ class ReaperLoop:
 
     def _turn_ended(self, session: SessionState, now: float) -> None:
         worker = session.home
-        if worker is None or not prefix_tokens(session) or _one_turn(session):
+        if worker is None or not prefix_tokens(session) or one_turn(session):
             return
         key = retention_key(session)
         ends = ends_in_tool_call(session, key in self._tooled)
@@ -157,8 +163,9 @@ class ReaperLoop:
         # Just computed there, whatever the index has heard so far.
         tokens = max(seen, prefix_tokens(session))
         usage = kv_usage(self._inputs, self.retention, worker)
+        host = self._host(session, worker)
         idle = idle_session(self._inputs, session, worker, tokens=tokens, finished_at_s=now,
-                            kv_usage_now=usage, ends=ends)  # fmt: skip
+                            kv_usage_now=usage, ends=ends, host=host)  # fmt: skip
         idle = replace(idle, hbm_value=self._hbm_value(worker, key, usage, now))
         waiting = _Waiting(session, worker, idle, _NONE, math.inf, seen_tokens=seen)
         self._waiting[key] = waiting
@@ -181,7 +188,10 @@ class ReaperLoop:
             self._held[key] = w.worker
             w.due_s, w.ended_by = decision.until_s, None
         else:
-            if decision.action is ResidencyAction.EVICT and not w.evicted:
+            if decision.action is ResidencyAction.DEMOTE:
+                self.outbox.demote(w.worker, key)
+                w.seen_tokens, w.evicted = 0, False  # its host copy is watched from here
+            elif decision.action is ResidencyAction.EVICT and not w.evicted:
                 self.outbox.evict_first(w.worker, key)
             elif key in self._held:
                 self.outbox.release(w.worker, key)
@@ -208,6 +218,10 @@ class ReaperLoop:
             return None
         values = [self._priority(k, w, now) for k, w in self._held_on(worker) if k != key]
         return min(values) if values else None
+
+    def _host(self, session: SessionState, worker: WorkerId) -> HostTierReading | None:
+        block = session.chain.block_size if session.chain is not None else 0
+        return host_reading(self._inputs, self.retention, worker, block)
 
     def _held_on(self, worker: WorkerId) -> list[tuple[str, _Waiting]]:
         return [
@@ -256,6 +270,7 @@ class ReaperLoop:
             recompute_s=self._inputs.prefill_s(w.worker, tokens) if tokens else 0.0,
             kv_usage=usage,
             hbm_value=self._hbm_value(w.worker, key, usage, now),
+            host=self._host(w.session, w.worker),
         )
         self._decide(key, w, now)
 
@@ -269,11 +284,14 @@ class ReaperLoop:
         self._abandoned(key, w, now)
 
     def _watch(self, now: float) -> None:
-        """Records each waiting session whose prefix lost blocks on its worker."""
+        """Records each waiting session whose prefix lost blocks on its worker (on the host
+        tier, once demoted)."""
         for key, w in list(self._waiting.items()):
             if w.evicted:
                 continue
-            n = resident_tokens(self._inputs.index, w.session, w.worker)
+            demoted = w.decision.action is ResidencyAction.DEMOTE
+            medium = Medium.CPU if demoted else Medium.GPU
+            n = resident_tokens(self._inputs.index, w.session, w.worker, medium)
             if n >= w.seen_tokens:
                 w.seen_tokens = n
                 continue
@@ -281,8 +299,9 @@ class ReaperLoop:
                 continue
             w.evicted = True
             cause = rows.eviction_cause(w.decision.action, w.ended_by)
+            tier = CacheTier.HOST if demoted else CacheTier.GPU
             row, mark = rows.eviction_records(self._inputs, w.session, w.worker, cause,
-                                              tokens_left=n, now=now)  # fmt: skip
+                                              tokens_left=n, now=now, tier=tier)  # fmt: skip
             self._write(row)
             if mark is not None:
                 self._mark(mark)
@@ -372,12 +391,6 @@ class ReaperLoop:
 
 
 _NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")
-
-
-def _one_turn(session: SessionState) -> bool:
-    """A turn that named neither a session nor a task: nothing comes back to it."""
-    task = session.task_id or ""
-    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
 
 
 def _log_refusal(written: Future[None]) -> None:

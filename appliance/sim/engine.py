@@ -200,7 +200,7 @@ class SimEngine:
         self._residency = residency
         self._retention = retention
         if retention is not None:
-            retention.bind(self.cache.pool)
+            retention.bind(self.cache.pool, self.cache if self.cache.host is not None else None)
         self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
         self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
             residency, "turn_arrived", None

@@ -460,13 +460,19 @@ class PrefixCache:
     def _demote(self, blocks: list[Block], owner: str | None) -> int:
         """Copy the cached ones of `blocks` (a prefix, in token order) to the host tier,
         as much of it as fits, then free them first and forget them on the GPU."""
+        n = self.copy_to_host(blocks, owner)
+        self.pool.free_blocks(reversed(blocks), first=True)
+        self.pool.evict_cached(blocks)
+        return n
+
+    def copy_to_host(self, blocks: Sequence[Block], owner: str | None) -> int:
+        """Copy the cached ones of `blocks` (a prefix) to the host tier, as much as fits, as
+        its most recently used (the live retention's demotion); returns how many."""
         assert self.host is not None
         hashes = [b.block_hash for b in blocks if b.block_hash is not None and not b.is_null]
         hashes = hashes[: self.host.num_blocks]
         self.host.store(hashes, owner=owner, sink=self._host_events)
         self.host.touch(hashes, owner=owner)
-        self.pool.free_blocks(reversed(blocks), first=True)
-        self.pool.evict_cached(blocks)
         return len(hashes)
 
     def _offer_to_host(self, request: CacheRequest, num_full: int) -> None:

@@ -16,6 +16,7 @@ from appliance.engines.retention.plugin import RetentionTuning
 from appliance.engines.retention.protocol import (
     GiveBackReason,
     GivenBack,
+    RetentionDemote,
     RetentionDirective,
     RetentionEvictFirst,
     RetentionHold,
@@ -27,6 +28,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest
+from appliance.sim.host_tier import HostTier
 from appliance.sim.retention import SimRetention
 
 BS = 32
@@ -65,13 +67,16 @@ class StandIn:
 class Sim:
     """An engine with the twin, and the requests it served."""
 
-    def __init__(self, pool: int = POOL, *, retention: bool = True) -> None:
+    def __init__(self, pool: int = POOL, *, retention: bool = True, host: int = 0) -> None:
         self.channel = StandIn()
         self.retention = SimRetention(RetentionTuning(), block_size=BS) if retention else None
         if self.retention is not None:
             self.retention.start(self.channel)
         config = EngineConfig(num_blocks=pool + 1, block_size=BS, max_model_len=pool * BS)
-        self.engine = SimEngine(config, hasher=HASHER, latency=LAT, retention=self.retention)
+        tier = HostTier(host) if host else None
+        self.engine = SimEngine(
+            config, hasher=HASHER, latency=LAT, retention=self.retention, host=tier
+        )
         self.now = 0.0
         self.preempted: list[str] = []
         self._n = 0
@@ -251,3 +256,20 @@ def test_an_aborted_request_is_remembered_and_closing_gives_everything_back() ->
     assert sim.channel.closed and sim.channel.held == {}
     assert sim.channel.given_back()[-1] == GivenBack("t/a", 8, GiveBackReason.RESET)
     assert sim.engine.cache.num_free_blocks == POOL
+
+
+def test_a_demoted_session_comes_back_from_the_host_tier() -> None:
+    sim = Sim(host=4 * POOL)
+    assert sim.channel.reports[-1].host_blocks == 4 * POOL
+    prompt = tokens(0, 10 * BS)
+    sim.turn("t/a", prompt)
+    sim.send(RetentionHold("t/a", later()))
+    sim.poke()
+    sim.send(RetentionDemote("t/a"))
+    sim.poke()
+    assert sim.channel.held == {}
+    assert sim.channel.given_back()[-1] == GivenBack("t/a", 10, GiveBackReason.DEMOTED)
+    assert sim.channel.reports[-1].host_used_blocks >= 10
+    sim.flood(POOL)  # its GPU blocks went first: the flood takes them
+    again = sim.turn("t/a", [*prompt, *tokens(9000, 40)])
+    assert again.num_cached_tokens == again.num_host_cached_tokens == 10 * BS
