@@ -124,6 +124,7 @@ def wire(
         kv=kv,
         cost_series=CostSeries(),
         admission=admission,
+        kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
     )
     ledger_path = Path(settings.ledger_path)
     app = create_api_app(
