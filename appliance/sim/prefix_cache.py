@@ -443,7 +443,7 @@ class PrefixCache:
         events = self.pool.take_events()
         if self._host_events:
             events += self._host_events
-            self._host_events = []
+            self._host_events.clear()  # the host tier keeps it as its eviction events' sink
         return events
 
     # --- internals ---
