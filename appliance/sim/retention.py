@@ -16,7 +16,8 @@ The engine calls `SimRetention` where vLLM's scheduler calls the connector (the
 `RetentionHook` of residency_hook.py): `bind` with its block pool, `step_begins` at the
 start of every step (directives and expiries, before any admission; an idle worker applies
 them when its next request comes, as vLLM does), `admitting` for each waiting request just
-before its allocation (holds given back until its prompt fits, never its own session's),
+before its allocation (holds given back until its prompt fits with the reserve still free,
+never its own session's),
 `relieve` where it would preempt (holds given back instead, the request retried next step)
 and `finished` before a finished or aborted request's blocks are freed (remembered under
 its `session_id`, held only when asked). Times are unix times, as in the directives,
@@ -148,13 +149,13 @@ class SimRetention:
             self._publish()
 
     def admitting(self, request: CacheRequest, hit: CacheHit) -> None:
-        """Room for the whole prompt (and the token it samples), as the connector makes
-        it: the request's own session's held blocks it hits need no room."""
+        """Room for the whole prompt (and the token it samples) and the reserve, as the
+        connector makes it: the request's own session's held blocks it hits need no room."""
         if not self._book:
             return
         own = min(self._book.held_of(request.session_id), len(hit.block_ids))
         need = -(-(request.num_tokens + 1) // self._block_size)
-        if self._book.make_room(need - own, protect=request.session_id):
+        if self._book.make_room(need - own + self._reserve, protect=request.session_id):
             self._publish()
 
     def relieve(self) -> bool:

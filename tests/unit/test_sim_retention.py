@@ -156,12 +156,27 @@ def test_admission_gives_holds_back_lowest_priority_first_never_its_own_sessions
     )
     sim.poke()
     assert sim.channel.held == {"t/own": 12, "t/low": 12, "t/mid": 12, "t/high": 12}
-    # The own session's next turn needs 12 + 28 blocks; 16 are free, its 12 it reuses
-    # (one token out: it never needs another block).
-    out = sim.turn("t/own", [*tokens(0, 12 * BS), *tokens(7000, 28 * BS - 1)], max_tokens=1)
+    # The own session's next turn needs 12 + 25 blocks, and the reserve of 3 (5 % of 64)
+    # stays free; 16 are free, its 12 it reuses (one token out: no other block needed).
+    out = sim.turn("t/own", [*tokens(0, 12 * BS), *tokens(7000, 25 * BS - 1)], max_tokens=1)
     assert out.num_cached_tokens == 12 * BS
     assert sim.channel.given_back() == [GivenBack("t/low", 12, PRESSURE)]
     assert set(sim.channel.held) == {"t/own", "t/mid", "t/high"}
+
+
+def test_an_admission_leaves_the_reserve_free_for_the_running_requests() -> None:
+    sim = Sim()
+    for i, key in enumerate(("t/own", "t/low", "t/mid", "t/high")):
+        sim.turn(key, tokens(1000 * i, 12 * BS))
+    sim.send(
+        *(RetentionHold(k, later(), p) for p, k in enumerate(("t/own", "t/low", "t/mid", "t/high")))
+    )
+    sim.poke()
+    # 12 + 28 blocks: the 16 free and t/low's 12 would just fit it, with nothing left for a
+    # running request's next block; the reserve of 3 takes t/mid's too.
+    sim.turn("t/own", [*tokens(0, 12 * BS), *tokens(7000, 28 * BS - 1)], max_tokens=1)
+    assert [g.key for g in sim.channel.given_back()] == ["t/low", "t/mid"]
+    assert set(sim.channel.held) == {"t/own", "t/high"}
 
 
 def test_a_running_request_short_of_blocks_gets_holds_instead_of_preempting() -> None:

@@ -10,7 +10,10 @@ thread:
   holding nothing; returns `delay_free=False`, so vLLM frees the request as usual.
 - `get_num_new_matched_tokens` (for each waiting request, just before its blocks are
   allocated): directives and expiries are applied, then holds are given back until the
-  request fits, so a hold never keeps a request waiting.
+  request fits with the reserve (`reserve_fraction` of the pool) still free, so a hold
+  never keeps a request waiting, and an admission never leaves the running requests
+  without room for their next blocks (they would stall while holds drain, and once none
+  was left vLLM would preempt one).
 - `has_pending_block_frees` (when a running request is short of blocks, before vLLM would
   preempt one): holds are given back; True makes vLLM retry next step instead of
   preempting (False when nothing was held: it preempts as it would without us). Waiting
@@ -124,7 +127,8 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
         if self._book:
             hit_blocks = num_computed_tokens // self._block_sizes[0]
             own = min(self._book.held_of(request.session_id), hit_blocks)
-            if self._book.make_room(self._need(request) - own, protect=request.session_id):
+            need = self._need(request) - own + self._reserve
+            if self._book.make_room(need, protect=request.session_id):
                 self._publish()
         return 0, False
 
