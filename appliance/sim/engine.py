@@ -418,8 +418,9 @@ class SimEngine:
             entry = waiting.peek()
             creq = entry.cache
             hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
-            if self._retention is not None and creq.num_computed_tokens == 0:
-                self._retention.admitting(creq, hit)
+            retention, fresh = self._retention, creq.num_computed_tokens == 0
+            if retention is not None and fresh and not retention.admitting(creq, hit):
+                break  # holds were given back for a running request: its room first
             if hit.num_host_tokens:
                 if not self._start_load(entry, hit, now):
                     break

@@ -81,8 +81,9 @@ class RetentionHook(Protocol):
         """A step starts: directives and expiries, before anything is admitted."""
         ...
 
-    def admitting(self, request: CacheRequest, hit: CacheHit) -> None:
-        """A waiting request is about to be allocated: make room for its prompt."""
+    def admitting(self, request: CacheRequest, hit: CacheHit) -> bool:
+        """A waiting request is about to be allocated: make room for its prompt; False:
+        admit nothing more in this step (a running request's room comes first)."""
         ...
 
     def relieve(self) -> bool:

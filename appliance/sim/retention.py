@@ -17,7 +17,7 @@ The engine calls `SimRetention` where vLLM's scheduler calls the connector (the
 start of every step (directives and expiries, before any admission; an idle worker applies
 them when its next request comes, as vLLM does), `admitting` for each waiting request just
 before its allocation (holds given back until its prompt fits with the reserve still free,
-never its own session's),
+never its own session's; none admitted after a `relieve` in the same step),
 `relieve` where it would preempt (holds given back instead, the request retried next step)
 and `finished` before a finished or aborted request's blocks are freed (remembered under
 its `session_id`, held only when asked). Times are unix times, as in the directives,
@@ -108,6 +108,7 @@ class SimRetention:
         self._pool: SimKvPool | None = None
         self._book: HoldBook | None = None
         self._reserve = 0
+        self._relieved = False
         self._channel: ControlChannel | None = None
 
     def start(self, channel: ControlChannel | None = None) -> None:
@@ -142,27 +143,33 @@ class SimRetention:
         self._publish()
 
     def step_begins(self) -> None:
+        self._relieved = False
         if self._book is None:
             return
         pending = self._channel.pending() if self._channel is not None else ()
         if self._book.catch_up(pending, time.time()):
             self._publish()
 
-    def admitting(self, request: CacheRequest, hit: CacheHit) -> None:
+    def admitting(self, request: CacheRequest, hit: CacheHit) -> bool:
         """Room for the whole prompt (and the token it samples) and the reserve, as the
-        connector makes it: the request's own session's held blocks it hits need no room."""
+        connector makes it: the request's own session's held blocks it hits need no room.
+        False (not in this step) after a `relieve` in it, as the connector answers."""
+        if self._relieved:
+            return False
         if not self._book:
-            return
+            return True
         own = min(self._book.held_of(request.session_id), len(hit.block_ids))
         need = -(-(request.num_tokens + 1) // self._block_size)
         if self._book.make_room(need - own + self._reserve, protect=request.session_id):
             self._publish()
+        return True
 
     def relieve(self) -> bool:
         if not self._book:
             return False
         given = self._book.relieve(self._reserve)
         if given:
+            self._relieved = True
             self._publish()
         return given
 

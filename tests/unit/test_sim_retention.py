@@ -26,6 +26,7 @@ from appliance.engines.retention.protocol import (
 )
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
+from appliance.sim.cache_request import NO_HIT, CacheRequest
 from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest
 from appliance.sim.host_tier import HostTier
@@ -203,6 +204,21 @@ def test_a_running_request_short_of_blocks_gets_holds_instead_of_preempting() ->
     given = sim.channel.given_back()
     assert [g.key for g in given] == ["t/low", "t/mid", "t/high"][: len(given)] and given
     assert {g.reason for g in given} == {PRESSURE}
+
+
+def test_after_holds_go_to_a_running_request_nothing_new_is_admitted_in_that_step() -> None:
+    sim = Sim()
+    sim.turn("t/a", tokens(0, 10 * BS))
+    sim.send(RetentionHold("t/a", later()))
+    sim.poke()
+    twin = sim.retention
+    assert twin is not None
+    waiting = CacheRequest("w", tokens(9000, 4 * BS), HASHER, session_id="t/w")
+    assert twin.admitting(waiting, NO_HIT)
+    assert twin.relieve()  # a running request was short of blocks: t/a's hold goes
+    assert not twin.admitting(waiting, NO_HIT)  # its room is the running request's
+    twin.step_begins()
+    assert twin.admitting(waiting, NO_HIT)  # the next step admits again
 
 
 def test_holds_are_capped_at_80_percent_of_the_pool() -> None:
