@@ -101,8 +101,7 @@ def wire(
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
 ) -> Wiring:
-    events = EventFeed()
-    gpu = GpuTick(probe)
+    events, gpu = EventFeed(), GpuTick(probe)
     workers = engines.workers
     cost = LatencyModel.from_profile(profile)
     speeds, queues = _measured_queues(cost, clock)

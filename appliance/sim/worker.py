@@ -136,20 +136,12 @@ class SimWorker:
         self.hasher = BlockHasher.for_engine(
             config.hash_algo, config.block_size, config.python_hash_seed
         )
-        engine_config = EngineConfig(
-            num_blocks=blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy,
-        )
         self.retention: SimRetention | None = None
         if retention is not None and retention.control_endpoint:
             self.retention = SimRetention(retention, block_size=config.block_size)
         host = HostTier(config.num_host_blocks) if config.num_host_blocks > 0 else None
         self.engine = SimEngine(
-            engine_config,
+            _engine_config(config, blocks),
             hasher=self.hasher,
             latency=self.latency,
             host=host,
@@ -341,6 +333,17 @@ class SimWorker:
 
     def metrics_text(self) -> str:
         return self.metrics.render(self.engine.stats)
+
+
+def _engine_config(config: WorkerConfig, num_blocks: int) -> EngineConfig:
+    return EngineConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        policy=config.scheduling_policy,
+    )
 
 
 def _resolve_endpoint(endpoint: str | None) -> str | None:
