@@ -24,7 +24,7 @@ from appliance.api.auth import Caller
 from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
 from appliance.datadir import ensure_data_dir, lock_data_dir
-from appliance.domain.records import CostMode, Price, TenantId
+from appliance.domain.records import CostMode, Price, TenantId, WorkerId
 from appliance.engine_start import Engines, resolve_kind, runtime_identity, start_engines
 from appliance.engines.preflight import check_port_free
 from appliance.engines.workers import KvIndexFeed
@@ -71,10 +71,20 @@ def gpu_probe(
     profile: GpuProfile,
     block_size: int,
     workers: Callable[[], Sequence[WorkerEndpoint]],
+    gpu_blocks: Callable[[WorkerId], int] | None = None,
 ) -> GpuProbe:
-    """NVML; under the simulated engine, the model of the GPUs its workers stand for."""
+    """NVML; under the simulated engine, the model of the GPUs its workers stand for, their
+    KV what the KV index holds there (`gpu_blocks`, per worker id)."""
     if kind == EngineKind.SIM:
-        return SimulatedGpuProbe(simulated_gpu(profile, block_size), workers)
+        resident = None
+        if gpu_blocks is not None:
+            resident = lambda w: gpu_blocks(w) * block_size  # noqa: E731
+        return SimulatedGpuProbe(
+            simulated_gpu(profile, block_size),
+            workers,
+            resident_tokens=resident,
+            kv_bytes_per_token=profile.kv_bytes_per_token,
+        )
     return NvmlProbe()
 
 
@@ -139,7 +149,8 @@ async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
     probe: GpuProbe | None = None
     try:
         async with start_engines(settings, kind, feed, log_dir) as engines:
-            probe = gpu_probe(kind, profile, settings.engine.block_size, lambda: engines.workers)
+            probe = gpu_probe(kind, profile, settings.engine.block_size,
+                              lambda: engines.workers, feed.gpu_blocks)  # fmt: skip
             wired = wire(
                 settings,
                 engines=_engines_view(settings, kind, engines),

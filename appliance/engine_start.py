@@ -110,6 +110,11 @@ async def _vllm_engines(
     settings: Settings, feed: KvIndexFeed, log_dir: Path
 ) -> AsyncIterator[Engines]:
     e = settings.engine
+    if e.kv_host_bytes:
+        raise ConfigError(
+            "engine.kv_host_bytes: only the simulated workers have a host tier yet (vLLM's CPU "
+            "build refuses host offloading); set it to 0 for vLLM workers"
+        )
     name = served_name(settings)
     supervisor = await start_vllm_workers(
         e,
@@ -305,10 +310,12 @@ def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
         argv += ["--gpu-profile", str(e.gpu_profile)]
     if (retention := _retention_launch(settings)) is not None:
         argv += ["--retention-endpoint", retention.endpoint(index)]  # as vLLM's connector
+    profile = load_profile(e.gpu_profile) if e.gpu_profile else bundled_profile()
+    per_block = e.block_size * profile.kv_bytes_per_token
     if e.kv_cache_memory_bytes is not None:  # the pool as vLLM would size it from the bytes
-        profile = load_profile(e.gpu_profile) if e.gpu_profile else bundled_profile()
-        per_block = e.block_size * profile.kv_bytes_per_token
         argv += ["--num-gpu-blocks-override", str(max(1, e.kv_cache_memory_bytes // per_block))]
+    if e.kv_host_bytes:  # the host tier, in blocks of the same size
+        argv += ["--num-host-blocks", str(max(1, e.kv_host_bytes // per_block))]
     return argv
 
 

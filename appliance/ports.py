@@ -187,8 +187,18 @@ class KvRetention(Protocol):
         """Stop holding, and evict the key's blocks before any other."""
         ...
 
+    async def demote(self, worker: WorkerId, key: str) -> bool:
+        """Stop holding, copy the key's blocks to the worker's host tier (where its reports
+        show one) and evict them first on the GPU."""
+        ...
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         """New priorities for held keys."""
+        ...
+
+    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
+        """The worker's host tier, (capacity, in use) in blocks, as its latest report shows
+        it; None: it has none, or no report."""
         ...
 
     def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:

@@ -104,8 +104,7 @@ def wire(
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
 ) -> Wiring:
-    events = LoggedEventFeed()
-    gpu = GpuTick(probe)
+    events, gpu = LoggedEventFeed(), GpuTick(probe)
     workers = engines.workers
     cost = LatencyModel.from_profile(profile)
     speeds, queues = _measured_queues(cost, clock)
@@ -127,6 +126,7 @@ def wire(
         kv=kv,
         cost_series=CostSeries(),
         admission=admission,
+        kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
     )
     ledger_path = Path(settings.ledger_path)
     app = create_api_app(

@@ -382,6 +382,9 @@ def sim(
         str | None,
         typer.Option(help="ZMQ endpoint of worker 0's KV retention control; worker i: port+i."),
     ] = None,
+    num_host_blocks: Annotated[
+        int, typer.Option(help="Host-memory KV blocks per worker (0: no host tier).", min=0)
+    ] = 0,
 ) -> None:
     """Run simulated vLLM workers alone (vLLM's HTTP, metrics, KV-event and KV retention
     protocols)."""
@@ -400,6 +403,7 @@ def sim(
         scheduling_policy=scheduling_policy.value,
         num_gpu_blocks=num_gpu_blocks_override,
         retention_endpoint=retention_endpoint,
+        num_host_blocks=num_host_blocks,
     )
 
 

@@ -108,22 +108,25 @@ def _acknowledged() -> Future[Any]:
 
 @dataclass
 class FixedIndex:
-    """A KV index that holds `blocks` leading blocks of any chain on each worker."""
+    """A KV index that holds `blocks` leading blocks of any chain on each worker (on the
+    host tier, medium "CPU": `host`)."""
 
     blocks: dict[WorkerId, int] = field(default_factory=dict)
     lost: dict[WorkerId, int] = field(default_factory=dict)
     lookups: int = 0
+    host: dict[WorkerId, int] = field(default_factory=dict)
 
     def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
         self.lookups += 1
-        return self.blocks
+        return self.host if medium == "CPU" else self.blocks
 
     def losses(self, worker: WorkerId) -> int:
         return self.lost.get(worker, 0)
 
-    def evict(self, worker: WorkerId, left: int) -> None:
-        """The worker lost blocks: `left` leading blocks of any chain remain."""
-        self.blocks[worker] = left
+    def evict(self, worker: WorkerId, left: int, *, host: bool = False) -> None:
+        """The worker lost blocks: `left` leading blocks of any chain remain (on its host
+        tier with `host`)."""
+        (self.host if host else self.blocks)[worker] = left
         self.lost[worker] = self.lost.get(worker, 0) + 1
 
 

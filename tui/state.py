@@ -30,6 +30,7 @@ class WorkerState(msgspec.Struct, frozen=True):
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
+    kv_tokens: int | None = None
     prefix_hit_rate: float | None = None
     prefill_slowdown: float = 1.0
 

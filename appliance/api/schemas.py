@@ -45,6 +45,9 @@ class WorkerStateView(_Model):
     waiting: int | None = None
     kv_usage: float | None = None
     """Fraction 0..1 of the worker's KV cache in use (vLLM's kv_cache_usage_perc)."""
+    kv_tokens: int | None = None
+    """Tokens of KV on the worker's GPU now: the full blocks the KV index holds there, held,
+    in use or only cached (what the sessions' resident GPU tokens add up to)."""
     prefix_hit_rate: float | None = None
     """Fraction 0..1 of prompt tokens served from the prefix cache."""
     prefill_slowdown: float = 1.0

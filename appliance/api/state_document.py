@@ -21,7 +21,10 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
     return schemas.AdminStateView(
         time=snap.time,
         version=__version__,
-        workers=[_worker(w, fleet.prefill_slowdown[w.id]) for w in fleet.workers],
+        workers=[
+            _worker(w, fleet.prefill_slowdown[w.id], fleet.kv_tokens.get(w.id))
+            for w in fleet.workers
+        ],
         gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
         gpu_driver=gpu.driver if gpu else None,
         sessions=[session_document(v) for v in snap.sessions],
@@ -56,7 +59,9 @@ def session_document(v: SessionView) -> schemas.SessionStateView:
     )
 
 
-def _worker(w: WorkerStatus, prefill_slowdown: float) -> schemas.WorkerStateView:
+def _worker(
+    w: WorkerStatus, prefill_slowdown: float, kv_tokens: int | None
+) -> schemas.WorkerStateView:
     load = w.load
     return schemas.WorkerStateView(
         id=w.id,
@@ -69,6 +74,7 @@ def _worker(w: WorkerStatus, prefill_slowdown: float) -> schemas.WorkerStateView
         running=load.running if load else None,
         waiting=load.waiting if load else None,
         kv_usage=load.kv_cache_usage_perc if load else None,
+        kv_tokens=kv_tokens,
         prefix_hit_rate=load.prefix_hit_rate if load else None,
         prefill_slowdown=round(prefill_slowdown, 4),
     )

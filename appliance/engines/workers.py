@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from appliance.domain.kv_events import KvEventBatch
+from appliance.domain.kv_events import KvEventBatch, Medium
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import (
@@ -137,6 +137,11 @@ class KvIndexFeed:
     def losses(self, worker: WorkerId) -> int:
         with self._lock:
             return self.index.losses(worker)
+
+    def gpu_blocks(self, worker: WorkerId) -> int:
+        """Full blocks the index holds on the worker's GPU tier now (held, in use or cached)."""
+        with self._lock:
+            return self.index.worker_blocks(worker, medium=Medium.GPU)
 
     def read(self, fn: Callable[[KvIndex], T]) -> T:
         """Runs `fn` on the index under the lock (keep it short: events wait meanwhile)."""

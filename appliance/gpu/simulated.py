@@ -6,7 +6,10 @@ profile's kind (the bundled H200 unless configured otherwise). That GPU's memory
 runtime: what vLLM's memory budget keeps besides the KV pool) whatever the load, plus the KV
 blocks its running requests use: the worker's own `kv_cache_usage_perc` times its KV pool,
 `kv_capacity_bytes` (blocks vLLM keeps for the prefix cache but no request uses count as
-free, as vLLM counts them). Utilisation follows the worker's running requests,
+free, as vLLM counts them). With `resident_tokens` (the KV index's count per worker) its KV
+is instead every block that holds anything now, running requests', held and only cached
+alike, at the profile's bytes per token: what the sessions' resident KV adds up to, the
+figure the console shows beside theirs. Utilisation follows the worker's running requests,
 running / (running + 1): idle at 0, half busy with one sequence, near 1 with many. The
 temperature and power are fixed placeholders. A worker that is down holds nothing.
 
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from appliance.domain.gpu import GpuReading, GpuSnapshot
+from appliance.domain.records import WorkerId
 from appliance.gpu.host import read_host
 from appliance.ports import WorkerEndpoint
 
@@ -52,9 +56,18 @@ class SimulatedGpuProbe:
     """One reading per simulated worker, in the workers' order: GPU i is worker i, or the
     first GPU id the worker was given (`engine.gpus`)."""
 
-    def __init__(self, gpu: SimulatedGpu, workers: Callable[[], Sequence[WorkerEndpoint]]) -> None:
+    def __init__(
+        self,
+        gpu: SimulatedGpu,
+        workers: Callable[[], Sequence[WorkerEndpoint]],
+        *,
+        resident_tokens: Callable[[WorkerId], int] | None = None,
+        kv_bytes_per_token: int = 0,
+    ) -> None:
         self.gpu = gpu
         self._workers = workers
+        self._resident = resident_tokens if kv_bytes_per_token > 0 else None
+        self._per_token = kv_bytes_per_token
 
     def snapshot(self) -> GpuSnapshot:
         readings = tuple(
@@ -72,6 +85,9 @@ class SimulatedGpuProbe:
             fraction = min(max(load.kv_cache_usage_perc, 0.0), 1.0)
             kv_bytes = round(fraction * gpu.kv_capacity_bytes)
             running = max(load.running, 0)
+        if up and self._resident is not None:
+            resident = self._resident(worker.id) * self._per_token
+            kv_bytes = min(resident, gpu.kv_capacity_bytes)
         used_bytes = gpu.baseline_bytes + kv_bytes if up else 0
         return GpuReading(
             index=index,

@@ -28,8 +28,14 @@ class NoRetention:
     async def evict_first(self, worker: WorkerId, key: str) -> bool:
         return False
 
+    async def demote(self, worker: WorkerId, key: str) -> bool:
+        return False
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         return False
+
+    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
+        return None
 
     def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
         return {}

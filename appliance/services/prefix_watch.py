@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from appliance.domain.kv_events import Medium
 from appliance.domain.records import WorkerId
-from appliance.policy.residency import IdleSession, ResidencyDecision
+from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDecision
 from appliance.ports import KvLookup
 from appliance.services.residency_inputs import prefix_tokens, resident_tokens
 from appliance.services.sessions import SessionState
@@ -59,7 +60,10 @@ class PrefixWatch:
         for key, w in waiting:
             if w.evicted or (not lost(w.worker) and w.seen_tokens >= prefix_tokens(w.session)):
                 continue
-            n = resident_tokens(self._index, w.session, w.worker)
+            # A demoted session's host copy is what is watched.
+            demoted = w.decision.action is ResidencyAction.DEMOTE
+            medium = Medium.CPU if demoted else Medium.GPU
+            n = resident_tokens(self._index, w.session, w.worker, medium)
             if n >= w.seen_tokens:
                 w.seen_tokens = n
             elif n < prefix_tokens(w.session):

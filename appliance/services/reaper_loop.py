@@ -8,8 +8,10 @@ session as the live inputs show it (`services/residency_inputs.py`) and sends th
 through the retention port: HOLD until the revisit the reaper names, plus `HOLD_GRACE_S` so
 that the revisit's extension arrives first, with the reaper's priority (value per
 byte-second: under pressure the worker gives back the lowest first); RELEASE (a hold it had
-is dropped: LRU from here); EVICT (its blocks go first). DEMOTE never comes: no worker
-reports a host tier. Each decision is a `residency_events` row with its reason and figures.
+is dropped: LRU from here); EVICT (its blocks go first); DEMOTE (where the worker reports a
+host tier: its blocks copied there, then evicted first on the GPU; from then on its host
+copy is what is watched). Each decision is a `residency_events` row with its reason and
+figures.
 
 `tick` decides again on each hold as it comes due (the pool as it is then), ends the idle
 periods that end without a return (the session's task closed: its KV goes first; past the
@@ -33,16 +35,16 @@ import logging
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from appliance.domain.records import CacheEviction, ResidencyEvent, WorkerId
+from appliance.domain.records import CacheEviction, CacheTier, ResidencyEvent, WorkerId
 from appliance.domain.retention import ReturnedKv
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     HeldSession,
+    HostTierReading,
     ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
@@ -53,6 +55,7 @@ from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
     ends_in_tool_call,
+    host_reading,
     idle_session,
     kv_usage,
     one_turn,
@@ -152,8 +155,9 @@ class ReaperLoop:
         # Just computed there, whatever the index has heard so far.
         tokens = max(seen, prefix_tokens(session))
         usage = kv_usage(self._inputs, self.retention, worker)
+        host = self._host(session, worker)
         idle = idle_session(self._inputs, session, worker, tokens=tokens, finished_at_s=now,
-                            kv_usage_now=usage, ends=ends)  # fmt: skip
+                            kv_usage_now=usage, ends=ends, host=host)  # fmt: skip
         idle = replace(idle, hbm_value=self._hbm_value(worker, key, usage, now))
         waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen_tokens=seen)
         self._waiting[key] = waiting
@@ -176,7 +180,10 @@ class ReaperLoop:
             self._held[key] = w.worker
             w.due_s, w.ended_by = decision.until_s, None
         else:
-            if decision.action is ResidencyAction.EVICT and not w.evicted:
+            if decision.action is ResidencyAction.DEMOTE:
+                self.outbox.demote(w.worker, key)
+                w.seen_tokens, w.evicted = 0, False  # its host copy is watched from here
+            elif decision.action is ResidencyAction.EVICT and not w.evicted:
                 self.outbox.evict_first(w.worker, key)
             elif key in self._held:
                 self.outbox.release(w.worker, key)
@@ -205,6 +212,10 @@ class ReaperLoop:
         values = [self._priority(k, w, now) for k, w in self._held_on(worker) if k != key]
         return min(values) if values else None
 
+    def _host(self, session: SessionState, worker: WorkerId) -> HostTierReading | None:
+        block = session.chain.block_size if session.chain is not None else 0
+        return host_reading(self._inputs, self.retention, worker, block)
+
     def _held_on(self, worker: WorkerId) -> list[tuple[str, WaitingSession]]:
         return [
             (k, w)
@@ -217,10 +228,10 @@ class ReaperLoop:
         return self.reaper.priority(held, now)
 
     def _write(self, row: ResidencyEvent) -> None:
-        self._ledger.record_residency_event(row).add_done_callback(_log_refusal)
+        self._ledger.record_residency_event(row).add_done_callback(rows.log_refusal)
 
     def _mark(self, eviction: CacheEviction) -> None:
-        self._ledger.record_cache_eviction(eviction).add_done_callback(_log_refusal)
+        self._ledger.record_cache_eviction(eviction).add_done_callback(rows.log_refusal)
 
     # --- the periodic tick ------------------------------------------------------------
 
@@ -254,6 +265,7 @@ class ReaperLoop:
             recompute_s=self._inputs.prefill_s(w.worker, tokens) if tokens else 0.0,
             kv_usage=usage,
             hbm_value=self._hbm_value(w.worker, key, usage, now),
+            host=self._host(w.session, w.worker),
         )
         self._decide(key, w, now)
 
@@ -276,15 +288,17 @@ class ReaperLoop:
         self._abandoned(key, w, now)
 
     def _watch(self, now: float) -> None:
-        """Records each waiting session whose prefix lost blocks on its worker."""
+        """Records each waiting session whose prefix lost blocks on its worker (on the host
+        tier, once demoted)."""
         for key, n in self._prefixes.shrunk(list(self._waiting.items())):
             w = self._waiting[key]
             w.evicted = True
             cause = rows.eviction_cause(w.decision.action, w.ended_by)
+            tier = CacheTier.HOST if w.decision.action is ResidencyAction.DEMOTE else CacheTier.GPU
             w.decision = ResidencyDecision(ResidencyAction.EVICT, f"evicted ({cause})")
             self._held.pop(key, None)
             row, mark = rows.eviction_records(self._inputs, w.session, w.worker, cause,
-                                              tokens_left=n, now=now)  # fmt: skip
+                                              tokens_left=n, now=now, tier=tier)  # fmt: skip
             self._write(row)
             if mark is not None:
                 self._mark(mark)
@@ -378,9 +392,3 @@ _NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")
 
 def _on_the_next_loop_turn(call: Callable[[], None]) -> None:
     asyncio.get_running_loop().call_soon(call)
-
-
-def _log_refusal(written: Future[None]) -> None:
-    exc = written.exception()
-    if exc is not None:
-        log.error("ledger refused a residency record: %s", exc)

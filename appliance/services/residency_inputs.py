@@ -14,6 +14,8 @@ the appliance knows at that instant:
   retention connector's latest report when it has one, else vLLM's `kv_cache_usage_perc`
   (the same measure, polled); a GPU's NVML memory reading says nothing of it, since vLLM
   allocates the whole pool at start;
+- the host tier, where the worker's retention reports show one: room for the whole session
+  (it is a cache that evicts to make room) and its use as its pressure;
 - the tool class, the client's expected wait and the session's depth from its turn's
   headers and counts; and whether the turn ended in a tool call: yes when the client named
   a tool class or a wait, no when a client that named them on earlier turns of the session
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from appliance.domain.kv_events import Medium
 from appliance.domain.records import TaskId, WorkerId
-from appliance.policy.residency import IdleSession
+from appliance.policy.residency import HostTierReading, IdleSession
 from appliance.ports import KvLookup, KvRetention, WorkerEndpoint
 from appliance.services.sessions import SessionState
 
@@ -60,13 +62,33 @@ def prefix_tokens(session: SessionState) -> int:
     return len(chain.hashes) * chain.block_size if chain is not None else 0
 
 
-def resident_tokens(index: KvLookup, session: SessionState, worker: WorkerId) -> int:
-    """Leading tokens of the session's last prompt on the worker's GPU tier now."""
+def resident_tokens(
+    index: KvLookup, session: SessionState, worker: WorkerId, medium: str = Medium.GPU
+) -> int:
+    """Leading tokens of the session's last prompt on the worker's GPU tier (or `medium`)."""
     chain = session.chain
     if chain is None or not chain.hashes:
         return 0
-    blocks = index.lookup(chain.event_hashes, medium=Medium.GPU).get(worker, 0)
+    blocks = index.lookup(chain.event_hashes, medium=medium).get(worker, 0)
     return blocks * chain.block_size
+
+
+def host_reading(
+    inputs: LiveInputs, retention: KvRetention, worker: WorkerId, block_size: int
+) -> HostTierReading | None:
+    """The worker's host tier as the policy sees it (see the module); None: it has none."""
+    tier = retention.host_tier(worker)
+    if tier is None:
+        return None
+    capacity, used = tier
+    room = capacity * block_size * inputs.kv_bytes_per_token
+    return HostTierReading(free_bytes=room, usage=used / capacity)
+
+
+def one_turn(session: SessionState) -> bool:
+    """A turn that named neither a session nor a task: nothing comes back to it."""
+    task = session.task_id or ""
+    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
 
 
 def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> float:
@@ -77,12 +99,6 @@ def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> fl
     endpoint = next((w for w in inputs.workers() if w.id == worker), None)
     load = endpoint.load if endpoint is not None else None
     return load.kv_cache_usage_perc if load is not None else 0.0
-
-
-def one_turn(session: SessionState) -> bool:
-    """A turn that named neither a session nor a task: nothing comes back to it."""
-    task = session.task_id or ""
-    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
 
 
 def ends_in_tool_call(session: SessionState, speaks_tools: bool) -> bool | None:
@@ -102,6 +118,7 @@ def idle_session(
     finished_at_s: float,
     kv_usage_now: float,
     ends: bool | None,
+    host: HostTierReading | None = None,
 ) -> IdleSession:
     """The policy's view of the session, waiting since `finished_at_s` on `worker` with
     `tokens` of its prefix resident there."""
@@ -117,4 +134,5 @@ def idle_session(
         kv_usage=kv_usage_now,
         tenant=session.tenant,
         kv_bytes=tokens * inputs.kv_bytes_per_token,
+        host=host,
     )

@@ -8,12 +8,15 @@ released session's blocks went back to the engine's eviction order, least recent
 first, and another request took the room (`lru`); the reaper put them first to evict
 (`reaper_evict`); its hold was given back by the worker (`pressure`, `capped`, `expired`);
 it vanished while held, without a give-back (`worker_lost`: a restart or a cache reset); an
-operator released it (`operator`).
+operator released it (`operator`); demoted to the host tier, it was evicted there (`host_lru`,
+a row of tier "host").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from concurrent.futures import Future
 from enum import StrEnum
 from typing import Any
 
@@ -31,6 +34,7 @@ from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDe
 from appliance.services.residency_inputs import LiveInputs, prefix_tokens, retention_key
 from appliance.services.sessions import SessionState
 
+log = logging.getLogger(__name__)
 GIVEN_BACK = "given_back"
 EVICTED = "evicted"
 OPERATOR = "operator"
@@ -45,6 +49,7 @@ class EvictionCause(StrEnum):
     EXPIRED = "expired"
     WORKER_LOST = "worker_lost"
     OPERATOR = "operator"
+    HOST_LRU = "host_lru"
 
 
 _CAUSE_SAYS = {
@@ -55,6 +60,7 @@ _CAUSE_SAYS = {
     EvictionCause.EXPIRED: "its hold lapsed before it was decided again, then evicted",
     EvictionCause.WORKER_LOST: "lost while held (the worker restarted or reset its cache)",
     EvictionCause.OPERATOR: "released by an operator, then evicted",
+    EvictionCause.HOST_LRU: "demoted to the host tier, then evicted there for room",
 }
 _RETURN_SAYS = {
     "pressure": "a request needed the room",
@@ -63,7 +69,7 @@ _RETURN_SAYS = {
     "not_found": "nothing of its last request was cached when the hold came",
     "reset": "the prefix cache was reset",
 }
-OWN_DIRECTIVES = frozenset({"released", "evicted"})
+OWN_DIRECTIVES = frozenset({"released", "evicted", "demoted"})
 """Give-backs the reaper asked for: recorded with its decision, not again."""
 
 
@@ -78,6 +84,8 @@ def eviction_cause(action: ResidencyAction, ended_by: str | None) -> EvictionCau
         return EvictionCause.WORKER_LOST
     if action is ResidencyAction.EVICT:
         return EvictionCause.REAPER_EVICT
+    if action is ResidencyAction.DEMOTE:
+        return EvictionCause.HOST_LRU
     if action is ResidencyAction.HOLD and ended_by is None:
         return EvictionCause.WORKER_LOST
     return EvictionCause.LRU
@@ -154,8 +162,9 @@ def eviction_records(
     *,
     tokens_left: int,
     now: float,
+    tier: CacheTier = CacheTier.GPU,
 ) -> tuple[ResidencyEvent, CacheEviction | None]:
-    """The row saying the session's prefix is no longer whole on the worker's GPU tier, and
+    """The row saying the session's prefix is no longer whole on the worker's `tier`, and
     the mark on its cache receipt (None: it has no full block, so no receipt)."""
     whole = prefix_tokens(session)
     row = ResidencyEvent(
@@ -165,7 +174,7 @@ def eviction_records(
         action=EVICTED,
         reason=f"{cause}: {_CAUSE_SAYS[cause]}; {tokens_left} of {whole} tokens left",
         tokens=tokens_left,
-        tier=CacheTier.GPU,
+        tier=tier,
         figures_json=orjson.dumps({"kind": cause.value, "prefix_tokens": whole}).decode(),
     )
     chain = session.chain
@@ -181,3 +190,10 @@ def eviction_records(
         cause=cause.value,
     )
     return row, receipt
+
+
+def log_refusal(written: Future[None]) -> None:
+    """A done-callback of a residency row's write: a refused write is logged."""
+    exc = written.exception()
+    if exc is not None:
+        log.error("ledger refused a residency record: %s", exc)

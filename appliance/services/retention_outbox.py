@@ -37,6 +37,9 @@ class RetentionOutbox:
     def evict_first(self, worker: WorkerId, key: str) -> None:
         self._queue(partial(self.retention.evict_first, worker, key))
 
+    def demote(self, worker: WorkerId, key: str) -> None:
+        self._queue(partial(self.retention.demote, worker, key))
+
     def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> None:
         self._queue(partial(self.retention.order, worker, priorities))
 

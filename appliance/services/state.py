@@ -59,17 +59,20 @@ class StateSources:
     """Where each session's KV is, what was decided, and the idle reaper's status."""
     cost_series: CostSeries | None = None
     admission: AdmissionService | None = None
+    kv_tokens: Callable[[WorkerId], int] | None = None
+    """Tokens of KV the index holds on a worker's GPU now (None: not known)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Fleet:
-    """The workers, each one's measured prefill slowdown, the GPU probe's latest tick, and
-    the idle reaper's status."""
+    """The workers, each one's measured prefill slowdown and KV tokens on its GPU, the GPU
+    probe's latest tick, and the idle reaper's status."""
 
     workers: list[WorkerStatus]
     prefill_slowdown: dict[WorkerId, float]
     gpu: GpuSnapshot | None
     residency: dict[str, Any]
+    kv_tokens: dict[WorkerId, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +136,9 @@ def _fleet(src: StateSources) -> Fleet:
     workers = list(src.workers())
     slowdown = {w.id: src.desk.queues.slowdown(w.id) for w in workers}
     residency = src.kv.status() if src.kv is not None else {}
-    return Fleet(workers, slowdown, src.gpus(), residency)
+    resident = src.kv_tokens
+    kv_tokens = {w.id: resident(w.id) for w in workers} if resident is not None else {}
+    return Fleet(workers, slowdown, src.gpus(), residency, kv_tokens)
 
 
 def _costs(src: StateSources, now: float) -> CostView:

@@ -209,7 +209,7 @@ class SimEngine:
         self._residency = residency
         self._retention = retention
         if retention is not None:
-            retention.bind(self.cache.pool)
+            retention.bind(self.cache.pool, self.cache if self.cache.host is not None else None)
         self._turn_arrived: Callable[[SimRequest, float], None] | None = getattr(
             residency, "turn_arrived", None
         )
@@ -454,8 +454,9 @@ class SimEngine:
             entry = waiting.peek()
             creq = entry.cache
             hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
-            if self._retention is not None and creq.num_computed_tokens == 0:
-                self._retention.admitting(creq, hit)
+            retention, fresh = self._retention, creq.num_computed_tokens == 0
+            if retention is not None and fresh and not retention.admitting(creq, hit):
+                break  # holds were given back for a running request: its room first
             if hit.num_host_tokens:
                 if not self._start_load(entry, hit, now):
                     break

@@ -448,10 +448,8 @@ class PrefixCache:
     def take_events(self) -> list[KvEvent]:
         """KV events since the last call, in the order vLLM would publish them (the
         engine's, then the host tier's)."""
-        events = self.pool.take_events()
-        if self._host_events:
-            events += self._host_events
-            self._host_events = []
+        events = self.pool.take_events() + self._host_events
+        self._host_events.clear()  # the host tier keeps it as its eviction events' sink
         return events
 
     # --- internals ---
@@ -466,15 +464,20 @@ class PrefixCache:
         return self._req_blocks.pop(request.request_id, [])
 
     def _demote(self, blocks: list[Block], owner: str | None) -> int:
-        """Copy the cached ones of `blocks` (a prefix, in token order) to the host tier,
-        as much of it as fits, then free them first and forget them on the GPU."""
+        """`copy_to_host` (a prefix, in token order), then free them first, forgotten."""
+        n = self.copy_to_host(blocks, owner)
+        self.pool.free_blocks(reversed(blocks), first=True)
+        self.pool.evict_cached(blocks)
+        return n
+
+    def copy_to_host(self, blocks: Sequence[Block], owner: str | None) -> int:
+        """Copy the cached ones of `blocks` (a prefix) to the host tier, as much as fits, as
+        its most recently used (the live retention's demotion); returns how many."""
         assert self.host is not None
         hashes = [b.block_hash for b in blocks if b.block_hash is not None and not b.is_null]
         hashes = hashes[: self.host.num_blocks]
         self.host.store(hashes, owner=owner, sink=self._host_events)
         self.host.touch(hashes, owner=owner)
-        self.pool.free_blocks(reversed(blocks), first=True)
-        self.pool.evict_cached(blocks)
         return len(hashes)
 
     def _offer_to_host(self, request: CacheRequest, num_full: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from appliance.sim.block_pool import BlockPool
 from appliance.sim.cache_request import CacheHit, CacheRequest
@@ -72,16 +72,18 @@ class RetentionHook(Protocol):
     """Where the engine calls the retention connector's twin (`retention.SimRetention`),
     at the points vLLM's scheduler calls a KV connector."""
 
-    def bind(self, pool: BlockPool) -> None:
-        """The engine's block pool, once built (vLLM's `bind_gpu_block_pool`)."""
+    def bind(self, pool: BlockPool, host: Any = None) -> None:
+        """The engine's block pool, once built (vLLM's `bind_gpu_block_pool`), and its
+        prefix cache when that has a host tier (`PrefixCache.copy_to_host`)."""
         ...
 
     def step_begins(self) -> None:
         """A step starts: directives and expiries, before anything is admitted."""
         ...
 
-    def admitting(self, request: CacheRequest, hit: CacheHit) -> None:
-        """A waiting request is about to be allocated: make room for its prompt."""
+    def admitting(self, request: CacheRequest, hit: CacheHit) -> bool:
+        """A waiting request is about to be allocated: make room for its prompt; False:
+        admit nothing more in this step (a running request's room comes first)."""
         ...
 
     def relieve(self) -> bool:

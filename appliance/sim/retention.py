@@ -16,14 +16,17 @@ The engine calls `SimRetention` where vLLM's scheduler calls the connector (the
 `RetentionHook` of residency_hook.py): `bind` with its block pool, `step_begins` at the
 start of every step (directives and expiries, before any admission; an idle worker applies
 them when its next request comes, as vLLM does), `admitting` for each waiting request just
-before its allocation (holds given back until its prompt fits, never its own session's),
+before its allocation (holds given back until its prompt fits with the reserve still free,
+never its own session's; none admitted after a `relieve` in the same step),
 `relieve` where it would preempt (holds given back instead, the request retried next step)
 and `finished` before a finished or aborted request's blocks are freed (remembered under
 its `session_id`, held only when asked). Times are unix times, as in the directives,
 whatever the engine's clock.
 
-Not modelled: a demotion to the host tier. The protocol has no such directive (a live
-`appliance sim` has no host tier; the replay demotes through its residency hook).
+Host tier (`appliance sim --num-host-blocks`, the engine's `HostTier`): the engine copies
+every cached prompt block there as vLLM's offloading connector does, so the reports carry
+its size and use, and a demotion refreshes the key's copy (the engine's `copy_to_host`, its
+store and touch, with their KV events "CPU") before its GPU blocks go first.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.engines.retention.channel import ControlChannel
 from appliance.engines.retention.holds import Entry, HoldBook
@@ -42,12 +45,22 @@ from appliance.sim.block_pool import BlockPool
 from appliance.sim.cache_request import CacheHit, CacheRequest
 
 
+class HostCopy(Protocol):
+    """The engine's prefix cache, where it has a host tier (`PrefixCache`)."""
+
+    @property
+    def host(self) -> Any: ...
+
+    def copy_to_host(self, blocks: Sequence[Any], owner: str | None) -> int: ...
+
+
 class SimKvPool:
     """The sim's `BlockPool` as the hold book's `KvPool`: references and the free queue,
-    as `VllmKvPool` does them on vLLM's pool."""
+    as `VllmKvPool` does them on vLLM's pool; the host tier through `host`, if any."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host: HostCopy | None = None) -> None:
         self._pool = pool
+        self._host = host
 
     def usable_blocks(self) -> int:
         return self._pool.num_blocks - 1  # the null block
@@ -71,6 +84,14 @@ class SimKvPool:
             queue.remove(block)
         queue.prepend_n(idle)
 
+    def copy_to_host(self, blocks: Sequence[Any], key: str) -> int:
+        return self._host.copy_to_host(blocks, key) if self._host is not None else 0
+
+    def host_blocks(self) -> tuple[int, int]:
+        if self._host is None:
+            return 0, 0
+        return self._host.host.num_blocks, len(self._host.host)
+
     def entries(self, block_ids: Sequence[int], num_tokens: int, block_size: int) -> list[Entry]:
         """A finished request's full blocks prefix caching can hit, with their hashes."""
         blocks = (self._pool.blocks[i] for i in block_ids[: num_tokens // block_size])
@@ -87,6 +108,7 @@ class SimRetention:
         self._pool: SimKvPool | None = None
         self._book: HoldBook | None = None
         self._reserve = 0
+        self._relieved = False
         self._channel: ControlChannel | None = None
 
     def start(self, channel: ControlChannel | None = None) -> None:
@@ -111,8 +133,8 @@ class SimRetention:
 
     # --- the engine's calls ---
 
-    def bind(self, pool: BlockPool) -> None:
-        self._pool = SimKvPool(pool)
+    def bind(self, pool: BlockPool, host: HostCopy | None = None) -> None:
+        self._pool = SimKvPool(pool, host)
         tuning = self.tuning
         self._book = HoldBook(
             self._pool, (self._block_size,), max_held_fraction=tuning.max_held_fraction
@@ -121,27 +143,33 @@ class SimRetention:
         self._publish()
 
     def step_begins(self) -> None:
+        self._relieved = False
         if self._book is None:
             return
         pending = self._channel.pending() if self._channel is not None else ()
         if self._book.catch_up(pending, time.time()):
             self._publish()
 
-    def admitting(self, request: CacheRequest, hit: CacheHit) -> None:
-        """Room for the whole prompt (and the token it samples), as the connector makes
-        it: the request's own session's held blocks it hits need no room."""
+    def admitting(self, request: CacheRequest, hit: CacheHit) -> bool:
+        """Room for the whole prompt (and the token it samples) and the reserve, as the
+        connector makes it: the request's own session's held blocks it hits need no room.
+        False (not in this step) after a `relieve` in it, as the connector answers."""
+        if self._relieved:
+            return False
         if not self._book:
-            return
+            return True
         own = min(self._book.held_of(request.session_id), len(hit.block_ids))
         need = -(-(request.num_tokens + 1) // self._block_size)
-        if self._book.make_room(need - own, protect=request.session_id):
+        if self._book.make_room(need - own + self._reserve, protect=request.session_id):
             self._publish()
+        return True
 
     def relieve(self) -> bool:
         if not self._book:
             return False
         given = self._book.relieve(self._reserve)
         if given:
+            self._relieved = True
             self._publish()
         return given
 
@@ -162,6 +190,7 @@ class SimRetention:
     def _report(self, given_back: tuple[GivenBack, ...]) -> RetentionReport:
         """The state now (seq is the channel's to number)."""
         pool, book = self._pool, self._book
+        host_blocks, host_used = pool.host_blocks() if pool is not None else (0, 0)
         return RetentionReport(
             incarnation=self.incarnation,
             seq=0,
@@ -170,4 +199,6 @@ class SimRetention:
             free_blocks=pool.free_blocks() if pool is not None else 0,
             held=book.held() if book is not None else (),
             given_back=given_back,
+            host_blocks=host_blocks,
+            host_used_blocks=host_used,
         )

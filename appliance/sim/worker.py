@@ -40,6 +40,7 @@ from appliance.perf.profile import bundled_profile, load_profile
 from appliance.sim.clock import run_engine_loop
 from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest, StepResult
+from appliance.sim.host_tier import HostTier
 from appliance.sim.kv_publisher import KvEventPublisher
 from appliance.sim.metrics import FinishedRequest, SimMetrics, cache_config_labels
 from appliance.sim.retention import SimRetention
@@ -61,6 +62,9 @@ class WorkerConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     """KV cache size in blocks, null block included; None: from the GPU profile's memory."""
+    num_host_blocks: int = 0
+    """Blocks of host memory for KV (vLLM's `--kv-offloading-size`, native offloading: every
+    cached prompt block is copied there, LRU); 0: no host tier."""
     gpu_memory_utilization: float = SIM_GPU_MEMORY_UTILIZATION
     max_model_len: int = 8192
     hash_algo: str = "sha256_cbor"
@@ -132,21 +136,15 @@ class SimWorker:
         self.hasher = BlockHasher.for_engine(
             config.hash_algo, config.block_size, config.python_hash_seed
         )
-        engine_config = EngineConfig(
-            num_blocks=blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy,
-        )
         self.retention: SimRetention | None = None
         if retention is not None and retention.control_endpoint:
             self.retention = SimRetention(retention, block_size=config.block_size)
+        host = HostTier(config.num_host_blocks) if config.num_host_blocks > 0 else None
         self.engine = SimEngine(
-            engine_config,
+            _engine_config(config, blocks),
             hasher=self.hasher,
             latency=self.latency,
+            host=host,
             output_token_ids=self._output_token,
             retention=self.retention,
         )
@@ -335,6 +333,17 @@ class SimWorker:
 
     def metrics_text(self) -> str:
         return self.metrics.render(self.engine.stats)
+
+
+def _engine_config(config: WorkerConfig, num_blocks: int) -> EngineConfig:
+    return EngineConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        policy=config.scheduling_policy,
+    )
 
 
 def _resolve_endpoint(endpoint: str | None) -> str | None:

@@ -54,6 +54,7 @@ class FakeRetention:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     held: dict[WorkerId, dict[str, RetainedKv]] = field(default_factory=dict)
     usage: dict[WorkerId, float] = field(default_factory=dict)
+    host: dict[WorkerId, tuple[int, int]] = field(default_factory=dict)
     returns: asyncio.Queue[ReturnedKv] | None = None
 
     async def hold(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
@@ -68,9 +69,16 @@ class FakeRetention:
         self.calls.append(("evict_first", worker, key))
         return True
 
+    async def demote(self, worker: WorkerId, key: str) -> bool:
+        self.calls.append(("demote", worker, key))
+        return True
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         self.calls.append(("order", worker, dict(priorities)))
         return True
+
+    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
+        return self.host.get(worker)
 
     def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
         return self.held.get(worker, {})
@@ -403,6 +411,33 @@ def test_an_evicted_decision_is_not_made_again_at_the_maximum_residency(s: Setup
     assert len(s.rows.residency) == decided and s.sent() == []
     assert s.rows.figures()["kind"] == "last_step"
     assert s.loop.status()["waiting"] == 1  # followed until its KV is gone
+
+
+def test_with_a_host_tier_a_long_wait_under_pressure_is_demoted_and_its_copy_watched() -> None:
+    s = build(usage=0.99)
+    s.retention.host[W0] = (1000, 10)  # the worker's reports: a host tier, mostly free
+    s.turn(s.session("slow"), tool="approval", wait_s=3600.0)
+    assert s.sent() == [("demote", W0, "acme/slow")]
+    assert (s.rows.last().action, s.rows.figures()["kind"]) == ("demote", "demote_cheapest")
+    assert s.rows.figures()["v_host"] == 0.0 and s.rows.figures()["c_demote"] > 0
+    s.index.evict(W0, 0)  # its GPU blocks went first: expected, no eviction
+    s.index.host[W0] = PROMPT // BLOCK  # its copy on the host tier, as the events show
+    s.loop.tick(1001.0)
+    assert s.rows.evictions == [] and s.rows.last().action == "demote"
+    s.index.evict(W0, 2, host=True)  # the host tier evicted most of it
+    s.loop.tick(1003.0)
+    row = s.rows.last()
+    assert (row.action, row.tier, row.tokens) == ("evicted", "host", 2 * BLOCK)
+    assert row.reason.startswith("host_lru: ") and s.rows.evictions[0].cause == "host_lru"
+    s.loop.returned(ReturnedKv(W0, "acme/slow", 10, "demoted"), 1003.5)  # asked for: no row
+    assert s.rows.last() is row
+
+
+def test_without_a_host_tier_nothing_is_demoted() -> None:
+    s = build(usage=0.99)
+    s.turn(s.session("slow"), tool="approval", wait_s=3600.0)
+    assert s.sent() == [] and s.rows.last().action == "release"
+    assert s.rows.figures()["c_demote"] is None
 
 
 def test_a_closed_tasks_session_is_evicted_and_ends(s: Setup) -> None:

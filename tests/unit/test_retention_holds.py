@@ -13,6 +13,7 @@ from appliance.engines.retention.holds import HoldBook
 from appliance.engines.retention.protocol import (
     GiveBackReason,
     GivenBack,
+    RetentionDemote,
     RetentionEvictFirst,
     RetentionHold,
     RetentionOrder,
@@ -29,6 +30,8 @@ class FakePool:
         self.hashes: dict[int, object] = {}
         self.queue = list(range(blocks))
         self._next_hash = 0
+        self.host: list[tuple[str, list[object]]] = []
+        """What `copy_to_host` was given, in order."""
 
     # --- the KvPool protocol ---
 
@@ -60,6 +63,13 @@ class FakePool:
     def evict_first(self, blocks: Sequence[object]) -> None:
         idle = [b for b in reversed(blocks) if self.ref[b] == 0]  # type: ignore[index]
         self.queue = idle + [b for b in self.queue if b not in idle]
+
+    def copy_to_host(self, blocks: Sequence[object], key: str) -> int:
+        self.host.append((key, list(blocks)))
+        return len(blocks)
+
+    def host_blocks(self) -> tuple[int, int]:
+        return 64, sum(len(b) for _, b in self.host)
 
     # --- what vLLM does around it ---
 
@@ -190,6 +200,21 @@ def test_evict_first_puts_the_blocks_at_the_head_of_the_queue(held: bool) -> Non
     assert book.take_given_back() == (GivenBack("t/a", 5, GiveBackReason.EVICTED),)
     hold(book, "t/a")  # forgotten: a later hold finds nothing
     assert book.take_given_back()[0].reason == GiveBackReason.NOT_FOUND
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_demotion_copies_to_the_host_tier_then_evicts_first(held: bool) -> None:
+    pool, book = book_over(20)
+    entries = pool.run(5)
+    book.finished("t/a", [entries])
+    if held:
+        hold(book, "t/a")
+    book.apply(RetentionDemote("t/a"), NOW)
+    assert pool.host == [("t/a", [b for b, _ in entries])]  # before they go first
+    assert pool.queue[:5] == [b for b, _ in reversed(entries)] and not book
+    assert book.take_given_back() == (GivenBack("t/a", 5, GiveBackReason.DEMOTED),)
+    book.apply(RetentionDemote("t/b"), NOW)  # nothing finished under it: nothing to copy
+    assert len(pool.host) == 1 and book.take_given_back() == ()
 
 
 def test_holds_lapse_at_their_time() -> None:

@@ -136,6 +136,18 @@ def test_prompt_blocks_are_copied_to_host_as_they_are_computed_and_decode_blocks
     ]
 
 
+def test_a_host_eviction_steps_later_is_published_with_that_steps_events() -> None:
+    cache = PrefixCache(20, BS, host=HostTier(3))
+    first = CacheRequest("a", tokens(0, 13), HASHER)  # 3 full prompt blocks fill the tier
+    assert cache.allocate(first, 13, cache.lookup(first)) is not None
+    assert len(cpu(cache.take_events())) == 3  # stored: taken with this step's events
+    later = CacheRequest("b", tokens(100, 9), HASHER)  # 2 more: the 2 oldest go
+    assert cache.allocate(later, 9, cache.lookup(later)) is not None
+    [removed] = [e for e in cpu(cache.take_events()) if isinstance(e, BlockRemoved)]
+    tail = {event_block_hash(h) for h in first.block_hashes[1:3]}  # a prefix outlives its tail
+    assert set(removed.block_hashes) == tail
+
+
 def test_a_lookup_continues_past_the_gpu_hit_into_the_host_tier() -> None:
     cache = PrefixCache(7, BS, host=HostTier(16))  # 6 usable blocks
     first = CacheRequest("a", tokens(0, 20), HASHER)  # 5 full blocks

@@ -16,6 +16,7 @@ from appliance.engines.retention.plugin import RetentionTuning
 from appliance.engines.retention.protocol import (
     GiveBackReason,
     GivenBack,
+    RetentionDemote,
     RetentionDirective,
     RetentionEvictFirst,
     RetentionHold,
@@ -25,8 +26,10 @@ from appliance.engines.retention.protocol import (
 )
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
+from appliance.sim.cache_request import NO_HIT, CacheRequest
 from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest
+from appliance.sim.host_tier import HostTier
 from appliance.sim.retention import SimRetention
 
 BS = 32
@@ -65,13 +68,16 @@ class StandIn:
 class Sim:
     """An engine with the twin, and the requests it served."""
 
-    def __init__(self, pool: int = POOL, *, retention: bool = True) -> None:
+    def __init__(self, pool: int = POOL, *, retention: bool = True, host: int = 0) -> None:
         self.channel = StandIn()
         self.retention = SimRetention(RetentionTuning(), block_size=BS) if retention else None
         if self.retention is not None:
             self.retention.start(self.channel)
         config = EngineConfig(num_blocks=pool + 1, block_size=BS, max_model_len=pool * BS)
-        self.engine = SimEngine(config, hasher=HASHER, latency=LAT, retention=self.retention)
+        tier = HostTier(host) if host else None
+        self.engine = SimEngine(
+            config, hasher=HASHER, latency=LAT, retention=self.retention, host=tier
+        )
         self.now = 0.0
         self.preempted: list[str] = []
         self._n = 0
@@ -151,12 +157,27 @@ def test_admission_gives_holds_back_lowest_priority_first_never_its_own_sessions
     )
     sim.poke()
     assert sim.channel.held == {"t/own": 12, "t/low": 12, "t/mid": 12, "t/high": 12}
-    # The own session's next turn needs 12 + 28 blocks; 16 are free, its 12 it reuses
-    # (one token out: it never needs another block).
-    out = sim.turn("t/own", [*tokens(0, 12 * BS), *tokens(7000, 28 * BS - 1)], max_tokens=1)
+    # The own session's next turn needs 12 + 25 blocks, and the reserve of 3 (5 % of 64)
+    # stays free; 16 are free, its 12 it reuses (one token out: no other block needed).
+    out = sim.turn("t/own", [*tokens(0, 12 * BS), *tokens(7000, 25 * BS - 1)], max_tokens=1)
     assert out.num_cached_tokens == 12 * BS
     assert sim.channel.given_back() == [GivenBack("t/low", 12, PRESSURE)]
     assert set(sim.channel.held) == {"t/own", "t/mid", "t/high"}
+
+
+def test_an_admission_leaves_the_reserve_free_for_the_running_requests() -> None:
+    sim = Sim()
+    for i, key in enumerate(("t/own", "t/low", "t/mid", "t/high")):
+        sim.turn(key, tokens(1000 * i, 12 * BS))
+    sim.send(
+        *(RetentionHold(k, later(), p) for p, k in enumerate(("t/own", "t/low", "t/mid", "t/high")))
+    )
+    sim.poke()
+    # 12 + 28 blocks: the 16 free and t/low's 12 would just fit it, with nothing left for a
+    # running request's next block; the reserve of 3 takes t/mid's too.
+    sim.turn("t/own", [*tokens(0, 12 * BS), *tokens(7000, 28 * BS - 1)], max_tokens=1)
+    assert [g.key for g in sim.channel.given_back()] == ["t/low", "t/mid"]
+    assert set(sim.channel.held) == {"t/own", "t/high"}
 
 
 def test_a_running_request_short_of_blocks_gets_holds_instead_of_preempting() -> None:
@@ -183,6 +204,21 @@ def test_a_running_request_short_of_blocks_gets_holds_instead_of_preempting() ->
     given = sim.channel.given_back()
     assert [g.key for g in given] == ["t/low", "t/mid", "t/high"][: len(given)] and given
     assert {g.reason for g in given} == {PRESSURE}
+
+
+def test_after_holds_go_to_a_running_request_nothing_new_is_admitted_in_that_step() -> None:
+    sim = Sim()
+    sim.turn("t/a", tokens(0, 10 * BS))
+    sim.send(RetentionHold("t/a", later()))
+    sim.poke()
+    twin = sim.retention
+    assert twin is not None
+    waiting = CacheRequest("w", tokens(9000, 4 * BS), HASHER, session_id="t/w")
+    assert twin.admitting(waiting, NO_HIT)
+    assert twin.relieve()  # a running request was short of blocks: t/a's hold goes
+    assert not twin.admitting(waiting, NO_HIT)  # its room is the running request's
+    twin.step_begins()
+    assert twin.admitting(waiting, NO_HIT)  # the next step admits again
 
 
 def test_holds_are_capped_at_80_percent_of_the_pool() -> None:
@@ -251,3 +287,20 @@ def test_an_aborted_request_is_remembered_and_closing_gives_everything_back() ->
     assert sim.channel.closed and sim.channel.held == {}
     assert sim.channel.given_back()[-1] == GivenBack("t/a", 8, GiveBackReason.RESET)
     assert sim.engine.cache.num_free_blocks == POOL
+
+
+def test_a_demoted_session_comes_back_from_the_host_tier() -> None:
+    sim = Sim(host=4 * POOL)
+    assert sim.channel.reports[-1].host_blocks == 4 * POOL
+    prompt = tokens(0, 10 * BS)
+    sim.turn("t/a", prompt)
+    sim.send(RetentionHold("t/a", later()))
+    sim.poke()
+    sim.send(RetentionDemote("t/a"))
+    sim.poke()
+    assert sim.channel.held == {}
+    assert sim.channel.given_back()[-1] == GivenBack("t/a", 10, GiveBackReason.DEMOTED)
+    assert sim.channel.reports[-1].host_used_blocks >= 10
+    sim.flood(POOL)  # its GPU blocks went first: the flood takes them
+    again = sim.turn("t/a", [*prompt, *tokens(9000, 40)])
+    assert again.num_cached_tokens == again.num_host_cached_tokens == 10 * BS

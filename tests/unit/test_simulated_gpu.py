@@ -52,6 +52,21 @@ def test_one_reading_per_worker_from_its_kv_use_and_running_requests() -> None:
     assert (w1.kv_bytes, w1.mem_used_bytes, w1.util) == (0, 200, 0.0)
 
 
+def test_with_the_kv_index_its_kv_is_every_resident_block_cached_ones_too() -> None:
+    workers = [Worker(WorkerId("w0"), load=load(0.0, 0)), Worker(WorkerId("w1"), load=load(0.9, 1))]
+    resident = {"w0": 25, "w1": 10_000}  # tokens the index holds on each worker's GPU
+    probe = SimulatedGpuProbe(
+        GPU, lambda: workers, resident_tokens=lambda w: resident[w], kv_bytes_per_token=4
+    )
+    w0, w1 = probe.snapshot().gpus
+    assert (w0.kv_bytes, w0.mem_used_bytes) == (100, 300)  # vLLM's usage says 0: all cached
+    assert w1.kv_bytes == 600  # never more than the pool
+    resident_ids = gpu_probe(EngineKind.SIM, bundled_profile(), 32, lambda: workers, lambda w: 2)
+    assert isinstance(resident_ids, SimulatedGpuProbe)
+    per_token = bundled_profile().kv_bytes_per_token
+    assert resident_ids.snapshot().gpus[0].kv_bytes == 2 * 32 * per_token
+
+
 def test_the_readings_follow_the_load() -> None:
     worker = Worker(WorkerId("w0"), load=load(0.1, 1))
     probe = SimulatedGpuProbe(GPU, lambda: [worker])

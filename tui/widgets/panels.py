@@ -91,8 +91,10 @@ def _health(w: WorkerState) -> Text:
 
 
 class WorkersPanel(Panel):
-    """Per worker: health, running/waiting, KV use, prefix hit rate, restarts; when wide,
-    its measured prefill time against the GPU profile's, and its URL."""
+    """Per worker: health, running/waiting, KV use (vLLM's: requests and holds), the KV on its
+    GPU in tokens (every block that holds anything, cached ones too: what the sessions'
+    resident tokens add up to; when the appliance reports it), prefix hit rate, restarts;
+    when wide, its measured prefill time against the GPU profile's, and its URL."""
 
     def render(self) -> RenderResult:
         state = self.state
@@ -108,6 +110,9 @@ class WorkersPanel(Panel):
         table.add_column("run", justify="right", no_wrap=True)
         table.add_column("wait", justify="right", no_wrap=True)
         table.add_column("KV use", no_wrap=True)
+        kv_tokens = any(w.kv_tokens is not None for w in state.workers)
+        if kv_tokens:
+            table.add_column("KV tok", justify="right", no_wrap=True)
         table.add_column("prefix", justify="right", no_wrap=True)
         table.add_column("restarts", justify="right", no_wrap=True)
         table.add_column("GPUs", no_wrap=True)
@@ -123,6 +128,7 @@ class WorkersPanel(Panel):
                 fmt.num(w.running),
                 fmt.num(w.waiting),
                 kv,
+                *([fmt.tokens(w.kv_tokens)] if kv_tokens else []),
                 fmt.pct(w.prefix_hit_rate),
                 Text(str(w.restarts), style="bold yellow" if w.restarts else ""),
                 ",".join(str(i) for i in w.gpus) or "-",

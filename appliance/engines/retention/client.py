@@ -29,6 +29,7 @@ import zmq.asyncio
 from appliance.domain.records import WorkerId
 from appliance.domain.retention import RetainedKv, ReturnedKv
 from appliance.engines.retention.protocol import (
+    RetentionDemote,
     RetentionDirective,
     RetentionEvictFirst,
     RetentionHold,
@@ -116,6 +117,10 @@ class RetentionClient:
     async def evict_first(self, worker: WorkerId, key: str) -> bool:
         return await self.send(worker, RetentionEvictFirst(key))
 
+    async def demote(self, worker: WorkerId, key: str) -> bool:
+        """Stop holding; the key's blocks go first on the GPU once the host tier has them."""
+        return await self.send(worker, RetentionDemote(key))
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         """New priorities for held keys: under pressure the lowest goes first."""
         return await self.send(worker, RetentionOrder(dict(priorities)))
@@ -163,6 +168,15 @@ class RetentionClient:
         if report is None or report.pool_blocks <= 0:
             return None
         return 1.0 - min(report.free_blocks, report.pool_blocks) / report.pool_blocks
+
+    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
+        """The worker's host tier as (capacity, blocks in use), per the latest report;
+        None: it has none (or no report yet)."""
+        view = self._views.get(worker)
+        report = view.report if view is not None else None
+        if report is None or report.host_blocks <= 0:
+            return None
+        return report.host_blocks, min(report.host_used_blocks, report.host_blocks)
 
     async def returned(self) -> AsyncIterator[ReturnedKv]:
         """Every hold given back, as the reports arrive (`reports`: one reader)."""

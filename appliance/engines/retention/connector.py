@@ -10,14 +10,18 @@ thread:
   holding nothing; returns `delay_free=False`, so vLLM frees the request as usual.
 - `get_num_new_matched_tokens` (for each waiting request, just before its blocks are
   allocated): directives and expiries are applied, then holds are given back until the
-  request fits, so a hold never keeps a request waiting.
+  request fits with the reserve (`reserve_fraction` of the pool) still free, so a hold
+  never keeps a request waiting, and an admission never leaves the running requests
+  without room for their next blocks (they would stall while holds drain, and once none
+  was left vLLM would preempt one).
 - `has_pending_block_frees` (when a running request is short of blocks, before vLLM would
   preempt one): holds are given back; True makes vLLM retry next step instead of
-  preempting (False when nothing was held: it preempts as it would without us). Waiting
-  requests may take that room in the same step (after a preemption vLLM admits none; a
-  skip here would count them as "skipped" in its metrics until admitted): a running
-  request may wait some steps while holds drain, and with none left vLLM preempts as it
-  would have.
+  preempting (False when nothing was held: it preempts as it would without us). No new
+  waiting request is admitted in the rest of that step (`get_num_new_matched_tokens`
+  answers None, so vLLM skips it until the next step, counting it "skipped"), as vLLM
+  admits none after a preemption: the room given back goes to the running request, which
+  new admissions would otherwise take step after step until no hold was left and vLLM
+  preempted it after all.
 - `build_connector_meta` (end of every step): directives and expiries again.
 A directive sent to an idle engine is applied when the next request is scheduled: nothing
 evicts without a step, so this is the same as at once.
@@ -73,6 +77,8 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
         self._reserve = 0
         self._step_begins = True
         """No waiting request was looked at yet in this scheduler step."""
+        self._relieved = False
+        """Holds were given back for a running request in this step: admit nothing more."""
         self._channel: ControlChannel | None = None
         endpoint = self._tuning.control_endpoint
         if role == KVConnectorRole.SCHEDULER and endpoint:
@@ -121,10 +127,13 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
         if self._step_begins:  # once a step: directives must be in before any admission
             self._step_begins = False
             self._housekeeping()
+        if self._relieved:
+            return None, False  # the running request's room first; admitted next step
         if self._book:
             hit_blocks = num_computed_tokens // self._block_sizes[0]
             own = min(self._book.held_of(request.session_id), hit_blocks)
-            if self._book.make_room(self._need(request) - own, protect=request.session_id):
+            need = self._need(request) - own + self._reserve
+            if self._book.make_room(need, protect=request.session_id):
                 self._publish()
         return 0, False
 
@@ -134,6 +143,7 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._housekeeping()
         self._step_begins = True
+        self._relieved = False
         return RetentionMetadata()
 
     def has_pending_block_frees(self) -> bool:
@@ -141,6 +151,7 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         given = self._book.relieve(self._reserve)
         if given:
+            self._relieved = True
             self._publish()
         return given
 

@@ -14,7 +14,9 @@ A hold never makes an allocation fail: before vLLM would leave a waiting request
 (`make_room`) or preempt a running one (`relieve`), holds are given back lowest priority
 first (ties: the hold asked for longest ago), never the waiting request's own session. The
 sum of held blocks stays under a cap; a hold over it displaces holds of no higher priority,
-then is cut to a prefix.
+then is cut to a prefix. A demotion (`RetentionDemote`) ends a key's hold as an eviction
+does, after the pool has copied the key's blocks to its host tier (a pool without one
+copies nothing).
 
 Single-threaded: the connector calls it on vLLM's scheduler thread only.
 """
@@ -30,6 +32,7 @@ from appliance.engines.retention.protocol import (
     GiveBackReason,
     GivenBack,
     HeldKv,
+    RetentionDemote,
     RetentionDirective,
     RetentionEvictFirst,
     RetentionHold,
@@ -65,6 +68,15 @@ class KvPool(Protocol):
 
     def evict_first(self, blocks: Sequence[object]) -> None:
         """Move those of the blocks nobody references to the head of the free queue."""
+        ...
+
+    def copy_to_host(self, blocks: Sequence[object], key: str) -> int:
+        """Copy the blocks (a prefix) to the host tier, as its most recently used, for
+        `key`; returns how many the tier holds now (0: it has no host tier)."""
+        ...
+
+    def host_blocks(self) -> tuple[int, int]:
+        """The host tier's (capacity, blocks in use); (0, 0) without one."""
         ...
 
 
@@ -160,6 +172,8 @@ class HoldBook:
                 self._give_back(key, GiveBackReason.RELEASED)
             case RetentionEvictFirst(key=key):
                 self._evict_first(key)
+            case RetentionDemote(key=key):
+                self._evict_first(key, demote=True)
             case RetentionOrder(priorities=priorities):
                 for key, priority in priorities.items():
                     if key in self._holds:
@@ -285,16 +299,24 @@ class HoldBook:
             self._pool.give_back(held.blocks, first=first)
             self._note(key, len(held.blocks), reason)
 
-    def _evict_first(self, key: str) -> None:
+    def _evict_first(self, key: str, *, demote: bool = False) -> None:
+        """The key's blocks go first in the eviction order (`demote`: once the host tier
+        has a copy of them)."""
+        reason = GiveBackReason.DEMOTED if demote else GiveBackReason.EVICTED
         done = self._finished.pop(key, None)
         if done is not None:
             self._remembered -= sum(len(g) for g in done.groups)
-        if key in self._holds:
-            self._give_back(key, GiveBackReason.EVICTED, first=True)
+        held = self._holds.get(key)
+        if held is not None:
+            if demote:
+                self._pool.copy_to_host(held.blocks, key)
+            self._give_back(key, reason, first=True)
         elif done is not None:
             blocks = tuple(b for run in self._cached_runs(done) for b in run)
+            if demote:
+                self._pool.copy_to_host(blocks, key)
             self._pool.evict_first(blocks)
-            self._note(key, len(blocks), GiveBackReason.EVICTED)
+            self._note(key, len(blocks), reason)
 
     def _note(self, key: str, blocks: int, reason: GiveBackReason) -> None:
         self._given_back.append(GivenBack(key, blocks, reason))

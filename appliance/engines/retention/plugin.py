@@ -33,8 +33,9 @@ class RetentionTuning:
     max_held_fraction: float = 0.8
     """Cap on held blocks, as a share of the pool."""
     reserve_fraction: float = 0.05
-    """When a running request is short of blocks, holds are given back until this share
-    of the pool is free (at least one hold)."""
+    """Share of the pool holds leave free for the running requests' next blocks: an
+    admission gives holds back until its prompt fits with this much still free, and a
+    running request short of blocks until this much is (at least one hold)."""
     report_interval_s: float = 5.0
     """A report at least this often, changed or not."""
 

@@ -16,12 +16,18 @@ nothing is evicted without a step); the report that shows them follows:
 - `RetentionRelease(key)`: stop holding; the blocks become ordinary cached blocks, LRU.
 - `RetentionEvictFirst(key)`: stop holding, and put the key's blocks nobody uses at the
   head of the free queue, so they are evicted before any other.
+- `RetentionDemote(key)`: stop holding, make sure the key's blocks have a copy in the
+  worker's host tier (vLLM's native offloading stores every cached prompt block there as it
+  is computed; the simulated host tier does the same, and the demotion refreshes the copy
+  as the most recently used), then evict them first on the GPU, as `RetentionEvictFirst`.
+  The appliance sends it only to a worker whose reports show a host tier.
 - `RetentionOrder(priorities)`: new priorities for held keys. Under pressure the connector
   gives holds back lowest priority first (ties: the oldest hold first).
 - `RetentionQuery()`: answer with the latest report now (from the channel's thread).
 
-Reports (worker -> appliance): the whole state each time (`held`), plus what was given back
-since the previous report (`given_back`, with a reason). A connector's first report has
+Reports (worker -> appliance): the whole state each time (`held`, and the host tier's size
+and use in blocks: 0 without one), plus what was given back since the previous report
+(`given_back`, with a reason). A connector's first report has
 `seq` 0 and holds nothing: a new `incarnation` means the worker restarted and held
 nothing when it did.
 """
@@ -49,6 +55,10 @@ class RetentionEvictFirst(msgspec.Struct, tag="evict_first", frozen=True):
     key: str
 
 
+class RetentionDemote(msgspec.Struct, tag="demote", frozen=True):
+    key: str
+
+
 class RetentionOrder(msgspec.Struct, tag="order", frozen=True):
     priorities: dict[str, float]
 
@@ -58,7 +68,12 @@ class RetentionQuery(msgspec.Struct, tag="query", frozen=True):
 
 
 RetentionDirective = (
-    RetentionHold | RetentionRelease | RetentionEvictFirst | RetentionOrder | RetentionQuery
+    RetentionHold
+    | RetentionRelease
+    | RetentionEvictFirst
+    | RetentionDemote
+    | RetentionOrder
+    | RetentionQuery
 )
 
 
@@ -73,6 +88,8 @@ class GiveBackReason(StrEnum):
     """A newer hold needed room under the cap on held blocks."""
     EVICTED = "evicted"
     """The appliance marked it first to evict."""
+    DEMOTED = "demoted"
+    """The appliance demoted it to the host tier (its GPU blocks then go first)."""
     NOT_FOUND = "not_found"
     """A hold was asked for, but nothing of the key's last request is cached (or this
     worker never ran one)."""
@@ -108,6 +125,10 @@ class RetentionReport(msgspec.Struct, tag="report", frozen=True):
     """Free or evictable blocks."""
     held: tuple[HeldKv, ...] = ()
     given_back: tuple[GivenBack, ...] = ()
+    host_blocks: int = 0
+    """Blocks the worker's host tier holds at most (0: it has none)."""
+    host_used_blocks: int = 0
+    """Blocks in the host tier now (a cache: full once warm, it evicts to make room)."""
 
     @property
     def held_blocks(self) -> int:

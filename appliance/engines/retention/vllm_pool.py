@@ -64,6 +64,14 @@ class VllmKvPool:
             queue.remove(block)
         queue.prepend_n(idle)
 
+    def copy_to_host(self, blocks: Sequence[Any], key: str) -> int:
+        """Nothing to copy: vLLM's own offloading (where it runs) stores every cached prompt
+        block in its host tier as it is computed; the CPU build has none."""
+        return 0
+
+    def host_blocks(self) -> tuple[int, int]:
+        return 0, 0
+
     def cached_entries(
         self, block_ids: Sequence[Sequence[int]], num_tokens: int, block_sizes: Sequence[int]
     ) -> tuple[tuple[tuple[object, object], ...], ...]:
