@@ -12,6 +12,9 @@ import socket
 from pathlib import Path
 
 _LOWEST = 10_000
+_GIVEN: set[int] = set()
+"""Ports this process handed out: two blocks drawn for one server (its HTTP ports, its
+control channels) are free when drawn, and must not overlap before either is bound."""
 
 
 def port_is_free(port: int) -> bool:
@@ -39,7 +42,9 @@ def free_port_block(n: int) -> int:
     top = _ephemeral_start() - n
     for _ in range(200):
         base = random.randrange(_LOWEST, top) if top > _LOWEST else _kernel_port()
-        if base + n < 65535 and all(port_is_free(base + i) for i in range(n)):
+        block = range(base, base + n)
+        if base + n < 65535 and _GIVEN.isdisjoint(block) and all(map(port_is_free, block)):
+            _GIVEN.update(block)
             return base
     raise RuntimeError(f"no block of {n} free ports found")
 
