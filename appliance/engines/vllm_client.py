@@ -146,8 +146,11 @@ class VllmClient:
         return (await self._request("GET", "/metrics", timeout_s=timeout_s)).decode()
 
     async def load(self, timeout_s: float = PROBE_TIMEOUT_S) -> LoadSnapshot:
+        # Stamped when asked: vLLM's gauges are as of its last step, before the answer
+        # left, so a request that ended while the scrape was on its way is not load.
+        asked_at = time.time()
         text = await self.metrics_text(timeout_s)
-        return load_snapshot(text, now=time.time(), model_name=self.model)
+        return load_snapshot(text, now=asked_at, model_name=self.model)
 
     async def models(self) -> list[dict[str, Any]]:
         raw = await self._request("GET", "/v1/models", timeout_s=PROBE_TIMEOUT_S)

@@ -7,8 +7,13 @@ reading carries the worker's own prefill seconds (vLLM's `request_prefill_time_s
 histogram: from a request's first scheduling to its first token) and the prompt and
 computed (uncached) tokens of the same finished requests. Between two readings, the mean
 measured prefill over the profile's prefill of the mean request is one sample of the
-slowdown; samples are smoothed, and a worker never measured (or measured on too few
-prefills) counts as the profile says (1).
+slowdown; samples are smoothed.
+
+A worker never measured (or measured on too few prefills) counts as the median of those
+measured, or as the profile says (1) while none is: the box's workers serve one model on
+one kind of GPU. Counting it at 1 beside siblings measured 100x slower (the CPU build)
+made a cold prefill there look 100x cheaper than the rest of a session's turn at its
+home, and a ten-turn session left its prefix for the one worker that had never served.
 
 Only calm intervals count: a prefill that shares the worker's steps with other requests'
 prefills and decodes takes longer, and that is batching and queueing, which the router
@@ -32,6 +37,7 @@ work back.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from statistics import median
 from typing import Protocol
 
 from appliance.domain.records import WorkerId
@@ -103,8 +109,12 @@ class WorkerSpeeds:
             )
 
     def slowdown(self, worker: WorkerId) -> float:
-        """Measured prefill seconds per second of the cost model's (1 until measured)."""
-        return self._slowdown.get(worker, 1.0)
+        """Measured prefill seconds per second of the cost model's (the module docstring
+        says what a worker not yet measured counts as)."""
+        measured = self._slowdown.get(worker)
+        if measured is not None:
+            return measured
+        return median(self._slowdown.values()) if self._slowdown else 1.0
 
     def _alone(self, worker: WorkerId, last: LoadSnapshot, load: LoadSnapshot, done: int) -> bool:
         """Whether the worker did one request at a time from `last` to `load`, `done` of

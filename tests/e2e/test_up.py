@@ -59,6 +59,19 @@ def turn(
     return raw.headers["x-appliance-worker"], raw.parse()
 
 
+def route_decisions(app: RunningAppliance, session: str) -> str:
+    """The session's route decisions from the ledger, a line each (worker, reason,
+    candidates): what a failed placement assertion shows."""
+    time.sleep(0.5)  # the ledger writer's batch
+    with closing(sqlite3.connect(app.ledger)) as db:
+        rows = db.execute(
+            "SELECT r.worker, r.reason, r.candidates FROM route_decisions r"
+            " JOIN turns t USING (turn_id) WHERE t.session_id LIKE ? ORDER BY r.at",
+            (f"%{session}",),
+        )
+        return "\n".join(" ".join(row) for row in rows)
+
+
 def test_a_ten_turn_session_stays_on_its_worker_and_its_cache_grows(
     appliance_up: RunningAppliance,
 ) -> None:
@@ -73,7 +86,7 @@ def test_a_ten_turn_session_stays_on_its_worker_and_its_cache_grows(
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
         messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
-    assert len(set(workers)) == 1, workers
+    assert len(set(workers)) == 1, f"{workers}\n{route_decisions(app, 'ten-turns')}"
     assert cached[0] == 0
     assert all(b > a for a, b in itertools.pairwise(cached)), cached
 
@@ -418,7 +431,7 @@ def test_each_workers_prefill_speed_is_measured_from_its_own_histograms(
     appliance_up: RunningAppliance,
 ) -> None:
     """Sequential turns leave the worker calm between readings: its request-level prefill
-    histograms give the router a measured slowdown against the GPU profile (1 until then)."""
+    histograms give the router a measured slowdown against the GPU profile."""
     app = appliance_up
     c = client(appliance_up)
     messages = [{"role": "system", "content": text(21, app.words(200))}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -95,6 +96,23 @@ def test_probes_and_reads() -> None:
             assert await c.tokenize(messages=[{"role": "user", "content": "ab"}]) == [0, 1]
             load = await c.load()
             assert load.prefix_cache_hits_tokens == 2336 and load.time > 0
+
+    run(go())
+
+
+def test_a_reading_is_stamped_when_it_was_asked_for() -> None:
+    """The gauges are as of the worker's last step, before a slow scrape's answer left: a
+    request that ended meanwhile must not count as waiting (services/queue_book.py)."""
+
+    async def slow_metrics(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.Response(text=METRICS)
+
+    async def go():
+        async with served(slow_metrics) as url, VllmClient(url, model="tiny") as c:
+            asked = time.time()
+            load = await c.load()
+            assert asked <= load.time < asked + 0.2, load.time - asked
 
     run(go())
 

@@ -85,7 +85,9 @@ def test_prefills_of_turns_one_at_a_time_are_the_workers_speed() -> None:
     served(wired, W1, [100.16], took_s=0.1)
     served(wired, W1, [100.27], took_s=0.1)
     served(wired, W1, [100.38], took_s=0.1)
-    w0.load, w1.load = reading(100.5, 0, 0.0), reading(100.5, 4, 4 * 3 * WARM_S)
+    served(wired, W0, [100.05, 100.16, 100.27, 100.38], took_s=0.1)  # other sessions' turns
+    w0.load, w1.load = reading(100.5, 4, 4 * WARM_S), reading(100.5, 4, 4 * 3 * WARM_S)
     speeds.observe([w0, w1])
+    assert speeds.slowdown(W0) == 1.0
     assert speeds.slowdown(W1) == 3.0  # really 3x slower: a cold prefill at w0 is quicker
     assert place_next_turn(wired, 101.0) == (W0, RouteKind.QUEUE_OVER_PREFIX)

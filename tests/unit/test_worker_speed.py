@@ -140,7 +140,18 @@ def test_speeds_start_at_the_profile_then_follow_readings_smoothly() -> None:
     assert speeds.slowdown(w.id) == pytest.approx(1.0 + SMOOTHING * 4.0)
     speeds.observe([w])  # the same reading again changes nothing
     assert speeds.slowdown(w.id) == pytest.approx(1.0 + SMOOTHING * 4.0)
-    assert speeds.slowdown(WorkerId("never-read")) == 1.0
+
+
+def test_a_worker_never_measured_counts_as_the_median_of_those_measured() -> None:
+    speeds = speeds_of()
+    assert speeds.slowdown(WorkerId("never-read")) == 1.0  # none measured: the profile
+    for i, each_s in enumerate((2.0, 100.0, 300.0)):
+        w = Worker(WorkerId(f"w{i}"), reading(1.0, 0, 0.0, 0, 0))
+        speeds.observe([w])
+        w.load = reading(1.5, 4, 4 * each_s, 4 * 1_000, 4 * 1_000)
+        speeds.observe([w])
+        assert speeds.slowdown(w.id) == pytest.approx(each_s)
+    assert speeds.slowdown(WorkerId("never-read")) == pytest.approx(100.0)
 
 
 def test_a_reading_with_too_few_prefills_is_pooled_with_the_next() -> None:
@@ -206,15 +217,16 @@ CALM = reading(1.0, 0, 0.0, 0, 0)
 def test_a_worker_without_a_sample_leaves_the_next_one_measured(
     first_then: LoadSnapshot | None, first_now: LoadSnapshot | None
 ) -> None:
-    """Each worker of a poll is read on its own: one that gives no sample (it stays at 1)
-    does not keep the worker after it from being measured."""
+    """Each worker of a poll is read on its own: one that gives no sample (it counts as
+    the one measured, not at its own 5x) does not keep the worker after it from being
+    measured."""
     speeds = speeds_of()
     first, second = Worker(WorkerId("w0"), first_then), Worker(WorkerId("w1"), CALM)
     speeds.observe([first, second])
     first.load, second.load = first_now, reading(1.5, 4, 4 * 2.0, 4_000, 4_000)
     speeds.observe([first, second])
-    assert speeds.slowdown(first.id) == 1.0
     assert speeds.slowdown(second.id) == pytest.approx(2.0)
+    assert speeds.slowdown(first.id) == pytest.approx(2.0)
 
 
 def test_a_lost_reading_keeps_the_slowdown_and_the_last_reading() -> None:
