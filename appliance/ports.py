@@ -28,7 +28,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerId,
 )
-from appliance.domain.retention import RetainedKv, ReturnedKv
+from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
 from appliance.domain.worker import LoadSnapshot
 
 
@@ -196,9 +196,9 @@ class KvRetention(Protocol):
         """New priorities for held keys."""
         ...
 
-    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
-        """The worker's host tier, (capacity, in use) in blocks, as its latest report shows
-        it; None: it has none, or no report."""
+    def host_tier(self, worker: WorkerId) -> HostTierSize | None:
+        """The worker's host tier as its latest report shows it; None: it has none, or no
+        report."""
         ...
 
     def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:

@@ -18,7 +18,12 @@ tier values). v_tier, the cost of a byte-second of a tier now, is 0 while the ti
 (usage under `pressure_from`) and rises linearly to the tier's value at full usage: the
 value of what a hold would push out, in seconds saved per byte-second (the caller's
 `hbm_value`, e.g. the lowest `priority` among the worker's holds; by default that of a
-session like this one sure to be back within `displaced_wait_s`).
+session like this one sure to be back within `displaced_wait_s`). The host tier is an LRU
+cache of what the GPU computes (vLLM's offloading stores every block), full once warm: at
+`turnover` times the GPU pool's size it keeps a block that many times longer, so by default
+what a demotion displaces there is sure to be back within `turnover x displaced_wait_s`.
+Valued as HBM is, a full host tier made C_demote = C_hold + P x promote_s: no demotion,
+ever, once the tier was warm.
 
 The cheapest allowed action wins, against the standing one (the last decision of this idle
 period, RELEASE for a new one) only by a margin (`hysteresis` of the standing cost and at
@@ -285,7 +290,7 @@ class Reaper:
         v_host = c_demote = None
         host = session.host
         if host is not None:
-            v_host = self._tier_value(host.usage, host.value, loss_s, kv_bytes)
+            v_host = self._tier_value(host.usage, host.value, loss_s, kv_bytes, host.turnover)
             promote_s = self._promote_s(session, kv_bytes)
             c_demote = v_host * kv_bytes * wait_s + p * self.tuning.second_value * promote_s
             if host.free_bytes >= kv_bytes:
@@ -327,13 +332,21 @@ class Reaper:
         p = self.survival.p_return_within(key, idle_s, horizon_s, hint)
         return p, self.survival.expected_remaining_s(key, idle_s, horizon_s, hint)
 
-    def _tier_value(self, usage: float, value: float | None, loss_s: float, kv_bytes: int) -> float:
+    def _tier_value(
+        self,
+        usage: float,
+        value: float | None,
+        loss_s: float,
+        kv_bytes: int,
+        turnover: float = 1.0,
+    ) -> float:
         start = self.tuning.pressure_from
         pressure = min(1.0, max(0.0, (usage - start) / (1 - start)))
         if pressure == 0:
             return 0.0
         if value is None:  # a session like this one, sure to be back within displaced_wait_s
-            value = loss_s / (max(kv_bytes, 1) * self.tuning.displaced_wait_s)
+            displaced_s = self.tuning.displaced_wait_s * turnover
+            value = loss_s / (max(kv_bytes, 1) * displaced_s)
         return pressure * value
 
     def _kv_bytes(self, session: IdleSession) -> int:

@@ -86,6 +86,10 @@ class HostTierReading:
     """Share of the tier in use, 0..1: its pressure, as `kv_usage` is HBM's."""
     value: float | None = None
     """What a byte-second of the tier is worth at full pressure (see `hbm_value`)."""
+    turnover: float = 1.0
+    """The tier's size over the GPU KV pool's (1: unknown). The tier is an LRU cache that
+    takes what the pool takes: k times larger, it keeps what it takes k times longer, so
+    what it displaces when full is k times further from use (see `appliance.policy.reaper`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from appliance.domain.retention import HostTierSize
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.policy.residency import (
     DEFAULT_TENANT,
@@ -187,7 +188,7 @@ class PolicyResidency:
         now_session = dataclasses.replace(
             session,
             kv_usage=due.kv_usage,
-            host=self._host(session.kv_bytes or 0, due.host_blocks, due.host_used_blocks),
+            host=self._host(session.kv_bytes or 0, due.host),
             tenant_held_bytes=self._tenant_held_bytes(session, due.pins),
             hbm_value=self._hbm_value(session.session_id, due.kv_usage, due.pins, due.now_s),
         )
@@ -259,7 +260,7 @@ class PolicyResidency:
             recompute_s=self.latency.prefill_s(n) if n else 0.0,
             kv_usage=end.kv_usage,
             kv_bytes=kv_bytes,
-            host=self._host(kv_bytes, end.host_blocks, end.host_used_blocks),
+            host=self._host(kv_bytes, end.host),
             promote_s=self.latency.kv_copy_s(n, CopyDirection.H2D) if n else 0.0,
             tenant=req.cache_salt or DEFAULT_TENANT,
         )
@@ -297,13 +298,14 @@ class PolicyResidency:
         session = self._idle.get(session_id)
         return session.tenant if session is not None else None
 
-    def _host(self, kv_bytes: int, capacity: int, used: int) -> HostTierReading | None:
+    def _host(self, kv_bytes: int, tier: HostTierSize | None) -> HostTierReading | None:
         """The host tier as the policy sees it: room for the whole session (it is a cache
         that evicts to make room) while the session fits in it; None without one."""
-        if not capacity:
+        if tier is None or not tier.blocks:
             return None
-        capacity_bytes = self.latency.kv_bytes(capacity * self.block_size)
-        return HostTierReading(free_bytes=capacity_bytes, usage=used / capacity)
+        capacity_bytes = self.latency.kv_bytes(tier.blocks * self.block_size)
+        usage = tier.used_blocks / tier.blocks
+        return HostTierReading(capacity_bytes, usage, turnover=tier.turnover)
 
     def _schedule_end(self, session: IdleSession, hint: TurnHint | None) -> None:
         """When the idle period ends without a return: the task's end, or the time-out."""

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 from appliance.domain.records import WorkerId
-from appliance.domain.retention import RetainedKv, ReturnedKv
+from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
 
 
 class NoRetention:
@@ -34,7 +34,7 @@ class NoRetention:
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         return False
 
-    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
+    def host_tier(self, worker: WorkerId) -> HostTierSize | None:
         return None
 
     def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:

@@ -15,7 +15,8 @@ the appliance knows at that instant:
   (the same measure, polled); a GPU's NVML memory reading says nothing of it, since vLLM
   allocates the whole pool at start;
 - the host tier, where the worker's retention reports show one: room for the whole session
-  (it is a cache that evicts to make room) and its use as its pressure;
+  (it is a cache that evicts to make room), its use as its pressure, and its size against
+  the GPU pool's (what it displaces when full is that much further from use);
 - the tool class, the client's expected wait and the session's depth from its turn's
   headers and counts; and whether the turn ended in a tool call: yes when the client named
   a tool class or a wait, no when a client that named them on earlier turns of the session
@@ -80,9 +81,8 @@ def host_reading(
     tier = retention.host_tier(worker)
     if tier is None:
         return None
-    capacity, used = tier
-    room = capacity * block_size * inputs.kv_bytes_per_token
-    return HostTierReading(free_bytes=room, usage=used / capacity)
+    room = tier.blocks * block_size * inputs.kv_bytes_per_token
+    return HostTierReading(room, tier.used_blocks / tier.blocks, turnover=tier.turnover)
 
 
 def one_turn(session: SessionState) -> bool:

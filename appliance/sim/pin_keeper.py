@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from appliance.domain.retention import HostTierSize
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.engine_stats import EngineCounters
 from appliance.sim.host_tier import HostTier
@@ -57,8 +58,8 @@ class PinKeeper:
     def _carry_out_revisit(self, pin: Pin, now: float) -> None:
         """Ask the hook again about a due pin and do what it says ("release": it lapses)."""
         assert self._revisit is not None
-        used, capacity = self._host_blocks()
-        after = self._revisit(PinDue(pin, self.cache.usage, now, capacity, used, self.cache.pins))
+        due = PinDue(pin, self.cache.usage, now, self._host_size(), self.cache.pins)
+        after = self._revisit(due)
         if after.action == "hold" and after.until_s is not None and after.until_s > now:
             self.cache.extend_pin(pin.owner, after.until_s)
         elif after.action == "demote" and self.host is not None:
@@ -66,9 +67,10 @@ class PinKeeper:
         elif after.action == "evict":
             self.evict(pin.owner)
 
-    def _host_blocks(self) -> tuple[int, int]:
-        """(blocks in use, capacity) of the host tier; (0, 0) without one."""
-        return (len(self.host), self.host.num_blocks) if self.host is not None else (0, 0)
+    def _host_size(self) -> HostTierSize | None:
+        if self.host is None:
+            return None
+        return HostTierSize(self.host.num_blocks, len(self.host), self.cache.pool.num_blocks - 1)
 
     def demote(self, session_id: str) -> int:
         """Copy a held session's pinned blocks to the host tier and free them on the GPU
@@ -94,14 +96,12 @@ class PinKeeper:
             return
         blocks = self.cache.pool.blocks
         cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
-        used, capacity = self._host_blocks()
         end = TurnEnd(
             entry.req,
             cached * self.cache.block_size,
             self.cache.usage,
             now,
-            capacity,
-            used,
+            self._host_size(),
             self.cache.pins,
         )
         after = self._residency.after_turn(end)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from appliance.domain.retention import HostTierSize
 from appliance.sim.block_pool import BlockPool
 from appliance.sim.cache_request import CacheHit, CacheRequest
 from appliance.sim.engine_io import SimRequest
@@ -26,10 +27,8 @@ class TurnEnd:
     """Tokens in the request's cached (pinnable) blocks."""
     kv_usage: float
     now_s: float
-    host_blocks: int = 0
-    """The worker's host tier's capacity in blocks (0: none)."""
-    host_used_blocks: int = 0
-    """Of those, blocks in use."""
+    host: HostTierSize | None = None
+    """The worker's host tier (None: it has none)."""
     pins: tuple[Pin, ...] = ()
     """The worker's standing pins."""
 
@@ -41,8 +40,7 @@ class PinDue:
     pin: Pin
     kv_usage: float
     now_s: float
-    host_blocks: int = 0
-    host_used_blocks: int = 0
+    host: HostTierSize | None = None
     pins: tuple[Pin, ...] = ()
 
 

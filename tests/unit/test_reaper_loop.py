@@ -25,7 +25,7 @@ from appliance.domain.records import (
     TenantId,
     WorkerId,
 )
-from appliance.domain.retention import RetainedKv, ReturnedKv
+from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.reaper import Reaper
 from appliance.policy.wait_curves import LogNormal
@@ -54,7 +54,7 @@ class FakeRetention:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     held: dict[WorkerId, dict[str, RetainedKv]] = field(default_factory=dict)
     usage: dict[WorkerId, float] = field(default_factory=dict)
-    host: dict[WorkerId, tuple[int, int]] = field(default_factory=dict)
+    host: dict[WorkerId, HostTierSize] = field(default_factory=dict)
     returns: asyncio.Queue[ReturnedKv] | None = None
 
     async def hold(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
@@ -77,7 +77,7 @@ class FakeRetention:
         self.calls.append(("order", worker, dict(priorities)))
         return True
 
-    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
+    def host_tier(self, worker: WorkerId) -> HostTierSize | None:
         return self.host.get(worker)
 
     def retained(self, worker: WorkerId) -> Mapping[str, RetainedKv]:
@@ -415,7 +415,7 @@ def test_an_evicted_decision_is_not_made_again_at_the_maximum_residency(s: Setup
 
 def test_with_a_host_tier_a_long_wait_under_pressure_is_demoted_and_its_copy_watched() -> None:
     s = build(usage=0.99)
-    s.retention.host[W0] = (1000, 10)  # the worker's reports: a host tier, mostly free
+    s.retention.host[W0] = HostTierSize(1000, 10, 250)  # its reports: a host tier, mostly free
     s.turn(s.session("slow"), tool="approval", wait_s=3600.0)
     assert s.sent() == [("demote", W0, "acme/slow")]
     assert (s.rows.last().action, s.rows.figures()["kind"]) == ("demote", "demote_cheapest")
@@ -431,6 +431,23 @@ def test_with_a_host_tier_a_long_wait_under_pressure_is_demoted_and_its_copy_wat
     assert row.reason.startswith("host_lru: ") and s.rows.evictions[0].cause == "host_lru"
     s.loop.returned(ReturnedKv(W0, "acme/slow", 10, "demoted"), 1003.5)  # asked for: no row
     assert s.rows.last() is row
+
+
+@pytest.mark.parametrize(("host_blocks", "action"), [(2000, "demote"), (250, "hold")])
+def test_a_full_host_tier_is_valued_by_its_size_against_the_pool(
+    host_blocks: int, action: str
+) -> None:
+    """A host tier is an LRU cache of everything the GPU computed: full once warm. Eight
+    times the pool's size, what a demotion displaces there was kept eight times as long,
+    and a short wait in a full pool goes there (its copy back costs microseconds); as large
+    as the pool, it costs what a hold does and the copy back on top, and the session is
+    held."""
+    s = build(usage=1.0)
+    s.retention.host[W0] = HostTierSize(host_blocks, host_blocks, 250)
+    s.turn(s.session("call"), tool="api", wait_s=1.0)
+    figures = s.rows.figures()
+    assert s.rows.last().action == action, figures
+    assert figures["v_host"] == pytest.approx(figures["v_hbm"] * 250 / host_blocks)
 
 
 def test_without_a_host_tier_nothing_is_demoted() -> None:

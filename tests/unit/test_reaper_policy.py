@@ -598,10 +598,25 @@ def test_the_wait_model_is_asked_with_the_hint_for_the_residency_left() -> None:
     assert set(model.asked) == {(WaitKey("acme", "test"), 100.0, MAX_S - 100.0, 30.0)}
 
 
-def test_a_full_host_tier_without_a_stated_value_is_priced_as_hbm_is() -> None:
+def test_a_full_host_tier_as_large_as_the_pool_is_priced_as_hbm_is() -> None:
     session = idle(host=host(None, usage=1.0), promote_s=0.2)
     figures = exact().decide(session, now=0.0).figures
     assert figures is not None and figures.v_host == figures.v_hbm > 0
+
+
+@pytest.mark.parametrize(("turnover", "action"), [(1.0, "release"), (4.0, "demote")])
+def test_a_full_host_tier_k_times_the_pool_is_worth_1_in_k_of_hbm(
+    turnover: float, action: str
+) -> None:
+    """Full once warm, the tier displaces what it has kept `turnover` times as long as the
+    pool would have. P = 0.5, E[W] = 10 s, 1 s of re-prefill, a full pool: C_release =
+    0.5 s, C_hold = 1 s, C_demote = 1 s / turnover + 0.5 x 0.2 s (1.1 s at 1, 0.35 s at 4)."""
+    tier = HostTierReading(free_bytes=10**6, usage=1.0, turnover=turnover)
+    decision = exact().decide(idle(host=tier, promote_s=0.2), now=0.0)
+    assert decision.figures is not None
+    assert decision.figures.v_host == pytest.approx(decision.figures.v_hbm / turnover)
+    assert decision.figures.c_demote == pytest.approx(1.0 / turnover + 0.1)
+    assert decision.action == action
 
 
 def test_a_forced_eviction_says_why() -> None:

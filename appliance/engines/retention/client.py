@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.domain.records import WorkerId
-from appliance.domain.retention import RetainedKv, ReturnedKv
+from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
 from appliance.engines.retention.protocol import (
     RetentionDemote,
     RetentionDirective,
@@ -169,14 +169,15 @@ class RetentionClient:
             return None
         return 1.0 - min(report.free_blocks, report.pool_blocks) / report.pool_blocks
 
-    def host_tier(self, worker: WorkerId) -> tuple[int, int] | None:
-        """The worker's host tier as (capacity, blocks in use), per the latest report;
-        None: it has none (or no report yet)."""
+    def host_tier(self, worker: WorkerId) -> HostTierSize | None:
+        """The worker's host tier per the latest report; None: it has none (or no report
+        yet)."""
         view = self._views.get(worker)
         report = view.report if view is not None else None
         if report is None or report.host_blocks <= 0:
             return None
-        return report.host_blocks, min(report.host_used_blocks, report.host_blocks)
+        used = min(report.host_used_blocks, report.host_blocks)
+        return HostTierSize(report.host_blocks, used, report.pool_blocks)
 
     async def returned(self) -> AsyncIterator[ReturnedKv]:
         """Every hold given back, as the reports arrive (`reports`: one reader)."""

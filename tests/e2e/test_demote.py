@@ -1,0 +1,176 @@
+"""A demoted session comes back from the host tier, live: `appliance up --engine sim` on one
+worker with a small KV pool and a host tier eight times its size.
+
+A session whose turn ends with a test run (`X-Tool-Class: test`, 60 s expected) waits too
+long for a hold in a pool under pressure to pay, and not so long that its copy back costs
+more than its re-prefill: the reaper demotes it (its blocks are copied to the host tier and
+go first on the GPU). A session with a short API call beside it is held. A flood of other
+sessions' prompts, three times the pool, runs meanwhile. On their next turns both find at
+least 90 % of their previous prompt cached: the held one on the GPU, the demoted one from
+the host tier (the worker counts those tokens as loaded, vLLM's
+`prompt_tokens_by_source{source="external_kv_transfer"}`), its TTFT at least the copy's
+time longer than the held one's by the copy's time.
+
+The host link is slowed to 16 GB/s in the worker's GPU profile (a copy back costs a quarter
+of a re-prefill: the reaper still finds it worth it) and the simulated GPU runs 4x slower
+than the profile, so the copy takes about 80 ms, above this machine's timing noise (at an
+H200's 53 GB/s it would be 6 ms). The turns stream, so the ledger's TTFT is the first
+token's. vLLM's CPU build refuses host offloading: this runs on the simulated engine only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from appliance.engines.metrics import load_snapshot
+from tests.e2e.test_reaper import (
+    POOL_TOKENS,
+    SIM_KV_BYTES_PER_TOKEN,
+    Reaped,
+    cached,
+    eventually,
+    flood,
+    prompt_tokens,
+    text,
+)
+from tests.running import add_key, appliance_process
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+PROFILE = Path(__file__).parents[2] / "appliance" / "data" / "h200-llama3-8b-shape.json"
+H2D_GBPS = 16.0
+TIME_SCALE = 4
+HOST_TIMES_POOL = 8
+API_WAIT = {"X-Tool-Class": "api", "X-Expected-Tool-Wait-S": "1"}
+TEST_RUN = {"X-Tool-Class": "test", "X-Expected-Tool-Wait-S": "60"}
+WORDS = 500  # about 2,500 tokens of the tiny model's tokenizer: a hold and two at a time fit
+
+
+def slow_link_profile(path: Path) -> Path:
+    """The bundled H200 profile with every host -> GPU copy at `H2D_GBPS`."""
+    profile = json.loads(PROFILE.read_text())
+    for copy in profile["copy_gbps"].values():
+        if isinstance(copy, dict):
+            copy["h2d"] = H2D_GBPS
+    path.write_text(json.dumps(profile))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hosted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Reaped]:
+    data_dir = tmp_path_factory.mktemp("demote-sim")
+    key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
+    pool_bytes = POOL_TOKENS * SIM_KV_BYTES_PER_TOKEN
+    env = {
+        "APPLIANCE_RESIDENCY__PRESSURE_FROM": "0",
+        "APPLIANCE_LOG_LEVEL": "DEBUG",
+        "APPLIANCE_ENGINE__MODEL": str(tiny_model_dir),  # the sim takes its tokenizer
+        "APPLIANCE_ENGINE__MAX_MODEL_LEN": "4096",
+        "APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES": str(pool_bytes),
+        "APPLIANCE_ENGINE__KV_HOST_BYTES": str(HOST_TIMES_POOL * pool_bytes),
+        "APPLIANCE_ENGINE__GPU_PROFILE": str(slow_link_profile(data_dir / "profile.json")),
+        "APPLIANCE_ENGINE__SIM_TIME_SCALE": str(TIME_SCALE),
+    }
+    with appliance_process(data_dir, engine="sim", workers=1, env=env) as up:
+        worker_url = f"http://127.0.0.1:{up.base_port}"
+        yield Reaped(up.url, key, ops, tiny_model_dir.name, worker_url, data_dir / "ledger.db")
+
+
+def streamed(app: Reaped, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """A streamed turn: its answer as a message, and its usage."""
+    body = {
+        "model": app.model,
+        "messages": messages,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {app.key}", "X-Session-ID": session}
+    headers |= API_WAIT if session == "held" else TEST_RUN
+    content, usage = [], None
+    with httpx.stream(
+        "POST", f"{app.url}/v1/chat/completions", json=body, headers=headers, timeout=300
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            content += [c["delta"].get("content") or "" for c in chunk["choices"]]
+            usage = chunk.get("usage") or usage
+    assert usage is not None
+    return {"message": {"role": "assistant", "content": "".join(content)}, "usage": usage}
+
+
+def host_loaded_tokens(app: Reaped) -> int:
+    """Prompt tokens the worker has loaded from its host tier."""
+    text_ = httpx.get(f"{app.worker_url}/metrics", timeout=30).text
+    return load_snapshot(text_, now=0.0).prompt_tokens_by_source.get("external_kv_transfer", 0)
+
+
+def ttft_s(app: Reaped, session: str, turn: int) -> float:
+    """The time to first token of the session's `turn`-th turn (from 1), from the ledger
+    (which commits a moment after the answer)."""
+    rows = eventually(
+        lambda: app.rows(
+            "SELECT ttft_s FROM turns WHERE tenant = 'alice' AND session_id = ?"
+            " ORDER BY started_at",
+            session,
+        ),
+        lambda r: len(r) >= turn,
+    )
+    return float(rows[turn - 1][0])
+
+
+def test_a_demoted_session_comes_back_from_the_host_tier_with_the_copy_in_its_ttft(
+    hosted: Reaped,
+) -> None:
+    app = hosted
+    held = [{"role": "user", "content": text(31, WORDS)}]
+    demoted = [{"role": "user", "content": text(32, WORDS)}]
+    first_held = streamed(app, "held", held)
+    first_demoted = streamed(app, "demoted", demoted)
+    n_held, n_demoted = prompt_tokens(first_held), prompt_tokens(first_demoted)
+    decided = eventually(
+        lambda: dict(
+            app.rows(
+                "SELECT session_id, action FROM residency_events WHERE session_id IN (?, ?)"
+                " AND action IN ('hold', 'demote', 'release', 'evict') ORDER BY at",
+                "alice/held",
+                "alice/demoted",
+            )
+        ),
+        lambda d: len(d) == 2,
+    )
+    assert decided == {"alice/held": "hold", "alice/demoted": "demote"}, decided
+
+    statuses = flood(app, WORDS // 2, n_held // 2)
+    assert set(statuses) == {200}, statuses
+
+    loaded = host_loaded_tokens(app)
+    held += [first_held["message"], {"role": "user", "content": text(33, 20)}]
+    again_held = streamed(app, "held", held)
+    held_ttft = ttft_s(app, "held", 2)
+    assert host_loaded_tokens(app) == loaded  # the held one came back from the GPU
+    demoted += [first_demoted["message"], {"role": "user", "content": text(34, 20)}]
+    again_demoted = streamed(app, "demoted", demoted)
+    promoted = host_loaded_tokens(app) - loaded
+    copy_s = TIME_SCALE * promoted * SIM_KV_BYTES_PER_TOKEN / (H2D_GBPS * 1e9)
+    demoted_ttft = ttft_s(app, "demoted", 2)
+    print(
+        f"held: {cached(again_held)} of {n_held} cached, TTFT {held_ttft * 1e3:.1f} ms; "
+        f"demoted: {cached(again_demoted)} of {n_demoted} cached, {promoted} loaded from "
+        f"host ({copy_s * 1e3:.1f} ms of copy), TTFT {demoted_ttft * 1e3:.1f} ms; "
+        f"flood of {len(statuses)} prompts"
+    )
+    assert cached(again_held) >= 0.9 * n_held
+    assert cached(again_demoted) >= 0.9 * n_demoted
+    assert promoted >= 0.9 * n_demoted
+    assert copy_s > 0.05
+    assert demoted_ttft - held_ttft >= 0.5 * copy_s
