@@ -280,7 +280,8 @@ def test_top_in_a_real_terminal_under_agent_load(appliance: Appliance, terminal:
     )
     session = re.search(r"Session (agent-\S+)", screen)
     assert session, screen
-    assert re.search(r"^\s*w[01]\s+gpu\s+[\d,]+\s+\d", screen, re.M), screen
+    # Its residency row: on the GPU, held there if its hold has not lapsed yet.
+    assert re.search(r"^\s*w[01]\s+gpu(_held)?\s+[\d,]+\s+\d", screen, re.M), screen
     terminal.press("x")
     terminal.wait_for(lambda s: "Release the KV cache held by session" in s, "the confirmation")
     terminal.press("y")
