@@ -33,6 +33,7 @@ from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
+from appliance.services.gpu_meter import GpuMeter
 from appliance.services.no_retention import NoRetention
 from appliance.services.placement import Placer
 from appliance.services.queue_book import QueueBook
@@ -266,6 +267,7 @@ def _turn_desk(
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
         on_turn=log_turns(tasks.add_turn),
+        meter=GpuMeter(clock, cost, queues.slowdown, e.gpus_per_worker),
     )
     placer = Placer(
         workers=engines.workers,

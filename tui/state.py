@@ -33,6 +33,8 @@ class WorkerState(msgspec.Struct, frozen=True):
     kv_tokens: int | None = None
     prefix_hit_rate: float | None = None
     prefill_slowdown: float = 1.0
+    gpu_busy_s: float | None = None
+    gpu_idle_s: float | None = None
 
 
 class GpuState(msgspec.Struct, frozen=True):

@@ -53,6 +53,11 @@ class WorkerStateView(_Model):
     prefill_slowdown: float = 1.0
     """The worker's measured prefill seconds per second of the GPU profile's (1 until
     measured; see appliance/services/worker_speed.py)."""
+    gpu_busy_s: float | None = None
+    """GPU-seconds since the appliance started with a turn in flight here: what the turns'
+    `gpu_s` add up to (None: not metered)."""
+    gpu_idle_s: float | None = None
+    """GPU-seconds awake with no turn in flight: overhead no turn is charged."""
 
 
 class GpuStateView(_Model):

@@ -12,6 +12,7 @@ from appliance import __version__
 from appliance.api import schemas
 from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
+from appliance.services.gpu_meter import GpuTime
 from appliance.services.state import CostView, SessionView, StateSnapshot
 from appliance.services.tasks import TaskState
 
@@ -22,7 +23,9 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
         time=snap.time,
         version=__version__,
         workers=[
-            _worker(w, fleet.prefill_slowdown[w.id], fleet.kv_tokens.get(w.id))
+            _worker(
+                w, fleet.prefill_slowdown[w.id], fleet.kv_tokens.get(w.id), fleet.gpu_time.get(w.id)
+            )
             for w in fleet.workers
         ],
         gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
@@ -60,7 +63,7 @@ def session_document(v: SessionView) -> schemas.SessionStateView:
 
 
 def _worker(
-    w: WorkerStatus, prefill_slowdown: float, kv_tokens: int | None
+    w: WorkerStatus, prefill_slowdown: float, kv_tokens: int | None, gpu_time: GpuTime | None
 ) -> schemas.WorkerStateView:
     load = w.load
     return schemas.WorkerStateView(
@@ -77,6 +80,8 @@ def _worker(
         kv_tokens=kv_tokens,
         prefix_hit_rate=load.prefix_hit_rate if load else None,
         prefill_slowdown=round(prefill_slowdown, 4),
+        gpu_busy_s=round(gpu_time.busy_s, 3) if gpu_time else None,
+        gpu_idle_s=round(gpu_time.idle_s, 3) if gpu_time else None,
     )
 
 

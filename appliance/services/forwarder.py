@@ -22,8 +22,8 @@ from appliance.domain.errors import EngineRequestError
 from appliance.domain.records import TurnOutcome
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.queue_book import QueueBook
-from appliance.services.turn import Attempt, Reply, TurnRequest
-from appliance.services.turn_records import TurnRecords, cached_tokens
+from appliance.services.turn import Attempt, Reply, TurnRequest, cached_tokens
+from appliance.services.turn_records import TurnRecords
 
 
 class Forwarder:
@@ -86,6 +86,7 @@ class Forwarder:
                         yield b"data: " + orjson.dumps(event) + b"\n\n"
                         break
                     usage.feed(data)
+                    attempt.chunks += 1
                     yield data
                 if usage.last:
                     attempt.usage = usage.last

@@ -37,6 +37,7 @@ from appliance.policy.costs import (
 from appliance.services.admission import AdmissionService
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
+from appliance.services.gpu_meter import GpuTime
 from appliance.services.session_kv import SessionKv, SessionKvNow
 from appliance.services.sessions import SessionState
 from appliance.services.tasks import TaskBook, TaskState
@@ -73,6 +74,8 @@ class Fleet:
     gpu: GpuSnapshot | None
     residency: dict[str, Any]
     kv_tokens: dict[WorkerId, int]
+    gpu_time: dict[WorkerId, GpuTime]
+    """Each worker's awake and busy GPU-seconds (empty when the router meters none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +141,9 @@ def _fleet(src: StateSources) -> Fleet:
     residency = src.kv.status() if src.kv is not None else {}
     resident = src.kv_tokens
     kv_tokens = {w.id: resident(w.id) for w in workers} if resident is not None else {}
-    return Fleet(workers, slowdown, src.gpus(), residency, kv_tokens)
+    meter = src.desk.records.meter
+    gpu_time = {w.id: meter.reading(w.id) for w in workers} if meter is not None else {}
+    return Fleet(workers, slowdown, src.gpus(), residency, kv_tokens, gpu_time)
 
 
 def _costs(src: StateSources, now: float) -> CostView:
@@ -211,10 +216,33 @@ class _ApplianceCollector(Collector):
         for w in workers:
             slowdown.add_metric([w.id], src.desk.queues.slowdown(w.id))
         yield slowdown
+        yield from _gpu_time_families(src, workers)
         yield GaugeMetricFamily("appliance_workers_healthy", "Workers that accept requests.",
                                 sum(1 for w in workers if w.healthy))  # fmt: skip
         if src.admission is not None:
             yield from src.admission.metric_families()
+
+
+def _gpu_time_families(src: StateSources, workers: Sequence[WorkerStatus]) -> Iterator[Metric]:
+    meter = src.desk.records.meter
+    if meter is None:
+        return
+    busy = CounterMetricFamily(
+        "appliance_worker_gpu_busy_seconds",
+        "A worker's GPU-seconds with a turn in flight (what the turns' gpu_s add up to).",
+        labels=["worker"],
+    )
+    idle = CounterMetricFamily(
+        "appliance_worker_gpu_idle_seconds",
+        "A worker's GPU-seconds awake with no turn in flight (overhead).",
+        labels=["worker"],
+    )
+    for w in workers:
+        reading = meter.reading(w.id)
+        busy.add_metric([w.id], reading.busy_s)
+        idle.add_metric([w.id], reading.idle_s)
+    yield busy
+    yield idle
 
 
 def cost_groups(tasks: TaskBook, currency: str) -> list[dict[str, Any]]:

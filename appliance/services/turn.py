@@ -80,6 +80,12 @@ class Attempt:
     prefix_digest: str | None = None
     """Hex digest of the prompt's last full block: names the cached prefix in a receipt."""
     prefix_tokens: int = 0
+    chunks: int = 0
+    """Chunks of its stream relayed so far (about one token each)."""
+    queue_s: float = 0.0
+    """From the whole request's arrival to this attempt's leaving for its worker."""
+    gpu_s: float = 0.0
+    """Its share of its worker's busy GPU-seconds, once it has ended (GpuMeter)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,20 @@ class Reply:
     chunks: AsyncGenerator[bytes, None] | None = None
     on_end: Callable[[], None] | None = None
     """A stream's: runs once it has ended, however it ended."""
+
+
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """The worker's `usage.prompt_tokens_details.cached_tokens`, when it says."""
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(value) if value is not None else None
+
+
+def reasoning_tokens(usage: dict[str, Any]) -> int:
+    """The worker's `usage.completion_tokens_details.reasoning_tokens`, 0 when it says none."""
+    details = usage.get("completion_tokens_details") or {}
+    value = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    return max(0, int(value or 0))
 
 
 class Soon:

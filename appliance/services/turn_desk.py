@@ -318,13 +318,15 @@ class TurnDesk:
         est = self.queues.prefill_s(worker, turn.prompt_len - predicted, predicted)
         now = self._clock.now()
         attempt = Attempt(new_turn_id(), worker, predicted, now, est)
+        if turn.received_at is not None:
+            attempt.queue_s = max(0.0, time.monotonic() - turn.received_at)
         chain = session.chain
         if chain is not None and chain.hashes:
             # The last full block's hash commits to the whole prefix and the tenant salt.
             attempt.prefix_digest = chain.hashes[-1].hex()
             attempt.prefix_tokens = len(chain.hashes) * chain.block_size
         self.queues.sent(worker, attempt.turn_id, est, now)
-        self.records.placed(attempt, placement.decision)
+        self.records.placed(attempt, placement.decision, turn.prompt_len)
         return attempt
 
     def _stream_ended(self, session: SessionState, tokenized: Soon | None) -> None:

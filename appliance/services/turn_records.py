@@ -33,8 +33,9 @@ from appliance.domain.records import (
 )
 from appliance.policy.routing import RouteDecision, RouteKind
 from appliance.ports import Ledger
+from appliance.services.gpu_meter import GpuMeter
 from appliance.services.histogram import PromHistogram
-from appliance.services.turn import Attempt, TurnRequest
+from appliance.services.turn import Attempt, TurnRequest, cached_tokens, reasoning_tokens
 
 log = logging.getLogger(__name__)
 FORWARD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -49,8 +50,11 @@ class TurnRecords:
         model: str,
         runtime_identity: str = "",
         on_turn: Callable[[TurnRecord, Future[float | None]], None] | None = None,
+        meter: GpuMeter | None = None,
     ) -> None:
         self._ledger = ledger
+        self.meter = meter
+        """Divides each worker's busy GPU-seconds among its attempts (None: none counted)."""
         self._model = model
         self._runtime = runtime_identity
         self._on_turn = on_turn
@@ -68,7 +72,9 @@ class TurnRecords:
         """Why the ledger cannot write now, if it cannot."""
         return self._ledger.failing
 
-    def placed(self, attempt: Attempt, decision: RouteDecision) -> None:
+    def placed(self, attempt: Attempt, decision: RouteDecision, prompt_tokens: int) -> None:
+        if self.meter is not None:
+            self.meter.began(attempt, prompt_tokens)
         self.routed_by_reason[decision.kind] = self.routed_by_reason.get(decision.kind, 0) + 1
         self._decisions[attempt.turn_id] = decision  # written when the attempt ends
 
@@ -80,6 +86,8 @@ class TurnRecords:
         error: str | None,
         end: float,
     ) -> None:
+        if self.meter is not None:
+            attempt.gpu_s = self.meter.ended(attempt)
         # Recorded after the answer went out (the next loop turn), in the order they ended.
         asyncio.get_running_loop().call_soon(self._record_turn, turn, attempt, outcome, error, end)
 
@@ -118,12 +126,15 @@ class TurnRecords:
             prompt_tokens=prompt,
             cached_tokens=cached,
             output_tokens=int(usage.get("completion_tokens") or 0),
+            reasoning_tokens=reasoning_tokens(usage),
             outcome=outcome,
             started_at=attempt.started_at,
             finished_at=max(end, attempt.started_at),
             parent_task_id=turn.parent_task_id,
             ttft_s=(attempt.first_byte_at - attempt.started_at) if attempt.first_byte_at else None,
             e2e_s=max(0.0, end - attempt.started_at),
+            queue_s=attempt.queue_s,
+            gpu_s=attempt.gpu_s,
             predicted_cached_tokens=attempt.predicted_cached,
             error=error,
         )
@@ -170,13 +181,6 @@ def _session_record(
         worker=attempt.worker if outcome == TurnOutcome.OK else None,
         last_active_at=end,
     )
-
-
-def cached_tokens(usage: dict[str, Any]) -> int | None:
-    """The worker's `usage.prompt_tokens_details.cached_tokens`, when it says."""
-    details = usage.get("prompt_tokens_details") or {}
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return int(value) if value is not None else None
 
 
 def _log_failure(fut: Future[Any], what: str) -> None:

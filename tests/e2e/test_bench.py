@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.running import BIN, add_key, appliance_process
@@ -55,6 +56,8 @@ class BenchRun:
     stdout: str
     bad_key: subprocess.CompletedProcess[str]
     ledger: Path
+    state: dict[str, Any]
+    """The appliance's state document once the run had ended."""
 
 
 def bench(url: str, data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -71,10 +74,13 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchRun]:
     data_dir = tmp_path_factory.mktemp("appliance-bench")
     for tenant in ("alice", "bob"):
         add_key(data_dir, tenant)
+    ops = add_key(data_dir, "ops", "--admin")
     workload = data_dir / "workload.yaml"
     workload.write_text(WORKLOAD)
     report_file = data_dir / "bench.json"
-    with appliance_process(data_dir, workers=2) as up:
+    # Self-hosted pricing: every attempt costs its share of its worker's GPU-seconds.
+    env = {"APPLIANCE_COSTS__MODE": "gpu_seconds"}
+    with appliance_process(data_dir, workers=2, env=env) as up:
         bad_key = bench(up.url, data_dir, "--api-key", "sk-wrong", "--duration", "1")
         r = bench(
             up.url,
@@ -84,8 +90,11 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchRun]:
             *("--report", str(report_file)),
         )
         assert r.returncode == 0, r.stderr
+        auth = {"Authorization": f"Bearer {ops}"}
+        state = httpx.get(f"{up.url}/admin/v1/state", headers=auth, timeout=30).json()
     # The appliance has stopped: every acknowledged row is in the file.
-    yield BenchRun(json.loads(report_file.read_text()), r.stdout, bad_key, data_dir / "ledger.db")
+    report = json.loads(report_file.read_text())
+    yield BenchRun(report, r.stdout, bad_key, data_dir / "ledger.db", state)
 
 
 def query(ledger: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
@@ -184,3 +193,47 @@ def test_a_wrong_key_is_one_line_and_exit_2(bench_run: BenchRun) -> None:
     r = bench_run.bad_key
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "refused the API key" in r.stderr
+
+
+def busy_spans_s(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def test_gpu_seconds_divide_each_workers_busy_time_among_its_turns(bench_run: BenchRun) -> None:
+    """Self-hosted cost used to be zero: no live turn set `gpu_s` (the task issue). Now each
+    worker's GPU-seconds with a turn in flight, by the ledger's own timestamps, are what its
+    turns' `gpu_s` add up to, and the state shows the idle rest apart."""
+    workers = {w["id"]: w for w in bench_run.state["workers"]}
+    rows = query(bench_run.ledger, "SELECT worker, started_at, finished_at, gpu_s FROM turns")
+    assert {w for w, *_ in rows if w is not None} == set(workers)  # both served
+    for worker, view in workers.items():
+        mine = [(start, end, gpu_s) for w, start, end, gpu_s in rows if w == worker]
+        charged = sum(gpu_s for *_, gpu_s in mine)
+        busy = busy_spans_s([(start, end) for start, end, _ in mine])
+        assert charged == pytest.approx(busy, rel=0.05), worker
+        assert charged == pytest.approx(view["gpu_busy_s"], rel=0.05), worker
+        assert view["gpu_idle_s"] > 0  # the run's start and drain leave the workers idle
+    (unpriced,) = query(bench_run.ledger, "SELECT count(*) FROM turns WHERE cost IS NULL")[0]
+    assert unpriced == 0
+
+
+def test_cost_per_success_in_gpu_seconds_is_one_figure_in_table_and_chart(
+    bench_run: BenchRun,
+) -> None:
+    """The Costs screen's table and chart once said 0.0009 and 0.0249 after the same runs:
+    both now come from one computation, and self-hosted cost is not zero."""
+    costs = bench_run.state["costs"]
+    groups = costs["groups"]
+    spent = sum(g["cost"] for g in groups)
+    succeeded = sum(g["succeeded"] for g in groups)
+    assert succeeded > 0 and spent > 0
+    (ledger_cost,) = query(bench_run.ledger, "SELECT sum(cost) FROM turns")[0]
+    assert spent == pytest.approx(ledger_cost, rel=1e-6)
+    last = costs["series"][-1]
+    assert last["cost_per_success"] == pytest.approx(spent / succeeded, rel=1e-6)

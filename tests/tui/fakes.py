@@ -63,6 +63,8 @@ def make_state(
             "kv_usage": round(0.41 + 0.17 * i, 3),
             "prefix_hit_rate": round(0.62 + 0.05 * i, 3),
             "prefill_slowdown": round(1.0 + 0.12 * i, 3),
+            "gpu_busy_s": 1800.0 + 250.0 * i,
+            "gpu_idle_s": 600.0 - 100.0 * i,
         }
         for i in range(workers)
     ]

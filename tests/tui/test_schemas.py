@@ -25,6 +25,7 @@ from appliance.domain.worker import LoadSnapshot, WorkerState, WorkerStatus
 from appliance.policy.routing import RouteKind
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed, EventKind
+from appliance.services.gpu_meter import GpuTime
 from appliance.services.sessions import SessionState
 from appliance.services.state import StateSnapshot, StateSources, snapshot
 from appliance.services.tasks import TaskBook
@@ -96,7 +97,10 @@ def _sources(with_gpu: bool) -> StateSources:
         placer=SimpleNamespace(
             residency=lambda s: {"gpu": {s.home: 4096}, "host": {WorkerId("w1"): 1024}}
         ),
-        records=SimpleNamespace(routed_by_reason={RouteKind.PREFIX_RESIDENT: 3}),
+        records=SimpleNamespace(
+            routed_by_reason={RouteKind.PREFIX_RESIDENT: 3},
+            meter=SimpleNamespace(reading=lambda w: GpuTime(awake_s=100.0, busy_s=40.0)),
+        ),
         queues=SimpleNamespace(slowdown=lambda w: 1.25 if w == "w0" else 1.0),
     )
     events = EventFeed()

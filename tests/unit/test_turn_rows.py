@@ -5,6 +5,8 @@ failed attempt's decision is written with its failed turn row. Attempt ids need 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -90,3 +92,27 @@ def test_attempt_ids_are_32_hex_digits_and_never_repeat() -> None:
     assert len(set(ids)) == 1000
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     assert len({i[:16] for i in ids}) == 1  # this process's prefix, then a serial number
+
+
+def test_a_turn_row_carries_its_wait_before_the_worker_and_its_reasoning_tokens() -> None:
+    """These stayed 0 on every live turn (the task issue's "costs that add up")."""
+    ledger = AckLedger()
+
+    class Thinking:
+        async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
+            return (b'{"usage": {"prompt_tokens": 100, "completion_tokens": 40, '
+                    b'"completion_tokens_details": {"reasoning_tokens": 25}}}')  # fmt: skip
+
+    wired = wired_desk([RouterWorker(WorkerId("w0"), Thinking())], ledger=ledger)
+    waited = dataclasses.replace(turn(), received_at=time.monotonic() - 0.75)
+
+    async def main() -> None:
+        await wired.desk.handle(waited)
+        await wired.desk.handle(turn())  # no arrival time: no wait to count
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    first, second = ledger.turns
+    assert 0.75 <= first.queue_s < 5.0
+    assert second.queue_s == 0.0
+    assert (first.reasoning_tokens, first.output_tokens) == (25, 40)

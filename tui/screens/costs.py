@@ -10,7 +10,7 @@ from textual.widgets import Sparkline, Static
 
 from tui import format as fmt
 from tui.screens.base import StateScreen
-from tui.state import AdminState, Costs
+from tui.state import AdminState, Costs, WorkerState
 
 NOT_REPORTED = (
     "This appliance does not report costs in its state yet. "
@@ -46,6 +46,18 @@ def cost_table(costs: Costs) -> Table | Text:
     return table
 
 
+def gpu_time_line(workers: list[WorkerState]) -> Text:
+    """The workers' GPU-seconds: busy (what the turns' gpu_s add up to) and idle, the
+    overhead no turn is charged."""
+    metered = [w for w in workers if w.gpu_busy_s is not None and w.gpu_idle_s is not None]
+    if not metered:
+        return Text("not reported", style="dim")
+    busy = sum(w.gpu_busy_s or 0.0 for w in metered)
+    idle = sum(w.gpu_idle_s or 0.0 for w in metered)
+    share = f" ({idle / (busy + idle):.0%} of awake time)" if busy + idle > 0 else ""
+    return Text(f"busy {busy:,.1f} · idle {idle:,.1f} overhead{share}")
+
+
 class CostsScreen(StateScreen):
     TAB = "costs"
 
@@ -53,6 +65,8 @@ class CostsScreen(StateScreen):
         with VerticalScroll(id="costs"):
             yield Static("Cost per successful task", classes="section")
             yield Static(id="cost-table")
+            yield Static("GPU-seconds", classes="section")
+            yield Static(id="gpu-time")
             yield Static("Over time (cost per success)", classes="section")
             yield Static(id="cost-chart-caption", classes="status")
             yield Sparkline([], id="cost-chart")
@@ -60,6 +74,7 @@ class CostsScreen(StateScreen):
     def update_body(self, state: AdminState) -> None:
         costs = state.costs
         self.query_one("#cost-table", Static).update(cost_table(costs))
+        self.query_one("#gpu-time", Static).update(gpu_time_line(state.workers))
         series = [p.cost_per_success for p in costs.series or () if p.cost_per_success is not None]
         caption = self.query_one("#cost-chart-caption", Static)
         chart = self.query_one(Sparkline)
