@@ -18,7 +18,12 @@ from appliance.domain.gpu import GpuSnapshot
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
-from appliance.ledger.restore import open_tasks, recent_sessions, session_gaps
+from appliance.ledger.restore import (
+    open_tasks,
+    receipt_generations,
+    recent_sessions,
+    session_gaps,
+)
 from appliance.ledger.session_history import session_turns
 from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import LatencyModel
@@ -112,6 +117,7 @@ def wire(
         settings, engines, ledger, feed, clock, cost, queues, events, secret
     )
     _restore(settings.ledger_path, clock.now(), tasks, sessions)
+    feed.start_generations(receipt_generations(settings.ledger_path))
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     sources = StateSources(

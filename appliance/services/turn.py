@@ -80,6 +80,9 @@ class Attempt:
     prefix_digest: str | None = None
     """Hex digest of the prompt's last full block: names the cached prefix in a receipt."""
     prefix_tokens: int = 0
+    generation: int = 0
+    """The worker's cache generation at placement: its receipt's (a reset during the attempt
+    makes the receipt stale, rather than one that may claim a prefix the reset dropped)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -318,6 +318,7 @@ class TurnDesk:
         est = self.queues.prefill_s(worker, turn.prompt_len - predicted, predicted)
         now = self._clock.now()
         attempt = Attempt(new_turn_id(), worker, predicted, now, est)
+        attempt.generation = self.placer.generation(worker)
         chain = session.chain
         if chain is not None and chain.hashes:
             # The last full block's hash commits to the whole prefix and the tenant salt.
