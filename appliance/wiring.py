@@ -116,8 +116,7 @@ def wire(
     desk, admission, sessions, tasks = _turn_desk(
         settings, engines, ledger, feed, clock, cost, queues, events, secret
     )
-    _restore(settings.ledger_path, clock.now(), tasks, sessions)
-    feed.start_generations(receipt_generations(settings.ledger_path))
+    _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     sources = StateSources(
@@ -168,11 +167,15 @@ def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, Qu
     return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
 
 
-def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable) -> None:
-    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX)."""
+def _restore(
+    ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable, feed: KvIndexFeed
+) -> None:
+    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX), and the
+    workers' cache generations the new KV index continues after."""
     since = now - RESTORE_WINDOW_S
     tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
     sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
+    feed.start_generations(receipt_generations(ledger_path))
 
 
 def _session_kv(
