@@ -162,6 +162,11 @@ class KvLookup(Protocol):
         """A count that changes whenever the worker loses blocks (eviction, restart)."""
         ...
 
+    def generation(self, worker: WorkerId) -> int:
+        """The worker's cache generation: moves on whenever its whole cache is known gone
+        (a reset, a restart, lost events, the worker lost)."""
+        ...
+
 
 class KvRetention(Protocol):
     """Holds on waiting sessions' KV inside the workers (vLLM: the retention connector each

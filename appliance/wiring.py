@@ -18,7 +18,12 @@ from appliance.domain.gpu import GpuSnapshot
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
-from appliance.ledger.restore import open_tasks, recent_sessions, session_gaps
+from appliance.ledger.restore import (
+    open_tasks,
+    receipt_generations,
+    recent_sessions,
+    session_gaps,
+)
 from appliance.ledger.session_history import session_turns
 from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import LatencyModel
@@ -112,7 +117,7 @@ def wire(
     desk, admission, sessions, tasks = _turn_desk(
         settings, engines, ledger, feed, clock, cost, queues, events, secret
     )
-    _restore(settings.ledger_path, clock.now(), tasks, sessions)
+    _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     sources = StateSources(
@@ -163,11 +168,15 @@ def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, Qu
     return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
 
 
-def _restore(ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable) -> None:
-    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX)."""
+def _restore(
+    ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable, feed: KvIndexFeed
+) -> None:
+    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX), and the
+    workers' cache generations the new KV index continues after."""
     since = now - RESTORE_WINDOW_S
     tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
     sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
+    feed.start_generations(receipt_generations(ledger_path))
 
 
 def _session_kv(

@@ -115,6 +115,7 @@ class FixedIndex:
     lost: dict[WorkerId, int] = field(default_factory=dict)
     lookups: int = 0
     host: dict[WorkerId, int] = field(default_factory=dict)
+    generations: dict[WorkerId, int] = field(default_factory=dict)
 
     def lookup(self, chain: Any, *, medium: str | None = None) -> dict[WorkerId, int]:
         self.lookups += 1
@@ -122,6 +123,9 @@ class FixedIndex:
 
     def losses(self, worker: WorkerId) -> int:
         return self.lost.get(worker, 0)
+
+    def generation(self, worker: WorkerId) -> int:
+        return self.generations.get(worker, 0)
 
     def evict(self, worker: WorkerId, left: int, *, host: bool = False) -> None:
         """The worker lost blocks: `left` leading blocks of any chain remain (on its host

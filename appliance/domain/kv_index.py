@@ -12,7 +12,11 @@ reference and the block stays resident until as many removals arrived. A removal
 unknown block is counted and ignored. Tiers are the event's `medium` ("GPU" when absent);
 `lookup` counts a block on any tier unless asked for one. AllBlocksCleared, a restart or a
 lost event forgets everything of that worker (`forget_worker`): a stale index may cost a
-cache hit, but must not claim blocks that are gone.
+cache hit, but must not claim blocks that are gone. Each forget starts a new *generation* of
+the worker's cache (`generation`, 0 until the first): a cache receipt names the generation
+it was made in, and one of an older generation than the worker's now is stale, whatever it
+says. A new index (a restarted appliance, whose subscribers start a fresh event stream)
+continues from the generations its caller last recorded (`start_generations`).
 
 Per hash the index keeps its parent (the previous block of the chain that announced it) and
 the sessions whose requests stored it, while any worker holds it. Pure and single-threaded:
@@ -78,6 +82,7 @@ class KvIndex:
         self._unknown_removals = 0
         self._forgotten = 0
         self._losses: dict[WorkerId, int] = {}
+        self._generations: dict[WorkerId, int] = {}
 
     def _slot(self, worker: WorkerId, medium: str) -> int:
         slot = self._slot_of.get((worker, medium))
@@ -190,7 +195,20 @@ class KvIndex:
             else:
                 self._drop(h)
         self._forgotten += 1
+        self._generations[worker] = self._generations.get(worker, 0) + 1
         return len(held)
+
+    def generation(self, worker: WorkerId) -> int:
+        """How many times the worker's cache is known to have been reset (AllBlocksCleared, a
+        restart, lost events, the worker lost): everything of an older generation is gone."""
+        return self._generations.get(worker, 0)
+
+    def start_generations(self, last: Mapping[WorkerId, int]) -> None:
+        """A fresh index over workers whose generation was `last` when the previous one
+        stopped: each continues from a generation after it (what the previous index knew
+        is gone), never below one this index has reached already."""
+        for worker, gen in last.items():
+            self._generations[worker] = max(self.generation(worker), gen + 1)
 
     # --- reading ---
 

@@ -191,6 +191,10 @@ class CacheReceipt:
     tier: CacheTier
     created_at: float
     last_used_at: float
+    generation: int = 0
+    """The worker's cache generation (`KvIndex.generation`) when the attempt that left the
+    prefix was placed: a receipt of a generation older than the worker's now is stale (a
+    reset or restart since has dropped the prefix, whatever the receipt says)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -137,6 +137,14 @@ class KvIndexFeed:
     def losses(self, worker: WorkerId) -> int:
         with self._lock:
             return self.index.losses(worker)
+
+    def generation(self, worker: WorkerId) -> int:
+        with self._lock:
+            return self.index.generation(worker)
+
+    def start_generations(self, last: Mapping[WorkerId, int]) -> None:
+        with self._lock:
+            self.index.start_generations(last)
 
     def gpu_blocks(self, worker: WorkerId) -> int:
         """Full blocks the index holds on the worker's GPU tier now (held, in use or cached)."""

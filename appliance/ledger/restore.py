@@ -1,7 +1,8 @@
 """What a restarted appliance takes back from its ledger (read-only): the open tasks the
 clients named, and the sessions active lately, so a task created before a restart is still
 found (and not created twice), and a session's next turn goes where its prefix may still be;
-and the waits between sessions' turns, which the idle reaper's survival model learns from.
+the waits between sessions' turns, which the idle reaper's survival model learns from; and
+each worker's newest cache generation on a receipt, which the new KV index continues from.
 
 Turns without a task id are tasks of one turn of their own (`turn-...`): they are not taken
 back. Both lists are bounded (the newest `limit` active since `since`); a session's prefix
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple, cast
 
 from appliance.domain.errors import LedgerError
-from appliance.domain.records import OpenTask, RecentSession
+from appliance.domain.records import OpenTask, RecentSession, WorkerId
 from appliance.ledger.connections import open_reader
 
 ONE_TURN_PREFIX = "turn-"
@@ -83,6 +84,15 @@ def session_gaps(path: str | Path, *, since: float, now: float, limit: int) -> l
         end = now if next_started is None else next_started
         gaps.append(TurnGap(tenant, depth, max(0.0, end - finished_at), next_started is not None))
     return gaps
+
+
+_GENERATIONS = """SELECT worker, max(generation) FROM cache_receipts
+    WHERE generation IS NOT NULL GROUP BY worker"""
+
+
+def receipt_generations(path: str | Path) -> dict[WorkerId, int]:
+    """Per worker, the newest cache generation a receipt of it names."""
+    return {WorkerId(str(w)): int(cast(int, g)) for w, g in _read(path, _GENERATIONS, ())}
 
 
 def _read(path: str | Path, sql: str, params: tuple[object, ...]) -> list[tuple[object, ...]]:

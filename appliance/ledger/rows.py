@@ -97,12 +97,15 @@ def turn_params(t: TurnRecord, price_id: PriceId | None, cost: float | None) -> 
 
 
 UPSERT_RECEIPT = """INSERT INTO cache_receipts (prefix_digest, token_count, model,
-    runtime_identity, tenant_domain, worker, tier, created_at, last_used_at)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+    runtime_identity, tenant_domain, worker, tier, created_at, last_used_at, generation)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
     ON CONFLICT (prefix_digest, model, runtime_identity, tenant_domain, worker, tier)
     DO UPDATE SET token_count = excluded.token_count,
         last_used_at = max(cache_receipts.last_used_at, excluded.last_used_at),
+        generation = max(coalesce(cache_receipts.generation, -1), excluded.generation),
         evicted_at = NULL, evicted_cause = NULL"""
+"""A prefix cached again renews its receipt; its generation only moves on (a worker's
+generation never goes back, so an older one is a write that arrived late)."""
 
 
 def receipt_params(r: CacheReceipt) -> tuple[Any, ...]:
@@ -116,6 +119,7 @@ def receipt_params(r: CacheReceipt) -> tuple[Any, ...]:
         r.tier.value,
         r.created_at,
         r.last_used_at,
+        r.generation,
     )
 
 

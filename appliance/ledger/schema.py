@@ -195,6 +195,18 @@ def _live_residency(db: Database) -> None:
     )
 
 
+@migrations(name="0005_receipt_generation")
+def _receipt_generation(db: Database) -> None:
+    # The worker's cache generation a receipt was made in (NULL: written before it was kept).
+    _run(
+        db,
+        [
+            "ALTER TABLE cache_receipts ADD COLUMN generation INTEGER",
+            "PRAGMA user_version = 5",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

@@ -107,6 +107,10 @@ class Placer:
         decision = route(request, views, self._cost, self._profile)
         return Placement(decision, resident, chain, ids, salt)
 
+    def generation(self, worker: WorkerId) -> int:
+        """The worker's cache generation as the KV index knows it now."""
+        return self._index.generation(worker)
+
     def commit(self, session: SessionState, placement: Placement) -> None:
         if placement.ids is not None:
             self._sessions.adopt(session, placement.ids, placement.chain, placement.salt)

@@ -86,6 +86,9 @@ class Attempt:
     """From the whole request's arrival to this attempt's leaving for its worker."""
     gpu_s: float = 0.0
     """Its share of its worker's busy GPU-seconds, once it has ended (GpuMeter)."""
+    generation: int = 0
+    """The worker's cache generation at placement: its receipt's (a reset during the attempt
+    makes the receipt stale, rather than one that may claim a prefix the reset dropped)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -320,6 +320,7 @@ class TurnDesk:
         attempt = Attempt(new_turn_id(), worker, predicted, now, est)
         if turn.received_at is not None:
             attempt.queue_s = max(0.0, time.monotonic() - turn.received_at)
+        attempt.generation = self.placer.generation(worker)
         chain = session.chain
         if chain is not None and chain.hashes:
             # The last full block's hash commits to the whole prefix and the tenant salt.

@@ -1,7 +1,7 @@
 """The records a model turn leaves: one `route_decisions` row per placement, one `turns` row
 per attempt (the worker's own token counts, predicted beside actual cached tokens), a cache
-receipt for the prefix a successful attempt left cached, and the appliance's own counters
-behind `/metrics`.
+receipt for the prefix a successful attempt left cached (with its worker's cache generation
+at placement), and the appliance's own counters behind `/metrics`.
 
 Nothing here delays an answer: the rows are written on the event loop's next turn after
 the answer went out, and the ledger commits them within milliseconds; shutdown flushes it.
@@ -154,6 +154,7 @@ class TurnRecords:
                 tier=CacheTier.GPU,
                 created_at=end,
                 last_used_at=end,
+                generation=attempt.generation,
             )
             _log_failure(self._ledger.record_cache_receipt(receipt), "cache receipt")
         session = _session_record(turn, attempt, outcome, end)

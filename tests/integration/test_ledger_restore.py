@@ -1,11 +1,18 @@
 """What a restarted appliance reads back from a real ledger file: the open tasks clients
-named (with their turns' sums), not the one-turn tasks, and the recent sessions, bounded."""
+named (with their turns' sums), not the one-turn tasks, and the recent sessions, bounded;
+each worker's newest cache generation on a receipt, a ledger from before generations too."""
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
+from sqlite_utils import Database
+
 from appliance.domain.records import (
+    CacheReceipt,
+    CacheTier,
     SessionId,
     SessionRecord,
     TaskEvent,
@@ -19,7 +26,14 @@ from appliance.domain.records import (
     WorkerId,
 )
 from appliance.ledger import LedgerWriter
-from appliance.ledger.restore import TurnGap, open_tasks, recent_sessions, session_gaps
+from appliance.ledger.restore import (
+    TurnGap,
+    open_tasks,
+    receipt_generations,
+    recent_sessions,
+    session_gaps,
+)
+from appliance.ledger.schema import migrations
 
 T = TenantId("t")
 
@@ -84,3 +98,24 @@ def test_the_waits_between_sessions_turns_come_back_for_the_reaper(tmp_path: Pat
     ]
     assert session_gaps(path, since=0.0, now=100.0, limit=1) == [TurnGap("t", 1, 59.0, False)]
     assert session_gaps(path, since=30.0, now=100.0, limit=10) == [TurnGap("t", 1, 59.0, False)]
+
+
+def test_each_workers_newest_receipt_generation_comes_back(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    with closing(sqlite3.connect(path)) as conn:  # a ledger from before generations
+        migrations.apply(Database(conn), stop_before=["0005_receipt_generation"])
+        conn.execute(
+            "INSERT INTO cache_receipts (prefix_digest, token_count, model, runtime_identity, "
+            "tenant_domain, worker, tier, created_at, last_used_at) "
+            "VALUES ('old', 64, 'm', 'rt', 't', 'w2', 'gpu', 1.0, 1.0)"
+        )
+        conn.commit()
+    with LedgerWriter.open(path) as ledger:  # migrates it
+        for digest, worker, generation in [("a", "w0", 1), ("b", "w0", 3), ("c", "w1", 0)]:
+            w = WorkerId(worker)
+            receipt = CacheReceipt(
+                digest, 64, "m", "rt", "t", w, CacheTier.GPU, 2.0, 2.0, generation
+            )
+            ledger.record_cache_receipt(receipt)
+        ledger.flush()
+    assert receipt_generations(path) == {"w0": 3, "w1": 0}  # w2's receipt names none

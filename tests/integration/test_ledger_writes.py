@@ -328,6 +328,23 @@ def test_an_eviction_marks_its_receipt_until_the_prefix_is_cached_again(
     assert rows(db, query)[0] == {"worker": "w1", "evicted_at": None, "evicted_cause": None}
 
 
+def test_a_receipt_keeps_the_newest_cache_generation_it_was_renewed_in(
+    ledger: LedgerWriter, db: Path
+) -> None:
+    first = CacheReceipt("ab12", 4096, "m", "rt", "acme", WorkerId("w1"), CacheTier.GPU, 2.0, 2.0)
+    ledger.record_cache_receipt(first)
+    ledger.record_cache_eviction(CacheEviction("ab12", "m", "rt", "acme", first.worker, 3.0, "lru"))
+    ledger.flush()
+    query = "SELECT token_count, generation, evicted_cause FROM cache_receipts"
+    assert rows(db, query) == [{"token_count": 4096, "generation": 0, "evicted_cause": "lru"}]
+    # Cached again after two resets of the worker's cache, then a late write of the first.
+    again = {**_fields(first), "generation": 2, "token_count": 4160, "last_used_at": 9.0}
+    ledger.record_cache_receipt(CacheReceipt(**again))
+    ledger.record_cache_receipt(first)
+    ledger.flush()
+    assert rows(db, query) == [{"token_count": 4096, "generation": 2, "evicted_cause": None}]
+
+
 def _fields(receipt: CacheReceipt) -> dict[str, Any]:
     return {name: getattr(receipt, name) for name in receipt.__slots__}
 

@@ -532,3 +532,52 @@ def test_a_one_tier_worker_answers_for_that_tier_only() -> None:
     index.apply(W0, removed(2))
     assert index.lookup((1, 2, 3), medium="GPU") == {W0: 1}
     assert index.lookup((1, 2, 3)) == {W0: 3, W1: 2}  # 2 on the host, 1 and 3 on the GPU
+
+
+# --- the workers' cache generations ---
+
+
+@pytest.mark.parametrize(
+    ("events", "generation"),
+    [
+        ([stored(1, 2)], 0),
+        ([stored(1, 2), removed(1, 2)], 0),  # evictions: the same cache, fewer blocks
+        ([stored(1, 2), AllBlocksCleared()], 1),
+        ([AllBlocksCleared(), stored(1), AllBlocksCleared()], 2),
+    ],
+    ids=["stored", "evicted", "cleared", "cleared twice"],
+)
+def test_a_generation_moves_on_each_time_the_workers_cache_is_cleared(
+    events: list[KvEvent], generation: int
+) -> None:
+    index = KvIndex()
+    for event in events:
+        index.apply(W0, event)
+    index.apply(W1, stored(1, 2))
+    assert (index.generation(W0), index.generation(W1)) == (generation, 0)
+
+
+def test_a_restart_or_a_lost_worker_starts_a_new_generation_of_that_worker_only() -> None:
+    index = KvIndex()
+    index.apply(W0, stored(1, 2))
+    index.apply(W1, stored(1, 2))
+    index.forget_worker(W0)  # what the feed does on a restart, lost events, a worker lost
+    assert (index.generation(W0), index.generation(W1), index.generation(W2)) == (1, 0, 0)
+    index.forget_worker(W2)  # even a worker the index held nothing of
+    index.forget_worker(W0)
+    assert (index.generation(W0), index.generation(W1), index.generation(W2)) == (2, 0, 1)
+    index.apply(W0, stored(1, 2))  # its new blocks are of the new generation
+    assert index.generation(W0) == 2
+    assert index.lookup((1, 2)) == {W0: 2, W1: 2}
+
+
+def test_a_new_index_continues_after_the_generations_last_recorded() -> None:
+    index = KvIndex()
+    index.forget_worker(W1)
+    index.forget_worker(W1)
+    index.forget_worker(W1)
+    index.start_generations({W0: 4, W1: 1, W2: 0})
+    # After each one recorded (the previous index's knowledge is gone), never back.
+    assert [index.generation(w) for w in (W0, W1, W2)] == [5, 3, 1]
+    index.start_generations({})
+    assert [index.generation(w) for w in (W0, W1, W2)] == [5, 3, 1]

@@ -1,6 +1,7 @@
 """An attempt's ledger rows (route decision, turn, cache receipt, session) are handed to the
 ledger together once its answer is out, so the writer commits them in one transaction; a
-failed attempt's decision is written with its failed turn row. Attempt ids need no random draw."""
+failed attempt's decision is written with its failed turn row. A receipt names its worker's
+cache generation at the attempt's placement. Attempt ids need no random draw."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from appliance.domain.errors import EngineUnavailable
-from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.domain.records import CacheReceipt, SessionId, TaskId, TenantId, WorkerId
 from appliance.services.turn import TurnRequest, new_turn_id
-from tests.fakes import AckLedger, RouterWorker, wired_desk
+from tests.fakes import AckLedger, FixedIndex, RouterWorker, wired_desk
 
 
 class RowLog(AckLedger):
@@ -85,6 +86,40 @@ def test_a_failed_attempts_decision_goes_with_its_failed_turn() -> None:
     assert ledger.seen == ["route_decision", "turn", "session",  # no receipt for a failure
                            "route_decision", "turn", "cache_receipt", "session"]  # fmt: skip
     assert [t.worker for t in ledger.turns] == ["w0", "w1"]
+
+
+class ReceiptLog(AckLedger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.receipts: list[CacheReceipt] = []
+
+    def record_cache_receipt(self, receipt: CacheReceipt) -> Future[Any]:
+        self.receipts.append(receipt)
+        return super().__getattr__("record_cache_receipt")(receipt)
+
+
+def test_a_receipt_names_its_workers_cache_generation_at_placement() -> None:
+    """Worker w1 has reset its cache three times; a reset while an attempt runs leaves its
+    receipt on the generation it was placed in, which is then stale."""
+    ledger = ReceiptLog()
+    index = FixedIndex(generations={WorkerId("w1"): 3})
+
+    class Resets:
+        async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
+            index.generations[WorkerId("w1")] += 1  # reset while the worker computes
+            return b'{"usage": {"prompt_tokens": 100, "completion_tokens": 1}}'
+
+    wired = wired_desk([RouterWorker(WorkerId("w1"), Resets())], ledger=ledger, index=index)
+
+    async def main() -> None:
+        await wired.desk.handle(turn())
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert [(r.worker, r.generation, r.token_count) for r in ledger.receipts] == [
+        ("w1", 3, 96)  # six full blocks of 16 of the 100 tokens
+    ]
+    assert index.generation(WorkerId("w1")) == 4 > ledger.receipts[0].generation  # stale
 
 
 def test_attempt_ids_are_32_hex_digits_and_never_repeat() -> None:
