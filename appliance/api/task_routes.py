@@ -97,6 +97,7 @@ class TaskRoutes:
             evidence=event.evidence,
             tool_class=event.tool_class,
             expected_s=event.expected_s,
+            cost=event.cost,
         )
         await _written(task.written)  # a refused write took the change back
         if event.kind == TaskEventType.CANCELLED:
@@ -130,6 +131,8 @@ async def _written(fut: Any) -> None:
 
 
 MAX_EVIDENCE_CHARS = 65536
+MAX_TOOL_COST = 1_000_000.0
+"""The most one tool_finished event may say its tool cost, in the ledger's currency."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,7 @@ class TaskEventFields:
     evidence: str | None
     tool_class: str | None
     expected_s: float | None
+    cost: float
 
 
 def task_event(body: dict[str, Any]) -> TaskEventFields:
@@ -192,24 +196,32 @@ def task_event(body: dict[str, Any]) -> TaskEventFields:
         raise RequestRefused(400, f"'evidence' must be a string of at most {MAX_EVIDENCE_CHARS} "
                        "characters", "invalid_value", param="evidence")  # fmt: skip
     tool_class = body.get("tool_class")
+    cost = _number(body, "cost", at_most=MAX_TOOL_COST) or 0.0
+    if cost and kind != TaskEventType.TOOL_FINISHED:
+        raise RequestRefused(400, "'cost' is what a finished tool cost: only a tool_finished "
+                             "event carries it", "invalid_value", param="cost")  # fmt: skip
     return TaskEventFields(
         kind=kind,
         verified=verified,
         evidence=evidence,
         tool_class=identifier(tool_class, "tool_class") if tool_class is not None else None,
         expected_s=_number(body, "expected_s"),
+        cost=cost,
     )
 
 
-def _number(body: dict[str, Any], name: str, *, positive: bool = False) -> float | None:
+def _number(
+    body: dict[str, Any], name: str, *, positive: bool = False, at_most: float = math.inf
+) -> float | None:
     value = body.get(name)
     if value is None:
         return None
     bad = isinstance(value, bool) or not isinstance(value, int | float)
-    if bad or not math.isfinite(value) or value < 0 or (positive and value == 0):
+    if bad or not math.isfinite(value) or value < 0 or (positive and value == 0) or value > at_most:
         what = "> 0" if positive else ">= 0"
-        raise RequestRefused(400, f"'{name}' must be a finite number {what}", "invalid_value",
-                       param=name)  # fmt: skip
+        most = f" and <= {at_most:g}" if at_most < math.inf else ""
+        raise RequestRefused(400, f"'{name}' must be a finite number {what}{most}",
+                             "invalid_value", param=name)  # fmt: skip
     return float(value)
 
 

@@ -7,6 +7,7 @@ token counts in `_tokens`. Money is a float in the price's currency.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -118,6 +119,12 @@ class TaskEvent:
     """A short pointer to what verified it (a test run id, a URL); never the whole output."""
     tool_class: str | None = None
     expected_s: float | None = None
+    cost: float = 0.0
+    """What the tool cost (`tool_finished`), in the ledger's currency: part of the task's
+    attempted cost, like its turns'."""
+
+    def __post_init__(self) -> None:
+        _require(math.isfinite(self.cost) and self.cost >= 0, f"task {self.task_id}: bad cost")
 
 
 @dataclass(frozen=True, slots=True)

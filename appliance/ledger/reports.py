@@ -20,6 +20,9 @@ _TASKS = """SELECT task_id, tenant, created_at, parent_task_id, task_class, stat
 _ATTEMPTS = """SELECT task_id, tenant, min(finished_at), count(*), sum(cost), cost IS NULL
     FROM turns WHERE task_id IS NOT NULL GROUP BY task_id, tenant, cost IS NULL"""
 _TASKLESS = "SELECT turn_id, tenant, finished_at, cost FROM turns WHERE task_id IS NULL"
+# A task's tool costs (task events) count as its attempted cost, priced already.
+_TOOLS = """SELECT e.task_id, t.tenant, min(e.at), sum(e.cost) FROM task_events e
+    JOIN tasks t ON t.task_id = e.task_id WHERE e.cost > 0 GROUP BY e.task_id"""
 _CURRENCY = "SELECT currency FROM prices ORDER BY effective_from DESC, price_id DESC LIMIT 1"
 
 
@@ -74,6 +77,10 @@ def _read(conn: sqlite3.Connection) -> tuple[list[TaskRow], list[AttemptRow], st
     ]
     attempts += [
         AttemptRow(task_id=None, tenant=r[1], at=r[2], cost=r[3]) for r in conn.execute(_TASKLESS)
+    ]
+    attempts += [
+        AttemptRow(task_id=r[0], tenant=r[1], at=r[2], cost=r[3], attempts=0)
+        for r in conn.execute(_TOOLS)
     ]
     row = conn.execute(_CURRENCY).fetchone()
     return tasks, attempts, row[0] if row else None

@@ -38,11 +38,12 @@ def task_params(t: TaskRecord) -> tuple[Any, ...]:
 
 
 INSERT_TASK_EVENT = """INSERT INTO task_events (task_id, type, at, verified, evidence,
-    tool_class, expected_s) VALUES (?, ?, ?, ?, ?, ?, ?)"""
+    tool_class, expected_s, cost) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"""
 
 
 def task_event_params(e: TaskEvent) -> tuple[Any, ...]:
-    return (e.task_id, e.type.value, e.at, e.verified, e.evidence, e.tool_class, e.expected_s)
+    return (e.task_id, e.type.value, e.at, e.verified, e.evidence, e.tool_class, e.expected_s,
+            e.cost)  # fmt: skip
 
 
 CLOSE_TASK = """UPDATE tasks SET status = ?, verified = ?, evidence = ?, finished_at = ?

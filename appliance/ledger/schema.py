@@ -207,6 +207,18 @@ def _receipt_generation(db: Database) -> None:
     )
 
 
+@migrations(name="0006_tool_costs")
+def _tool_costs(db: Database) -> None:
+    # What a finished tool cost, in the ledger's currency (the task's attempted cost).
+    _run(
+        db,
+        [
+            "ALTER TABLE task_events ADD COLUMN cost REAL NOT NULL DEFAULT 0",
+            "PRAGMA user_version = 6",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

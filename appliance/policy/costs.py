@@ -100,8 +100,9 @@ class TaskRow:
 
 @dataclass(frozen=True, slots=True)
 class AttemptRow:
-    """The cost of one attempt, or of `attempts` attempts of one task summed up. cost None
-    means unpriced (no price was in effect): it counts as an attempt, adds nothing."""
+    """The cost of one attempt, or of `attempts` attempts of one task summed up (0: what its
+    tools cost). cost None means unpriced (no price was in effect): it counts as an attempt,
+    adds nothing."""
 
     task_id: str | None
     tenant: str

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import (
@@ -192,6 +193,7 @@ class TaskBook:
         evidence: str | None = None,
         tool_class: str | None = None,
         expected_s: float | None = None,
+        cost: float = 0.0,
         announce: bool = True,
     ) -> TaskState:
         """Records the event; a terminal one closes the task. `announce`: a cancellation
@@ -209,8 +211,10 @@ class TaskBook:
                 http_status=409,
             )
         state.written = self._ledger.record_task_event(
-            TaskEvent(state.key, kind, now, verified, evidence, tool_class, expected_s)
+            TaskEvent(state.key, kind, now, verified, evidence, tool_class, expected_s, cost)
         )
+        if cost:
+            self._spent(state, state.written, cost)
         if new is not None:
             before = (state.status, state.verified)
             state.status = new
@@ -259,17 +263,22 @@ class TaskBook:
         task.prompt_tokens += turn.prompt_tokens
         task.cached_tokens += turn.cached_tokens
         task.output_tokens += turn.output_tokens
+        self._spent(task, cost)
+
+    def _spent(self, task: TaskState, written: Future[Any], cost: float | None = None) -> None:
+        """Adds to the task's and its lineage's cost what the ledger wrote: `cost`, or the
+        price the write resolves to when None."""
         tree = self._lineage(task)  # here, not on the writer's thread
 
-        def priced(f: Future[float | None]) -> None:
+        def priced(f: Future[Any]) -> None:
             # Runs on the ledger's writer thread; float additions under the GIL.
-            if f.exception() is None and f.result() is not None:
-                spent = f.result() or 0.0
+            if f.exception() is None and (cost is not None or f.result() is not None):
+                spent = cost if cost is not None else f.result() or 0.0
                 task.cost += spent
                 for state in tree:
                     state.tree_cost += spent
 
-        cost.add_done_callback(priced)
+        written.add_done_callback(priced)
 
     def tree(self, state: TaskState) -> dict[str, object]:
         return {
