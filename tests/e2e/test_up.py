@@ -336,9 +336,12 @@ def _status_within(url: str, body: dict[str, object], headers: dict[str, str], w
         time.sleep(0.2)
 
 
-def test_a_client_may_retry_a_creation_or_a_closing_event(appliance_up: RunningAppliance) -> None:
+def test_retry_duplicates_a_client_may_retry_a_creation_or_a_closing_event(
+    appliance_up: RunningAppliance,
+) -> None:
     """After a timeout a client cannot tell whether its request landed: the same request
-    again is answered as the first was, and recorded once (issue: retries duplicate)."""
+    again is answered as the first was, and recorded once. The seed failure mode "retry
+    duplicates"."""
     app = appliance_up
     auth = {"Authorization": f"Bearer {app.keys['bob']}"}
     tasks = f"{app.url}/v1/tasks"
