@@ -437,12 +437,19 @@ def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
         late = httpx.post(url, json={**body, "stream": False, "max_tokens": 4},
                           headers={**auth, "X-Task-ID": task}, timeout=60)  # fmt: skip
         assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed"), task
+        # Nor does the tree grow: a new child of any of them, made or opened by a turn.
+        r = httpx.post(tasks, json={"task_id": f"{task}-late", "parent_task_id": task},
+                       headers=auth)  # fmt: skip
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "task_closed"), r.text
+        late = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=60,
+                          headers={**auth, "X-Task-ID": f"{task}-new",
+                                   "X-Parent-Task-ID": task})  # fmt: skip
+        assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed"), task
     assert _session_turns(app, "gc-stream", expect=1) == [(ANY_WORKER, "cancelled")]
     with closing(sqlite3.connect(app.ledger)) as db:
-        turns = db.execute(
-            "SELECT COUNT(*) FROM turns WHERE task_id IN"
-            " ('alice/gc-root', 'alice/gc-child', 'alice/gc-grandchild')"
-        ).fetchone()
+        turns = db.execute("SELECT COUNT(*) FROM turns WHERE task_id LIKE 'alice/gc-%'").fetchone()
+        tasks_rows = db.execute("SELECT COUNT(*) FROM tasks WHERE task_id LIKE 'alice/gc-%'")
+        assert tasks_rows.fetchone() == (3,)  # no child was opened under the closed tree
     assert turns == (1,)  # the late turns reached no worker
 
 
