@@ -52,6 +52,7 @@ class TaskRoutes:
         if new.parent_id is not None and self._ctx.tasks.get(who.tenant, new.parent_id) is None:
             raise RequestRefused(404, f"parent task {new.parent_id} not found", "task_not_found",
                            param="parent_task_id")  # fmt: skip
+        self._ctx.tasks.check_parent(who.tenant, new.parent_id)  # before admission counts it
         key = self._ctx.tasks.key
         if self._ctx.admission is not None:
             await self._ctx.admission.admit_task(

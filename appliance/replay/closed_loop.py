@@ -3,21 +3,21 @@ finished plus that turn's tool wait, in the replay's virtual time.
 
 Model of the world: a task (anything shaped like `AgentTaskLike`, e.g.
 `appliance.workload.AgentTask`) is one agent session of `turns`. A root task's first turn
-arrives at `start_s` with a prompt of `shared_prefix_tokens` (the same tokens for every
-task of the tenant with the same `prefix_id`, else the same task class: a system prompt
-and tool definitions) followed by the turn's `appended_tokens`; each later turn re-sends
-the whole conversation so far (previous prompt and the tokens the engine generated) plus
-its own `appended_tokens`, and arrives `tool_wait_s` after the previous turn finished. A
-turn that `spawns` child tasks (optional field) starts each child `start_s` after it
-finished; the parent's next turn arrives `tool_wait_s` after the last child ended (the
-orchestrator joins its sub-agents); a child of a turn that `forks` (optional field) starts
-from the parent's whole conversation so far instead of the prefix (a branch: the parent's
-exact tokens, so its exact blocks). Appended tokens are pseudo-random, seeded by task and
-turn, so runs are reproducible and tasks share nothing but their prefix (and a branch its
-parent's conversation). Every request
-carries its tenant as `cache_salt` (tenants never share cache entries, as in the
-appliance) and its task id as session id. A turn whose conversation no longer fits
-`max_model_len` is not sent, and the task ends there unfinished.
+arrives at `start_s` with a prompt of `shared_prefix_tokens` (the same tokens for every task of
+the tenant with the same `prefix_id`, else the same task class: a system prompt and tool
+definitions) followed by the turn's `appended_tokens`; each later turn re-sends the whole
+conversation so far (previous prompt and the tokens the engine generated) plus its own
+`appended_tokens`, and arrives `tool_wait_s` after the previous turn finished. A turn that
+`spawns` child tasks (optional field) starts each child `start_s` after it finished; the
+parent's next turn arrives `tool_wait_s` after the last child ended (the orchestrator joins its
+sub-agents); a child of a turn that `forks` (optional field) starts from the parent's whole
+conversation so far instead of the prefix (a branch: the parent's exact tokens, so its exact
+blocks). The parent drops, at the join, the children its spawning turn `discards` (optional
+field): discarded branches, their descendants too. Appended tokens are pseudo-random, seeded by
+task and turn, so runs are reproducible and tasks share nothing but their prefix (and a branch
+its parent's conversation). Every request carries its tenant as `cache_salt` (tenants never
+share cache entries, as in the appliance) and its task id as session id. A turn whose
+conversation no longer fits `max_model_len` is not sent, and the task ends there unfinished.
 
 A task whose last turn calls a tool (its session abandoned there: the tool never answers)
 never completes. A task meets its deadline when all its turns finished by `start_s + deadline_s`
@@ -115,6 +115,8 @@ class TaskOutcome:
     gpu_s: float
     abandoned: bool = False
     """Its last turn called a tool that never answered: the session walked away."""
+    discarded: bool = False
+    """A branch whose result its parent (or an ancestor) dropped when it joined it."""
 
     @property
     def completed(self) -> bool:
@@ -160,8 +162,8 @@ class _Run:
     """Tokens it started from that are not its own (its prefix, or its parent's conversation)."""
 
 
-def _spawns(turn: AgentTurnLike) -> tuple[str, ...]:
-    return tuple(getattr(turn, "spawns", ()))
+def _spawns(turn: AgentTurnLike, field: str = "spawns") -> tuple[str, ...]:
+    return tuple(getattr(turn, field, ()))
 
 
 def _lead_s(turn: AgentTurnLike) -> float:
@@ -195,6 +197,8 @@ class ClosedLoop:
                     if child not in ids:
                         raise ValueError(f"task {t.task_id} spawns unknown task {child}")
                     self._parent[child] = t.task_id
+                if not set(_spawns(turn, "discards")) <= set(_spawns(turn)):
+                    raise ValueError(f"task {t.task_id} discards a child it does not spawn")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.seed = seed
@@ -202,6 +206,7 @@ class ClosedLoop:
         self._runs = {t.task_id: _Run(t) for t in sorted(tasks, key=lambda t: t.start_s)}
         self._prefixes: dict[tuple[str, str], tuple[random.Random, list[int]]] = {}
         self._turn_of: dict[str, tuple[str, int]] = {}  # request id -> (task id, turn)
+        self._discarded: set[str] = set()  # children dropped at their parent's join
 
     # --- driving the replay ---
 
@@ -261,6 +266,12 @@ class ClosedLoop:
             return None
         return self._runs[where[0]].task.turns[where[1] - 1].tool_class
 
+    def discarded(self, task_id: str) -> bool:
+        """Whether the task, or an ancestor, was dropped at its parent's join."""
+        while task_id not in self._discarded and task_id in self._parent:
+            task_id = self._parent[task_id]
+        return task_id in self._discarded
+
     def sessions(self) -> dict[str, str]:
         """Request id -> task id, for every request sent."""
         return {rid: task_id for rid, (task_id, _) in self._turn_of.items()}
@@ -288,6 +299,7 @@ class ClosedLoop:
                 verified=t.verified,
                 gpu_s=spent.get(t.task_id, 0.0),
                 abandoned=t.turns[-1].tool_class is not None,
+                discarded=self.discarded(t.task_id),
             )
             for run in self._runs.values()
             for t in (run.task,)
@@ -331,6 +343,7 @@ class ClosedLoop:
         if parent.children:
             return out
         k = parent.next_turn - 1  # the turn that spawned
+        self._discarded.update(_spawns(parent.task.turns[k], "discards"))  # the join
         if k + 1 >= len(parent.task.turns):
             return out + self._ended(parent, parent.joined_s)
         at_s = parent.joined_s + parent.task.turns[k].tool_wait_s

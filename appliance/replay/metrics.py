@@ -25,7 +25,10 @@ Definitions (times in virtual seconds, token counts in tokens):
   outcomes): deadline_goodput is the share of tasks with a deadline that finished all their
   turns by it (null when no task has one); cost_per_success is `appliance.policy.costs`'s
   rule, all tasks' GPU-seconds priced per GPU-second over root tasks that succeeded with
-  verified=true (null when none did).
+  verified=true (null when none did); discarded_branches counts the child tasks whose
+  results their parent dropped when it joined them (a fan-out's `keep`; their descendants
+  too), and discarded_cost_share is their share of all tasks' attempted cost at the same
+  price (0.0 when none was dropped; null when nothing was spent).
 Percentiles are nearest-rank.
 """
 
@@ -39,7 +42,15 @@ from appliance.replay.closed_loop import TaskOutcome
 from appliance.sim.engine_stats import EngineStats
 from appliance.sim.virtual import ReplayResult, RequestRecord
 
-TASK_KEYS = ("tasks", "tasks_completed", "deadline_goodput", "gpu_s", "cost_per_success")
+TASK_KEYS = (
+    "tasks",
+    "tasks_completed",
+    "deadline_goodput",
+    "gpu_s",
+    "cost_per_success",
+    "discarded_branches",
+    "discarded_cost_share",
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -183,8 +194,9 @@ def _host_blocks(stats: Sequence[EngineStats], field: str, *, pooled: bool) -> i
 
 
 def task_metrics(outcomes: Sequence[TaskOutcome], *, gpu_second: float) -> dict[str, object]:
-    """Deadline goodput and cost per successful task of a closed-loop workload's tasks, each
-    task's GPU-seconds priced at `gpu_second` (gpu_seconds mode)."""
+    """Deadline goodput, cost per successful task and the discarded branches' share of the
+    cost of a closed-loop workload's tasks, each task's GPU-seconds priced at `gpu_second`
+    (gpu_seconds mode)."""
     with_deadline = [o for o in outcomes if o.deadline_s is not None]
     met = sum(1 for o in with_deadline if o.met_deadline)
     price = Price(CostMode.GPU_SECONDS, effective_from=0.0, gpu_second=gpu_second)
@@ -206,10 +218,15 @@ def task_metrics(outcomes: Sequence[TaskOutcome], *, gpu_second: float) -> dict[
     ]
     groups = cost_per_success(rows, attempts, by=())
     per_success = groups[0].cost_per_success if groups else None
+    spent = sum(a.cost or 0.0 for a in attempts)
+    dropped = [a for a, o in zip(attempts, outcomes, strict=True) if o.discarded]
+    dropped_cost = sum(a.cost or 0.0 for a in dropped)
     return {
         "tasks": len(outcomes),
         "tasks_completed": sum(1 for o in outcomes if o.completed),
         "deadline_goodput": round(met / len(with_deadline), 6) if with_deadline else None,
         "gpu_s": round(sum(o.gpu_s for o in outcomes), 3),
         "cost_per_success": None if per_success is None else round(per_success, 8),
+        "discarded_branches": len(dropped),
+        "discarded_cost_share": round(dropped_cost / spent, 6) if spent > 0 else None,
     }

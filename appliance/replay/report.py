@@ -16,7 +16,8 @@ Report layout (token counts in tokens, times in seconds):
                          "prefill_imbalance", "preemptions", "pins", "pins_expired",
                          "pins_resumed", "pins_reclaimed", "demotions", "evictions",
                          "tasks", "tasks_completed", "deadline_goodput", "gpu_s",
-                         "cost_per_success", "routed_by_reason", "residency_by_reason",
+                         "cost_per_success", "discarded_branches",
+                         "discarded_cost_share", "routed_by_reason", "residency_by_reason",
                          "residency_by_action", ...,
                          "prefill_s", "prefetch": {...} | null, "branches": {...} | null}},
      "pooled_host_gain": {NAME: {"versus", "fresh_prefill_saved_tokens",
@@ -27,7 +28,8 @@ NAME is the routing policy, `+RESIDENCY` when that is not `lru` (`appliance+ttl-
 for a trace; a closed-loop workload has no bounds, and adds `prefill_s`, `prefetch`
 (`workload_replay.py`: restore on lead time, `+prefetch` rows) and `branches` (the KV
 ended child tasks still hold). The table shows the host-tier columns only when the workers
-have one, and a line per row with prefetches or child tasks.
+have one, and a line per row with prefetches, child tasks or discarded branches (children
+whose results their parent did not keep, and their share of the attempted cost).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def render_table(report: Mapping[str, Any]) -> str:
     lines += _gain_lines(report.get("pooled_host_gain", {}))
     lines += _prefetch_lines(report.get("policies", {}))
     lines += _branch_lines(report.get("policies", {}))
+    lines += _discard_lines(report.get("policies", {}))
     lines += _setup_line(setup, report.get("trace", {}), host)
     return "\n".join(lines)
 
@@ -164,6 +167,19 @@ def _branch_lines(policies: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 f"{name}: {b['ended']} branches ended; their own KV held at most "
                 f"{b['held_bytes_max'] / 2**20:.0f} MiB, a tick after an end "
                 f"{b['held_bytes_max_after_tick'] / 2**20:.0f} MiB"
+            )
+    return lines
+
+
+def _discard_lines(policies: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per row with discarded branches: how many, and their share of the attempted cost."""
+    lines = []
+    for name, m in policies.items():
+        n, share = m.get("discarded_branches"), m.get("discarded_cost_share")
+        if n and share is not None:
+            lines.append(
+                f"{name}: {n} discarded branches (results their parent did not keep), "
+                f"{share:.1%} of the attempted cost"
             )
     return lines
 

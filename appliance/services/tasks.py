@@ -3,9 +3,9 @@
 A task belongs to its tenant: ids are namespaced `tenant/id` in the ledger, so another
 tenant's id is simply another task. A task is open until one terminal event (succeeded,
 failed, cancelled); a second terminal event is a conflict. Cancelling a task cancels its
-open descendants too. Every change is written to the ledger where it is made; a
-cancellation is also told to the operator's event feed (one event per cancel, naming how
-many open descendants went with it).
+open descendants too, and a closed task takes no new children. Every change is written to
+the ledger where it is made; a cancellation is also told to the operator's event feed (one
+event per cancel, naming how many open descendants went with it).
 
 The book also keeps what admission counts of its tasks (services/task_load.py), which
 admission reads through its `TaskView`.
@@ -108,6 +108,7 @@ class TaskBook:
         key = self.key(tenant, client_id)
         if key in self._tasks:
             raise TaskError(f"task {client_id} exists already", code="task_exists", http_status=409)
+        self.check_parent(tenant, parent_id)
         parent = self._tasks.get(self.key(tenant, parent_id)) if parent_id else None
         if parent_id and parent is None:
             parent = self.ensure(tenant, parent_id, now)
@@ -134,6 +135,15 @@ class TaskBook:
             )
         )
         return state
+
+    def check_parent(self, tenant: TenantId, parent_id: str | None) -> None:
+        """Raises unless a new task may open under `parent_id`: a closed task (succeeded,
+        failed, cancelled: a cancelled root's whole tree) takes no new children. A parent
+        the book does not have passes (`create` opens it as a root)."""
+        parent = self.get(tenant, parent_id) if parent_id else None
+        if parent is not None and parent.status.is_terminal:
+            raise TaskError(f"parent task {parent_id} is {parent.status}; it takes no new "
+                            "children", code="task_closed", http_status=409)  # fmt: skip
 
     def repeats(self, state: TaskState, *, parent_id: str | None, task_class: str | None) -> bool:
         """Whether a creation with these fields is a retry of the one that made `state`."""

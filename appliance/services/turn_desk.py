@@ -169,7 +169,7 @@ class TurnDesk:
 
     def _known_task(self, t: TurnInput) -> TaskState | None:
         """The open task the turn names, if it exists; a closed one (succeeded, failed,
-        cancelled) takes no more turns, and a new task's parent must exist."""
+        cancelled) takes no more turns, and a new task's parent must exist and be open."""
         known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
         if known is not None and known.status.is_terminal:
             raise TaskError(f"task {t.task_id} is {known.status}; it takes no more turns",
@@ -177,6 +177,8 @@ class TurnDesk:
         if known is None and t.parent_task_id and not self._tasks.get(t.tenant, t.parent_task_id):
             raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",
                             http_status=404)  # fmt: skip
+        if known is None:
+            self._tasks.check_parent(t.tenant, t.parent_task_id)  # a closed one takes no more
         return known
 
     def stop(self, task: TaskId) -> int:

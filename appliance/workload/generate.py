@@ -12,13 +12,16 @@ turn's tool is `subagent`, which starts the children at once and joins them befo
 parent's next turn. Children share the
 parent's tenant, class and prefix (its whole conversation too when the fan-out has
 `fork_context`), draw their own statement, turns and outcome, carry no deadline of their own
-(the parent's covers them) and do not fan out. A tool call of a class with
+(the parent's covers them) and do not fan out. A fan-out with `keep` keeps that many
+children's results, drawn at random (a best-of-n picks the best answer, whichever ended
+first); the spawning turn names the others in `discards`. A tool call of a class with
 `announce_lead_s` draws how early its end is announced, at most its wait.
 
 Determinism: root task i draws from `random.Random(f"{seed}/task/{i}")`, its announcement
-leads from `f"{seed}/announce/{i}"` (so a spec without leads draws as before) and arrivals
-from their own stream, so task i is the same whatever number of tasks is generated, and the same
-seed and spec always give the same workload.
+leads from `f"{seed}/announce/{i}"` (so a spec without leads draws as before), the children
+a fan-out with `keep` keeps from `f"{seed}/keep/{i}"` (so `keep` changes nothing else) and
+arrivals from their own stream, so task i is the same whatever number of tasks is
+generated, and the same seed and spec always give the same workload.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def task_tree(spec: WorkloadSpec, *, seed: int, index: int, start_s: float) -> T
             tool_wait_s=0.0,
             spawns=tuple(c.task_id for c in children),
             forks=fan.fork_context,
+            discards=_discards(random.Random(f"{seed}/keep/{index}"), fan.keep, children),
         )
         turns = (*turns[:fork], spawn, *turns[fork + 1 :])
     root = AgentTask(
@@ -110,6 +114,17 @@ def task_tree(spec: WorkloadSpec, *, seed: int, index: int, start_s: float) -> T
         turns=turns,
     )
     return _with_leads(spec, random.Random(f"{seed}/announce/{index}"), root, children)
+
+
+def _discards(
+    rng: random.Random, keep: int | None, children: Sequence[AgentTask]
+) -> tuple[str, ...]:
+    """The children whose results the parent drops: all but `keep` drawn at random (None:
+    none dropped, and nothing drawn)."""
+    if keep is None:
+        return ()
+    kept = set(rng.sample(range(len(children)), keep))
+    return tuple(c.task_id for i, c in enumerate(children) if i not in kept)
 
 
 def _with_leads(

@@ -7,7 +7,8 @@ the text, the same id the same tokens), then the task statement; each turn appen
 model for `output_tokens`, and then runs a tool of `tool_class` for `tool_wait_s` (none after
 the last turn), whose end the client may announce before the next turn
 (`announce_lead_s`). A turn that `spawns` child tasks waits for all of them to finish before
-the parent's next turn (the orchestrator joins its sub-agents); children carry the parent's
+the parent's next turn (the orchestrator joins its sub-agents) and may then drop some of
+their results (`discards`: branches it does not keep); children carry the parent's
 prefix, tenant and class, and with `forks` start from the parent's whole conversation. A
 task ends with an outcome: succeeded or failed, and whether the outcome was verified (tests
 ran, a reviewer approved). Times are seconds, counts tokens.
@@ -39,6 +40,9 @@ class AgentTurn:
     forks: bool = False
     """Those children start from this task's conversation so far (branches of it), not
     only from its prefix."""
+    discards: tuple[str, ...] = ()
+    """Of `spawns`, the children whose results the task drops when it joins them
+    (discarded branches: a best-of-n keeps one); () keeps them all."""
     announce_lead_s: float = 0.0
     """How long before the next turn the client announces the tool's end (`tool_finished`);
     0: not early, with the turn. At most `tool_wait_s`."""

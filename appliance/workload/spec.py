@@ -106,12 +106,21 @@ class Fanout(_Strict):
     fork_context: bool = False
     """Children start from the parent's whole conversation so far (a branch of it: its
     exact blocks), not only from its prefix."""
+    keep: int | None = Field(default=None, ge=1)
+    """Children whose results the parent keeps when it joins them (a best-of-n
+    orchestrator keeps 1); the others are discarded branches, drawn from the workload's
+    seed. None: it keeps them all. At most `min_children`."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
         if self.max_children < self.min_children:
             raise ValueError(
                 f"max_children ({self.max_children}) must be >= min_children ({self.min_children})"
+            )
+        if self.keep is not None and self.keep > self.min_children:
+            raise ValueError(
+                f"keep ({self.keep}) must be <= min_children ({self.min_children}): a fan-out "
+                "keeps at most the children it has"
             )
         return self
 
@@ -193,7 +202,11 @@ def _default_task_classes() -> list[TaskClass]:
             verified_rate=0.9,
             deadline=Deadline(probability=0.25, min_s=900, max_s=3600),
             fanout=Fanout(
-                probability=0.1, min_children=2, max_children=4, child_turns=_d(6, 20, 1, 40)
+                probability=0.1,
+                min_children=2,
+                max_children=4,
+                child_turns=_d(6, 20, 1, 40),
+                keep=1,
             ),
         ),
         TaskClass(

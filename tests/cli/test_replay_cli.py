@@ -100,6 +100,39 @@ def test_the_reaper_restores_on_lead_time_and_keeps_branches_local(tmp_path: Pat
     assert m["prefill_s"] > 0
 
 
+BEST_OF_THREE = """\
+seed: 3
+root_tasks_per_s: 1.0
+task_classes:
+  - {name: best-of-three, weight: 1, prefix_tokens: 1000, tools: {file: 1.0},
+     statement_tokens: {median: 200, p95: 200, min: 200, max: 200},
+     turns: {median: 3, p95: 3, min: 3, max: 3},
+     observation_tokens: {median: 100, p95: 100, min: 100, max: 100},
+     output_tokens: {median: 50, p95: 50, min: 50, max: 50},
+     success_rate: 1.0, verified_rate: 1.0,
+     fanout: {probability: 1.0, min_children: 3, max_children: 3, keep: 1,
+              child_turns: {median: 2, p95: 2, min: 2, max: 2}}}
+"""
+
+
+def test_a_workload_replay_reports_its_discarded_branches(tmp_path: Path) -> None:
+    """Every root runs three children and keeps one: the report counts the two others of
+    each and prices their share (the figures by hand: tests/unit/test_replay_metrics.py)."""
+    spec = tmp_path / "best-of-three.yaml"
+    spec.write_text(BEST_OF_THREE)
+    out = tmp_path / "report.json"
+    r = run("replay", "--workload", str(spec), "--tasks", "2", "--workers", "1", "--policy",
+            "appliance", "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    m = json.loads(out.read_text())["policies"]["appliance"]
+    tasks = generate(load_spec(spec), root_tasks=2).tasks
+    assert sum(len(turn.discards) for t in tasks for turn in t.turns) == 4
+    assert m["tasks"] == 8 and m["discarded_branches"] == 4
+    assert 0.0 < m["discarded_cost_share"] < 1.0  # 0.30 when written: roots cost more
+    line = "appliance: 4 discarded branches (results their parent did not keep), "
+    assert line + f"{m['discarded_cost_share']:.1%} of the attempted cost" in r.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -114,3 +114,61 @@ def test_deadline_blind_admission_a_turn_queued_past_its_deadline_is_aborted(app
     # The appliance goes on: a turn with time to spare is served.
     r = app.completion([9] * 1200, 4, **{"X-Task-ID": "spare", "X-Deadline-S": "30"})
     assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+    """One simulated worker with a 64k context, where one prompt's prefill alone takes the
+    bundled H200 profile about 3.4 s (60,000 tokens)."""
+    data_dir = tmp_path_factory.mktemp("appliance-wide")
+    key = add_key(data_dir, "alice")
+    env = {"APPLIANCE_ENGINE__MAX_MODEL_LEN": "65536"}
+    with appliance_process(data_dir, workers=1, env=env) as up:
+        auth = {"Authorization": f"Bearer {key}"}
+        yield App(up.url, auth, f"http://127.0.0.1:{up.base_port}", data_dir / "ledger.db")
+
+
+def _served(app: App) -> float:
+    metrics = parse_metrics(httpx.get(f"{app.worker_url}/metrics", timeout=10).text)
+    return metrics.total("vllm:request_success_total")
+
+
+def test_deadline_blind_admission_a_child_is_refused_a_turn_it_cannot_finish(wide: App) -> None:
+    """Issue 19: a child created under a parent with a 2 s deadline inherits it, and its
+    turn is refused up front when even its prefill cannot be done by then (about 3.4 s
+    here): no worker sees it, and the ledger says why. Its short turn is served, and the
+    same long turn is served under a deadline it can meet."""
+    tasks = f"{wide.url}/v1/tasks"
+    r = httpx.post(tasks, json={"task_id": "brief", "deadline_s": 2}, headers=wide.auth)
+    assert r.status_code == 201, r.text
+    due_at = r.json()["deadline_at"]
+    child = {"task_id": "brief-child", "parent_task_id": "brief", "deadline_s": 60}
+    r = httpx.post(tasks, json=child, headers=wide.auth)
+    assert (r.status_code, r.json()["deadline_at"]) == (201, due_at), r.text
+    before = _served(wide)
+    long_prompt = [1000 + i % 20000 for i in range(60000)]
+    refused = [
+        wide.completion(long_prompt, 4, **{"X-Task-ID": "brief-child"}),
+        # A child opened by its first turn meets the same refusal, and is not opened.
+        wide.completion(long_prompt, 4, **{"X-Task-ID": "brief-kid", "X-Parent-Task-ID": "brief"}),
+    ]
+    for answer in refused:
+        assert answer.status_code == 429, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "deadline_infeasible" and "prefill" in error["message"]
+    short = wide.completion([3] * 1000, 4, **{"X-Task-ID": "brief-child"})
+    assert short.status_code == 200, short.text
+    assert wide.rows(
+        "SELECT task_id, reason LIKE 'deadline_infeasible:%' FROM admission_events"
+        " WHERE decision = 'deny' ORDER BY at"
+    ) == [("alice/brief-child", 1), ("alice/brief-kid", 1)]
+    assert wide.rows("SELECT COUNT(*) FROM tasks WHERE task_id = 'alice/brief-kid'") == [(0,)]
+    sql = "SELECT COUNT(*) FROM turns WHERE task_id = 'alice/brief-child'"
+    assert _until(lambda: wide.rows(sql) == [(1,)]), wide.rows(sql)  # the short one
+    # The same long turn under a parent whose deadline it can meet is served.
+    r = httpx.post(tasks, json={"task_id": "roomy", "deadline_s": 60}, headers=wide.auth)
+    assert r.status_code == 201, r.text
+    heads = {"X-Task-ID": "roomy-child", "X-Parent-Task-ID": "roomy"}
+    served = wide.completion(long_prompt, 4, **heads)
+    assert served.status_code == 200, served.text
+    assert _served(wide) == before + 2

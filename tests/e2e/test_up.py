@@ -336,9 +336,12 @@ def _status_within(url: str, body: dict[str, object], headers: dict[str, str], w
         time.sleep(0.2)
 
 
-def test_a_client_may_retry_a_creation_or_a_closing_event(appliance_up: RunningAppliance) -> None:
+def test_retry_duplicates_a_client_may_retry_a_creation_or_a_closing_event(
+    appliance_up: RunningAppliance,
+) -> None:
     """After a timeout a client cannot tell whether its request landed: the same request
-    again is answered as the first was, and recorded once (issue: retries duplicate)."""
+    again is answered as the first was, and recorded once. The seed failure mode "retry
+    duplicates"."""
     app = appliance_up
     auth = {"Authorization": f"Bearer {app.keys['bob']}"}
     tasks = f"{app.url}/v1/tasks"
@@ -393,6 +396,72 @@ def test_cancelling_a_task_stops_its_turns_in_flight(appliance_up: RunningApplia
         rest = [line for line in lines if line.startswith("data:")]
     assert any('"task_cancelled"' in line for line in rest), rest[-3:]
     assert _session_turns(app, "stop2", expect=1) == [(ANY_WORKER, "cancelled")]
+
+
+def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
+    appliance_up: RunningAppliance,
+) -> None:
+    """Issue 19: a root's cancellation reaches down its tree to a grandchild's streamed turn
+    in flight: the stream ends within 1 s of the cancel's answer with a cancelled event, the
+    worker lets go of the request, and no task of the tree takes another turn."""
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['alice']}"}
+    tasks = f"{app.url}/v1/tasks"
+    tree = [("gc-root", None), ("gc-child", "gc-root"), ("gc-grandchild", "gc-child")]
+    for task, parent in tree:
+        r = httpx.post(tasks, json={"task_id": task, "parent_task_id": parent}, headers=auth)
+        assert r.status_code == 201, r.text
+    body = {"model": app.model, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": text(95, app.words(40))}]}  # fmt: skip
+    headers = {**auth, "X-Task-ID": "gc-grandchild", "X-Session-ID": "gc-stream"}
+    url = f"{app.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200
+        index = int(response.headers["x-appliance-worker"].removeprefix("w"))
+        worker = f"http://127.0.0.1:{app.base_port + index}"
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        _await_running(worker)
+        with ThreadPoolExecutor(1) as pool:  # read on while the cancel is sent
+            rest = pool.submit(lambda: ([ln for ln in lines if ln.startswith("data:")],
+                                        time.monotonic()))  # fmt: skip
+            r = httpx.post(f"{tasks}/gc-root/cancel", headers=auth, timeout=30)
+            answered = time.monotonic()
+            data, ended = rest.result(timeout=60)
+    assert sorted(r.json()["cancelled"]) == sorted(t for t, _ in tree)
+    print(f"[{app.engine}] the stream ended {ended - answered:.3f} s after the cancel's answer")
+    assert ended - answered < 1.0, f"the stream ended {ended - answered:.3f} s after the cancel"
+    assert '"task_cancelled"' in data[-1], data[-3:]
+    assert _until_running(worker, 0, timeout_s=10) == 0, "the worker still runs the turn"
+    for task, _ in tree:
+        late = httpx.post(url, json={**body, "stream": False, "max_tokens": 4},
+                          headers={**auth, "X-Task-ID": task}, timeout=60)  # fmt: skip
+        assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed"), task
+        # Nor does the tree grow: a new child of any of them, made or opened by a turn.
+        r = httpx.post(tasks, json={"task_id": f"{task}-late", "parent_task_id": task},
+                       headers=auth)  # fmt: skip
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "task_closed"), r.text
+        late = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=60,
+                          headers={**auth, "X-Task-ID": f"{task}-new",
+                                   "X-Parent-Task-ID": task})  # fmt: skip
+        assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed"), task
+    assert _session_turns(app, "gc-stream", expect=1) == [(ANY_WORKER, "cancelled")]
+    with closing(sqlite3.connect(app.ledger)) as db:
+        turns = db.execute("SELECT COUNT(*) FROM turns WHERE task_id LIKE 'alice/gc-%'").fetchone()
+        tasks_rows = db.execute("SELECT COUNT(*) FROM tasks WHERE task_id LIKE 'alice/gc-%'")
+        assert tasks_rows.fetchone() == (3,)  # no child was opened under the closed tree
+    assert turns == (1,)  # the late turns reached no worker
+
+
+def _until_running(worker_url: str, want: float, timeout_s: float) -> float:
+    """The worker's running count (its own /metrics), polled until it is `want`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = parse_metrics(httpx.get(f"{worker_url}/metrics", timeout=5).text)
+        running = metrics.total("vllm:num_requests_running")
+        if running == want or time.monotonic() > deadline:
+            return running
+        time.sleep(0.02)
 
 
 def _await_running_anywhere(app: RunningAppliance) -> None:

@@ -68,3 +68,31 @@ def test_a_bad_key_is_400(http: TestClient) -> None:
     r = http.post("/v1/tasks", json={"task_id": "t5"}, headers=A | {"Idempotency-Key": "x" * 257})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "idempotency-key"
+
+
+def test_a_closed_tree_takes_no_new_child_but_a_retried_creation_gets_its_answer(
+    http: TestClient,
+) -> None:
+    """A cancelled root's tree is done: a new child of any of its tasks is refused (409
+    `task_closed`), opened by POST /v1/tasks or by a turn; a
+    client retrying a creation that landed before the cancel still gets the task it made."""
+    http.post("/v1/tasks", json={"task_id": "root"}, headers=A)
+    kid = {"task_id": "kid", "parent_task_id": "root"}
+    assert http.post("/v1/tasks", json=kid, headers=A).status_code == 201
+    assert http.post("/v1/tasks/root/cancel", headers=A).json() == {"cancelled": ["root", "kid"]}
+    for parent in ("root", "kid"):
+        r = http.post("/v1/tasks", json={"task_id": f"{parent}-2", "parent_task_id": parent},
+                      headers=A)  # fmt: skip
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "task_closed"), r.text
+        assert f"parent task {parent} is cancelled" in r.json()["error"]["message"]
+        turn = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        heads = {"X-Task-ID": f"{parent}-3", "X-Parent-Task-ID": parent}
+        r = http.post("/v1/completions", json=turn, headers=A | heads)
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "task_closed"), r.text
+    assert rows(http, "SELECT count(*) FROM tasks WHERE task_id LIKE 'a/%-_'") == [(0,)]
+    again = http.post("/v1/tasks", json=kid, headers=A)
+    assert (again.status_code, again.json()["status"]) == (200, "cancelled")
+    # Another tenant's task of the same name is another tree.
+    assert http.post("/v1/tasks", json={"task_id": "root"}, headers=B).status_code == 201
+    r = http.post("/v1/tasks", json={"task_id": "kid2", "parent_task_id": "root"}, headers=B)
+    assert r.status_code == 201, r.text

@@ -42,7 +42,7 @@ from appliance.services.admission import (
 )
 from appliance.services.events import EventFeed
 from appliance.services.sessions import SessionState
-from appliance.services.tasks import TaskBook
+from appliance.services.tasks import TaskBook, TaskError
 from tests.fakes import AckLedger, LinearCost, ManualClock
 
 A, B = TenantId("a"), TenantId("b")
@@ -502,13 +502,14 @@ def test_the_counters_never_let_a_cap_be_exceeded(
     ledger: LedgerWriter, steps: list[tuple[str, int]], caps: list[int | None]
 ) -> None:
     """Random task creations, first turns, closes and releases: a model of open children
-    per parent (from what the service admitted) never exceeds the parent's cap, and the
-    in-flight count returns to zero."""
+    per parent (from what the service admitted) never exceeds the parent's cap, a closed
+    task takes no new child, and the in-flight count returns to zero."""
     box = make_box(ledger, max_children_per_task=2, max_depth=3, turns_per_worker=1000)
     parent_of: dict[str, str | None] = {}
     open_children: dict[str, set[str]] = {}
     caps_of: dict[str, int | None] = {}
     ends: list[End] = []
+    closed: set[str] = set()
     n = 0
     for action, i in steps:
         names = sorted(parent_of)
@@ -524,6 +525,10 @@ def test_the_counters_never_let_a_cap_be_exceeded(
                     ends.append(run(box.turn(A, name, parent=target)))
             except AdmissionRefused:
                 continue
+            except TaskError as err:
+                assert (err.code, target in closed) == ("task_closed", True)
+                continue
+            assert target not in closed
             parent_of[name] = target
             open_children[name] = set()
             if target is not None:
@@ -533,6 +538,7 @@ def test_the_counters_never_let_a_cap_be_exceeded(
             caps_of[name] = cap if action == "task" else None
         elif action == "close" and target is not None:
             box.close(A, target)
+            closed.add(target)
             above = parent_of[target]
             if above is not None:
                 open_children[above].discard(target)

@@ -24,8 +24,8 @@ def task(task_id: str, turns: list[AgentTurn], *, start: float = 0.0, tenant: st
 
 
 def t(appended: int, output: int, tool: str | None = None, wait_s: float = 0.0,
-      spawns: tuple[str, ...] = ()) -> AgentTurn:  # fmt: skip
-    return AgentTurn(appended, output, tool, wait_s, spawns)
+      spawns: tuple[str, ...] = (), discards: tuple[str, ...] = ()) -> AgentTurn:  # fmt: skip
+    return AgentTurn(appended, output, tool, wait_s, spawns, discards=discards)
 
 
 def run_loop(tasks: list[AgentTask], hbm_gib: float = 4.0) -> dict[str, RequestRecord]:
@@ -73,6 +73,46 @@ def test_children_start_after_the_spawning_turn_and_the_parent_joins_them() -> N
     joined = max(recs["p.0/1"].finish_s, recs["p.1/0"].finish_s)
     assert recs["p/1"].arrival_s == joined + 1.0
     assert recs["p.0/0"].cached_tokens == BLOCK  # the prefix the parent computed
+
+
+def test_the_parent_drops_the_children_it_discards_when_it_joins_them() -> None:
+    """A best-of-three keeps p.1: p.0 and p.2 are discarded branches from the join on, and
+    so is p.0's own child; a root that never fanned out is nobody's branch."""
+    spawn = t(200, 10, "subagent", 1.0, ("p.0", "p.1", "p.2"), discards=("p.0", "p.2"))
+    tasks = [
+        task("p", [spawn, t(100, 10)], prefix=BLOCK),
+        task("p.0", [t(100, 5, "subagent", 0.0, ("p.0.0",)), t(10, 5)], parent="p", prefix=BLOCK),
+        task("p.0.0", [t(30, 5)], parent="p.0", prefix=BLOCK),
+        task("p.1", [t(80, 5, "bash", 2.0), t(20, 5)], parent="p", prefix=BLOCK),
+        task("p.2", [t(60, 5)], parent="p", prefix=BLOCK),
+        task("q", [t(50, 5)], start=0.5),
+    ]
+    setup, latency = make_setup(workers=1, hbm_gib=4.0)
+    loop = ClosedLoop(tasks, max_model_len=setup.max_model_len)
+    branches = [task.task_id for task in tasks]
+    seen: dict[str, list[str]] = {}
+
+    def on_finish(rec: RequestRecord) -> list[Arrival]:
+        seen[rec.request_id] = [b for b in branches if loop.discarded(b)]  # before it
+        return loop.on_finish(rec)  # type: ignore[return-value]
+
+    replay(make_engines(setup, latency), loop.arrivals(), on_finish=on_finish)
+    # Nothing is dropped until the last child ends; the parent's next turn comes after.
+    assert seen.pop("p/1") == ["p.0", "p.0.0", "p.2"]
+    assert len(seen) == 8 and not any(seen.values())
+    outcomes = {o.task_id: o.discarded for o in loop.outcomes({})}
+    assert outcomes == {"p": False, "p.0": True, "p.0.0": True, "p.1": False, "p.2": True,
+                        "q": False}  # fmt: skip
+
+
+def test_a_turn_may_discard_only_the_children_it_spawns() -> None:
+    tasks = [
+        task("p", [t(200, 10, "subagent", 1.0, ("p.0",), discards=("q",)), t(10, 5)]),
+        task("p.0", [t(10, 5)], parent="p"),
+        task("q", [t(10, 5)]),
+    ]
+    with pytest.raises(ValueError, match="task p discards a child it does not spawn"):
+        ClosedLoop(tasks, max_model_len=8192)
 
 
 def test_a_turn_that_no_longer_fits_ends_its_task() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from appliance.replay.closed_loop import GpuSeconds, TaskOutcome
 from appliance.replay.metrics import TASK_KEYS, policy_metrics, task_metrics
+from appliance.replay.report import render_table
 from appliance.sim.engine_io import StepResult
 from appliance.sim.engine_stats import EngineStats
 from appliance.sim.virtual import ReplayResult, RequestRecord
@@ -77,9 +80,9 @@ def test_a_trace_has_no_task_figures(metrics: dict[str, object]) -> None:
 
 def outcome(task_id: str, *, start: float, finish: float | None, deadline: float | None,
             gpu_s: float, done: int = 2, parent: str | None = None, succeeds: bool = True,
-            verified: bool = True) -> TaskOutcome:  # fmt: skip
+            verified: bool = True, discarded: bool = False) -> TaskOutcome:  # fmt: skip
     return TaskOutcome(task_id, parent, "acme", "fix", start, deadline, 2, done, finish,
-                       succeeds, verified, gpu_s)  # fmt: skip
+                       succeeds, verified, gpu_s, discarded=discarded)  # fmt: skip
 
 
 def test_deadline_goodput_and_cost_per_success() -> None:
@@ -96,6 +99,41 @@ def test_deadline_goodput_and_cost_per_success() -> None:
     assert m["gpu_s"] == 12.0
     # 12 GPU-seconds at 0.5 (the child rolls into t1) over the verified root successes t1, t3.
     assert m["cost_per_success"] == 3.0
+
+
+def test_discarded_branches_and_their_share_of_the_attempted_cost() -> None:
+    """r keeps r.0's result and drops r.1's (with r.1's own child): 3 + 0.5 of the 8
+    GPU-seconds went into branches nobody used, whatever the price per GPU-second."""
+    outcomes = [
+        outcome("r", start=0.0, finish=9.0, deadline=None, gpu_s=2.0),
+        outcome("r.0", start=1.0, finish=4.0, deadline=None, gpu_s=1.0, parent="r"),
+        outcome("r.1", start=1.0, finish=5.0, deadline=None, gpu_s=3.0, parent="r",
+                discarded=True),
+        outcome("r.1.0", start=2.0, finish=3.0, deadline=None, gpu_s=0.5, parent="r.1",
+                discarded=True),
+        outcome("s", start=0.5, finish=2.0, deadline=None, gpu_s=1.5),
+    ]  # fmt: skip
+    for price in (0.5, 3.0):
+        m = task_metrics(outcomes, gpu_second=price)
+        assert (m["discarded_branches"], m["discarded_cost_share"]) == (2, 0.4375)
+        # Cost per success counts them still: 8 GPU-seconds over the successes r and s.
+        assert m["cost_per_success"] == 4 * price
+    kept = [replace(o, discarded=False) for o in outcomes]
+    m = task_metrics(kept, gpu_second=0.5)
+    assert (m["discarded_branches"], m["discarded_cost_share"]) == (0, 0.0)
+    m = task_metrics([replace(o, gpu_s=0.0) for o in outcomes], gpu_second=0.5)
+    assert (m["discarded_branches"], m["discarded_cost_share"]) == (2, None)  # nothing spent
+
+
+def test_the_table_names_each_rows_discarded_branches() -> None:
+    row = dict.fromkeys(TASK_KEYS) | {"discarded_branches": 2, "discarded_cost_share": 0.4375}
+    none = row | {"discarded_branches": 0, "discarded_cost_share": 0.0}
+    text = render_table({"policies": {"appliance": row, "round-robin": none}})
+    lines = [line for line in text.splitlines() if "discarded" in line]
+    assert lines == [
+        "appliance: 2 discarded branches (results their parent did not keep), "
+        "43.8% of the attempted cost"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -244,6 +244,9 @@ def test_bad_values_name_their_key(change: dict[str, Any], names: str) -> None:
         (("tools",), {"teleport": 1.0}, "unknown tool class 'teleport'"),
         (("success_rate",), 1.5, "task_classes[1].success_rate=1.5 is invalid"),
         (("fanout", "max_children"), 1, "max_children (1) must be >= min_children"),
+        (("fanout", "keep"), 0, "task_classes[1].fanout.keep=0 is invalid"),
+        (("fanout", "keep"), 3, "keep (3) must be <= min_children (2)"),
+        (("fanout", "keep"), 1.5, "task_classes[1].fanout.keep=1.5 is invalid"),
         (("colour",), "red", "unknown key 'task_classes[1].colour'"),
     ],
 )
@@ -352,3 +355,45 @@ def test_the_variant_files_differ_from_the_default_only_as_they_say() -> None:
     fanout = load_spec(ROOT / "configs" / "workload-fanout.yaml")
     assert fanout.tool_classes == WorkloadSpec().tool_classes
     assert all(c.fanout is not None and c.fanout.fork_context for c in fanout.task_classes)
+
+
+def _keeping_all(spec: WorkloadSpec) -> WorkloadSpec:
+    data = spec.model_dump()
+    for c in data["task_classes"]:
+        if c["fanout"] is not None:
+            c["fanout"]["keep"] = None
+    return parse_spec(data)
+
+
+def test_a_fan_out_may_keep_as_many_children_as_its_fewest() -> None:
+    data = WorkloadSpec().model_dump()
+    data["task_classes"][1]["fanout"]["keep"] = 2  # min_children 2
+    assert parse_spec(data).task_classes[1].fanout.keep == 2  # type: ignore[union-attr]
+
+
+def test_a_fan_out_that_keeps_one_child_discards_the_others_and_changes_nothing_else() -> None:
+    """The default coding class keeps one child's result (configs/workload.yaml, [AL]); which
+    one is drawn on a stream of its own, so the workload is the one `keep: null` draws."""
+    spec = WorkloadSpec()
+    assert [c.fanout.keep if c.fanout else None for c in spec.task_classes] == [1, None, None]
+    keeping = generate(spec, root_tasks=400)
+    kept_at = []
+    for tree in keeping.trees:
+        for turn in tree.root.turns:
+            if not turn.spawns:
+                assert not turn.discards
+            elif tree.root.task_class == "coding":
+                kept = [c for c in turn.spawns if c not in turn.discards]
+                assert len(kept) == 1 and set(turn.discards) < set(turn.spawns)
+                kept_at.append(turn.spawns.index(kept[0]))
+            else:
+                assert turn.discards == ()
+    assert len(kept_at) >= 10 and len(set(kept_at)) > 1  # drawn, not always the first
+    plain = generate(_keeping_all(spec), root_tasks=400)
+    assert not any(turn.discards for task in plain.tasks for turn in task.turns)
+    stripped = [
+        dataclasses.replace(t, turns=tuple(dataclasses.replace(u, discards=()) for u in t.turns))
+        for t in keeping.tasks
+    ]
+    assert stripped == list(plain.tasks)
+    assert generate(spec, root_tasks=400) == keeping  # the same draw every time
