@@ -19,7 +19,7 @@ from appliance.api.errors import RequestRefused
 from appliance.api.idempotency import IdempotencyKeys
 from appliance.api.requests import agent_headers, identifier, parse_json_body
 from appliance.domain.errors import LedgerError
-from appliance.domain.records import TaskEventType
+from appliance.domain.records import TaskEventType, TurnOutcome
 
 
 class TaskRoutes:
@@ -101,9 +101,17 @@ class TaskRoutes:
             cost=event.cost,
         )
         await _written(task.written)  # a refused write took the change back
+        answer: dict[str, Any] = {"task_id": task.client_id, "status": task.status.value}
         if event.kind == TaskEventType.CANCELLED:
             self._ctx.desk.stop(task.key)
-        return JSONResponse({"task_id": task.client_id, "status": task.status.value})
+        elif event.kind == TaskEventType.SUCCEEDED:
+            discarded = self._ctx.tasks.discard_branches(task, self._ctx.clock.now())
+            for kid in discarded:
+                self._ctx.desk.stop(kid.key, TurnOutcome.DISCARDED)  # their turns in flight
+                await _written(kid.written)
+            if discarded:
+                answer["discarded"] = [kid.client_id for kid in discarded]
+        return JSONResponse(answer)
 
     async def cancel_task(self, request: Request) -> Response:
         who = self._ctx.keys.caller(request.headers)

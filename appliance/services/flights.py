@@ -1,7 +1,9 @@
 """Turns in flight by task: what a task's cancellation and the turn's deadline reach.
 
 A turn waiting on its worker is cancelled there (the desk answers 409); a stream being
-relayed stops at its next chunk with an error event. Either way the worker's request is
+relayed stops at its next chunk with an error event. A task closed because its parent
+succeeded without it (a discarded branch) is stopped the same way, its attempts recorded
+`discarded`. Either way the worker's request is
 closed, which aborts it.
 
 A turn whose task has a deadline arms one alarm at it when it takes off, disarmed when it
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from appliance.domain.records import TaskId
+from appliance.domain.records import TaskId, TurnOutcome
 from appliance.ports import Clock
 from appliance.services.tasks import TaskError
 
@@ -50,6 +52,9 @@ class Flight:
     """Its stream is being relayed: it stops at its next chunk instead."""
     missed: bool = False
     """Its deadline passed while it waited on its worker: it was stopped for that."""
+    outcome: TurnOutcome = TurnOutcome.CANCELLED
+    """What its attempt is recorded as once stopped: `discarded` when its task was closed
+    because its parent succeeded without it."""
     disarm: Disarm | None = None
 
 
@@ -76,11 +81,13 @@ class Flights:
             if not flights:
                 del self._by_task[task]
 
-    def stop(self, task: TaskId) -> int:
-        """Ends the task's turns in flight; how many it ended."""
+    def stop(self, task: TaskId, outcome: TurnOutcome = TurnOutcome.CANCELLED) -> int:
+        """Ends the task's turns in flight, their attempts recorded as `outcome`; how many
+        it ended."""
         flights = self._by_task.get(task, set())
         for flight in flights:
             flight.stopped = True
+            flight.outcome = outcome
             if not flight.relaying and flight.task is not None:
                 flight.task.cancel()
         return len(flights)
@@ -100,4 +107,7 @@ def stopped_error(client_task: str, flight: Flight) -> TaskError:
         return TaskError(f"task {client_task}'s deadline passed before its worker started "
                          "the turn; the turn was aborted", code=DEADLINE_MISSED,
                          http_status=504)  # fmt: skip
+    if flight.outcome is TurnOutcome.DISCARDED:
+        return TaskError(f"task {client_task} was discarded: its parent succeeded without it",
+                         code="task_discarded", http_status=409)  # fmt: skip
     return TaskError(f"task {client_task} was cancelled", code="task_cancelled", http_status=409)

@@ -58,14 +58,15 @@ class Forwarder:
         body: dict[str, Any],
         on_end: Callable[[], None],
         *,
-        stopped: Callable[[], bool] = lambda: False,
+        stopped: Callable[[], TurnOutcome | None] = lambda: None,
     ) -> Reply:
         """A streamed attempt: raises before the worker's head; returns once its first
         chunk is in (a worker sends its head at once, its first chunk once the request has
         started: until then the turn waits on its worker, and cancelling this call aborts
         it there), or the stream ended or broke before any. The reply's chunks relay it,
         and however it ends `on_end` runs and the attempt is finished. Once `stopped()`
-        (its task was cancelled), it ends at the next chunk with an error event."""
+        (its task was cancelled or discarded: the outcome its attempt is recorded as), it ends
+        at the next chunk with an error event."""
         stream = worker.client.open_stream(turn.path, body)
         response = await stream.__aenter__()
         try:
@@ -79,11 +80,9 @@ class Forwarder:
             usage = UsageScanner()
             try:
                 async for data in source:  # relayed as they come, unparsed
-                    if stopped():
-                        outcome = TurnOutcome.CANCELLED
-                        event = {"error": {"message": "the task was cancelled",
-                                           "type": "task_cancelled", "code": 409}}  # fmt: skip
-                        yield b"data: " + orjson.dumps(event) + b"\n\n"
+                    if (ended := stopped()) is not None:
+                        outcome = ended
+                        yield b"data: " + orjson.dumps(_stopped_event(ended)) + b"\n\n"
                         break
                     usage.feed(data)
                     attempt.chunks += 1
@@ -124,6 +123,15 @@ class Forwarder:
     ) -> None:
         self._queues.ended(attempt.worker, attempt.turn_id, failed=outcome == TurnOutcome.FAILED)
         self._records.ended(turn, attempt, outcome, error, self._clock.now())
+
+
+def _stopped_event(outcome: TurnOutcome) -> dict[str, Any]:
+    """The SSE error event that ends a stream its task's closing stopped."""
+    if outcome is TurnOutcome.DISCARDED:
+        message, kind = "the task's parent succeeded without it: discarded", "task_discarded"
+    else:
+        message, kind = "the task was cancelled", "task_cancelled"
+    return {"error": {"message": message, "type": kind, "code": 409}}
 
 
 def headers(turn: TurnRequest, attempt: Attempt) -> dict[str, str]:

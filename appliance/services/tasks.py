@@ -247,14 +247,7 @@ class TaskBook:
         root = self.get(tenant, client_id)
         if root is None:
             raise TaskError(f"task {client_id} not found", code="task_not_found", http_status=404)
-        cancelled = []
-        stack = [root]
-        while stack:
-            task = stack.pop()
-            stack.extend(self._tasks[c] for c in task.children if c in self._tasks)
-            if task.status == TaskStatus.OPEN:
-                self.event(tenant, task.client_id, TaskEventType.CANCELLED, now, announce=False)
-                cancelled.append(task)
+        cancelled = self._close_open(root, now)
         if cancelled and self._events is not None:
             more = len(cancelled) - (1 if root in cancelled else 0)
             kids = f"{more} open descendant{'' if more == 1 else 's'}"
@@ -264,6 +257,35 @@ class TaskBook:
                 detail = f"cancelled with {kids}" if more else "cancelled"
             self._events.record(now, EventKind.TASK_CANCELLED, client_id, detail, tenant=tenant)
         return cancelled
+
+    def discard_branches(self, state: TaskState, now: float) -> list[TaskState]:
+        """`state` succeeded: its descendants still open are branches it did without. They
+        are closed (cancelled, with evidence saying they were discarded) and returned, so
+        their turns in flight can be stopped and recorded `discarded`."""
+        if state.status is not TaskStatus.SUCCEEDED:
+            return []
+        discarded = self._close_open(state, now, f"discarded: {state.client_id} succeeded")
+        if discarded and self._events is not None:
+            n = len(discarded)
+            detail = f"succeeded; {n} open branch{'' if n == 1 else 'es'} discarded"
+            self._events.record(now, EventKind.TASK_CANCELLED, state.client_id, detail,
+                                tenant=state.tenant)  # fmt: skip
+        return discarded
+
+    def _close_open(
+        self, root: TaskState, now: float, evidence: str | None = None
+    ) -> list[TaskState]:
+        """Cancels `root` and its descendants that are still open; returns them."""
+        closed = []
+        stack = [root]
+        while stack:
+            task = stack.pop()
+            stack.extend(self._tasks[c] for c in task.children if c in self._tasks)
+            if task.status == TaskStatus.OPEN:
+                self.event(task.tenant, task.client_id, TaskEventType.CANCELLED, now,
+                           evidence=evidence, announce=False)  # fmt: skip
+                closed.append(task)
+        return closed
 
     def add_turn(self, turn: TurnRecord, cost: Future[float | None]) -> None:
         """Counts an attempt's tokens, and its cost once the ledger has priced it."""

@@ -181,10 +181,10 @@ class TurnDesk:
             self._tasks.check_parent(t.tenant, t.parent_task_id)  # a closed one takes no more
         return known
 
-    def stop(self, task: TaskId) -> int:
-        """Ends the task's turns in flight (its cancellation; services/flights.py): how
-        many it ended."""
-        return self.flights.stop(task)
+    def stop(self, task: TaskId, outcome: TurnOutcome = TurnOutcome.CANCELLED) -> int:
+        """Ends the task's turns in flight (its cancellation, or its discarding; see
+        services/flights.py): how many it ended."""
+        return self.flights.stop(task, outcome)
 
     def known_session(
         self, tenant: TenantId, session_id: SessionId | None, task_id: TaskId | None
@@ -285,15 +285,17 @@ class TurnDesk:
                 if turn.stream:
                     on_end = partial(self._stream_ended, session, tokenized)
                     reply = await self._forwarder.stream(
-                        turn, worker, attempt, body, on_end, stopped=lambda: flight.stopped
-                    )
+                        turn, worker, attempt, body, on_end,
+                        stopped=lambda: flight.outcome if flight.stopped else None,
+                    )  # fmt: skip
                     flight.relaying = True
                 else:
                     on_answer = tokenized.now if tokenized is not None else None
                     reply = await self._forwarder.post(turn, worker, attempt, body, on_answer)
             except asyncio.CancelledError:  # the client left, the task was cancelled, or
                 error = DEADLINE_MISSED if flight.missed else None  # its deadline passed
-                self._forwarder.finish(turn, attempt, TurnOutcome.CANCELLED, error=error)
+                outcome = flight.outcome if flight.stopped else TurnOutcome.CANCELLED
+                self._forwarder.finish(turn, attempt, outcome, error=error)
                 raise
             except EngineUnavailable as exc:
                 self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)

@@ -453,6 +453,44 @@ def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
     assert turns == (1,)  # the late turns reached no worker
 
 
+def test_a_roots_success_discards_its_open_branches_and_ends_their_turns(
+    appliance_up: RunningAppliance,
+) -> None:
+    """Issue 19: no live code marked a fan-out branch discarded. A root that succeeds
+    without its open children closes them: a child's streamed turn in flight ends with a
+    `task_discarded` event and is recorded `discarded`; a child that succeeded stays so."""
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['alice']}"}
+    tasks = f"{app.url}/v1/tasks"
+    for task, parent in [("bo-root", None), ("bo-won", "bo-root"), ("bo-lost", "bo-root")]:
+        r = httpx.post(tasks, json={"task_id": task, "parent_task_id": parent}, headers=auth)
+        assert r.status_code == 201, r.text
+    won = {"type": "succeeded", "verified": True}
+    assert httpx.post(f"{tasks}/bo-won/events", json=won, headers=auth).status_code == 200
+    body = {"model": app.model, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": text(96, app.words(40))}]}  # fmt: skip
+    headers = {**auth, "X-Task-ID": "bo-lost", "X-Session-ID": "bo-stream"}
+    url = f"{app.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+        index = int(response.headers["x-appliance-worker"].removeprefix("w"))
+        worker = f"http://127.0.0.1:{app.base_port + index}"
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        _await_running(worker)
+        r = httpx.post(f"{tasks}/bo-root/events", json=won, headers=auth, timeout=30)
+        data = [line for line in lines if line.startswith("data:")]
+    assert r.json() == {"task_id": "bo-root", "status": "succeeded", "discarded": ["bo-lost"]}
+    assert '"task_discarded"' in data[-1], data[-3:]
+    assert _until_running(worker, 0, timeout_s=10) == 0, "the worker still runs the turn"
+    assert _session_turns(app, "bo-stream", expect=1) == [(ANY_WORKER, "discarded")]
+    with closing(sqlite3.connect(app.ledger)) as db:
+        sql = "SELECT task_id, status, evidence FROM tasks WHERE task_id LIKE 'alice/bo-%'"
+        rows = db.execute(f"{sql} ORDER BY task_id").fetchall()
+    assert rows == [("alice/bo-lost", "cancelled", "discarded: bo-root succeeded"),
+                    ("alice/bo-root", "succeeded", None),
+                    ("alice/bo-won", "succeeded", None)]  # fmt: skip
+
+
 def _until_running(worker_url: str, want: float, timeout_s: float) -> float:
     """The worker's running count (its own /metrics), polled until it is `want`."""
     deadline = time.monotonic() + timeout_s
