@@ -491,6 +491,32 @@ def test_a_roots_success_discards_its_open_branches_and_ends_their_turns(
                     ("alice/bo-won", "succeeded", None)]  # fmt: skip
 
 
+def test_deadline_blind_admission_a_child_past_its_parents_2_s_deadline_is_refused(
+    appliance_up: RunningAppliance,
+) -> None:
+    """Issue 19, on both engines: a child made under a parent with a 2 s deadline inherits
+    it, so once those 2 s are spent its turn cannot finish by then and is refused before a
+    worker sees it (tests/e2e/test_deadlines.py refuses one whose prefill alone is too long)."""
+    app = appliance_up
+    auth = {"Authorization": f"Bearer {app.keys['alice']}"}
+    tasks = f"{app.url}/v1/tasks"
+    r = httpx.post(tasks, json={"task_id": "dl-parent", "deadline_s": 2}, headers=auth)
+    assert r.status_code == 201, r.text
+    child = {"task_id": "dl-child", "parent_task_id": "dl-parent", "deadline_s": 600}
+    r = httpx.post(tasks, json=child, headers=auth)
+    assert r.status_code == 201, r.text
+    due_at = r.json()["deadline_at"]
+    time.sleep(max(0.0, due_at - time.time()) + 0.1)
+    body = {"model": app.model, "max_tokens": 4,
+            "messages": [{"role": "user", "content": text(97, app.words(20))}]}  # fmt: skip
+    late = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={**auth, "X-Task-ID": "dl-child"})  # fmt: skip
+    assert (late.status_code, late.json()["error"]["code"]) == (429, "deadline_passed")
+    with closing(sqlite3.connect(app.ledger)) as db:
+        turns = db.execute("SELECT COUNT(*) FROM turns WHERE task_id = 'alice/dl-child'")
+        assert turns.fetchone() == (0,)
+
+
 def _until_running(worker_url: str, want: float, timeout_s: float) -> float:
     """The worker's running count (its own /metrics), polled until it is `want`."""
     deadline = time.monotonic() + timeout_s
