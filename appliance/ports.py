@@ -197,6 +197,11 @@ class KvRetention(Protocol):
         show one) and evict them first on the GPU."""
         ...
 
+    async def restore(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
+        """Bring `key`'s prefix back into HBM from the worker's host tier ahead of its next
+        turn, and keep it there until the unix time `until_s` (a hold of `priority`)."""
+        ...
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         """New priorities for held keys."""
         ...

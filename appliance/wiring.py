@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from appliance.api.admin_sessions import SessionAdmin
@@ -26,9 +27,10 @@ from appliance.ledger.restore import (
 )
 from appliance.ledger.session_history import session_turns
 from appliance.oplog import LoggedEventFeed, log_turns
-from appliance.perf.latency import LatencyModel
+from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
+from appliance.policy.prefetch import PrefetchPolicy, PrefetchTuning
 from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
 from appliance.policy.survival import WaitKey
@@ -39,6 +41,7 @@ from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuMeter
+from appliance.services.lead_time import LeadTime
 from appliance.services.no_retention import NoRetention
 from appliance.services.placement import Placer
 from appliance.services.queue_book import QueueBook
@@ -238,6 +241,9 @@ def _reaper_loop(
         kv_bytes_per_token=profile.kv_bytes_per_token,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
+        copy_in_s=partial(
+            LatencyModel.from_profile(profile).kv_copy_s, direction=CopyDirection.H2D
+        ),
     )
     retention = engines.retention
     if retention is None:
@@ -247,6 +253,10 @@ def _reaper_loop(
         note = "holds are sent to the workers' retention connectors"
     loop = ReaperLoop(reaper, retention, inputs, ledger=ledger, clock=clock, note=note)
     desk.sessions.listener = loop  # hears of every turn's start and end
+    prefetch = PrefetchPolicy(PrefetchTuning(prefill=False))  # live restores only promote
+    lead = LeadTime(prefetch, inputs, loop.outbox, ledger=ledger, waiting=loop.waiting_sessions)
+    loop.lead_time = lead
+    tasks.on_tool_finished = lead.tool_finished
     return loop
 
 

@@ -31,6 +31,9 @@ class NoRetention:
     async def demote(self, worker: WorkerId, key: str) -> bool:
         return False
 
+    async def restore(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
+        return False
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         return False
 

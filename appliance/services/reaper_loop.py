@@ -2,30 +2,28 @@
 appliance's sessions, its decisions sent to the workers and recorded.
 
 Model of the world: a session's turn ends on its worker, and its prompt's KV stays there,
-cached, until something needs the room. At every turn's end (the session table calls
-`turn_ended` once a session has no turn in flight) the loop asks the reaper about the
-session as the live inputs show it (`services/residency_inputs.py`) and sends the decision
-through the retention port: HOLD until the revisit the reaper names, plus `HOLD_GRACE_S` so
-that the revisit's extension arrives first, with the reaper's priority (value per
-byte-second: under pressure the worker gives back the lowest first); RELEASE (a hold it had
-is dropped: LRU from here); EVICT (its blocks go first); DEMOTE (where the worker reports a
-host tier: its blocks copied there, then evicted first on the GPU; from then on its host
-copy is what is watched). Each decision is a `residency_events` row with its reason and
-figures.
+cached, until something needs the room. At every turn's end (`turn_ended`, once a session
+has no turn in flight) the loop asks the reaper about the session as the live inputs show
+it (`residency_inputs.py`) and sends the decision through the retention port: HOLD until
+the reaper's revisit plus `HOLD_GRACE_S` (the revisit's extension arrives first), with the
+reaper's priority (value per byte-second: under pressure the lowest goes first); RELEASE
+(LRU from here); EVICT (its blocks go first); DEMOTE (where the worker reports a host tier:
+copied there, then evicted first on the GPU; its host copy is watched from then on). Each
+decision is a `residency_events` row with its reason and figures.
 
 `tick` decides again on each hold as it comes due (the pool as it is then), ends the idle
 periods that end without a return (the session's task closed: its KV goes first; past the
 maximum residency: the reaper evicts it) and tells the reaper (`observe_abandoned`), re-sends
 each worker's priorities every `ORDER_S`, and watches each waiting session's prefix in the
 KV index: fewer of its tokens on its worker than were (the worker's `BlockRemoved` events)
-means its KV was evicted, which is recorded with its cause, and its cache receipt marked.
-The session's next turn (`turn_began`) ends its idle period in a return (`observe_return`).
-Holds the workers give back on their own (pressure, the cap, a lapse) are recorded.
+means its KV was evicted: recorded with its cause, and its cache receipt marked. The next
+turn (`turn_began`) ends its idle period in a return (`observe_return`). Holds the workers
+give back on their own (pressure, the cap, a lapse) are recorded.
 
-Directives go out in order through `services/retention_outbox.py`; with a retention that
-controls nothing (`NoRetention`) none is sent, and decisions are made and recorded all the
-same. An operator's `release` reaches every worker that holds the session, and the reaper
-holds it no more until its next turn.
+Directives go out in order (`retention_outbox.py`); with a retention that controls nothing
+(`NoRetention`) none is sent, and decisions are recorded all the same. An operator's
+`release` reaches every worker holding the session, which is not held again until its next
+turn. A demoted session whose client announces its tool's end is restored (`lead_time.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import asyncio
 import logging
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -51,6 +49,7 @@ from appliance.policy.residency import (
 )
 from appliance.ports import Clock, KvRetention, Ledger
 from appliance.services import residency_records as rows
+from appliance.services.lead_time import LeadTime
 from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
@@ -68,7 +67,7 @@ from appliance.services.sessions import SessionState
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
-"""How often holds coming due are decided again (the reaper's shortest revisit is 1 s)."""
+"""How often holds coming due are decided again (the reaper's shortest revisit: 1 s)."""
 HOLD_GRACE_S = 5.0
 """A hold outlives its revisit by this much: the revisit's directive reaches the worker
 (at its next scheduler step) before the hold lapses on its own."""
@@ -104,8 +103,7 @@ class ReaperLoop:
         self._tick_s = tick_s
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
-        self._held: dict[str, WorkerId] = {}
-        """Key -> the worker the loop last asked to hold it."""
+        self._held: dict[str, WorkerId] = {}  # key -> the worker last asked to hold it
         self._tooled: OrderedDict[str, None] = OrderedDict()
         """Sessions whose turns named a tool class or a wait (their last step names none)."""
         self.outbox = RetentionOutbox(retention)
@@ -113,12 +111,15 @@ class ReaperLoop:
         self._prefixes = PrefixWatch(inputs.index)
         self.decisions: Counter[str] = Counter()
         """Decisions by action since start."""
+        self.lead_time: LeadTime | None = None
 
     # --- the turn desk's hooks (through the session table) -----------------------------
 
     def turn_began(self, session: SessionState, now: float) -> None:
         """The session's next turn: its idle period ends in a return."""
         key = retention_key(session)
+        if self.lead_time is not None:
+            self.lead_time.turn_began(key, now)
         if self._waiting.pop(key, None) is not None:  # the wait model learns after the send
             self._defer(partial(self.reaper.observe_return, key, now))
 
@@ -252,6 +253,8 @@ class ReaperLoop:
         if now - self._ordered_at >= ORDER_S:
             self._ordered_at = now
             self._send_order(now)
+        if self.lead_time is not None:
+            self.lead_time.tick(now)
 
     def _revisit(self, key: str, w: WaitingSession, now: float) -> None:
         usage = kv_usage(self._inputs, self.retention, w.worker)
@@ -346,6 +349,9 @@ class ReaperLoop:
             if w.due_s < math.inf:  # no hold again before the maximum residency
                 w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
         return sorted(holders)
+
+    def waiting_sessions(self) -> Mapping[str, WaitingSession]:
+        return self._waiting  # the sessions between turns, by key (read only)
 
     def decision_of(self, session: SessionState) -> ResidencyDecision | None:
         """The reaper's standing decision on a waiting session (None: in flight, or none)."""

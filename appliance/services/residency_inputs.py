@@ -49,6 +49,8 @@ class LiveInputs:
     model: str
     runtime_identity: str
     """With `model`: what the cache receipts of this appliance are kept against."""
+    copy_in_s: Callable[[int], float] = lambda tokens: 0.0
+    """(tokens) -> seconds to copy that many tokens' KV from host memory to a GPU."""
 
 
 def retention_key(session: SessionState) -> str:

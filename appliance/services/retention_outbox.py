@@ -40,6 +40,9 @@ class RetentionOutbox:
     def demote(self, worker: WorkerId, key: str) -> None:
         self._queue(partial(self.retention.demote, worker, key))
 
+    def restore(self, worker: WorkerId, key: str, until_s: float, priority: float) -> None:
+        self._queue(partial(self.retention.restore, worker, key, until_s, priority))
+
     def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> None:
         self._queue(partial(self.retention.order, worker, priorities))
 

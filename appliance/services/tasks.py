@@ -13,7 +13,7 @@ admission reads through its `TaskView`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +82,8 @@ class TaskBook:
         self._events = events
         self._tasks: dict[TaskId, TaskState] = {}
         self._loads = TaskLoads(self._tasks.get, idle_s)
+        self.on_tool_finished: Callable[[TaskId, str | None, float], None] | None = None
+        """Told of each `tool_finished` (task, tool class, when): the reaper's lead time."""
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
@@ -225,6 +227,8 @@ class TaskBook:
         )
         if cost:
             self._spent(state, state.written, cost)
+        if kind is TaskEventType.TOOL_FINISHED and self.on_tool_finished is not None:
+            self.on_tool_finished(state.key, tool_class, now)
         if new is not None:
             before = (state.status, state.verified)
             state.status = new

@@ -80,6 +80,10 @@ async def run_engine_loop(
         if not engine.has_unfinished_requests():
             wake.clear()
             await _wait_any(wake, stop)
+            if not engine.has_unfinished_requests() and not stop.is_set():
+                # Woken with nothing to run: a retention directive came (a live worker's
+                # control channel wakes it), applied by a step of nothing else.
+                on_step(engine.step(clock.now()))
             continue
         start = clock.now()
         result = engine.step(start)

@@ -48,7 +48,8 @@ Public API (the server builds on these names; everything else is private):
   `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`,
   `reset_prefix_cache() -> bool`, `block_ids(request_id)`, `cache` (the `PrefixCache`, to
   peek at; never change it), `host` (the `HostTier` or None), `demote(session_id)` and
-  `evict(session_id)` (below).
+  `evict(session_id)` (below), `restore(session_id, now, hold_s)` (with a retention: the
+  session's newest finished prompt promoted from the host tier, a prefetch below).
   `output_token_ids(req, index)` chooses the `index`-th generated token (default:
   `default_output_token`).
 - `StepResult(duration_s, outputs, events, num_scheduled_tokens, scheduled, preempted,
@@ -118,6 +119,7 @@ a few microseconds per running request.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -139,6 +141,9 @@ from appliance.sim.prefetch_lane import PrefetchLane
 from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.residency_hook import ResidencyHook, RetentionHook
 from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
+
+LAST_PROMPTS = 4096
+"""Sessions whose newest finished prompt a live engine keeps for `restore` (oldest dropped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +230,8 @@ class SimEngine:
         self._seq = 0
         self._n = EngineCounters()
         self._pins = PinKeeper(self.cache, self._n, residency, host)
+        self._last_prompts: OrderedDict[str, SimRequest] = OrderedDict()
+        """Each session's newest finished request (the retention's, for `restore`)."""
         self._fast_decode = True  # tests turn it off to check it changes nothing
 
     # --- requests ---
@@ -503,9 +510,24 @@ class SimEngine:
         findable until reused); returns how many went there."""
         return self._pins.evict(session_id)
 
+    def restore(self, session_id: str, now: float, hold_s: float) -> bool:
+        """Bring the session's newest finished prompt back into HBM from the host tier (a
+        prefetch without prefill), pinned `hold_s` once there; False when there is nothing
+        of it to copy, no room, or no such session."""
+        req = self._last_prompts.get(session_id)
+        if req is None:
+            return False
+        return self.prefetches.start(req, now, prefill=False, hold_s=hold_s) is not None
+
     def _finished(self, entry: RequestState) -> None:
         if self._retention is not None:
             self._retention.finished(entry.cache, self.cache.block_ids(entry.cache))
+            sid = entry.req.session_id
+            if sid is not None:
+                self._last_prompts[sid] = entry.req
+                self._last_prompts.move_to_end(sid)
+                if len(self._last_prompts) > LAST_PROMPTS:
+                    self._last_prompts.popitem(last=False)
 
     def release_branch(self, session_id: str, own: Sequence[BlockHash], now: float) -> None:
         """A branch (a child task's session) ended: its prefetch stops, its pin ends, and

@@ -34,13 +34,18 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from appliance.engines.retention.channel import ControlChannel
 from appliance.engines.retention.holds import Entry, HoldBook
 from appliance.engines.retention.plugin import RetentionTuning
-from appliance.engines.retention.protocol import GiveBackReason, GivenBack, RetentionReport
+from appliance.engines.retention.protocol import (
+    GiveBackReason,
+    GivenBack,
+    RetentionReport,
+    RetentionRestore,
+)
 from appliance.sim.block_pool import BlockPool
 from appliance.sim.cache_request import CacheHit, CacheRequest
 
@@ -110,16 +115,25 @@ class SimRetention:
         self._reserve = 0
         self._relieved = False
         self._channel: ControlChannel | None = None
+        self.restorer: Callable[[RetentionRestore], bool] | None = None
+        """Carries out a restore (the worker's: the engine's prefetch from its host tier);
+        without one a restore is dropped, as a connector without a host tier drops it."""
 
-    def start(self, channel: ControlChannel | None = None) -> None:
+    def start(
+        self, channel: ControlChannel | None = None, wake: Callable[[], None] | None = None
+    ) -> None:
         """Connects to the appliance's socket, the first report (seq 0) holding nothing;
-        or takes `channel` (tests: a stand-in with `directives`, `publish` and `close`)."""
+        or takes `channel` (tests: a stand-in with `directives`, `publish` and `close`).
+        `wake`: called (on the channel's thread) as a directive comes, so an idle worker
+        steps to apply it."""
         endpoint = self.tuning.control_endpoint
         if self._channel is not None:
             return
         if channel is None and endpoint is not None:
             interval = self.tuning.report_interval_s
-            channel = ControlChannel(endpoint, self._report(()), report_interval_s=interval)
+            channel = ControlChannel(
+                endpoint, self._report(()), report_interval_s=interval, on_directive=wake
+            )
             channel.start()
         self._channel = channel
 
@@ -146,9 +160,13 @@ class SimRetention:
         self._relieved = False
         if self._book is None:
             return
-        pending = self._channel.pending() if self._channel is not None else ()
-        if self._book.catch_up(pending, time.time()):
+        pending = list(self._channel.pending()) if self._channel is not None else []
+        restores = [d for d in pending if isinstance(d, RetentionRestore)]
+        if self._book.catch_up([d for d in pending if d not in restores], time.time()):
             self._publish()
+        for restore in restores:
+            if self.restorer is not None:
+                self.restorer(restore)
 
     def admitting(self, request: CacheRequest, hit: CacheHit) -> bool:
         """Room for the whole prompt (and the token it samples) and the reserve, as the

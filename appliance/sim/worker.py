@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from appliance.domain.block_hash import BlockHasher
 from appliance.engines.retention.plugin import RetentionTuning
+from appliance.engines.retention.protocol import RetentionRestore
 from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_gpu_blocks
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile, load_profile
@@ -149,6 +150,8 @@ class SimWorker:
             retention=self.retention,
         )
         self.clock = ScaledClock(config.time_scale)
+        if self.retention is not None:
+            self.retention.restorer = self._restore
         self.metrics = SimMetrics(
             model_name=config.served_model_name,
             max_model_len=config.max_model_len,
@@ -186,12 +189,19 @@ class SimWorker:
                 data_parallel_rank=self.config.data_parallel_rank,
             )
         if self.retention is not None:
-            self.retention.start()
+            loop = asyncio.get_running_loop()
+            self.retention.start(wake=lambda: loop.call_soon_threadsafe(self._wake.set))
         self._stop.clear()
         self._loop_task = asyncio.create_task(
             run_engine_loop(self.engine, self.clock, self._on_step, self._wake, self._stop),
             name=f"sim-engine-{self.config.port}",
         )
+
+    def _restore(self, restore: RetentionRestore) -> bool:
+        """A restore directive: the engine's prefetch from its host tier, kept until the
+        directive's unix time (in the engine's seconds, which the time scale stretches)."""
+        hold_s = max(0.0, restore.until_s - time.time()) / self.clock.scale
+        return self.engine.restore(restore.key, self.clock.now(), hold_s)
 
     async def stop(self) -> None:
         self._stop.set()

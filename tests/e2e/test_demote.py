@@ -21,6 +21,7 @@ token's. vLLM's CPU build refuses host offloading: this runs on the simulated en
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,10 @@ def hosted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
         yield Reaped(up.url, key, ops, tiny_model_dir.name, worker_url, data_dir / "ledger.db")
 
 
-def streamed(app: Reaped, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """A streamed turn: its answer as a message, and its usage."""
+def streamed(
+    app: Reaped, session: str, messages: list[dict[str, str]], task: str | None = None
+) -> dict[str, Any]:
+    """A streamed turn (of `task`, if named): its answer as a message, and its usage."""
     body = {
         "model": app.model,
         "messages": messages,
@@ -92,7 +95,9 @@ def streamed(app: Reaped, session: str, messages: list[dict[str, str]]) -> dict[
         "stream_options": {"include_usage": True},
     }
     headers = {"Authorization": f"Bearer {app.key}", "X-Session-ID": session}
-    headers |= API_WAIT if session == "held" else TEST_RUN
+    headers |= API_WAIT if session.startswith("held") else TEST_RUN
+    if task is not None:
+        headers["X-Task-ID"] = task
     content, usage = [], None
     with httpx.stream(
         "POST", f"{app.url}/v1/chat/completions", json=body, headers=headers, timeout=300
@@ -174,3 +179,62 @@ def test_a_demoted_session_comes_back_from_the_host_tier_with_the_copy_in_its_tt
     assert promoted >= 0.9 * n_demoted
     assert copy_s > 0.05
     assert demoted_ttft - held_ttft >= 0.5 * copy_s
+
+
+def test_a_demoted_session_whose_tool_is_announced_done_is_back_on_the_gpu_before_its_turn(
+    hosted: Reaped,
+) -> None:
+    """Issue 24, restore on lead time: the client says the test run has finished 500 ms
+    before the session's next turn; the demoted prefix is copied back to the GPU meanwhile,
+    so that turn finds it there: nothing is loaded from the host tier in its TTFT, which is
+    that of the session's following turn (all on the GPU), not that plus the copy."""
+    app = hosted
+    auth = {"Authorization": f"Bearer {app.key}"}
+    messages = [{"role": "user", "content": text(42, WORDS)}]
+    first = streamed(app, "restored", messages, task="restored-task")
+    n_first = prompt_tokens(first)
+    eventually(
+        lambda: app.rows(
+            "SELECT action FROM residency_events WHERE session_id = ? AND action = 'demote'",
+            "alice/restored",
+        ),
+        lambda rows: len(rows) == 1,
+    )
+    statuses = flood(app, WORDS // 2, n_first // 2)
+    assert set(statuses) == {200}, statuses
+    time.sleep(1.0)  # the worker's load reading shows the flood's queue gone
+
+    done = {"type": "tool_finished", "tool_class": "test"}
+    r = httpx.post(f"{app.url}/v1/tasks/restored-task/events", json=done, headers=auth)
+    assert r.status_code == 200, r.text
+    (restored,) = eventually(
+        lambda: app.rows(
+            "SELECT tokens FROM residency_events WHERE session_id = ? AND action = 'restore'",
+            "alice/restored",
+        ),
+        lambda rows: len(rows) == 1,
+    )[0]
+    copy_s = TIME_SCALE * restored * SIM_KV_BYTES_PER_TOKEN / (H2D_GBPS * 1e9)
+    time.sleep(0.5)  # the announcement's lead
+    loaded = host_loaded_tokens(app)
+    ttfts, hits = [], []
+    for turn, seed in ((2, 43), (3, 44)):  # the 3rd: its prefix is on the GPU, a reference
+        messages += [first["message"], {"role": "user", "content": text(seed, 20)}]
+        answer = streamed(app, "restored", messages, task="restored-task")
+        ttfts.append(ttft_s(app, "restored", turn))
+        hits.append(cached(answer))
+    print(f"restored {restored} tokens ({copy_s * 1e3:.1f} ms of copy) before the turn; its "
+          f"TTFT {ttfts[0] * 1e3:.1f} ms, the next turn's {ttfts[1] * 1e3:.1f} ms; "
+          f"{hits[0]} of {n_first} cached")  # fmt: skip
+    assert restored >= 0.9 * n_first and copy_s > 0.05
+    assert hits[0] >= 0.9 * n_first
+    assert host_loaded_tokens(app) == loaded  # the turn found it on the GPU
+    assert ttfts[0] - ttfts[1] < 0.5 * copy_s  # no promotion in its TTFT
+    settled = eventually(
+        lambda: app.rows(
+            "SELECT action FROM residency_events WHERE session_id = ? AND action LIKE 'restore_%'",
+            "alice/restored",
+        ),
+        lambda rows: len(rows) == 1,
+    )
+    assert settled == [("restore_used",)]

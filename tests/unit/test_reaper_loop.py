@@ -73,6 +73,10 @@ class FakeRetention:
         self.calls.append(("demote", worker, key))
         return True
 
+    async def restore(self, worker: WorkerId, key: str, until_s: float, priority: float) -> bool:
+        self.calls.append(("restore", worker, key, until_s, priority))
+        return True
+
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         self.calls.append(("order", worker, dict(priorities)))
         return True

@@ -25,6 +25,7 @@ from appliance.engines.retention.protocol import (
     RetentionQuery,
     RetentionRelease,
     RetentionReport,
+    RetentionRestore,
     decode_directive,
     decode_report,
     encode_retention,
@@ -36,6 +37,7 @@ DIRECTIVES: list[RetentionDirective] = [
     RetentionRelease("acme/s-1"),
     RetentionEvictFirst("acme/s-2"),
     RetentionOrder({"acme/s-1": 1.0, "acme/s-3": -2.5}),
+    RetentionRestore("acme/s-4", 1_800_000_060.0, 0.5),
     RetentionQuery(),
 ]
 

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 
 import msgspec
@@ -42,8 +42,12 @@ class ControlChannel:
         *,
         report_interval_s: float = 5.0,
         poll_s: float = 0.05,
+        on_directive: Callable[[], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._on_directive = on_directive
+        """Called on this thread as a directive comes (a simulated worker's engine loop
+        wakes for it; vLLM's scheduler takes them at its next step)."""
         self.directives: queue.SimpleQueue[RetentionDirective] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[RetentionReport] = queue.SimpleQueue()
         self._latest = first
@@ -109,6 +113,8 @@ class ControlChannel:
             self._send(sock, msgspec.structs.replace(self._latest, given_back=()))
         else:
             self.directives.put(directive)
+            if self._on_directive is not None:
+                self._on_directive()
 
     def _send(self, sock: zmq.Socket[bytes], report: RetentionReport) -> None:
         report = msgspec.structs.replace(report, seq=self._seq)

@@ -37,6 +37,7 @@ from appliance.engines.retention.protocol import (
     RetentionQuery,
     RetentionRelease,
     RetentionReport,
+    RetentionRestore,
     decode_report,
     encode_retention,
 )
@@ -120,6 +121,12 @@ class RetentionClient:
     async def demote(self, worker: WorkerId, key: str) -> bool:
         """Stop holding; the key's blocks go first on the GPU once the host tier has them."""
         return await self.send(worker, RetentionDemote(key))
+
+    async def restore(
+        self, worker: WorkerId, key: str, until_s: float, priority: float = 0.0
+    ) -> bool:
+        """Bring the key's prefix back into HBM from the host tier, kept until `until_s`."""
+        return await self.send(worker, RetentionRestore(key, until_s, priority))
 
     async def order(self, worker: WorkerId, priorities: Mapping[str, float]) -> bool:
         """New priorities for held keys: under pressure the lowest goes first."""

@@ -21,6 +21,12 @@ nothing is evicted without a step); the report that shows them follows:
   is computed; the simulated host tier does the same, and the demotion refreshes the copy
   as the most recently used), then evict them first on the GPU, as `RetentionEvictFirst`.
   The appliance sends it only to a worker whose reports show a host tier.
+- `RetentionRestore(key, until_s, priority)`: bring the key's newest finished request's
+  prompt back into HBM from the worker's host tier (the part past what HBM still has: its
+  blocks allocated now, cached when the host -> GPU copy lands) ahead of the session's next
+  turn, and keep it there until `until_s` (a hold of that priority; the next turn takes it
+  over). The simulated workers do it (their host tier's prefetch); a connector without a
+  host tier ignores it, and the appliance sends it only where reports show one.
 - `RetentionOrder(priorities)`: new priorities for held keys. Under pressure the connector
   gives holds back lowest priority first (ties: the oldest hold first).
 - `RetentionQuery()`: answer with the latest report now (from the channel's thread).
@@ -59,6 +65,13 @@ class RetentionDemote(msgspec.Struct, tag="demote", frozen=True):
     key: str
 
 
+class RetentionRestore(msgspec.Struct, tag="restore", frozen=True):
+    key: str
+    until_s: float
+    """Unix time until which the restored blocks are kept."""
+    priority: float = 0.0
+
+
 class RetentionOrder(msgspec.Struct, tag="order", frozen=True):
     priorities: dict[str, float]
 
@@ -72,6 +85,7 @@ RetentionDirective = (
     | RetentionRelease
     | RetentionEvictFirst
     | RetentionDemote
+    | RetentionRestore
     | RetentionOrder
     | RetentionQuery
 )

@@ -1,0 +1,90 @@
+"""Restore on lead time, live: on a client's `tool_finished`, a demoted session of the task
+is restored to its worker's HBM (a directive and a ledger row), and its next turn settles
+it used or unused. Over the reaper loop's fakes (tests/unit/test_reaper_loop.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from appliance.domain.retention import HostTierSize
+from appliance.domain.worker import LoadSnapshot
+from appliance.policy.prefetch import PrefetchKey, PrefetchPolicy, PrefetchTrigger, PrefetchTuning
+from appliance.services.lead_time import RESTORE_HOLD_S, LeadTime
+from tests.unit.test_reaper_loop import BLOCK, PROMPT, W0, Setup, build
+
+KEY = PrefetchKey("acme", "approval", PrefetchTrigger.TOOL_FINISHED)
+
+
+def demoted(task: str = "acme/t1") -> tuple[Setup, LeadTime]:
+    """A session of `task` demoted on w0: its prefix gone from HBM, whole on the host tier."""
+    s = build(usage=0.99)
+    s.retention.host[W0] = HostTierSize(1000, 10, 250)
+    s.turn(s.session("slow", task=task), tool="approval", wait_s=3600.0)
+    assert s.sent() == [("demote", W0, "acme/slow")]
+    s.index.evict(W0, 0)
+    s.index.host[W0] = PROMPT // BLOCK
+    lead = LeadTime(PrefetchPolicy(PrefetchTuning(prefill=False)), s.loop._inputs,
+                    s.loop.outbox, ledger=s.rows, waiting=s.loop.waiting_sessions)  # fmt: skip
+    s.loop.lead_time = lead
+    return s, lead
+
+
+def test_a_demoted_sessions_announced_return_restores_it_and_its_turn_uses_it() -> None:
+    s, lead = demoted()
+    lead.tool_finished("acme/t1", "approval", 1010.0)  # type: ignore[arg-type]
+    ((kind, worker, key, until_s, _),) = s.sent()
+    assert (kind, worker, key, until_s) == ("restore", W0, "acme/slow", 1010.0 + RESTORE_HOLD_S)
+    row = s.rows.last()
+    assert (row.action, row.tokens) == ("restore", PROMPT)
+    figures = json.loads(row.figures_json or "{}")
+    assert figures["trigger"] == "tool_finished" and figures["kv_bytes"] == PROMPT * 1024
+    lead.tool_finished("acme/t1", "approval", 1010.1)  # type: ignore[arg-type]
+    assert s.sent() == []  # one restore per idle period
+    s.index.blocks[W0] = PROMPT // BLOCK  # the copy landed: the events show it in HBM
+    s.table.began(next(iter(s.table)), 1010.6)
+    used = s.rows.last()
+    assert used.action == "restore_used" and "0.60 s" in used.reason
+    assert lead.policy.accuracy(KEY) == 1.0
+
+
+def test_a_restore_its_turn_does_not_find_in_hbm_is_unused() -> None:
+    s, lead = demoted()
+    lead.tool_finished("acme/t1", "approval", 1010.0)  # type: ignore[arg-type]
+    s.sent()
+    s.table.began(next(iter(s.table)), 1011.0)  # the index shows nothing back in HBM
+    assert s.rows.last().action == "restore_unused"
+    assert lead.policy.accuracy(KEY) == 0.0
+
+
+def test_a_restore_whose_turn_never_comes_is_settled_unused_at_its_holds_end() -> None:
+    s, lead = demoted()
+    lead.tool_finished("acme/t1", "approval", 1010.0)  # type: ignore[arg-type]
+    s.sent()
+    s.loop.tick(1010.0 + RESTORE_HOLD_S - 1)
+    assert s.rows.last().action == "restore"
+    s.loop.tick(1010.0 + RESTORE_HOLD_S)
+    row = s.rows.last()
+    assert (row.action, row.reason) == ("restore_unused", "no turn came")
+
+
+def test_only_the_tasks_demoted_sessions_are_restored() -> None:
+    s, lead = demoted()
+    lead.tool_finished("acme/other", "approval", 1010.0)  # type: ignore[arg-type]
+    assert s.sent() == []
+    held = build()
+    lead = LeadTime(PrefetchPolicy(), held.loop._inputs, held.loop.outbox, ledger=held.rows,
+                    waiting=held.loop.waiting_sessions)  # fmt: skip
+    held.turn(held.session("quick", task="acme/t1"), tool="api", wait_s=0.5)
+    assert [c[0] for c in held.sent()] == ["hold"]
+    lead.tool_finished("acme/t1", "api", 1000.5)  # type: ignore[arg-type]
+    assert held.sent() == []  # held in HBM: nothing to restore
+
+
+def test_no_restore_while_the_worker_has_requests_waiting() -> None:
+    s, lead = demoted()
+    busy = LoadSnapshot(time=0.0, running=4, waiting=2, kv_cache_usage_perc=0.99)
+    s.workers[0] = replace(s.workers[0], load=busy)
+    lead.tool_finished("acme/t1", "approval", 1010.0)  # type: ignore[arg-type]
+    assert s.sent() == []
+    assert s.rows.last().action == "demote"
