@@ -188,8 +188,12 @@ class KvRetention(Protocol):
         """Stop holding: the blocks are ordinary cached blocks, least recently used first."""
         ...
 
-    async def evict_first(self, worker: WorkerId, key: str) -> bool:
-        """Stop holding, and evict the key's blocks before any other."""
+    async def evict_first(
+        self, worker: WorkerId, key: str, keep_blocks: int = 0, drop_host: bool = False
+    ) -> bool:
+        """Stop holding, and evict the key's blocks before any other, past its first
+        `keep_blocks` (a branch's inherited prefix: left to LRU); `drop_host`: drop their
+        host-tier copies too."""
         ...
 
     async def demote(self, worker: WorkerId, key: str) -> bool:

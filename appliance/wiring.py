@@ -244,6 +244,7 @@ def _reaper_loop(
         copy_in_s=partial(
             LatencyModel.from_profile(profile).kv_copy_s, direction=CopyDirection.H2D
         ),
+        task_parent=lambda key: t.parent if (t := tasks.find(key)) is not None else None,
     )
     retention = engines.retention
     if retention is None:

@@ -25,7 +25,9 @@ class NoRetention:
     async def release(self, worker: WorkerId, key: str) -> bool:
         return False
 
-    async def evict_first(self, worker: WorkerId, key: str) -> bool:
+    async def evict_first(
+        self, worker: WorkerId, key: str, keep_blocks: int = 0, drop_host: bool = False
+    ) -> bool:
         return False
 
     async def demote(self, worker: WorkerId, key: str) -> bool:

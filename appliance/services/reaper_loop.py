@@ -56,6 +56,7 @@ from appliance.services.residency_inputs import (
     ends_in_tool_call,
     host_reading,
     idle_session,
+    inherited_blocks,
     kv_usage,
     one_turn,
     prefix_tokens,
@@ -198,8 +199,7 @@ class ReaperLoop:
             self._abandoned(key, w, now)
 
     def _abandoned(self, key: str, w: WaitingSession, now: float) -> None:
-        """The idle period ended without a return: the reaper learns a censored wait; the
-        session stays watched until its KV is gone."""
+        """Ended unreturned: a censored wait; the session is watched until its KV is gone."""
         self.reaper.observe_abandoned(key, now)
         w.due_s = math.inf
         if w.evicted:
@@ -273,8 +273,7 @@ class ReaperLoop:
         self._decide(key, w, now)
 
     def _expire(self, key: str, w: WaitingSession, now: float) -> None:
-        """A session whose KV is gone, or goes first, is not decided again: at the maximum
-        residency its wait ends unreturned."""
+        """A session whose KV is gone (or first to go) ends unreturned at the max residency."""
         end_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
         if now < end_s:
             w.due_s = end_s
@@ -282,8 +281,9 @@ class ReaperLoop:
             self._abandoned(key, w, now)
 
     def _session_ended(self, key: str, w: WaitingSession, why: str, now: float) -> None:
-        if not w.evicted:
-            self.outbox.evict_first(w.worker, key)
+        if not w.evicted:  # its own blocks go on every tier; a parent's it shares stay
+            keep = inherited_blocks(self._inputs, w.session, self._waiting.values())
+            self.outbox.evict_first(w.worker, key, keep_blocks=keep, drop_host=True)
         self._held.pop(key, None)
         w.decision = ResidencyDecision(ResidencyAction.EVICT, f"{why}: not coming back")
         self.decisions[ResidencyAction.EVICT.value] += 1

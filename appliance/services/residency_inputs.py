@@ -25,8 +25,9 @@ the appliance knows at that instant:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from appliance.domain.kv_events import Medium
 from appliance.domain.records import TaskId, WorkerId
@@ -51,6 +52,8 @@ class LiveInputs:
     """With `model`: what the cache receipts of this appliance are kept against."""
     copy_in_s: Callable[[int], float] = lambda tokens: 0.0
     """(tokens) -> seconds to copy that many tokens' KV from host memory to a GPU."""
+    task_parent: Callable[[TaskId], TaskId | None] = lambda task: None
+    """The parent of a task a client named (None: a root, or unknown)."""
 
 
 def retention_key(session: SessionState) -> str:
@@ -138,3 +141,30 @@ def idle_session(
         kv_bytes=tokens * inputs.kv_bytes_per_token,
         host=host,
     )
+
+
+def inherited_blocks(inputs: LiveInputs, session: SessionState, others: Iterable[Any]) -> int:
+    """Leading blocks of a branch's prompt (a child task's session) that its parent task's
+    sessions among `others` share: what its end must leave to them. 0 for a root's session;
+    all of them when its parent's sessions are not among `others` (nothing is known to be
+    its own). `others`: sessions, or what holds one as `.session` (the reaper's waiting)."""
+    chain = session.chain
+    parent = inputs.task_parent(session.task_id) if session.task_id is not None else None
+    if chain is None or parent is None:
+        return 0
+    sessions = [getattr(o, "session", o) for o in others]
+    shared = [
+        _common_blocks(chain.hashes, o.chain.hashes)
+        for o in sessions
+        if o.task_id == parent and o.chain is not None
+    ]
+    return max(shared) if shared else len(chain.hashes)
+
+
+def _common_blocks(a: Sequence[object], b: Sequence[object]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

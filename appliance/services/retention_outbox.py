@@ -34,8 +34,10 @@ class RetentionOutbox:
     def release(self, worker: WorkerId, key: str) -> None:
         self._queue(partial(self.retention.release, worker, key))
 
-    def evict_first(self, worker: WorkerId, key: str) -> None:
-        self._queue(partial(self.retention.evict_first, worker, key))
+    def evict_first(
+        self, worker: WorkerId, key: str, keep_blocks: int = 0, drop_host: bool = False
+    ) -> None:
+        self._queue(partial(self.retention.evict_first, worker, key, keep_blocks, drop_host))
 
     def demote(self, worker: WorkerId, key: str) -> None:
         self._queue(partial(self.retention.demote, worker, key))

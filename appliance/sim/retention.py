@@ -97,6 +97,11 @@ class SimKvPool:
             return 0, 0
         return self._host.host.num_blocks, len(self._host.host)
 
+    def drop_from_host(self, blocks: Sequence[Any]) -> int:
+        if self._host is None:
+            return 0
+        return int(self._host.host.discard([b.block_hash for b in blocks if b.block_hash]))
+
     def entries(self, block_ids: Sequence[int], num_tokens: int, block_size: int) -> list[Entry]:
         """A finished request's full blocks prefix caching can hit, with their hashes."""
         blocks = (self._pool.blocks[i] for i in block_ids[: num_tokens // block_size])

@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -65,8 +65,13 @@ class FakeRetention:
         self.calls.append(("release", worker, key))
         return True
 
-    async def evict_first(self, worker: WorkerId, key: str) -> bool:
-        self.calls.append(("evict_first", worker, key))
+    async def evict_first(
+        self, worker: WorkerId, key: str, keep_blocks: int = 0, drop_host: bool = False
+    ) -> bool:
+        if keep_blocks or drop_host:
+            self.calls.append(("evict_first", worker, key, keep_blocks, drop_host))
+        else:
+            self.calls.append(("evict_first", worker, key))
         return True
 
     async def demote(self, worker: WorkerId, key: str) -> bool:
@@ -467,7 +472,7 @@ def test_a_closed_tasks_session_is_evicted_and_ends(s: Setup) -> None:
     s.sent()
     s.closed.add("acme/t1")
     s.loop.tick(1000.1)
-    assert s.sent() == [("evict_first", W0, "acme/a")]
+    assert s.sent() == [("evict_first", W0, "acme/a", 0, True)]  # a root's: all of it
     assert s.rows.last().reason.startswith("session_ended: its task closed")
     s.loop.tick(5000.0)  # ended: never decided again
     assert s.rows.last().reason.startswith("session_ended")
@@ -556,3 +561,25 @@ def test_a_decision_that_fails_never_reaches_the_turn(s: Setup) -> None:
     s.table.began(session, 1000.0)
     s.table.ended(session, 1000.0)  # logged, not raised
     assert session.in_flight == 0 and math.isfinite(s.clock.t)
+
+
+def test_a_branch_that_ends_drops_its_own_blocks_everywhere_and_leaves_its_parents() -> None:
+    """A child task's session shares its parent's prefix (inherited) and adds its own: when
+    the child ends, only its own blocks go first and leave the host tier; the parent's stay
+    cached as they were. Unknown parent sessions: nothing is taken for its own."""
+    s = build()
+    parents = {TaskId("acme/kid"): TaskId("acme/root"), TaskId("acme/orphan"): TaskId("acme/gone")}
+    s.loop._inputs = replace(s.loop._inputs, task_parent=parents.get)
+    s.turn(s.session("p", task="acme/root"), tool="approval", wait_s=600.0)
+    own = list(range(5000, 5000 + 3 * BLOCK))  # three blocks of its own past the prefix
+    for sid, task in (("c", "acme/kid"), ("o", "acme/orphan")):
+        child = s.table.open(TenantId("acme"), SessionId(sid), s.clock.t)
+        s.table.hash_prompt(child, [*range(100, 100 + PROMPT), *own], "salt")
+        child.home, child.task_id = W0, TaskId(task)
+        s.turn(child, tool="api", wait_s=0.5)
+    s.sent()
+    s.closed.update({"acme/kid", "acme/orphan"})
+    s.loop.tick(1000.1)
+    sent = sorted(s.sent())
+    assert sent == [("evict_first", W0, "acme/c", PROMPT // BLOCK, True),
+                    ("evict_first", W0, "acme/o", PROMPT // BLOCK + 3, True)]  # fmt: skip

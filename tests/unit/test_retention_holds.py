@@ -32,6 +32,8 @@ class FakePool:
         self._next_hash = 0
         self.host: list[tuple[str, list[object]]] = []
         """What `copy_to_host` was given, in order."""
+        self.dropped: list[object] = []
+        """What `drop_from_host` was given."""
 
     # --- the KvPool protocol ---
 
@@ -70,6 +72,10 @@ class FakePool:
 
     def host_blocks(self) -> tuple[int, int]:
         return 64, sum(len(b) for _, b in self.host)
+
+    def drop_from_host(self, blocks: Sequence[object]) -> int:
+        self.dropped += blocks
+        return len(blocks)
 
     # --- what vLLM does around it ---
 
@@ -200,6 +206,26 @@ def test_evict_first_puts_the_blocks_at_the_head_of_the_queue(held: bool) -> Non
     assert book.take_given_back() == (GivenBack("t/a", 5, GiveBackReason.EVICTED),)
     hold(book, "t/a")  # forgotten: a later hold finds nothing
     assert book.take_given_back()[0].reason == GiveBackReason.NOT_FOUND
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_branchs_end_evicts_its_own_blocks_first_everywhere_and_leaves_the_inherited(
+    held: bool,
+) -> None:
+    """A fan-out branch shares its parent's first 3 blocks and adds 4: its end puts its 4
+    first and drops their host copies; the 3 go back as LRU, where its parent's hit them."""
+    pool, book = book_over(20)
+    parent = pool.run(3)
+    entries = pool.run(4, shared=[b for b, _ in parent])
+    book.finished("t/kid", [entries])
+    if held:
+        hold(book, "t/kid")
+    book.apply(RetentionEvictFirst("t/kid", keep_blocks=3, drop_host=True), NOW)
+    own = [b for b, _ in entries[3:]]
+    assert pool.queue[:4] == own[::-1]  # they go before any other
+    assert all(pool.queue.index(b) >= 4 for b, _ in parent)  # not first: LRU
+    assert pool.dropped == own
+    assert book.take_given_back() == (GivenBack("t/kid", 7, GiveBackReason.EVICTED),)
 
 
 @pytest.mark.parametrize("held", [True, False])

@@ -23,6 +23,7 @@ from appliance.engines.retention.protocol import (
     RetentionOrder,
     RetentionRelease,
     RetentionReport,
+    RetentionRestore,
 )
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
@@ -304,3 +305,34 @@ def test_a_demoted_session_comes_back_from_the_host_tier() -> None:
     sim.flood(POOL)  # its GPU blocks went first: the flood takes them
     again = sim.turn("t/a", [*prompt, *tokens(9000, 40)])
     assert again.num_cached_tokens == again.num_host_cached_tokens == 10 * BS
+
+
+def test_a_restore_brings_a_demoted_session_back_to_the_gpu_before_its_turn() -> None:
+    """The twin hands a restore to its restorer (the worker's: the engine's prefetch from
+    its host tier); the next turn then finds its prefix on the GPU, none of it loaded."""
+    sim = Sim(host=4 * POOL)
+    assert sim.retention is not None
+    sim.retention.restorer = lambda r: sim.engine.restore(r.key, sim.now, 60.0)
+    prompt = tokens(0, 10 * BS)
+    sim.turn("t/a", prompt)
+    sim.send(RetentionDemote("t/a"))
+    sim.poke()
+    sim.flood(POOL)  # its GPU blocks went first: the flood takes them
+    sim.send(RetentionRestore("t/a", later()))
+    sim.poke()  # the step applies it: the copy runs, and lands within the poke's steps
+    again = sim.turn("t/a", [*prompt, *tokens(9000, 40)])
+    assert again.num_cached_tokens == 10 * BS and again.num_host_cached_tokens == 0
+
+
+def test_a_branchs_end_drops_its_own_blocks_from_the_host_tier_too() -> None:
+    sim = Sim(host=4 * POOL)
+    parent, own = tokens(0, 4 * BS), tokens(5000, 6 * BS)
+    sim.turn("t/root", parent)
+    sim.turn("t/kid", [*parent, *own])
+    assert sim.engine.host is not None
+    assert len(sim.engine.host) == 10  # every computed prompt block is stored there
+    sim.send(RetentionEvictFirst("t/kid", keep_blocks=4, drop_host=True))
+    sim.poke()  # a prompt of less than a block: it stores none
+    assert len(sim.engine.host) == 4  # the parent's
+    again = sim.turn("t/root", [*parent, *tokens(7000, 40)])
+    assert again.num_cached_tokens == 4 * BS  # the inherited prefix still hits

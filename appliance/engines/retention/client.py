@@ -115,8 +115,10 @@ class RetentionClient:
     async def release(self, worker: WorkerId, key: str) -> bool:
         return await self.send(worker, RetentionRelease(key))
 
-    async def evict_first(self, worker: WorkerId, key: str) -> bool:
-        return await self.send(worker, RetentionEvictFirst(key))
+    async def evict_first(
+        self, worker: WorkerId, key: str, keep_blocks: int = 0, drop_host: bool = False
+    ) -> bool:
+        return await self.send(worker, RetentionEvictFirst(key, keep_blocks, drop_host))
 
     async def demote(self, worker: WorkerId, key: str) -> bool:
         """Stop holding; the key's blocks go first on the GPU once the host tier has them."""

@@ -79,6 +79,10 @@ class KvPool(Protocol):
         """The host tier's (capacity, blocks in use); (0, 0) without one."""
         ...
 
+    def drop_from_host(self, blocks: Sequence[object]) -> int:
+        """Drop the blocks' copies from the host tier at once; how many it held."""
+        ...
+
 
 @dataclass(slots=True)
 class _Finished:
@@ -170,8 +174,8 @@ class HoldBook:
                 self._hold(directive, now_s)
             case RetentionRelease(key=key):
                 self._give_back(key, GiveBackReason.RELEASED)
-            case RetentionEvictFirst(key=key):
-                self._evict_first(key)
+            case RetentionEvictFirst(key=key, keep_blocks=keep, drop_host=drop):
+                self._evict_first(key, keep=keep, drop_host=drop)
             case RetentionDemote(key=key):
                 self._evict_first(key, demote=True)
             case RetentionOrder(priorities=priorities):
@@ -299,24 +303,33 @@ class HoldBook:
             self._pool.give_back(held.blocks, first=first)
             self._note(key, len(held.blocks), reason)
 
-    def _evict_first(self, key: str, *, demote: bool = False) -> None:
+    def _evict_first(
+        self, key: str, *, demote: bool = False, keep: int = 0, drop_host: bool = False
+    ) -> None:
         """The key's blocks go first in the eviction order (`demote`: once the host tier
-        has a copy of them)."""
+        has a copy of them), past the first `keep` (a branch's inherited prefix, released
+        as LRU); `drop_host`: their copies leave the host tier too."""
         reason = GiveBackReason.DEMOTED if demote else GiveBackReason.EVICTED
         done = self._finished.pop(key, None)
         if done is not None:
             self._remembered -= sum(len(g) for g in done.groups)
-        held = self._holds.get(key)
+        held = self._holds.pop(key, None)
         if held is not None:
+            blocks = tuple(held.blocks)
             if demote:
-                self._pool.copy_to_host(held.blocks, key)
-            self._give_back(key, reason, first=True)
+                self._pool.copy_to_host(blocks, key)
+            self._pool.give_back(blocks[:keep], first=False)
+            self._pool.give_back(blocks[keep:], first=True)
         elif done is not None:
             blocks = tuple(b for run in self._cached_runs(done) for b in run)
             if demote:
                 self._pool.copy_to_host(blocks, key)
-            self._pool.evict_first(blocks)
-            self._note(key, len(blocks), reason)
+            self._pool.evict_first(blocks[keep:])
+        else:
+            return
+        self._note(key, len(blocks), reason)
+        if drop_host:
+            self._pool.drop_from_host(blocks[keep:])
 
     def _note(self, key: str, blocks: int, reason: GiveBackReason) -> None:
         self._given_back.append(GivenBack(key, blocks, reason))

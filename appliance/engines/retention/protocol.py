@@ -14,8 +14,10 @@ nothing is evicted without a step); the report that shows them follows:
   cached blocks until `until_s` (unix time). On a held key it extends the hold and takes
   the new priority, and moves the hold to a newer finished request if there is one.
 - `RetentionRelease(key)`: stop holding; the blocks become ordinary cached blocks, LRU.
-- `RetentionEvictFirst(key)`: stop holding, and put the key's blocks nobody uses at the
-  head of the free queue, so they are evicted before any other.
+- `RetentionEvictFirst(key, keep_blocks, drop_host)`: stop holding, and put the key's blocks
+  nobody uses, past its first `keep_blocks` (released as LRU), at the head of the free
+  queue, so they are evicted before any other; `drop_host`: their copies in the host tier
+  are dropped at once too (a fan-out branch that ended: its own KV reclaimed on every tier).
 - `RetentionDemote(key)`: stop holding, make sure the key's blocks have a copy in the
   worker's host tier (vLLM's native offloading stores every cached prompt block there as it
   is computed; the simulated host tier does the same, and the demotion refreshes the copy
@@ -59,6 +61,10 @@ class RetentionRelease(msgspec.Struct, tag="release", frozen=True):
 
 class RetentionEvictFirst(msgspec.Struct, tag="evict_first", frozen=True):
     key: str
+    keep_blocks: int = 0
+    """Leading blocks left to LRU (a branch's inherited prefix, which its parent uses)."""
+    drop_host: bool = False
+    """The other blocks' copies leave the host tier at once too (a branch that ended)."""
 
 
 class RetentionDemote(msgspec.Struct, tag="demote", frozen=True):

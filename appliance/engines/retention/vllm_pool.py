@@ -72,6 +72,9 @@ class VllmKvPool:
     def host_blocks(self) -> tuple[int, int]:
         return 0, 0
 
+    def drop_from_host(self, blocks: Sequence[Any]) -> int:
+        return 0  # no host tier composed with the connector yet
+
     def cached_entries(
         self, block_ids: Sequence[Sequence[int]], num_tokens: int, block_sizes: Sequence[int]
     ) -> tuple[tuple[tuple[object, object], ...], ...]:
