@@ -281,13 +281,14 @@ class ReaperLoop:
             self._abandoned(key, w, now)
 
     def _session_ended(self, key: str, w: WaitingSession, why: str, now: float) -> None:
+        keep = inherited_blocks(self._inputs, w.session, self._waiting.values())
         if not w.evicted:  # its own blocks go on every tier; a parent's it shares stay
-            keep = inherited_blocks(self._inputs, w.session, self._waiting.values())
             self.outbox.evict_first(w.worker, key, keep_blocks=keep, drop_host=True)
         self._held.pop(key, None)
         w.decision = ResidencyDecision(ResidencyAction.EVICT, f"{why}: not coming back")
         self.decisions[ResidencyAction.EVICT.value] += 1
-        self._write(rows.closed_row(w.idle, w.worker, why, now))
+        block = w.session.chain.block_size if w.session.chain is not None else 0
+        self._write(rows.closed_row(w.idle, w.worker, why, now, inherited_tokens=keep * block))
         self._abandoned(key, w, now)
 
     def _watch(self, now: float) -> None:
@@ -360,15 +361,9 @@ class ReaperLoop:
 
     def status(self) -> dict[str, Any]:
         """The loop at a glance (`/admin/v1/state` "residency")."""
-        return {
-            "reaper": True,
-            "retention": self.retention.controls,
-            "note": self.note,
-            "waiting": len(self._waiting),
-            "held": len(self._held),
-            "decisions": dict(self.decisions),
-            "unsent": self.outbox.unsent,
-        }
+        return {"reaper": True, "retention": self.retention.controls, "note": self.note,
+                "waiting": len(self._waiting), "held": len(self._held),
+                "decisions": dict(self.decisions), "unsent": self.outbox.unsent}  # fmt: skip
 
     # --- running ----------------------------------------------------------------------
 

@@ -124,8 +124,12 @@ def decision_row(
     )
 
 
-def closed_row(idle: IdleSession, worker: WorkerId, why: str, now: float) -> ResidencyEvent:
-    """The session ended without a next turn (its task closed): its KV goes first."""
+def closed_row(
+    idle: IdleSession, worker: WorkerId, why: str, now: float, *, inherited_tokens: int = 0
+) -> ResidencyEvent:
+    """The session ended without a next turn (its task closed): its own KV goes first, on
+    every tier; what it shares with its parent task (`inherited_tokens`) stays."""
+    inherited = min(inherited_tokens, idle.resident_tokens)
     return ResidencyEvent(
         at=now,
         session_id=SessionId(idle.session_id),
@@ -135,7 +139,12 @@ def closed_row(idle: IdleSession, worker: WorkerId, why: str, now: float) -> Res
         tokens=idle.resident_tokens,
         tier=CacheTier.GPU,
         figures_json=orjson.dumps(
-            {"kind": "session_ended", "idle_s": now - idle.finished_at_s}
+            {
+                "kind": "session_ended",
+                "idle_s": now - idle.finished_at_s,
+                "inherited_tokens": inherited,
+                "own_tokens": idle.resident_tokens - inherited,
+            }
         ).decode(),
     )
 

@@ -583,3 +583,6 @@ def test_a_branch_that_ends_drops_its_own_blocks_everywhere_and_leaves_its_paren
     sent = sorted(s.sent())
     assert sent == [("evict_first", W0, "acme/c", PROMPT // BLOCK, True),
                     ("evict_first", W0, "acme/o", PROMPT // BLOCK + 3, True)]  # fmt: skip
+    ended = {r.session_id: json.loads(r.figures_json or "{}") for r in s.rows.residency[-2:]}
+    assert ended["acme/c"]["inherited_tokens"] == PROMPT  # on the ledger: what stayed
+    assert ended["acme/c"]["own_tokens"] == 3 * BLOCK
