@@ -77,19 +77,30 @@ class LeadTime:
         self._ledger = ledger
         self._waiting = waiting
         self._restores: dict[str, _Restore] = {}
+        self._signals: dict[str, tuple[PrefetchKey, float]] = {}
+        """Each waiting session's latest announcement, restored or not: its lead is
+        measured at the turn (so a key switched off for short leads can come back on)."""
 
     def tool_finished(self, task: TaskId, tool_class: str | None, now: float) -> None:
         """The task's client says its tool has finished: its demoted sessions come back."""
         for key, w in list(self._waiting().items()):
-            if w.session.task_id != task or key in self._restores:
+            if w.session.task_id != task:
+                continue
+            signal = PrefetchKey(w.session.tenant, tool_class, PrefetchTrigger.TOOL_FINISHED)
+            self._signals[key] = (signal, now)
+            if key in self._restores:
                 continue
             try:
-                self._ask(key, w, tool_class, now)
+                self._ask(key, w, signal, now)
             except Exception:  # never into the task route: the event itself is recorded
                 log.exception("lead time: no restore for %s", key)
 
     def turn_began(self, key: str, now: float) -> None:
-        """The session's next turn: its restore, if any, is settled."""
+        """The session's next turn: the announcement's lead is measured, and its restore,
+        if any, settled."""
+        signal = self._signals.pop(key, None)
+        if signal is not None:
+            self.policy.observe_lead(signal[0], now - signal[1])
         restore = self._restores.pop(key, None)
         w = self._waiting().get(key)
         if restore is None or w is None:
@@ -98,16 +109,20 @@ class LeadTime:
         self._settle(key, restore, on_gpu >= restore.tokens, now)
 
     def tick(self, now: float) -> None:
-        """Restores whose hold ended without their turn are settled unused."""
+        """Restores whose hold ended without their turn are settled unused (and their
+        announcements forgotten)."""
         for key, restore in list(self._restores.items()):
             if restore.until_s <= now:
                 del self._restores[key]
+                self._signals.pop(key, None)
                 self._settle(key, restore, False, now)
+        for key, (_, at) in list(self._signals.items()):
+            if at + RESTORE_HOLD_S <= now:
+                del self._signals[key]
 
-    def _ask(self, key: str, w: WaitingSession, tool_class: str | None, now: float) -> None:
+    def _ask(self, key: str, w: WaitingSession, trigger: PrefetchKey, now: float) -> None:
         if w.decision.action is not ResidencyAction.DEMOTE or w.evicted:
             return
-        trigger = PrefetchKey(w.session.tenant, tool_class, PrefetchTrigger.TOOL_FINISHED)
         need = self._need(w)
         decision = self.policy.decide(PrefetchAsk(trigger, need, self._load(w.worker)), now)
         if decision.action is not PrefetchAction.PROMOTE:
@@ -138,7 +153,6 @@ class LeadTime:
     def _settle(self, key: str, restore: _Restore, used: bool, now: float) -> None:
         self.policy.settle(restore.decision, used=used)
         lead = now - restore.signalled_at
-        self.policy.observe_lead(restore.decision.key, lead)
         w = self._waiting().get(key)
         if w is None:
             return

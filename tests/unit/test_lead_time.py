@@ -79,6 +79,10 @@ def test_only_the_tasks_demoted_sessions_are_restored() -> None:
     assert [c[0] for c in held.sent()] == ["hold"]
     lead.tool_finished("acme/t1", "api", 1000.5)  # type: ignore[arg-type]
     assert held.sent() == []  # held in HBM: nothing to restore
+    held.loop.lead_time = lead
+    held.table.began(next(iter(held.table)), 1001.25)
+    api = PrefetchKey("acme", "api", PrefetchTrigger.TOOL_FINISHED)
+    assert lead.policy.lead_s(api) == 0.75  # its lead is measured all the same
 
 
 def test_no_restore_while_the_worker_has_requests_waiting() -> None:
