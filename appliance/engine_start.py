@@ -158,6 +158,7 @@ async def _connected_engines(
         on_kv_reset=feed.on_reset,
         keepalive_s=WORKER_KEEPALIVE_S if launches else e.external_keepalive_s,
         label=kind.value,
+        request_timeout_s=e.request_timeout_s,
     )
     procs: dict[WorkerId, Process] = {}
     keepers: list[asyncio.Task[None]] = []

@@ -100,6 +100,12 @@ class EngineSettings(Section):
     """Seconds those servers keep an idle connection open (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
     default 5). The appliance reuses a connection only while it is surely open; a longer
     keep-alive spares turns the cost of opening connections."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a worker may send nothing on a model request it took: no answer's head, or
+    no next piece of a stream (a non-streamed answer comes whole, so for it this bounds the
+    whole generation). Then the request is closed there (the worker aborts it) and the turn
+    is a failed attempt answered 504 `worker_timeout`, not retried elsewhere; a stream that
+    keeps sending is never cut."""
     sim_time_scale: float = Field(1.0, gt=0)
     """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None

@@ -84,7 +84,7 @@ def appliance_process(
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"appliance up did not become healthy:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+        time.sleep(0.05)  # fine enough to time a restart (test_restart.py)
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
         yield Started(url, proc, base, log, (port, base, kv))

@@ -9,8 +9,10 @@ refused ever reaches a worker. The routes live by group: `model_route`, `task_ro
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -41,10 +43,39 @@ class ApiApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in MODEL_PATHS:
-            response = await self._model_route(Request(scope, receive))
-            await response(scope, receive, send)
+            with cancelled_when_gone(scope):
+                response = await self._model_route(Request(scope, receive))
+                await response(scope, receive, send)
             return
         await self.rest(scope, receive, send)
+
+
+@contextmanager
+def cancelled_when_gone(scope: dict[str, Any]) -> Iterator[None]:
+    """Cancels the running model turn as soon as its client hangs up (the appliance's
+    server says so by its `gone` future): the turn's attempt ends `cancelled`, its worker
+    request is closed (the worker aborts it), and a failed attempt is never retried for a
+    client that has gone. Other routes run to their end: they are short, and a task change
+    half made is worse than one made for nobody."""
+    closed: asyncio.Future[None] | None = (
+        scope.get("extensions", {}).get("appliance", {}).get("gone")
+    )
+    task = asyncio.current_task()
+    if closed is None or task is None:
+        yield
+        return
+    watching = True
+
+    def gone(_: asyncio.Future[None]) -> None:
+        if watching:
+            task.cancel()
+
+    closed.add_done_callback(gone)
+    try:
+        yield
+    finally:
+        watching = False
+        closed.remove_done_callback(gone)
 
 
 def create_api_app(ctx: ApiContext) -> ApiApp:

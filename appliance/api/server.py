@@ -10,12 +10,13 @@ time), Content-Length and chunked request bodies (the app gets the body whole, a
 64 KiB and 100 headers, else 431), `Expect: 100-continue`, answers framed by
 Content-Length, or chunked when the app streams (`http_answer.py`); once the client has hung
 up, sending raises OSError (ASGI 2.4), which ends a streaming answer and so closes its worker
-request. A connection idle for `idle_s` is closed, and a request whose head and body have
-not all arrived within `request_s` of its first byte gets 408 (a client sending a byte a
-second is no longer kept forever). A client that sends request after request without
-reading the answers is read no further while `MAX_QUEUED` of them wait. Every refusal is
-the API's error JSON. `stop()` refuses new connections, closes idle ones and gives requests
-in flight `grace_s` to finish.
+request, and the scope's `extensions.appliance.gone` is done (a model turn ends then:
+`app.py`). A connection idle for `idle_s` is closed; a request whose head and body have not
+all arrived within `request_s` of its first byte gets 408 (a client sending a byte a second
+is no longer kept forever). A client that sends request after request without reading the
+answers is read no further while `MAX_QUEUED` of them wait. Every refusal is the API's
+error JSON. `stop()` refuses new connections, closes idle ones and gives requests in flight
+`grace_s` to finish.
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ class _ServerConnection(asyncio.Protocol):
             "query_string": request.query,
             "headers": request.headers,
             # When the whole request had arrived (time.monotonic()): the app's own time starts.
-            "extensions": {"appliance": {"received_at": request.received_at}},
+            "extensions": {"appliance": {"received_at": request.received_at, "gone": self.closed}},
         }
         body = b"".join(request.body)
         request.body.clear()  # the connection keeps its last request until the next begins

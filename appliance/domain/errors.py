@@ -79,6 +79,15 @@ class EngineUnavailable(EngineError):
     http_status = 503
 
 
+class EngineTimedOut(EngineUnavailable):
+    """A worker took a model request and sent nothing for `engine.request_timeout_s`: the
+    request is closed there and the turn answered 504, never retried elsewhere (a request
+    that hangs one worker would likely hang the next, and the client has waited already)."""
+
+    code = "worker_timeout"
+    http_status = 504
+
+
 class EngineRequestError(EngineError):
     """A worker answered with an error status; `http_status` and `body` are its own."""
 

@@ -6,6 +6,7 @@ from appliance.domain.errors import (
     ApplianceError,
     EngineError,
     EngineRequestError,
+    EngineTimedOut,
     EngineUnavailable,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "ApplianceError",
     "EngineError",
     "EngineRequestError",
+    "EngineTimedOut",
     "EngineUnavailable",
     "GpuNotFound",
     "ModelNotFound",

@@ -25,7 +25,7 @@ from appliance.domain.records import WorkerId
 from appliance.domain.worker import UVICORN_KEEPALIVE_S, WorkerState
 from appliance.engines.errors import PortInUse
 from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.vllm_client import VllmClient
+from appliance.engines.vllm_client import READ_TIMEOUT_S, VllmClient
 from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class ExternalEngine:
         on_kv_reset: KvResetSink | None = None,
         keepalive_s: float = UVICORN_KEEPALIVE_S,
         label: str = "external",
+        request_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         if kv_event_endpoints and len(kv_event_endpoints) != len(urls):
             raise ConfigError(
@@ -62,7 +63,12 @@ class ExternalEngine:
                 id=WorkerId(f"w{i}"),
                 engine=label,
                 url=url.rstrip("/"),
-                client=VllmClient(url, model=model, server_keepalive_s=keepalive_s),
+                client=VllmClient(
+                    url,
+                    model=model,
+                    read_timeout_s=request_timeout_s,
+                    server_keepalive_s=keepalive_s,
+                ),
                 kv_events_endpoint=endpoint,
                 state=WorkerState.UNHEALTHY,
             )
@@ -142,9 +148,11 @@ async def connect_external(
     on_kv_reset: KvResetSink | None = None,
     keepalive_s: float = UVICORN_KEEPALIVE_S,
     label: str = "external",
+    request_timeout_s: float = READ_TIMEOUT_S,
 ) -> ExternalEngine:
     """Handles on external servers, subscribed and health-checked once; `label` is the
-    engine the handles say they are (the simulated workers' handles say "sim")."""
+    engine the handles say they are (the simulated workers' handles say "sim");
+    `request_timeout_s`: how long a server may send nothing on a model request."""
     engine = ExternalEngine(
         urls,
         kv_event_endpoints,
@@ -153,6 +161,7 @@ async def connect_external(
         on_kv_reset=on_kv_reset,
         keepalive_s=keepalive_s,
         label=label,
+        request_timeout_s=request_timeout_s,
     )
     try:
         return await engine.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -59,6 +60,7 @@ async def start_vllm_workers(
 ) -> Supervisor:
     """Started vLLM workers; stop them with `await supervisor.stop()`."""
     install = await asyncio.to_thread(probe_vllm, python)
+    timings = replace(timings or SupervisorTimings(), request_timeout_s=engine.request_timeout_s)
     spec = spec_from_settings(
         engine,
         python=python,
@@ -98,4 +100,5 @@ async def start_external(
         on_kv_batch=on_kv_batch,
         on_kv_reset=on_kv_reset,
         keepalive_s=engine.external_keepalive_s,
+        request_timeout_s=engine.request_timeout_s,
     )

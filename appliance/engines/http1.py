@@ -32,6 +32,10 @@ class Http1Error(ConnectionError):
     """No (complete) answer: refused, reset, timed out or malformed."""
 
 
+class Http1Timeout(Http1Error):
+    """The server sent nothing for `read_timeout_s` while an answer was awaited."""
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
         self._loop = loop
@@ -151,7 +155,7 @@ class _Connection(asyncio.Protocol):
             self.transport = None
 
     def _timed_out(self) -> None:
-        self._fail(Http1Error(f"no answer within {self._read_timeout_s:g} s"))
+        self._fail(Http1Timeout(f"no answer within {self._read_timeout_s:g} s"))
         self.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -247,9 +251,9 @@ class Http1Pool:
         if conn is not None:
             try:
                 return await self._exchange(conn, head, body)
-            except Http1Error:
-                if conn.received:
-                    raise
+            except Http1Error as exc:
+                if conn.received or isinstance(exc, Http1Timeout):
+                    raise  # a server that sent nothing in time may be working on it
                 # The server had closed this idle connection: it never read the request.
         conn = await self._connect()
         return await self._exchange(conn, head, body)

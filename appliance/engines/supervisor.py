@@ -57,7 +57,7 @@ from appliance.engines.preflight import preflight
 from appliance.engines.retention.client import RetentionClient
 from appliance.engines.retention.plugin import plugin_path
 from appliance.engines.supervised_worker import SupervisedWorker
-from appliance.engines.vllm_client import VllmClient
+from appliance.engines.vllm_client import READ_TIMEOUT_S, VllmClient
 from appliance.engines.worker_process import reap_group, signal_group
 from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
 
@@ -77,6 +77,8 @@ class SupervisorTimings:
     drain_deadline_s: float = 30.0
     term_grace_s: float = 15.0
     poll_s: float = 0.25
+    request_timeout_s: float = READ_TIMEOUT_S
+    """How long a worker may send nothing on a model request (`engine.request_timeout_s`)."""
 
 
 class Supervisor:
@@ -114,6 +116,7 @@ class Supervisor:
                     client=VllmClient(
                         plan.url,
                         model=spec.served_model_name,
+                        read_timeout_s=self.timings.request_timeout_s,
                         server_keepalive_s=WORKER_KEEPALIVE_S,
                     ),
                     kv_events_endpoint=plan.kv_events_endpoint,

@@ -7,7 +7,10 @@ with `data: [DONE]`. Everything else it needs from a worker is read-only: `/heal
 503 when the engine died), `/metrics` (parsed into a LoadSnapshot), `/tokenize` and
 `/v1/models`. A worker that cannot be reached raises EngineUnavailable; one that answers
 with an error status raises EngineRequestError carrying that status and body, so the API can
-hand the client vLLM's own message.
+hand the client vLLM's own message. A model request on which the worker sends nothing for
+`read_timeout_s` (`engine.request_timeout_s`: no head, or no next piece of its body) raises
+EngineTimedOut, its connection closed, which aborts the request in vLLM; a stream that keeps
+sending is never cut.
 
 This is the router's hot path, so it is lean: model requests go over `http1`'s kept-alive
 connections with orjson bodies; the probes use aiohttp. Both connection pools are made on
@@ -28,12 +31,13 @@ import aiohttp
 import orjson
 
 from appliance.domain.worker import UVICORN_KEEPALIVE_S, LoadSnapshot
-from appliance.engines.errors import EngineRequestError, EngineUnavailable
-from appliance.engines.http1 import Http1Error, Http1Pool, Http1Response
+from appliance.engines.errors import EngineRequestError, EngineTimedOut, EngineUnavailable
+from appliance.engines.http1 import Http1Error, Http1Pool, Http1Response, Http1Timeout
 from appliance.engines.metrics import load_snapshot
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
+"""The default of `engine.request_timeout_s`: how long a worker may send nothing."""
 PROBE_TIMEOUT_S = 5.0
 REUSE_MARGIN_S = 1.0
 """An idle connection is reused only this long before its server would close it."""
@@ -45,14 +49,19 @@ _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 class WorkerStream:
     """A worker's streaming answer, status already checked: its body as it arrives."""
 
-    def __init__(self, response: Http1Response) -> None:
+    def __init__(self, response: Http1Response, base_url: str, path: str) -> None:
         self._response = response
+        self._where = (base_url, path)
         self.status_code = response.status
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes in the pieces the socket delivers them (to relay unchanged)."""
-        async for data in self._response.chunks():
-            yield data
+        """The body's bytes in the pieces the socket delivers them (to relay unchanged);
+        raises EngineTimedOut when the worker sends nothing for the read timeout."""
+        try:
+            async for data in self._response.chunks():
+                yield data
+        except Http1Timeout as exc:
+            raise _timed_out(*self._where, exc) from None
 
     async def lines(self) -> AsyncIterator[str]:
         tail = b""
@@ -234,7 +243,7 @@ class VllmClient:
         try:
             if response.status >= 400:
                 raise _request_error(path, response.status, None, await _text(response))
-            yield WorkerStream(response)
+            yield WorkerStream(response, self.base_url, path)
         finally:
             response.release()  # closed, not reused, unless the body was read to its end
 
@@ -284,8 +293,14 @@ class VllmClient:
         return raw
 
     def _unavailable(self, path: str, exc: BaseException) -> EngineUnavailable:
+        if isinstance(exc, Http1Timeout):
+            return _timed_out(self.base_url, path, exc)
         reason = str(exc) or type(exc).__name__
         return EngineUnavailable(f"vLLM at {self.base_url} unreachable for {path}: {reason}")
+
+
+def _timed_out(base_url: str, path: str, exc: Http1Timeout) -> EngineTimedOut:
+    return EngineTimedOut(f"worker at {base_url}: {exc} on {path}; the request is closed there")
 
 
 def _dumps(body: Mapping[str, Any]) -> bytes:

@@ -3,8 +3,9 @@
 A non-streamed answer is relayed as the worker's bytes; its `usage` is read once. A stream
 is relayed chunk by chunk as the worker sends it, unparsed, while `UsageScanner` finds the
 `usage` line in passing. The worker's first byte tells the queue book the prefill is done.
-A worker that fails before the first byte raises (EngineUnavailable, or EngineRequestError
-with its status) and the caller decides whether to retry; a stream that breaks midway ends
+A worker that fails before the first byte raises (EngineUnavailable, EngineTimedOut when it
+sent nothing for `engine.request_timeout_s`, or EngineRequestError with its status) and the
+caller decides whether to retry; a stream that breaks midway ends
 with an SSE error event and a failed attempt; a client that leaves a stream midway ends the
 worker's request (its stream is closed) and leaves a cancelled attempt. Every attempt ends
 in the queue book and in the turn records exactly once (`finish`).
@@ -18,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from appliance.domain.errors import EngineRequestError
+from appliance.domain.errors import EngineRequestError, EngineTimedOut
 from appliance.domain.records import TurnOutcome
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.queue_book import QueueBook
@@ -71,7 +72,7 @@ class Forwarder:
         response = await stream.__aenter__()
         try:
             source = await self._started(response.chunks().__aiter__(), attempt)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, EngineTimedOut):
             await stream.__aexit__(None, None, None)  # closes the request: vLLM aborts it
             raise
 
@@ -107,11 +108,14 @@ class Forwarder:
         self, pieces: AsyncIterator[bytes], attempt: Attempt
     ) -> AsyncIterator[bytes]:
         """Waits for the stream's first chunk (the attempt's first byte): the stream's
-        chunks from it on. One that ends or breaks first does so when relayed."""
+        chunks from it on. One that ends or breaks first does so when relayed; one whose
+        worker sends nothing for the request timeout raises (no byte has reached the client)."""
         try:
             first = await anext(pieces)
         except StopAsyncIteration:
             return pieces
+        except EngineTimedOut:
+            raise
         except Exception as exc:  # raised again where the relay reports it
             return _broken(exc)
         attempt.first_byte_at = self._clock.now()

@@ -16,7 +16,10 @@ worker then (no first byte) is aborted and answered 504 `deadline_missed`
 
 Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
 attempt and the turn is placed again, once, without it; a 4xx goes back to the client as
-the worker wrote it.
+the worker wrote it. A worker that takes the request and sends nothing for
+`engine.request_timeout_s` costs a failed attempt and the turn is answered 504
+`worker_timeout`, not placed again. A turn whose client hangs up is cancelled there and
+then (api/app.py): its attempt ends `cancelled` and nothing of it is tried again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 from appliance.domain.errors import (
     ApplianceError,
     EngineRequestError,
+    EngineTimedOut,
     EngineUnavailable,
     LedgerUnavailable,
 )
@@ -297,18 +301,15 @@ class TurnDesk:
                 outcome = flight.outcome if flight.stopped else TurnOutcome.CANCELLED
                 self._forwarder.finish(turn, attempt, outcome, error=error)
                 raise
-            except EngineUnavailable as exc:
+            except (EngineUnavailable, EngineRequestError) as exc:
                 self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
+                if isinstance(exc, EngineTimedOut):  # the client has waited enough: no retry
+                    raise
+                if isinstance(exc, EngineRequestError) and exc.http_status < 500:
+                    return error_reply(exc)
                 tried.add(worker.id)
                 last_error = exc
                 continue
-            except EngineRequestError as exc:
-                self._forwarder.finish(turn, attempt, TurnOutcome.FAILED, error=exc.message)
-                if exc.http_status >= 500:
-                    tried.add(worker.id)
-                    last_error = exc
-                    continue
-                return error_reply(exc)
             session.home = worker.id
             return reply
         if last_error is not None:
