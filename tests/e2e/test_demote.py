@@ -202,7 +202,7 @@ def test_a_demoted_session_whose_tool_is_announced_done_is_back_on_the_gpu_befor
     )
     statuses = flood(app, WORDS // 2, n_first // 2)
     assert set(statuses) == {200}, statuses
-    time.sleep(1.0)  # the worker's load reading shows the flood's queue gone
+    time.sleep(2.0)  # the worker's load reading shows the flood's queue gone
 
     done = {"type": "tool_finished", "tool_class": "test"}
     r = httpx.post(f"{app.url}/v1/tasks/restored-task/events", json=done, headers=auth)
