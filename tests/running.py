@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from appliance.engines.metrics import parse as parse_metrics
 from tests.ports import free_port, free_port_block
 
 BIN = Path(sys.executable).parent
@@ -98,3 +99,14 @@ def appliance_process(
     time.sleep(0.5)
     left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left after stop: {left}"
+
+
+def await_running(worker_url: str, timeout_s: float = 60.0) -> None:
+    """Until the worker says it is running a request (its own /metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = parse_metrics(httpx.get(f"{worker_url}/metrics", timeout=5).text)
+        if metrics.total("vllm:num_requests_running") >= 1:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"{worker_url} never ran the turn")

@@ -29,6 +29,7 @@ import orjson
 from appliance.domain.kv_index import Medium
 from appliance.domain.records import ResidencyEvent, SessionId, TaskId, WorkerId
 from appliance.policy.prefetch import (
+    DEFAULT_HOLD_S,
     PrefetchAction,
     PrefetchAsk,
     PrefetchDecision,
@@ -46,9 +47,8 @@ from appliance.services.residency_inputs import LiveInputs, resident_tokens
 from appliance.services.retention_outbox import RetentionOutbox
 
 log = logging.getLogger(__name__)
-RESTORE_HOLD_S = 60.0
-"""How long restored KV is kept for its turn: a turn announced this long ago and not come is
-not coming soon (the next decision is the reaper's again)."""
+RESTORE_HOLD_S = DEFAULT_HOLD_S
+"""How long restored KV is kept for its turn (the policy's, as in the replay)."""
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import pytest
 from appliance.engines.metrics import parse as parse_metrics
 from tests.e2e.conftest import BIN, RunningAppliance
 from tests.ports import free_port
-from tests.running import add_key, appliance_process
+from tests.running import add_key, appliance_process, await_running
 
 pytestmark = pytest.mark.e2e
 
@@ -59,16 +59,6 @@ def requests_seen(worker_url: str) -> float:
     return m.total("vllm:prompt_tokens_total") + m.total(
         "vllm:num_requests_running", "vllm:num_requests_waiting"
     )
-
-
-def await_running(worker_url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        metrics = parse_metrics(httpx.get(f"{worker_url}/metrics", timeout=5).text)
-        if metrics.total("vllm:num_requests_running") >= 1:
-            return
-        time.sleep(0.02)
-    pytest.fail(f"{worker_url} never ran the turn")
 
 
 def turn_rows(ledger: Path, session: str, expect: int) -> list[tuple[str, str, str | None]]:

@@ -21,7 +21,7 @@ import pytest
 from appliance.engines.metrics import parse as parse_metrics
 from appliance.policy.routing import RouteKind
 from tests.e2e.conftest import BIN, RunningAppliance
-from tests.running import add_key
+from tests.running import add_key, await_running
 
 pytestmark = pytest.mark.e2e
 WORDS = [
@@ -421,7 +421,7 @@ def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
         worker = f"http://127.0.0.1:{app.base_port + index}"
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        _await_running(worker)
+        await_running(worker)
         with ThreadPoolExecutor(1) as pool:  # read on while the cancel is sent
             rest = pool.submit(lambda: ([ln for ln in lines if ln.startswith("data:")],
                                         time.monotonic()))  # fmt: skip
@@ -476,7 +476,7 @@ def test_a_roots_success_discards_its_open_branches_and_ends_their_turns(
         worker = f"http://127.0.0.1:{app.base_port + index}"
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        _await_running(worker)
+        await_running(worker)
         r = httpx.post(f"{tasks}/bo-root/events", json=won, headers=auth, timeout=30)
         data = [line for line in lines if line.startswith("data:")]
     assert r.json() == {"task_id": "bo-root", "status": "succeeded", "discarded": ["bo-lost"]}
@@ -637,24 +637,13 @@ def test_a_killed_worker_costs_one_failed_attempt_and_the_session_goes_on(
     messages.append({"role": "user", "content": text(10, app.words(20))})
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(turn, app, c, messages, "survivor", max_tokens=2000)
-        _await_running(f"http://127.0.0.1:{port}")
+        await_running(f"http://127.0.0.1:{port}")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
         other, answer = pending.result(timeout=120)
     assert other != home and answer.choices
     rows = _session_turns(appliance_up, "survivor", expect=3)
     assert rows == [(home, "ok"), (home, "failed"), (other, "ok")], rows
-
-
-def _await_running(worker_url: str) -> None:
-    """Until the worker says it is running a request (its own /metrics)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        metrics = parse_metrics(httpx.get(f"{worker_url}/metrics", timeout=5).text)
-        if metrics.total("vllm:num_requests_running") >= 1:
-            return
-        time.sleep(0.02)
-    pytest.fail(f"{worker_url} never ran the turn")
 
 
 class _AnyWorker(str):
