@@ -36,7 +36,8 @@ def test_a_tools_cost_counts_in_its_tree_and_in_the_ledgers_cost_report(http: Te
     assert group["cost_per_success"] == pytest.approx(0.75)
     with closing(sqlite3.connect(http.db)) as db:  # type: ignore[attr-defined]
         costs = db.execute("SELECT task_id, cost FROM task_events ORDER BY event_id").fetchall()
-    assert costs == [("a/kid", 0.25), ("a/root", 0.5), ("a/root", 0.0)]
+    # The root's success closed its open child (a discarded branch): its event costs nothing.
+    assert costs == [("a/kid", 0.25), ("a/root", 0.5), ("a/root", 0.0), ("a/kid", 0.0)]
 
 
 def test_a_tools_cost_spends_the_tasks_budget(http: TestClient) -> None:
