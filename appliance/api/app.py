@@ -23,6 +23,8 @@ from starlette.routing import Route
 
 from appliance.api.admin_routes import AdminRoutes
 from appliance.api.admin_sessions import session_routes
+from appliance.api.anthropic_messages import MESSAGES_PATH
+from appliance.api.anthropic_reply import anthropic_error
 from appliance.api.context import ApiContext, Handler
 from appliance.api.errors import error_response, from_exception
 from appliance.api.model_route import MODEL_PATHS, ModelRoute
@@ -79,7 +81,7 @@ def cancelled_when_gone(scope: dict[str, Any]) -> Iterator[None]:
 
 
 def create_api_app(ctx: ApiContext) -> ApiApp:
-    model_route = guarded(ModelRoute(ctx))
+    model_route = messages_errors(guarded(ModelRoute(ctx)))
     routes: list[Route] = [
         *(Route(path, model_route, methods=["POST"]) for path in sorted(MODEL_PATHS)),
         *TaskRoutes(ctx).routes(guarded),
@@ -108,6 +110,22 @@ async def _routing_refusal(request: Request, exc: Exception) -> Response:
     )
     response.headers.update(exc.headers or {})
     return response
+
+
+def messages_errors(handler: Handler) -> Handler:
+    """The Anthropic Messages route's refusals in that API's error shape (its clients'
+    SDKs read `{"type": "error", "error": {"type", "message"}}`); other routes' as they are."""
+
+    async def run(request: Request) -> Response:
+        response: Response = await handler(request)
+        status = getattr(response, "status_code", 200)  # a relayed stream has begun: 200
+        if request.scope["path"] != MESSAGES_PATH or status < 400:
+            return response
+        body = anthropic_error(response.status_code, bytes(response.body))
+        headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+        return Response(body, response.status_code, headers, "application/json")
+
+    return run
 
 
 def guarded(handler: Handler) -> Handler:

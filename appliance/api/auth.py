@@ -27,11 +27,13 @@ class Keys:
         operator key."""
         auth = headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
-        who = self._source().get(key.strip()) if scheme.lower() == "bearer" else None
+        if scheme.lower() != "bearer":  # Anthropic's clients send theirs as x-api-key
+            key = headers.get("x-api-key", "") if not auth else ""
+        who = self._source().get(key.strip()) if key else None
         if who is None:
             raise RequestRefused(
                 401,
-                "missing or unknown API key: send 'Authorization: Bearer <key>'",
+                "missing or unknown API key: send 'Authorization: Bearer <key>' (or x-api-key)",
                 "invalid_api_key",
             )
         if admin and not who.admin:

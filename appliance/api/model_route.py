@@ -1,14 +1,23 @@
-"""The model routes (`POST /v1/chat/completions`, `/v1/completions`): HTTP in, a checked
+"""The model routes (`POST /v1/chat/completions`, `/v1/completions`, and the Anthropic
+Messages API's `/v1/messages`, made a chat turn: anthropic_messages.py): HTTP in, a checked
 `TurnInput` to the turn desk, its reply out (a stream relayed chunk by chunk)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from appliance.api.anthropic_messages import (
+    CHAT_PATH,
+    MESSAGES_PATH,
+    chat_request,
+    conversation_key,
+)
+from appliance.api.anthropic_reply import MessageEvents, message_body
 from appliance.api.context import ApiContext
 from appliance.api.errors import RequestRefused
 from appliance.api.requests import (
@@ -22,7 +31,7 @@ from appliance.domain.records import SessionId
 from appliance.services.sessions import SessionState, resumable
 from appliance.services.turn_desk import TurnInput
 
-MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_PATH})
 
 
 class ModelRoute:
@@ -36,6 +45,11 @@ class ModelRoute:
         body = parse_json_body(await request.body())
         hdr = agent_headers(headers, body)
         path = request.scope["path"]
+        messages_api = path == MESSAGES_PATH
+        if messages_api:  # a chat turn, answered in the Messages API's shapes
+            if hdr.session_id is None:
+                hdr = replace(hdr, session_id=conversation_key(body))
+            body, path = chat_request(body), CHAT_PATH
         max_tokens = check_model_request(path, body, self._ctx.model)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
@@ -77,8 +91,10 @@ class ModelRoute:
             )
         )
         if reply.chunks is not None:
-            return RelayedStream(reply.chunks, reply.headers, on_end=reply.on_end)
-        return Response(reply.body, reply.status, reply.headers, "application/json")
+            chunks = MessageEvents().events(reply.chunks) if messages_api else reply.chunks
+            return RelayedStream(chunks, reply.headers, on_end=reply.on_end)
+        answer = message_body(reply.body) if messages_api and reply.status == 200 else reply.body
+        return Response(answer, reply.status, reply.headers, "application/json")
 
     def _untokenised_estimate(
         self, session: SessionState | None, body: dict[str, Any], max_tokens: int | None
