@@ -23,6 +23,7 @@ merge for templates that want one system message first (the bundled templates do
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import orjson
@@ -39,6 +40,21 @@ _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
 def _refused(message: str, param: str) -> RequestRefused:
     return RequestRefused(400, message, "invalid_value", param=param)
+
+
+def _object(value: Any, param: str) -> dict[str, Any]:
+    """A field that is an object, or absent ({})."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _refused(f"'{param}' must be an object", param)
+    return value
+
+
+def _string(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise _refused(f"'{param}' must be a string", param)
+    return value
 
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +75,8 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("stream"):
         chat["stream"] = True
     chat |= _tools(body.get("tools"), body.get("tool_choice"))
-    schema = ((body.get("output_config") or {}).get("format") or {}).get("json_schema")
+    output = _object(body.get("output_config"), "output_config")
+    schema = _object(output.get("format"), "output_config.format").get("json_schema")
     if schema is not None:
         named = {"name": "json_schema", "schema": schema}
         chat["response_format"] = {"type": "json_schema", "json_schema": named}
@@ -69,10 +86,13 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 def conversation_key(body: dict[str, Any]) -> str:
     """A session for a Messages client that names none: its `metadata.user_id` (Claude
     Code's carries its session), else a hash of the system prompt and first message."""
-    user = (body.get("metadata") or {}).get("user_id") if isinstance(body, dict) else None
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if isinstance(user, str) and user:
         return f"anthropic-user-{hashlib.sha256(user.encode()).hexdigest()[:24]}"
-    first = orjson.dumps([body.get("system"), (body.get("messages") or [None])[0]])
+    messages = body.get("messages")
+    start = messages[0] if isinstance(messages, list) and messages else None
+    first = json.dumps([body.get("system"), start], default=str).encode()
     return f"anthropic-conv-{hashlib.sha256(first).hexdigest()[:24]}"
 
 
@@ -81,7 +101,11 @@ def _text(value: Any, param: str) -> str:
         return value
     if not isinstance(value, list):
         raise _refused(f"'{param}' must be a string or a list of text blocks", param)
-    parts = [b.get("text") or "" for b in value if isinstance(b, dict) and b.get("type") == "text"]
+    parts = [
+        _string(b.get("text") or "", f"{param}.text")
+        for b in value
+        if isinstance(b, dict) and b.get("type") == "text"
+    ]
     return "".join(p for p in parts if not p.startswith(BILLING_HEADER))
 
 
@@ -119,18 +143,22 @@ def _blocks(role: str, blocks: list[Any], out: list[dict[str, Any]], i: int) -> 
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
+    where = f"messages[{i}].content"
     for block in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and block.get("text"):
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image" and isinstance(block.get("source"), dict):
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
+        if kind == "text":
+            text = _string(block.get("text", ""), f"{where}.text")
+            parts += [{"type": "text", "text": text}] if text else []
+        elif kind == "image":
+            url = _image_url(_object(block.get("source"), f"{where}.source"))
+            parts.append({"type": "image_url", "image_url": {"url": url}})
         elif kind == "thinking" and block.get("thinking") is not None:
-            reasoning.append(block["thinking"])
+            reasoning.append(_string(block["thinking"], f"{where}.thinking"))
         elif kind == "tool_use":
-            arguments = orjson.dumps(block.get("input") or {}).decode()
-            fn = {"name": block.get("name") or "", "arguments": arguments}
-            calls.append({"id": block.get("id") or "", "type": "function", "function": fn})
+            name = _string(block.get("name") or "", f"{where}.name")
+            fn = {"name": name, "arguments": _arguments(block.get("input") or {}, i)}
+            call_id = _string(block.get("id") or "", f"{where}.id")
+            calls.append({"id": call_id, "type": "function", "function": fn})
         elif kind == "tool_result":
             _tool_result(role, block, out, parts)
         elif kind not in ("redacted_thinking", "tool_reference", "text", "image", "thinking"):
@@ -147,40 +175,51 @@ def _blocks(role: str, blocks: list[Any], out: list[dict[str, Any]], i: int) -> 
         out.append(msg)
 
 
+def _arguments(value: Any, i: int) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError as exc:  # an integer past 64 bits: no model's argument
+        raise _refused(
+            f"messages[{i}]: a tool_use input cannot be encoded: {exc}", "messages"
+        ) from None
+
+
 def _tool_result(
     role: str, block: dict[str, Any], out: list[dict[str, Any]], parts: list[dict[str, Any]]
 ) -> None:
     content = block.get("content")
     if isinstance(content, list):
-        text = "\n".join(c.get("text", "") for c in content if isinstance(c, dict)
-                         and c.get("type") == "text")  # fmt: skip
+        texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+        text = "\n".join(_string(t or "", "tool_result.content.text") for t in texts)
     else:
         text = content if isinstance(content, str) else ""
     if role == "user":
-        out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
-                    "content": text})  # fmt: skip
+        call = _string(block.get("tool_use_id") or "", "tool_result.tool_use_id")
+        out.append({"role": "tool", "tool_call_id": call, "content": text})
     else:
         parts.append({"type": "text", "text": f"Tool result: {content or ''}"})
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+    fn = {"name": _string(tool.get("name"), "tools.name"), "parameters": tool.get("input_schema")}
     return fn | ({"description": tool["description"]} if tool.get("description") else {})
 
 
 def _image_url(source: dict[str, Any]) -> str:
     if source.get("type") == "url":
-        return str(source.get("url", ""))
-    return f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+        return _string(source.get("url"), "source.url")
+    media = _string(source.get("media_type", "image/png"), "source.media_type")
+    return f"data:{media};base64,{_string(source.get('data', ''), 'source.data')}"
 
 
 def _tools(tools: Any, choice: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if isinstance(choice, dict):
-        kind = choice.get("type")
+    if choice is not None:
+        kind = _object(choice, "tool_choice").get("type")
         out["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
         if kind == "tool":
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+            name = _string(choice.get("name"), "tool_choice.name")
+            out["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif kind in _TOOL_CHOICE:
             out["tool_choice"] = _TOOL_CHOICE[kind]
         else:
@@ -189,8 +228,6 @@ def _tools(tools: Any, choice: Any) -> dict[str, Any]:
         return out
     if not isinstance(tools, list):
         raise _refused("'tools' must be a list", "tools")
-    out["tools"] = [
-        {"type": "function", "function": _function(t)} for t in tools if isinstance(t, dict)
-    ]
+    out["tools"] = [{"type": "function", "function": _function(_object(t, "tools"))} for t in tools]
     out.setdefault("tool_choice", "auto")
     return out

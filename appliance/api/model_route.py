@@ -47,9 +47,10 @@ class ModelRoute:
         path = request.scope["path"]
         messages_api = path == MESSAGES_PATH
         if messages_api:  # a chat turn, answered in the Messages API's shapes
+            chat = chat_request(body)
             if hdr.session_id is None:
                 hdr = replace(hdr, session_id=conversation_key(body))
-            body, path = chat_request(body), CHAT_PATH
+            body, path = chat, CHAT_PATH
         max_tokens = check_model_request(path, body, self._ctx.model)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):

@@ -124,17 +124,23 @@ def check_answer(r: httpx.Response, method: str, elapsed: float) -> None:
     assert elapsed < ANSWER_S, f"answered after {elapsed:.1f} s: {what}"
     if r.status_code >= 500:
         assert r.status_code == 503, what
-        assert error_shape(r)["code"] in DOCUMENTED_503, what
+        assert error_shape(r)["code"] in {*DOCUMENTED_503, "overloaded_error"}, what
         assert int(r.headers["retry-after"]) >= 1, what
     if r.status_code >= 400 and method != "HEAD":
         error_shape(r)
 
 
 def error_shape(r: httpx.Response) -> dict[str, Any]:
-    """The OpenAI-style error JSON (appliance/api/errors.py), as the README promises."""
+    """The OpenAI-style error JSON (appliance/api/errors.py), as the README promises; on the
+    Messages API's route, that API's (its `type` stands for the code)."""
     what = f"{r.request.method} {r.request.url} -> {r.status_code} {r.text[:300]!r}"
     assert r.headers.get("content-type", "").startswith("application/json"), what
     body = r.json()
+    if r.request.url.path == "/v1/messages" and r.request.method == "POST":
+        assert isinstance(body, dict) and body.get("type") == "error", what
+        error = body["error"]
+        assert isinstance(error["type"], str) and isinstance(error["message"], str), what
+        return {"code": error["type"], **error}
     assert isinstance(body, dict) and set(body) == {"error"}, what
     error = body["error"]
     assert {"message", "type", "param", "code"} <= set(error), what
@@ -278,6 +284,24 @@ completion_body = model_body(
     },
     {"echo": field(st.booleans()), "suffix": json_values, "add_special_tokens": json_values},
 )
+block = st.fixed_dictionaries(
+    {"type": field(st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking"]))},
+    optional={"text": field(st.text(max_size=40)), "input": json_values, "id": json_values,
+              "name": json_values, "content": json_values, "source": json_values},
+)  # fmt: skip
+anthropic_message = st.fixed_dictionaries(
+    {"role": field(st.sampled_from(["user", "assistant", "system"]))},
+    optional={"content": field(st.one_of(st.text(max_size=120), st.lists(block, max_size=3)))},
+)
+messages_body = st.fixed_dictionaries(
+    {"model": field(st.just("sim")), "messages": field(st.lists(anthropic_message, max_size=4))},
+    optional={
+        "max_tokens": st.one_of(small, small, json_values), "system": json_values,
+        "stream": field(st.booleans()), "tools": json_values, "tool_choice": json_values,
+        "metadata": json_values, "stop_sequences": json_values, "temperature": json_values,
+        "output_config": json_values,
+    },
+)  # fmt: skip
 task_body = st.fixed_dictionaries(
     {},
     optional={
@@ -384,6 +408,7 @@ class RouteSpec:
 ROUTES = {
     "chat": RouteSpec("POST", "/v1/chat/completions", body_of(chat_body)),
     "completions": RouteSpec("POST", "/v1/completions", body_of(completion_body)),
+    "messages": RouteSpec("POST", "/v1/messages", body_of(messages_body)),
     "create_task": RouteSpec("POST", "/v1/tasks", body_of(task_body)),
     "task_event": RouteSpec("POST", "/v1/tasks/{id}/events", body_of(event_body)),
     "cancel_task": RouteSpec("POST", "/v1/tasks/{id}/cancel", body_of(st.just({}))),
@@ -463,7 +488,7 @@ def test_generated_bodies_and_queries_from_a_rightful_caller_get_no_5xx_in_time(
     headers = {"authorization": f"Bearer {key}".encode()}
     body = data.draw(st.none() if spec.body is None else spec.body)
     r = send(client, spec.method, path, headers, body)
-    code = r.json()["error"]["code"] if r.status_code >= 400 else ""
+    code = error_shape(r)["code"] if r.status_code >= 400 else ""
     event(f"{r.status_code} {code}")
 
 
