@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
 from appliance.sim.api_errors import ApiError, vllm_validation_error
 from appliance.sim.protocol import (
     ChatCompletionRequest,
@@ -97,7 +98,10 @@ class ResponsesApi:
                     f"Response with id '{previous}' not found.",
                     "response_id",
                 )
-        return input_messages(data, stored)
+        try:
+            return input_messages(data, (stored[0], output_texts(stored[1])) if stored else None)
+        except ResponsesInputError as exc:
+            raise vllm_validation_error(str(exc), parameter=exc.param) from None
 
     def _finished(
         self, job: _Job, head: dict[str, Any], data: dict[str, Any], messages: list[Any]
@@ -147,55 +151,6 @@ class ResponsesApi:
         final = self._finished(job, head, data, messages)
         final["output"] = [item]
         yield {"type": "response.completed", "response": final}
-
-
-def input_messages(
-    data: dict[str, Any], stored: tuple[list[dict[str, Any]], dict[str, Any]] | None
-) -> list[dict[str, Any]]:
-    """vLLM's `construct_input_messages` for text conversations."""
-    messages: list[dict[str, Any]] = []
-    if data.get("instructions"):
-        messages.append({"role": "system", "content": data["instructions"]})
-    if stored is not None:
-        before, response = stored
-        messages += [m for m in before if m.get("role") != "system"]
-        for item in response.get("output") or []:
-            if item.get("type") == "message":
-                messages += [
-                    {"role": "assistant", "content": c.get("text")}
-                    for c in item.get("content") or []
-                ]
-    raw = data.get("input")
-    if isinstance(raw, str):
-        messages.append({"role": "user", "content": raw})
-    elif isinstance(raw, list):
-        for item in raw:
-            if not isinstance(item, dict) or "role" not in item:
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise vllm_validation_error(
-                    f"Unsupported input item type: {kind}", parameter="input"
-                )
-            messages.append(_message_of(item))
-    else:
-        raise vllm_validation_error(
-            "'input' must be a string or a list of items", parameter="input"
-        )
-    return messages
-
-
-def _message_of(item: dict[str, Any]) -> dict[str, Any]:
-    """An input message item as a chat message: parts `input_text`/`output_text` as text."""
-    content = item.get("content")
-    if isinstance(content, list):
-        content = [
-            {"type": "text", "text": p.get("text", "")}
-            if isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
-            else p
-            for p in content
-        ]
-        if item.get("role") == "assistant" and content and isinstance(content[0], dict):
-            content = content[0].get("text")
-    return {"role": item["role"], "content": content}
 
 
 def _chat_body(data: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
