@@ -278,6 +278,18 @@ completion_body = model_body(
     },
     {"echo": field(st.booleans()), "suffix": json_values, "add_special_tokens": json_values},
 )
+responses_body = model_body(
+    {
+        "model": field(st.just("sim")),
+        "input": field(st.one_of(st.text(max_size=200), st.lists(message, min_size=1, max_size=3))),
+    },
+    {
+        "instructions": field(st.text(max_size=60)),
+        "previous_response_id": field(st.one_of(ids, st.just("resp_0"))),
+        "max_output_tokens": st.one_of(small, json_values),
+        "store": field(st.booleans()),
+    },
+)
 task_body = st.fixed_dictionaries(
     {},
     optional={
@@ -384,6 +396,7 @@ class RouteSpec:
 ROUTES = {
     "chat": RouteSpec("POST", "/v1/chat/completions", body_of(chat_body)),
     "completions": RouteSpec("POST", "/v1/completions", body_of(completion_body)),
+    "responses": RouteSpec("POST", "/v1/responses", body_of(responses_body)),
     "create_task": RouteSpec("POST", "/v1/tasks", body_of(task_body)),
     "task_event": RouteSpec("POST", "/v1/tasks/{id}/events", body_of(event_body)),
     "cancel_task": RouteSpec("POST", "/v1/tasks/{id}/cancel", body_of(st.just({}))),
