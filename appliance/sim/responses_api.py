@@ -43,15 +43,10 @@ if TYPE_CHECKING:
 
 STORE_LIMIT = 10_000
 _PASSED_ON = (
-    "model",
-    "temperature",
-    "top_p",
-    "cache_salt",
-    "priority",
-    "session_id",
-    "ignore_eos",
-    "request_id",
-)
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "cache_salt",
+    "priority", "session_id", "request_id", "vllm_xargs",
+)  # fmt: skip
 """Fields that mean the same to the chat turn a Responses request runs as."""
 
 

@@ -88,6 +88,15 @@ def test_three_chained_turns_stay_on_their_worker_and_the_ledger_agrees(
     assert (
         usages[2].input_tokens_details.cached_tokens > usages[1].input_tokens_details.cached_tokens
     )
+    # The streamed answer was learnt too: a fourth turn chains onto it, on the same worker.
+    head4, fourth = _create(
+        c, app, instructions=rules, input=text(306, app.words(20)), previous_response_id=third.id
+    )
+    assert head4["x-appliance-worker"] == workers[0]
+    assert (
+        fourth.usage.input_tokens_details.cached_tokens
+        > usages[2].input_tokens_details.cached_tokens
+    )
     rows = [_ledger_turn(app, h["x-task-id"]) for h in (head1, head2, head3)]
     for row, usage, worker in zip(rows, usages, workers, strict=True):
         assert row[1:] == (
