@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Any
 
 import orjson
@@ -37,6 +38,7 @@ from appliance.api.context import ApiContext
 from appliance.api.errors import RequestRefused
 from appliance.api.model_route import RelayedStream
 from appliance.api.requests import (
+    Tokenizer,
     agent_headers,
     chat_encoder,
     check_model_request,
@@ -45,6 +47,7 @@ from appliance.api.requests import (
 )
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
+from appliance.services.sessions import ChatTokens
 from appliance.services.turn_desk import TurnInput
 
 RESPONSES_PATH = "/v1/responses"
@@ -95,6 +98,12 @@ class ResponsesRoute:
         self._encoder = chat_encoder(ctx.tokenizer)
         self.book = book or ResponseBook()
 
+    @cached_property
+    def lead(self) -> list[int] | None:
+        """The ids the tokenizer's special tokens put before a text (vLLM's Responses route
+        adds them), or None when they put any elsewhere too. Asked on the first turn."""
+        return _special_lead(self._ctx.tokenizer)
+
     async def __call__(self, request: Request) -> Response | RelayedStream:
         ctx = self._ctx
         who = ctx.keys.caller(request.headers)
@@ -112,21 +121,12 @@ class ResponsesRoute:
         check_model_request(_CHAT_PATH, {"model": ctx.model, "messages": messages}, ctx.model)
         if chained.previous is None and hdr.session_id is None:
             chained = _Chained(None, _hashed_session(messages), chained.note)
-        chat = {"messages": messages}
         reply = await ctx.desk.run(
             TurnInput(
                 tenant=who.tenant,
                 path=RESPONSES_PATH,
                 body=body,
-                tokenize=lambda last: tokenize_checked(
-                    _CHAT_PATH,
-                    chat,
-                    ctx.tokenizer,
-                    max_tokens=max_tokens,
-                    max_model_len=ctx.max_model_len,
-                    previous=last,
-                    encoder=self._encoder,
-                ),
+                tokenize=partial(self._tokenize, messages, max_tokens),
                 estimate=lambda session: None,
                 task_id=hdr.task_id,
                 session_id=chained.session,
@@ -150,6 +150,30 @@ class ResponsesRoute:
         if reply.status == 200:
             learn(reply.body)
         return Response(reply.body, reply.status, reply.headers, "application/json")
+
+    def _tokenize(
+        self, messages: list[dict[str, Any]], max_tokens: int | None, last: ChatTokens | None
+    ) -> tuple[Sequence[int], ChatTokens | None]:
+        """The prompt's ids as vLLM's Responses route makes them: the rendered chat tokenised
+        with the tokenizer's special tokens (chat's route adds none), so a template that
+        writes its own BOS gets a second one there too."""
+        chat = {"messages": messages}
+        lead, tok, limit = self.lead, self._ctx.tokenizer, self._ctx.max_model_len
+        if lead is None:  # the specials are not only leading: the whole chat tokenised again
+            tokenize_checked(_CHAT_PATH, chat, tok, max_tokens=max_tokens, max_model_len=limit)
+            return tok.encode_chat(
+                messages, add_generation_prompt=True, add_special_tokens=True
+            ), None
+        ids, rendered = tokenize_checked(
+            _CHAT_PATH,
+            chat,
+            tok,
+            max_tokens=max_tokens,
+            max_model_len=limit - len(lead),
+            previous=last,
+            encoder=self._encoder,
+        )
+        return [*lead, *ids], rendered
 
     def _chained(self, tenant: TenantId, body: dict[str, Any], header: str | None) -> _Chained:
         """The turn's history and session (module docstring); raises for a lost one."""
@@ -242,6 +266,13 @@ async def _learning(
             yield data
     finally:
         await chunks.aclose()
+
+
+def _special_lead(tokenizer: Tokenizer) -> list[int] | None:
+    plain = tokenizer.encode("hello", add_special_tokens=False)
+    full = tokenizer.encode("hello", add_special_tokens=True)
+    n = len(full) - len(plain)
+    return list(full[:n]) if n >= 0 and list(full[n:]) == list(plain) else None
 
 
 def _restarts(worker: Any) -> int:

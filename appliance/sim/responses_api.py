@@ -151,6 +151,7 @@ class ResponsesApi:
 def _chat_body(data: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
     chat: dict[str, Any] = {k: data[k] for k in _PASSED_ON if data.get(k) is not None}
     chat["messages"] = messages
+    chat["add_special_tokens"] = True  # vLLM's Responses route tokenises with them; chat's not
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
     return chat

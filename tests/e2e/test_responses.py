@@ -23,12 +23,14 @@ pytestmark = pytest.mark.e2e
 
 
 def _ledger_turn(app: RunningAppliance, task: str) -> tuple[Any, ...]:
-    """(session, worker, prompt, cached, output tokens) of the task's one turn, once written."""
+    """(session, worker, prompt, cached, output tokens, predicted cached tokens) of the task's
+    one turn, once written."""
     deadline = time.monotonic() + 5
     while True:
         with closing(sqlite3.connect(app.ledger)) as db:
             row = db.execute(
-                "SELECT session_id, worker, prompt_tokens, cached_tokens, output_tokens"
+                "SELECT session_id, worker, prompt_tokens, cached_tokens, output_tokens,"
+                " predicted_cached_tokens"
                 " FROM turns WHERE task_id LIKE ?",
                 (f"%{task}",),
             ).fetchone()
@@ -99,12 +101,14 @@ def test_three_chained_turns_stay_on_their_worker_and_the_ledger_agrees(
     )
     rows = [_ledger_turn(app, h["x-task-id"]) for h in (head1, head2, head3)]
     for row, usage, worker in zip(rows, usages, workers, strict=True):
-        assert row[1:] == (
+        assert row[1:5] == (
             worker,
             usage.input_tokens,
             usage.input_tokens_details.cached_tokens,
             usage.output_tokens,
         ), (row, usage)
+    # The router's prompt ids are the worker's: it knew exactly what the worker had cached.
+    assert [row[5] for row in rows] == [row[3] for row in rows], rows
     assert len({row[0] for row in rows}) == 1, rows  # one session: the chain's
     assert "session from a hash of the first messages" in _reasons(app, head1["x-task-id"])
     reason = _reasons(app, head3["x-task-id"])
