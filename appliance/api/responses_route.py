@@ -198,6 +198,14 @@ class ResponsesRoute:
                 param="previous_response_id",
             )
         lost = self._lost(entry)
+        if lost == "":
+            raise RequestRefused(
+                503,
+                f"Response with id '{pid}' is stored on worker {entry.worker}, which is not "
+                "serving now; retry later (if it restarts, the response is lost)",
+                "previous_response_unavailable",
+                param="previous_response_id",
+            )
         if lost is not None:
             raise RequestRefused(
                 404,
@@ -211,13 +219,16 @@ class ResponsesRoute:
         return _Chained(entry, entry.session, note)
 
     def _lost(self, entry: StoredResponse) -> str | None:
-        """Why the worker that stored the response no longer has it, or None."""
+        """Why the worker that stored the response no longer has it; "" when it is down for
+        now (its process, and the response, may live on); None when it serves."""
         worker = next((w for w in self._ctx.workers() if w.id == entry.worker), None)
         if worker is None:
             return "is gone"
         restarts = _restarts(worker)
         if restarts != entry.restarts:
             return f"restarted since (restart count {entry.restarts} then, {restarts} now)"
+        if not worker.healthy:
+            return ""  # down for now: its process, and what it stores, may live on
         return None
 
     def _learner(
@@ -260,12 +271,19 @@ async def _learning(
             if b'"response.completed"' in complete:
                 for line in complete.split(b"\n"):
                     if line.startswith(b"data:") and b'"response.completed"' in line:
-                        event = orjson.loads(line[5:])
-                        if isinstance(event, dict) and isinstance(event.get("response"), dict):
-                            learn(event["response"])
+                        _learn_event(line[5:], learn)
             yield data
     finally:
         await chunks.aclose()
+
+
+def _learn_event(data: bytes, learn: Callable[[dict[str, Any]], None]) -> None:
+    try:
+        event = orjson.loads(data)
+    except ValueError:
+        return
+    if isinstance(event, dict) and isinstance(event.get("response"), dict):
+        learn(event["response"])
 
 
 def _special_lead(tokenizer: Tokenizer) -> list[int] | None:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from appliance.api.responses_route import ResponseBook, StoredResponse, _learning
+from appliance.api.errors import RequestRefused
+from appliance.api.responses_route import ResponseBook, ResponsesRoute, StoredResponse, _learning
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages
 from appliance.services.forwarder import UsageScanner
@@ -85,3 +89,50 @@ def test_the_responses_usage_is_read_as_chats() -> None:
     assert scanner.last is not None
     assert scanner.last["prompt_tokens"] == 30 and scanner.last["completion_tokens"] == 4
     assert scanner.last["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+@dataclass
+class _Worker:
+    id: str
+    healthy: bool = True
+    restarts: int = 0
+
+
+class _Tokenizer:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+
+def _route(workers: list[_Worker]) -> ResponsesRoute:
+    ctx: Any = SimpleNamespace(tokenizer=_Tokenizer(), workers=lambda: workers)
+    route = ResponsesRoute(ctx)
+    entry = StoredResponse(WorkerId("w0"), 2, [], ["hi"], SessionId("chain"))
+    route.book.learn(TenantId("alice"), "resp_1", entry)
+    return route
+
+
+@pytest.mark.parametrize(
+    ("worker", "status", "code"),
+    [
+        (_Worker("w0", restarts=3), 404, "previous_response_lost"),
+        (_Worker("w1", restarts=2), 404, "previous_response_lost"),
+        (_Worker("w0", healthy=False, restarts=2), 503, "previous_response_unavailable"),
+        (None, 404, "response_not_found"),
+    ],
+)
+def test_a_chain_whose_worker_lost_it_is_refused(
+    worker: _Worker | None, status: int, code: str
+) -> None:
+    route = _route([worker] if worker else [_Worker("w0", restarts=2)])
+    pid = "resp_1" if worker else "resp_unknown"
+    with pytest.raises(RequestRefused) as refused:
+        route._chained(TenantId("alice"), {"previous_response_id": pid}, None)
+    assert (refused.value.http_status, refused.value.code) == (status, code)
+
+
+def test_a_chain_is_pinned_to_its_worker_and_keeps_its_session() -> None:
+    route = _route([_Worker("w0", restarts=2), _Worker("w1")])
+    chained = route._chained(TenantId("alice"), {"previous_response_id": "resp_1"}, "hdr")
+    assert chained.previous is not None and chained.previous.worker == "w0"
+    assert chained.session == "chain" and "pinned to w0" in chained.note
+    assert route.lead == [1]  # the tokenizer's BOS, which vLLM's Responses route adds
