@@ -114,7 +114,6 @@ def wire(
     secret: bytes,
 ) -> Wiring:
     events, gpu = LoggedEventFeed(), GpuTick(probe)
-    workers = engines.workers
     cost = LatencyModel.from_profile(profile)
     speeds, queues = _measured_queues(cost, clock)
     desk, admission, sessions, tasks = _turn_desk(
@@ -124,7 +123,7 @@ def wire(
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     sources = StateSources(
-        workers=lambda: [w.status() for w in workers()],
+        workers=lambda: [w.status() for w in engines.workers()],
         desk=desk,
         tasks=tasks,
         gpus=lambda: gpu.reading,
@@ -148,11 +147,12 @@ def wire(
             model=engines.served_name,
             max_model_len=engines.max_model_len,
             state=lambda: snapshot(sources),
-            healthy=lambda: any(w.healthy for w in workers()),
+            healthy=lambda: any(w.healthy for w in engines.workers()),
             ledger_failing=lambda: ledger.failing,
             metrics=lambda: metrics_text(sources),
             costs=lambda: cost_report(ledger_path),
             admission=admission,
+            workers=engines.workers,
             sessions_admin=SessionAdmin(
                 releases,
                 lambda tenant, sid, limit: session_turns(ledger_path, tenant, sid, limit=limit),

@@ -28,10 +28,12 @@ from appliance.api.anthropic_reply import anthropic_error
 from appliance.api.context import ApiContext, Handler
 from appliance.api.errors import error_response, from_exception
 from appliance.api.model_route import MODEL_PATHS, ModelRoute
+from appliance.api.responses_route import RESPONSES_PATH, ResponsesRoute
 from appliance.api.task_routes import TaskRoutes
 from appliance.domain.errors import ApplianceError
 
 log = logging.getLogger(__name__)
+ROUTED = MODEL_PATHS | {RESPONSES_PATH}
 
 
 class ApiApp:
@@ -44,7 +46,7 @@ class ApiApp:
         self.rest = rest
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in MODEL_PATHS:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED:
             with cancelled_when_gone(scope):
                 response = await self._model_route(Request(scope, receive))
                 await response(scope, receive, send)
@@ -81,9 +83,15 @@ def cancelled_when_gone(scope: dict[str, Any]) -> Iterator[None]:
 
 
 def create_api_app(ctx: ApiContext) -> ApiApp:
-    model_route = messages_errors(guarded(ModelRoute(ctx)))
+    chat_route = messages_errors(guarded(ModelRoute(ctx)))
+    responses_route = guarded(ResponsesRoute(ctx))
+
+    def model_route(request: Request) -> Any:
+        is_responses = request.scope["path"] == RESPONSES_PATH
+        return (responses_route if is_responses else chat_route)(request)
+
     routes: list[Route] = [
-        *(Route(path, model_route, methods=["POST"]) for path in sorted(MODEL_PATHS)),
+        *(Route(path, model_route, methods=["POST"]) for path in sorted(ROUTED)),
         *TaskRoutes(ctx).routes(guarded),
         *AdminRoutes(ctx).routes(guarded),
     ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,7 @@ from starlette.requests import Request
 from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.auth import Keys
 from appliance.api.requests import Tokenizer
-from appliance.ports import Clock
+from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService
 from appliance.services.state import StateSnapshot
 from appliance.services.tasks import TaskBook
@@ -45,3 +45,5 @@ class ApiContext:
     """Judges every new task and model turn before anything reaches a worker; None: all pass."""
     sessions_admin: SessionAdmin | None = None
     """One session's detail and its release (`/admin/v1/sessions/{id}`); None: no routes."""
+    workers: Callable[[], Sequence[WorkerEndpoint]] = tuple
+    """The workers now: a chained Responses turn needs the same worker, not restarted."""

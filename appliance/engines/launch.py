@@ -231,6 +231,7 @@ def _env(
     env.update(
         PYTHONHASHSEED=spec.python_hash_seed,
         VLLM_NO_USAGE_STATS="1",
+        VLLM_ENABLE_RESPONSES_API_STORE="1",  # `previous_response_id` chaining (vLLM's default off)
         VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(WORKER_KEEPALIVE_S),
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",

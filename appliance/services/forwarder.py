@@ -187,7 +187,18 @@ def usage_of(data: bytes) -> dict[str, Any] | None:
         chunk = orjson.loads(data)
     except ValueError:
         return None
+    if isinstance(chunk, dict) and isinstance(chunk.get("response"), dict):
+        chunk = chunk["response"]  # a Responses API event (`response.completed`)
     usage = chunk.get("usage") if isinstance(chunk, dict) else None
+    if isinstance(usage, dict) and "input_tokens" in usage:  # the Responses API's shape
+        details = usage.get("input_tokens_details") or {}
+        return {
+            "prompt_tokens": usage.get("input_tokens"),
+            "completion_tokens": usage.get("output_tokens"),
+            "total_tokens": usage.get("total_tokens"),
+            "prompt_tokens_details": {"cached_tokens": details.get("cached_tokens")},
+            "completion_tokens_details": usage.get("output_tokens_details"),
+        }
     return usage if isinstance(usage, dict) else None
 
 

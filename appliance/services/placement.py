@@ -12,7 +12,7 @@ nothing: `commit` makes the placement the session's (its chain, its predicted re
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from appliance.domain.block_hash import BlockHashChain, cacheable_tokens
 from appliance.domain.kv_events import Medium
@@ -92,7 +92,7 @@ class Placer:
             WorkerView(
                 worker=w.id,
                 models=frozenset({self._model}),
-                healthy=w.healthy and w.id not in exclude,
+                healthy=w.healthy and w.id not in exclude and turn.pinned in (None, w.id),
                 draining=w.draining,
                 resident_tokens=resident.get(w.id, 0),
                 queue_s=queues.get(w.id, 0.0),
@@ -105,6 +105,8 @@ class Placer:
         ]
         request = RouteRequest(self._model, turn.prompt_len, session.home)
         decision = route(request, views, self._cost, self._profile)
+        if turn.route_note:
+            decision = replace(decision, reason=f"{turn.route_note}; {decision.reason}")
         return Placement(decision, resident, chain, ids, salt)
 
     def generation(self, worker: WorkerId) -> int:

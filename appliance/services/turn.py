@@ -58,6 +58,10 @@ class TurnRequest:
     """When the whole request had arrived (time.monotonic()), if the server says."""
     priority: int = 0
     """X-Priority clipped to the tenant's ceiling by admission (higher runs first)."""
+    pinned: WorkerId | None = None
+    """The only worker that may serve it (a chained Responses turn: the one storing it)."""
+    route_note: str | None = None
+    """Said first in its route decision's reason (where its session and pin came from)."""
 
     @property
     def stream(self) -> bool:

@@ -74,10 +74,8 @@ class TurnInput:
     tokenize: Tokenize
     estimate: Callable[[SessionState | None], int | None]
     """The likely prompt length when the turn may go before it is tokenised, else None."""
-    messages: list[Any] | None = None
-    """A plain chat's messages (rendered by the desk's tokeniser as the next turn's base)."""
-    task_id: str | None = None
-    """X-Task-ID; None: a one-turn task of its own."""
+    messages: list[Any] | None = None  # a plain chat's (the next turn's base)
+    task_id: str | None = None  # X-Task-ID; None: a one-turn task of its own
     session_id: SessionId | None = None
     parent_task_id: str | None = None
     deadline_s: float | None = None
@@ -85,8 +83,9 @@ class TurnInput:
     tool_class: str | None = None
     expected_wait_s: float | None = None
     client_salt: str | None = None
-    received_at: float | None = None
-    """When the whole request had arrived (time.monotonic()), if the server says."""
+    received_at: float | None = None  # when the whole request had arrived (monotonic)
+    pinned: WorkerId | None = None  # see TurnRequest
+    route_note: str | None = None
 
 
 class TurnDesk:
@@ -111,8 +110,7 @@ class TurnDesk:
         self._workers = workers
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
-        self.flights = Flights(loop_alarm(clock))
-        """Turns in flight: their cancellation and deadlines (an alarm on the loop's timer)."""
+        self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -397,4 +395,6 @@ def _turn_request(
         estimated_tokens=n_prompt,
         received_at=t.received_at,
         priority=priority,
+        pinned=t.pinned,
+        route_note=t.route_note,
     )

@@ -45,6 +45,7 @@ from appliance.sim.protocol import (
     validate_body,
 )
 from appliance.sim.responses import GenerationReply, Outputs, ReplyChoice, ReplyWriter, model_list
+from appliance.sim.responses_api import ResponsesApi
 from appliance.tokenization.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -347,6 +348,7 @@ def create_app(worker: SimWorker) -> Starlette:
         ("/detokenize", api.detokenize, ["POST"]),
         ("/v1/completions", api.completions, ["POST"]),
         ("/v1/chat/completions", api.chat_completions, ["POST"]),
+        ("/v1/responses", ResponsesApi(api).create, ["POST"]),
     )
     if worker.config.dev_mode:
         routes = (*routes, ("/reset_prefix_cache", api.reset_prefix_cache, ["POST"]))

@@ -302,6 +302,18 @@ messages_body = st.fixed_dictionaries(
         "output_config": json_values,
     },
 )  # fmt: skip
+responses_body = model_body(
+    {
+        "model": field(st.just("sim")),
+        "input": field(st.one_of(st.text(max_size=200), st.lists(message, min_size=1, max_size=3))),
+    },
+    {
+        "instructions": field(st.text(max_size=60)),
+        "previous_response_id": field(st.one_of(ids, st.just("resp_0"))),
+        "max_output_tokens": st.one_of(small, json_values),
+        "store": field(st.booleans()),
+    },
+)
 task_body = st.fixed_dictionaries(
     {},
     optional={
@@ -409,6 +421,7 @@ ROUTES = {
     "chat": RouteSpec("POST", "/v1/chat/completions", body_of(chat_body)),
     "completions": RouteSpec("POST", "/v1/completions", body_of(completion_body)),
     "messages": RouteSpec("POST", "/v1/messages", body_of(messages_body)),
+    "responses": RouteSpec("POST", "/v1/responses", body_of(responses_body)),
     "create_task": RouteSpec("POST", "/v1/tasks", body_of(task_body)),
     "task_event": RouteSpec("POST", "/v1/tasks/{id}/events", body_of(event_body)),
     "cancel_task": RouteSpec("POST", "/v1/tasks/{id}/cancel", body_of(st.just({}))),

@@ -1,0 +1,325 @@
+"""`POST /v1/responses` (the OpenAI Responses API), routed as a chat turn.
+
+A Responses request is a chat turn in other clothes: vLLM renders its instructions, its
+chained history and its input as chat messages (domain/responses_input.py) and templates
+them, so the router tokenises and hashes the same messages and hands the turn to the desk
+like any chat (tenant, session and task headers, the tenant's salt, admission, placement
+by the KV index, the ledger, receipts). The body goes to the worker unchanged but for the
+fields the desk sets; the answer, streamed or not, goes back in the API's own shape.
+
+Chaining: vLLM keeps a stored response (and the messages behind it) in the memory of the
+worker that produced it. The route learns each answer (the body, or the stream's
+`response.completed` event) into `ResponseBook`: per tenant, its id -> the worker, that
+worker's restart count then, the messages and output text, the session. A request naming
+`previous_response_id` is tokenised with that history and pinned to that worker: never
+another, which would not know the id (or worse, one day, answer without the history). A
+worker restarted since, or gone, has lost it: the request is refused 404
+`previous_response_lost`, naming the restart. An id the router never saw is vLLM's 404.
+
+The turn's session: the previous response's (a chain is one session), else X-Session-ID
+(or the body's `session_id`), else a hash of the first messages; the route decision's
+reason says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property, partial
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from appliance.api.context import ApiContext
+from appliance.api.errors import RequestRefused
+from appliance.api.model_route import RelayedStream
+from appliance.api.requests import (
+    Tokenizer,
+    agent_headers,
+    chat_encoder,
+    check_model_request,
+    parse_json_body,
+    tokenize_checked,
+)
+from appliance.domain.records import SessionId, TenantId, WorkerId
+from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
+from appliance.services.sessions import ChatTokens
+from appliance.services.turn_desk import TurnInput
+
+RESPONSES_PATH = "/v1/responses"
+_CHAT_PATH = "/v1/chat/completions"
+BOOK_LIMIT = 50_000
+"""Responses the router remembers (all tenants); the oldest are forgotten first."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    worker: WorkerId
+    restarts: int
+    """The worker's restart count when it answered: another count, another process."""
+    messages: list[dict[str, Any]]
+    """The chat messages the response answered (its own system message included)."""
+    texts: list[str]
+    session: SessionId
+
+
+class ResponseBook:
+    """What the router knows of the responses its workers store (module docstring)."""
+
+    def __init__(self, limit: int = BOOK_LIMIT) -> None:
+        self._limit = limit
+        self._entries: OrderedDict[tuple[TenantId, str], StoredResponse] = OrderedDict()
+
+    def get(self, tenant: TenantId, response_id: str) -> StoredResponse | None:
+        return self._entries.get((tenant, response_id))
+
+    def learn(self, tenant: TenantId, response_id: str, entry: StoredResponse) -> None:
+        self._entries[(tenant, response_id)] = entry
+        while len(self._entries) > self._limit:
+            self._entries.popitem(last=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chained:
+    """Where a turn's history and session come from."""
+
+    previous: StoredResponse | None
+    session: SessionId
+    note: str
+
+
+class ResponsesRoute:
+    def __init__(self, ctx: ApiContext, book: ResponseBook | None = None) -> None:
+        self._ctx = ctx
+        self._encoder = chat_encoder(ctx.tokenizer)
+        self.book = book or ResponseBook()
+
+    @cached_property
+    def lead(self) -> list[int] | None:
+        """The ids the tokenizer's special tokens put before a text (vLLM's Responses route
+        adds them), or None when they put any elsewhere too. Asked on the first turn."""
+        return _special_lead(self._ctx.tokenizer)
+
+    async def __call__(self, request: Request) -> Response | RelayedStream:
+        ctx = self._ctx
+        who = ctx.keys.caller(request.headers)
+        body = parse_json_body(await request.body())
+        hdr = agent_headers(request.headers, body)
+        check_model_request(RESPONSES_PATH, body, ctx.model)
+        max_tokens = _max_output_tokens(body)
+        chained = self._chained(who.tenant, body, hdr.session_id)
+        previous = chained.previous
+        try:
+            history = (previous.messages, previous.texts) if previous else None
+            messages = input_messages(body, history)
+        except ResponsesInputError as exc:
+            raise RequestRefused(400, str(exc), "invalid_value", param=exc.param) from None
+        check_model_request(_CHAT_PATH, {"model": ctx.model, "messages": messages}, ctx.model)
+        if chained.previous is None and hdr.session_id is None:
+            chained = _Chained(None, _hashed_session(messages), chained.note)
+        reply = await ctx.desk.run(
+            TurnInput(
+                tenant=who.tenant,
+                path=RESPONSES_PATH,
+                body=body,
+                tokenize=partial(self._tokenize, messages, max_tokens),
+                estimate=lambda session: None,
+                task_id=hdr.task_id,
+                session_id=chained.session,
+                parent_task_id=hdr.parent_task_id,
+                deadline_s=hdr.deadline_s,
+                priority=hdr.priority,
+                tool_class=hdr.tool_class,
+                expected_wait_s=hdr.expected_wait_s,
+                client_salt=_salt(body),
+                received_at=request.scope.get("extensions", {})
+                .get("appliance", {})
+                .get("received_at"),
+                pinned=previous.worker if previous else None,
+                route_note=chained.note,
+            )
+        )
+        learn = self._learner(who.tenant, body, messages, chained.session, reply.headers)
+        if reply.chunks is not None:
+            chunks = _learning(reply.chunks, learn)
+            return RelayedStream(chunks, reply.headers, on_end=reply.on_end)
+        if reply.status == 200:
+            learn(reply.body)
+        return Response(reply.body, reply.status, reply.headers, "application/json")
+
+    def _tokenize(
+        self, messages: list[dict[str, Any]], max_tokens: int | None, last: ChatTokens | None
+    ) -> tuple[Sequence[int], ChatTokens | None]:
+        """The prompt's ids as vLLM's Responses route makes them: the rendered chat tokenised
+        with the tokenizer's special tokens (chat's route adds none), so a template that
+        writes its own BOS gets a second one there too."""
+        chat = {"messages": messages}
+        lead, tok, limit = self.lead, self._ctx.tokenizer, self._ctx.max_model_len
+        if lead is None:  # the specials are not only leading: the whole chat tokenised again
+            tokenize_checked(_CHAT_PATH, chat, tok, max_tokens=max_tokens, max_model_len=limit)
+            return tok.encode_chat(
+                messages, add_generation_prompt=True, add_special_tokens=True
+            ), None
+        ids, rendered = tokenize_checked(
+            _CHAT_PATH,
+            chat,
+            tok,
+            max_tokens=max_tokens,
+            max_model_len=limit - len(lead),
+            previous=last,
+            encoder=self._encoder,
+        )
+        return [*lead, *ids], rendered
+
+    def _chained(self, tenant: TenantId, body: dict[str, Any], header: str | None) -> _Chained:
+        """The turn's history and session (module docstring); raises for a lost one."""
+        pid = body.get("previous_response_id")
+        if pid is None:
+            if header is not None:
+                return _Chained(None, SessionId(header), "session from X-Session-ID")
+            return _Chained(None, SessionId(""), "session from a hash of the first messages")
+        if not isinstance(pid, str):
+            raise RequestRefused(
+                400,
+                "'previous_response_id' must be a string",
+                "invalid_type",
+                param="previous_response_id",
+            )
+        entry = self.book.get(tenant, pid)
+        if entry is None:
+            raise RequestRefused(
+                404,
+                f"Response with id '{pid}' not found.",
+                "response_not_found",
+                param="previous_response_id",
+            )
+        lost = self._lost(entry)
+        if lost == "":
+            raise RequestRefused(
+                503,
+                f"Response with id '{pid}' is stored on worker {entry.worker}, which is not "
+                "serving now; retry later (if it restarts, the response is lost)",
+                "previous_response_unavailable",
+                param="previous_response_id",
+            )
+        if lost is not None:
+            raise RequestRefused(
+                404,
+                f"Response with id '{pid}' is lost: it was stored in the memory of worker "
+                f"{entry.worker}, which {lost}. Start a new chain: send the whole "
+                "conversation as input, without previous_response_id.",
+                "previous_response_lost",
+                param="previous_response_id",
+            )
+        note = f"session from previous_response_id {pid}; pinned to {entry.worker}, which stores it"
+        return _Chained(entry, entry.session, note)
+
+    def _lost(self, entry: StoredResponse) -> str | None:
+        """Why the worker that stored the response no longer has it; "" when it is down for
+        now (its process, and the response, may live on); None when it serves."""
+        worker = next((w for w in self._ctx.workers() if w.id == entry.worker), None)
+        if worker is None:
+            return "is gone"
+        restarts = _restarts(worker)
+        if restarts != entry.restarts:
+            return f"restarted since (restart count {entry.restarts} then, {restarts} now)"
+        if not worker.healthy:
+            return ""  # down for now: its process, and what it stores, may live on
+        return None
+
+    def _learner(
+        self,
+        tenant: TenantId,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        session: SessionId,
+        headers: Mapping[str, str],
+    ) -> Callable[[bytes | dict[str, Any]], None]:
+        """What remembers the worker's answer (if it was stored) for the next turn."""
+        worker = WorkerId(headers.get("X-Appliance-Worker", ""))
+        handle = next((w for w in self._ctx.workers() if w.id == worker), None)
+        restarts = _restarts(handle) if handle is not None else -1
+
+        def learn(answer: bytes | dict[str, Any]) -> None:
+            try:
+                response = orjson.loads(answer) if isinstance(answer, bytes) else answer
+            except ValueError:
+                return
+            rid = response.get("id") if isinstance(response, dict) else None
+            if not isinstance(rid, str) or body.get("store", True) is False or not worker:
+                return
+            entry = StoredResponse(worker, restarts, messages, output_texts(response), session)
+            self.book.learn(tenant, rid, entry)
+
+        return learn
+
+
+async def _learning(
+    chunks: AsyncGenerator[bytes, None], learn: Callable[[dict[str, Any]], None]
+) -> AsyncGenerator[bytes, None]:
+    """The relayed stream, unchanged; its `response.completed` event is learnt in passing."""
+    tail = b""
+    try:
+        async for data in chunks:
+            buffer = tail + data
+            end = buffer.rfind(b"\n") + 1
+            complete, tail = buffer[:end], buffer[end:]
+            if b'"response.completed"' in complete:
+                for line in complete.split(b"\n"):
+                    if line.startswith(b"data:") and b'"response.completed"' in line:
+                        _learn_event(line[5:], learn)
+            yield data
+    finally:
+        await chunks.aclose()
+
+
+def _learn_event(data: bytes, learn: Callable[[dict[str, Any]], None]) -> None:
+    try:
+        event = orjson.loads(data)
+    except ValueError:
+        return
+    if isinstance(event, dict) and isinstance(event.get("response"), dict):
+        learn(event["response"])
+
+
+def _special_lead(tokenizer: Tokenizer) -> list[int] | None:
+    plain = tokenizer.encode("hello", add_special_tokens=False)
+    full = tokenizer.encode("hello", add_special_tokens=True)
+    n = len(full) - len(plain)
+    return list(full[:n]) if n >= 0 and list(full[n:]) == list(plain) else None
+
+
+def _restarts(worker: Any) -> int:
+    return int(getattr(worker, "restarts", 0))
+
+
+def _hashed_session(messages: list[dict[str, Any]]) -> SessionId:
+    """A session for an unchained turn without a session header: the same first messages
+    (instructions, first input), the same session."""
+    digest = hashlib.sha256(orjson.dumps(messages[:2], option=orjson.OPT_SORT_KEYS))
+    return SessionId(f"responses:{digest.hexdigest()[:24]}")
+
+
+def _max_output_tokens(body: dict[str, Any]) -> int | None:
+    value = body.get("max_output_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise RequestRefused(
+            400,
+            "'max_output_tokens' must be an integer of at least 1",
+            "invalid_value",
+            param="max_output_tokens",
+        )
+    return value
+
+
+def _salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise RequestRefused(
+            400, "'cache_salt' must be a string", "invalid_type", param="cache_salt"
+        )
+    return salt

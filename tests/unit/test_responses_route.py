@@ -1,0 +1,138 @@
+"""The Responses route's parts: the chat messages a request renders as (vLLM's rules), the
+book of stored responses, the learning of a stream's `response.completed` however the socket
+cut it, and the Responses usage shape read as chat's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from appliance.api.errors import RequestRefused
+from appliance.api.responses_route import ResponseBook, ResponsesRoute, StoredResponse, _learning
+from appliance.domain.records import SessionId, TenantId, WorkerId
+from appliance.domain.responses_input import ResponsesInputError, input_messages
+from appliance.services.forwarder import UsageScanner
+
+USAGE = {
+    "input_tokens": 30,
+    "input_tokens_details": {"cached_tokens": 16},
+    "output_tokens": 4,
+    "output_tokens_details": {"reasoning_tokens": 0},
+    "total_tokens": 34,
+}
+RESPONSE = {
+    "id": "resp_1",
+    "output": [{"type": "message", "content": [{"text": "ok"}]}],
+    "usage": USAGE,
+}
+STREAM = (
+    b'event: response.created\ndata: {"type":"response.created","response":{"usage":null}}\n\n'
+    + b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+    + b"event: response.completed\ndata: "
+    + json.dumps({"type": "response.completed", "response": RESPONSE}).encode()
+    + b"\n\n"
+)
+
+
+def test_a_chained_request_renders_as_vllm_renders_it() -> None:
+    stored = ([{"role": "system", "content": "old"}, {"role": "user", "content": "a"}], ["b"])
+    body = {
+        "instructions": "new",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "c"}]}],
+    }
+    assert input_messages(body, stored) == [
+        {"role": "system", "content": "new"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "text", "text": "c"}]},
+    ]
+    with pytest.raises(ResponsesInputError):
+        input_messages({"input": [{"type": "function_call"}]})
+    with pytest.raises(ResponsesInputError):
+        input_messages({"input": []})
+
+
+def test_the_book_forgets_the_oldest_and_keeps_tenants_apart() -> None:
+    book = ResponseBook(limit=2)
+    entry = StoredResponse(WorkerId("w0"), 0, [], [], SessionId("s"))
+    for rid in ("r1", "r2", "r3"):
+        book.learn(TenantId("alice"), rid, entry)
+    assert book.get(TenantId("alice"), "r1") is None
+    assert book.get(TenantId("alice"), "r3") == entry
+    assert book.get(TenantId("bob"), "r3") is None
+
+
+@pytest.mark.parametrize("piece", [1, 5, 64, len(STREAM)])
+def test_a_streams_completed_response_is_learnt_whatever_the_cut(piece: int) -> None:
+    learnt: list[dict[str, object]] = []
+
+    async def source() -> AsyncGenerator[bytes, None]:
+        for i in range(0, len(STREAM), piece):
+            yield STREAM[i : i + piece]
+
+    async def relay() -> bytes:
+        return b"".join([data async for data in _learning(source(), learnt.append)])
+
+    assert asyncio.run(relay()) == STREAM
+    assert learnt == [RESPONSE]
+
+
+def test_the_responses_usage_is_read_as_chats() -> None:
+    scanner = UsageScanner()
+    scanner.feed(STREAM)
+    assert scanner.last is not None
+    assert scanner.last["prompt_tokens"] == 30 and scanner.last["completion_tokens"] == 4
+    assert scanner.last["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+@dataclass
+class _Worker:
+    id: str
+    healthy: bool = True
+    restarts: int = 0
+
+
+class _Tokenizer:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+
+def _route(workers: list[_Worker]) -> ResponsesRoute:
+    ctx: Any = SimpleNamespace(tokenizer=_Tokenizer(), workers=lambda: workers)
+    route = ResponsesRoute(ctx)
+    entry = StoredResponse(WorkerId("w0"), 2, [], ["hi"], SessionId("chain"))
+    route.book.learn(TenantId("alice"), "resp_1", entry)
+    return route
+
+
+@pytest.mark.parametrize(
+    ("worker", "status", "code"),
+    [
+        (_Worker("w0", restarts=3), 404, "previous_response_lost"),
+        (_Worker("w1", restarts=2), 404, "previous_response_lost"),
+        (_Worker("w0", healthy=False, restarts=2), 503, "previous_response_unavailable"),
+        (None, 404, "response_not_found"),
+    ],
+)
+def test_a_chain_whose_worker_lost_it_is_refused(
+    worker: _Worker | None, status: int, code: str
+) -> None:
+    route = _route([worker] if worker else [_Worker("w0", restarts=2)])
+    pid = "resp_1" if worker else "resp_unknown"
+    with pytest.raises(RequestRefused) as refused:
+        route._chained(TenantId("alice"), {"previous_response_id": pid}, None)
+    assert (refused.value.http_status, refused.value.code) == (status, code)
+
+
+def test_a_chain_is_pinned_to_its_worker_and_keeps_its_session() -> None:
+    route = _route([_Worker("w0", restarts=2), _Worker("w1")])
+    chained = route._chained(TenantId("alice"), {"previous_response_id": "resp_1"}, "hdr")
+    assert chained.previous is not None and chained.previous.worker == "w0"
+    assert chained.session == "chain" and "pinned to w0" in chained.note
+    assert route.lead == [1]  # the tokenizer's BOS, which vLLM's Responses route adds
