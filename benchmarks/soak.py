@@ -9,8 +9,9 @@ watching the error rate, the latency and whether the appliance's memory stays fl
 One run starts `appliance up --engine sim --workers 2` (default settings otherwise, a fresh
 data dir under /tmp, free local ports), adds one API key, and runs `--sessions` agent
 sessions at once for `--duration` seconds. Each session is a loop of tasks: a new task (its
-X-Task-ID, also its X-Session-ID) with a system prompt of its own (`--context-words` random
-words, so every task prefills new context), then `--turns` streamed chat turns, each
+X-Task-ID, also its X-Session-ID unless `--one-session`, where an agent keeps one session id
+across its tasks) with a system prompt of its own (`--context-words` random words, so every
+task prefills new context), then `--turns` streamed chat turns, each
 re-sending the whole chat so far plus a new tool output (`--tool-words`) and asking for
 `--max-tokens` tokens, with a uniform `--think-s` pause (the tool running) between turns;
 then a `succeeded` event closes the task and the next one begins. Sessions start spread
@@ -26,7 +27,8 @@ Recorded per turn: its start, status, time to the first body byte of the streame
 `data: [DONE]` or carries an error event, or the connection fails or times out; errors are
 counted by kind. Every `--sample-s` seconds: the resident set (RSS) of the appliance's
 process (its own, not its workers'), the workers' total, the CPU seconds of each and of
-this client, the client event loop's lag, and the ledger's size on disk.
+this client, the client event loop's lag, the ledger's size on disk and the sessions the
+router holds (its `appliance_sessions` gauge).
 
 Reported (JSON to `--out`, a summary on stdout): turns, the achieved turn rate against the
 rate the sessions would offer if every turn took no time (sessions / mean pause), error
@@ -81,6 +83,7 @@ WORDS = [
 ]  # fmt: skip
 _CONTENT = re.compile(rb'"content"\s*:\s*"[^"]')
 _ERROR_CODE = re.compile(rb'"code"\s*:\s*"([^"]+)"')
+_SESSIONS = re.compile(rb"^appliance_sessions (\S+)", re.M)
 FLAT_SHARE = 0.10
 """The end RSS within this share of the start RSS counts as flat."""
 
@@ -168,6 +171,8 @@ class Sample:
     in_flight: int
     lag_p99_ms: float
     lag_max_ms: float
+    sessions_held: int | None
+    """The router's `appliance_sessions` gauge (sessions it holds state for)."""
 
 
 @dataclass
@@ -185,7 +190,7 @@ class Run:
 
 
 async def one_turn(
-    run: Run, pool: Http1Pool, sid: str, messages: list[dict[str, str]]
+    run: Run, pool: Http1Pool, sid: str, tid: str, messages: list[dict[str, str]]
 ) -> tuple[Turn, str]:
     body = {
         "model": "sim",
@@ -198,7 +203,7 @@ async def one_turn(
         ("Authorization", f"Bearer {run.up.key}"),
         ("Content-Type", "application/json"),
         ("X-Session-ID", sid),
-        ("X-Task-ID", sid),
+        ("X-Task-ID", tid),
     )
     raw = json.dumps(body).encode()
     start = time.monotonic()
@@ -238,7 +243,7 @@ async def one_turn(
     return Turn(at, True, 200, ttft, e2e), "".join(content)
 
 
-async def close_task(run: Run, pool: Http1Pool, sid: str) -> None:
+async def close_task(run: Run, pool: Http1Pool, tid: str) -> None:
     headers = (
         ("Authorization", f"Bearer {run.up.key}"),
         ("Content-Type", "application/json"),
@@ -246,7 +251,7 @@ async def close_task(run: Run, pool: Http1Pool, sid: str) -> None:
     try:
         async with asyncio.timeout(30):
             answer = await pool.request(
-                "POST", f"/v1/tasks/{sid}/events", b'{"type": "succeeded"}', headers
+                "POST", f"/v1/tasks/{tid}/events", b'{"type": "succeeded"}', headers
             )
             await answer.read()
     except (Http1Error, OSError, TimeoutError) as exc:
@@ -270,19 +275,20 @@ async def session(run: Run, i: int, tag: str) -> None:
         await asyncio.sleep(rng.uniform(0, 2 * hi))
         task = 0
         while time.monotonic() < run.stop_at:
-            sid = f"{tag}-s{i}-t{task}"
+            tid = f"{tag}-s{i}-t{task}"
+            sid = f"{tag}-s{i}" if args.one_session else tid
             task += 1
             messages = [{"role": "system", "content": words(rng, args.context_words)}]
             for turn in range(args.turns):
                 if time.monotonic() >= run.stop_at:
                     break
                 messages.append({"role": "user", "content": words(rng, args.tool_words)})
-                result, content = await one_turn(run, pool, sid, messages)
+                result, content = await one_turn(run, pool, sid, tid, messages)
                 run.turns.append(result)
                 messages.append({"role": "assistant", "content": content})
                 if turn + 1 < args.turns:
                     await asyncio.sleep(rng.uniform(lo, hi))
-            await close_task(run, pool, sid)
+            await close_task(run, pool, tid)
     finally:
         pool.close()
 
@@ -308,7 +314,21 @@ def _rss_cpu(procs: list[psutil.Process]) -> tuple[int, float]:
     return rss, cpu
 
 
+async def sessions_held(pool: Http1Pool) -> int | None:
+    try:
+        async with asyncio.timeout(10):
+            answer = await pool.request("GET", "/metrics")
+            text = await answer.read()
+    except (Http1Error, OSError, TimeoutError):
+        return None
+    found = _SESSIONS.search(text)
+    return int(float(found.group(1))) if found else None
+
+
 async def sampler(run: Run) -> None:
+    pool = Http1Pool(
+        "127.0.0.1", run.up.port, connect_timeout_s=10, read_timeout_s=10, keepalive_s=60
+    )
     me = psutil.Process()
     app = psutil.Process(run.up.proc.pid)
     machine0 = psutil.cpu_times()
@@ -321,6 +341,7 @@ async def sampler(run: Run) -> None:
         total = sum(machine1) - sum(machine0)
         machine0 = machine1
         lags, run.lags = run.lags, []
+        held = await sessions_held(pool)
         ledger = list(run.up.data_dir.glob("ledger.db*"))  # with its -wal and -shm
         run.samples.append(
             Sample(
@@ -336,6 +357,7 @@ async def sampler(run: Run) -> None:
                 in_flight=run.in_flight,
                 lag_p99_ms=round(_pct(lags, 99) * 1000, 1) if lags else 0.0,
                 lag_max_ms=round(max(lags) * 1000, 1) if lags else 0.0,
+                sessions_held=held,
             )
         )
         await asyncio.sleep(run.args.sample_s)
@@ -371,7 +393,7 @@ async def drive(run: Run) -> float:
                 + (
                     f", appliance RSS {s.appliance_rss / 2**20:.1f} MiB, workers "
                     f"{s.workers_rss / 2**20:.1f} MiB, busy {s.machine_busy:.2f}, "
-                    f"client lag p99 {s.lag_p99_ms} ms"
+                    f"client lag p99 {s.lag_p99_ms} ms, sessions held {s.sessions_held}"
                     if s
                     else ""
                 ),
@@ -441,9 +463,10 @@ def report(run: Run, drain_s: float, wall_s: float) -> dict[str, Any]:
     after = [s for s in during if s.at >= start.at]
     mib = 2**20
 
-    def rss(s: Sample) -> dict[str, float]:
+    def rss(s: Sample) -> dict[str, Any]:
         return {
             "at_s": s.at,
+            "sessions_held": s.sessions_held,
             "appliance_mib": round(s.appliance_rss / mib, 1),
             "workers_mib": round(s.workers_rss / mib, 1),
         }
@@ -465,6 +488,7 @@ def report(run: Run, drain_s: float, wall_s: float) -> dict[str, Any]:
             "context_words": args.context_words,
             "tool_words": args.tool_words,
             "max_tokens": args.max_tokens,
+            "one_session": args.one_session,
             "workers": WORKERS,
             "engine": "sim",
             "cpus": os.cpu_count(),
@@ -533,7 +557,8 @@ def summary(r: dict[str, Any]) -> str:
             f"appliance RSS start/middle/end {rss['start']['appliance_mib']} / "
             f"{rss['middle']['appliance_mib']} / {rss['end']['appliance_mib']} MiB "
             f"({rss['appliance_growth_start_to_end']:+.1%}, flat: {rss['rss_flat']}; "
-            f"{rss['appliance_slope_mib_per_min']:+.2f} MiB/min); workers "
+            f"{rss['appliance_slope_mib_per_min']:+.2f} MiB/min; sessions held "
+            f"{rss['start']['sessions_held']} / {rss['end']['sessions_held']}); workers "
             f"{rss['start']['workers_mib']} / {rss['middle']['workers_mib']} / "
             f"{rss['end']['workers_mib']} MiB",
             f"CPU (share of one core): appliance {cpu['appliance']}, workers {cpu['workers']}, "
@@ -562,6 +587,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-words", type=int, default=600, help="A task's system prompt.")
     p.add_argument("--tool-words", type=int, default=60, help="Tool output per turn.")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--one-session",
+        action="store_true",
+        help="Each agent keeps one X-Session-ID across its tasks (default: a new session per "
+        "task), so the router holds `--sessions` sessions however many tasks end.",
+    )
     p.add_argument("--turn-timeout-s", type=float, default=120.0)
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--progress-s", type=float, default=30.0)
