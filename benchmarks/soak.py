@@ -84,6 +84,19 @@ WORDS = [
 _CONTENT = re.compile(rb'"content"\s*:\s*"[^"]')
 _ERROR_CODE = re.compile(rb'"code"\s*:\s*"([^"]+)"')
 _SESSIONS = re.compile(rb"^appliance_sessions (\S+)", re.M)
+TRACE_BOOT = """
+import os, runpy, signal, sys, tracemalloc
+count = [0]
+def dump(*_):
+    count[0] += 1
+    path = f"{os.environ['SOAK_TRACE']}.{count[0]}"
+    tracemalloc.take_snapshot().dump(path + ".part")
+    os.replace(path + ".part", path)
+signal.signal(signal.SIGUSR1, dump)
+sys.argv = ["appliance", *sys.argv[1:]]
+runpy.run_module("cli.main", run_name="__main__")
+"""
+"""`--trace-memory`: the appliance under tracemalloc, a snapshot written on each SIGUSR1."""
 FLAT_SHARE = 0.10
 """The end RSS within this share of the start RSS counts as flat."""
 
@@ -98,7 +111,7 @@ class Up:
 
 
 @contextmanager
-def appliance_up(data_dir: Path) -> Iterator[Up]:
+def appliance_up(data_dir: Path, trace: Path | None = None) -> Iterator[Up]:
     """`appliance up --engine sim --workers 2` until the block ends (SIGTERM, as Ctrl-C)."""
     key = add_key(keys_path(data_dir), "soak").key
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
@@ -110,6 +123,9 @@ def appliance_up(data_dir: Path) -> Iterator[Up]:
     )
     port = free_port()
     argv = [str(BIN / "appliance"), "up", "--engine", "sim", "--workers", str(WORKERS)]
+    if trace is not None:  # 5 frames a trace: enough to tell whose allocation it is
+        argv = [sys.executable, "-X", "tracemalloc=5", "-c", TRACE_BOOT, *argv[1:]]
+        env["SOAK_TRACE"] = str(trace)
     with (data_dir / "up.log").open("wb") as log:
         proc = subprocess.Popen(
             [*argv, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -380,9 +396,13 @@ async def drive(run: Run) -> float:
     sampling = asyncio.create_task(sampler(run))
     sessions = [asyncio.create_task(session(run, i, tag)) for i in range(args.sessions)]
     last = 0.0
+    traced = args.trace_memory is None
     while time.monotonic() < run.stop_at:
         await asyncio.sleep(1.0)
         now = time.monotonic() - run.t0
+        if not traced and now >= args.warmup:  # the first snapshot, at the RSS start
+            run.up.proc.send_signal(signal.SIGUSR1)
+            traced = True
         if now - last >= args.progress_s:
             last = now
             s = run.samples[-1] if run.samples else None
@@ -400,6 +420,8 @@ async def drive(run: Run) -> float:
                 flush=True,
             )
     end_sample = asyncio.create_task(sampler_once(run))
+    if args.trace_memory is not None:
+        run.up.proc.send_signal(signal.SIGUSR1)
     t_drain = time.monotonic()
     _, pending = await asyncio.wait(sessions, timeout=args.drain)
     for task in pending:
@@ -570,6 +592,26 @@ def summary(r: dict[str, Any]) -> str:
     )
 
 
+def grown(trace: Path, out: Path, top: int = 25) -> list[str]:
+    """What the appliance allocated and still held between its two snapshots, by line and
+    by traceback; written to `out`, the lines returned."""
+    import tracemalloc
+
+    first, second = trace.with_name(f"{trace.name}.1"), trace.with_name(f"{trace.name}.2")
+    deadline = time.monotonic() + 120
+    while not second.exists() and time.monotonic() < deadline:  # a large heap takes a while
+        time.sleep(1)
+    old = tracemalloc.Snapshot.load(str(first))
+    new = tracemalloc.Snapshot.load(str(second))
+    by_line = [str(d) for d in new.compare_to(old, "lineno")[:top]]
+    lines = ["by line:", *by_line, "", "by traceback (5 frames):"]
+    for d in new.compare_to(old, "traceback")[:10]:
+        lines.append(f"{d.size_diff / 2**20:+.1f} MiB, {d.count_diff:+d} blocks")
+        lines += [f"    {frame}" for frame in d.traceback.format()]
+    out.write_text("\n".join(lines) + "\n")
+    return by_line
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=400)
@@ -598,6 +640,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-s", type=float, default=30.0)
     p.add_argument("--drain", type=float, default=120.0, help="Most seconds to finish turns.")
     p.add_argument("--keep", type=Path, default=None, help="Copy the data dir and logs here.")
+    p.add_argument(
+        "--trace-memory",
+        type=Path,
+        default=None,
+        help="Run the appliance under tracemalloc (slower), snapshot it at the end of the "
+        "warm-up and of the run, and write what grew between them to this file.",
+    )
     args = p.parse_args(argv)
     args.think_s = tuple(float(x) for x in args.think_s.split(","))
     if args.warmup is None:
@@ -612,7 +661,8 @@ def main(argv: list[str] | None = None) -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="soak-"))
     t = time.monotonic()
     try:
-        with appliance_up(data_dir) as up:
+        trace = data_dir / "trace" if args.trace_memory else None
+        with appliance_up(data_dir, trace) as up:
             print(f"appliance up in {time.monotonic() - t:.1f} s at {up.url}", flush=True)
             run = Run(args, up)
             t = time.monotonic()
@@ -620,6 +670,8 @@ def main(argv: list[str] | None = None) -> None:
             result = report(run, drain_s, time.monotonic() - t)
             if up.proc.poll() is not None:
                 raise SystemExit(f"appliance up exited ({up.proc.returncode}) during the run")
+            if trace is not None:
+                result["memory_growth_top"] = grown(trace, args.trace_memory)
     finally:
         if args.keep:
             shutil.copytree(data_dir, args.keep, dirs_exist_ok=True)
