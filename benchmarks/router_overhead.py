@@ -4,7 +4,8 @@
         [--concurrency 50,200] [--modes nonstream,stream] [--turns 4] [--think-s 1,3]
         [--vllm-router /tmp/vr-venv/bin/vllm-router | --no-vllm-router]
         [--vllm-router-policy cache_aware]
-        [--paths direct,tcp-relay,http-relay,appliance,vllm-router] [--router-cpus 1]
+        [--paths direct,tcp-relay,http-relay,appliance,appliance-granian,vllm-router]
+        [--granian /tmp/granian-pkgs] [--router-cpus 1]
         [--py-spy PATH | --cprofile FILE] [--keep-logs DIR]
 
 One run (about 5 minutes here) starts two simulated H200 workers (one process each, as
@@ -16,9 +17,16 @@ product) in front of the same two workers, with its default `cache_aware` policy
 floor any router in a process of its own pays, and an `http-relay` (one per worker: the
 appliance's own HTTP machinery, its HTTP/1.1 server in front and its HTTP/1.1 client
 behind, with the body parsed and written again by orjson and nothing decided), the floor of
-a router built from those parts. Then, for each concurrency and mode, the same
+a router built from those parts. When granian is found in `--granian` (a folder holding the
+package: `pip install --target /tmp/granian-pkgs granian`; never a dependency of the
+product), an `appliance-granian`: a second `appliance up --engine external` in front of the
+same workers, the same code and settings, its API (the same ASGI app) served by granian's
+embedded Rust HTTP/1.1 server on the appliance's event loop instead of the appliance's own
+server (appliance/api/server.py); both appliances share a secret, so tenant salts and block
+hashes are the same. Then, for each concurrency and mode, the same
 traffic goes (a) straight to the workers, each session to the worker that holds its context,
-(b) through each relay, (c) through the appliance and (d) through vllm-router.
+(b) through each relay, (c) through the appliance (and appliance-granian) and (d) through
+vllm-router.
 `--router-cpus` pins the relays and the routers to those CPUs and everything else to the rest.
 Everything is loopback, every loop is bounded, and the script stops what it started.
 
@@ -103,6 +111,7 @@ import psutil
 
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.metrics import parse as parse_metrics
+from appliance.keystore import KEYS_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -281,6 +290,76 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
         await asyncio.gather(*(server.serve() for server in servers))
 
     eventloop.run(main())
+
+
+def serve_appliance_granian(granian_path: str, up_args: list[str]) -> None:
+    """`appliance up` as the product runs it, its API (the same ASGI app) served by granian's
+    embedded server (granian.server.embed: the Rust HTTP/1.1 server on the appliance's own
+    event loop, one Rust runtime thread) instead of the appliance's own HTTP/1.1 server.
+    granian is never a dependency of the product: it comes from `granian_path` (`pip install
+    --target DIR granian`, or a venv's site-packages)."""
+    import runpy
+
+    sys.path.insert(0, granian_path)
+    from granian.constants import HTTPModes, Interfaces
+    from granian.log import LogLevels
+    from granian.server.embed import Server
+
+    from appliance import daemon
+
+    def stamped(app: Any) -> Any:
+        """The appliance's own server tells the app when the whole request had arrived
+        (`extensions.appliance.received_at`: the appliance's own time per turn, the queue
+        time it records); granian calls the app at the head, so the stamp is taken when the
+        last body message is received."""
+
+        async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            mine: dict[str, Any] = {"received_at": None}
+            scope["extensions"] = {**(scope.get("extensions") or {}), "appliance": mine}
+
+            async def receive_stamped() -> Any:
+                message = await receive()
+                if message["type"] == "http.request" and not message.get("more_body"):
+                    mine["received_at"] = time.monotonic()
+                return message
+
+            await app(scope, receive_stamped, send)
+
+        return asgi
+
+    class GranianApi:
+        """What the daemon needs of its API server: `serve()` until cancelled, `started`."""
+
+        def __init__(self, app: Any, host: str, port: int) -> None:
+            self.started = False
+            self._server = Server(
+                stamped(app), address=host, port=port, interface=Interfaces.ASGINL,
+                http=HTTPModes.http1, websockets=False, backlog=2048,
+                log_level=LogLevels.warning,
+            )  # fmt: skip
+            self._server.on_startup(lambda: setattr(self, "started", True))
+
+        async def serve(self) -> None:
+            task = asyncio.ensure_future(self._server.serve())
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                self._server.stop()
+                await task
+                raise
+
+    daemon._api_server = lambda app, settings: GranianApi(  # type: ignore[assignment]
+        app, settings.server.host, settings.server.port
+    )
+    sys.argv = ["appliance", "up", *up_args]
+    runpy.run_module("cli.main", run_name="__main__")
+
+
+def granian_found(path: str) -> bool:
+    return (Path(path) / "granian" / "__init__.py").is_file()
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -783,7 +862,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("router_overhead.json"))
     p.add_argument("--concurrency", default="50,200", help="Sessions, comma-separated.")
     p.add_argument("--modes", default="nonstream,stream")
-    p.add_argument("--paths", default="direct,tcp-relay,http-relay,appliance,vllm-router")
+    p.add_argument(
+        "--paths", default="direct,tcp-relay,http-relay,appliance,appliance-granian,vllm-router"
+    )
     p.add_argument("--turns", type=int, default=4, help="Measured turns per session and phase.")
     p.add_argument("--think-s", default="1,3", help="Tool pause between turns: uniform lo,hi.")
     p.add_argument("--context-tokens", type=int, default=7800)
@@ -795,6 +876,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vllm-router executable (its own venv).",
     )
     p.add_argument("--no-vllm-router", action="store_true")
+    p.add_argument(
+        "--granian",
+        default=os.environ.get("GRANIAN_PATH", "/tmp/granian-pkgs"),
+        help="A folder holding the granian package (`pip install --target DIR granian`) for "
+        "the appliance-granian path: the appliance's API served by granian.",
+    )
     p.add_argument("--vllm-router-policy", default="cache_aware", help="Its --policy.")
     p.add_argument("--target-ms", default="1,5", help="Target added p50,p99 in ms.")
     p.add_argument(
@@ -818,7 +905,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--serve-relay", nargs=4, type=int, help=argparse.SUPPRESS)
     p.add_argument("--serve-http-relay", nargs=4, type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    p.add_argument("--serve-appliance-granian", action="store_true", help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    if rest and not args.serve_appliance_granian:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.up_args = rest
     args.think_s = tuple(float(x) for x in args.think_s.split(","))
     args.target_ms = tuple(float(x) for x in args.target_ms.split(","))
     args.router_cpus = {int(c) for c in args.router_cpus.split(",")} if args.router_cpus else None
@@ -837,10 +928,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve_http_relay:
         serve_http_relay(args.serve_http_relay[:2], args.serve_http_relay[2:])
         return
+    if args.serve_appliance_granian:
+        serve_appliance_granian(args.granian, args.up_args)
+        return
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
     paths = args.paths.split(",")
     vr_bin = None if args.no_vllm_router else shutil.which(args.vllm_router)
+    if "appliance-granian" in paths and not granian_found(args.granian):
+        print(f"granian not found in {args.granian}; the appliance-granian rows are left out")
+        paths.remove("appliance-granian")
     if vr_bin is None and "vllm-router" in paths:
         print(f"vllm-router not found at {args.vllm_router}; its rows are left out", flush=True)
         paths.remove("vllm-router")
@@ -891,6 +988,8 @@ async def run(
     kv_ports = free_ports(2)
     app_port, vr_port, vr_prom, *relay_ports = free_ports(5)
     http_relay_ports = free_ports(2)
+    (granian_port,) = free_ports(1)
+    app_ports = {"appliance": app_port, "appliance-granian": granian_port}
     worker_urls = [f"http://127.0.0.1:{p}" for p in w_ports]
     max_len = 32768
     for i, (port, kv) in enumerate(zip(w_ports, kv_ports, strict=True)):
@@ -904,6 +1003,10 @@ async def run(
     data_dir = tmp / "data"
     data_dir.mkdir()
     key = appliance_key(data_dir)
+    # One secret for both appliances (own server, granian): the same tenant salt, so the
+    # workers see the same block hashes from either, and the direct path's as well.
+    (data_dir / "secret.key").write_text(os.urandom(32).hex())
+    (data_dir / "secret.key").chmod(0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env.update(
         APPLIANCE_DATA_DIR=str(data_dir),
@@ -932,6 +1035,19 @@ async def run(
                  "raw", "--rate", "250", "-o", str(folded),
                  "-p", str(procs.procs["appliance"].pid)],
             )  # fmt: skip
+    if "appliance-granian" in paths:
+        granian_dir = tmp / "data-granian"  # a data dir is locked by the appliance using it
+        granian_dir.mkdir()
+        for name in (KEYS_FILE, "secret.key"):
+            shutil.copy2(data_dir / name, granian_dir / name)
+        procs.start(
+            "appliance-granian",
+            [sys.executable, str(Path(__file__).resolve()), "--granian", args.granian,
+             "--serve-appliance-granian", "--engine", "external", "--port", str(granian_port)],
+            env={**env, "APPLIANCE_DATA_DIR": str(granian_dir)},
+            cpus=args.router_cpus,
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{granian_port}/health", procs)
     relays = (("tcp-relay", "--serve-relay", relay_ports),
               ("http-relay", "--serve-http-relay", http_relay_ports))  # fmt: skip
     for name, flag, ports in relays:
@@ -998,6 +1114,13 @@ async def run(
             lambda sid: {},
             "appliance",
         ),
+        "appliance-granian": TrafficPath(
+            "appliance-granian",
+            lambda i: f"http://127.0.0.1:{granian_port}",
+            lambda sid: {"authorization": f"Bearer {key}", "x-session-id": sid, "x-task-id": sid},
+            lambda sid: {},
+            "appliance-granian",
+        ),
         "vllm-router": TrafficPath(
             "vllm-router",
             lambda i: f"http://127.0.0.1:{vr_port}",
@@ -1023,10 +1146,12 @@ async def run(
         f"{[list(placement.values()).count(w) for w in range(2)]}",
         flush=True,
     )
-    if warm_path != "appliance" and "appliance" in paths:
-        # The appliance has seen each context once too, as vllm-router has: its tokenizer's
-        # piece cache and its hash chains are as warm as vllm-router's prefix tree.
-        await warm_up(all_paths["appliance"], contexts, width=16)
+    for name in ("appliance", "appliance-granian"):
+        if warm_path != name and name in paths:
+            # The appliance has seen each context once too, as vllm-router has: its
+            # tokenizer's piece cache and its hash chains are as warm as vllm-router's
+            # prefix tree.
+            await warm_up(all_paths[name], contexts, width=16)
     rows = []
     phase_no = 0
     for conc in concurrencies:
@@ -1036,8 +1161,8 @@ async def run(
                 path = all_paths[name]
                 cpu = (lambda p=path.process: procs.cpu_s(p)) if path.process else None
                 t = time.monotonic()
-                metrics_url = f"http://127.0.0.1:{app_port}/metrics"
-                own0 = forward_histogram(metrics_url) if name == "appliance" else None
+                metrics_url = f"http://127.0.0.1:{app_ports.get(name, app_port)}/metrics"
+                own0 = forward_histogram(metrics_url) if name in app_ports else None
                 phase = await run_phase(
                     path, contexts, conc, mode, args, phase_no, cpu, procs.all_cpu_s
                 )
