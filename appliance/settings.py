@@ -90,6 +90,14 @@ class EngineSettings(Section):
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit (the API
     takes the limit each worker reports)."""
+    tool_call_parser: str | None = "hermes"
+    """vLLM --tool-call-parser: how a worker reads tool calls out of the model's text
+    (hermes: Qwen 2.5/3, Hermes and most `<tool_call>` templates; llama3_json: Llama 3.1+;
+    mistral; pythonic: Llama 4; `vllm serve --help` lists them). None: no parser, and only
+    tool_choice "none" is accepted. The simulated engine writes hermes-style calls."""
+    enable_auto_tool_choice: bool = True
+    """vLLM --enable-auto-tool-choice: the model decides whether to call a tool (tool_choice
+    "auto", the default when tools are given); needs tool_call_parser."""
     extra_args: list[str] = []
     """Extra command-line arguments passed verbatim to every `vllm serve`."""
     external_urls: list[str] = []
@@ -125,6 +133,15 @@ class EngineSettings(Section):
                 f"engine.workers={self.workers} x engine.gpus_per_worker={self.gpus_per_worker}"
                 f" needs {need} GPUs but engine.gpus lists {len(self.gpus)}; list more GPUs or "
                 "lower one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> EngineSettings:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                "engine.enable_auto_tool_choice needs engine.tool_call_parser (e.g. hermes); "
+                "set one or set enable_auto_tool_choice: false"
             )
         return self
 
