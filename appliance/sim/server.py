@@ -45,6 +45,8 @@ from appliance.sim.protocol import (
     validate_body,
 )
 from appliance.sim.responses import GenerationReply, Outputs, ReplyChoice, ReplyWriter, model_list
+from appliance.sim.tool_calls import attach, plan_reply
+from appliance.sim.tool_replies import rewrite_body, rewrite_stream
 from appliance.tokenization.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -187,11 +189,17 @@ class SimApi:
         natural = body.requested_max_tokens is None and not body.ignore_eos
         for req in job.requests:
             req.eos_after = self.worker.natural_length(req.request_id) if natural else None
+        plan = plan_reply(body, job.reply.response_id)  # tool calls, JSON: tool_calls.py
+        planned = attach(plan, self.tok, job.requests, job.decoders) if plan else []
         if job.stream:
-            return _sse(self.writer.chat_stream(job.reply, self._outputs(job)))
+            chunks = self.writer.chat_stream(job.reply, self._outputs(job))
+            return _sse(rewrite_stream(plan, chunks) if plan else chunks)
         if not await _unless_disconnected(request, self._run(job)):
             return Response(status_code=499)
-        return JSONResponse(self.writer.chat_body(job.reply))
+        answer = self.writer.chat_body(job.reply)
+        if plan:
+            rewrite_body(plan, answer, planned)
+        return JSONResponse(answer)
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         raw = body.prompt
