@@ -226,30 +226,6 @@ def test_the_retention_connector_is_on_unless_turned_off(on: bool, loaded: bool)
     assert (flag(argv, "--kv-transfer-config") is not None) == loaded
 
 
-@pytest.mark.parametrize(
-    ("fields", "parser", "auto"),
-    [({}, "hermes", ""), ({"tool_call_parser": "llama3_json"}, "llama3_json", ""),
-     ({"enable_auto_tool_choice": False}, "hermes", None),
-     ({"enable_auto_tool_choice": False, "tool_call_parser": None}, None, None)],
-)  # fmt: skip
-def test_workers_get_the_tool_call_flags(
-    fields: dict, parser: str | None, auto: str | None
-) -> None:
-    spec = spec_from_settings(
-        EngineSettings(model="/m/tiny", **fields), python="/p", device=Device.CPU
-    )
-    argv = plan_workers(spec, {})[0].argv
-    assert (flag(argv, "--tool-call-parser"), flag(argv, "--enable-auto-tool-choice")) == (
-        parser,
-        auto,
-    )
-
-
-def test_auto_tool_choice_needs_a_parser() -> None:
-    with pytest.raises(ValueError, match=r"needs engine\.tool_call_parser"):
-        EngineSettings(tool_call_parser=None)
-
-
 def test_wildcard_host_is_reached_on_loopback() -> None:
     assert plan_workers(replace(GPU, host="0.0.0.0"), {})[0].url == "http://127.0.0.1:8100"
 
