@@ -2,14 +2,13 @@
 
 Model of the world (vLLM `chat_completion/serving.py` with `--enable-auto-tool-choice
 --tool-call-parser hermes`): the model writes its answer as text and vLLM turns it into
-`message.tool_calls` [{id, type: function, function: {name, arguments}}]: under tool_choice
-"auto" the hermes parser reads `<tool_call>{"name", "arguments"}</tool_call>` blocks
-(content: the text before the first block, null when none); "required" constrains the
-output to a JSON array of {"name", "parameters"}; a named tool constrains it to that tool's
-arguments (content ""). finish_reason is "tool_calls" for auto and required, "stop" for a
-named tool. Streamed, the calls come as deltas: {index, id, type, function: {name}} first,
-then argument fragments. `response_format` json_schema / json_object makes the content a
-JSON document valid for the schema.
+`message.tool_calls` [{id, type: function, function: {name, arguments}}]: the hermes parser
+reads `<tool_call>{"name", "arguments"}</tool_call>` blocks (content: the text before the
+first block, null when none); "required" and a named tool constrain the output to such
+blocks (structured output; content ""). finish_reason is "tool_calls" for auto and
+required, "stop" for a named tool. Streamed, the calls come as deltas: {id, type, index,
+function: {name}} first, then argument fragments. `response_format` json_schema /
+json_object makes the content a JSON document valid for the schema.
 
 The sim's rule (deterministic, per request id): with tools and tool_choice auto it calls,
 unless the last message is a tool result (then it answers in text), each tool whose name
@@ -19,7 +18,8 @@ named tool is called alone; "none" answers in text. Arguments are drawn from the
 `parameters` schema (`json_instance.py`). The planned text is what the engine "generates":
 its length in the sim tokenizer's tokens is the number of tokens the engine runs (so usage
 counts it), and each generated token reveals the next slice of it; max_tokens below that
-cuts it ("length"), and a cut tool call is text again, except a named one (vLLM's).
+cuts it ("length"), and a cut tool call is text again (as on vLLM: the parser finds no
+whole block), streamed as the deltas of what is whole so far.
 """
 
 from __future__ import annotations
@@ -92,28 +92,25 @@ def _tool_plan(body: Any, rng: random.Random) -> Plan | None:
         tool = next((t for t in tools if _name(t) == wanted), None)
         if tool is None:
             raise bad_request(f"Tool '{wanted}' has not been passed in `tools`.")
-        args = _arguments(tool, rng)
-        return Plan("named", args, (PlannedCall(_name(tool), args, 0, 0),))
+        return _hermes("named", [tool], rng)
     after_result = bool(body.messages) and body.messages[-1].get("role") == "tool"
     if choice == "auto" and after_result:
         return None
-    mode: Mode = "required" if choice == "required" else "auto"
+    return _hermes("required" if choice == "required" else "auto", _pick_tools(body, tools), rng)
+
+
+def _hermes(mode: Mode, tools: list[dict[str, Any]], rng: random.Random) -> Plan:
+    """The calls as hermes blocks, which vLLM 0.32 also constrains required and named
+    tool choices to (a structural tag)."""
     parts, calls, at = [], [], 0
-    for i, tool in enumerate(_pick_tools(body, tools)):
+    for i, tool in enumerate(tools):
         name, args = _name(tool), _arguments(tool, rng)
-        if mode == "auto":
-            head = (
-                f'{"" if i == 0 else chr(10)}<tool_call>\n{{"name": {_dumps(name)}, "arguments": '
-            )
-            tail = "}\n</tool_call>"
-        else:
-            head = f'{"[" if i == 0 else ", "}{{"name": {_dumps(name)}, "parameters": '
-            tail = "}"
+        head = f'{chr(10) if i else ""}<tool_call>\n{{"name": {_dumps(name)}, "arguments": '
+        tail = "}\n</tool_call>"
         calls.append(PlannedCall(name, args, at + len(head), at + len(head)))
         parts.append(head + args + tail)
         at += len(head) + len(args) + len(tail)
-    text = "".join(parts) + ("]" if mode == "required" else "")
-    return Plan(mode, text, tuple(calls))
+    return Plan(mode, "".join(parts), tuple(calls))
 
 
 def _json_plan(body: Any, rng: random.Random) -> Plan | None:

@@ -39,14 +39,10 @@ def rewrite_body(plan: Plan, body: dict[str, Any], decoders: Sequence[PlannedDec
         whole = choice["finish_reason"] == "stop"
         if plan.mode == "json":
             choice["message"]["content"] = text
-        elif plan.mode == "named":
-            call = _whole_call(plan.calls[0], text)
-            choice["message"] = _message("", [call])
         elif whole:
             calls = [_whole_call(c, c.arguments) for c in plan.calls]
-            content = None if plan.mode == "auto" else ""
-            choice["message"] = _message(content, calls)
-            choice["finish_reason"] = "tool_calls"
+            choice["message"] = _message(None if plan.mode == "auto" else "", calls)
+            choice["finish_reason"] = "stop" if plan.mode == "named" else "tool_calls"
         else:  # cut short: the parser finds no whole call, the text is content
             choice["message"]["content"] = text
 
@@ -62,7 +58,7 @@ class _Streamed:
     def deltas(self, calls: Sequence[PlannedCall]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for k, call in enumerate(calls):
-            if len(self.text) < call.header_at or (call.header_at == 0 and not self.text):
+            if len(self.text) < call.header_at:
                 break
             begin = call.start + self.sent.get(k, 0)
             end = min(len(self.text), call.start + len(call.arguments))

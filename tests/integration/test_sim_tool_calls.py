@@ -187,3 +187,16 @@ def test_without_auto_tool_choice_tools_are_refused_as_vllm_does() -> None:
         body = {"model": "sim", "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
         r = httpx.post(f"{plain.base_url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "named"])
+def test_a_cut_tool_call_is_text_as_on_vllm(client: openai.OpenAI, tool_choice: str) -> None:
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": "get_time"}}
+    reply = client.chat.completions.create(
+        model="sim", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=8
+    )
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "length" and message.tool_calls is None
+    assert (message.content or "").startswith("<tool_call>")
