@@ -53,15 +53,16 @@ def sim_only(app: RunningAppliance) -> None:
         pytest.skip("the simulated engine's own answers; vLLM's are compared below")
 
 
-def ledger_output_tokens(app: RunningAppliance, session: str) -> int | None:
+def ledger_tokens(app: RunningAppliance, session: str) -> tuple[int, int] | None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         with closing(sqlite3.connect(app.ledger)) as db:
             row = db.execute(
-                "SELECT output_tokens FROM turns WHERE session_id LIKE ?", (f"%{session}",)
+                "SELECT prompt_tokens, output_tokens FROM turns WHERE session_id LIKE ?",
+                (f"%{session}",),
             ).fetchone()
         if row is not None:
-            return int(row[0])
+            return int(row[0]), int(row[1])
         time.sleep(0.05)
     return None
 
@@ -96,7 +97,8 @@ def test_tool_calls_pass_through_and_the_ledger_counts_them(
         args = json.loads(call.function.arguments)  # type: ignore[union-attr]
         jsonschema.validate(args, SCHEMAS[call.function.name])  # type: ignore[union-attr]
     assert reply.usage is not None
-    assert ledger_output_tokens(appliance_up, session) == reply.usage.completion_tokens
+    usage = (reply.usage.prompt_tokens, reply.usage.completion_tokens)
+    assert ledger_tokens(appliance_up, session) == usage
 
 
 def test_streamed_tool_call_deltas_pass_through(appliance_up: RunningAppliance) -> None:
