@@ -164,11 +164,16 @@ class SimApi:
         self._check_model(body.model)
         prompts = self._completion_prompts(body)
         job = self._job(body, request, prompts, f"cmpl-{base_request_id(body, request.headers)}")
+        plan = plan_reply(body, job.reply.response_id)  # response_format: tool_calls.py
+        planned = attach(plan, self.tok, job.requests, job.decoders) if plan else []
         if job.stream:
             return _sse(self.writer.completion_stream(job.reply, self._outputs(job)))
         if not await _unless_disconnected(request, self._run(job)):
             return Response(status_code=499)  # nobody reads it: the client is gone
-        return JSONResponse(self.writer.completion_body(job.reply))
+        answer = self.writer.completion_body(job.reply)
+        for choice in answer["choices"] if plan else ():
+            choice["text"] = planned[choice["index"]].text
+        return JSONResponse(answer)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(

@@ -84,7 +84,7 @@ def _arguments(tool: dict[str, Any], rng: random.Random) -> str:
 
 
 def _tool_plan(body: Any, rng: random.Random) -> Plan | None:
-    tools, choice = body.tools or [], body.tool_choice
+    tools, choice = getattr(body, "tools", None) or [], getattr(body, "tool_choice", None)
     if not tools or choice in (None, "none"):
         return None
     if isinstance(choice, dict):
@@ -130,7 +130,8 @@ def _json_plan(body: Any, rng: random.Random) -> Plan | None:
 
 
 def plan_reply(body: Any, request_id: str) -> Plan | None:
-    """The structured answer a chat request gets, or None for a plain text answer."""
+    """The structured answer a chat (or completion: JSON only) request gets, or None for a
+    plain text answer."""
     rng = random.Random(zlib.crc32(request_id.encode()))
     return _tool_plan(body, rng) or _json_plan(body, rng)
 

@@ -158,6 +158,18 @@ def test_a_json_schema_answer_validates(appliance_up: RunningAppliance, stream: 
     jsonschema.validate(json.loads(text), ANSWER)
 
 
+def test_a_json_schema_completion_validates(appliance_up: RunningAppliance) -> None:
+    """The completions route takes response_format too."""
+    reply = client(appliance_up).completions.create(
+        model=appliance_up.model,
+        prompt="Will it rain in Oslo? JSON:",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"response_format": JSON_SCHEMA},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].text), ANSWER)
+
+
 def _comparable(value: Any) -> Any:
     """A body without what differs between two answers of the same: ids, timestamps, the
     prompt cache's counts (the second request hits the first one's blocks)."""

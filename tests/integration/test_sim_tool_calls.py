@@ -200,3 +200,14 @@ def test_a_cut_tool_call_is_text_as_on_vllm(client: openai.OpenAI, tool_choice: 
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason == "length" and message.tool_calls is None
     assert (message.content or "").startswith("<tool_call>")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_with_a_json_schema_validates(client: openai.OpenAI, stream: bool) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    reply: Any = client.completions.create(
+        model="sim", prompt="Verdict:", max_tokens=100, stream=stream,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+    jsonschema.validate(json.loads(text), ANSWER)
