@@ -309,6 +309,8 @@ def sim_argv(settings: Settings, index: int, max_model_len: int) -> list[str]:
         argv += ["--model", e.model]
     if e.gpu_profile:
         argv += ["--gpu-profile", str(e.gpu_profile)]
+    if e.enable_auto_tool_choice:  # the sim's calls are hermes-style whatever the parser
+        argv.append("--enable-auto-tool-choice")
     if (retention := _retention_launch(settings)) is not None:
         argv += ["--retention-endpoint", retention.endpoint(index)]  # as vLLM's connector
     profile = load_profile(e.gpu_profile) if e.gpu_profile else bundled_profile()

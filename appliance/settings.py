@@ -90,6 +90,25 @@ class EngineSettings(Section):
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit (the API
     takes the limit each worker reports)."""
+    tool_call_parser: str | None = "hermes"
+    """vLLM --tool-call-parser: how a worker reads tool calls out of the model's text
+    (hermes: Qwen 2.5/3, Hermes and most `<tool_call>` templates; llama3_json: Llama 3.1+;
+    mistral; pythonic: Llama 4; `vllm serve --help` lists them). None: no parser, and only
+    tool_choice "none" is accepted. The simulated engine writes hermes-style calls."""
+    enable_auto_tool_choice: bool = True
+    """vLLM --enable-auto-tool-choice: the model decides whether to call a tool (tool_choice
+    "auto", the default when tools are given); needs tool_call_parser."""
+    structured_outputs_backend: Literal[
+        "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"
+    ] = "xgrammar"
+    """vLLM's structured-output backend (response_format json_schema / json_object, and the
+    required and named tool choices): xgrammar, auto's first choice, can write compact JSON
+    (guidance can too, but refuses the structural tags of tool_choice required and named);
+    auto is vLLM's own choice per request."""
+    compact_json: bool = True
+    """Structured output without free whitespace (vLLM's disable_any_whitespace; needs the
+    xgrammar or guidance backend). Else a model may pad JSON with whitespace until
+    max_tokens (a random-weight model always does)."""
     extra_args: list[str] = []
     """Extra command-line arguments passed verbatim to every `vllm serve`."""
     external_urls: list[str] = []
@@ -125,6 +144,20 @@ class EngineSettings(Section):
                 f"engine.workers={self.workers} x engine.gpus_per_worker={self.gpus_per_worker}"
                 f" needs {need} GPUs but engine.gpus lists {len(self.gpus)}; list more GPUs or "
                 "lower one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tool_and_json_flags_fit(self) -> EngineSettings:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                "engine.enable_auto_tool_choice needs engine.tool_call_parser (e.g. hermes); "
+                "set one or set enable_auto_tool_choice: false"
+            )
+        if self.compact_json and self.structured_outputs_backend not in ("xgrammar", "guidance"):
+            raise ValueError(
+                "engine.compact_json needs engine.structured_outputs_backend xgrammar or "
+                "guidance; choose one or set compact_json: false"
             )
         return self
 

@@ -385,6 +385,9 @@ def sim(
     num_host_blocks: Annotated[
         int, typer.Option(help="Host-memory KV blocks per worker (0: no host tier).", min=0)
     ] = 0,
+    enable_auto_tool_choice: Annotated[
+        bool, typer.Option(help="Accept every tool_choice and answer with tool calls.")
+    ] = False,
 ) -> None:
     """Run simulated vLLM workers alone (vLLM's HTTP, metrics, KV-event and KV retention
     protocols)."""
@@ -404,6 +407,7 @@ def sim(
         num_gpu_blocks=num_gpu_blocks_override,
         retention_endpoint=retention_endpoint,
         num_host_blocks=num_host_blocks,
+        enable_auto_tool_choice=enable_auto_tool_choice,
     )
 
 

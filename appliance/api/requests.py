@@ -262,13 +262,15 @@ def _chat_ids(
     encoder: ChatEncoder | None,
 ) -> tuple[Sequence[int], ChatTokens | None]:
     messages = body["messages"]  # checked by check_model_request
-    add_generation_prompt = body.get("add_generation_prompt", True)
+    kw: dict[str, Any] = {"add_generation_prompt": body.get("add_generation_prompt", True)}
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        kw["tools"] = body["tools"]  # the template renders them into the prompt, as vLLM's
     try:
         if encoder is not None:
             render = tokenizer.render_chat  # type: ignore[attr-defined]
-            chat = encoder(render(messages, add_generation_prompt=add_generation_prompt), previous)
+            chat = encoder(render(messages, **kw), previous)
             return chat.ids, chat  # the same array all the way to the session: no copies
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt), None
+        return tokenizer.encode_chat(messages, **kw), None
     except (ValueError, TypeError) as exc:
         raise RequestRefused(
             400, f"cannot render the messages: {exc}", "invalid_messages"

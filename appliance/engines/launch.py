@@ -94,6 +94,12 @@ class LaunchSpec:
     """What follows the interpreter: the module to run (tests put a stand-in here)."""
     retention: RetentionLaunch | None = None
     """The retention connector every worker loads, with its control port; None: none."""
+    tool_call_parser: str | None = None
+    """--tool-call-parser; None: none (tool_choice "none" only)."""
+    enable_auto_tool_choice: bool = False
+    """--enable-auto-tool-choice (needs tool_call_parser)."""
+    structured_outputs: Mapping[str, object] = field(default_factory=dict)
+    """--structured-outputs-config (backend, disable_any_whitespace); empty: vLLM's defaults."""
 
     def port(self, index: int) -> int:
         return self.base_port + index
@@ -218,6 +224,13 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         args += ["--tensor-parallel-size", str(spec.gpus_per_worker)]
     if spec.enforce_eager:
         args.append("--enforce-eager")
+    if spec.tool_call_parser:
+        args += ["--tool-call-parser", spec.tool_call_parser]
+        if spec.enable_auto_tool_choice:
+            args.append("--enable-auto-tool-choice")
+    if spec.structured_outputs:
+        config = json.dumps(dict(spec.structured_outputs), separators=(",", ":"))
+        args += ["--structured-outputs-config", config]
     if spec.retention is not None:
         config = spec.retention.kv_transfer_config(index)
         args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -337,4 +350,16 @@ def spec_from_settings(
         gpu_ids=gpu_ids,
         cpu_ids=tuple(cpu_ids),
         retention=RetentionLaunch(engine.kv_retention_base_port) if engine.kv_retention else None,
+        tool_call_parser=engine.tool_call_parser,
+        enable_auto_tool_choice=engine.enable_auto_tool_choice,
+        structured_outputs=_structured_outputs(engine),
     )
+
+
+def _structured_outputs(engine: EngineSettings) -> dict[str, object]:
+    config: dict[str, object] = {}
+    if engine.structured_outputs_backend != "auto":
+        config["backend"] = engine.structured_outputs_backend
+    if engine.compact_json:
+        config["disable_any_whitespace"] = True
+    return config

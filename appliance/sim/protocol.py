@@ -192,8 +192,9 @@ def _check_tool_usage(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_choice_error(tool_choice: Any, *, auto_tools_enabled: bool) -> ApiError | None:
-    """The 400 vLLM gives for a tool_choice it cannot honour without a tool-call parser."""
-    if tool_choice in (None, "none") or (tool_choice == "auto" and auto_tools_enabled):
+    """The 400 vLLM gives for a tool_choice it cannot honour without a tool-call parser
+    (the sim's `enable_auto_tool_choice` stands for both flags)."""
+    if tool_choice in (None, "none") or auto_tools_enabled:
         return None
     if tool_choice == "auto":
         return bad_request(

@@ -46,6 +46,8 @@ from appliance.sim.protocol import (
 )
 from appliance.sim.responses import GenerationReply, Outputs, ReplyChoice, ReplyWriter, model_list
 from appliance.sim.responses_api import ResponsesApi
+from appliance.sim.tool_calls import attach, plan_reply
+from appliance.sim.tool_replies import rewrite_body, rewrite_stream
 from appliance.tokenization.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -163,11 +165,16 @@ class SimApi:
         self._check_model(body.model)
         prompts = self._completion_prompts(body)
         job = self._job(body, request, prompts, f"cmpl-{base_request_id(body, request.headers)}")
+        plan = plan_reply(body, job.reply.response_id)  # response_format: tool_calls.py
+        planned = attach(plan, self.tok, job.requests, job.decoders) if plan else []
         if job.stream:
             return _sse(self.writer.completion_stream(job.reply, self._outputs(job)))
         if not await _unless_disconnected(request, self._run(job)):
             return Response(status_code=499)  # nobody reads it: the client is gone
-        return JSONResponse(self.writer.completion_body(job.reply))
+        answer = self.writer.completion_body(job.reply)
+        for choice in answer["choices"] if plan else ():
+            choice["text"] = planned[choice["index"]].text
+        return JSONResponse(answer)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(
@@ -188,11 +195,17 @@ class SimApi:
         natural = body.requested_max_tokens is None and not body.ignore_eos
         for req in job.requests:
             req.eos_after = self.worker.natural_length(req.request_id) if natural else None
+        plan = plan_reply(body, job.reply.response_id)  # tool calls, JSON: tool_calls.py
+        planned = attach(plan, self.tok, job.requests, job.decoders) if plan else []
         if job.stream:
-            return _sse(self.writer.chat_stream(job.reply, self._outputs(job)))
+            chunks = self.writer.chat_stream(job.reply, self._outputs(job))
+            return _sse(rewrite_stream(plan, chunks) if plan else chunks)
         if not await _unless_disconnected(request, self._run(job)):
             return Response(status_code=499)
-        return JSONResponse(self.writer.chat_body(job.reply))
+        answer = self.writer.chat_body(job.reply)
+        if plan:
+            rewrite_body(plan, answer, planned)
+        return JSONResponse(answer)
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         raw = body.prompt

@@ -86,8 +86,9 @@ class WorkerConfig:
     """Range of a reply's length when the client set no max_tokens and not ignore_eos."""
     data_parallel_rank: int = 0
     enable_auto_tool_choice: bool = False
-    """As `--enable-auto-tool-choice --tool-call-parser ...`: tool_choice "auto" is accepted
-    (the sim answers in text, never with tool calls); without it vLLM's 400 is returned."""
+    """As `--enable-auto-tool-choice --tool-call-parser hermes`: every tool_choice is accepted
+    and answered with tool calls (`tool_calls.py`); without it vLLM's 400 is returned for
+    any but "none"."""
     dev_mode: bool = False
     """vLLM's VLLM_SERVER_DEV_MODE=1: adds POST /reset_prefix_cache."""
 

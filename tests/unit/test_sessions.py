@@ -126,3 +126,20 @@ def test_a_new_sessions_chain_starts_from_a_shared_prefix(monkeypatch: MonkeyPat
     hashed.clear()
     table.hash_prompt(c, [*shared, 9, 9, 9, 9], "other")
     assert sum(hashed) == 11
+
+
+def test_tools_are_rendered_into_the_prompt_as_the_worker_renders_them() -> None:
+    class WithTools(FallbackTokenizer):
+        chat_template = (
+            "{% if tools %}{% for t in tools %}tool {{ t.function.name }}\n{% endfor %}{% endif %}"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        )
+
+    tok, path = WithTools(), "/v1/chat/completions"
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"model": "sim", "messages": messages, "tools": tools}
+    ids, _ = prompt_tokens(path, body, tok, model="sim", max_model_len=100)
+    assert list(ids) == tok.encode_chat(messages, tools=tools)
+    plain, _ = prompt_tokens(path, {**body, "tools": None}, tok, model="sim", max_model_len=100)
+    assert len(plain) < len(ids)
