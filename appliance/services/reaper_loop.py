@@ -58,13 +58,12 @@ from appliance.services.residency_inputs import (
     idle_session,
     inherited_blocks,
     kv_usage,
-    one_turn,
     prefix_tokens,
     resident_tokens,
     retention_key,
 )
 from appliance.services.retention_outbox import RetentionOutbox
-from appliance.services.sessions import SessionState
+from appliance.services.sessions import SessionState, one_turn
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5

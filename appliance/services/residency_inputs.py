@@ -90,12 +90,6 @@ def host_reading(
     return HostTierReading(room, tier.used_blocks / tier.blocks, turnover=tier.turnover)
 
 
-def one_turn(session: SessionState) -> bool:
-    """A turn that named neither a session nor a task: nothing comes back to it."""
-    task = session.task_id or ""
-    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
-
-
 def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> float:
     """The worker's HBM pressure now, 0..1 (see the module)."""
     reported = retention.kv_usage(worker)

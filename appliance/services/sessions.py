@@ -176,6 +176,12 @@ class TurnListener(Protocol):
     def turn_ended(self, session: SessionState, now: float) -> None: ...
 
 
+def one_turn(session: SessionState) -> bool:
+    """A turn that named neither a session nor a task: nothing comes back to it."""
+    task = session.task_id or ""
+    return session.session_id.startswith("task:") and task.split("/", 1)[-1].startswith("turn-")
+
+
 class SessionTable:
     """Sessions by (tenant, id), least recently used first; bounded so memory stays flat.
     `listener` (the idle reaper) hears of every turn's start and end."""
@@ -220,11 +226,15 @@ class SessionTable:
             self.listener.turn_began(state, now)
 
     def ended(self, state: SessionState, now: float) -> None:
-        """A turn of the session has ended (its answer, or its stream), however it ended."""
+        """A turn of the session has ended (its answer, or its stream), however it ended.
+        A turn that named neither a session nor a task leaves no session: nothing comes
+        back to it (kept, every plain request would hold its prompt until the cap)."""
         state.in_flight -= 1
         state.last_active_at = now
         if not state.in_flight and self.listener is not None:
             self.listener.turn_ended(state, now)
+        if not state.in_flight and one_turn(state):
+            self._sessions.pop((state.tenant, state.session_id), None)
 
     def restore(self, sessions: Iterable[RecentSession]) -> None:
         """Takes back recent sessions from the ledger after a restart, least recently active

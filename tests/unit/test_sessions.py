@@ -10,7 +10,7 @@ from pytest import MonkeyPatch
 
 from appliance.api.requests import prompt_tokens
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
-from appliance.domain.records import SessionId, TenantId
+from appliance.domain.records import SessionId, TaskId, TenantId
 from appliance.services.sessions import ChatEncoder, SessionTable, encode_chat_text
 from appliance.tokenization.tokenizer import FallbackTokenizer
 
@@ -143,3 +143,22 @@ def test_tools_are_rendered_into_the_prompt_as_the_worker_renders_them() -> None
     assert list(ids) == tok.encode_chat(messages, tools=tools)
     plain, _ = prompt_tokens(path, {**body, "tools": None}, tok, model="sim", max_model_len=100)
     assert len(plain) < len(ids)
+
+
+def test_a_turn_that_named_no_session_nor_task_leaves_no_session_behind() -> None:
+    """Every plain request used to leave a session holding its prompt until the cap of
+    100,000 (the soak's memory grew with them); one with a session or a task stays."""
+    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16))
+    tenant = TenantId("t")
+    kept = []
+    for sid, task in (("task:t/turn-1a", "t/turn-1a"), ("s-1", "t/turn-2b"),
+                      ("task:t/job", "t/job")):  # fmt: skip
+        state = table.open(tenant, SessionId(sid), 0.0)
+        state.task_id = TaskId(task)
+        table.began(state, 0.0)
+        table.began(state, 0.0)  # two turns at once: it stays until the last has ended
+        table.ended(state, 1.0)
+        kept.append(table.get(tenant, SessionId(sid)) is not None)
+        table.ended(state, 2.0)
+    assert kept == [True, True, True]
+    assert [s.session_id for s in table] == ["s-1", "task:t/job"]
