@@ -1,64 +1,61 @@
-"""An agent loop with one local tool through `appliance up` on the simulated engine.
-
-Neither the OpenAI Agents SDK nor pydantic-ai is installed here, so the loop is the one
-those SDKs run, written with the plain `openai` client, unchanged but for its base URL and
-key: ask, run every tool call the model makes, send the results back, until the model
-answers in text. Three questions, three tool round-trips, one conversation."""
+"""An agent of the OpenAI Agents SDK with one local tool through `appliance up` on the
+simulated engine, unchanged but for its base URL and key: three questions in one
+conversation, each a tool round-trip (the model calls the tool, the SDK runs it and sends
+the result back, the model answers in text). The simulated engine chooses tools by a rule
+(docs/engines.md); a random-weight model on vLLM calls none by itself, so this runs on the
+simulator only."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
-import jsonschema
 import openai
 import pytest
+from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 
 from tests.e2e.conftest import RunningAppliance
+from tests.running import add_key, appliance_process
 
 pytestmark = pytest.mark.e2e
-LOOKUP = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
-    "required": ["city", "days"],
-}
-TOOL: Any = {
-    "type": "function",
-    "function": {"name": "forecast", "description": "Weather forecast", "parameters": LOOKUP},
-}
 
 
-def forecast(city: str, days: int) -> str:
-    """The local tool."""
-    return json.dumps({"city": city, "days": days, "sky": "clear"})
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningAppliance]:
+    data_dir = tmp_path_factory.mktemp("agent-loop")
+    keys = {"bob": add_key(data_dir, "bob")}
+    with appliance_process(data_dir, engine="sim") as up:
+        yield RunningAppliance(
+            up.url, keys, data_dir, up.proc, up.base_port, up.log, "sim", "sim", 1.0
+        )
 
 
-def run_agent(
-    llm: openai.OpenAI, model: str, messages: list[Any], calls: list[dict[str, Any]]
-) -> str:
-    """One user request to its text answer, running the tool calls it takes on the way."""
-    for _ in range(8):
-        reply = llm.chat.completions.create(model=model, messages=messages, tools=[TOOL])
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return message.content or ""
-        for call in message.tool_calls:
-            args = json.loads(call.function.arguments)  # type: ignore[union-attr]
-            jsonschema.validate(args, LOOKUP)
-            calls.append(args)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": forecast(**args)})
-    raise AssertionError("the agent never answered in text")
-
-
-def test_an_agent_loop_runs_three_tool_round_trips(appliance_up: RunningAppliance) -> None:
-    if appliance_up.engine != "sim":
-        pytest.skip("a random-weight model calls no tools by itself")
-    llm = openai.OpenAI(base_url=f"{appliance_up.url}/v1", api_key=appliance_up.keys["bob"])
-    messages: list[Any] = [{"role": "system", "content": "You are a weather agent."}]
+def test_an_agents_sdk_agent_runs_three_tool_round_trips(simulated: RunningAppliance) -> None:
+    set_tracing_disabled(True)  # the SDK would export its traces to the vendor otherwise
     calls: list[dict[str, Any]] = []
+
+    @function_tool
+    def forecast(city: str, days: int) -> str:
+        """Weather forecast for a city, `days` days ahead."""
+        calls.append({"city": city, "days": days})
+        return json.dumps({"city": city, "days": days, "sky": "clear"})
+
+    client = openai.AsyncOpenAI(base_url=f"{simulated.url}/v1", api_key=simulated.keys["bob"])
+    model = OpenAIChatCompletionsModel(model=simulated.model, openai_client=client)
+    agent = Agent(name="weather", instructions="You are a weather agent.", tools=[forecast],
+                  model=model)  # fmt: skip
+    history: list[Any] = []
     for city in ("Oslo", "Lima", "Pune"):
-        messages.append({"role": "user", "content": f"What is the forecast for {city}?"})
-        assert run_agent(llm, appliance_up.model, messages, calls)
-    assert len(calls) == 3
-    assert [m["role"] for m in messages].count("tool") == 3
+        asked = [*history, {"role": "user", "content": f"What is the forecast for {city}?"}]
+        result = Runner.run_sync(agent, asked)
+        assert isinstance(result.final_output, str) and result.final_output
+        history = result.to_input_list()
+    assert len(calls) == 3 and all(isinstance(c["city"], str) for c in calls)
+    kinds = [item.get("type") for item in history if isinstance(item, dict)]
+    assert kinds.count("function_call") == 3 and kinds.count("function_call_output") == 3
+    with closing(sqlite3.connect(simulated.data_dir / "ledger.db")) as db:
+        (turns,) = db.execute("SELECT COUNT(*) FROM turns WHERE outcome = 'ok'").fetchone()
+    assert turns == 6  # per question: the call, then the answer after its result
