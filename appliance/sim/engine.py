@@ -510,6 +510,12 @@ class SimEngine:
         findable until reused); returns how many went there."""
         return self._pins.evict(session_id)
 
+    def restore_blocks(self, session_id: str) -> int:
+        """GPU blocks a `restore` of the session would take (0: nothing to copy)."""
+        req = self._last_prompts.get(session_id)
+        host = self.prefetches.probe(req)[1] if req is not None else 0
+        return -(-host // self.block_size) if host else 0
+
     def restore(self, session_id: str, now: float, hold_s: float) -> bool:
         """Bring the session's newest finished prompt back into HBM from the host tier (a
         prefetch without prefill), pinned `hold_s` once there; False when there is nothing

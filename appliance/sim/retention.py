@@ -187,6 +187,13 @@ class SimRetention:
             self._publish()
         return True
 
+    def make_room_for_restore(self, key: str, blocks: int, priority: float) -> None:
+        """Room for a restore of `blocks` (and the reserve): holds of a lower priority than
+        the restore's are given back, as a waiting request's would be."""
+        if self._book and self._book.make_room(blocks + self._reserve, protect=key,
+                                                below=priority):  # fmt: skip
+            self._publish()
+
     def relieve(self) -> bool:
         if not self._book:
             return False

@@ -202,6 +202,9 @@ class SimWorker:
         """A restore directive: the engine's prefetch from its host tier, kept until the
         directive's unix time (in the engine's seconds, which the time scale stretches)."""
         hold_s = max(0.0, restore.until_s - time.time()) / self.clock.scale
+        blocks = self.engine.restore_blocks(restore.key)
+        if blocks and self.retention is not None:
+            self.retention.make_room_for_restore(restore.key, blocks, restore.priority)
         return self.engine.restore(restore.key, self.clock.now(), hold_s)
 
     async def stop(self) -> None:

@@ -195,6 +195,15 @@ def test_a_short_tool_wait_is_held_through_a_flood_and_an_approval_is_not(reaped
     assert set(statuses) == {200}, statuses
     assert app.preemptions() == preempted
 
+    # The released session's eviction is recorded while it waits (the reaper looks at the
+    # waiting sessions' prefixes every second; its next turn would end its wait first).
+    evictions = eventually(
+        lambda: app.rows(
+            "SELECT reason FROM residency_events WHERE session_id = ? AND action = 'evicted'",
+            "alice/approval-wait",
+        ),
+        bool,
+    )
     api += [first_api["choices"][0]["message"], {"role": "user", "content": text(3, 20)}]
     again_api = app.turn("api-wait", api, **{"X-Tool-Class": "api", "X-Expected-Tool-Wait-S": "1"})
     approval += [first_approval["choices"][0]["message"], {"role": "user", "content": text(4, 20)}]
@@ -207,13 +216,6 @@ def test_a_short_tool_wait_is_held_through_a_flood_and_an_approval_is_not(reaped
     assert cached(again_api) >= 0.9 * n_api
     assert cached(again_approval) <= 0.1 * n_approval
 
-    evictions = eventually(
-        lambda: app.rows(
-            "SELECT reason FROM residency_events WHERE session_id = ? AND action = 'evicted'",
-            "alice/approval-wait",
-        ),
-        bool,
-    )
     assert evictions[0][0].startswith("lru: "), evictions
     # The receipt of its first turn's prefix (written with that turn's end), marked evicted.
     receipt = app.rows(

@@ -274,6 +274,17 @@ def test_room_for_a_waiting_request_comes_from_the_lowest_priority_first() -> No
     assert book.make_room(30) == 0  # enough room already
 
 
+def test_room_for_a_restore_comes_only_from_holds_worth_less_than_it() -> None:
+    """A restore (a session's KV brought back before its turn) is speculative: it takes the
+    room of holds of a lower priority than its own, never of more valuable ones."""
+    pool, book = book_over(50)
+    make_holds(pool, book, {"t/high": 3.0, "t/low": 1.0, "t/mid": 2.0})
+    assert book.make_room(45, protect="t/back", below=2.5) == 2
+    assert [g.key for g in book.take_given_back()] == ["t/low", "t/mid"]
+    assert [h.key for h in book.held()] == ["t/high"] and pool.free_blocks() == 40
+    assert book.make_room(45, below=0.5) == 0
+
+
 def test_a_waiting_requests_own_session_is_never_given_back() -> None:
     pool, book = book_over(50)
     make_holds(pool, book, {"t/own": 0.0, "t/other": 5.0})

@@ -202,14 +202,19 @@ class HoldBook:
 
     # --- pressure ---
 
-    def make_room(self, need_free: int, *, protect: str | None = None) -> int:
+    def make_room(
+        self, need_free: int, *, protect: str | None = None, below: float | None = None
+    ) -> int:
         """Gives holds back, in order, until `need_free` blocks are free (a waiting
-        request's need; never its own session's hold). Returns how many it gave back."""
+        request's need; never its own session's hold; with `below`, a restore's need:
+        only holds of a lower priority). Returns how many it gave back."""
         given = 0
         if self._pool.free_blocks() >= need_free:
             return given  # the common case, before sorting anything
         for held in self._order():
-            if self._pool.free_blocks() >= need_free:
+            if self._pool.free_blocks() >= need_free or (
+                below is not None and held.priority >= below
+            ):
                 break
             if held.key != protect:
                 self._give_back(held.key, GiveBackReason.PRESSURE)
