@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from typing import Any
@@ -56,6 +57,16 @@ def test_an_agents_sdk_agent_runs_three_tool_round_trips(simulated: RunningAppli
     assert len(calls) == 3 and all(isinstance(c["city"], str) for c in calls)
     kinds = [item.get("type") for item in history if isinstance(item, dict)]
     assert kinds.count("function_call") == 3 and kinds.count("function_call_output") == 3
-    with closing(sqlite3.connect(simulated.data_dir / "ledger.db")) as db:
-        (turns,) = db.execute("SELECT COUNT(*) FROM turns WHERE outcome = 'ok'").fetchone()
-    assert turns == 6  # per question: the call, then the answer after its result
+    assert ok_turns(simulated, want=6) == 6  # per question: the call, then the answer
+
+
+def ok_turns(app: RunningAppliance, want: int) -> int:
+    """The ledger's ok turns, once `want` are committed (a moment after each answer) or 5 s
+    have passed."""
+    deadline = time.monotonic() + 5
+    while True:
+        with closing(sqlite3.connect(app.data_dir / "ledger.db")) as db:
+            (turns,) = db.execute("SELECT COUNT(*) FROM turns WHERE outcome = 'ok'").fetchone()
+        if turns >= want or time.monotonic() > deadline:
+            return int(turns)
+        time.sleep(0.05)
