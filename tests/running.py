@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import psutil
@@ -19,6 +20,8 @@ import pytest
 
 from appliance.engines.metrics import parse as parse_metrics
 from tests.ports import free_port, free_port_block
+
+T = TypeVar("T")
 
 BIN = Path(sys.executable).parent
 
@@ -110,3 +113,14 @@ def await_running(worker_url: str, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.02)
     pytest.fail(f"{worker_url} never ran the turn")
+
+
+def eventually(read: Callable[[], T], ok: Callable[[T], bool], timeout_s: float = 15.0) -> T:
+    """`read()` once `ok` holds for it, or its last value after `timeout_s` (the ledger
+    commits, and KV events arrive, a moment after the answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if ok(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)

@@ -35,12 +35,11 @@ from tests.e2e.test_reaper import (
     SIM_KV_BYTES_PER_TOKEN,
     Reaped,
     cached,
-    eventually,
     flood,
     prompt_tokens,
     text,
 )
-from tests.running import add_key, appliance_process
+from tests.running import add_key, appliance_process, eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 PROFILE = Path(__file__).parents[2] / "appliance" / "data" / "h200-llama3-8b-shape.json"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from appliance.engines.metrics import load_snapshot
-from tests.running import add_key, appliance_process
+from tests.running import add_key, appliance_process, eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 KV_BYTES = 8 * 2**20
@@ -105,16 +105,6 @@ def reaped(
         print(f"appliance up in {time.monotonic() - started:.1f}s")
         worker_url = f"http://127.0.0.1:{up.base_port}"
         yield Reaped(up.url, key, ops, model, worker_url, data_dir / "ledger.db")
-
-
-def eventually(read: Callable[[], T], ok: Callable[[T], bool], timeout_s: float = 10.0) -> T:
-    """`read()` once `ok` holds for it (the ledger commits a moment after the answer)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if ok(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 def text(seed: int, n_words: int) -> str:

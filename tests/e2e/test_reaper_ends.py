@@ -37,12 +37,11 @@ from tests.e2e.test_reaper import (
     SIM_KV_BYTES_PER_TOKEN,
     Reaped,
     cached,
-    eventually,
     flood,
     prompt_tokens,
     text,
 )
-from tests.running import Started, add_key, appliance_process
+from tests.running import Started, add_key, appliance_process, eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 MAX_RESIDENCY_S = 6.0

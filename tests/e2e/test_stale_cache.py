@@ -32,25 +32,25 @@ import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 import zmq
 
 from tests.ports import free_port
-from tests.running import BIN, add_key, appliance_process
+from tests.running import BIN, add_key, appliance_process, eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 BLOCK = 32
 POOL_BLOCKS = 128
 PROMPT = 1000  # 31 full blocks: 992 tokens a next turn can find cached
 FLOOD_TIMES_POOL = 3
-T = TypeVar("T")
 
 
 class EventRelay:
@@ -187,19 +187,12 @@ def stale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stale]:
     }
     try:
         with appliance_process(data_dir, engine="external", workers=None, env=env) as up:
-            yield Stale(up.url, key, ops, relay, data_dir / "ledger.db", sim)
+            app = Stale(up.url, key, ops, relay, data_dir / "ledger.db", sim)
+            events_flow(app)
+            yield app
     finally:
         sim.stop()
         relay.close()
-
-
-def eventually(read: Callable[[], T], ok: Callable[[T], bool], timeout_s: float = 15.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if ok(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def settled(relay: EventRelay) -> tuple[int, int]:
@@ -211,6 +204,20 @@ def settled(relay: EventRelay) -> tuple[int, int]:
         if now == last:
             return now
         last = now
+
+
+def events_flow(app: Stale) -> None:
+    """Until a probe turn's KV events reach the index. The relay's PUB connected to the
+    appliance's endpoint before the appliance bound it, so it reconnects on ZMQ's timer
+    (100-200 ms): a batch sent before that finds no subscriber and is dropped, as PUB does."""
+    for probe in range(5):
+        session = f"probe-{probe}"
+        assert (
+            cached(app.completion(tokens(900 + probe, 2 * BLOCK), **{"X-Session-ID": session})) == 0
+        )
+        if eventually(partial(app.index_gpu_tokens, session), bool, timeout_s=3):
+            return
+    pytest.fail("no KV event of five probe turns reached the index")
 
 
 def tokens(seed: int, n: int) -> list[int]:
