@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.records import (
     AdmissionEvent,
+    ArchivedTask,
     CacheEviction,
     CacheReceipt,
     Price,
@@ -95,6 +96,19 @@ class Ledger(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class TaskArchive(Protocol):
+    """The ledger's tasks, read back by id (ledger/task_history.py)."""
+
+    def find(self, task_id: str) -> ArchivedTask | None:
+        """The task (`task_id`: tenant/client id) as the ledger keeps it; None: never made.
+        Raises LedgerError when the ledger cannot be read."""
+        ...
+
+    def tree(self, task_id: str) -> list[ArchivedTask]:
+        """The task and its descendants, parents first; blocking (call it in a thread)."""
+        ...
 
 
 class GpuProbe(Protocol):

@@ -26,6 +26,7 @@ from appliance.ledger.restore import (
     session_gaps,
 )
 from appliance.ledger.session_history import session_turns
+from appliance.ledger.task_history import TaskHistory
 from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import GpuProfile
@@ -237,7 +238,8 @@ def _reaper_loop(
         index=feed,
         workers=engines.workers,
         prefill_s=lambda worker, n: desk.queues.prefill_s(worker, n, 0),
-        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.is_terminal,
+        # A task the book no longer holds closed (or idled) long ago.
+        task_closed=lambda key: (t := tasks.find(key)) is None or t.status.is_terminal,
         kv_bytes_per_token=profile.kv_bytes_per_token,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
@@ -280,8 +282,10 @@ def _turn_desk(
 ) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
     e = settings.engine
     hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
-    tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s)
+    archive = TaskHistory(settings.ledger_path)
+    tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s, archive=archive)
     sessions = SessionTable(hasher)
+    tasks.on_done = sessions.forget_task
     records = TurnRecords(
         ledger,
         model=engines.served_name,

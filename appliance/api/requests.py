@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from appliance.api.errors import RequestRefused
-from appliance.services.sessions import ChatEncoder, ChatTokens
+from appliance.services.chat_tokens import ChatEncoder, ChatTokens
 
 MAX_BODY_BYTES = 8 * 2**20
 MAX_JSON_DEPTH = 100

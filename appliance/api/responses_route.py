@@ -47,7 +47,7 @@ from appliance.api.requests import (
 )
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
-from appliance.services.sessions import ChatTokens
+from appliance.services.chat_tokens import ChatTokens
 from appliance.services.turn_desk import TurnInput
 
 RESPONSES_PATH = "/v1/responses"

@@ -14,7 +14,7 @@ from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
 from appliance.services.gpu_meter import GpuTime
 from appliance.services.state import CostView, SessionView, StateSnapshot
-from appliance.services.tasks import TaskState
+from appliance.services.task_state import TaskState
 
 
 def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:

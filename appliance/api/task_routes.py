@@ -49,6 +49,8 @@ class TaskRoutes:
                 {"task_id": new.client_id, "deadline_at": known.deadline_at,
                  "status": known.status.value}, status_code=200,
             )  # fmt: skip
+        if known is not None:  # held, or only the ledger's (closed before a restart, say)
+            raise RequestRefused(409, f"task {new.client_id} exists already", "task_exists")
         if new.parent_id is not None and self._ctx.tasks.get(who.tenant, new.parent_id) is None:
             raise RequestRefused(404, f"parent task {new.parent_id} not found", "task_not_found",
                            param="parent_task_id")  # fmt: skip
@@ -125,12 +127,17 @@ class TaskRoutes:
 
     async def get_task(self, request: Request) -> Response:
         who = self._ctx.keys.caller(request.headers)
-        task = self._ctx.tasks.get(who.tenant, request.path_params["task_id"])
-        if task is None:
-            raise RequestRefused(
-                404, f"task {request.path_params['task_id']} not found", "task_not_found"
-            )
-        return JSONResponse(self._ctx.tasks.tree(task))
+        tasks, client_id = self._ctx.tasks, request.path_params["task_id"]
+        task = tasks.find(tasks.key(who.tenant, client_id))
+        # One the book no longer holds is the ledger's (read in a thread: a tree of rows).
+        doc = (
+            tasks.tree(task)
+            if task
+            else await asyncio.to_thread(tasks.archived, who.tenant, client_id)
+        )
+        if doc is None:
+            raise RequestRefused(404, f"task {client_id} not found", "task_not_found")
+        return JSONResponse(doc)
 
 
 async def _written(fut: Any) -> None:

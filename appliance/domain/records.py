@@ -326,6 +326,15 @@ class OpenTask:
 
 
 @dataclass(frozen=True, slots=True)
+class ArchivedTask(OpenTask):
+    """A task as its ledger keeps it, open or closed: one the task book no longer holds (it
+    forgot it, or it closed before a restart)."""
+
+    status: TaskStatus = TaskStatus.OPEN
+    verified: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RecentSession:
     """A recent session as a restarted appliance reads it back from its ledger."""
 

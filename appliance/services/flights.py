@@ -22,7 +22,7 @@ from typing import Any
 
 from appliance.domain.records import TaskId, TurnOutcome
 from appliance.ports import Clock
-from appliance.services.tasks import TaskError
+from appliance.services.task_state import TaskError
 
 DEADLINE_MISSED = "deadline_missed"
 """The error of a turn aborted at its deadline: its turn row's, and the client's code."""

@@ -9,17 +9,23 @@ caller decides whether to retry; a stream that breaks midway ends
 with an SSE error event and a failed attempt; a client that leaves a stream midway ends the
 worker's request (its stream is closed) and leaves a cancelled attempt. Every attempt ends
 in the queue book and in the turn records exactly once (`finish`).
+
+The client hears that a turn is done only once its turn row is committed: a non-streamed
+answer is sent after the commit, and a stream's closing `data: [DONE]` is held back until
+then (a row the ledger refuses makes the answer a 503 `ledger_unavailable`, or the stream's
+end an error event). So a SIGKILL never takes from the ledger a turn a client was answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 import orjson
 
-from appliance.domain.errors import EngineRequestError, EngineTimedOut
+from appliance.domain.errors import EngineRequestError, EngineTimedOut, LedgerError
 from appliance.domain.records import TurnOutcome
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.queue_book import QueueBook
@@ -48,7 +54,7 @@ class Forwarder:
             on_answer()
         attempt.first_byte_at = self._clock.now()
         attempt.usage = usage_of(answer) or {}
-        self.finish(turn, attempt, TurnOutcome.OK)
+        await recorded(self.finish(turn, attempt, TurnOutcome.OK))
         return Reply(200, headers(turn, attempt), answer)
 
     async def stream(
@@ -79,6 +85,7 @@ class Forwarder:
         async def chunks() -> AsyncGenerator[bytes, None]:
             outcome, error = TurnOutcome.OK, None
             usage = UsageScanner()
+            done = b""  # the worker's closing `data: [DONE]`, sent once the turn is recorded
             try:
                 async for data in source:  # relayed as they come, unparsed
                     if (ended := stopped()) is not None:
@@ -87,7 +94,10 @@ class Forwarder:
                         break
                     usage.feed(data)
                     attempt.chunks += 1
-                    yield data
+                    if data.endswith(SSE_DONE):
+                        data, done = data[: -len(SSE_DONE)], SSE_DONE
+                    if data:
+                        yield data
                 if usage.last:
                     attempt.usage = usage.last
             except (GeneratorExit, asyncio.CancelledError):  # the client left midway
@@ -100,7 +110,15 @@ class Forwarder:
             finally:
                 on_end()
                 await stream.__aexit__(None, None, None)
-                self.finish(turn, attempt, outcome, error=error)
+                written = self.finish(turn, attempt, outcome, error=error)
+            try:  # the client is still there: it hears the end once the turn is recorded
+                await recorded(written)
+            except LedgerError as exc:  # answered, but not recorded: no [DONE]
+                event = {"error": {"message": exc.message, "type": exc.code,
+                                   "code": exc.http_status}}  # fmt: skip
+                done = b"data: " + orjson.dumps(event) + b"\n\n"
+            if done:
+                yield done
 
         return Reply(200, headers(turn, attempt), chunks=chunks())
 
@@ -124,9 +142,23 @@ class Forwarder:
 
     def finish(
         self, turn: TurnRequest, attempt: Attempt, outcome: TurnOutcome, *, error: str | None = None
-    ) -> None:
-        self._queues.ended(attempt.worker, attempt.turn_id, failed=outcome == TurnOutcome.FAILED)
-        self._records.ended(turn, attempt, outcome, error, self._clock.now())
+    ) -> Future[float | None]:
+        """Ends the attempt, once (a client that leaves while its answer's row is being
+        committed finds it ended); the write of its turn row."""
+        if attempt.recorded is None:
+            self._queues.ended(
+                attempt.worker, attempt.turn_id, failed=outcome == TurnOutcome.FAILED
+            )
+            attempt.recorded = self._records.ended(turn, attempt, outcome, error, self._clock.now())
+        return attempt.recorded
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def recorded(written: Future[Any]) -> None:
+    """Once the turn row is committed; raises the ledger's refusal (LedgerUnavailable: 503)."""
+    await asyncio.wrap_future(written)
 
 
 def _stopped_event(outcome: TurnOutcome) -> dict[str, Any]:

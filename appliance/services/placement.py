@@ -26,8 +26,9 @@ from appliance.policy.routing import (
     route,
 )
 from appliance.ports import KvLookup, WorkerEndpoint
+from appliance.services.chat_tokens import TokenIds, token_ids
 from appliance.services.queue_book import QueueBook
-from appliance.services.sessions import SessionState, SessionTable, TokenIds, token_ids
+from appliance.services.sessions import SessionState, SessionTable
 from appliance.services.turn import TurnRequest
 
 Salt = Callable[[TenantId, str | None], str]

@@ -10,137 +10,20 @@ session's first turn starts from the latest chain of the same salt whose first b
 same (sessions sharing a system prompt or context). Either way the hashes are exactly
 vLLM's for these token ids and this tenant's salt.
 
-Tokenising: `encode_chat_text` turns a rendered chat into token ids reusing the previous
-turn's `ChatTokens`, for tokenizers that declare `split_before` (strings before which their
-`encode` cuts the text and tokenises each piece on its own). The text up to the last such
-cut that the new text shares is not tokenised again, and the ids are the ones a whole
-`encode` gives; `ChatEncoder` also remembers long pieces across sessions. A tokenizer
-without the declaration is always tokenised whole.
+A chat turn's ids come from services/chat_tokens.py, which tokenises only what it appended.
+A session ends with its task (`forget_task`); the table is bounded besides.
 """
 
 from __future__ import annotations
 
-import re
-from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from appliance.domain.block_hash import BlockHashChain, BlockHasher, RequestKeys
 from appliance.domain.records import RecentSession, SessionId, TaskId, TenantId, WorkerId
-
-TokenIds = array
-"""Token ids as machine integers (`array('q')`): one object to Python's cyclic collector,
-where a tuple or list of ints has every item visited each time a collection meets it (tens
-of microseconds per 8k-token prompt); also a quarter of the memory, compared by memcmp."""
-
-
-def token_ids(ids: Sequence[int]) -> TokenIds:
-    """`ids` as TokenIds, without a copy when they already are."""
-    return ids if isinstance(ids, array) else array("q", ids)
-
-
-@dataclass(frozen=True, slots=True)
-class ChatTokens:
-    """A rendered chat and its token ids, with `cuts`: (text offset, token offset) of each
-    place where the tokenizer's `split_before` strings cut the text, in order."""
-
-    text: str
-    ids: TokenIds
-    cuts: tuple[tuple[int, int], ...]
-
-
-def encode_chat_text(
-    text: str,
-    encode: Callable[[str], Sequence[int]],
-    split_before: Sequence[str],
-    previous: ChatTokens | None = None,
-) -> ChatTokens:
-    """`encode(text)`, for a tokenizer with `encode(a + b) == encode(a) + encode(b)` whenever
-    `b` starts with one of `split_before`: tokenises only what follows the last cut of
-    `previous` that `text` shares, piece by piece, recording the cuts for the next turn."""
-    splitter = _splitter(tuple(split_before))
-    ids = token_ids(())
-    cuts: list[tuple[int, int]] = []
-    start = 0
-    if previous is not None:
-        shared = _shared_cut(previous, text, splitter)
-        if shared is not None:
-            start, n_ids = previous.cuts[shared]
-            ids = previous.ids[:n_ids]
-            cuts = list(previous.cuts[:shared])
-    bounds = [start, *(m.start() for m in splitter.finditer(text, start) if m.start() > start)]
-    for a, b in zip(bounds, [*bounds[1:], len(text)], strict=True):
-        cuts.append((a, len(ids)))
-        if b > a:
-            ids.extend(encode(text[a:b]))
-    return ChatTokens(text, ids, tuple(cuts))
-
-
-class ChatEncoder:
-    """`encode_chat_text` for one tokenizer, remembering the ids of long pieces (a system
-    prompt or context that many sessions share) so that a new session's first turn does
-    not tokenise them again. Bounded: the least recently used piece goes first."""
-
-    def __init__(
-        self,
-        encode: Callable[[str], list[int]],
-        split_before: Sequence[str],
-        *,
-        min_chars: int = 2048,
-        max_pieces: int = 256,
-    ) -> None:
-        self._encode = encode
-        self.split_before = tuple(split_before)
-        self._min_chars = min_chars
-        self._max_pieces = max_pieces
-        self._pieces: OrderedDict[str, TokenIds] = OrderedDict()
-
-    def __call__(self, text: str, previous: ChatTokens | None = None) -> ChatTokens:
-        return encode_chat_text(text, self._piece, self.split_before, previous)
-
-    def _piece(self, text: str) -> Sequence[int]:
-        if len(text) < self._min_chars:
-            return self._encode(text)
-        ids = self._pieces.get(text)
-        if ids is not None:
-            self._pieces.move_to_end(text)
-            return ids
-        ids = self._pieces[text] = token_ids(self._encode(text))
-        if len(self._pieces) > self._max_pieces:
-            self._pieces.popitem(last=False)
-        return ids
-
-
-def _shared_cut(previous: ChatTokens, text: str, splitter: re.Pattern[str]) -> int | None:
-    """Index of the last cut of `previous` whose text before it `text` repeats and after
-    which `text` also starts with a split string; None when there is none."""
-    cuts = previous.cuts
-    lo, hi = 0, len(cuts) - 1
-    if hi < 0 or not text.startswith(previous.text[: cuts[0][0]]):
-        return None
-    while lo < hi:  # the shared prefix only shrinks as the cut moves right
-        mid = (lo + hi + 1) // 2
-        if text.startswith(previous.text[: cuts[mid][0]]):
-            lo = mid
-        else:
-            hi = mid - 1
-    for i in range(lo, -1, -1):
-        offset = cuts[i][0]
-        if offset == 0 or splitter.match(text, offset):
-            return i
-    return None
-
-
-_SPLITTERS: dict[tuple[str, ...], re.Pattern[str]] = {}
-
-
-def _splitter(strings: tuple[str, ...]) -> re.Pattern[str]:
-    pattern = _SPLITTERS.get(strings)
-    if pattern is None:
-        pattern = _SPLITTERS[strings] = re.compile("|".join(map(re.escape, strings)))
-    return pattern
+from appliance.services.chat_tokens import ChatTokens, TokenIds, token_ids
 
 
 @dataclass(eq=False)
@@ -166,6 +49,8 @@ class SessionState:
     messages: list[Any] | None = None
     """The last chat turn's messages (with `chat`: the next turn may be forwarded before it
     is tokenised when it only appends to them; see `appended_token_bound`)."""
+    task_done: bool = False
+    """Its task closed (or was forgotten) while a turn ran: it goes when that turn ends."""
 
 
 class TurnListener(Protocol):
@@ -203,6 +88,8 @@ class SessionTable:
         """The latest prompt (ids, chain) by salt and first block: a new session's first turn
         starts from the hashes of what it shares with it (a common system prompt)."""
         self._max_donors = max_donors
+        self._by_task: dict[TaskId, set[tuple[str, str]]] = {}
+        """Sessions by their task, so a task's end ends them (`forget_task`)."""
 
     def get(self, tenant: TenantId, session_id: SessionId) -> SessionState | None:
         return self._sessions.get((tenant, session_id))
@@ -216,6 +103,34 @@ class SessionTable:
             self._evict_idle()
         self._sessions.move_to_end(key)
         return state
+
+    def bind_task(self, state: SessionState, task: TaskId | None) -> None:
+        """The session's turns belong to `task` from now on."""
+        if state.task_id == task:
+            return
+        key = (state.tenant, state.session_id)
+        self._unbind(key, state)
+        state.task_id, state.task_done = task, False
+        if task is not None:
+            self._by_task.setdefault(task, set()).add(key)
+
+    def forget_task(self, task: TaskId) -> None:
+        """The task closed or was forgotten: its sessions end (now, or when their turn in
+        flight ends). What their KV is worth is the idle reaper's, which holds its own."""
+        for key in self._by_task.pop(task, ()):
+            state = self._sessions.get(key)
+            if state is None or state.task_id != task:
+                continue
+            if state.in_flight:
+                state.task_done = True
+            else:
+                del self._sessions[key]
+
+    def _unbind(self, key: tuple[str, str], state: SessionState) -> None:
+        if state.task_id is not None and (keys := self._by_task.get(state.task_id)):
+            keys.discard(key)
+            if not keys:
+                del self._by_task[state.task_id]
 
     def began(self, state: SessionState, now: float) -> None:
         """A turn of the session starts now."""
@@ -233,8 +148,8 @@ class SessionTable:
         state.last_active_at = now
         if not state.in_flight and self.listener is not None:
             self.listener.turn_ended(state, now)
-        if not state.in_flight and one_turn(state):
-            self._sessions.pop((state.tenant, state.session_id), None)
+        if not state.in_flight and (one_turn(state) or state.task_done):
+            self._drop((state.tenant, state.session_id))
 
     def restore(self, sessions: Iterable[RecentSession]) -> None:
         """Takes back recent sessions from the ledger after a restart, least recently active
@@ -242,7 +157,7 @@ class SessionTable:
         for r in sessions:
             state = self.open(TenantId(r.tenant), SessionId(r.session_id), r.created_at)
             state.home = WorkerId(r.worker) if r.worker else None
-            state.task_id = TaskId(r.task_id) if r.task_id else None
+            self.bind_task(state, TaskId(r.task_id) if r.task_id else None)
             state.last_active_at = r.last_active_at or r.created_at
 
     def hash_prompt(
@@ -292,7 +207,12 @@ class SessionTable:
                 if all(s.in_flight for s in self._sessions.values()):
                     return
                 continue
-            del self._sessions[key]
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        state = self._sessions.pop(key, None)
+        if state is not None:
+            self._unbind(key, state)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._sessions.values()))

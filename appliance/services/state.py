@@ -40,7 +40,8 @@ from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuTime
 from appliance.services.session_kv import SessionKv, SessionKvNow
 from appliance.services.sessions import SessionState
-from appliance.services.tasks import TaskBook, TaskState
+from appliance.services.task_state import TaskState
+from appliance.services.tasks import TaskBook
 from appliance.services.turn_desk import TurnDesk
 
 EVENTS_SHOWN = 100

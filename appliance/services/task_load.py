@@ -63,8 +63,15 @@ class Loaded(Protocol):
 class TaskLoads:
     """The counts over the book's tasks; `find` is the book's lookup."""
 
-    def __init__(self, find: Callable[[TaskId], Loaded | None], idle_s: float) -> None:
+    def __init__(
+        self,
+        find: Callable[[TaskId], Loaded | None],
+        idle_s: float,
+        on_let_go: Callable[[Loaded], None] | None = None,
+    ) -> None:
+        """`on_let_go`: told of each task let go, once it is (the book's forgetting)."""
         self._find = find
+        self._on_let_go = on_let_go
         self._idle_s = idle_s
         self._idle: OrderedDict[TaskId, None] = OrderedDict()
         """Counted tasks with no turn in flight, least recently active first."""
@@ -111,6 +118,8 @@ class TaskLoads:
             if above is not None:
                 above.load.open_children -= 1
         task.load.standing = Standing.LET_GO
+        if self._on_let_go is not None:
+            self._on_let_go(task)
 
     def turn_began(self, task: Loaded, now: float) -> None:
         load = task.load

@@ -8,17 +8,17 @@ the ledger where it is made; a cancellation is also told to the operator's event
 event per cancel, naming how many open descendants went with it).
 
 The book also keeps what admission counts of its tasks (services/task_load.py), which
-admission reads through its `TaskView`.
+admission reads through its `TaskView`. It forgets settled trees beyond a bound
+(services/settled_tasks.py) and reads a task it does not hold back from the ledger when a
+request names it (`get`): an open one is taken back, a closed one refuses as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.domain.errors import ApplianceError
 from appliance.domain.records import (
     OpenTask,
     TaskEvent,
@@ -31,66 +31,67 @@ from appliance.domain.records import (
     can_transition,
 )
 from appliance.policy.admission import ParentLoad, TenantLoad, effective_deadline
-from appliance.ports import Ledger
+from appliance.ports import Ledger, TaskArchive
 from appliance.services.events import EventFeed, EventKind
-from appliance.services.task_load import Standing, TaskLoad, TaskLoads
-
-
-class TaskError(ApplianceError):
-    code = "task_error"
-    http_status = 400
-
-
-@dataclass(eq=False)
-class TaskState:
-    key: TaskId
-    """The ledger's id: tenant/client-id."""
-    client_id: str
-    tenant: TenantId
-    created_at: float
-    parent: TaskId | None = None
-    task_class: str | None = None
-    deadline_at: float | None = None
-    status: TaskStatus = TaskStatus.OPEN
-    verified: bool | None = None
-    children: list[TaskId] = field(default_factory=list)
-    turns: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    cost: float = 0.0
-    """Sum of the ledger's costs of this task's attempts (children not included)."""
-    budget: float | None = None
-    """What the task's subtree may spend, in the ledger's currency; None: no budget."""
-    tree_cost: float = 0.0
-    """Sum of the ledger's costs of the attempts of this task and its descendants."""
-    written: Future[None] | None = None
-    """The ledger write of the latest change; await it before telling a client it is done."""
-    load: TaskLoad = field(default_factory=TaskLoad)
-
-    @property
-    def unseen(self) -> bool:
-        """Taken back after a restart and named by no turn since."""
-        return self.load.standing is Standing.UNSEEN
+from appliance.services.settled_tasks import SettledShelf, settled, tree_of
+from appliance.services.task_load import Loaded, Standing, TaskLoad, TaskLoads
+from appliance.services.task_state import (
+    TaskError,
+    TaskState,
+    archived_document,
+    state_of,
+    task_document,
+    undo_refused,
+)
 
 
 class TaskBook:
     def __init__(
-        self, ledger: Ledger, events: EventFeed | None = None, *, idle_s: float = 600.0
+        self,
+        ledger: Ledger,
+        events: EventFeed | None = None,
+        *,
+        idle_s: float = 600.0,
+        archive: TaskArchive | None = None,
+        shelf: SettledShelf | None = None,
     ) -> None:
+        """`archive`: the ledger's tasks, read back for an id the book does not hold (None:
+        such an id is unknown)."""
         self._ledger = ledger
         self._events = events
+        self._archive = archive
         self._tasks: dict[TaskId, TaskState] = {}
-        self._loads = TaskLoads(self._tasks.get, idle_s)
+        self._loads = TaskLoads(self._tasks.get, idle_s, on_let_go=self._settle)
+        self._shelf = shelf if shelf is not None else SettledShelf()
         self.on_tool_finished: Callable[[TaskId, str | None, float], None] | None = None
         """Told of each `tool_finished` (task, tool class, when): the reaper's lead time."""
+        self.on_done: Callable[[TaskId], None] | None = None
+        """Told of a task closed or forgotten: its sessions end (SessionTable.forget_task)."""
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
         return TaskId(f"{tenant}/{client_id}")
 
     def get(self, tenant: TenantId, client_id: str) -> TaskState | None:
-        return self._tasks.get(self.key(tenant, client_id))
+        """The task, from the ledger when the book does not hold it (`_recall`)."""
+        key = self.key(tenant, client_id)
+        return self._tasks.get(key) or self._recall(key)
+
+    def _recall(self, key: TaskId) -> TaskState | None:
+        """A task the ledger has and the book does not: an open one is taken back (its open
+        parent first); a closed one comes back detached, only to refuse what it forbids."""
+        found = self._archive.find(key) if self._archive is not None else None
+        if found is None:
+            return None
+        if found.status is not TaskStatus.OPEN:
+            state = state_of(found)
+            state.status, state.verified = found.status, found.verified
+            state.load.standing = Standing.LET_GO
+            return state
+        if found.parent_task_id and found.parent_task_id not in self._tasks:
+            self._recall(TaskId(found.parent_task_id))
+        self.restore([found])
+        return self._tasks[key]
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._tasks.values()))
@@ -155,16 +156,11 @@ class TaskBook:
     def restore(self, tasks: Iterable[OpenTask]) -> None:
         """Takes back open tasks from the ledger after a restart, parents before children."""
         for t in tasks:
-            key = TaskId(t.task_id)
-            state = TaskState(key, t.task_id.split("/", 1)[-1], TenantId(t.tenant), t.created_at,
-                              TaskId(t.parent_task_id) if t.parent_task_id else None,
-                              t.task_class, t.deadline_at, turns=t.turns,
-                              prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
-                              output_tokens=t.output_tokens, cost=t.cost)  # fmt: skip
-            self._tasks[key] = state
+            state = state_of(t)
+            self._tasks[state.key] = state
             parent = self._tasks.get(state.parent) if state.parent else None
             if parent is not None:
-                parent.children.append(key)
+                parent.children.append(state.key)
                 state.load.depth = parent.load.depth + 1
 
     def drop(self, state: TaskState) -> None:
@@ -234,8 +230,10 @@ class TaskBook:
             state.status = new
             state.verified = verified
             self._loads.let_go(state)  # for good: a refused write leaves it uncounted
+            if self.on_done is not None:
+                self.on_done(state.key)
             # A refused write takes the change back (the writer's thread: two assignments).
-            state.written.add_done_callback(lambda f: _undo(f, state, before))
+            state.written.add_done_callback(lambda f: undo_refused(f, state, before))
         if kind == TaskEventType.CANCELLED and announce and self._events is not None:
             self._events.record(
                 now,
@@ -317,25 +315,13 @@ class TaskBook:
         written.add_done_callback(priced)
 
     def tree(self, state: TaskState) -> dict[str, object]:
-        return {
-            "id": state.client_id,
-            "parent_id": self._tasks[state.parent].client_id
-            if state.parent in self._tasks
-            else None,
-            "tenant": state.tenant,
-            "task_class": state.task_class,
-            "status": state.status.value,
-            "verified": state.verified,
-            "deadline_at": state.deadline_at,
-            "turns": state.turns,
-            "cost": state.cost,
-            "tokens": {
-                "prompt": state.prompt_tokens,
-                "cached": state.cached_tokens,
-                "output": state.output_tokens,
-            },
-            "children": [self.tree(self._tasks[c]) for c in state.children if c in self._tasks],
-        }
+        """`GET /v1/tasks/{id}`'s document of the task and its descendants."""
+        return task_document(state, self._tasks.get)
+
+    def archived(self, tenant: TenantId, client_id: str) -> dict[str, object] | None:
+        """The same document from the ledger (blocking: for a task the book does not hold)."""
+        tree = self._archive.tree(self.key(tenant, client_id)) if self._archive else []
+        return archived_document(tree) if tree else None
 
     # --- turns, and what admission reads (its TaskView) --------------------------------
 
@@ -347,6 +333,29 @@ class TaskBook:
     def turn_ended(self, state: TaskState, now: float) -> None:
         """The turn's answer (or its stream) has ended, however it ended."""
         self._loads.turn_ended(state, now)
+        if state.load.standing is Standing.LET_GO and not state.load.in_flight:
+            self._settle(state)  # closed while the turn ran
+
+    def _settle(self, task: Loaded) -> None:
+        """The task counts no more: its tree is shelved once settled, and the oldest settled
+        trees beyond the shelf's bound are forgotten."""
+        state = self._tasks.get(task.key)
+        if state is None:
+            return
+        root = self._lineage(state)[-1]
+        size = settled(root, self._tasks.get)
+        if size:
+            self._shelf.shelve(root.key, size)
+        for key in list(self._shelf.overflow()):
+            top = self._tasks.get(key)
+            if top is not None and settled(top, self._tasks.get):
+                self._forget(top)
+
+    def _forget(self, root: TaskState) -> None:
+        for task in list(tree_of(root, self._tasks.get)):
+            del self._tasks[task.key]
+            if self.on_done is not None:
+                self.on_done(task.key)
 
     def find(self, key: TaskId) -> TaskState | None:
         return self._tasks.get(key)
@@ -377,8 +386,3 @@ class TaskBook:
     def tenant_loads(self, now: float) -> dict[str, TenantLoad]:
         """Turns in flight and counted open tasks per tenant, as of `now`."""
         return self._loads.tenant_loads(now)
-
-
-def _undo(written: Future[None], state: TaskState, before: tuple[TaskStatus, bool | None]) -> None:
-    if written.exception() is not None:
-        state.status, state.verified = before

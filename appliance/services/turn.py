@@ -7,12 +7,13 @@ import asyncio
 import itertools
 import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
-from appliance.services.sessions import ChatTokens
+from appliance.services.chat_tokens import ChatTokens
 
 _PROCESS = secrets.randbits(64)
 _SERIAL = itertools.count()
@@ -93,6 +94,8 @@ class Attempt:
     generation: int = 0
     """The worker's cache generation at placement: its receipt's (a reset during the attempt
     makes the receipt stale, rather than one that may claim a prefix the reset dropped)."""
+    recorded: Future[float | None] | None = None
+    """Its turn row's write, once it has ended (Forwarder.finish: exactly once)."""
 
 
 @dataclass(frozen=True, slots=True)

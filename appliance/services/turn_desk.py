@@ -15,11 +15,10 @@ worker then (no first byte) is aborted and answered 504 `deadline_missed`
 (services/flights.py); a non-streamed answer after the deadline is of no use to the task.
 
 Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
-attempt and the turn is placed again, once, without it; a 4xx goes back to the client as
-the worker wrote it. A worker that takes the request and sends nothing for
-`engine.request_timeout_s` costs a failed attempt and the turn is answered 504
-`worker_timeout`, not placed again. A turn whose client hangs up is cancelled there and
-then (api/app.py): its attempt ends `cancelled` and nothing of it is tried again.
+attempt and the turn is placed again, once, without it; a 4xx goes back as the worker wrote
+it. A worker silent for `engine.request_timeout_s` costs a failed attempt and a 504
+`worker_timeout`, not placed again. A turn whose client hangs up is cancelled there and then
+(api/app.py): its attempt ends `cancelled` and nothing of it is tried again.
 """
 
 from __future__ import annotations
@@ -44,18 +43,14 @@ from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, W
 from appliance.policy.admission import effective_deadline
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService, resident_hint
-from appliance.services.flights import (
-    DEADLINE_MISSED,
-    Flight,
-    Flights,
-    loop_alarm,
-    stopped_error,
-)
+from appliance.services.chat_tokens import ChatTokens
+from appliance.services.flights import DEADLINE_MISSED, Flight, Flights, loop_alarm, stopped_error
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
-from appliance.services.sessions import ChatTokens, SessionState, SessionTable
-from appliance.services.tasks import TaskBook, TaskError, TaskState
+from appliance.services.sessions import SessionState, SessionTable
+from appliance.services.task_state import TaskError, TaskState
+from appliance.services.tasks import TaskBook
 from appliance.services.turn import Attempt, NoWorker, Reply, Soon, TurnRequest, new_turn_id
 from appliance.services.turn_records import TurnRecords
 
@@ -245,7 +240,7 @@ class TurnDesk:
     def _session(self, turn: TurnRequest, now: float) -> SessionState:
         sid = turn.session_id or SessionId(f"task:{turn.task_id}")
         state = self.sessions.open(turn.tenant, sid, now)
-        state.task_id = turn.task_id
+        self.sessions.bind_task(state, turn.task_id)
         state.tool_class = turn.tool_class
         state.expected_wait_s = turn.expected_wait_s
         # Kept only from a chat tokenised incrementally (or about to be): anything else makes

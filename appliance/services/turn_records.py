@@ -3,17 +3,18 @@ per attempt (the worker's own token counts, predicted beside actual cached token
 receipt for the prefix a successful attempt left cached (with its worker's cache generation
 at placement), and the appliance's own counters behind `/metrics`.
 
-Nothing here delays an answer: the rows are written on the event loop's next turn after
-the answer went out, and the ledger commits them within milliseconds; shutdown flushes it.
-An attempt's rows (its route decision, its turn, the receipt, its session's row) go to the
-ledger together when the attempt ends, so they share one transaction: written apart, the
-decision (sent as the request left) cost a commit of its own, and the ledger's thread then
-used about as much CPU per turn as the whole http-relay. A row the ledger refuses is logged.
+An attempt's rows are submitted as it ends, and the forwarder answers the client only once
+its turn row is committed (`ended` returns that write): an answer a client has is one a
+SIGKILL cannot take from the ledger. The writer batches commits, so under load one commit
+acknowledges many turns. An attempt's rows (its route decision, its turn, the receipt, its
+session's row) go to the ledger together when the attempt ends, so they share one
+transaction: written apart, the decision (sent as the request left) cost a commit of its
+own, and the ledger's thread then used about as much CPU per turn as the whole http-relay. A
+row the ledger refuses is logged.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -85,11 +86,11 @@ class TurnRecords:
         outcome: TurnOutcome,
         error: str | None,
         end: float,
-    ) -> None:
+    ) -> Future[float | None]:
+        """Records the attempt; the turn row's write (resolves once committed)."""
         if self.meter is not None:
             attempt.gpu_s = self.meter.ended(attempt)
-        # Recorded after the answer went out (the next loop turn), in the order they ended.
-        asyncio.get_running_loop().call_soon(self._record_turn, turn, attempt, outcome, error, end)
+        return self._record_turn(turn, attempt, outcome, error, end)
 
     def _record_decision(self, attempt: Attempt) -> None:
         decision = self._decisions.pop(attempt.turn_id, None)
@@ -111,7 +112,7 @@ class TurnRecords:
         outcome: TurnOutcome,
         error: str | None,
         end: float,
-    ) -> None:
+    ) -> Future[float | None]:
         self._record_decision(attempt)
         usage = attempt.usage
         prompt = int(usage.get("prompt_tokens") or turn.prompt_len)
@@ -138,7 +139,6 @@ class TurnRecords:
             predicted_cached_tokens=attempt.predicted_cached,
             error=error,
         )
-        # Not awaited: the client's answer never waits on the disk.
         written = self._ledger.record_turn(record)
         _log_failure(written, f"turn {record.turn_id}")
         if self._on_turn is not None:
@@ -164,6 +164,7 @@ class TurnRecords:
         self.actual_cached_total += cached
         if record.ttft_s is not None:
             self.first_byte_s_total += record.ttft_s
+        return written
 
 
 def _session_record(

@@ -33,6 +33,12 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
         turn = httpx.post(f"{first.url}/v1/chat/completions", json=body, timeout=60,
                           headers={**auth, "X-Task-ID": "long", "X-Session-ID": "s1"})  # fmt: skip
         assert turn.status_code == 200
+        done = httpx.post(f"{first.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={**auth, "X-Task-ID": "done"})  # fmt: skip
+        assert done.status_code == 200
+        closing_event = {"type": "succeeded", "verified": True}
+        assert httpx.post(f"{first.url}/v1/tasks/done/events", json=closing_event,
+                          headers=auth).status_code == 200  # fmt: skip
         time.sleep(0.3)  # the turn's rows are committed within milliseconds of the answer
         answered, clients = under_load(first.url, auth, body)
         first.proc.send_signal(signal.SIGKILL)  # while the clients send
@@ -64,6 +70,18 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
                           headers={"Authorization": f"Bearer {ops}"}).json()  # fmt: skip
         session = next(s for s in state["sessions"] if s["id"] == "s1")
         assert (session["tenant"], session["worker"], session["task_id"]) == ("agent", "w0", "long")
+        # A task closed before the kill is the ledger's: shown, and closed to turns and
+        # to a creation of that name (a turn made it anew, then a 500: a UNIQUE clash).
+        shown = httpx.get(f"{second.url}/v1/tasks/done", headers=auth).json()
+        assert (shown["status"], shown["verified"], shown["turns"]) == ("succeeded", True, 1)
+        refused = httpx.post(f"{second.url}/v1/chat/completions", json=body, timeout=60,
+                             headers={**auth, "X-Task-ID": "done"})  # fmt: skip
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "task_closed"
+        retried = httpx.post(f"{second.url}/v1/tasks", json={"task_id": "done"}, headers=auth)
+        assert retried.status_code == 200 and retried.json()["status"] == "succeeded"
+        remade = {"task_id": "done", "task_class": "other"}
+        clashed = httpx.post(f"{second.url}/v1/tasks", json=remade, headers=auth)
+        assert clashed.status_code == 409 and clashed.json()["error"]["code"] == "task_exists"
         later = httpx.post(f"{second.url}/v1/chat/completions", json=body, timeout=60,
                            headers={**auth, "X-Task-ID": "long", "X-Session-ID": "s1"})  # fmt: skip
         assert later.status_code == 200 and later.headers["x-appliance-worker"] == "w0"

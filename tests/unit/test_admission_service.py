@@ -42,7 +42,8 @@ from appliance.services.admission import (
 )
 from appliance.services.events import EventFeed
 from appliance.services.sessions import SessionState
-from appliance.services.tasks import TaskBook, TaskError
+from appliance.services.task_state import TaskError
+from appliance.services.tasks import TaskBook
 from tests.fakes import AckLedger, LinearCost, ManualClock
 
 A, B = TenantId("a"), TenantId("b")

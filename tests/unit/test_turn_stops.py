@@ -18,7 +18,7 @@ import pytest
 
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.services.flights import loop_alarm
-from appliance.services.tasks import TaskError
+from appliance.services.task_state import TaskError
 from appliance.services.turn import Reply
 from appliance.services.turn_desk import TurnInput
 from tests.fakes import ManualClock, RouterWorker, Wired, wired_desk
