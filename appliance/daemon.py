@@ -23,6 +23,7 @@ from appliance import __version__, keystore
 from appliance.api.auth import Caller
 from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
+from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
 from appliance.engine_start import Engines, resolve_kind, runtime_identity, start_engines
@@ -136,6 +137,15 @@ def key_callers(key_file: keystore.KeyFile) -> Callable[[], dict[str, Caller]]:
 
 
 async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
+    server = _api_server(starting_app, settings)
+    await server.start()  # the port is ours from now: `starting` until the workers serve
+    try:
+        await _start(settings, data_dir, control, server)
+    finally:
+        await server.stop()  # stopped already when it served; else it was still starting
+
+
+async def _start(settings: Settings, data_dir: Path, control: Control, server: ApiServer) -> None:
     log_dir = ensure_data_dir(settings.log_path)
     kind = resolve_kind(settings)
     keys_file = keystore.keys_path(data_dir)
@@ -165,7 +175,7 @@ async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
             if control.live is not None:
                 _reloads(control.live, key_file, ledger, wired)
             _log_plan(kind, engines, log_dir)
-            server = _api_server(wired.app, settings)
+            server.app = wired.app
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
                 f"appliance {__version__}: engine {kind.value} "

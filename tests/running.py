@@ -44,6 +44,10 @@ class Started:
     log: Path
     ports: tuple[int, int, int]
     """(API, worker base, KV-event base): to start again on the same ports."""
+    first_answer_s: float
+    """From its start to the first answer of its port (`/health`: `starting` or ok)."""
+    health_seen: list[str]
+    """The `/health` statuses it answered while starting, each once, in order."""
 
 
 @contextmanager
@@ -78,12 +82,19 @@ def appliance_process(
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=full, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_s
+    began = time.monotonic()
+    deadline = began + startup_s
+    first_answer_s, seen = 0.0, []
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            health = httpx.get(f"{url}/health", timeout=1)
+            first_answer_s = first_answer_s or time.monotonic() - began
+            status = health.json().get("status", "")
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if health.status_code == 200:
                 break
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
@@ -91,7 +102,7 @@ def appliance_process(
         time.sleep(0.05)  # fine enough to time a restart (test_restart.py)
     children = psutil.Process(proc.pid).children(recursive=True)
     try:
-        yield Started(url, proc, base, log, (port, base, kv))
+        yield Started(url, proc, base, log, (port, base, kv), first_answer_s, seen)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

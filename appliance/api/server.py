@@ -356,8 +356,9 @@ class ApiServer:
         self.bound = (sock[0], sock[1])
 
     async def serve(self) -> None:
-        """Serves until cancelled, then stops gracefully."""
-        await self.start()
+        """Serves (started already, or now) until cancelled, then stops gracefully."""
+        if self._server is None:
+            await self.start()
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:

@@ -26,6 +26,8 @@ class RunningAppliance:
     model: str
     scale: float
     """Prompt sizes relative to the simulated engine's (the tiny real model has 4k context)."""
+    health_seen: list[str]
+    """What its `/health` said while it started, each once, in order."""
 
     def words(self, n: int) -> int:
         return max(1, int(n * self.scale))
@@ -57,5 +59,14 @@ def appliance_up(
         model, scale = model_dir.name, 0.25
     with appliance_process(data_dir, engine=engine, env=env) as up:
         yield RunningAppliance(
-            up.url, keys, data_dir, up.proc, up.base_port, up.log, engine, model, scale
+            up.url,
+            keys,
+            data_dir,
+            up.proc,
+            up.base_port,
+            up.log,
+            engine,
+            model,
+            scale,
+            up.health_seen,
         )

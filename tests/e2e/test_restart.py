@@ -52,11 +52,14 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
     assert set(answered) <= ok, f"answered without a ledger row: {set(answered) - ok}"
     began = time.monotonic()
     with appliance_process(tmp_path, workers=1, ports=ports) as second:
-        # Healthy again on the same ports (nothing kept them), its sim worker included.
-        # Issue 15 asks for 2 s: this 2-core machine takes 1.5-1.9 s quiet and 2.0-2.5 s
-        # beside other test runs (two interpreters start in turn: the appliance, ~0.6-1.2 s
-        # of imports, then its sim worker, ~0.6-0.8 s), so the bound here is 4 s.
+        # The same port answers again within 2 s of the start (its API binds first and
+        # says `starting` until its worker serves); healthy, its sim worker included, soon
+        # after: on this 2-core machine two interpreters start in turn (the appliance,
+        # ~0.5-1.0 s of imports, then its sim worker, ~0.5-0.8 s), so that bound is 4 s.
         restarted_s = time.monotonic() - began
+        print(f"port answered {second.first_answer_s:.2f} s, healthy {restarted_s:.2f} s "
+              f"after the start; /health said {second.health_seen}")  # fmt: skip
+        assert second.first_answer_s < 2.0
         assert restarted_s < 4.0, restarted_s
         task = httpx.get(f"{second.url}/v1/tasks/long", headers=auth).json()
         assert (task["status"], task["turns"]) == ("open", 1)

@@ -72,6 +72,16 @@ def route_decisions(app: RunningAppliance, session: str) -> str:
         return "\n".join(" ".join(row) for row in rows)
 
 
+def test_its_port_says_starting_until_its_workers_serve(appliance_up: RunningAppliance) -> None:
+    """The API binds before the workers start: a vLLM worker takes tens of seconds here, and
+    the port says `starting` (503) all that time, then `ok`; a simulated worker may be up
+    before the first look."""
+    seen = appliance_up.health_seen
+    assert seen[-1] == "ok" and set(seen) <= {"starting", "ok"}, seen
+    if appliance_up.engine == "vllm":
+        assert seen == ["starting", "ok"]
+
+
 def test_a_ten_turn_session_stays_on_its_worker_and_its_cache_grows(
     appliance_up: RunningAppliance,
 ) -> None:
