@@ -48,9 +48,11 @@ def client(app: RunningAppliance) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app.url}/v1", api_key=app.keys["alice"], max_retries=0)
 
 
-def sim_only(app: RunningAppliance) -> None:
-    if app.engine != "sim":
-        pytest.skip("the simulated engine's own answers; vLLM's are compared below")
+SIM_ONLY = pytest.mark.parametrize("appliance_up", ["sim"], indirect=True)
+"""The simulated engine's own answers; vLLM's are compared with vLLM's direct ones below."""
+VLLM_ONLY = pytest.mark.parametrize(
+    "appliance_up", [pytest.param("vllm", marks=pytest.mark.vllm)], indirect=True
+)
 
 
 def ledger_tokens(app: RunningAppliance, session: str) -> tuple[int, int] | None:
@@ -67,6 +69,7 @@ def ledger_tokens(app: RunningAppliance, session: str) -> tuple[int, int] | None
     return None
 
 
+@SIM_ONLY
 @pytest.mark.parametrize(
     ("tool_choice", "said", "names", "finish"),
     [
@@ -80,7 +83,6 @@ def ledger_tokens(app: RunningAppliance, session: str) -> tuple[int, int] | None
 def test_tool_calls_pass_through_and_the_ledger_counts_them(
     appliance_up: RunningAppliance, tool_choice: Any, said: str, names: list[str], finish: str
 ) -> None:
-    sim_only(appliance_up)
     session = f"tools-{names[-1]}-{finish}-{len(names)}-{said[:2]}"
     reply = client(appliance_up).chat.completions.create(
         model=appliance_up.model,
@@ -101,8 +103,8 @@ def test_tool_calls_pass_through_and_the_ledger_counts_them(
     assert ledger_tokens(appliance_up, session) == usage
 
 
+@SIM_ONLY
 def test_streamed_tool_call_deltas_pass_through(appliance_up: RunningAppliance) -> None:
-    sim_only(appliance_up)
     stream = client(appliance_up).chat.completions.create(
         model=appliance_up.model,
         messages=[{"role": "user", "content": "get_weather, get_time"}],
@@ -124,8 +126,8 @@ def test_streamed_tool_call_deltas_pass_through(appliance_up: RunningAppliance) 
         jsonschema.validate(json.loads(args), SCHEMAS[name])
 
 
+@SIM_ONLY
 def test_tool_choice_none_answers_in_text(appliance_up: RunningAppliance) -> None:
-    sim_only(appliance_up)
     reply = client(appliance_up).chat.completions.create(
         model=appliance_up.model,
         messages=[{"role": "user", "content": "get_weather"}],
@@ -206,15 +208,13 @@ def _folded_stream(text: str) -> dict[str, Any]:
     return folded
 
 
-@pytest.mark.vllm
+@VLLM_ONLY
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("tool_choice", CHOICES, ids=["auto", "required", "named", "none"])
 def test_vllm_answers_through_the_appliance_as_directly(
     appliance_up: RunningAppliance, tool_choice: Any, stream: bool
 ) -> None:
     app = appliance_up
-    if app.engine != "vllm":
-        pytest.skip("compares with a real vLLM worker")
     body = {
         "model": app.model,
         "messages": [{"role": "user", "content": "What time is it in Oslo?"}],
