@@ -124,7 +124,7 @@ class SessionTable:
             if state.in_flight:
                 state.task_done = True
             else:
-                del self._sessions[key]
+                self._drop(key)
 
     def _unbind(self, key: tuple[str, str], state: SessionState) -> None:
         if state.task_id is not None and (keys := self._by_task.get(state.task_id)):
@@ -213,6 +213,8 @@ class SessionTable:
         state = self._sessions.pop(key, None)
         if state is not None:
             self._unbind(key, state)
+            # The idle reaper may watch its KV a while longer; it needs no conversation.
+            state.messages, state.chat = None, None
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._sessions.values()))

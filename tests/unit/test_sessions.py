@@ -163,3 +163,22 @@ def test_a_turn_that_named_no_session_nor_task_leaves_no_session_behind() -> Non
         table.ended(state, 2.0)
     assert kept == [True, True, True]
     assert [s.session_id for s in table] == ["s-1", "task:t/job"]
+
+
+def test_a_tasks_end_ends_its_sessions_once_no_turn_of_them_runs() -> None:
+    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16))
+    t, done, other = TenantId("t"), TaskId("t/done"), TaskId("t/other")
+    idle, busy, elsewhere = (table.open(t, SessionId(s), 0.0) for s in ("idle", "busy", "else"))
+    for state, task in ((idle, done), (busy, done), (elsewhere, other)):
+        table.bind_task(state, task)
+        state.messages = [{"role": "user", "content": "hi"}]
+    table.began(busy, 1.0)
+    table.forget_task(done)
+    assert table.get(t, SessionId("idle")) is None and idle.messages is None
+    assert table.get(t, SessionId("busy")) is busy  # its turn still runs
+    table.ended(busy, 2.0)
+    assert table.get(t, SessionId("busy")) is None and busy.messages is None
+    assert [s.session_id for s in table] == ["else"]
+    table.bind_task(elsewhere, done)  # a session that moved to another task: that one's now
+    table.forget_task(other)
+    assert table.get(t, SessionId("else")) is elsewhere
