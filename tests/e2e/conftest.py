@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ class RunningAppliance:
     model: str
     scale: float
     """Prompt sizes relative to the simulated engine's (the tiny real model has 4k context)."""
-    health_seen: list[str]
+    health_seen: list[str] = field(default_factory=list)
     """What its `/health` said while it started, each once, in order."""
 
     def words(self, n: int) -> int:
