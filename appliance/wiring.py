@@ -238,8 +238,7 @@ def _reaper_loop(
         index=feed,
         workers=engines.workers,
         prefill_s=lambda worker, n: desk.queues.prefill_s(worker, n, 0),
-        # A task the book no longer holds closed (or idled) long ago.
-        task_closed=lambda key: (t := tasks.find(key)) is None or t.status.is_terminal,
+        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.is_terminal,
         kv_bytes_per_token=profile.kv_bytes_per_token,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,

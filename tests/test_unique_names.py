@@ -21,7 +21,7 @@ PENDING: dict[str, frozenset[str]] = {
         "CostPoint": "appliance/services/cost_series.py",
         "Event": "appliance/services/events.py",
         "SessionState": "appliance/services/sessions.py",
-        "TaskState": "appliance/services/tasks.py",
+        "TaskState": "appliance/services/task_state.py",
         "WorkerState": "appliance/domain/worker.py",
     }.items()
 }

@@ -1,22 +1,21 @@
 """The appliance's HTTP/1.1 server: a lean ASGI server for its own API on one port.
 
 Why not uvicorn: with the same app, uvicorn's request handling cost about 0.6 ms of the
-event loop per request more than a protocol that parses with httptools and hands the app
-the whole body (benchmarks/router_overhead.py, `http-relay` path, on this kind of machine),
-and that time is latency added to every agent turn. This server does only what the API
-needs: HTTP/1.1 with keep-alive (requests on one connection are answered in order, one at a
-time), Content-Length and chunked request bodies (the app gets the body whole, at most
-`max_body` bytes, else 413, at once when the declared length is larger; a head of at most
-64 KiB and 100 headers, else 431), `Expect: 100-continue`, answers framed by
-Content-Length, or chunked when the app streams (`http_answer.py`); once the client has hung
-up, sending raises OSError (ASGI 2.4), which ends a streaming answer and so closes its worker
-request, and the scope's `extensions.appliance.gone` is done (a model turn ends then:
-`app.py`). A connection idle for `idle_s` is closed; a request whose head and body have not
-all arrived within `request_s` of its first byte gets 408 (a client sending a byte a second
-is no longer kept forever). A client that sends request after request without reading the
-answers is read no further while `MAX_QUEUED` of them wait. Every refusal is the API's
-error JSON. `stop()` refuses new connections, closes idle ones and gives requests in flight
-`grace_s` to finish.
+event loop per request more than a protocol that parses with httptools and hands the app the
+whole body (benchmarks/router_overhead.py, `http-relay` path), and that time is latency
+added to every agent turn. This server does only what the API needs: HTTP/1.1 with
+keep-alive (requests on one connection are answered in order, one at a time), Content-Length
+and chunked request bodies (the app gets the body whole, at most `max_body` bytes, else 413,
+at once when the declared length is larger; a head of at most 64 KiB and 100 headers, else
+431), `Expect: 100-continue`, answers framed by Content-Length, or chunked when the app
+streams (`http_answer.py`); once the client has hung up, sending raises OSError (ASGI 2.4),
+which ends a streaming answer and so closes its worker request, and the scope's
+`extensions.appliance.gone` is done (a model turn ends then: `app.py`). A connection idle
+for `idle_s` is closed; a request whose head and body have not all arrived within
+`request_s` of its first byte gets 408. A client that sends request after request without
+reading the answers is read no further while `MAX_QUEUED` of them wait. Every refusal is the
+API's error JSON. `stop()` refuses new connections, closes idle ones and gives requests in
+flight `grace_s` to finish.
 """
 
 from __future__ import annotations
@@ -348,17 +347,16 @@ class ApiServer:
         self._done = asyncio.Event()
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
+        if self._server is not None:
+            return  # started already (the daemon binds before its workers are up)
+        self._server = await asyncio.get_running_loop().create_server(
             lambda: _ServerConnection(self), self.host, self.port, reuse_address=True, backlog=2048
         )
-        sock = self._server.sockets[0].getsockname()
-        self.bound = (sock[0], sock[1])
+        self.bound = cast(tuple[str, int], self._server.sockets[0].getsockname()[:2])
 
     async def serve(self) -> None:
-        """Serves (started already, or now) until cancelled, then stops gracefully."""
-        if self._server is None:
-            await self.start()
+        """Serves until cancelled, then stops gracefully."""
+        await self.start()
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:

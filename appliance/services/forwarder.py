@@ -111,14 +111,8 @@ class Forwarder:
                 on_end()
                 await stream.__aexit__(None, None, None)
                 written = self.finish(turn, attempt, outcome, error=error)
-            try:  # the client is still there: it hears the end once the turn is recorded
-                await recorded(written)
-            except LedgerError as exc:  # answered, but not recorded: no [DONE]
-                event = {"error": {"message": exc.message, "type": exc.code,
-                                   "code": exc.http_status}}  # fmt: skip
-                done = b"data: " + orjson.dumps(event) + b"\n\n"
-            if done:
-                yield done
+            if end := await _recorded_end(written, done):  # the client is still there
+                yield end
 
         return Reply(200, headers(turn, attempt), chunks=chunks())
 
@@ -154,6 +148,17 @@ class Forwarder:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def _recorded_end(written: Future[Any], done: bytes) -> bytes:
+    """A stream's last bytes, once its turn is recorded: the worker's `done` ([DONE], or
+    nothing after a stop), or an error event when the ledger refused the row."""
+    try:
+        await recorded(written)
+    except LedgerError as exc:  # answered, but not recorded: no [DONE]
+        event = {"error": {"message": exc.message, "type": exc.code, "code": exc.http_status}}
+        return b"data: " + orjson.dumps(event) + b"\n\n"
+    return done
 
 
 async def recorded(written: Future[Any]) -> None:

@@ -50,7 +50,7 @@ class SessionState:
     """The last chat turn's messages (with `chat`: the next turn may be forwarded before it
     is tokenised when it only appends to them; see `appended_token_bound`)."""
     task_done: bool = False
-    """Its task closed (or was forgotten) while a turn ran: it goes when that turn ends."""
+    """Its task closed while a turn of it ran: it goes when that turn ends."""
 
 
 class TurnListener(Protocol):
@@ -115,8 +115,8 @@ class SessionTable:
             self._by_task.setdefault(task, set()).add(key)
 
     def forget_task(self, task: TaskId) -> None:
-        """The task closed or was forgotten: its sessions end (now, or when their turn in
-        flight ends). What their KV is worth is the idle reaper's, which holds its own."""
+        """The task closed: its sessions end (now, or when their turn in flight ends). What
+        their KV is worth is the idle reaper's, which holds its own."""
         for key in self._by_task.pop(task, ()):
             state = self._sessions.get(key)
             if state is None or state.task_id != task:

@@ -66,7 +66,7 @@ class TaskBook:
         self.on_tool_finished: Callable[[TaskId, str | None, float], None] | None = None
         """Told of each `tool_finished` (task, tool class, when): the reaper's lead time."""
         self.on_done: Callable[[TaskId], None] | None = None
-        """Told of a task closed or forgotten: its sessions end (SessionTable.forget_task)."""
+        """Told of a task closed: its sessions end (SessionTable.forget_task)."""
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
@@ -352,10 +352,10 @@ class TaskBook:
                 self._forget(top)
 
     def _forget(self, root: TaskState) -> None:
+        """Forgets the tree; the sessions of its closed tasks ended at their close, and an
+        idle one's stay (a session named without a task binds one-turn tasks)."""
         for task in list(tree_of(root, self._tasks.get)):
             del self._tasks[task.key]
-            if self.on_done is not None:
-                self.on_done(task.key)
 
     def find(self, key: TaskId) -> TaskState | None:
         return self._tasks.get(key)

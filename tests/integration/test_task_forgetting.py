@@ -111,6 +111,7 @@ def test_a_forgotten_idle_task_is_taken_back_open_with_its_sums(ledger: LedgerWr
         one_turn_done(book, sessions, f"job{n}", 100.0 + 20 * n)
         book.tenant_loads(115.0 + 20 * n)
     assert book.find(TaskId("t/agent")) is None  # idle, settled, forgotten
+    assert sessions.get(T, SessionId("s-agent")) is not None  # open: its session stays
     ledger.flush()
     back = book.get(T, "agent")
     assert back is not None and back.status == "open"
