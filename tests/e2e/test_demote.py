@@ -48,9 +48,6 @@ TIME_SCALE = 4
 HOST_TIMES_POOL = 8
 API_WAIT = {"X-Tool-Class": "api", "X-Expected-Tool-Wait-S": "1"}
 TEST_RUN = {"X-Tool-Class": "test", "X-Expected-Tool-Wait-S": "60"}
-LONG_RUN = {"X-Tool-Class": "test", "X-Expected-Tool-Wait-S": "600"}
-"""A hold of ten minutes is worth a demotion whatever speed the worker was measured at
-(a loaded machine measures it slower, which makes a re-prefill dearer and a hold cheaper)."""
 WORDS = 500  # about 2,500 tokens of the tiny model's tokenizer: a hold and two at a time fit
 
 
@@ -64,7 +61,7 @@ def slow_link_profile(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # each test its own: what a worker was measured at moves the reaper's choices
 def hosted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Reaped]:
     data_dir = tmp_path_factory.mktemp("demote-sim")
     key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
@@ -85,15 +82,9 @@ def hosted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
 
 
 def streamed(
-    app: Reaped,
-    session: str,
-    messages: list[dict[str, str]],
-    task: str | None = None,
-    tool: dict[str, str] | None = None,
+    app: Reaped, session: str, messages: list[dict[str, str]], task: str | None = None
 ) -> dict[str, Any]:
-    """A streamed turn (of `task`, if named; ending in `tool`'s headers, else an API call
-    for a `held...` session and a test run for others): its answer as a message, and its
-    usage."""
+    """A streamed turn (of `task`, if named): its answer as a message, and its usage."""
     body = {
         "model": app.model,
         "messages": messages,
@@ -103,7 +94,7 @@ def streamed(
         "stream_options": {"include_usage": True},
     }
     headers = {"Authorization": f"Bearer {app.key}", "X-Session-ID": session}
-    headers |= tool or (API_WAIT if session.startswith("held") else TEST_RUN)
+    headers |= API_WAIT if session.startswith("held") else TEST_RUN
     if task is not None:
         headers["X-Task-ID"] = task
     content, usage = [], None
@@ -198,11 +189,11 @@ def test_a_demoted_session_whose_tool_is_announced_done_is_back_on_the_gpu_befor
     that of the session's following turn (all on the GPU), not that plus the copy."""
     app = hosted
     auth = {"Authorization": f"Bearer {app.key}"}
-    # A held session beside it puts the pool under pressure, as in the test above (what
-    # the earlier tests left held may have gone by now): a hold no longer pays for it.
+    # A held session beside it puts the pool under pressure, as in the test above: a hold
+    # no longer pays for it.
     streamed(app, "held-beside", [{"role": "user", "content": text(41, WORDS)}])
     messages = [{"role": "user", "content": text(42, WORDS)}]
-    first = streamed(app, "restored", messages, task="restored-task", tool=LONG_RUN)
+    first = streamed(app, "restored", messages, task="restored-task")
     n_first = prompt_tokens(first)
     demoted = eventually(
         lambda: app.rows(
@@ -232,7 +223,7 @@ def test_a_demoted_session_whose_tool_is_announced_done_is_back_on_the_gpu_befor
     ttfts, hits = [], []
     for turn, seed in ((2, 43), (3, 44)):  # the 3rd: its prefix is on the GPU, a reference
         messages += [first["message"], {"role": "user", "content": text(seed, 20)}]
-        answer = streamed(app, "restored", messages, task="restored-task", tool=LONG_RUN)
+        answer = streamed(app, "restored", messages, task="restored-task")
         ttfts.append(ttft_s(app, "restored", turn))
         hits.append(cached(answer))
     print(f"restored {restored} tokens ({copy_s * 1e3:.1f} ms of copy) before the turn; its "
