@@ -175,7 +175,6 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
             if control.live is not None:
                 _reloads(control.live, key_file, ledger, wired)
             _log_plan(kind, engines, log_dir)
-            server.app = wired.app
             url = f"http://{settings.server.host}:{settings.server.port}"
             print(
                 f"appliance {__version__}: engine {kind.value} "
@@ -196,12 +195,17 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
 
 async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: LedgerWriter,
                    clock: WallClock, control: Control, url: str) -> None:  # fmt: skip
-    """The API and the loops behind it, until the API stops (cancelled: after its drain)."""
+    """The API and the loops behind it, until the API stops (cancelled: after its drain).
+    The wired app takes over from `starting` once the loops run and the workers' first
+    readings (health, load, KV use) are in: no turn is decided on none."""
+    refreshed = asyncio.Event()
     async with asyncio.TaskGroup() as group:
-        serving = group.create_task(server.serve())
-        loops = [group.create_task(_refresh(engines, wired, clock, ledger))]
+        loops = [group.create_task(_refresh(engines, wired, clock, ledger, refreshed))]
         if wired.reaper is not None:
             loops.append(group.create_task(wired.reaper.run()))
+        await refreshed.wait()
+        server.app = wired.app
+        serving = group.create_task(server.serve())
         await _started(server, serving, control.ready)
         loops.append(group.create_task(_ready(engines, ledger, control.notifier, url)))
         await serving
@@ -311,10 +315,11 @@ async def _started(
         ready.set()
 
 
-async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: LedgerWriter) -> None:
+async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: LedgerWriter,
+                   refreshed: asyncio.Event) -> None:  # fmt: skip
     """Twice a second: the workers' health and load, their measured speeds, restarts and
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
-    of whether it can again."""
+    of whether it can again. `refreshed` is set after the first pass."""
     watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
     while True:
         try:
@@ -326,6 +331,7 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
             wired.gpu.reading = await asyncio.to_thread(wired.gpu.probe.snapshot)
         except Exception:
             log.exception("refreshing worker and GPU readings failed")
+        refreshed.set()
         await asyncio.sleep(REFRESH_S)
 
 

@@ -70,6 +70,20 @@ class Reaped:
         body: dict[str, Any] = r.json()
         return body
 
+    def held_for(self, session: str, tokens: int) -> int:
+        """Until the worker reports `tokens` of the session's KV held, or 15 s: what it
+        reports. A vLLM worker applies a hold, and reports its pool, at its next scheduling
+        step, so a one-token request (no session) nudges it meanwhile."""
+        deadline = time.monotonic() + 15
+        while (held := self.session(session)["session"]["resident_tokens"]["gpu_held"]) < tokens:
+            if time.monotonic() > deadline:
+                break
+            nudge = {"model": self.model, "prompt": "nudge", "max_tokens": 1}
+            auth = {"Authorization": f"Bearer {self.key}"}
+            httpx.post(f"{self.url}/v1/completions", json=nudge, headers=auth, timeout=60)
+            time.sleep(0.1)
+        return held
+
     def preemptions(self) -> int:
         text = httpx.get(f"{self.worker_url}/metrics", timeout=30).text
         return load_snapshot(text, now=0.0).preemptions
@@ -154,6 +168,10 @@ def test_a_short_tool_wait_is_held_through_a_flood_and_an_approval_is_not(reaped
     approval = [{"role": "user", "content": text(2, words)}]
     t0 = time.monotonic()
     first_api = app.turn("api-wait", api, **{"X-Tool-Class": "api", "X-Expected-Tool-Wait-S": "1"})
+    # Once the worker reports that hold, the reaper sees the pool under pressure (a turn
+    # ending before the report would find it free, as the first seconds of a worker do).
+    want = int(0.9 * prompt_tokens(first_api))
+    assert app.held_for("api-wait", want) >= want
     first_approval = app.turn(
         "approval-wait",
         approval,
