@@ -54,7 +54,7 @@ class Forwarder:
             on_answer()
         attempt.first_byte_at = self._clock.now()
         attempt.usage = usage_of(answer) or {}
-        await recorded(self.finish(turn, attempt, TurnOutcome.OK))
+        await asyncio.wrap_future(self.finish(turn, attempt, TurnOutcome.OK))  # refused: 503
         return Reply(200, headers(turn, attempt), answer)
 
     async def stream(
@@ -154,16 +154,11 @@ async def _recorded_end(written: Future[Any], done: bytes) -> bytes:
     """A stream's last bytes, once its turn is recorded: the worker's `done` ([DONE], or
     nothing after a stop), or an error event when the ledger refused the row."""
     try:
-        await recorded(written)
+        await asyncio.wrap_future(written)
     except LedgerError as exc:  # answered, but not recorded: no [DONE]
         event = {"error": {"message": exc.message, "type": exc.code, "code": exc.http_status}}
         return b"data: " + orjson.dumps(event) + b"\n\n"
     return done
-
-
-async def recorded(written: Future[Any]) -> None:
-    """Once the turn row is committed; raises the ledger's refusal (LedgerUnavailable: 503)."""
-    await asyncio.wrap_future(written)
 
 
 def _stopped_event(outcome: TurnOutcome) -> dict[str, Any]:
