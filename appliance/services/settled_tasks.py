@@ -65,6 +65,3 @@ class SettledShelf:
             root, size = self._roots.popitem(last=False)
             self._tasks -= size
             yield root
-
-    def __len__(self) -> int:
-        return self._tasks
