@@ -74,6 +74,11 @@ class TaskState(msgspec.Struct, frozen=True):
     tokens: int = 0
     cost: float | None = None
     children: list[str] = []
+    kv_inherited_tokens: int = 0
+    kv_own_tokens: int = 0
+    kv_own_kept_tokens: int = 0
+    kv_reclaimed_tokens: int | None = None
+    kv_reclaimed_at: float | None = None
 
 
 class CostGroup(msgspec.Struct, frozen=True):

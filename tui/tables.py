@@ -165,10 +165,20 @@ def _task_row(t: TaskStateView, now: float) -> list[str]:
         str(t.tokens),
         fmt.money(t.cost),
         str(len(t.children)),
+        str(t.kv_inherited_tokens),
+        str(t.kv_own_tokens),
+        str(t.kv_own_kept_tokens),
+        fmt.num(t.kv_reclaimed_tokens),
+        fmt.clock(t.kv_reclaimed_at),
     ]
 
 
-TASK_HEADERS = ["tenant", "class", "status", "slack", "tokens", "cost", "children"]
+TASK_HEADERS = [
+    "tenant", "class", "status", "slack", "tokens", "cost", "children",
+    "kv_inherited", "kv_own", "kv_own_kept", "kv_reclaimed", "reclaimed_at",
+]  # fmt: skip
+"""A task's KV: its sessions' now, shared with its parent or its own (of it, held or on a
+host tier); what its end reclaimed, when."""
 
 
 def render_tasks(state: dict[str, Any] | AdminStateView, *, tree: bool = False) -> str:
@@ -178,7 +188,7 @@ def render_tasks(state: dict[str, Any] | AdminStateView, *, tree: bool = False) 
         return "no tasks"
     if not tree:
         rows = [[t.id, fmt.text(t.parent_id), *_task_row(t, s.time)] for t in s.tasks]
-        return table(["task", "parent", *TASK_HEADERS], rows, right={5, 6, 7, 8})
+        return table(["task", "parent", *TASK_HEADERS], rows, right={5, 6, 7, 8, 9, 10, 11, 12})
     by_id = {t.id: t for t in s.tasks}
     roots = [t for t in s.tasks if t.parent_id is None or t.parent_id not in by_id]
     rows = []
@@ -197,7 +207,7 @@ def render_tasks(state: dict[str, Any] | AdminStateView, *, tree: bool = False) 
     for root in roots:
         if root.id not in placed:
             walk(root, "", True, 0)
-    return table(["task", *TASK_HEADERS], rows, right={4, 5, 6, 7})
+    return table(["task", *TASK_HEADERS], rows, right={4, 5, 6, 7, 8, 9, 10, 11})
 
 
 def render_costs(state: dict[str, Any] | AdminStateView) -> str:

@@ -103,6 +103,16 @@ class TaskStateView(_Model):
     tokens: int = 0
     cost: float | None = None
     children: list[str] = Field(default_factory=list)
+    kv_inherited_tokens: int = 0
+    """Of its sessions' KV now, what they share with its parent task's (the parent's)."""
+    kv_own_tokens: int = 0
+    """Of its sessions' KV now, what is branch-local (cached on some tier)."""
+    kv_own_kept_tokens: int = 0
+    """Of `kv_own_tokens`, what is held on a GPU or kept on a host tier: reclaimed at its
+    end, on every tier."""
+    kv_reclaimed_tokens: int | None = None
+    """What its end reclaimed (None: it has not ended, or the appliance has forgotten)."""
+    kv_reclaimed_at: float | None = None
 
 
 class CostGroupView(_Model):

@@ -12,6 +12,7 @@ from appliance import __version__
 from appliance.api import schemas
 from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
+from appliance.services.branch_kv import TaskKv
 from appliance.services.gpu_meter import GpuTime
 from appliance.services.state import CostView, SessionView, StateSnapshot
 from appliance.services.task_state import TaskState
@@ -31,7 +32,7 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
         gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
         gpu_driver=gpu.driver if gpu else None,
         sessions=[session_document(v) for v in snap.sessions],
-        tasks=[_task(t) for t in snap.tasks],
+        tasks=[_task(t, snap.task_kv.get(t.key)) for t in snap.tasks],
         costs=_costs(snap.costs),
         admission=schemas.AdmissionView.model_validate(snap.admission),
         routing=snap.routing,
@@ -98,7 +99,9 @@ def _gpu(g: GpuReading) -> schemas.GpuStateView:
     )
 
 
-def _task(t: TaskState) -> schemas.TaskStateView:
+def _task(t: TaskState, kv: TaskKv | None) -> schemas.TaskStateView:
+    kv = kv or TaskKv()
+    end = kv.reclaimed
     return schemas.TaskStateView(
         id=t.client_id,
         parent_id=_own_id(t.parent) if t.parent else None,
@@ -109,6 +112,11 @@ def _task(t: TaskState) -> schemas.TaskStateView:
         tokens=t.prompt_tokens + t.output_tokens,
         cost=t.cost,
         children=[_own_id(c) for c in t.children],
+        kv_inherited_tokens=kv.inherited_tokens,
+        kv_own_tokens=kv.own_tokens,
+        kv_own_kept_tokens=kv.own_kept_tokens,
+        kv_reclaimed_tokens=end.own_tokens if end else None,
+        kv_reclaimed_at=end.at if end else None,
     )
 
 

@@ -49,6 +49,7 @@ from appliance.policy.residency import (
 )
 from appliance.ports import Clock, KvRetention, Ledger
 from appliance.services import residency_records as rows
+from appliance.services.branch_kv import BranchEnds
 from appliance.services.lead_time import LeadTime
 from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
@@ -69,8 +70,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.5
 """How often holds coming due are decided again (the reaper's shortest revisit: 1 s)."""
 HOLD_GRACE_S = 5.0
-"""A hold outlives its revisit by this much: the revisit's directive reaches the worker
-(at its next scheduler step) before the hold lapses on its own."""
+"""A hold outlives its revisit by this much: the revisit's directive lands before it lapses."""
 WATCH_S = 1.0
 """How often the waiting sessions' prefixes are looked up in the KV index."""
 ORDER_S = 5.0
@@ -112,6 +112,7 @@ class ReaperLoop:
         self.decisions: Counter[str] = Counter()
         """Decisions by action since start."""
         self.lead_time: LeadTime | None = None
+        self.branch_ends = BranchEnds()  # what each ended task's sessions reclaimed
 
     # --- the turn desk's hooks (through the session table) -----------------------------
 
@@ -280,14 +281,17 @@ class ReaperLoop:
             self._abandoned(key, w, now)
 
     def _session_ended(self, key: str, w: WaitingSession, why: str, now: float) -> None:
-        keep = inherited_blocks(self._inputs, w.session, self._waiting.values())
+        keep = inherited_blocks(self._inputs.task_parent, w.session, self._waiting.values())
         if not w.evicted:  # its own blocks go on every tier; a parent's it shares stay
             self.outbox.evict_first(w.worker, key, keep_blocks=keep, drop_host=True)
         self._held.pop(key, None)
         w.decision = ResidencyDecision(ResidencyAction.EVICT, f"{why}: not coming back")
         self.decisions[ResidencyAction.EVICT.value] += 1
         block = w.session.chain.block_size if w.session.chain is not None else 0
-        self._write(rows.closed_row(w.idle, w.worker, why, now, inherited_tokens=keep * block))
+        shared = min(keep * block, w.idle.resident_tokens)
+        if w.session.task_id is not None:
+            self.branch_ends.ended(w.session.task_id, now, w.idle.resident_tokens - shared, shared)
+        self._write(rows.closed_row(w.idle, w.worker, why, now, inherited_tokens=shared))
         self._abandoned(key, w, now)
 
     def _watch(self, now: float) -> None:
@@ -358,8 +362,7 @@ class ReaperLoop:
         w = self._waiting.get(retention_key(session))
         return w.decision if w is not None and w.decision is not _NONE else None
 
-    def status(self) -> dict[str, Any]:
-        """The loop at a glance (`/admin/v1/state` "residency")."""
+    def status(self) -> dict[str, Any]:  # the loop at a glance (the state's "residency")
         return {"reaper": True, "retention": self.retention.controls, "note": self.note,
                 "waiting": len(self._waiting), "held": len(self._held),
                 "decisions": dict(self.decisions), "unsent": self.outbox.unsent}  # fmt: skip

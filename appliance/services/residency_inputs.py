@@ -137,13 +137,15 @@ def idle_session(
     )
 
 
-def inherited_blocks(inputs: LiveInputs, session: SessionState, others: Iterable[Any]) -> int:
+def inherited_blocks(
+    task_parent: Callable[[TaskId], TaskId | None], session: SessionState, others: Iterable[Any]
+) -> int:
     """Leading blocks of a branch's prompt (a child task's session) that its parent task's
     sessions among `others` share: what its end must leave to them. 0 for a root's session;
     all of them when its parent's sessions are not among `others` (nothing is known to be
     its own). `others`: sessions, or what holds one as `.session` (the reaper's waiting)."""
     chain = session.chain
-    parent = inputs.task_parent(session.task_id) if session.task_id is not None else None
+    parent = task_parent(session.task_id) if session.task_id is not None else None
     if chain is None or parent is None:
         return 0
     sessions = [getattr(o, "session", o) for o in others]

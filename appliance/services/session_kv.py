@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.domain.records import WorkerId
+from appliance.domain.records import TaskId, WorkerId
+from appliance.services.branch_kv import BranchReclaim
 from appliance.services.reaper_loop import ReaperLoop
 from appliance.services.residency_inputs import prefix_tokens, retention_key
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, SessionReleases
@@ -86,6 +87,16 @@ class SessionKv:
         if self._reaper is None:
             return {"reaper": False, "retention": False, "note": REAPER_OFF_REASON}
         return self._reaper.status()
+
+    def watched(self) -> list[SessionState]:
+        """Sessions the idle reaper still watches: idle ones, and those whose task closed
+        (gone from the session table) until their KV is gone."""
+        waiting = self._reaper.waiting_sessions() if self._reaper is not None else {}
+        return [w.session for w in waiting.values()]
+
+    def branch_end(self, task: TaskId) -> BranchReclaim | None:
+        """What the task's end reclaimed (None: not ended, forgotten, or no reaper)."""
+        return self._reaper.branch_ends.get(task) if self._reaper is not None else None
 
     def now(self, session: SessionState) -> SessionKvNow:
         tiers = self._index(session)

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from appliance.domain.gpu import GpuSnapshot
-from appliance.domain.records import WorkerId
+from appliance.domain.records import TaskId, WorkerId
 from appliance.domain.worker import WorkerStatus
 from appliance.policy.costs import (
     GROUP_KEYS,
@@ -35,6 +35,7 @@ from appliance.policy.costs import (
     group_row,
 )
 from appliance.services.admission import AdmissionService
+from appliance.services.branch_kv import TaskKv, task_kv, task_kv_of
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuTime
@@ -111,6 +112,8 @@ class StateSnapshot:
     fleet: Fleet
     sessions: list[SessionView]
     tasks: list[TaskState]
+    task_kv: dict[TaskId, TaskKv]
+    """Per task in `tasks`: what of its sessions' KV is inherited, its own, reclaimed."""
     costs: CostView
     events: list[dict[str, Any]] | None
     """Newest first; None: the appliance keeps no event feed."""
@@ -124,11 +127,19 @@ def snapshot(src: StateSources) -> StateSnapshot:
     now = src.clock_now()
     kv = src.kv or SessionKv(src.desk.placer.residency)
     sessions = [session_view(s, now, src.kv_bytes_per_token, kv.now(s)) for s in src.desk.sessions]
+    tasks = list(src.tasks)
+    parents = {t.key: t.parent for t in tasks}
+    listed = {id(v.session) for v in sessions}
+    ended = [s for s in kv.watched() if id(s) not in listed and s.task_id is not None]
+    with_kv = [(v.session, v.resident_tokens) for v in sessions]
+    with_kv += [(s, kv.now(s).most()) for s in ended]  # gone from the table, not from the GPU
+    held = task_kv(with_kv, parents.get, kv.branch_end)
     return StateSnapshot(
         time=now,
         fleet=_fleet(src),
         sessions=sessions,
-        tasks=list(src.tasks),
+        tasks=tasks,
+        task_kv={t.key: task_kv_of(held, t.key, kv.branch_end(t.key)) for t in tasks},
         costs=_costs(src, now),
         events=src.events.recent(EVENTS_SHOWN) if src.events is not None else None,
         admission=src.admission.snapshot() if src.admission is not None else {},

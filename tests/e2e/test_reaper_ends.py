@@ -217,3 +217,77 @@ def test_a_worker_killed_while_holding_comes_back_holding_nothing(ending: Ending
     again = app.turn("killed", messages, **API_WAIT)
     print(f"{app.engine}: its next turn: {cached(again)} of {n} cached")
     assert cached(again) <= 0.1 * n
+
+
+def task(app: Ending, task_id: str, parent: str | None = None) -> None:
+    r = httpx.post(f"{app.url}/v1/tasks", json={"task_id": task_id, "parent_task_id": parent},
+                   headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
+    assert r.status_code == 201, r.text
+
+
+def tasks_kv(app: Ending, prefix: str) -> dict[str, dict[str, Any]]:
+    return {t["id"]: t for t in app.state()["tasks"] if t["id"].startswith(prefix)}
+
+
+def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_still_hits(
+    ending: Ending,
+) -> None:
+    """Issue 24: four children that start from their parent's conversation and add their
+    own: the state shows each one's KV as inherited and its own; when they end, their own
+    held KV is reclaimed within a reaper tick (well before the maximum residency would have
+    let it go), the state and the ledger say what was reclaimed when, and the parent's
+    prefix still hits."""
+    app, kids = ending, [f"fan-k{i}" for i in range(4)]
+    task(app, "fan")
+    parent = [{"role": "user", "content": text(41, WORDS)}]
+    first = app.turn("fan-root", parent, **{"X-Task-ID": "fan"}, **API_WAIT)
+    n = prompt_tokens(first)
+    context = [*parent, first["choices"][0]["message"]]
+    for i, kid in enumerate(kids):
+        task(app, kid, "fan")
+        own = [*context, {"role": "user", "content": text(50 + i, 60)}]
+        app.turn(kid, own, **{"X-Task-ID": kid}, **API_WAIT)
+    step(app)
+    shown = eventually(
+        lambda: tasks_kv(app, "fan"), lambda t: all(t[k]["kv_own_kept_tokens"] > 0 for k in kids)
+    )
+    for kid in kids:
+        view = shown[kid]
+        assert 0.8 * n <= view["kv_inherited_tokens"] <= n, view  # the parent's full blocks
+        assert view["kv_own_tokens"] >= 128 and view["kv_reclaimed_tokens"] is None, view
+    assert shown["fan"]["kv_inherited_tokens"] == 0 and shown["fan"]["kv_own_tokens"] >= 0.8 * n
+    closed = time.time()
+    for kid in kids:
+        r = httpx.post(f"{app.url}/v1/tasks/{kid}/events", json={"type": "succeeded"},
+                       headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + MAX_RESIDENCY_S - 1
+    while time.monotonic() < deadline:
+        step(app)
+        after = tasks_kv(app, "fan")
+        if all(after[k]["kv_own_kept_tokens"] == 0 and after[k]["kv_reclaimed_at"] for k in kids):
+            break
+    else:
+        pytest.fail(f"ended branches still keep their own KV: {after}")
+    ended = dict(app.rows(
+        "SELECT session_id, at FROM residency_events WHERE json_extract(figures, '$.kind')"
+        " = 'session_ended' AND session_id LIKE 'alice/fan-k%'"
+    ))  # fmt: skip
+    assert sorted(ended) == [f"alice/{k}" for k in kids]
+    for kid in kids:
+        at = ended[f"alice/{kid}"]
+        assert closed <= at <= closed + TICK_S + 1.0, (kid, at - closed)  # one tick
+        own, inherited = app.rows(
+            "SELECT json_extract(figures, '$.own_tokens'),"
+            " json_extract(figures, '$.inherited_tokens') FROM residency_events"
+            " WHERE session_id = ? AND json_extract(figures, '$.kind') = 'session_ended'",
+            f"alice/{kid}",
+        )[0]
+        view = after[kid]
+        assert (view["kv_reclaimed_tokens"], view["kv_reclaimed_at"]) == (own, at), view
+        assert own > 0 and inherited >= 0.8 * n
+    lag = max(ended.values()) - closed
+    print(f"{app.engine}: {len(kids)} branches ended; their own KV reclaimed {lag:.2f}s after")
+    again = app.turn("fan-root", [*context, {"role": "user", "content": text(60, 10)}],
+                     **{"X-Task-ID": "fan"}, **API_WAIT)  # fmt: skip
+    assert cached(again) >= 0.9 * (n // 32 * 32), (cached(again), n)

@@ -13,6 +13,7 @@ from appliance.services.events import EventKind
 from appliance.services.session_kv import NO_DECISION_REASON
 from tests.tui.conftest import console, screen_text, until_text, wait_until
 from tests.tui.fakes import FakeAppliance, json_reply, make_state
+from tui import format as fmt
 from tui.app import ConsoleApp
 from tui.client import Lost
 from tui.messages import StateUpdated
@@ -338,12 +339,19 @@ async def test_tasks_show_status_slack_tokens_and_new_children(fake: FakeApplian
                 "tokens": 42,
                 "cost": 0.5,
                 "children": [],
+                "kv_inherited_tokens": 4096,
+                "kv_reclaimed_tokens": 640,
+                "kv_reclaimed_at": state["time"] - 1,
             }
         )
         grown["tasks"][0]["children"] = ["task-kid"]
+        grown["tasks"][0].update(kv_own_tokens=12_800, kv_own_kept_tokens=512)
         fake.set_state(grown)
-        await until_text(pilot, "└─ task-kid  succeeded  42 tok  cost 0.5000")
-        assert "(1 child)" in screen_text(app)
+        await until_text(pilot, "└─ task-kid  succeeded  42 tok  cost 0.5000  kv 4096 inherited")
+        text = screen_text(app)
+        assert "· 0 own (0 kept)  reclaimed 640 at " + fmt.clock(state["time"] - 1) in text
+        assert "(1 child)  kv 0 inherited · 12.8k own (512 kept)" in text
+        assert text.count("reclaimed") == 1  # an open task has reclaimed nothing
 
 
 # -- costs and events ----------------------------------------------------------------------

@@ -53,10 +53,11 @@ def small_state() -> dict[str, Any]:
         "tasks": [
             {"id": "root", "parent_id": None, "tenant": "alice", "task_class": "code",
              "status": "open", "deadline_at": T0 + 30, "tokens": 500, "cost": None,
-             "children": ["kid", "kid2"]},
+             "children": ["kid", "kid2"], "kv_own_tokens": 4096, "kv_own_kept_tokens": 1024},
             {"id": "kid", "parent_id": "root", "tenant": "alice", "task_class": None,
              "status": "succeeded", "deadline_at": T0 - 2, "tokens": 40, "cost": 0.25,
-             "children": ["grandkid"]},
+             "children": ["grandkid"], "kv_inherited_tokens": 4096, "kv_reclaimed_tokens": 640,
+             "kv_reclaimed_at": T0 - 1},
             {"id": "grandkid", "parent_id": "kid", "tenant": "alice", "task_class": None,
              "status": "failed", "deadline_at": None, "tokens": 1, "cost": None, "children": []},
             {"id": "kid2", "parent_id": "root", "tenant": "alice", "task_class": None,
@@ -118,11 +119,16 @@ def test_tasks_flat_and_as_a_tree() -> None:
     ]
     assert render_tasks(small_state(), tree=True) == "\n".join(
         [
-            "task            tenant  class  status     slack  tokens    cost  children",
-            "root            alice   code   open         30s     500       -         2",
-            "├─ kid          alice   -      succeeded  -2.0s      40  0.2500         1",
-            "│  └─ grandkid  alice   -      failed         -       1       -         0",
-            "└─ kid2         alice   -      open           -       2       -         0",
+            "task            tenant  class  status     slack  tokens    cost"
+            "  children  kv_inherited  kv_own  kv_own_kept  kv_reclaimed  reclaimed_at",
+            "root            alice   code   open         30s     500       -"
+            "         2             0    4096         1024             -  -",
+            "├─ kid          alice   -      succeeded  -2.0s      40  0.2500"
+            "         1          4096       0            0           640  23:59:59Z",
+            "│  └─ grandkid  alice   -      failed         -       1       -"
+            "         0             0       0            0             -  -",
+            "└─ kid2         alice   -      open           -       2       -"
+            "         0             0       0            0             -  -",
         ]
     )
 

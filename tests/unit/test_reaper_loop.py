@@ -586,3 +586,6 @@ def test_a_branch_that_ends_drops_its_own_blocks_everywhere_and_leaves_its_paren
     ended = {r.session_id: json.loads(r.figures_json or "{}") for r in s.rows.residency[-2:]}
     assert ended["acme/c"]["inherited_tokens"] == PROMPT  # on the ledger: what stayed
     assert ended["acme/c"]["own_tokens"] == 3 * BLOCK
+    kid = s.loop.branch_ends.get(TaskId("acme/kid"))  # and for the state's task tree
+    assert kid is not None and (kid.own_tokens, kid.inherited_tokens) == (3 * BLOCK, PROMPT)
+    assert kid.at == 1000.1 and s.loop.branch_ends.get(TaskId("acme/root")) is None

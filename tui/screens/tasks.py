@@ -1,4 +1,6 @@
-"""Tasks: fan-out trees (parent -> children) with status, deadline slack, tokens and cost.
+"""Tasks: fan-out trees (parent -> children) with status, deadline slack, tokens and cost,
+and each task's KV: what its sessions inherited from the parent, their own (branch-local),
+and what its end reclaimed when.
 
 The tree is rebuilt only when a task appears, goes, or moves; otherwise each snapshot just
 relabels the nodes, so what the operator expanded or collapsed stays as it was.
@@ -46,6 +48,13 @@ def task_label(t: TaskState, now: float) -> Text:
     if t.children:
         n = len(t.children)
         label.append(f"  ({n} {'child' if n == 1 else 'children'})", style="dim")
+    if t.kv_inherited_tokens or t.kv_own_tokens:
+        label.append(f"  kv {fmt.tokens(t.kv_inherited_tokens)} inherited", style="dim")
+        label.append(f" · {fmt.tokens(t.kv_own_tokens)} own", style="magenta")
+        label.append(f" ({fmt.tokens(t.kv_own_kept_tokens)} kept)", style="dim")
+    if t.kv_reclaimed_tokens is not None:
+        at = fmt.clock(t.kv_reclaimed_at)
+        label.append(f"  reclaimed {fmt.tokens(t.kv_reclaimed_tokens)} at {at}", style="dim")
     return label
 
 
