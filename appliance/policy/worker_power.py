@@ -21,11 +21,13 @@ awake: the awake (and waking) workers that are not candidates count first, then 
 candidates idle the shortest (their caches the warmest), ties by id. Held session KV on a
 worker about to sleep is the caller's to release (or demote) first: sleep drops the KV.
 
-Waking (`choose_wake`): a turn for a model with an awake worker needs no wake; with one
-waking, the turn waits for it (the soonest awake, ties by id) rather than waking another;
-otherwise the worker fastest to wake does (ties by id). `wake_delay_s` is what admission
-adds to the turn's expected time to first token: 0, the rest of a wake under way, or a
-whole wake.
+Waking (`choose_wake`): a turn for a model with an awake worker needs no wake, unless every
+awake worker has turns waiting (all saturated) and none is waking: then the fastest resting
+worker wakes to add capacity (`MORE`) while the turn queues on an awake one. With none
+awake but one waking, the turn waits for it (the soonest awake, ties by id) rather than
+waking another; otherwise the worker fastest to wake does (ties by id). `wake_delay_s` is
+what admission adds to the turn's expected time to first token: 0, the rest of a wake
+under way, or a whole wake.
 
 Pure: no clock (idle and waking times are arguments), no I/O. Every decision carries a
 `kind` from a fixed set (metric labels), a sentence (`reason`) and its numbers.
@@ -289,6 +291,9 @@ class WakeKind(StrEnum):
 
     AWAKE = "awake"
     """One is awake: no wake."""
+    MORE = "more"
+    """Every awake worker has turns waiting: the fastest resting one wakes for the next
+    turns; this one goes to an awake worker."""
     WAIT = "wait"
     """One is waking: the turn waits for it."""
     WAKE = "wake"
@@ -313,9 +318,18 @@ class WakeChoice:
 def choose_wake(model: str, workers: Sequence[WorkerPower], table: PowerTable) -> WakeChoice:
     """The worker a turn for `model` waits for (see the module)."""
     mine = [w for w in workers if w.model == model]
-    if any(w.state is PowerState.AWAKE for w in mine):
-        return WakeChoice(WakeKind.AWAKE, None, 0.0, f"a worker of {model} is awake")
+    awake = [w for w in mine if w.state is PowerState.AWAKE]
     waking = [w for w in mine if w.waking_left_s is not None]
+    resting = [w for w in mine if w.state is not PowerState.AWAKE and w.waking_left_s is None]
+    if awake:
+        if waking or not resting or any(w.waiting == 0 for w in awake):
+            return WakeChoice(WakeKind.AWAKE, None, 0.0, f"a worker of {model} is awake")
+        w = min(resting, key=lambda w: (table.wake_s(w.state), w.worker_id))
+        reason = (
+            f"all {len(awake)} awake workers have turns waiting: wakes {w.worker_id} from "
+            f"{w.state} ({table.wake_s(w.state):g} s)"
+        )
+        return WakeChoice(WakeKind.MORE, w.worker_id, 0.0, reason, w.state)
     if waking:
         w = min(waking, key=lambda w: (w.waking_left_s, w.worker_id))
         left = w.waking_left_s

@@ -187,6 +187,18 @@ def test_sleep_target(
     [
         ([worker("a", state=A), worker("b", state=ST)], WakeKind.AWAKE, None, 0.0, None,
          "a worker of m is awake"),
+        # every awake worker saturated: the fastest resting one wakes, the turn does not wait
+        ([worker("a", state=A, waiting=1), worker("c", state=ST), worker("b", state=S2)],
+         WakeKind.MORE, "b", 0.0, S2,
+         "all 1 awake workers have turns waiting: wakes b from asleep-2 (20 s)"),
+        ([worker("a", state=A, waiting=1), worker("b", state=ST), worker("c", state=ST)],
+         WakeKind.MORE, "b", 0.0, ST, "wakes b from stopped (60 s)"),
+        # ... unless one has room, one is waking already, or none rests
+        ([worker("a", state=A, waiting=1), worker("d", state=A), worker("b", state=ST)],
+         WakeKind.AWAKE, None, 0.0, None, "awake"),
+        ([worker("a", state=A, waiting=1), worker("b", state=ST, waking_left_s=5.0),
+          worker("c", state=ST)], WakeKind.AWAKE, None, 0.0, None, "awake"),
+        ([worker("a", state=A, waiting=1)], WakeKind.AWAKE, None, 0.0, None, "awake"),
         # the fastest to wake, whatever the order given
         ([worker("a", state=ST), worker("b", state=S1), worker("c", state=S2)], WakeKind.WAKE,
          "b", 2.0, S1, "wakes b from asleep-1: 2 s"),
