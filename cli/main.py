@@ -279,6 +279,18 @@ def replay_command(
     ] = None,
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
     jobs: Annotated[int, typer.Option(help="Policies replayed at once (processes).")] = 1,
+    worker_reaper: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--worker-reaper",
+            help=(
+                "Idle workers sleep or stop: IDLE_S[:MAX_WAKE_S[:MIN_AWAKE]] adds a row of the "
+                "first policy whose workers go, after IDLE_S idle, to the cheapest state that "
+                "wakes within MAX_WAKE_S, keeping MIN_AWAKE awake; every other row is the "
+                "always-awake baseline. Repeat."
+            ),
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace (or an agent workload) through every routing policy in virtual time."""
     typer.echo(
@@ -296,6 +308,7 @@ def replay_command(
             report=report,
             limit=limit,
             jobs=jobs,
+            worker_reapers=worker_reaper,
         )
     )
 

@@ -13,13 +13,18 @@ unless the file carries `incremental_prefill_fresh_tokens`. `batched_decode_step
 `grid_decode_step_s` keys read `B{batch}_ctx{context per sequence}`, `grid_prefill_s` keys
 `ctx{reused}_fresh{fresh}`. Copy entries give GB/s (1e9 bytes) for a copy of `bytes`;
 `d2d_*` is device-to-device bandwidth counting bytes read plus bytes written.
+
+Wake times (`wake_s`, optional; `WakeTimes`): seconds from each resting state of a worker
+(`appliance.policy.worker_power`) to serving, each with its source. gpu_calibrate.py does not
+measure them yet; an entry the file leaves out is estimated from the profile (see
+`wake_times`) and says so.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,6 +38,18 @@ DEFAULT_PROFILE = "h200-llama3-8b-shape"
 _GRID_PREFILL_KEY = re.compile(r"^ctx(\d+)_fresh(\d+)$")
 _DECODE_KEY = re.compile(r"^B(\d+)_ctx(\d+)$")
 _CALIBRATE_DELTA = {"cuda": 512, "cpu": 128}  # gpu_calibrate.py's `delta` per device
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1}
+DEFAULT_WEIGHTS_BYTES = 16_060_522_496
+"""Weights of a profile that names no parameter count: Llama-3-8B in bf16 (8.03e9 x 2 B)."""
+RELOAD_BYTES_PER_S = 6e9
+"""Estimate, not measured: weights read from the page cache and copied to the GPU when a
+worker wakes from sleep level 2 (16 GB in 2.7 s), near the top of the 0.8-2.6 s level-2 wakes that
+vLLM's sleep-mode post reports for its models (blog.vllm.ai/2025/10/26/sleep-mode.html)."""
+ENGINE_START_S = 40.0
+"""Estimate, not measured: a stopped vLLM worker's start before it loads weights (Python and
+CUDA initialisation, torch.compile from its cache, CUDA graph capture, the first batch).
+The same post puts a full reload at 30-100+ s; the design notes' verifier took 4.4-4.7
+min to wake a whole container."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,25 @@ class CopyPoint:
 
 
 @dataclass(frozen=True, slots=True)
+class WakeFigure:
+    """Seconds from one resting state to serving, and where the figure comes from."""
+
+    seconds: float
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class WakeTimes:
+    """A worker's wake times by resting state (sleep levels 1 and 2, stopped), and the
+    bytes of its weights (what sleep level 1 keeps in host memory)."""
+
+    asleep_1: WakeFigure
+    asleep_2: WakeFigure
+    stopped: WakeFigure
+    weights_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class GpuProfile:
     """What one GPU measured for one model shape."""
 
@@ -88,6 +124,8 @@ class GpuProfile:
     copies: tuple[CopyPoint, ...]
     d2d_gbps: float | None = None
     memory_bytes: int | None = None
+    wake: WakeTimes | None = None
+    """Wake times by resting state (`parse_profile` always fills them in)."""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -133,6 +171,7 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
     prefill = _prefill_points(data, device, fail)
     decode = _decode_points(data, fail)
     copies, d2d_gbps = _copy_points(data, fail)
+    wake = wake_times(data.get("wake_s") or {}, shape, copies, fail)
     return GpuProfile(
         name=name,
         gpu=str(data.get("gpu", device)),
@@ -142,10 +181,51 @@ def parse_profile(data: Mapping[str, Any], *, name: str = "profile") -> GpuProfi
         copies=tuple(sorted(copies, key=lambda c: c.nbytes)),
         d2d_gbps=d2d_gbps,
         memory_bytes=_memory_bytes(data),
+        wake=wake,
     )
 
 
 _Fail = Callable[[str], ConfigError]
+_WAKE_STATES = ("asleep-1", "asleep-2", "stopped")
+
+
+def wake_times(
+    given: Mapping[str, Any], shape: ModelShape, copies: Sequence[CopyPoint], fail: _Fail
+) -> WakeTimes:
+    """Each state's wake time: the file's `wake_s[STATE]` (`{"seconds", "source"}`) where it
+    has one, else an estimate from the profile: level 1 copies the weights back at the
+    largest measured host-to-device copy's speed; level 2 reloads them
+    (`RELOAD_BYTES_PER_S`); stopped starts an engine (`ENGINE_START_S`) and reloads them."""
+    dtype = (shape.dtype or "bfloat16").removeprefix("torch.")
+    if shape.params is not None:
+        weights = shape.params * _DTYPE_BYTES.get(dtype, 2)
+        what = f"{weights / 1e9:.1f} GB of weights ({shape.params:.3g} params x {dtype})"
+    else:
+        weights, what = DEFAULT_WEIGHTS_BYTES, "16.1 GB of weights (assumed: 8B in bf16)"
+    big = max(copies, key=lambda c: c.nbytes)
+    h2d = big.nbytes / big.h2d_s
+    reload_s = weights / RELOAD_BYTES_PER_S
+    estimates = {
+        "asleep-1": WakeFigure(
+            weights / h2d,
+            f"estimate: {what} / {h2d / 1e9:.1f} GB/s host-to-device (the profile's "
+            f"{big.nbytes / 2**20:.0f} MiB copy)",
+        ),
+        "asleep-2": WakeFigure(
+            reload_s, f"estimate: {what} / {RELOAD_BYTES_PER_S / 1e9:g} GB/s reload (judgement)"
+        ),
+        "stopped": WakeFigure(
+            ENGINE_START_S + reload_s,
+            f"estimate: {ENGINE_START_S:g} s engine start (judgement) + the level-2 reload",
+        ),
+    }
+    for state, entry in given.items():
+        if state not in estimates:
+            raise fail(f"wake_s names {state!r}; known: {', '.join(_WAKE_STATES)}")
+        if not isinstance(entry, Mapping) or not _non_negative(entry.get("seconds")):
+            raise fail(f"wake_s[{state!r}] needs seconds >= 0 and a source")
+        estimates[state] = WakeFigure(float(entry["seconds"]), str(entry.get("source", "")))
+    return WakeTimes(estimates["asleep-1"], estimates["asleep-2"], estimates["stopped"], weights)
 
 
 def _model_shape(data: Mapping[str, Any], fail: _Fail) -> ModelShape:
@@ -245,6 +325,10 @@ def _memory_bytes(data: Mapping[str, Any]) -> int | None:
 
 def _positive_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _non_negative(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
 
 
 def _positive_int(value: object) -> bool:

@@ -11,6 +11,12 @@ workers' host memory shared by every worker. That is a run, not a bound: a bound
 pooled host tier is the pooled optimum already given, and says nothing about what the
 sharing gains under real placement. `pooled_host_gain` compares each such row with its
 per-worker twin: fresh prefill saved, host hits gained, TTFT p95 change.
+
+With worker-reaper settings (`worker_reapers`, `power.py`), every row watches its workers'
+power states (all always awake: the baseline), and the first routing policy under the
+first residency policy adds a `+worker-reaper:SETTING` row per setting, its workers
+sleeping or stopping when idle; each such row's `power.added_ttft_p95_s` is its TTFT p95
+less the always-awake row's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from appliance.policy.residency_by_name import residency_plan
 from appliance.policy.wait_curves import LogNormal
 from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
 from appliance.replay.closed_loop import AgentTaskLike
+from appliance.replay.power import ReaperSetting, parse_worker_reaper
 from appliance.replay.report import write_report
 from appliance.replay.routers import POLICY_NAMES
 from appliance.replay.runner import (
@@ -58,12 +65,14 @@ def run_replay(
     jobs: int = 1,
     limit: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    worker_reapers: list[str] | None = None,
 ) -> dict[str, Any]:
     """Replay `trace` through each routing policy (default: all, the appliance's first)
     under each residency policy (default: `lru`) on `workers` simulated GPUs of
     `gpu_profile` with `hbm_gib` of KV cache and `host_gib` of host memory each; returns
     the report and writes it (JSON, and a PNG beside it when matplotlib is there) to
-    `report`. `limit` replays only the first N requests. ValueError for an unknown
+    `report`. `limit` replays only the first N requests; `worker_reapers`: settings of
+    idle workers' sleep (`IDLE_S[:MAX_WAKE_S[:MIN_AWAKE]]`). ValueError for an unknown
     policy."""
     setup, latency = make_setup(
         workers=workers,
@@ -72,7 +81,7 @@ def run_replay(
         host_gib=host_gib,
         block_size=block_size,
     )
-    rows = _rows(policies, residencies, setup, workload=False)
+    rows = _rows(policies, residencies, setup, workload=False, reapers=worker_reapers)
     loaded = load_trace(trace, limit=limit)
     replayed = fitting(loaded, setup)
     keys = block_keys(replayed, setup.block_size)
@@ -113,6 +122,7 @@ def run_workload(
     gpu_second: float = DEFAULT_GPU_SECOND,
     source: str = "workload",
     wait_priors: Mapping[str, LogNormal] | None = None,
+    worker_reapers: list[str] | None = None,
 ) -> dict[str, Any]:
     """Replay closed-loop agent `tasks` (`closed_loop.py`) through each routing policy under
     each residency policy, as `run_replay` does a trace; no bounds (a closed loop's order
@@ -126,7 +136,7 @@ def run_workload(
         host_gib=host_gib,
         block_size=block_size,
     )
-    rows = _rows(policies, residencies, setup, workload=True)
+    rows = _rows(policies, residencies, setup, workload=True, reapers=worker_reapers)
     out: dict[str, Any] = {
         "trace": {
             "path": source,
@@ -160,6 +170,7 @@ def _trace_row(
         optimal_with_host_fresh=optima[1],
         pooled_host=row.pooled_host,
         progress=progress,
+        reaper=row.reaper,
     )
 
 
@@ -181,6 +192,7 @@ def _workload_row(
         gpu_second=gpu_second,
         pooled_host=row.pooled_host,
         wait_priors=wait_priors,
+        reaper=row.reaper,
     )
 
 
@@ -190,10 +202,13 @@ def _rows(
     setup: ReplaySetup,
     *,
     workload: bool,
+    reapers: list[str] | None = None,
 ) -> list[Row]:
     """The report's rows, routing-major, then (with a host tier) the first routing policy
-    under each residency policy with the host tier pooled; ValueError for unknown names,
-    and for the reaper's options on a trace (no announcements, no child tasks)."""
+    under each residency policy with the host tier pooled, then (with worker-reaper
+    settings) the first routing and residency policy under each setting; ValueError for
+    unknown names, and for the reaper's options on a trace (no announcements, no child
+    tasks)."""
     names = list(policies) if policies else list(POLICY_NAMES)
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown:
@@ -204,9 +219,14 @@ def _rows(
     if not workload and any(p.prefetch or p.branches for p in plans):
         raise ValueError("+prefetch and +branches replay a closed-loop workload (--workload)")
     holds = [p.policy.name for p in plans]
-    rows = [Row(p, r) for p in names for r in holds]
+    settings = [parse_worker_reaper(r) for r in reapers or ()]
+    watch = ReaperSetting() if settings else None
+    rows = [Row(p, r, reaper=watch) for p in names for r in holds]
+    rows += [Row(names[0], holds[0], reaper=s) for s in settings]
     if len({row.name for row in rows}) != len(rows):
-        raise ValueError("a routing or residency policy is named twice")
+        raise ValueError(
+            "a routing policy, residency policy or worker-reaper setting is named twice"
+        )
     if setup.host_blocks_per_worker:
         rows += [Row(names[0], r, pooled_host=True) for r in holds]
     return rows
@@ -251,6 +271,15 @@ def pooled_host_gain(rows: list[Row], results: dict[str, dict[str, Any]]) -> dic
     return out
 
 
+def _added_ttft(rows: list[Row], results: dict[str, dict[str, Any]]) -> None:
+    """Each sleeping row's TTFT p95 less its always-awake row's, in its `power`."""
+    for row in rows:
+        if row.reaper is not None and row.reaper.worker_idle_s is not None:
+            awake = results[Row(row.policy, row.residency, reaper=ReaperSetting()).name]
+            mine = results[row.name]
+            mine["power"]["added_ttft_p95_s"] = _difference(mine["ttft_p95_s"], awake["ttft_p95_s"])
+
+
 def _difference(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 4)
 
@@ -266,6 +295,7 @@ def _with_rows(
 ) -> dict[str, Any]:
     """`out` with every row's replay under "policies", written to `report` when given."""
     out["policies"] = _run_rows(rows, one, jobs=jobs, progress=progress)
+    _added_ttft(rows, out["policies"])
     gain = pooled_host_gain(rows, out["policies"])
     if gain:
         out["pooled_host_gain"] = gain

@@ -19,7 +19,12 @@ Report layout (token counts in tokens, times in seconds):
                          "cost_per_success", "discarded_branches",
                          "discarded_cost_share", "routed_by_reason", "residency_by_reason",
                          "residency_by_action", ...,
-                         "prefill_s", "prefetch": {...} | null, "branches": {...} | null}},
+                         "prefill_s", "prefetch": {...} | null, "branches": {...} | null,
+                         "power": {"setting", "awake_gpu_h", "asleep_gpu_h",
+                                   "stopped_gpu_h", "waking_gpu_h", "wakes",
+                                   "waited_turns", "released_sessions", "sleeps",
+                                   "awake_gpu_s", "added_ttft_p95_s",
+                                   "awake_cost_per_success"} | null}},
      "pooled_host_gain": {NAME: {"versus", "fresh_prefill_saved_tokens",
                                  "host_hit_tokens_gained", "ttft_p95_change_s"}}}
                                                        # with a host tier only
@@ -72,6 +77,7 @@ def render_table(report: Mapping[str, Any]) -> str:
     lines += _prefetch_lines(report.get("policies", {}))
     lines += _branch_lines(report.get("policies", {}))
     lines += _discard_lines(report.get("policies", {}))
+    lines += _power_lines(report.get("policies", {}))
     lines += _setup_line(setup, report.get("trace", {}), host)
     return "\n".join(lines)
 
@@ -181,6 +187,24 @@ def _discard_lines(policies: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 f"{name}: {n} discarded branches (results their parent did not keep), "
                 f"{share:.1%} of the attempted cost"
             )
+    return lines
+
+
+def _power_lines(policies: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per row whose workers' power states were watched: awake time, wakes and their cost."""
+    lines = []
+    for name, m in policies.items():
+        p = m.get("power")
+        if not isinstance(p, Mapping):
+            continue
+        added = _cell(p.get("added_ttft_p95_s"), lambda v: f"{v:+.2f} s")
+        lines.append(
+            f"{name}: {p['awake_gpu_h']:.2f} GPU-h awake ({p['asleep_gpu_h']:.2f} asleep, "
+            f"{p['stopped_gpu_h']:.2f} stopped); {p['wakes']} wakes, {p['waited_turns']} turns "
+            f"waited, {p['released_sessions']} sessions released; TTFT p95 {added} vs always "
+            f"awake; cost/success on awake time "
+            f"{_cell(p.get('awake_cost_per_success'), lambda v: f'{v:.4f}')}"
+        )
     return lines
 
 

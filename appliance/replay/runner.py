@@ -23,7 +23,8 @@ is still announced by the worker that stored it, so routers see it there.
 
 Each row is a routing policy with a residency policy (`residency.py`): `lru` is vLLM as
 shipped and keeps the routing policy's own name; any other is named `ROUTING+RESIDENCY`;
-a pooled-host row adds `+pooled-host`.
+a pooled-host row adds `+pooled-host`, a row with idle workers sleeping or stopping
+(`power.py`) `+worker-reaper:SETTING`.
 A closed-loop workload (`workload_replay.py`) replays the same way, its turns released by
 completions instead of a trace's timestamps, with the tasks' deadlines and outcomes.
 """
@@ -31,20 +32,24 @@ completions instead of a trace's timestamps, with the tasks' deadlines and outco
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.kv_events import KvEvent
 from appliance.perf.kv_capacity import default_num_gpu_blocks
 from appliance.perf.latency import LatencyModel
-from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
+from appliance.perf.profile import GpuProfile, WakeTimes, bundled_profile, load_profile
 from appliance.policy.residency import ResidencyPolicy
 from appliance.replay.metrics import policy_metrics
+from appliance.replay.power import ReaperSetting, SleepyEngine, WorkerReaper, power_table
 from appliance.replay.progress import ProgressBar
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
 from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.engine_io import StepResult
 from appliance.sim.host_tier import HostTier
 from appliance.sim.trace import BlockTokens, trace_arrivals
 from appliance.sim.virtual import replay
@@ -58,10 +63,15 @@ DEFAULT_GPU_SECOND = 0.0011
 POOLED_HOST = "pooled-host"
 
 
-def row_name(policy: str, residency: str, *, pooled_host: bool = False) -> str:
+def row_name(
+    policy: str, residency: str, *, pooled_host: bool = False, reaper: ReaperSetting | None = None
+) -> str:
     """A report row's name: the routing policy's, with `+RESIDENCY` unless it is `lru`,
-    and `+pooled-host` for a host tier pooled across the workers."""
+    `+pooled-host` for a host tier pooled across the workers, and `+worker-reaper:SETTING`
+    for workers that sleep or stop when idle."""
     name = policy if residency == DEFAULT_RESIDENCY else f"{policy}+{residency}"
+    if reaper is not None and reaper.worker_idle_s is not None:
+        name += f"+worker-reaper:{reaper.label}"
     return f"{name}+{POOLED_HOST}" if pooled_host else name
 
 
@@ -73,10 +83,14 @@ class Row:
     policy: str
     residency: str = DEFAULT_RESIDENCY
     pooled_host: bool = False
+    reaper: ReaperSetting | None = None
+    """Workers' power states watched (None: not), and sleeping when idle if it says so."""
 
     @property
     def name(self) -> str:
-        return row_name(self.policy, self.residency, pooled_host=self.pooled_host)
+        return row_name(
+            self.policy, self.residency, pooled_host=self.pooled_host, reaper=self.reaper
+        )
 
     @property
     def twin(self) -> Row:
@@ -101,6 +115,8 @@ class ReplaySetup:
     host_blocks_per_worker: int = 0
     """Blocks of pinned host memory per worker (0: no host tier)."""
     host_gib_per_worker: float = 0.0
+    wake: WakeTimes | None = None
+    """The profile's wake times by resting state, with their sources."""
 
     @property
     def pooled_blocks(self) -> int:
@@ -150,6 +166,7 @@ def make_setup(
         gpu_profile=str(gpu_profile) if gpu_profile else profile.name,
         host_blocks_per_worker=host,
         host_gib_per_worker=round(host * block_bytes / GIB, 3),
+        wake=profile.wake,
     )
     return setup, latency
 
@@ -183,7 +200,9 @@ def make_engines(
     residency: PolicyResidency | None = None,
     *,
     pooled_host: bool = False,
+    sleepy: bool = False,
 ) -> list[SimEngine]:
+    """One engine per worker; `sleepy`: engines that can wait for a wake (`power.py`)."""
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)
     hosts = host_tiers(setup, residency, pooled=pooled_host)
     config = EngineConfig(
@@ -193,10 +212,25 @@ def make_engines(
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
     )
+    kind = SleepyEngine if sleepy else SimEngine
     return [
-        SimEngine(config, hasher=hasher, latency=latency, residency=residency, host=host)
+        kind(config, hasher=hasher, latency=latency, residency=residency, host=host)
         for host in hosts
     ]
+
+
+def worker_reaper(
+    setting: ReaperSetting, setup: ReplaySetup, engines: list[SimEngine], router: PolicyRouter
+) -> WorkerReaper:
+    """The worker reaper of one row, telling the router of the KV a sleep drops."""
+    if setup.wake is None:
+        raise ValueError(f"GPU profile {setup.gpu_profile} has no wake times")
+    kv_bytes = int(setup.kv_gib_per_worker * GIB)
+
+    def dropped(i: int, now: float, events: list[KvEvent]) -> None:
+        router.on_step(i, now, StepResult(0.0, [], events, 0))
+
+    return WorkerReaper(engines, setting, power_table(setup.wake, kv_bytes), dropped)
 
 
 def replay_policy(
@@ -210,21 +244,24 @@ def replay_policy(
     optimal_with_host_fresh: int | None = None,
     pooled_host: bool = False,
     progress: bool = False,
+    reaper: ReaperSetting | None = None,
 ) -> dict[str, object]:
-    """Replay `trace` with `policy` routing and `residency` holding; returns its metrics
-    (`metrics.py`)."""
+    """Replay `trace` with `policy` routing and `residency` holding, and with `reaper` the
+    workers' power states; returns its metrics (`metrics.py`, `power` null without one)."""
     hold = PolicyResidency(residency, latency=latency, block_size=setup.block_size)
-    engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
+    engines = make_engines(setup, latency, hold, pooled_host=pooled_host, sleepy=bool(reaper))
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
+    power = worker_reaper(reaper, setup, engines, router) if reaper is not None else None
     arrivals = trace_arrivals(
         trace.records, BlockTokens(seed=setup.token_seed), sessions=trace.sessions
     )
-    name = row_name(policy, hold.name, pooled_host=pooled_host)
+    name = row_name(policy, hold.name, pooled_host=pooled_host, reaper=reaper)
     bar = ProgressBar(name, len(trace.records)) if progress else None
+    on_step, route = router.on_step, power.routed(router) if power else router
+    if power is not None:
+        on_step = both(router.on_step, power.on_step)
     t0 = time.perf_counter()
-    result = replay(
-        engines, bar.wrap(arrivals) if bar else arrivals, router, on_step=router.on_step
-    )
+    result = replay(engines, bar.wrap(arrivals) if bar else arrivals, route, on_step=on_step)
     wall_s = time.perf_counter() - t0
     if bar:
         bar.close()
@@ -237,7 +274,20 @@ def replay_policy(
         workers=setup.workers,
         pooled_host=pooled_host,
     )
+    out["power"] = power.summary(result.end_s) if power is not None else None
     return with_decision_counts(out, router, hold, wall_s)
+
+
+def both(
+    first: Callable[[int, float, StepResult], None], then: Callable[[int, float, StepResult], None]
+) -> Callable[[int, float, StepResult], None]:
+    """Two step watchers, in order."""
+
+    def on_step(i: int, now: float, result: StepResult) -> None:
+        first(i, now, result)
+        then(i, now, result)
+
+    return on_step
 
 
 def with_decision_counts(

@@ -12,7 +12,7 @@ branches still hold is measured in every row (released only under `+branches`).
 Figures beyond a trace's (`metrics.py`): the task figures, reuse by the tool a turn waited
 on, `prefill_s` (modelled prefill seconds of every turn's fresh tokens, speculative
 prefills included), `prefetch` (null without `+prefetch`) and `branches` (null without
-child tasks).
+child tasks), `power` (null without `--worker-reaper`: `power.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from appliance.policy.wait_curves import LogNormal
 from appliance.replay.branches import BranchKeeper
 from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
 from appliance.replay.metrics import policy_metrics, task_metrics
+from appliance.replay.power import ReaperSetting, WorkerReaper, awake_cost_per_success
 from appliance.replay.prefetch import PrefetchDriver
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
@@ -37,6 +38,7 @@ from appliance.replay.runner import (
     ReplaySetup,
     make_engines,
     with_decision_counts,
+    worker_reaper,
 )
 from appliance.sim.engine_io import StepResult
 from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
@@ -67,6 +69,7 @@ class WorkloadRun:
     prefetch: PrefetchDriver | None
     keeper: BranchKeeper
     wall_s: float
+    power: WorkerReaper | None = None
 
 
 def replay_workload(
@@ -79,11 +82,13 @@ def replay_workload(
     gpu_second: float = DEFAULT_GPU_SECOND,
     pooled_host: bool = False,
     wait_priors: Mapping[str, LogNormal] | None = None,
+    reaper: ReaperSetting | None = None,
 ) -> dict[str, object]:
     """Replay a closed-loop workload with `policy` routing and `residency` holding: each
     task's next turn arrives when its last one finished plus its tool wait. `wait_priors`
-    (tool class -> its wait) are the reaper's priors. Returns the same metrics as
-    `replay_policy`, the task figures and the module's own filled in."""
+    (tool class -> its wait) are the reaper's priors; `reaper` watches (and sleeps) the
+    workers. Returns the same metrics as `replay_policy`, the task figures and the
+    module's own filled in."""
     run = replay_closed_loop(
         tasks,
         policy,
@@ -92,15 +97,24 @@ def replay_workload(
         residency=residency,
         pooled_host=pooled_host,
         wait_priors=wait_priors,
+        reaper=reaper,
     )
     loop, prefetch = run.loop, run.prefetch
+    outcomes = loop.outcomes(run.gpu.by_request)
     out = policy_metrics(
         run.result,
         loop.sessions(),
         workers=setup.workers,
-        tasks=task_metrics(loop.outcomes(run.gpu.by_request), gpu_second=gpu_second),
+        tasks=task_metrics(outcomes, gpu_second=gpu_second),
         pooled_host=pooled_host,
     )
+    out["power"] = None
+    if run.power is not None:
+        power = run.power.summary(run.result.end_s)
+        power["awake_cost_per_success"] = awake_cost_per_success(
+            power, outcomes, gpu_second=gpu_second
+        )
+        out["power"] = power
     out["reuse_by_tool"] = reuse_by_tool(run.result.records, loop)
     prefill_s = turn_prefill_s(run.result.records, latency)
     out["prefetch"] = None
@@ -121,6 +135,7 @@ def replay_closed_loop(
     residency: str | ResidencyPolicy | ResidencyPlan = DEFAULT_RESIDENCY,
     pooled_host: bool = False,
     wait_priors: Mapping[str, LogNormal] | None = None,
+    reaper: ReaperSetting | None = None,
 ) -> WorkloadRun:
     """The replay behind `replay_workload`, its records and watchers for a caller to read."""
     if isinstance(residency, str):
@@ -139,8 +154,9 @@ def replay_closed_loop(
         watch=prefetch,
         bound=keeper.bound,
     )
-    engines = make_engines(setup, latency, hold, pooled_host=pooled_host)
+    engines = make_engines(setup, latency, hold, pooled_host=pooled_host, sleepy=bool(reaper))
     router = PolicyRouter(policy, workers=setup.workers, hasher=engines[0].hasher, latency=latency)
+    power = worker_reaper(reaper, setup, engines, router) if reaper is not None else None
     keeper.bind(engines)
     if prefetch is not None:
         prefetch.bind(engines, router.predict)
@@ -151,17 +167,20 @@ def replay_closed_loop(
         gpu.on_step(i, now, result)
         if prefetch is not None:
             prefetch.on_step(i, now, result)
+        if power is not None:
+            power.on_step(i, now, result)
 
     def on_finish(rec: RequestRecord) -> list[Arrival | Timer]:
         follow = loop.on_finish(rec)
         return follow + prefetch.on_finish(rec) if prefetch is not None else follow
 
     t0 = time.perf_counter()
-    result = replay(engines, loop.arrivals(), router, on_step=on_step, on_finish=on_finish)
+    route = power.routed(router) if power is not None else router
+    result = replay(engines, loop.arrivals(), route, on_step=on_step, on_finish=on_finish)
     wall_s = time.perf_counter() - t0
     if prefetch is not None:
         prefetch.finish()
-    return WorkloadRun(result, loop, hold, router, gpu, prefetch, keeper, wall_s)
+    return WorkloadRun(result, loop, hold, router, gpu, prefetch, keeper, wall_s, power)
 
 
 def _driver(plan: ResidencyPlan, latency: LatencyModel) -> PrefetchDriver | None:

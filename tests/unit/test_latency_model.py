@@ -15,6 +15,9 @@ from appliance.domain.errors import ConfigError
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import (
     DEFAULT_PROFILE,
+    DEFAULT_WEIGHTS_BYTES,
+    ENGINE_START_S,
+    RELOAD_BYTES_PER_S,
     DecodePoint,
     PrefillPoint,
     bundled_profile,
@@ -251,3 +254,51 @@ def test_load_profile_from_a_file(tmp_path: Path) -> None:
         load_profile(bad)
     with pytest.raises(ConfigError, match="bundled"):
         bundled_profile("no-such-gpu")
+
+
+# --- wake times ---
+
+
+def test_the_bundled_profile_states_each_wake_time_and_its_source() -> None:
+    wake = H200.wake
+    assert wake is not None
+    assert wake.weights_bytes == 8_030_261_248 * 2
+    assert (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds) == (0.29, 2.7, 42.7)
+    for figure in (wake.asleep_1, wake.asleep_2, wake.stopped):
+        assert figure.source.startswith("estimate, not measured")
+
+
+def test_wake_times_a_file_leaves_out_are_estimated_from_the_profile() -> None:
+    raw = copy.deepcopy(RAW)
+    del raw["wake_s"]
+    wake = parse_profile(raw).wake
+    assert wake is not None
+    weights = 8_030_261_248 * 2
+    h2d = RAW["copy_gbps"]["gb1"]["h2d"] * 1e9
+    assert wake.asleep_1.seconds == pytest.approx(weights / h2d)
+    assert "54.9 GB/s host-to-device" in wake.asleep_1.source
+    assert wake.asleep_2.seconds == pytest.approx(weights / RELOAD_BYTES_PER_S)
+    assert wake.stopped.seconds == pytest.approx(ENGINE_START_S + weights / RELOAD_BYTES_PER_S)
+    assert all(
+        f.source.startswith("estimate") for f in (wake.asleep_1, wake.asleep_2, wake.stopped)
+    )
+    raw["model"] = {"kv_bytes_per_token": 1000}  # no parameter count: an 8B model assumed
+    assert parse_profile(raw).wake.weights_bytes == DEFAULT_WEIGHTS_BYTES  # type: ignore[union-attr]
+    raw["wake_s"] = {"stopped": {"seconds": 7.5, "source": "measured"}}
+    stopped = parse_profile(raw).wake.stopped  # type: ignore[union-attr]
+    assert (stopped.seconds, stopped.source) == (7.5, "measured")
+
+
+@pytest.mark.parametrize(
+    ("wake_s", "message"),
+    [
+        ({"asleep-3": {"seconds": 1.0}}, "wake_s names 'asleep-3'"),
+        ({"stopped": {"seconds": -1.0}}, "seconds >= 0"),
+        ({"stopped": 5.0}, "seconds >= 0"),
+    ],
+)
+def test_broken_wake_times_are_refused(wake_s: dict[str, Any], message: str) -> None:
+    raw = copy.deepcopy(RAW)
+    raw["wake_s"] = wake_s
+    with pytest.raises(ConfigError, match=message):
+        parse_profile(raw)
