@@ -109,6 +109,10 @@ class EngineSettings(Section):
     """Structured output without free whitespace (vLLM's disable_any_whitespace; needs the
     xgrammar or guidance backend). Else a model may pad JSON with whitespace until
     max_tokens (a random-weight model always does)."""
+    sleep_mode: bool = False
+    """vLLM's sleep mode (--enable-sleep-mode, with its development endpoints): idle workers
+    can then sleep (level 1 keeps the weights in host memory, level 2 drops them) rather
+    than stop. vLLM's CUDA build only; on CUDA it also turns on vLLM's cumem allocator."""
     extra_args: list[str] = []
     """Extra command-line arguments passed verbatim to every `vllm serve`."""
     external_urls: list[str] = []

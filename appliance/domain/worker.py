@@ -9,6 +9,14 @@ On shutdown a worker is DRAINING (the router stops sending it new requests, runn
 finish) and then STOPPED. An external worker (not started by the appliance) only moves
 between HEALTHY and UNHEALTHY.
 
+Scale to zero adds two states and a way back from STOPPED. An idle HEALTHY worker started
+with vLLM's sleep mode may be put ASLEEP (level 1: weights in host memory; level 2: weights
+discarded; either way its KV cache is gone); any idle worker may be STOPPED on purpose (its
+process ended, which is not a crash: nothing restarts it). Waking either is WAKING (a
+/wake_up, or a new process starting) and then HEALTHY again; a wake that fails leaves it
+where it was. `WorkerPowerState` is the coarse view of all states the admin API shows:
+awake, asleep, stopped or waking.
+
 A LoadSnapshot is one scrape of a worker's /metrics: gauges as read, counters cumulative
 since the engine started (a restart resets them; `LoadSnapshot.since` then returns the new
 values as they are).
@@ -39,7 +47,12 @@ class WorkerState(StrEnum):
     EXITED = "exited"
     DRAINING = "draining"
     STOPPED = "stopped"
+    """The process ended on purpose: at shutdown, or stopped idle (then it can be woken)."""
     FAILED = "failed"
+    ASLEEP = "asleep"
+    """The process runs, sleeping (vLLM's sleep mode): no KV, weights offloaded or gone."""
+    WAKING = "waking"
+    """Coming back from ASLEEP (/wake_up) or from STOPPED (a new process starting)."""
 
 
 TRANSITIONS: Mapping[WorkerState, frozenset[WorkerState]] = {
@@ -47,15 +60,33 @@ TRANSITIONS: Mapping[WorkerState, frozenset[WorkerState]] = {
         {WorkerState.HEALTHY, WorkerState.EXITED, WorkerState.DRAINING, WorkerState.FAILED}
     ),
     WorkerState.HEALTHY: frozenset(
-        {WorkerState.UNHEALTHY, WorkerState.EXITED, WorkerState.DRAINING}
+        {
+            WorkerState.UNHEALTHY,
+            WorkerState.EXITED,
+            WorkerState.DRAINING,
+            WorkerState.ASLEEP,
+            WorkerState.STOPPED,
+        }
     ),
     WorkerState.UNHEALTHY: frozenset(
-        {WorkerState.HEALTHY, WorkerState.EXITED, WorkerState.DRAINING}
+        {WorkerState.HEALTHY, WorkerState.EXITED, WorkerState.DRAINING, WorkerState.STOPPED}
     ),
     WorkerState.EXITED: frozenset({WorkerState.STARTING, WorkerState.FAILED, WorkerState.DRAINING}),
     WorkerState.DRAINING: frozenset({WorkerState.STOPPED}),
-    WorkerState.STOPPED: frozenset(),
+    WorkerState.STOPPED: frozenset({WorkerState.WAKING}),
     WorkerState.FAILED: frozenset({WorkerState.STOPPED}),
+    WorkerState.ASLEEP: frozenset(
+        {WorkerState.WAKING, WorkerState.STOPPED, WorkerState.EXITED, WorkerState.DRAINING}
+    ),
+    WorkerState.WAKING: frozenset(
+        {
+            WorkerState.HEALTHY,
+            WorkerState.ASLEEP,
+            WorkerState.STOPPED,
+            WorkerState.EXITED,
+            WorkerState.DRAINING,
+        }
+    ),
 }
 """Every allowed move; anything else is a bug in the supervisor."""
 
@@ -67,6 +98,49 @@ def can_move(current: WorkerState, new: WorkerState) -> bool:
 def accepts_requests(state: WorkerState) -> bool:
     """Whether the router may send this worker a new request."""
     return state == WorkerState.HEALTHY
+
+
+class WorkerPowerState(StrEnum):
+    """What a worker costs and how soon it can serve: the admin API's `state`."""
+
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+    STOPPED = "stopped"
+    WAKING = "waking"
+
+
+_POWER = {
+    WorkerState.STARTING: WorkerPowerState.WAKING,
+    WorkerState.WAKING: WorkerPowerState.WAKING,
+    WorkerState.HEALTHY: WorkerPowerState.AWAKE,
+    WorkerState.UNHEALTHY: WorkerPowerState.AWAKE,
+    WorkerState.DRAINING: WorkerPowerState.AWAKE,
+    WorkerState.ASLEEP: WorkerPowerState.ASLEEP,
+    WorkerState.EXITED: WorkerPowerState.STOPPED,
+    WorkerState.STOPPED: WorkerPowerState.STOPPED,
+    WorkerState.FAILED: WorkerPowerState.STOPPED,
+}
+
+
+def power_state(state: WorkerState) -> WorkerPowerState:
+    """The coarse view of a lifecycle state: a process that holds its GPU and serves or
+    will (awake), one sleeping (asleep), none (stopped), or one on its way up (waking)."""
+    return _POWER[state]
+
+
+@dataclass(frozen=True, slots=True)
+class PowerChange:
+    """One sleep, stop or wake of a worker as it happened, with how long it took."""
+
+    worker: WorkerId
+    before: WorkerState
+    after: WorkerState
+    duration_s: float
+    """Measured: from the request (or the first wake call) to the state `after`."""
+    level: int | None = None
+    """The sleep level put to (sleep) or woken from (wake); None for a stop or a start."""
+    spawned: bool = False
+    """Whether a process was started (a wake from STOPPED)."""
 
 
 class WorkerEventKind(StrEnum):
@@ -84,6 +158,17 @@ class WorkerEventKind(StrEnum):
     """Too many failed starts in a row: the worker stays FAILED."""
     DRAINING = "draining"
     STOPPED = "stopped"
+    SLEPT = "slept"
+    """Put to sleep on request (`level`, `duration_s`); its KV is gone."""
+    STOPPED_ON_REQUEST = "stopped_on_request"
+    """Its process ended on request while the appliance runs (`duration_s`); its KV is gone
+    and nothing restarts it until it is woken."""
+    WAKE_STARTED = "wake_started"
+    """A wake began (`level`: from that sleep; None: from stopped, a new process)."""
+    WOKEN = "woken"
+    """Awake again (`duration_s`: the measured wake, `level` as WAKE_STARTED's)."""
+    WAKE_FAILED = "wake_failed"
+    """The wake did not bring it up (`detail` says why); it stays where it was."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +187,10 @@ class WorkerEvent:
     exit_code: int | None = None
     backoff_s: float | None = None
     detail: str = ""
+    duration_s: float | None = None
+    """How long a sleep, stop or wake took."""
+    level: int | None = None
+    """The sleep level of a SLEPT, WAKE_STARTED or WOKEN event."""
 
 
 def restart_backoff_s(failures: int, *, base_s: float = 1.0, cap_s: float = 30.0) -> float:
@@ -205,7 +294,16 @@ class WorkerStatus:
     restarts: int
     pid: int | None = None
     load: LoadSnapshot | None = None
+    sleep_level: int | None = None
+    """1 or 2 while ASLEEP, else None."""
+    last_wake_s: float | None = None
+    """Its latest wake's measured seconds (None: never woken)."""
 
     @property
     def healthy(self) -> bool:
         return self.state == WorkerState.HEALTHY
+
+    @property
+    def power(self) -> WorkerPowerState:
+        """awake, asleep, stopped or waking: the admin API's `state`."""
+        return power_state(self.state)

@@ -44,6 +44,15 @@ class WorkerStartFailed(EngineError):
     exit_code = 1
 
 
+class WorkerPowerRefused(EngineError):
+    """A sleep, stop or wake the worker cannot take now: its state, its build (no sleep
+    mode), or the supervisor shutting down. Nothing was changed."""
+
+    code = "worker_power_refused"
+    http_status = 409
+    exit_code = 1
+
+
 __all__ = [
     "ApplianceError",
     "EngineError",
@@ -54,5 +63,6 @@ __all__ = [
     "ModelNotFound",
     "PortInUse",
     "VllmNotInstalled",
+    "WorkerPowerRefused",
     "WorkerStartFailed",
 ]

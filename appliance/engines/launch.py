@@ -100,6 +100,9 @@ class LaunchSpec:
     """--enable-auto-tool-choice (needs tool_call_parser)."""
     structured_outputs: Mapping[str, object] = field(default_factory=dict)
     """--structured-outputs-config (backend, disable_any_whitespace); empty: vLLM's defaults."""
+    sleep_mode: bool = False
+    """--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (its /sleep and /wake_up): the workers
+    can be put to sleep. vLLM accepts it on CUDA (and ROCm, XPU) only."""
 
     def port(self, index: int) -> int:
         return self.base_port + index
@@ -231,6 +234,8 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
     if spec.structured_outputs:
         config = json.dumps(dict(spec.structured_outputs), separators=(",", ":"))
         args += ["--structured-outputs-config", config]
+    if spec.sleep_mode:
+        args.append("--enable-sleep-mode")
     if spec.retention is not None:
         config = spec.retention.kv_transfer_config(index)
         args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -258,6 +263,8 @@ def _env(
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if cpus:
             env["OMP_NUM_THREADS"] = str(len(cpus))
+    if spec.sleep_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if spec.retention is not None and (path := spec.retention.pythonpath(env.get("PYTHONPATH"))):
         env["PYTHONPATH"] = path
     env.update(spec.extra_env)
@@ -323,6 +330,9 @@ def spec_from_settings(
     without a configured KV size, the workers share `free_memory_bytes` (host memory free)."""
     if not engine.model:
         raise ConfigError("engine.model is not set; pass --model PATH_OR_NAME")
+    if engine.sleep_mode and device != Device.CUDA:
+        raise ConfigError("engine.sleep_mode: vLLM's CPU build has no sleep mode; set it to "
+                          "false (idle workers can still be stopped)")  # fmt: skip
     visible = (base_env or {}).get("CUDA_VISIBLE_DEVICES", "")
     parts = [p.strip() for p in visible.split(",") if p.strip()]
     gpu_ids = tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
@@ -353,6 +363,7 @@ def spec_from_settings(
         tool_call_parser=engine.tool_call_parser,
         enable_auto_tool_choice=engine.enable_auto_tool_choice,
         structured_outputs=_structured_outputs(engine),
+        sleep_mode=engine.sleep_mode,
     )
 
 

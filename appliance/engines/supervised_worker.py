@@ -9,13 +9,21 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.domain.records import WorkerId
-from appliance.domain.worker import WorkerEvent, WorkerEventKind, WorkerState, can_move
+from appliance.domain.worker import (
+    PowerChange,
+    WorkerEvent,
+    WorkerEventKind,
+    WorkerState,
+    can_move,
+)
 from appliance.engines.errors import WorkerStartFailed
 from appliance.engines.kv_events import KvEventSubscriber
 from appliance.engines.launch import WorkerLaunch
+from appliance.engines.vllm_client import READ_TIMEOUT_S
 from appliance.engines.worker_process import (
     log_cause,
     process_running,
@@ -26,6 +34,25 @@ from appliance.engines.worker_process import (
 from appliance.engines.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorTimings:
+    """The supervisor's waits and limits, in seconds (the restart counts excepted)."""
+
+    startup_timeout_s: float = 900.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    unhealthy_restart_s: float = 60.0
+    restart_base_s: float = 1.0
+    restart_cap_s: float = 30.0
+    max_restarts_in_a_row: int = 5
+    stable_after_s: float = 120.0
+    drain_deadline_s: float = 30.0
+    term_grace_s: float = 15.0
+    poll_s: float = 0.25
+    request_timeout_s: float = READ_TIMEOUT_S
+    """How long a worker may send nothing on a model request (`engine.request_timeout_s`)."""
 
 
 class SupervisedWorker:
@@ -50,16 +77,21 @@ class SupervisedWorker:
         self.healthy_since: float | None = None
         self.watcher: asyncio.Task[None] | None = None
         self.subscriber: KvEventSubscriber | None = None
+        self.power_lock = asyncio.Lock()
+        """Held by a sleep, stop or wake of this worker: one at a time."""
+        self.wake_task: asyncio.Task[PowerChange] | None = None
+        """The wake in progress, which every caller of a wake awaits (single flight)."""
 
     @property
     def id(self) -> WorkerId:
         return self.handle.id
 
-    async def spawn(self) -> None:
+    async def spawn(self, state: WorkerState = WorkerState.STARTING) -> None:
+        """Start its process; the handle is `state` meanwhile (WAKING for a wake)."""
         self.proc, self.log_offset = await spawn(self.launch, self.log_path)
         self.pgids.add(self.proc.pid)
         self.handle.pid = self.proc.pid
-        self.move(WorkerState.STARTING)
+        self.move(state)
         self.emit(WorkerEventKind.STARTED)
 
     async def await_healthy(self, deadline: float, *, timeout_s: float, poll_s: float) -> None:

@@ -21,7 +21,9 @@ start, an exception or a cancelled task stops everything, an atexit hook SIGKILL
 groups, and each worker asks the kernel to SIGTERM it should the appliance die.
 
 Each worker's own steps (spawn, wait for /health, terminate, its state and events) are
-appliance/engines/supervised_worker.py's; this decides when to take them.
+appliance/engines/supervised_worker.py's; this decides when to take them. `power` sleeps,
+stops and wakes workers on request (appliance/engines/power_control.py): a worker stopped
+that way is STOPPED, not a crash, and nothing restarts it until it is woken.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -53,32 +55,17 @@ from appliance.domain.worker import (
 from appliance.engines.errors import PortInUse, WorkerStartFailed
 from appliance.engines.kv_events import KvEventSubscriber
 from appliance.engines.launch import LaunchSpec, plan_workers
+from appliance.engines.power_control import PowerControl
 from appliance.engines.preflight import preflight
 from appliance.engines.retention.client import RetentionClient
 from appliance.engines.retention.plugin import plugin_path
-from appliance.engines.supervised_worker import SupervisedWorker
-from appliance.engines.vllm_client import READ_TIMEOUT_S, VllmClient
+from appliance.engines.supervised_worker import SupervisedWorker, SupervisorTimings
+from appliance.engines.vllm_client import VllmClient
 from appliance.engines.worker_process import reap_group, signal_group
 from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SupervisorTimings:
-    startup_timeout_s: float = 900.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 5.0
-    unhealthy_restart_s: float = 60.0
-    restart_base_s: float = 1.0
-    restart_cap_s: float = 30.0
-    max_restarts_in_a_row: int = 5
-    stable_after_s: float = 120.0
-    drain_deadline_s: float = 30.0
-    term_grace_s: float = 15.0
-    poll_s: float = 0.25
-    request_timeout_s: float = READ_TIMEOUT_S
-    """How long a worker may send nothing on a model request (`engine.request_timeout_s`)."""
+__all__ = ["Supervisor", "SupervisorTimings"]
 
 
 class Supervisor:
@@ -121,6 +108,7 @@ class Supervisor:
                     ),
                     kv_events_endpoint=plan.kv_events_endpoint,
                     gpus=plan.gpus,
+                    can_sleep=spec.sleep_mode,
                 ),
                 log_dir / f"{plan.worker}.log",
                 on_event,
@@ -133,6 +121,14 @@ class Supervisor:
         self._health_task: asyncio.Task[None] | None = None
         self.retention: RetentionClient | None = None
         """The workers' retention connectors, once started (None: they load none)."""
+        self.power = PowerControl(
+            self._slots,
+            self.timings,
+            forget=self._forget,
+            watch=self._start_watch,
+            stopping=lambda: self._stopping or not self._started,
+        )
+        """Sleep, stop and wake of single workers while they run."""
 
     # --- reading ---
 
@@ -194,7 +190,7 @@ class Supervisor:
             await self._shutdown()
             raise
         for slot in self._slots:
-            slot.watcher = asyncio.create_task(self._watch(slot), name=f"watch {slot.handle.id}")
+            self._start_watch(slot)
         self._health_task = asyncio.create_task(self._health_loop(), name="worker health")
 
     async def stop(self, *, drain_deadline_s: float | None = None) -> None:
@@ -231,7 +227,8 @@ class Supervisor:
 
     async def _shutdown(self) -> None:
         try:
-            tasks = [t for t in (self._health_task, *(s.watcher for s in self._slots)) if t]
+            waits = (t for s in self._slots for t in (s.watcher, s.wake_task))
+            tasks = [t for t in (self._health_task, *waits) if t]
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -302,6 +299,15 @@ class Supervisor:
         if self._on_kv_batch is not None:
             self._on_kv_batch(worker, batch)
 
+    def _forget(self, slot: SupervisedWorker, reason: str) -> None:
+        """Its KV is gone: the index forgets it, the retention view its holds."""
+        self._kv_reset(slot.handle.id, reason)
+        if self.retention is not None:
+            self.retention.forget(slot.handle.id)
+
+    def _start_watch(self, slot: SupervisedWorker) -> None:
+        slot.watcher = asyncio.create_task(self._watch(slot), name=f"watch {slot.handle.id}")
+
     def _kv_reset(self, worker: WorkerId, reason: str) -> None:
         if self._on_kv_reset is not None:
             try:
@@ -319,9 +325,7 @@ class Supervisor:
             code = await slot.proc.wait()
             if self._stopping:
                 return
-            self._kv_reset(slot.handle.id, f"worker exited with code {code}")
-            if self.retention is not None:
-                self.retention.forget(slot.handle.id)  # a restarted worker holds nothing
+            self._forget(slot, f"worker exited with code {code}")  # a restart holds nothing
             now = time.monotonic()
             if slot.healthy_since is not None and now - slot.healthy_since >= t.stable_after_s:
                 slot.failures = 0

@@ -39,6 +39,8 @@ CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
 """The default of `engine.request_timeout_s`: how long a worker may send nothing."""
 PROBE_TIMEOUT_S = 5.0
+SLEEP_TIMEOUT_S = 300.0
+"""A sleep or wake moves the weights (tens of GB on a large model) between GPU and host."""
 REUSE_MARGIN_S = 1.0
 """An idle connection is reused only this long before its server would close it."""
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -260,6 +262,27 @@ class VllmClient:
                         yield chunk
             except _FAILURES as exc:
                 raise self._unavailable(path, exc) from None
+
+    # --- sleep mode (vLLM's dev endpoints: VLLM_SERVER_DEV_MODE=1) ---
+
+    async def sleep(self, level: int, timeout_s: float = SLEEP_TIMEOUT_S) -> None:
+        """`POST /sleep?level=n` (mode abort: requests in flight are aborted)."""
+        await self._request("POST", f"/sleep?level={level}", timeout_s=timeout_s)
+
+    async def wake_up(self, timeout_s: float = SLEEP_TIMEOUT_S) -> bool:
+        """`POST /wake_up`; whether the worker says it is fully awake."""
+        raw = await self._request("POST", "/wake_up", timeout_s=timeout_s)
+        return bool(orjson.loads(raw).get("status") == "awake")
+
+    async def is_sleeping(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+        raw = await self._request("GET", "/is_sleeping", timeout_s=timeout_s)
+        return bool(orjson.loads(raw).get("is_sleeping"))
+
+    async def reload_weights(self, timeout_s: float = SLEEP_TIMEOUT_S) -> None:
+        """`POST /collective_rpc` reload_weights: after a level-2 wake the weights are
+        allocated but their values are gone; this loads them from the model again."""
+        body = {"method": "reload_weights"}
+        await self._request("POST", "/collective_rpc", body=body, timeout_s=timeout_s)
 
     # --- plumbing ---
 

@@ -25,9 +25,11 @@ from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import (
     LoadSnapshot,
+    WorkerPowerState,
     WorkerState,
     WorkerStatus,
     accepts_requests,
+    power_state,
 )
 from appliance.engines.errors import EngineError
 from appliance.engines.vllm_client import VllmClient
@@ -54,10 +56,21 @@ class WorkerHandle:
     load: LoadSnapshot | None = None
     load_error: str | None = None
     state_since: float = field(default_factory=time.monotonic)
+    can_sleep: bool = False
+    """Started with vLLM's sleep mode and its dev endpoints (the CUDA build): it can be put
+    ASLEEP. Every worker the supervisor starts can be STOPPED; an external one neither."""
+    sleep_level: int | None = None
+    """The level it sleeps at while ASLEEP (1 or 2), else None."""
+    last_wake_s: float | None = None
+    """How long its latest wake took, measured (None: never woken)."""
 
     @property
     def healthy(self) -> bool:
         return self.state == WorkerState.HEALTHY
+
+    @property
+    def power(self) -> WorkerPowerState:
+        return power_state(self.state)
 
     @property
     def accepts_requests(self) -> bool:
@@ -67,6 +80,8 @@ class WorkerHandle:
         if state != self.state:
             self.state = state
             self.state_since = time.monotonic()
+            if state != WorkerState.ASLEEP:
+                self.sleep_level = None
 
     def status(self) -> WorkerStatus:
         return WorkerStatus(
@@ -79,6 +94,8 @@ class WorkerHandle:
             restarts=self.restarts,
             pid=self.pid,
             load=self.load,
+            sleep_level=self.sleep_level,
+            last_wake_s=self.last_wake_s,
         )
 
     async def refresh_load(self) -> LoadSnapshot | None:

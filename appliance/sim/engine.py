@@ -277,6 +277,13 @@ class SimEngine:
         self._n.success["abort"] += 1
         self._pending.append(self._output(entry, [], "abort"))
 
+    def abort_all(self, now: float) -> int:
+        """Abort every request in the engine (vLLM's pause in "abort" mode); how many."""
+        ids = list(self._entries)
+        for request_id in ids:
+            self.abort_request(request_id, now)
+        return len(ids)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._entries) or bool(self._pending) or self.prefetches.busy
 

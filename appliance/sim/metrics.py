@@ -183,7 +183,9 @@ class SimMetrics:
             tpot = r.decode_s / (r.generation_tokens - 1)
             h["vllm:request_time_per_output_token_seconds"].observe(tpot)
 
-    def _values(self, s: EngineStats) -> dict[str, dict[str, float]]:
+    def _values(
+        self, s: EngineStats, sleep_state: Mapping[str, float] | None = None
+    ) -> dict[str, dict[str, float]]:
         """Gauge and counter values by family, keyed by the extra label's value ("")."""
         hits = float(s.prefix_cache_hits)
         by_source = s.prompt_tokens_by_source
@@ -193,7 +195,7 @@ class SimMetrics:
             "vllm:num_requests_running": {"": s.num_running},
             "vllm:num_requests_waiting": {"": s.num_waiting},
             "vllm:num_requests_waiting_by_reason": {"capacity": s.num_waiting},
-            "vllm:engine_sleep_state": {"awake": 1.0},
+            "vllm:engine_sleep_state": dict(sleep_state or {"awake": 1.0}),
             "vllm:kv_cache_usage_perc": {"": s.kv_cache_usage},
             "vllm:prefix_cache_queries": {"": s.prefix_cache_queries},
             "vllm:prefix_cache_hits": {"": hits},
@@ -210,9 +212,10 @@ class SimMetrics:
             "vllm:request_success": {k: float(v) for k, v in s.request_success_total.items()},
         }
 
-    def render(self, stats: EngineStats) -> str:
-        """The `vllm:` part of `/metrics` for the engine's current stats."""
-        values = self._values(stats)
+    def render(self, stats: EngineStats, sleep_state: Mapping[str, float] | None = None) -> str:
+        """The `vllm:` part of `/metrics` for the engine's current stats (and sleep state:
+        `vllm:engine_sleep_state` by label; None: awake)."""
+        values = self._values(stats, sleep_state)
         out: list[str] = []
         for fam in FAMILIES:
             if fam.kind == HISTOGRAM:

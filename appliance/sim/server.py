@@ -28,6 +28,7 @@ from starlette.routing import Route
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.sim.api_errors import ApiError, bad_request, model_not_found
 from appliance.sim.detokenizer import IncrementalDecoder
+from appliance.sim.dev_routes import dev_routes
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.protocol import (
     ChatCompletionRequest,
@@ -100,9 +101,6 @@ class SimApi:
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.worker.metrics_text(), media_type=METRICS_CONTENT_TYPE)
-
-    async def reset_prefix_cache(self, request: Request) -> Response:
-        return JSONResponse({"success": self.worker.reset_prefix_cache()})
 
     async def models(self, request: Request) -> Response:
         root = self.worker.config.model or self.model_name
@@ -364,7 +362,7 @@ def create_app(worker: SimWorker) -> Starlette:
         ("/v1/responses", ResponsesApi(api).create, ["POST"]),
     )
     if worker.config.dev_mode:
-        routes = (*routes, ("/reset_prefix_cache", api.reset_prefix_cache, ["POST"]))
+        routes = (*routes, *dev_routes(worker))
     return Starlette(
         routes=[Route(path, _guard(h), methods=m) for path, h, m in routes],
         exception_handlers={HTTPException: _http_error},

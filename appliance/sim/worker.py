@@ -45,6 +45,7 @@ from appliance.sim.host_tier import HostTier
 from appliance.sim.kv_publisher import KvEventPublisher
 from appliance.sim.metrics import FinishedRequest, SimMetrics, cache_config_labels
 from appliance.sim.retention import SimRetention
+from appliance.sim.sleep_mode import SIM_WAKE_S, SleepMode
 from appliance.tokenization.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,11 @@ class WorkerConfig:
     and answered with tool calls (`tool_calls.py`); without it vLLM's 400 is returned for
     any but "none"."""
     dev_mode: bool = False
-    """vLLM's VLLM_SERVER_DEV_MODE=1: adds POST /reset_prefix_cache."""
+    """vLLM's VLLM_SERVER_DEV_MODE=1: adds /reset_prefix_cache and sleep mode's routes."""
+    wake_s: tuple[float, float] = SIM_WAKE_S
+    """Seconds a wake from sleep level 1 and from level 2 takes (sleep_mode.py)."""
+    startup_s: float = 0.0
+    """Seconds a new process takes to answer /health (loading the model); 0: at once."""
 
 
 class ScaledClock:
@@ -151,6 +156,7 @@ class SimWorker:
             retention=self.retention,
         )
         self.clock = ScaledClock(config.time_scale)
+        self.sleep_mode = SleepMode(self, config.wake_s)
         if self.retention is not None:
             self.retention.restorer = self._restore
         self.metrics = SimMetrics(
@@ -234,7 +240,10 @@ class SimWorker:
         self, requests: Sequence[SimRequest], *, n_param: int = 1
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run engine requests; yield (index in `requests`, output) as steps produce them.
-        Leaving the iteration early aborts the requests that have not finished."""
+        Leaving the iteration early aborts the requests that have not finished. While the
+        worker sleeps they wait for its wake (their latency counts the wait)."""
+        arrival = self.clock.now()
+        await self.sleep_mode.until_awake()
         now = self.clock.now()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         index = {r.request_id: i for i, r in enumerate(requests)}
@@ -242,7 +251,7 @@ class SimWorker:
         try:
             for r in requests:
                 self._queues[r.request_id] = queue
-                self._timing[r.request_id] = _Timing(now, r.max_tokens, n_param)
+                self._timing[r.request_id] = _Timing(arrival, r.max_tokens, n_param)
                 r.arrival_s = now
                 self.engine.add_request(r, now)
                 pending.add(r.request_id)
@@ -260,6 +269,10 @@ class SimWorker:
                 self._wake.set()
             for r in requests:
                 self._forget(r.request_id)
+
+    def nudge(self) -> None:
+        """Wake the engine loop (after work was added or aborted from outside it)."""
+        self._wake.set()
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -346,7 +359,7 @@ class SimWorker:
         }
 
     def metrics_text(self) -> str:
-        return self.metrics.render(self.engine.stats)
+        return self.metrics.render(self.engine.stats, self.sleep_mode.gauge())
 
 
 def _engine_config(config: WorkerConfig, num_blocks: int) -> EngineConfig:

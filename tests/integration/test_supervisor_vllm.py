@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 from appliance.domain.block_hash import BlockHasher
-from appliance.domain.worker import WorkerEvent, WorkerEventKind, WorkerState
+from appliance.domain.worker import PowerChange, WorkerEvent, WorkerEventKind, WorkerState
+from appliance.engines.errors import WorkerPowerRefused
 from appliance.engines.external import connect_external
 from appliance.engines.launch import Device, LaunchSpec
 from appliance.engines.preflight import probe_vllm
@@ -261,6 +262,47 @@ def test_killed_worker_is_restarted_and_reported(workers: Workers, loop: LoopThr
     assert not group_alive(old_pid)
     assert workers.w0.restarts == 0 and workers.w0.healthy
     body = {"model": "tiny", "prompt": token_ids(30, 64), "max_tokens": 2}
+    assert loop.run(w1.client.completions(body))["usage"]["completion_tokens"] == 2
+
+
+def test_stopped_on_request_stays_stopped_until_woken_once(
+    workers: Workers, loop: LoopThread
+) -> None:
+    """The reaper's stop and wake on the CPU build (which cannot sleep): not a crash, the
+    KV forgotten, and three wakes at once start one process."""
+    sup, w1, feed = workers.sup, workers.w1, workers.feed
+    with pytest.raises(WorkerPowerRefused, match="cannot sleep"):
+        loop.run(sup.power.sleep(w1.id, 1))
+    body = {"model": "tiny", "prompt": token_ids(50, 96), "max_tokens": 2}
+    loop.run(w1.client.completions(body))
+    wait_until(lambda: feed.gpu_blocks(w1.id) > 0)
+    old_pid, seen = w1.pid, len(workers.events)
+    assert old_pid is not None
+
+    stopped = loop.run(sup.power.stop(w1.id))
+    assert (stopped.after, w1.state, w1.pid) == (WorkerState.STOPPED, WorkerState.STOPPED, None)
+    assert feed.gpu_blocks(w1.id) == 0 and (w1.id, "stopped on request") in feed.resets
+    assert not group_alive(old_pid)
+    time.sleep(2.0)  # ten restart backoffs: a crash would have been restarted
+    assert w1.state == WorkerState.STOPPED and w1.restarts == 1
+
+    async def three_wakes() -> list[PowerChange]:
+        return list(await asyncio.gather(*(sup.power.wake(w1.id) for _ in range(3))))
+
+    a, b, c = loop.run(three_wakes())
+    assert a is b is c and a.spawned and a.after == WorkerState.HEALTHY
+    print(f"w1 woken from stopped in {a.duration_s:.1f}s")
+    assert a.duration_s > 0 and w1.last_wake_s == a.duration_s
+    new = [e.kind for e in workers.events[seen:] if e.worker == w1.id]
+    assert new == [
+        WorkerEventKind.STOPPED_ON_REQUEST,
+        WorkerEventKind.WAKE_STARTED,
+        WorkerEventKind.STARTED,
+        WorkerEventKind.HEALTHY,
+        WorkerEventKind.WOKEN,
+    ]
+    workers.groups |= sup.process_groups() | {old_pid}
+    assert w1.state == WorkerState.HEALTHY and w1.pid not in (None, old_pid)
     assert loop.run(w1.client.completions(body))["usage"]["completion_tokens"] == 2
 
 
