@@ -203,6 +203,8 @@ async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: L
         loops = [group.create_task(_refresh(engines, wired, clock, ledger, refreshed))]
         if wired.reaper is not None:
             loops.append(group.create_task(wired.reaper.run()))
+        if wired.power is not None:
+            loops.append(group.create_task(wired.power.run()))
         await refreshed.wait()
         server.app = wired.app
         serving = group.create_task(server.serve())
@@ -221,6 +223,8 @@ def _engines_view(settings: Settings, kind: EngineKind, engines: Engines) -> Sta
         runtime_identity(settings, kind),
         engines.retention,
         engines.no_retention,
+        engines.power,
+        engines.power_states,
     )
 
 

@@ -35,6 +35,7 @@ from appliance.engines.errors import PortInUse
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_vllm_workers
 from appliance.engines.launch import WorkerLaunch, default_served_name
+from appliance.engines.power_control import PowerControl
 from appliance.engines.retention.client import RetentionClient
 from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.engines.supervisor import SupervisorTimings
@@ -42,6 +43,7 @@ from appliance.engines.worker_process import reap_group, spawn, terminate_group
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
 from appliance.perf.profile import bundled_profile, load_profile
+from appliance.policy.worker_power import ALL_STATES, CPU_VLLM_STATES, PowerState
 from appliance.settings import EngineKind, Settings
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,10 @@ class Engines:
     retention: RetentionClient | None = None
     """The workers' retention control channels (None: `engine.kv_retention` is off, or
     the workers are external)."""
+    power: PowerControl | None = None
+    """Sleep, stop and wake of the workers (None: the appliance did not start them)."""
+    power_states: frozenset[PowerState] = CPU_VLLM_STATES
+    """The states they can be put to (all, with sleep mode)."""
 
     @property
     def no_retention(self) -> str:
@@ -131,7 +137,9 @@ async def _vllm_engines(
 
     try:
         limit = await model_limit(supervisor.workers, name, e.max_model_len)
-        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads, supervisor.retention)
+        states = ALL_STATES if e.sleep_mode else CPU_VLLM_STATES
+        yield Engines(EngineKind.VLLM, supervisor.workers, name, limit, loads,
+                      supervisor.retention, supervisor.power, states)  # fmt: skip
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 
