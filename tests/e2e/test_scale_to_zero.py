@@ -105,6 +105,14 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     time.sleep(2)
     later = app.worker()
     assert later["gpu_busy_s"] + later["gpu_idle_s"] == pytest.approx(awake, abs=0.01)
+    # A turn whose deadline is shorter than the wake is refused before any worker starts.
+    r = httpx.post(f"{app.up.url}/v1/chat/completions", timeout=60,
+                   json={"model": app.model, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "in a hurry"}]},
+                   headers={"Authorization": f"Bearer {app.key}", "X-Deadline-S": "5"})  # fmt: skip
+    assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible", r.text
+    assert "(wake " in r.json()["error"]["message"], r.text
+    assert len(app.power_rows()) == 1 and not app.worker()["healthy"]  # nothing woke
     # Two turns while it is down: one wake, both served, each waited for it.
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(app.turn, ["first", "second"]))
