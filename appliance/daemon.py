@@ -27,7 +27,6 @@ from appliance.api.server import ApiServer
 from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
-from appliance.domain.worker import WorkerState
 from appliance.engine_start import (
     Engines,
     WorkerEventRelay,
@@ -53,7 +52,6 @@ from appliance.wiring import StartedEngines, Wiring, admission_limits, wire
 
 log = logging.getLogger(__name__)
 REFRESH_S = 0.5
-_RESTING = (WorkerState.ASLEEP, WorkerState.STOPPED, WorkerState.WAKING)  # no outage: on request
 
 
 class WallClock:
@@ -214,6 +212,8 @@ async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: L
         loops = [group.create_task(_refresh(engines, wired, clock, ledger, refreshed))]
         if wired.reaper is not None:
             loops.append(group.create_task(wired.reaper.run()))
+        if wired.power is not None:
+            loops.append(group.create_task(wired.power.run()))
         await refreshed.wait()
         server.app = wired.app
         serving = group.create_task(server.serve())
@@ -232,6 +232,8 @@ def _engines_view(settings: Settings, kind: EngineKind, engines: Engines) -> Sta
         runtime_identity(settings, kind),
         engines.retention,
         engines.no_retention,
+        engines.power,
+        engines.power_states,
     )
 
 
@@ -332,7 +334,7 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
     of whether it can again. `refreshed` is set after the first pass."""
     watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts,  # type: ignore[attr-defined]
-                        resting=lambda w: w.state in _RESTING)  # type: ignore  # fmt: skip
+                        resting=lambda w: w.resting)  # type: ignore[attr-defined]  # fmt: skip
     while True:
         try:
             await engines.refresh()

@@ -37,6 +37,7 @@ from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN
 from appliance.engines.supervisor import Supervisor
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
+from appliance.policy.worker_power import ALL_STATES, CPU_VLLM_STATES, PowerState
 from appliance.settings import EngineKind, Settings
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class Engines:
     appliance/engines/power_control.py): the supervisor's, for vLLM and simulated workers.
     None for external workers, which the appliance never sleeps or stops. Which workers can
     sleep (not only stop) says each handle's `can_sleep`."""
+    power_states: frozenset[PowerState] = CPU_VLLM_STATES
+    """The states they can be put to (all, with sleep mode: vLLM's `engine.sleep_mode`, and
+    every simulated worker)."""
 
     @property
     def no_retention(self) -> str:
@@ -148,7 +152,9 @@ async def _vllm_engines(
         kv_cache_memory_bytes=e.kv_cache_memory_bytes,
     )
     try:
-        yield await _supervised(EngineKind.VLLM, supervisor, served_name(settings), e.max_model_len)
+        states = ALL_STATES if e.sleep_mode else CPU_VLLM_STATES
+        yield await _supervised(EngineKind.VLLM, supervisor, served_name(settings),
+                                e.max_model_len, states)  # fmt: skip
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 
@@ -162,23 +168,28 @@ async def _sim_engines(
         e, log_dir=log_dir, on_event=on_event, on_kv_batch=feed.on_batch, on_kv_reset=feed.on_reset
     )
     try:
-        yield await _supervised(EngineKind.SIM, supervisor, served_name(settings), e.max_model_len)
+        yield await _supervised(EngineKind.SIM, supervisor, served_name(settings),
+                                e.max_model_len, ALL_STATES)  # fmt: skip
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 
 
 async def _supervised(
-    kind: EngineKind, supervisor: Supervisor, name: str, configured_len: int | None
+    kind: EngineKind,
+    supervisor: Supervisor,
+    name: str,
+    configured_len: int | None,
+    states: frozenset[PowerState],
 ) -> Engines:
-    """The engines a supervisor runs: its workers, their loads, retention and power."""
+    """The engines a supervisor runs: its workers, their loads, retention and power (to
+    `states`)."""
 
     async def loads() -> None:
         await asyncio.gather(*(w.refresh_load() for w in supervisor.workers if w.healthy))
 
     limit = await model_limit(supervisor.workers, name, configured_len)
-    return Engines(
-        kind, supervisor.workers, name, limit, loads, supervisor.retention, supervisor.power
-    )
+    return Engines(kind, supervisor.workers, name, limit, loads, supervisor.retention,
+                   supervisor.power, states)  # fmt: skip
 
 
 @contextlib.asynccontextmanager

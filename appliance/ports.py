@@ -28,9 +28,10 @@ from appliance.domain.records import (
     TaskRecord,
     TurnRecord,
     WorkerId,
+    WorkerPowerEvent,
 )
 from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
-from appliance.domain.worker import LoadSnapshot
+from appliance.domain.worker import LoadSnapshot, PowerChange
 
 
 class Clock(Protocol):
@@ -74,6 +75,8 @@ class Ledger(Protocol):
     def record_residency_event(self, event: ResidencyEvent) -> Future[None]: ...
 
     def record_admission_event(self, event: AdmissionEvent) -> Future[None]: ...
+
+    def record_worker_power(self, event: WorkerPowerEvent) -> Future[None]: ...
 
     def record_route_decision(self, decision: RouteDecisionRecord) -> Future[None]: ...
 
@@ -241,3 +244,15 @@ class KvRetention(Protocol):
     def returned(self) -> AsyncIterator[ReturnedKv]:
         """Every hold a worker gives back, as its reports arrive (forever; one reader)."""
         ...
+
+
+class WorkerPowerSwitch(Protocol):
+    """Sleep, stop and wake of the workers the appliance started (engines/power_control.py).
+    Each call returns the change as it happened, its duration measured; concurrent wakes of
+    one worker share one wake. Refused (WorkerPowerRefused) from a state it cannot leave."""
+
+    async def sleep(self, worker: WorkerId, level: int = 1) -> PowerChange: ...
+
+    async def stop(self, worker: WorkerId) -> PowerChange: ...
+
+    async def wake(self, worker: WorkerId) -> PowerChange: ...

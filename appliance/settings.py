@@ -295,6 +295,19 @@ class ResidencySettings(Section):
     """KV usage (0..1) under which a hold costs nothing; above, what it would push out."""
 
 
+class WorkerReaperSettings(Section):
+    """The worker reaper (appliance/policy/worker_power.py; services/worker_reaper.py): idle
+    workers sleep or stop, and a turn wakes one."""
+
+    worker_idle_s: float | None = Field(None, ge=0)
+    """Seconds a worker has had no running, waiting or held turn before it sleeps or stops;
+    None: workers stay awake."""
+    max_wake_s: float | None = Field(None, ge=0)
+    """The longest wake a worker may need: the cheapest state whose wake fits (None: any)."""
+    min_awake: int = Field(0, ge=0)
+    """Workers kept awake however idle."""
+
+
 class Settings(BaseSettings):
     """The whole configuration of one appliance."""
 
@@ -322,6 +335,7 @@ class Settings(BaseSettings):
     costs: CostSettings = CostSettings()
     admission: AdmissionSettings = AdmissionSettings()
     residency: ResidencySettings = ResidencySettings()
+    reaper: WorkerReaperSettings = WorkerReaperSettings()
 
     @property
     def ledger_path(self) -> Path:

@@ -5,6 +5,7 @@ nothing and runs nothing, so a test can build the whole house around workers of 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +37,13 @@ from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
 from appliance.policy.survival import WaitKey
 from appliance.policy.wait_curves import LogNormal
-from appliance.ports import Clock, GpuProbe, KvRetention
+from appliance.policy.worker_power import (
+    CPU_VLLM_STATES,
+    PowerSettings,
+    PowerState,
+    power_table,
+)
+from appliance.ports import Clock, GpuProbe, KvRetention, WorkerPowerSwitch
 from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.cost_series import CostSeries
@@ -56,6 +63,7 @@ from appliance.services.tasks import TaskBook
 from appliance.services.tenancy import TenantSalts
 from appliance.services.turn_desk import TurnDesk
 from appliance.services.turn_records import TurnRecords
+from appliance.services.worker_reaper import PowerInputs, WorkerReaperLoop
 from appliance.services.worker_speed import WorkerSpeeds
 from appliance.settings import Settings
 from appliance.tokenization.tokenizer import load_tokenizer
@@ -87,6 +95,10 @@ class StartedEngines:
     """The workers' retention channels; None: they have none (`no_retention`)."""
     no_retention: str = "the workers have no retention channel"
     """Why there is none, when there is none."""
+    power: WorkerPowerSwitch | None = None
+    """Sleep, stop and wake of the workers (None: the appliance did not start them)."""
+    power_states: frozenset[PowerState] = CPU_VLLM_STATES
+    """The states the workers can be put to (sleep mode: all)."""
 
 
 @dataclass
@@ -98,6 +110,8 @@ class Wiring:
     gpu: GpuTick
     reaper: ReaperLoop | None
     """The idle reaper's loop (None: `residency.reaper` is off); the daemon runs it."""
+    power: WorkerReaperLoop | None
+    """The worker reaper (None: `reaper.worker_idle_s` unset, or no power switch)."""
     admission: AdmissionService
     """Its `limits` are replaced on a reload (`admission_limits`)."""
 
@@ -115,13 +129,13 @@ def wire(
     secret: bytes,
 ) -> Wiring:
     events, gpu = LoggedEventFeed(), GpuTick(probe)
-    cost = LatencyModel.from_profile(profile)
-    speeds, queues = _measured_queues(cost, clock)
+    speeds, queues = _measured_queues(cost := LatencyModel.from_profile(profile), clock)
     desk, admission, sessions, tasks = _turn_desk(
         settings, engines, ledger, feed, clock, cost, queues, events, secret
     )
     _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
+    desk.power = _worker_reaper(settings, engines, ledger, clock, desk, reaper, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     sources = StateSources(
         workers=lambda: [w.status() for w in engines.workers()],
@@ -161,7 +175,7 @@ def wire(
             ),
         )
     )
-    return Wiring(app, desk, speeds, events, gpu, reaper, admission)
+    return Wiring(app, desk, speeds, events, gpu, reaper, desk.power, admission)
 
 
 def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:
@@ -262,6 +276,39 @@ def _reaper_loop(
     return loop
 
 
+def _worker_reaper(
+    settings: Settings,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
+    clock: Clock,
+    desk: TurnDesk,
+    reaper: ReaperLoop | None,
+    profile: GpuProfile,
+) -> WorkerReaperLoop | None:
+    """Idle workers sleep or stop, and a turn wakes one (`reaper.worker_idle_s` set, and
+    workers the appliance started)."""
+    r = settings.reaper
+    if r.worker_idle_s is None or engines.power is None:
+        return None
+    meter = desk.records.meter
+    wake = profile.wake
+    assert wake is not None  # parse_profile fills it in
+    seconds = (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds)
+    kv = settings.engine.kv_cache_memory_bytes or 0
+    table = power_table(seconds, wake.weights_bytes, kv, engines.power_states)
+    inputs = PowerInputs(
+        workers=lambda: [w.status() for w in engines.workers()],
+        in_flight=meter.in_flight if meter is not None else lambda worker: 0,
+        model=engines.served_name,
+        table=table,
+        settings=PowerSettings(r.worker_idle_s, r.max_wake_s or math.inf, r.min_awake),
+        gpus_per_worker=settings.engine.gpus_per_worker,
+    )
+    rests = reaper.worker_rests if reaper is not None else None
+    return WorkerReaperLoop(engines.power, inputs, ledger=ledger, clock=clock, meter=meter,
+                        before_rest=rests)  # fmt: skip
+
+
 def admission_limits(settings: Settings) -> AdmissionLimits:
     """The admission policy's limits: every `admission.*` key but `task_idle_s`, which the
     task book reads once."""
@@ -306,7 +353,13 @@ def _turn_desk(
         limits=admission_limits(settings),
         tasks=tasks,
         # queue_s: the queued prefill ahead of new work
-        estimator=WorkerEstimator(engines.workers, queues.queue_s, cost, queues.slowdown),
+        estimator=WorkerEstimator(
+            engines.workers,
+            queues.queue_s,
+            cost,
+            queues.slowdown,
+            wake_s=lambda w: desk.power.wake_s(w) if desk.power is not None else None,
+        ),
         ledger=ledger,
         clock=clock,
         events=events,

@@ -236,6 +236,24 @@ class ResidencyEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerPowerEvent:
+    """A worker put to sleep, stopped or woken by the worker reaper: the state it left
+    (and how long it was in it: `state_s` times `gpus` is that state's GPU-seconds), the
+    state it reached, and how long the change took, measured."""
+
+    at: float
+    worker: WorkerId
+    action: str
+    """sleep, stop or wake."""
+    from_state: str
+    to_state: str
+    duration_s: float
+    state_s: float
+    gpus: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionEvent:
     """An admission decision: admit, queue or deny, with its reason."""
 

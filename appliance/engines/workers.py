@@ -74,6 +74,11 @@ class WorkerHandle:
         return power_state(self.state)
 
     @property
+    def resting(self) -> bool:
+        """Asleep, stopped or waking on request (`Supervisor.power`): not an outage."""
+        return self.state in (WorkerState.ASLEEP, WorkerState.STOPPED, WorkerState.WAKING)
+
+    @property
     def accepts_requests(self) -> bool:
         return accepts_requests(self.state) and not self.draining
 

@@ -18,6 +18,7 @@ from appliance.domain.records import (
     TaskEvent,
     TaskRecord,
     TurnRecord,
+    WorkerPowerEvent,
 )
 
 INSERT_TASK = """INSERT INTO tasks (task_id, tenant, parent_task_id, task_class, status,
@@ -140,6 +141,15 @@ INSERT_RESIDENCY = """INSERT INTO residency_events (at, session_id, worker, acti
 def residency_params(e: ResidencyEvent) -> tuple[Any, ...]:
     tier = e.tier.value if e.tier is not None else None
     return (e.at, e.session_id, e.worker, e.action, e.reason, e.tokens, tier, e.figures_json)
+
+
+INSERT_WORKER_POWER = """INSERT INTO worker_power_events (at, worker, action, from_state,
+    to_state, duration_s, state_s, gpus, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+def worker_power_params(e: WorkerPowerEvent) -> tuple[Any, ...]:
+    return (e.at, e.worker, e.action, e.from_state, e.to_state, e.duration_s, e.state_s,
+            e.gpus, e.reason)  # fmt: skip
 
 
 INSERT_ADMISSION = """INSERT INTO admission_events (at, tenant, task_id, decision, reason,

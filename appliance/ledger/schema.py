@@ -219,6 +219,30 @@ def _tool_costs(db: Database) -> None:
     )
 
 
+@migrations(name="0007_worker_power")
+def _worker_power(db: Database) -> None:
+    # The worker reaper's sleeps, stops and wakes: GPU-seconds per state per worker.
+    _run(
+        db,
+        [
+            """CREATE TABLE worker_power_events (
+                event_id INTEGER PRIMARY KEY,
+                at REAL NOT NULL,
+                worker TEXT NOT NULL,
+                action TEXT NOT NULL,
+                from_state TEXT NOT NULL,
+                to_state TEXT NOT NULL,
+                duration_s REAL NOT NULL,
+                state_s REAL NOT NULL,
+                gpus INTEGER NOT NULL,
+                reason TEXT NOT NULL
+            )""",
+            "CREATE INDEX worker_power_events_worker ON worker_power_events (worker, at)",
+            "PRAGMA user_version = 7",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

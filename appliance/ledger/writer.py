@@ -39,6 +39,7 @@ from appliance.domain.records import (
     TaskRecord,
     TaskStatus,
     TurnRecord,
+    WorkerPowerEvent,
     can_transition,
 )
 from appliance.ledger import rows
@@ -108,6 +109,9 @@ class LedgerWriter:
 
     def record_residency_event(self, event: ResidencyEvent) -> Future[None]:
         return self._submit(self._write_residency, event)
+
+    def record_worker_power(self, event: WorkerPowerEvent) -> Future[None]:
+        return self._submit(self._write_worker_power, event)
 
     def record_admission_event(self, event: AdmissionEvent) -> Future[None]:
         return self._submit(self._write_admission, event)
@@ -299,6 +303,9 @@ class LedgerWriter:
 
     def _write_residency(self, event: ResidencyEvent) -> None:
         self._conn.execute(rows.INSERT_RESIDENCY, rows.residency_params(event))
+
+    def _write_worker_power(self, event: WorkerPowerEvent) -> None:
+        self._conn.execute(rows.INSERT_WORKER_POWER, rows.worker_power_params(event))
 
     def _write_admission(self, event: AdmissionEvent) -> None:
         self._conn.execute(rows.INSERT_ADMISSION, rows.admission_params(event))

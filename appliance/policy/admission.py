@@ -116,10 +116,12 @@ class WorkerEstimate:
     """Seconds of queued prefill ahead of new work there."""
     prefill_s: float = 0.0
     """Seconds to prefill this turn there (what is not resident); 0 for a task alone."""
+    wake_s: float = 0.0
+    """Seconds until it serves again: a worker asleep or stopped by the worker reaper."""
 
     @property
     def first_token_s(self) -> float:
-        return self.queue_s + self.prefill_s
+        return self.wake_s + self.queue_s + self.prefill_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,11 +339,15 @@ def _deadline_infeasible(
     return _deny(
         AdmitCode.DEADLINE_INFEASIBLE,
         f"the deadline is {left:.3f} s away, but the fastest worker's first token is "
-        f"{fastest.first_token_s:.3f} s away (queue {fastest.queue_s:.3f} s + prefill "
-        f"{fastest.prefill_s:.3f} s)",
+        f"{fastest.first_token_s:.3f} s away ({_waking(fastest)}queue {fastest.queue_s:.3f} s"
+        f" + prefill {fastest.prefill_s:.3f} s)",
         priority,
         limits,
     )
+
+
+def _waking(w: WorkerEstimate) -> str:
+    return f"wake {w.wake_s:.3f} s + " if w.wake_s > 0 else ""
 
 
 def _fair_share(

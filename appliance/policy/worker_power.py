@@ -108,6 +108,30 @@ class PowerTable:
         return self.figures[state].wake_s
 
 
+ASLEEP_GPU_BYTES = 1 << 30
+"""Judgement: what an asleep vLLM worker keeps on its GPU (CUDA context, allocator pools);
+vLLM's sleep mode frees "90%+" of the GPU memory."""
+
+
+def power_table(
+    wake_s: tuple[float, float, float],
+    weights_bytes: int,
+    kv_bytes: int,
+    supported: frozenset[PowerState] = ALL_STATES,
+) -> PowerTable:
+    """The four states with the wake times (asleep-1, asleep-2, stopped) and what each
+    holds: awake the weights and the KV pool; asleep-1 a GPU context and the weights in host
+    memory; asleep-2 the context; stopped nothing."""
+    one, two, stopped = wake_s
+    figures = {
+        PowerState.AWAKE: StateFigures(0.0, weights_bytes + kv_bytes),
+        PowerState.ASLEEP_1: StateFigures(one, ASLEEP_GPU_BYTES, weights_bytes),
+        PowerState.ASLEEP_2: StateFigures(two, ASLEEP_GPU_BYTES),
+        PowerState.STOPPED: StateFigures(stopped),
+    }
+    return PowerTable(figures, supported)
+
+
 @dataclass(frozen=True, slots=True)
 class PowerSettings:
     """One worker group's `reaper:` settings."""

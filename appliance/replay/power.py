@@ -2,7 +2,7 @@
 
 Model of the world: each simulated worker is awake, asleep (vLLM sleep level 1 or 2) or
 stopped, as `appliance.policy.worker_power` decides with one `--worker-reaper` setting
-(`ReaperSetting`) and the GPU profile's wake times (`power_table`). A worker is idle from
+(`ReaperSetting`) and the GPU profile's wake times (`sim_power_table`). A worker is idle from
 the step after which it has nothing running or waiting; once idle for `worker_idle_s` it
 goes to the policy's state then (the decisions are taken lazily, at the next arrival or at
 the end, for the times they were due: nothing else happens in between). Going there, it
@@ -36,11 +36,11 @@ from appliance.policy.worker_power import (
     PowerSettings,
     PowerState,
     PowerTable,
-    StateFigures,
     WakeKind,
     WorkerPower,
     choose_wake,
     decide_power,
+    power_table,
 )
 from appliance.replay.closed_loop import TaskOutcome
 from appliance.sim.engine import SimEngine
@@ -49,9 +49,6 @@ from appliance.sim.virtual import EngineView, Route
 
 MODEL = "replay"
 GIB = 1 << 30
-ASLEEP_GPU_BYTES = GIB
-"""Judgement: what an asleep vLLM worker keeps on its GPU (CUDA context, allocator pools);
-vLLM's sleep mode frees "90%+" of the GPU memory."""
 ALWAYS_AWAKE = "always-awake"
 _WAKING = "waking"
 
@@ -97,18 +94,10 @@ def parse_worker_reaper(text: str) -> ReaperSetting:
     return ReaperSetting(idle, wake, keep)
 
 
-def power_table(wake: WakeTimes, kv_bytes: int) -> PowerTable:
+def sim_power_table(wake: WakeTimes, kv_bytes: int) -> PowerTable:
     """The simulated workers' states (all four) with the profile's wake times."""
-    return PowerTable(
-        {
-            PowerState.AWAKE: StateFigures(0.0, wake.weights_bytes + kv_bytes),
-            PowerState.ASLEEP_1: StateFigures(
-                wake.asleep_1.seconds, ASLEEP_GPU_BYTES, wake.weights_bytes
-            ),
-            PowerState.ASLEEP_2: StateFigures(wake.asleep_2.seconds, ASLEEP_GPU_BYTES),
-            PowerState.STOPPED: StateFigures(wake.stopped.seconds),
-        }
-    )
+    seconds = (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds)
+    return power_table(seconds, wake.weights_bytes, kv_bytes)
 
 
 class SleepyEngine(SimEngine):

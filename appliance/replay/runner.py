@@ -43,7 +43,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import GpuProfile, WakeTimes, bundled_profile, load_profile
 from appliance.policy.residency import ResidencyPolicy
 from appliance.replay.metrics import policy_metrics
-from appliance.replay.power import ReaperSetting, SleepyEngine, WorkerReaper, power_table
+from appliance.replay.power import ReaperSetting, SleepyEngine, WorkerReaper, sim_power_table
 from appliance.replay.progress import ProgressBar
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
@@ -230,7 +230,7 @@ def worker_reaper(
     def dropped(i: int, now: float, events: list[KvEvent]) -> None:
         router.on_step(i, now, StepResult(0.0, [], events, 0))
 
-    return WorkerReaper(engines, setting, power_table(setup.wake, kv_bytes), dropped)
+    return WorkerReaper(engines, setting, sim_power_table(setup.wake, kv_bytes), dropped)
 
 
 def replay_policy(

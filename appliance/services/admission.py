@@ -111,6 +111,8 @@ class WorkerEstimator:
     cost: PrefillCost
     slowdown: Callable[[WorkerId], float] = _same_speed
     """Each worker's prefill seconds per second of the cost model's (WorkerSpeeds)."""
+    wake_s: Callable[[WorkerId], float | None] = lambda worker: None
+    """Seconds until a worker put to rest serves (WorkerReaper.wake_s; None: not resting)."""
 
     def estimates(
         self,
@@ -121,15 +123,16 @@ class WorkerEstimator:
         """`queues`: each worker's queue estimate now, when the caller has them."""
         estimates = []
         for w in self.workers():
-            if not w.healthy or w.draining:
+            wake = 0.0 if w.healthy else self.wake_s(w.id)
+            if wake is None or w.draining:
                 continue
-            reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1))
+            reused = min(resident.get(w.id, 0), max(0, prompt_tokens - 1)) if not wake else 0
             fresh = prompt_tokens - reused
             prefill = (
                 self.cost.prefill_s(fresh, reused) * self.slowdown(w.id) if prompt_tokens else 0.0
             )
-            queue = queues[w.id] if queues is not None else self.queue_s(w)
-            estimates.append(WorkerEstimate(queue, prefill))
+            queue = queues.get(w.id, 0.0) if queues is not None else self.queue_s(w)
+            estimates.append(WorkerEstimate(queue, prefill, wake))
         return estimates
 
 

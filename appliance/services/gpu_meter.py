@@ -35,6 +35,8 @@ class GpuTime:
 
     awake_s: float
     busy_s: float
+    resting_s: float = 0.0
+    """Asleep or stopped by the worker reaper: not awake, nothing to charge."""
 
     @property
     def idle_s(self) -> float:
@@ -75,6 +77,17 @@ class GpuMeter:
         self._gpus = gpus_per_worker
         self._started = clock.now()
         self._workers: dict[WorkerId, _Worker] = {}
+        self._rested: dict[WorkerId, float] = {}  # resting seconds, before `_resting_since`
+        self._resting_since: dict[WorkerId, float] = {}
+
+    def rests(self, worker: WorkerId, resting: bool, now: float) -> None:
+        """The worker went to sleep or stopped (`resting`), or is awake again (its wake
+        counts as awake): its awake time stops, or goes on."""
+        since = self._resting_since.pop(worker, None)
+        if since is not None:
+            self._rested[worker] = self._rested.get(worker, 0.0) + now - since
+        if resting:
+            self._resting_since[worker] = now
 
     def began(self, attempt: Attempt, prompt_tokens: int) -> None:
         worker = self._advance(attempt.worker, attempt.started_at)
@@ -98,6 +111,11 @@ class GpuMeter:
         worker.pool_s -= share
         return share
 
+    def in_flight(self, worker: WorkerId) -> int:
+        """The router's attempts in flight at the worker."""
+        state = self._workers.get(worker)
+        return len(state.running) if state is not None else 0
+
     def reading(self, worker: WorkerId) -> GpuTime:
         """`worker`'s awake and busy GPU-seconds, up to now."""
         now = self._clock.now()
@@ -105,7 +123,10 @@ class GpuMeter:
         busy = 0.0
         if state is not None:
             busy = state.busy_s + (self._gpus * (now - state.since) if state.running else 0.0)
-        return GpuTime(awake_s=self._gpus * (now - self._started), busy_s=busy)
+        since = self._resting_since.get(worker)
+        rested = self._rested.get(worker, 0.0) + (now - since if since is not None else 0.0)
+        resting, up = self._gpus * rested, self._gpus * (now - self._started)
+        return GpuTime(awake_s=up - resting, busy_s=busy, resting_s=resting)
 
     def _advance(self, worker_id: WorkerId, now: float) -> _Worker:
         worker = self._workers.setdefault(worker_id, _Worker(since=now))

@@ -69,10 +69,8 @@ from appliance.services.sessions import SessionState, one_turn
 log = logging.getLogger(__name__)
 TICK_S = 0.5
 """How often holds coming due are decided again (the reaper's shortest revisit: 1 s)."""
-HOLD_GRACE_S = 5.0
-"""A hold outlives its revisit by this much: the revisit's directive lands before it lapses."""
-WATCH_S = 1.0
-"""How often the waiting sessions' prefixes are looked up in the KV index."""
+HOLD_GRACE_S = 5.0  # a hold outlives its revisit by this much: the revisit's lands first
+WATCH_S = 1.0  # how often the waiting sessions' prefixes are looked up in the KV index
 ORDER_S = 5.0
 """How often each worker's holds get their priorities now (they fall as waits go on)."""
 MAX_WAITING = 100_000
@@ -104,13 +102,11 @@ class ReaperLoop:
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
         self._held: dict[str, WorkerId] = {}  # key -> the worker last asked to hold it
-        self._tooled: OrderedDict[str, None] = OrderedDict()
-        """Sessions whose turns named a tool class or a wait (their last step names none)."""
+        self._tooled: OrderedDict[str, None] = OrderedDict()  # named a tool class or a wait
         self.outbox = RetentionOutbox(retention)
         self._watched_at = self._ordered_at = -math.inf
         self._prefixes = PrefixWatch(inputs.index)
-        self.decisions: Counter[str] = Counter()
-        """Decisions by action since start."""
+        self.decisions: Counter[str] = Counter()  # by action since start
         self.lead_time: LeadTime | None = None
         self.branch_ends = BranchEnds()  # what each ended task's sessions reclaimed
 
@@ -354,8 +350,15 @@ class ReaperLoop:
                 w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
         return sorted(holders)
 
-    def waiting_sessions(self) -> Mapping[str, WaitingSession]:
-        return self._waiting  # the sessions between turns, by key (read only)
+    def worker_rests(self, worker: WorkerId) -> None:
+        """The worker sleeps or stops: the KV of the sessions waiting there goes with it."""
+        for key, w in self._waiting.items():
+            if w.worker == worker:
+                w.ended_by = rows.WORKER_REST
+                self._held.pop(key, None)
+
+    def waiting_sessions(self) -> Mapping[str, WaitingSession]:  # by key (read only)
+        return self._waiting
 
     def decision_of(self, session: SessionState) -> ResidencyDecision | None:
         """The reaper's standing decision on a waiting session (None: in flight, or none)."""

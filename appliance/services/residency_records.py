@@ -39,6 +39,8 @@ GIVEN_BACK = "given_back"
 EVICTED = "evicted"
 OPERATOR = "operator"
 """`ended_by` of a session an operator released."""
+WORKER_REST = "worker_rest"
+"""`ended_by` of a session whose worker the worker reaper put to sleep or stopped."""
 
 
 class EvictionCause(StrEnum):
@@ -50,6 +52,7 @@ class EvictionCause(StrEnum):
     WORKER_LOST = "worker_lost"
     OPERATOR = "operator"
     HOST_LRU = "host_lru"
+    WORKER_REST = "worker_rest"
 
 
 _CAUSE_SAYS = {
@@ -61,6 +64,7 @@ _CAUSE_SAYS = {
     EvictionCause.WORKER_LOST: "lost while held (the worker restarted or reset its cache)",
     EvictionCause.OPERATOR: "released by an operator, then evicted",
     EvictionCause.HOST_LRU: "demoted to the host tier, then evicted there for room",
+    EvictionCause.WORKER_REST: "dropped with its worker, put to sleep or stopped when idle",
 }
 _RETURN_SAYS = {
     "pressure": "a request needed the room",
@@ -78,7 +82,7 @@ def eviction_cause(action: ResidencyAction, ended_by: str | None) -> EvictionCau
     `ended_by` what ended its hold otherwise (a worker's give-back reason, or OPERATOR)."""
     if ended_by == OPERATOR:
         return EvictionCause.OPERATOR
-    if ended_by in ("pressure", "capped", "expired"):
+    if ended_by in ("pressure", "capped", "expired", WORKER_REST):
         return EvictionCause(ended_by)
     if ended_by == "reset":
         return EvictionCause.WORKER_LOST

@@ -53,6 +53,7 @@ from appliance.services.task_state import TaskError, TaskState
 from appliance.services.tasks import TaskBook
 from appliance.services.turn import Attempt, NoWorker, Reply, Soon, TurnRequest, new_turn_id
 from appliance.services.turn_records import TurnRecords
+from appliance.services.worker_reaper import WorkerReaperLoop
 
 log = logging.getLogger(__name__)
 Tokenize = Callable[[ChatTokens | None], tuple[Sequence[int], ChatTokens | None]]
@@ -106,6 +107,7 @@ class TurnDesk:
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
         self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
+        self.power: WorkerReaperLoop | None = None  # the worker reaper: wakes a worker when none is
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -225,6 +227,8 @@ class TurnDesk:
     ) -> Reply:
         """Places and forwards one turn of its session; `queues`: this moment's estimates,
         when the caller has them already; `flight`: what its task's cancellation stops."""
+        if self.power is not None and await self.power.ensure_awake():
+            queues = None  # a worker woke for it: this moment's estimates
         now = self._clock.now()
         session = self._session(turn, now)
         self.sessions.began(session, now)

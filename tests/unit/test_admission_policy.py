@@ -616,3 +616,20 @@ def test_a_tasks_deadline_is_the_earlier_of_its_own_and_its_parents(
     deadline_s: float | None, parent_at: float | None, expected: float | None
 ) -> None:
     assert effective_deadline(NOW, deadline_s, parent_at) == expected
+
+
+def test_a_wake_counts_against_the_deadline_and_is_named_in_the_refusal() -> None:
+    """A worker put to rest serves after its wake: a deadline shorter than the wake plus
+    the prefill is refused before any worker starts, and the message says so."""
+    resting = WorkerEstimate(0.0, 0.5, wake_s=40.0)
+    assert resting.first_token_s == 40.5
+    late = admit(AdmitRequest("a", Work.TURN, deadline_at=NOW + 40.0), box(resting), LIMITS, NOW)
+    assert late.code == "deadline_infeasible"
+    assert "(wake 40.000 s + queue 0.000 s + prefill 0.500 s)" in late.reason
+    fits = admit(AdmitRequest("a", Work.TURN, deadline_at=NOW + 41.0), box(resting), LIMITS, NOW)
+    assert fits.code == "admitted"
+    awake = admit(
+        AdmitRequest("a", Work.TURN, deadline_at=NOW + 0.1), box(WorkerEstimate(0.0, 0.5)),
+        LIMITS, NOW,
+    )  # fmt: skip
+    assert "wake" not in awake.reason and "(queue 0.000 s + prefill 0.500 s)" in awake.reason

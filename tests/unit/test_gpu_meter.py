@@ -165,3 +165,15 @@ def test_many_overlapping_attempts_add_up_to_the_busy_time() -> None:
         total += m.ended(a)
     assert math.isclose(total, m.reading(W0).busy_s, rel_tol=1e-9)
     assert m.reading(W0).idle_s == pytest.approx(0.0)
+
+
+def test_a_resting_worker_is_not_awake_and_counts_again_from_its_wake() -> None:
+    clock = ManualClock(0.0)
+    m = meter(clock, gpus=2)
+    clock.advance(10.0)
+    m.rests(W0, True, clock.now())  # stopped at 10 s
+    clock.advance(50.0)
+    m.rests(W0, False, 40.0)  # its wake began at 40 s: awake from there
+    reading = m.reading(W0)
+    assert (reading.awake_s, reading.resting_s) == (2 * 30.0, 2 * 30.0)
+    assert m.reading(W1).resting_s == 0.0 and m.reading(W1).awake_s == 2 * 60.0

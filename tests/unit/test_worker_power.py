@@ -9,6 +9,7 @@ import pytest
 
 from appliance.policy.worker_power import (
     ALL_STATES,
+    ASLEEP_GPU_BYTES,
     CPU_VLLM_STATES,
     WAKING,
     PowerAction,
@@ -21,6 +22,7 @@ from appliance.policy.worker_power import (
     WorkerPower,
     choose_wake,
     decide_power,
+    power_table,
     sleep_target,
     wake_delay_s,
 )
@@ -339,3 +341,13 @@ def test_edge_values_are_accepted() -> None:
     assert PowerSettings().worker_idle_s is None
     assert PowerSettings().max_wake_s == math.inf
     assert PowerSettings().min_awake == 0
+
+
+def test_the_table_from_wake_times_holds_what_each_state_keeps() -> None:
+    table = power_table((0.3, 2.7, 42.7), 16, 8, CPU_VLLM_STATES)
+    assert table.supported == CPU_VLLM_STATES
+    assert table.figures[PowerState.AWAKE] == StateFigures(0.0, 24)
+    assert table.figures[PowerState.ASLEEP_1] == StateFigures(0.3, ASLEEP_GPU_BYTES, 16)
+    assert table.figures[PowerState.ASLEEP_2] == StateFigures(2.7, ASLEEP_GPU_BYTES)
+    assert table.figures[PowerState.STOPPED] == StateFigures(42.7)
+    assert power_table((0.3, 2.7, 42.7), 16, 8).supported == ALL_STATES
