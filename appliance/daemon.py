@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,13 @@ from appliance.api.server import ApiServer
 from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
-from appliance.engine_start import Engines, resolve_kind, runtime_identity, start_engines
+from appliance.engine_start import (
+    Engines,
+    WorkerEventRelay,
+    resolve_kind,
+    runtime_identity,
+    start_engines,
+)
 from appliance.engines.preflight import check_port_free
 from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
@@ -39,7 +46,7 @@ from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.sdnotify import Notifier
-from appliance.services.worker_watch import WorkerWatch
+from appliance.services.worker_watch import WorkerWatch, record_power_event
 from appliance.settings import EngineKind, Settings
 from appliance.wiring import StartedEngines, Wiring, admission_limits, wire
 
@@ -157,8 +164,9 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
     clock = WallClock()
     feed = KvIndexFeed()
     probe: GpuProbe | None = None
+    relay = WorkerEventRelay()  # the workers' sleeps, stops and wakes, into the event feed
     try:
-        async with start_engines(settings, kind, feed, log_dir) as engines:
+        async with start_engines(settings, kind, feed, log_dir, relay) as engines:
             probe = gpu_probe(kind, profile, settings.engine.block_size,
                               lambda: engines.workers, feed.gpu_blocks)  # fmt: skip
             wired = wire(
@@ -172,6 +180,7 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
                 keys=key_callers(key_file),
                 secret=_secret(data_dir),
             )
+            relay.target = partial(record_power_event, wired.events)
             if control.live is not None:
                 _reloads(control.live, key_file, ledger, wired)
             _log_plan(kind, engines, log_dir)
@@ -324,7 +333,8 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
     """Twice a second: the workers' health and load, their measured speeds, restarts and
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
     of whether it can again. `refreshed` is set after the first pass."""
-    watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
+    watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts,  # type: ignore[attr-defined]
+                        resting=lambda w: w.resting)  # type: ignore[attr-defined]  # fmt: skip
     while True:
         try:
             await engines.refresh()

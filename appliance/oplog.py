@@ -108,6 +108,7 @@ _EVENT_LEVELS = {
     EventKind.WORKER_DOWN: logging.WARNING,
     EventKind.WORKER_RESTART: logging.WARNING,
     EventKind.WORKER_UP: logging.INFO,
+    EventKind.WORKER_WAKE_FAILED: logging.WARNING,
     EventKind.RELEASE: logging.INFO,
     EventKind.TASK_CANCELLED: logging.INFO,
     EventKind.REJECTION: logging.DEBUG,  # admission logs its refusals itself

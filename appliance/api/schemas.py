@@ -165,12 +165,14 @@ class AdmissionView(_Model):
 
 
 class EventView(_Model):
-    """Something an operator should know happened: a worker restart or outage, a rejection,
-    an eviction, a release, a cancelled task (appliance/services/events.py)."""
+    """Something an operator should know happened: a worker restart, outage, sleep, stop or
+    wake, a rejection, an eviction, a release, a cancelled task
+    (appliance/services/events.py)."""
 
     at: float
     kind: str
-    """worker_restart, worker_down, worker_up, task_cancelled, release, rejection, eviction."""
+    """worker_restart, worker_down, worker_up, worker_slept, worker_stopped, worker_waking,
+    worker_woken, worker_wake_failed, task_cancelled, release, rejection, eviction."""
     subject: str
     """What it happened to: a worker id, a session id, a task id."""
     detail: str = ""

@@ -43,7 +43,6 @@ class ExternalEngine:
         on_kv_batch: KvBatchSink | None = None,
         on_kv_reset: KvResetSink | None = None,
         keepalive_s: float = UVICORN_KEEPALIVE_S,
-        label: str = "external",
         request_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         if kv_event_endpoints and len(kv_event_endpoints) != len(urls):
@@ -51,17 +50,13 @@ class ExternalEngine:
                 "engine.external_kv_event_endpoints must have one entry per engine.external_urls"
             )
         endpoints: list[str | None] = list(kv_event_endpoints) or [None] * len(urls)
-        self._kv_fix = (
-            "check engine.external_kv_event_endpoints"
-            if label == "external"
-            else "stop what listens there or choose another engine.kv_events_base_port"
-        )
+        self._kv_fix = "check engine.external_kv_event_endpoints"
         self._on_kv_batch = on_kv_batch
         self._on_kv_reset = on_kv_reset
         self.workers: tuple[WorkerHandle, ...] = tuple(
             WorkerHandle(
                 id=WorkerId(f"w{i}"),
-                engine=label,
+                engine="external",
                 url=url.rstrip("/"),
                 client=VllmClient(
                     url,
@@ -147,11 +142,9 @@ async def connect_external(
     on_kv_batch: KvBatchSink | None = None,
     on_kv_reset: KvResetSink | None = None,
     keepalive_s: float = UVICORN_KEEPALIVE_S,
-    label: str = "external",
     request_timeout_s: float = READ_TIMEOUT_S,
 ) -> ExternalEngine:
-    """Handles on external servers, subscribed and health-checked once; `label` is the
-    engine the handles say they are (the simulated workers' handles say "sim");
+    """Handles on external servers, subscribed and health-checked once;
     `request_timeout_s`: how long a server may send nothing on a model request."""
     engine = ExternalEngine(
         urls,
@@ -160,7 +153,6 @@ async def connect_external(
         on_kv_batch=on_kv_batch,
         on_kv_reset=on_kv_reset,
         keepalive_s=keepalive_s,
-        label=label,
         request_timeout_s=request_timeout_s,
     )
     try:

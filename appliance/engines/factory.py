@@ -2,7 +2,8 @@
 
 `start_vllm_workers` finds the vLLM build of the given interpreter (CPU or CUDA), turns the
 settings into a launch spec (cores of this process shared out on the CPU build, the
-appliance's CUDA_VISIBLE_DEVICES on GPU hosts) and starts a Supervisor; `start_external`
+appliance's CUDA_VISIBLE_DEVICES on GPU hosts) and starts a Supervisor;
+`start_sim_workers` starts a Supervisor of simulated workers (sim_launch.py); `start_external`
 connects to servers listed in the settings. Both return objects whose `.workers` are
 WorkerHandles, and both raise ApplianceError subclasses with one-line messages.
 """
@@ -22,6 +23,7 @@ from appliance.domain.worker import WorkerEvent
 from appliance.engines.external import ExternalEngine, connect_external
 from appliance.engines.launch import default_served_name, spec_from_settings
 from appliance.engines.preflight import probe_vllm
+from appliance.engines.sim_launch import sim_spec
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.workers import KvBatchSink, KvResetSink
 from appliance.settings import EngineSettings
@@ -78,6 +80,29 @@ async def start_vllm_workers(
         on_kv_reset=on_kv_reset,
         timings=timings,
         gpu_snapshot=gpu_snapshot,
+    )
+    await supervisor.start()
+    return supervisor
+
+
+async def start_sim_workers(
+    engine: EngineSettings,
+    *,
+    log_dir: Path,
+    on_event: Callable[[WorkerEvent], None] | None = None,
+    on_kv_batch: KvBatchSink | None = None,
+    on_kv_reset: KvResetSink | None = None,
+    timings: SupervisorTimings | None = None,
+) -> Supervisor:
+    """Started simulated workers, supervised as vLLM's; stop them with `supervisor.stop()`."""
+    timings = replace(timings or SupervisorTimings(), request_timeout_s=engine.request_timeout_s)
+    supervisor = Supervisor(
+        sim_spec(engine),
+        log_dir=log_dir,
+        on_event=on_event,
+        on_kv_batch=on_kv_batch,
+        on_kv_reset=on_kv_reset,
+        timings=timings,
     )
     await supervisor.start()
     return supervisor

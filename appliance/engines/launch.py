@@ -58,6 +58,9 @@ os.execv(sys.argv[2], sys.argv[2:])
 class Device(StrEnum):
     CUDA = "cuda"
     CPU = "cpu"
+    SIM = "sim"
+    """The simulated engine started as vLLM is (`appliance.sim.vllm_entry`): it carries the
+    GPU ids it was given, but no CUDA environment, tensor parallelism or core slices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,9 @@ class LaunchSpec:
     sleep_mode: bool = False
     """--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (its /sleep and /wake_up): the workers
     can be put to sleep. vLLM accepts it on CUDA (and ROCm, XPU) only."""
+    wake_args: tuple[str, ...] = ()
+    """Appended to the command of a start that wakes a STOPPED worker (the simulated
+    worker's modelled load time there); () for vLLM."""
 
     def port(self, index: int) -> int:
         return self.base_port + index
@@ -111,9 +117,11 @@ class LaunchSpec:
         return f"tcp://127.0.0.1:{self.kv_events_base_port + index}"
 
     def needed_gpus(self) -> tuple[int, ...]:
+        n = self.workers * self.gpus_per_worker
+        if self.device == Device.SIM:  # the configured ids only: a simulated GPU needs none
+            return tuple(self.gpu_ids[:n]) if self.gpu_ids is not None else ()
         if self.device != Device.CUDA:
             return ()
-        n = self.workers * self.gpus_per_worker
         return tuple(self.gpu_ids[:n]) if self.gpu_ids is not None else tuple(range(n))
 
 
@@ -130,11 +138,17 @@ class WorkerLaunch:
     kv_events_endpoint: str
     gpus: tuple[int, ...]
     cpus: tuple[int, ...]
+    wake_args: tuple[str, ...] = ()
+    """Appended to `argv` when the start wakes a stopped worker (`LaunchSpec.wake_args`)."""
 
-    def exec_argv(self, parent_pid: int, *, pdeathsig: int = signal.SIGTERM) -> tuple[str, ...]:
-        """`argv` behind the trampoline that pins cores and ties the worker to `parent_pid`."""
+    def exec_argv(
+        self, parent_pid: int, *, pdeathsig: int = signal.SIGTERM, waking: bool = False
+    ) -> tuple[str, ...]:
+        """`argv` (and, `waking`, the wake's arguments) behind the trampoline that pins cores
+        and ties the worker to `parent_pid`."""
         config = {"ppid": parent_pid, "pdeathsig": int(pdeathsig), "cpus": list(self.cpus)}
-        return (self.argv[0], "-c", _TRAMPOLINE, json.dumps(config), *self.argv)
+        argv = (*self.argv, *self.wake_args) if waking else self.argv
+        return (argv[0], "-c", _TRAMPOLINE, json.dumps(config), *argv)
 
 
 def default_served_name(model: str) -> str:
@@ -259,7 +273,7 @@ def _env(
             CUDA_DEVICE_ORDER="PCI_BUS_ID",
             CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
         )
-    else:
+    elif spec.device == Device.CPU:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if cpus:
             env["OMP_NUM_THREADS"] = str(len(cpus))
@@ -283,7 +297,7 @@ def plan_workers(spec: LaunchSpec, base_env: Mapping[str, str]) -> tuple[WorkerL
     )
     plans = []
     for i in range(spec.workers):
-        worker_gpus = gpus[i * g : (i + 1) * g] if spec.device == Device.CUDA else ()
+        worker_gpus = gpus[i * g : (i + 1) * g]  # () on the CPU build
         plans.append(
             WorkerLaunch(
                 worker=worker_id(i),
@@ -295,6 +309,7 @@ def plan_workers(spec: LaunchSpec, base_env: Mapping[str, str]) -> tuple[WorkerL
                 kv_events_endpoint=spec.kv_events_endpoint(i),
                 gpus=worker_gpus,
                 cpus=cpu_slices[i],
+                wake_args=spec.wake_args,
             )
         )
     return tuple(plans)

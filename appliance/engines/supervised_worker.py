@@ -88,7 +88,8 @@ class SupervisedWorker:
 
     async def spawn(self, state: WorkerState = WorkerState.STARTING) -> None:
         """Start its process; the handle is `state` meanwhile (WAKING for a wake)."""
-        self.proc, self.log_offset = await spawn(self.launch, self.log_path)
+        waking = state == WorkerState.WAKING
+        self.proc, self.log_offset = await spawn(self.launch, self.log_path, waking=waking)
         self.pgids.add(self.proc.pid)
         self.handle.pid = self.proc.pid
         self.move(state)

@@ -54,7 +54,7 @@ from appliance.domain.worker import (
 )
 from appliance.engines.errors import PortInUse, WorkerStartFailed
 from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.launch import LaunchSpec, plan_workers
+from appliance.engines.launch import Device, LaunchSpec, plan_workers
 from appliance.engines.power_control import PowerControl
 from appliance.engines.preflight import preflight
 from appliance.engines.retention.client import RetentionClient
@@ -98,7 +98,7 @@ class Supervisor:
                 plan,
                 WorkerHandle(
                     id=plan.worker,
-                    engine="vllm",
+                    engine="sim" if spec.device == Device.SIM else "vllm",
                     url=plan.url,
                     client=VllmClient(
                         plan.url,

@@ -64,16 +64,21 @@ def process_running(pid: int) -> bool:
         return False
 
 
-async def spawn(launch: WorkerLaunch, log_path: Path) -> tuple[asyncio.subprocess.Process, int]:
-    """Starts the worker in a new session, output appended to `log_path`; returns the
-    process and the log offset where its output begins."""
+async def spawn(
+    launch: WorkerLaunch, log_path: Path, *, waking: bool = False
+) -> tuple[asyncio.subprocess.Process, int]:
+    """Starts the worker in a new session (`waking`: a stopped worker's wake, with the
+    launch's wake arguments), output appended to `log_path`; returns the process and the
+    log offset where its output begins."""
+    argv = launch.exec_argv(os.getpid(), waking=waking)
     with log_path.open("ab") as out:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        out.write(f"\n=== {stamp} start {launch.worker}: {' '.join(launch.argv)}\n".encode())
+        shown = " ".join(argv[4:])  # behind the trampoline's interpreter, script and config
+        out.write(f"\n=== {stamp} start {launch.worker}: {shown}\n".encode())
         out.flush()
         offset = out.tell()
         proc = await asyncio.create_subprocess_exec(
-            *launch.exec_argv(os.getpid()),
+            *argv,
             env=dict(launch.env),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=out,

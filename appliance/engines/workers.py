@@ -44,7 +44,7 @@ KvResetSink = Callable[[WorkerId, str], None]
 class WorkerHandle:
     id: WorkerId
     engine: str
-    """"vllm" (the supervisor's) or "external"."""
+    """"vllm" or "sim" (the supervisor's) or "external"."""
     url: str
     client: VllmClient
     kv_events_endpoint: str | None = None
@@ -57,8 +57,9 @@ class WorkerHandle:
     load_error: str | None = None
     state_since: float = field(default_factory=time.monotonic)
     can_sleep: bool = False
-    """Started with vLLM's sleep mode and its dev endpoints (the CUDA build): it can be put
-    ASLEEP. Every worker the supervisor starts can be STOPPED; an external one neither."""
+    """It can be put ASLEEP: a vLLM worker started with sleep mode and its dev endpoints
+    (`engine.sleep_mode`, the CUDA build), and every simulated worker. Every worker the
+    supervisor starts can be STOPPED; an external one neither."""
     sleep_level: int | None = None
     """The level it sleeps at while ASLEEP (1 or 2), else None."""
     last_wake_s: float | None = None
@@ -71,6 +72,11 @@ class WorkerHandle:
     @property
     def power(self) -> WorkerPowerState:
         return power_state(self.state)
+
+    @property
+    def resting(self) -> bool:
+        """Asleep, stopped or waking on request (`Supervisor.power`): not an outage."""
+        return self.state in (WorkerState.ASLEEP, WorkerState.STOPPED, WorkerState.WAKING)
 
     @property
     def accepts_requests(self) -> bool:

@@ -1,5 +1,6 @@
-"""The operator's event feed: worker restarts and outages, admission rejections, releases and
-task cancellations (`EventKind` names every kind the appliance records).
+"""The operator's event feed: worker restarts and outages, workers slept, stopped and woken,
+admission rejections, releases and task cancellations (`EventKind` names every kind the
+appliance records).
 
 Every component that makes such a change records it here in the same place it makes the
 change (and writes its ledger row there too, where the change has one). The feed keeps the
@@ -26,6 +27,16 @@ class EventKind(StrEnum):
     RELEASE = "release"
     """An operator released a session's KV."""
     TASK_CANCELLED = "task_cancelled"
+    WORKER_SLEPT = "worker_slept"
+    """A worker was put to sleep (detail: the level and how long the sleep took)."""
+    WORKER_STOPPED = "worker_stopped"
+    """A worker's process was ended on request while the appliance runs (not a crash)."""
+    WORKER_WAKING = "worker_waking"
+    """A wake began, from a sleep level or from stopped."""
+    WORKER_WOKEN = "worker_woken"
+    """A worker serves again; the detail has the measured wake time."""
+    WORKER_WAKE_FAILED = "worker_wake_failed"
+    """A wake did not bring the worker up; it stays where it was."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """The retention connector's twin in a simulated worker: the same control channel and the
 same hold book as the connector each vLLM worker loads, over the sim's block pool.
 
-A simulated worker given a control endpoint (`appliance sim --retention-endpoint`, which
-`appliance up --engine sim` passes to worker i as tcp://127.0.0.1:(kv_retention_base_port
-+ i), as vLLM's launch passes it to the connector) speaks the protocol of
+A simulated worker given a control endpoint (`appliance sim --retention-endpoint`, or the
+connector's --kv-transfer-config that `appliance up --engine sim` passes worker i with
+tcp://127.0.0.1:(kv_retention_base_port + i), as vLLM's launch passes it) speaks the protocol of
 `appliance/engines/retention/protocol.py` as that connector does, because it runs the
 connector's own worker-side modules: `channel.ControlChannel` (a DEALER on its own thread,
 identity the incarnation, hello with seq 0 holding nothing), `holds.HoldBook` (what a key

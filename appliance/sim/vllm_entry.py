@@ -6,12 +6,16 @@ simulated worker exactly as it does a vLLM one (`LaunchSpec.entrypoint`).
 Read from vLLM's flags: --model (a directory: its tokenizer; else only a name),
 --served-model-name, --host, --port, --block-size, --prefix-caching-hash-algo,
 --scheduling-policy, --max-model-len, --kv-cache-memory-bytes (the pool in blocks of the
-GPU profile's bytes per token), --kv-events-config (endpoint and topic). From the
+GPU profile's bytes per token), --kv-offloading-size (GiB of host tier, vLLM's native
+offloading, in the same blocks), --enable-auto-tool-choice, --kv-events-config (endpoint
+and topic), --kv-transfer-config (the retention connector's settings: the simulated worker
+speaks its control protocol, `retention.py`). From the
 environment: VLLM_SERVER_DEV_MODE=1 (the dev routes, sleep mode's among them) and
 PYTHONHASHSEED. Every other vLLM flag is accepted and ignored (--enable-sleep-mode
 included: the routes come with dev mode, as in vLLM). The simulator's own knobs follow
 with a `--sim-` prefix: --sim-time-scale, --sim-wake-s L1,L2 (seconds, see sleep_mode.py),
 --sim-startup-s (the model load before /health answers), --sim-gpu-profile.
+`appliance up --engine sim` starts its workers this way (appliance/engines/sim_launch.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import eventloop
+from appliance.engines.retention.plugin import CONNECTOR_CLASS, RetentionTuning
 from appliance.perf.profile import bundled_profile, load_profile
 from appliance.sim.serving import serve_worker
 from appliance.sim.sleep_mode import SIM_WAKE_S
@@ -44,7 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-offloading-size", type=float, default=None)
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--kv-events-config", default=None)
+    p.add_argument("--kv-transfer-config", default=None)
     p.add_argument("--sim-time-scale", type=float, default=1.0)
     p.add_argument("--sim-wake-s", default=",".join(str(s) for s in SIM_WAKE_S))
     p.add_argument("--sim-startup-s", type=float, default=0.0)
@@ -78,19 +86,32 @@ def worker_config(argv: Sequence[str], env: dict[str, str]) -> WorkerConfig:
         wake_s=(wake[0], wake[1]),
         startup_s=args.sim_startup_s,
     )
+    profile = load_profile(args.sim_gpu_profile) if args.sim_gpu_profile else bundled_profile()
+    per_block = args.block_size * profile.kv_bytes_per_token
     if args.kv_cache_memory_bytes is not None:
-        profile = load_profile(args.sim_gpu_profile) if args.sim_gpu_profile else bundled_profile()
-        per_block = args.block_size * profile.kv_bytes_per_token
         blocks = max(2, args.kv_cache_memory_bytes // per_block)
         config = replace(config, num_gpu_blocks=blocks)
-    return config
+    if args.kv_offloading_size:  # GiB, as vLLM's flag
+        host = max(1, int(args.kv_offloading_size * 2**30) // per_block)
+        config = replace(config, num_host_blocks=host)
+    return replace(config, enable_auto_tool_choice=args.enable_auto_tool_choice)
+
+
+def retention_tuning(argv: Sequence[str]) -> RetentionTuning | None:
+    """The retention connector's settings in --kv-transfer-config; None: it loads none."""
+    args, _ = _parser().parse_known_args(list(argv))
+    transfer: dict[str, Any] = json.loads(args.kv_transfer_config or "{}")
+    if transfer.get("kv_connector") != CONNECTOR_CLASS:
+        return None
+    return RetentionTuning.from_extra(transfer.get("kv_connector_extra_config"))
 
 
 def run_vllm_entry(argv: Sequence[str] | None = None) -> None:
-    config = worker_config(sys.argv[1:] if argv is None else argv, dict(os.environ))
+    args = sys.argv[1:] if argv is None else argv
+    config = worker_config(args, dict(os.environ))
     print(f"INFO simulated vLLM worker {config.served_model_name!r} starting", flush=True)
     time.sleep(config.startup_s * config.time_scale)  # loading the model: no port yet
-    eventloop.run(serve_worker(SimWorker(config)))
+    eventloop.run(serve_worker(SimWorker(config, retention=retention_tuning(args))))
 
 
 if __name__ == "__main__":
