@@ -1,10 +1,13 @@
 """Scale to zero, live: `appliance up` on one worker with `reaper.worker_idle_s: 5`.
 
 An idle worker is put to rest (on vLLM's CPU build, which has no sleep mode: stopped, its
-process ended), its awake GPU-seconds stop growing, and the next turn wakes it and succeeds,
-its time to first token holding the measured wake. Two turns that arrive while it is down
-cause one wake. The ledger's `worker_power_events` rows say what happened, how long each
-change took and how long the worker was in the state it left.
+process ended; on the simulated engine stopped, or with `reaper.max_wake_s: 5` asleep at
+vLLM's sleep level 2, the cheapest state that wakes within 5 s), its awake GPU-seconds stop
+growing, a turn whose deadline is shorter than the wake is refused before any worker
+starts, and the next turns wake it and succeed, their time to first token holding the
+measured wake. Two turns that arrive while it is down cause one wake. The ledger's
+`worker_power_events` rows say what happened, how long each change took and how long the
+worker was in the state it left.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Resting:
     model: str
     ledger: Path
     engine: str
+    rest: str
+    """The state the worker is put to, as the ledger names it."""
 
     def turn(self, session: str) -> dict[str, Any]:
         """A non-streamed turn; its reply gains `client_s`: the seconds the client waited."""
@@ -71,10 +76,24 @@ class Resting:
         ]
 
 
-@pytest.fixture(scope="module", params=[pytest.param("vllm", marks=pytest.mark.vllm)])
+CASES = {
+    "vllm": ("vllm", "stopped", {}),
+    # A stopped simulated worker models a model load of the profile's ~41 s: a tenth here.
+    "sim-stopped": ("sim", "stopped", {"APPLIANCE_ENGINE__SIM_TIME_SCALE": "0.1"}),
+    "sim-asleep": ("sim", "asleep-2", {"APPLIANCE_REAPER__MAX_WAKE_S": "5"}),
+}
+HURRY_S = {"stopped": "5", "asleep-2": "1"}
+"""A deadline shorter than the GPU profile's wake from each state (43 s; 2.7 s)."""
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("vllm", marks=pytest.mark.vllm), "sim-stopped", "sim-asleep"],
+)
 def resting(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Resting]:
+    engine, rest, extra = CASES[request.param]
     data_dir = tmp_path_factory.mktemp(f"scale-to-zero-{request.param}")
     key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
     model_dir = request.getfixturevalue("tiny_model_dir")
@@ -82,12 +101,13 @@ def resting(
         "APPLIANCE_REAPER__WORKER_IDLE_S": str(IDLE_S),
         "APPLIANCE_ENGINE__MODEL": str(model_dir),
         "APPLIANCE_ENGINE__MAX_MODEL_LEN": "4096",
+        **extra,
     }
-    if request.param == "vllm":
+    if engine == "vllm":
         env["APPLIANCE_ENGINE__PYTHON"] = request.getfixturevalue("vllm_python")
         env["APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES"] = str(8 << 20)
-    with appliance_process(data_dir, engine=request.param, workers=1, env=env) as up:
-        yield Resting(up, key, ops, model_dir.name, data_dir / "ledger.db", request.param)
+    with appliance_process(data_dir, engine=engine, workers=1, env=env) as up:
+        yield Resting(up, key, ops, model_dir.name, data_dir / "ledger.db", request.param, rest)
 
 
 def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) -> None:
@@ -96,7 +116,8 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     served = time.monotonic()
     stopped = eventually(app.power_rows, lambda rows: len(rows) == 1, timeout_s=60)
     rested_after = time.monotonic() - served
-    assert stopped[0][:3] == ("stop", "awake", "stopped"), stopped
+    action = "stop" if app.rest == "stopped" else "sleep"
+    assert stopped[0][:3] == (action, "awake", app.rest), stopped
     assert IDLE_S - 0.5 <= rested_after <= IDLE_S + 10, rested_after
     assert stopped[0][4] >= IDLE_S  # awake since start: at least the idle wait
     down = eventually(app.worker, lambda w: not w["healthy"])
@@ -109,7 +130,8 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     r = httpx.post(f"{app.up.url}/v1/chat/completions", timeout=60,
                    json={"model": app.model, "max_tokens": 4,
                          "messages": [{"role": "user", "content": "in a hurry"}]},
-                   headers={"Authorization": f"Bearer {app.key}", "X-Deadline-S": "5"})  # fmt: skip
+                   headers={"Authorization": f"Bearer {app.key}",
+                            "X-Deadline-S": HURRY_S[app.rest]})  # fmt: skip
     assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible", r.text
     assert "(wake " in r.json()["error"]["message"], r.text
     assert len(app.power_rows()) == 1 and not app.worker()["healthy"]  # nothing woke
@@ -121,7 +143,7 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     wakes = [r for r in rows if r[0] == "wake"]
     assert len(wakes) == 1, rows
     _, was, now_in, wake_s, rested_s = wakes[0]
-    assert (was, now_in) == ("stopped", "awake")
+    assert (was, now_in) == (app.rest, "awake")
     assert rested_s >= 2 and wake_s > 0
     # The ledger's turn: its wait before forwarding (queue_s) holds the wake, so its time to
     # first token as the client saw it (queue_s + ttft_s) does; the client waited as long.
@@ -129,6 +151,6 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     seen = [t for (t,) in turns]
     assert len(seen) == 2 and min(seen) >= 0.9 * wake_s, (seen, wake_s)
     assert min(r["client_s"] for r in replies) >= 0.9 * wake_s
-    print(f"{app.engine}: stopped {rested_after:.1f} s after its last turn; woken in "
+    print(f"{app.engine}: {app.rest} {rested_after:.1f} s after its last turn; woken in "
           f"{wake_s:.1f} s; the two turns' time to first token {sorted(seen)} s")  # fmt: skip
     assert app.worker()["healthy"]
