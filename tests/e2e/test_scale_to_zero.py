@@ -55,11 +55,15 @@ class Resting:
         body: dict[str, Any] = r.json()
         return body | {"client_s": time.monotonic() - sent}
 
-    def worker(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         r = httpx.get(f"{self.up.url}/admin/v1/state",
                       headers={"Authorization": f"Bearer {self.ops}"}, timeout=30)  # fmt: skip
         assert r.status_code == 200, r.text
-        worker: dict[str, Any] = r.json()["workers"][0]
+        state: dict[str, Any] = r.json()
+        return state
+
+    def worker(self) -> dict[str, Any]:
+        worker: dict[str, Any] = self.state()["workers"][0]
         return worker
 
     def rows(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
@@ -82,6 +86,7 @@ CASES = {
     "sim-stopped": ("sim", "stopped", {"APPLIANCE_ENGINE__SIM_TIME_SCALE": "0.1"}),
     "sim-asleep": ("sim", "asleep-2", {"APPLIANCE_REAPER__MAX_WAKE_S": "5"}),
 }
+FROM = {"stopped": "stopped", "asleep-2": "sleep level 2"}
 HURRY_S = {"stopped": "5", "asleep-2": "1"}
 """A deadline shorter than the GPU profile's wake from each state (43 s; 2.7 s)."""
 
@@ -145,6 +150,12 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     _, was, now_in, wake_s, rested_s = wakes[0]
     assert (was, now_in) == (app.rest, "awake")
     assert rested_s >= 2 and wake_s > 0
+    # The events feed says the same: one rest, one wake, the wake's measured seconds.
+    events = app.state()["events"]
+    woken = [e["detail"] for e in events if e["kind"] == "worker_woken"]
+    assert woken == [f"woke from {FROM[app.rest]} in {wake_s:.2f} s"], events
+    rest = "worker_stopped" if app.rest == "stopped" else "worker_slept"
+    assert sum(e["kind"] == rest for e in events) == 1, events
     # The ledger's turn: its wait before forwarding (queue_s) holds the wake, so its time to
     # first token as the client saw it (queue_s + ttft_s) does; the client waited as long.
     turns = app.rows("SELECT queue_s + ttft_s FROM turns WHERE session_id IN ('first', 'second')")
