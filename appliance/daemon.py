@@ -26,6 +26,7 @@ from appliance.api.server import ApiServer
 from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
+from appliance.domain.worker import AT_REST, can_serve
 from appliance.engine_start import Engines, resolve_kind, runtime_identity, start_engines
 from appliance.engines.preflight import check_port_free
 from appliance.engines.workers import KvIndexFeed
@@ -262,8 +263,11 @@ def _set_log_level(settings: Settings) -> None:
 
 async def _ready(engines: Engines, ledger: LedgerWriter, notifier: Notifier, url: str) -> None:
     """Tells systemd the appliance is ready once the API serves (the caller waited for it)
-    and every worker is healthy, with the ledger writing: what `/health` then says."""
-    while not (all(w.healthy for w in engines.workers) and ledger.failing is None):
+    and every worker has come up (healthy, or already put to rest by the worker reaper:
+    `can_serve`), with the ledger writing: what `/health` then says."""
+    while not (
+        all(can_serve(w.state, w.draining) for w in engines.workers) and ledger.failing is None
+    ):
         await asyncio.sleep(0.1)
     if notifier.ready(f"serving at {url} with {_plural(len(engines.workers), 'worker')}"):
         log.info("told systemd: ready")
@@ -320,7 +324,11 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
     """Twice a second: the workers' health and load, their measured speeds, restarts and
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
     of whether it can again. `refreshed` is set after the first pass."""
-    watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts)  # type: ignore[attr-defined]
+    watch = WorkerWatch(
+        wired.events,
+        restarts=lambda w: w.restarts,  # type: ignore[attr-defined]
+        resting=lambda w: w.state in AT_REST,  # type: ignore[attr-defined]
+    )
     while True:
         try:
             await engines.refresh()

@@ -7,6 +7,10 @@ reading with the previous one and records in the event feed what changed: a rest
 that went up (`worker_restart`), a worker that stopped answering (`worker_down`) or answers
 again (`worker_up`). The first reading of a worker only sets what later ones compare with.
 The engines layer thus never imports the feed.
+
+A worker the appliance put to rest on purpose (asleep, stopped idle, or waking from either:
+`resting`) does not answer /health either, yet it is no outage: it counts as up, so its
+sleep and its wake record no `worker_down` or `worker_up` (their own events say them).
 """
 
 from __future__ import annotations
@@ -18,15 +22,22 @@ from appliance.services.events import EventFeed, EventKind
 
 
 class WorkerWatch:
-    def __init__(self, feed: EventFeed, restarts: Callable[[WorkerEndpoint], int]) -> None:
+    def __init__(
+        self,
+        feed: EventFeed,
+        restarts: Callable[[WorkerEndpoint], int],
+        resting: Callable[[WorkerEndpoint], bool] = lambda w: False,
+    ) -> None:
         self._feed = feed
         self._restarts = restarts
+        self._resting = resting
         self._seen: dict[str, tuple[int, bool]] = {}
-        """Restarts and health of each worker at the previous reading."""
+        """Restarts and health (resting counts as healthy) of each worker at the previous
+        reading."""
 
     def observe(self, workers: Iterable[WorkerEndpoint], now: float) -> None:
         for w in workers:
-            restarts, healthy = self._restarts(w), w.healthy
+            restarts, healthy = self._restarts(w), w.healthy or self._resting(w)
             before = self._seen.get(w.id)
             self._seen[w.id] = (restarts, healthy)
             if before is None:
