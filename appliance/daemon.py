@@ -27,6 +27,7 @@ from appliance.api.server import ApiServer
 from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
 from appliance.domain.records import CostMode, Price, TenantId, WorkerId
+from appliance.domain.worker import can_serve
 from appliance.engine_start import (
     Engines,
     WorkerEventRelay,
@@ -84,15 +85,10 @@ def gpu_probe(
     """NVML; under the simulated engine, the model of the GPUs its workers stand for, their
     KV what the KV index holds there (`gpu_blocks`, per worker id)."""
     if kind == EngineKind.SIM:
-        resident = None
-        if gpu_blocks is not None:
-            resident = lambda w: gpu_blocks(w) * block_size  # noqa: E731
-        return SimulatedGpuProbe(
-            simulated_gpu(profile, block_size),
-            workers,
-            resident_tokens=resident,
-            kv_bytes_per_token=profile.kv_bytes_per_token,
-        )
+        resident = (lambda w: gpu_blocks(w) * block_size) if gpu_blocks is not None else None
+        return SimulatedGpuProbe(simulated_gpu(profile, block_size), workers,
+                                 resident_tokens=resident,
+                                 kv_bytes_per_token=profile.kv_bytes_per_token)  # fmt: skip
     return NvmlProbe()
 
 
@@ -275,9 +271,12 @@ def _set_log_level(settings: Settings) -> None:
 
 async def _ready(engines: Engines, ledger: LedgerWriter, notifier: Notifier, url: str) -> None:
     """Tells systemd the appliance is ready once the API serves (the caller waited for it)
-    and every worker is healthy, with the ledger writing: what `/health` then says."""
-    while not (all(w.healthy for w in engines.workers) and ledger.failing is None):
-        await asyncio.sleep(0.1)
+    and every worker has come up (healthy, or already put to rest by the worker reaper:
+    `can_serve`), with the ledger writing: what `/health` then says."""
+    while ledger.failing is not None or not all(
+        can_serve(w.state, w.draining) for w in engines.workers
+    ):
+        await asyncio.sleep(0.1)  # fmt: skip
     if notifier.ready(f"serving at {url} with {_plural(len(engines.workers), 'worker')}"):
         log.info("told systemd: ready")
 

@@ -3,11 +3,12 @@
 (a path, or an abstract name written with a leading `@`). Outside systemd (no such
 variable) every call does nothing.
 
-The appliance sends `READY=1` once its API serves and every worker is healthy, `WATCHDOG=1`
-every half of `$WATCHDOG_USEC` from its event loop (a loop that stalls stops them, and
-systemd restarts the service), `RELOADING=1` then `READY=1` around a reload, and
-`STOPPING=1` when it starts to drain. The variables are taken out of the environment when
-read, as sd_notify's `unset_environment` does, so the workers it starts never see them.
+The appliance sends `READY=1` once its API serves and every worker is up (healthy, or put
+to rest by the worker reaper), `WATCHDOG=1` every half of `$WATCHDOG_USEC` from its event
+loop (a loop that stalls stops them, and systemd restarts the service), `RELOADING=1` then
+`READY=1` around a reload, and `STOPPING=1` when it starts to drain. The variables are
+taken out of the environment when read, as sd_notify's `unset_environment` does, so the
+workers it starts never see them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from appliance.api.auth import Caller, Keys
 from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.gpu import GpuSnapshot
+from appliance.domain.worker import can_serve
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
@@ -162,7 +163,7 @@ def wire(
             model=engines.served_name,
             max_model_len=engines.max_model_len,
             state=lambda: snapshot(sources),
-            healthy=lambda: any(w.healthy for w in engines.workers()),
+            healthy=lambda: any(can_serve(w.state, w.draining) for w in engines.workers()),
             ledger_failing=lambda: ledger.failing,
             metrics=lambda: metrics_text(sources),
             costs=lambda: cost_report(ledger_path),

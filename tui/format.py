@@ -83,3 +83,16 @@ def money(value: float | None, currency: str | None = None) -> str:
 
 def text(value: object) -> str:
     return DASH if value is None or value == "" else str(value)
+
+
+def worker_state(state: str, healthy: bool, draining: bool, sleep_level: int | None) -> str:
+    """A worker's state in a word: one awake by its health (awake, draining, or down when its
+    /health fails), else its power state as the appliance says it (asleep with its level,
+    stopped, waking). Asleep and stopped are the appliance's own choice, not an outage."""
+    if state == "asleep":
+        return f"asleep L{sleep_level}" if sleep_level else "asleep"
+    if state != "awake":
+        return state
+    if draining:
+        return "draining"
+    return "awake" if healthy else "down"

@@ -44,7 +44,8 @@ def _state(state: dict[str, Any] | AdminStateView) -> AdminStateView:
 
 
 def render_status(state: dict[str, Any] | AdminStateView) -> str:
-    """Workers (engine, GPUs, health, load, KV use), GPUs, sessions and tasks in a few lines."""
+    """Workers (engine, GPUs, state, load, KV use, restarts, their latest wake's seconds),
+    GPUs, sessions and tasks in a few lines."""
     s = _state(state)
     out = [f"appliance state at {fmt.clock(s.time)}"]
     if s.workers:
@@ -53,13 +54,14 @@ def render_status(state: dict[str, Any] | AdminStateView) -> str:
                 w.id,
                 fmt.text(w.engine),
                 ",".join(map(str, w.gpus)) or "-",
-                "down" if not w.healthy else ("draining" if w.draining else "ok"),
+                fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level),
                 fmt.num(w.running),
                 fmt.num(w.waiting),
                 fmt.pct(w.kv_usage),
                 fmt.pct(w.prefix_hit_rate),
                 fmt.times(w.prefill_slowdown),
                 str(w.restarts),
+                fmt.seconds(w.last_wake_s),
             ]
             for w in s.workers
         ]
@@ -70,16 +72,17 @@ def render_status(state: dict[str, Any] | AdminStateView) -> str:
                     "worker",
                     "engine",
                     "gpus",
-                    "health",
+                    "state",
                     "running",
                     "waiting",
                     "kv",
                     "prefix",
                     "prefill",
                     "restarts",
+                    "wake",
                 ],
                 rows,
-                right={4, 5, 6, 7, 8, 9},
+                right={4, 5, 6, 7, 8, 9, 10},
             ),
         ]
     else:

@@ -35,7 +35,8 @@ class ApiContext:
     state: Callable[[], StateSnapshot]
     """The facts `/admin/v1/state` publishes (appliance/api/state_document.py)."""
     healthy: Callable[[], bool]
-    """Whether any worker accepts requests (`/health`: constant time, not the whole state)."""
+    """Whether any worker serves, or rests on purpose and can be woken (`/health`: constant
+    time, not the whole state; appliance.domain.worker.can_serve)."""
     ledger_failing: Callable[[], str | None]
     """Why the ledger cannot write now (`/health` is then degraded), or None."""
     metrics: Callable[[], str]

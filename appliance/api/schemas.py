@@ -39,6 +39,16 @@ class WorkerStateView(_Model):
     gpus: list[int] = Field(default_factory=list)
     """NVML indices of the GPUs this worker runs on (empty for a simulated worker)."""
     healthy: bool
+    """It accepts requests now. False for one asleep or stopped on purpose: `state` says so."""
+    state: str = "awake"
+    """Its power state (appliance.domain.worker.WorkerPowerState): awake (serving, or failing
+    its /health: `healthy`), asleep (vLLM's sleep mode), stopped (no process: stopped idle,
+    or exited) or waking (on its way up). A string, not an enum, so that a console reads a
+    newer server's states too."""
+    sleep_level: int | None = None
+    """1 (weights in host memory) or 2 (weights discarded) while asleep, else None."""
+    last_wake_s: float | None = None
+    """Its latest wake's measured seconds (None: never woken)."""
     draining: bool = False
     restarts: int = 0
     running: int | None = None

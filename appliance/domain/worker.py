@@ -100,6 +100,19 @@ def accepts_requests(state: WorkerState) -> bool:
     return state == WorkerState.HEALTHY
 
 
+AT_REST = frozenset({WorkerState.ASLEEP, WorkerState.STOPPED, WorkerState.WAKING})
+"""Put to rest on purpose (asleep, or stopped idle) or on the way back from it: not serving
+now, yet no fault: the next turn wakes it."""
+
+
+def can_serve(state: WorkerState, draining: bool) -> bool:
+    """Whether the worker serves a turn now or once woken: HEALTHY, or AT_REST while the
+    appliance is not shutting down (`draining`: a STOPPED worker then is the end, not a
+    rest). `/health` is ok while any worker can: a box whose workers all sleep is healthy.
+    A worker that crashed (EXITED, STARTING again) or gave up (FAILED) cannot."""
+    return not draining and (state == WorkerState.HEALTHY or state in AT_REST)
+
+
 class WorkerPowerState(StrEnum):
     """What a worker costs and how soon it can serve: the admin API's `state`."""
 

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.records import TaskId, WorkerId
-from appliance.domain.worker import WorkerStatus
+from appliance.domain.worker import WorkerPowerState, WorkerStatus
 from appliance.policy.costs import (
     GROUP_KEYS,
     AttemptRow,
@@ -231,8 +231,24 @@ class _ApplianceCollector(Collector):
         yield from _gpu_time_families(src, workers)
         yield GaugeMetricFamily("appliance_workers_healthy", "Workers that accept requests.",
                                 sum(1 for w in workers if w.healthy))  # fmt: skip
+        yield _power_family(workers)
         if src.admission is not None:
             yield from src.admission.metric_families()
+
+
+def _power_family(workers: Sequence[WorkerStatus]) -> Metric:
+    """`appliance_worker_state{worker, state}`: 1 for each worker's power state now, 0 for
+    the other three, so that a query sums or filters without knowing the states."""
+    family = GaugeMetricFamily(
+        "appliance_worker_state",
+        "A worker's power state: 1 for the one it is in (awake, asleep, stopped, waking), "
+        "0 for the others.",
+        labels=["worker", "state"],
+    )
+    for w in workers:
+        for power in WorkerPowerState:
+            family.add_metric([w.id, power.value], 1.0 if w.power == power else 0.0)
+    return family
 
 
 def _gpu_time_families(src: StateSources, workers: Sequence[WorkerStatus]) -> Iterator[Metric]:

@@ -4,9 +4,12 @@ the API answers from them over ASGI."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
+import pytest
 from starlette.testclient import TestClient
 
 from appliance import __version__
@@ -26,17 +29,20 @@ from tests.fakes import ManualClock
 from tui.state import decode_state
 
 
-def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path)
-    workers = [
+def handles(*states: WorkerState) -> list[WorkerHandle]:
+    return [
         WorkerHandle(WorkerId(f"w{i}"), "external", f"http://127.0.0.1:{9 + i}",
                      VllmClient(f"http://127.0.0.1:{9 + i}"), state=state)
-        for i, state in enumerate((WorkerState.HEALTHY, WorkerState.UNHEALTHY))
+        for i, state in enumerate(states)
     ]  # fmt: skip
+
+
+@contextmanager
+def wired_app(tmp_path: Path, workers: list[WorkerHandle]) -> Iterator[TestClient]:
     ledger = LedgerWriter.open(tmp_path / "ledger.db")
     try:
         wired = wire(
-            settings,
+            Settings(data_dir=tmp_path),
             engines=StartedEngines(lambda: workers, "m", 4096, "test:m"),
             ledger=ledger,
             feed=KvIndexFeed(),
@@ -47,20 +53,49 @@ def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) ->
             secret=b"s" * 32,
         )
         with TestClient(wired.app) as http:
-            assert http.get("/health").json() == {"status": "ok", "version": __version__}
-            served = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"})
-            state = served.json()
-            # The published document is the schema's, and the console's twin reads it alike.
-            checked = AdminStateView.model_validate_json(served.content).model_dump(mode="json")
-            assert msgspec.to_builtins(decode_state(served.content)) == checked == state
-            assert [(w["id"], w["healthy"]) for w in state["workers"]] == [
-                ("w0", True),
-                ("w1", False),
-            ]
-            assert state["gpus"][0]["mem_used_bytes"] == 4
-            models = http.get("/v1/models", headers={"Authorization": "Bearer a"}).json()
-            assert models["data"][0]["max_model_len"] == 4096
-            metrics = http.get("/metrics").text
-            assert "appliance_workers_healthy 1.0" in metrics
+            yield http
     finally:
         ledger.close()
+
+
+def test_the_wired_appliance_answers_without_running_anything(tmp_path: Path) -> None:
+    with wired_app(tmp_path, handles(WorkerState.HEALTHY, WorkerState.UNHEALTHY)) as http:
+        assert http.get("/health").json() == {"status": "ok", "version": __version__}
+        served = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"})
+        state = served.json()
+        # The published document is the schema's, and the console's twin reads it alike.
+        checked = AdminStateView.model_validate_json(served.content).model_dump(mode="json")
+        assert msgspec.to_builtins(decode_state(served.content)) == checked == state
+        assert [(w["id"], w["healthy"]) for w in state["workers"]] == [
+            ("w0", True),
+            ("w1", False),
+        ]
+        assert [w["state"] for w in state["workers"]] == ["awake", "awake"]
+        assert state["gpus"][0]["mem_used_bytes"] == 4
+        models = http.get("/v1/models", headers={"Authorization": "Bearer a"}).json()
+        assert models["data"][0]["max_model_len"] == 4096
+        metrics = http.get("/metrics").text
+        assert "appliance_workers_healthy 1.0" in metrics
+        assert 'appliance_worker_state{state="awake",worker="w1"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("states", "ok"),
+    [
+        ((WorkerState.ASLEEP, WorkerState.STOPPED), True),
+        ((WorkerState.WAKING, WorkerState.FAILED), True),
+        ((WorkerState.EXITED, WorkerState.FAILED), False),
+        ((WorkerState.STARTING, WorkerState.UNHEALTHY), False),
+    ],
+)
+def test_health_is_ok_while_the_workers_rest_and_can_be_woken(
+    tmp_path: Path, states: tuple[WorkerState, ...], ok: bool
+) -> None:
+    workers = handles(*states)
+    with wired_app(tmp_path, workers) as http:
+        answer = http.get("/health")
+        assert answer.status_code == (200 if ok else 503)
+        assert answer.json()["status"] == ("ok" if ok else "no healthy worker")
+        for w in workers:  # at shutdown they drain: a stopped worker then is no rest
+            w.draining = True
+        assert http.get("/health").status_code == 503

@@ -57,6 +57,9 @@ def make_state(
             "gpus": [i] if i < gpus else [],
             "restarts": i,
             "healthy": i != 3,
+            "state": "awake",
+            "sleep_level": None,
+            "last_wake_s": None,
             "draining": False,
             "running": 3 + i,
             "waiting": i,
@@ -150,6 +153,20 @@ def make_state(
         "admission": {},
         "routing": {RouteKind.PREFIX_RESIDENT: 40 + tick, RouteKind.LEAST_TTFT: 9},
     }
+
+
+RESTING = [("asleep", 2), ("waking", None), ("stopped", None)]
+"""The power states `rest_workers` puts the workers after the first in, in turn."""
+
+
+def rest_workers(state: dict[str, Any]) -> dict[str, Any]:
+    """The state with its workers after the first asleep (level 2), waking and stopped, in
+    turn, as the appliance shows them: not healthy, no load; the first woke once, in 3.2 s."""
+    state["workers"][0]["last_wake_s"] = 3.2
+    for w, (power, level) in zip(state["workers"][1:], RESTING, strict=False):
+        w.update(state=power, sleep_level=level, healthy=False, running=None, waiting=None,
+                 kv_usage=None, prefix_hit_rate=None)  # fmt: skip
+    return state
 
 
 @dataclass

@@ -12,7 +12,7 @@ from appliance.policy.admission import AdmitCode
 from appliance.services.events import EventKind
 from appliance.services.session_kv import NO_DECISION_REASON
 from tests.tui.conftest import console, screen_text, until_text, wait_until
-from tests.tui.fakes import FakeAppliance, json_reply, make_state
+from tests.tui.fakes import FakeAppliance, json_reply, make_state, rest_workers
 from tui import format as fmt
 from tui.app import ConsoleApp
 from tui.client import Lost
@@ -21,6 +21,7 @@ from tui.screens.dialogs import ConfirmScreen, HelpScreen
 from tui.screens.session_detail import SessionDetailScreen
 from tui.screens.sessions import SessionGrid, SessionsScreen
 from tui.screens.tasks import TasksScreen, TaskTreeWidget
+from tui.widgets.panels import worker_state_cell
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -45,7 +46,7 @@ async def test_overview_shows_gpu_bars_workers_and_the_summary(fake: FakeApplian
         assert "▓" in text and "░" in text
         assert "util  55%" in text and "51°C" in text and "402 W" in text
         assert "KV (not reported)" in text
-        for line in ("w0      sim     ok", "w1      sim     ok"):
+        for line in ("w0      sim     awake", "w1      sim     awake"):
             assert line in text
         assert "41%" in text and "62%" in text  # kv use, prefix hit of w0
         assert "sessions   12" in text
@@ -84,7 +85,35 @@ async def test_overview_without_gpus_says_so_calmly(fake: FakeAppliance) -> None
         text = screen_text(app)
         assert "No NVIDIA GPU reported: NVML sees none on this host." in text
         assert "GPU0" not in text
-        assert "w0      sim     ok" in text
+        assert "w0      sim     awake" in text
+
+
+async def test_sleeping_waking_and_stopped_workers_show_as_such_not_as_down(
+    fake: FakeAppliance,
+) -> None:
+    fake.set_state(rest_workers(make_state(workers=4)))
+    app = console(fake.url)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(app, pilot)
+        text = screen_text(app)
+        for line in (
+            "w1      sim     asleep L2",
+            "w2      sim     waking",
+            "w3      sim     stopped",
+        ):
+            assert line in text
+        assert "down" not in text
+        assert " 3.2s " in text  # w0's latest wake (wide enough for the wake column)
+        styles = {w.id: str(worker_state_cell(w).style) for w in app.state.workers}  # type: ignore[union-attr]
+        assert styles == {"w0": "green", "w1": "dim", "w2": "bold yellow", "w3": "dim red"}
+        state = rest_workers(make_state(workers=4, tick=1))
+        state["workers"][1]["healthy"] = True  # w1 woke; an awake one failing is a fault
+        state["workers"][1].update(state="awake", sleep_level=None)
+        state["workers"][0]["healthy"] = False
+        fake.set_state(state)
+        await until_text(pilot, "w1      sim     awake")
+        assert "w0      sim     down" in screen_text(app)
+        assert str(worker_state_cell(app.state.workers[0]).style) == "bold red"  # type: ignore[union-attr]
 
 
 async def test_the_header_shows_the_appliances_version(fake: FakeAppliance) -> None:

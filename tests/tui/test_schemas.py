@@ -51,6 +51,10 @@ def _sources(with_gpu: bool) -> StateSources:
         WorkerStatus(WorkerId("w0"), "sim", "http://x", (), WorkerState.HEALTHY, False, 0,
                      load=load),
         WorkerStatus(WorkerId("w1"), "sim", "http://x", (), WorkerState.UNHEALTHY, True, 0),
+        WorkerStatus(WorkerId("w2"), "sim", "http://x", (), WorkerState.ASLEEP, False, 0,
+                     sleep_level=2, last_wake_s=1.23456),
+        WorkerStatus(WorkerId("w3"), "sim", "http://x", (), WorkerState.STOPPED, False, 0),
+        WorkerStatus(WorkerId("w4"), "sim", "http://x", (), WorkerState.WAKING, False, 0),
     ]  # fmt: skip
     sessions = [
         SessionState(
@@ -190,6 +194,13 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
         assert state.tasks[0].children == ["child"]
         assert state.workers[0].prefix_hit_rate == 0.4
         assert state.workers[1].running is None
+        assert [(w.state, w.healthy, w.sleep_level, w.last_wake_s) for w in state.workers] == [
+            ("awake", True, None, None),
+            ("awake", False, None, None),
+            ("asleep", False, 2, 1.235),
+            ("stopped", False, None, None),
+            ("waking", False, None, None),
+        ]
 
 
 def test_the_unknown_key_check_can_fail() -> None:

@@ -16,7 +16,7 @@ from textual.pilot import Pilot
 from appliance.policy.admission import AdmitCode
 from appliance.services.events import EventKind
 from tests.tui.conftest import screen_text, wait_until
-from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state
+from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state, rest_workers
 from tui.app import ConsoleApp
 from tui.client import Backoff, Lost, Poller, StateClient
 
@@ -102,6 +102,14 @@ def test_tabs(snap_compare, appliance: FakeAppliance, tab: str, size: tuple[int,
 def test_overview_without_gpus(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]
     appliance.set_state(make_state(gpus=0, workers=2))
     assert snap_compare(app_for(appliance), terminal_size=(80, 24), run_before=after())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_overview_with_resting_workers(  # type: ignore[no-untyped-def]
+    snap_compare, appliance: FakeAppliance, size: tuple[int, int]
+) -> None:
+    appliance.set_state(rest_workers(make_state(workers=4)))
+    assert snap_compare(app_for(appliance), terminal_size=size, run_before=after())
 
 
 def test_overview_with_simulated_gpus(snap_compare, appliance: FakeAppliance) -> None:  # type: ignore[no-untyped-def]

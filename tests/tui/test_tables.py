@@ -74,9 +74,9 @@ def test_status() -> None:
         [
             "appliance state at 00:00:00Z",
             "",
-            "worker  engine  gpus  health  running  waiting   kv  prefix  prefill  restarts",
-            "w0      vllm    0     ok            3        1  50%     25%    x1.26         2",
-            "w1      vllm    1     down          -        -    -       -    x1.00         0",
+            "worker  engine  gpus  state  running  waiting   kv  prefix  prefill  restarts  wake",
+            "w0      vllm    0     awake        3        1  50%     25%    x1.26         2     -",
+            "w1      vllm    1     down         -        -    -       -    x1.00         0     -",
             "",
             "gpu  name         hbm used         kv GiB  util  temp  power",
             "0    NVIDIA H200  100.0/141.0 GiB  -        90%   60C   500W",
@@ -85,6 +85,28 @@ def test_status() -> None:
             "tasks: 4, 1 failed, 2 open, 1 succeeded",
         ]
     )
+
+
+def test_status_shows_sleeping_waking_and_stopped_workers_by_their_state() -> None:
+    state = small_state()
+    resting = {"healthy": False, "running": None, "waiting": None}
+    state["workers"] = [
+        state["workers"][0] | {"last_wake_s": 2.5},
+        {**state["workers"][1], **resting, "id": "w1", "state": "asleep", "sleep_level": 1},
+        {**state["workers"][1], **resting, "id": "w2", "state": "waking", "last_wake_s": 41.0},
+        {**state["workers"][1], **resting, "id": "w3", "state": "stopped"},
+        {**state["workers"][0], **resting, "id": "w4", "draining": True},
+    ]
+    rows = [line.split() for line in render_status(state).splitlines()[3:8]]
+    assert [(r[0], " ".join(r[3:-7])) for r in rows] == [
+        ("w0", "awake"),
+        ("w1", "asleep L1"),
+        ("w2", "waking"),
+        ("w3", "stopped"),
+        ("w4", "draining"),
+    ]
+    assert [r[-1] for r in rows] == ["2.5s", "-", "41s", "-", "-"]
+    assert "down" not in render_status(state)
 
 
 def test_status_without_gpus_or_workers() -> None:

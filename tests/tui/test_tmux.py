@@ -230,7 +230,7 @@ def test_top_in_a_real_terminal_under_agent_load(appliance: Appliance, terminal:
             assert "▓" in bar and "░" in bar
         # The bars follow the agents' load: used memory, KV and utilisation move.
         terminal.wait_for(lambda s: gpu_lines(s) not in ({}, first), "the GPU bars to update")
-        assert re.search(r"w0\s+\S+\s+ok", screen) and ("█" in screen or "░" in screen)
+        assert re.search(r"w0\s+\S+\s+awake", screen) and ("█" in screen or "░" in screen)
         assert load.errors == []
 
         # Sessions: the agents' sessions appear with resident tokens, and the view updates.

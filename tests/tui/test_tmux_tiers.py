@@ -178,7 +178,7 @@ def session_rows(screen: str) -> dict[str, tuple[int, int, int]]:
     return {m.group(1): (tokens(m[2]), tokens(m[3]), tokens(m[4])) for m in found if m}
 
 
-KV_TOK = re.compile(r"^\s*w0\s+sim\s+ok\s+\d+\s+\d+\s+[█░ ]*\s*\d+%\s+(\d+|\d+\.\dk)\s", re.M)
+KV_TOK = re.compile(r"^\s*w0\s+sim\s+awake\s+\d+\s+\d+\s+[█░ ]*\s*\d+%\s+(\d+|\d+\.\dk)\s", re.M)
 """The Overview's Workers row: worker, engine, health, running, waiting, KV use, KV tok."""
 
 

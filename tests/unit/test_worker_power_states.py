@@ -9,6 +9,7 @@ from appliance.domain.worker import (
     WorkerState,
     accepts_requests,
     can_move,
+    can_serve,
     power_state,
 )
 from appliance.sim.vllm_entry import worker_config
@@ -35,6 +36,18 @@ def test_sleep_stop_and_wake_moves() -> None:
     assert not can_move(WorkerState.STOPPED, WorkerState.STARTING)
     assert not can_move(WorkerState.UNHEALTHY, WorkerState.ASLEEP)
     assert not can_move(WorkerState.EXITED, WorkerState.STOPPED)
+
+
+def test_a_worker_at_rest_can_serve_a_crashed_or_shut_down_one_cannot() -> None:
+    serving = {s for s in WorkerState if can_serve(s, draining=False)}
+    assert serving == {
+        WorkerState.HEALTHY,
+        WorkerState.ASLEEP,
+        WorkerState.STOPPED,
+        WorkerState.WAKING,
+    }
+    # At shutdown every worker drains and ends STOPPED: that is no rest.
+    assert not any(can_serve(s, draining=True) for s in WorkerState)
 
 
 def test_the_sim_reads_vllms_command_line() -> None:

@@ -82,19 +82,32 @@ def is_simulated(gpu_driver: str | None) -> bool:
     return gpu_driver is not None and gpu_driver.startswith("simulated")
 
 
-def _health(w: WorkerState) -> Text:
-    if not w.healthy:
-        return Text("down", style="bold red")
-    if w.draining:
-        return Text("draining", style="yellow")
-    return Text("ok", style="green")
+STATE_STYLES = {
+    "awake": "green",
+    "draining": "yellow",
+    "down": "bold red",
+    "waking": "bold yellow",
+    "asleep": "dim",
+    "stopped": "dim red",
+}
+"""A worker's state word (tui.format.worker_state) by its first word. Only an awake worker
+that fails its /health is marked as a fault (bold red): asleep and stopped are the
+appliance's own choice, shown muted."""
+
+
+def worker_state_cell(w: WorkerState, *, wide: bool = True) -> Text:
+    """Its state word, styled; the sleep level only when `wide` (80 columns fit the rest)."""
+    label = fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level if wide else None)
+    return Text(label, style=STATE_STYLES.get(label.split()[0], ""))
 
 
 class WorkersPanel(Panel):
-    """Per worker: health, running/waiting, KV use (vLLM's: requests and holds), the KV on its
-    GPU in tokens (every block that holds anything, cached ones too: what the sessions'
-    resident tokens add up to; when the appliance reports it), prefix hit rate, restarts;
-    when wide, its measured prefill time against the GPU profile's, and its URL."""
+    """Per worker: its state (awake, draining, down, asleep, stopped, waking), running/waiting,
+    KV use (vLLM's: requests and holds), the KV on its GPU in tokens (every block that holds
+    anything, cached ones too: what the sessions' resident tokens add up to; when the
+    appliance reports it), prefix hit rate, restarts; when wide, its measured prefill time
+    against the GPU profile's, a sleeping worker's level (asleep L1 or L2), its latest wake's
+    seconds, and its URL."""
 
     def render(self) -> RenderResult:
         state = self.state
@@ -106,7 +119,7 @@ class WorkersPanel(Panel):
         table = Table(box=None, padding=(0, 1), expand=False, show_edge=False)
         table.add_column("worker", style="bold", no_wrap=True)
         table.add_column("engine", no_wrap=True)
-        table.add_column("health", no_wrap=True)
+        table.add_column("state", no_wrap=True)
         table.add_column("run", justify="right", no_wrap=True)
         table.add_column("wait", justify="right", no_wrap=True)
         table.add_column("KV use", no_wrap=True)
@@ -118,13 +131,14 @@ class WorkersPanel(Panel):
         table.add_column("GPUs", no_wrap=True)
         if wide:
             table.add_column("prefill", justify="right", no_wrap=True)
+            table.add_column("wake", justify="right", no_wrap=True)
             table.add_column("url", style="dim", no_wrap=True)
         for w in state.workers:
             kv = fill_bar(10, w.kv_usage) + Text(f" {fmt.pct(w.kv_usage):>4}")
             cells: list[RenderableType] = [
                 w.id,
                 fmt.text(w.engine),
-                _health(w),
+                worker_state_cell(w, wide=wide),
                 fmt.num(w.running),
                 fmt.num(w.waiting),
                 kv,
@@ -134,7 +148,11 @@ class WorkersPanel(Panel):
                 ",".join(str(i) for i in w.gpus) or "-",
             ]
             if wide:
-                cells += [fmt.times(w.prefill_slowdown), fmt.text(w.url)]
+                cells += [
+                    fmt.times(w.prefill_slowdown),
+                    fmt.seconds(w.last_wake_s),
+                    fmt.text(w.url),
+                ]
             table.add_row(*cells)
         return table
 

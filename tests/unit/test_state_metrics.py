@@ -1,0 +1,58 @@
+"""The appliance's own `/metrics`: each worker's power state as a gauge per state, 1 for the
+one it is in and 0 for the others, so that a query needs no list of states."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.domain.records import WorkerId
+from appliance.domain.worker import WorkerPowerState, WorkerState, WorkerStatus
+from appliance.services.state import StateSources, metrics_text
+from appliance.services.tasks import TaskBook
+from appliance.services.turn_records import TurnRecords
+from tests.fakes import AckLedger
+
+
+def scrape(*states: WorkerState) -> dict[str, dict[tuple[str, str], float]]:
+    workers = [
+        WorkerStatus(WorkerId(f"w{i}"), "vllm", "http://x", (), state, False, 0)
+        for i, state in enumerate(states)
+    ]
+    desk = SimpleNamespace(
+        sessions=[],
+        records=TurnRecords(AckLedger(), model="m"),  # type: ignore[arg-type]
+        queues=SimpleNamespace(slowdown=lambda w: 1.0),
+    )
+    src = StateSources(
+        workers=lambda: workers,
+        desk=desk,  # type: ignore[arg-type]
+        tasks=TaskBook(AckLedger()),  # type: ignore[arg-type]
+        gpus=lambda: None,
+        clock_now=lambda: 0.0,
+        kv_bytes_per_token=1,
+        currency="USD",
+    )
+    out: dict[str, dict[tuple[str, str], float]] = {}
+    for family in text_string_to_metric_families(metrics_text(src)):
+        for sample in family.samples:
+            key = (sample.labels.get("worker", ""), sample.labels.get("state", ""))
+            out.setdefault(sample.name, {})[key] = sample.value
+    return out
+
+
+def test_each_worker_is_in_exactly_its_power_state() -> None:
+    states = (WorkerState.HEALTHY, WorkerState.ASLEEP, WorkerState.STOPPED, WorkerState.WAKING)
+    gauge = scrape(*states)["appliance_worker_state"]
+    assert len(gauge) == 4 * len(WorkerPowerState)
+    now = {worker: state for (worker, state), v in gauge.items() if v == 1.0}
+    assert now == {"w0": "awake", "w1": "asleep", "w2": "stopped", "w3": "waking"}
+    assert sorted(v for v in gauge.values()) == [0.0] * 12 + [1.0] * 4
+    assert scrape(*states)["appliance_workers_healthy"] == {("", ""): 1.0}
+
+
+def test_a_crashed_worker_shows_as_stopped_and_starting_as_waking() -> None:
+    gauge = scrape(WorkerState.EXITED, WorkerState.STARTING)["appliance_worker_state"]
+    assert {w for (w, s), v in gauge.items() if v == 1.0 and s == "stopped"} == {"w0"}
+    assert {w for (w, s), v in gauge.items() if v == 1.0 and s == "waking"} == {"w1"}
