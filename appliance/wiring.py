@@ -150,9 +150,9 @@ def wire(
         kv=kv,
         cost_series=CostSeries(),
         admission=admission,
+        wakes=desk.power.wake_seconds if desk.power is not None else None,
         kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
     )
-    ledger_path = Path(settings.ledger_path)
     app = create_api_app(
         ApiContext(
             desk=desk,
@@ -166,12 +166,12 @@ def wire(
             healthy=lambda: any(can_serve(w.state, w.draining) for w in engines.workers()),
             ledger_failing=lambda: ledger.failing,
             metrics=lambda: metrics_text(sources),
-            costs=lambda: cost_report(ledger_path),
+            costs=lambda: cost_report(settings.ledger_path),
             admission=admission,
             workers=engines.workers,
             sessions_admin=SessionAdmin(
                 releases,
-                lambda tenant, sid, limit: session_turns(ledger_path, tenant, sid, limit=limit),
+                lambda tenant, sid, n: session_turns(settings.ledger_path, tenant, sid, limit=n),
                 kv,
             ),
         )

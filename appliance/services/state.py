@@ -39,6 +39,7 @@ from appliance.services.branch_kv import TaskKv, task_kv, task_kv_of
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuTime
+from appliance.services.histogram import PromHistogram
 from appliance.services.session_kv import SessionKv, SessionKvNow
 from appliance.services.sessions import SessionState
 from appliance.services.task_state import TaskState
@@ -62,6 +63,8 @@ class StateSources:
     """Where each session's KV is, what was decided, and the idle reaper's status."""
     cost_series: CostSeries | None = None
     admission: AdmissionService | None = None
+    wakes: PromHistogram | None = None
+    """The worker reaper's measured wakes (None: it is off)."""
     kv_tokens: Callable[[WorkerId], int] | None = None
     """Tokens of KV the index holds on a worker's GPU now (None: not known)."""
 
@@ -232,6 +235,9 @@ class _ApplianceCollector(Collector):
         yield GaugeMetricFamily("appliance_workers_healthy", "Workers that accept requests.",
                                 sum(1 for w in workers if w.healthy))  # fmt: skip
         yield _power_family(workers)
+        if src.wakes is not None:
+            what = "Measured wakes of workers the worker reaper put to rest."
+            yield src.wakes.family("appliance_worker_wake_seconds", what)
         if src.admission is not None:
             yield from src.admission.metric_families()
 

@@ -9,13 +9,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerPowerState, WorkerState, WorkerStatus
+from appliance.services.histogram import PromHistogram
 from appliance.services.state import StateSources, metrics_text
 from appliance.services.tasks import TaskBook
 from appliance.services.turn_records import TurnRecords
 from tests.fakes import AckLedger
 
 
-def scrape(*states: WorkerState) -> dict[str, dict[tuple[str, str], float]]:
+def scrape(
+    *states: WorkerState, wakes: PromHistogram | None = None
+) -> dict[str, dict[tuple[str, str], float]]:
     workers = [
         WorkerStatus(WorkerId(f"w{i}"), "vllm", "http://x", (), state, False, 0)
         for i, state in enumerate(states)
@@ -33,11 +36,13 @@ def scrape(*states: WorkerState) -> dict[str, dict[tuple[str, str], float]]:
         clock_now=lambda: 0.0,
         kv_bytes_per_token=1,
         currency="USD",
+        wakes=wakes,
     )
     out: dict[str, dict[tuple[str, str], float]] = {}
     for family in text_string_to_metric_families(metrics_text(src)):
         for sample in family.samples:
-            key = (sample.labels.get("worker", ""), sample.labels.get("state", ""))
+            key = (sample.labels.get("worker", ""), sample.labels.get("state", "")
+                   or sample.labels.get("le", ""))  # fmt: skip
             out.setdefault(sample.name, {})[key] = sample.value
     return out
 
@@ -56,3 +61,15 @@ def test_a_crashed_worker_shows_as_stopped_and_starting_as_waking() -> None:
     gauge = scrape(WorkerState.EXITED, WorkerState.STARTING)["appliance_worker_state"]
     assert {w for (w, s), v in gauge.items() if v == 1.0 and s == "stopped"} == {"w0"}
     assert {w for (w, s), v in gauge.items() if v == 1.0 and s == "waking"} == {"w1"}
+
+
+def test_the_worker_reapers_wakes_are_a_histogram_when_it_runs() -> None:
+    assert "appliance_worker_wake_seconds_count" not in scrape(WorkerState.HEALTHY)
+    wakes = PromHistogram((5, 30))
+    for seconds in (2.7, 22.9, 41.0):
+        wakes.observe(seconds)
+    got = scrape(WorkerState.HEALTHY, wakes=wakes)
+    assert got["appliance_worker_wake_seconds_count"] == {("", ""): 3.0}
+    buckets = got["appliance_worker_wake_seconds_bucket"]
+    assert (buckets[("", "5")], buckets[("", "30")], buckets[("", "+Inf")]) == (1, 2, 3)
+    assert got["appliance_worker_wake_seconds_sum"][("", "")] == 2.7 + 22.9 + 41.0
