@@ -589,3 +589,18 @@ def test_a_branch_that_ends_drops_its_own_blocks_everywhere_and_leaves_its_paren
     kid = s.loop.branch_ends.get(TaskId("acme/kid"))  # and for the state's task tree
     assert kid is not None and (kid.own_tokens, kid.inherited_tokens) == (3 * BLOCK, PROMPT)
     assert kid.at == 1000.1 and s.loop.branch_ends.get(TaskId("acme/root")) is None
+
+
+def test_a_held_session_whose_worker_goes_to_rest_is_lost_with_that_cause(s: Setup) -> None:
+    """The worker reaper tells the loop before it puts a worker to sleep or stops it: the
+    sessions waiting there are held no more, and their KV's going is recorded as the rest's;
+    a session on another worker that loses its KV then was lost with its worker."""
+    s.index.blocks[W1] = PROMPT // BLOCK
+    s.turn(s.session("a"), tool="api", wait_s=1.0)
+    s.turn(s.session("b"), tool="api", wait_s=1.0, worker=W1)
+    s.loop.worker_rests(W0)
+    s.index.evict(W0, 0)  # the worker's KV is gone with its sleep
+    s.index.evict(W1, 0)  # and the other's with a restart
+    s.loop.tick(1000.1)
+    causes = {e.tenant_domain + "/" + e.worker: e.cause for e in s.rows.evictions}
+    assert causes == {f"acme/{W0}": "worker_rest", f"acme/{W1}": "worker_lost"}
