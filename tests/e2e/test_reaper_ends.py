@@ -247,17 +247,20 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         task(app, kid, "fan")
         own = [*context, {"role": "user", "content": text(50 + i, 60)}]
         app.turn(kid, own, **{"X-Task-ID": kid}, **API_WAIT)
-    step(app)
-    shown = eventually(
-        lambda: tasks_kv(app, "fan"), lambda t: all(t[k]["kv_own_kept_tokens"] > 0 for k in kids)
-    )
+
+    def stepped() -> dict[str, dict[str, Any]]:
+        step(app)  # a vLLM worker reports a hold at its next scheduler step
+        return tasks_kv(app, "fan")
+
+    shown = eventually(stepped, lambda t: all(t[k]["kv_own_kept_tokens"] > 0 for k in kids))
     for kid in kids:
         view = shown[kid]
         assert 0.8 * n <= view["kv_inherited_tokens"] <= n, view  # the parent's full blocks
         assert view["kv_own_tokens"] >= 128 and view["kv_reclaimed_tokens"] is None, view
     assert shown["fan"]["kv_inherited_tokens"] == 0 and shown["fan"]["kv_own_tokens"] >= 0.8 * n
-    closed = time.time()
+    closed: dict[str, float] = {}
     for kid in kids:
+        closed[kid] = time.time()
         r = httpx.post(f"{app.url}/v1/tasks/{kid}/events", json={"type": "succeeded"},
                        headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
         assert r.status_code == 200, r.text
@@ -276,7 +279,7 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
     assert sorted(ended) == [f"alice/{k}" for k in kids]
     for kid in kids:
         at = ended[f"alice/{kid}"]
-        assert closed <= at <= closed + TICK_S + 1.0, (kid, at - closed)  # one tick
+        assert closed[kid] <= at <= closed[kid] + TICK_S + 1.0, (kid, at - closed[kid])  # a tick
         own, inherited = app.rows(
             "SELECT json_extract(figures, '$.own_tokens'),"
             " json_extract(figures, '$.inherited_tokens') FROM residency_events"
@@ -286,8 +289,8 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         view = after[kid]
         assert (view["kv_reclaimed_tokens"], view["kv_reclaimed_at"]) == (own, at), view
         assert own > 0 and inherited >= 0.8 * n
-    lag = max(ended.values()) - closed
-    print(f"{app.engine}: {len(kids)} branches ended; their own KV reclaimed {lag:.2f}s after")
+    lag = max(ended[f"alice/{k}"] - closed[k] for k in kids)
+    print(f"{app.engine}: {len(kids)} branches ended; own KV reclaimed <= {lag:.2f}s after each")
     again = app.turn("fan-root", [*context, {"role": "user", "content": text(60, 10)}],
                      **{"X-Task-ID": "fan"}, **API_WAIT)  # fmt: skip
     assert cached(again) >= 0.9 * (n // 32 * 32), (cached(again), n)
