@@ -38,6 +38,7 @@ from appliance.policy.worker_power import (
 from appliance.ports import Clock, Ledger, WorkerPowerSwitch
 from appliance.services.gpu_meter import GpuMeter
 from appliance.services.histogram import PromHistogram
+from appliance.services.turn import NoWorker
 
 log = logging.getLogger(__name__)
 TICK_S = 1.0
@@ -175,6 +176,8 @@ class WorkerReaperLoop:
         self._waiting[worker] = self._waiting.get(worker, 0) + 1
         try:
             await self._wake(worker, choice.reason)
+        except Exception as e:  # it stays where it was; the turn is refused, saying why
+            raise NoWorker(f"no worker serves this model now: waking {worker} failed: {e}") from e
         finally:
             self._waiting[worker] -= 1
         return True

@@ -12,6 +12,7 @@ import pytest
 from appliance.domain.records import WorkerId, WorkerPowerEvent
 from appliance.domain.worker import LoadSnapshot, PowerChange, WorkerState, WorkerStatus
 from appliance.policy.worker_power import CPU_VLLM_STATES, PowerSettings, power_table
+from appliance.services.turn import NoWorker
 from appliance.services.worker_reaper import PowerInputs, WorkerReaperLoop
 from tests.fakes import ManualClock
 
@@ -107,3 +108,21 @@ def test_a_busy_worker_and_a_reaper_without_an_idle_time_stay_awake() -> None:
     off._in = replace(off._in, settings=PowerSettings())
     clock.advance(60.0)
     assert off.tick(clock.now()) == []
+
+
+def test_a_failed_wake_refuses_the_turn_as_no_worker_and_the_next_turn_tries_again() -> None:
+    loop, switch, rows, clock, _ = setup()
+    clock.advance(6.0)
+    asyncio.run(loop.rest(loop.tick(clock.now())[0]))
+
+    async def fails(worker: WorkerId) -> PowerChange:
+        switch.calls.append("wake")
+        raise RuntimeError("the process exited during its start")
+
+    switch.wake = fails  # type: ignore[method-assign]
+    with pytest.raises(NoWorker, match="waking w0 failed: the process exited"):
+        asyncio.run(loop.ensure_awake())
+    assert loop.wake_s(W0) == 30.0 and len(rows.power) == 1  # still stopped, no wake row
+    with pytest.raises(NoWorker):
+        asyncio.run(loop.ensure_awake())
+    assert switch.calls == ["stop", "wake", "wake"]
