@@ -249,7 +249,11 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         app.turn(kid, own, **{"X-Task-ID": kid}, **API_WAIT)
 
     def stepped() -> dict[str, dict[str, Any]]:
-        step(app)  # a vLLM worker reports a hold at its next scheduler step
+        # A vLLM worker reports holds at its next scheduler step: a one-token request of no
+        # session (which nothing holds, so the branches' holds stay under the pool's cap).
+        nudge = {"model": app.model, "prompt": "nudge", "max_tokens": 1}
+        httpx.post(f"{app.url}/v1/completions", json=nudge, timeout=60,
+                   headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
         return tasks_kv(app, "fan")
 
     shown = eventually(stepped, lambda t: all(t[k]["kv_own_kept_tokens"] > 0 for k in kids))
@@ -266,8 +270,7 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         assert r.status_code == 200, r.text
     deadline = time.monotonic() + MAX_RESIDENCY_S - 1
     while time.monotonic() < deadline:
-        step(app)
-        after = tasks_kv(app, "fan")
+        after = stepped()
         if all(after[k]["kv_own_kept_tokens"] == 0 and after[k]["kv_reclaimed_at"] for k in kids):
             break
     else:
