@@ -88,8 +88,10 @@ class PolicyRouter:
         self.prefill_tokens = [0] * workers
         self.first_tokens = [0] * workers
         self.first_token_prompts = [0] * workers
-        """Per engine: requests that had their first token, and their prompt tokens (vLLM's
-        `time_to_first_token_seconds_count` and `prompt_tokens_total`)."""
+        self.first_token_fresh = [0] * workers
+        """Per engine: requests that had their first token, their prompt tokens and those
+        computed, not cached (vLLM's `time_to_first_token_seconds_count`,
+        `prompt_tokens_total` and `request_prefill_kv_computed_tokens_sum`)."""
         self.clock = VirtualClock()
         self.queues = QueueBook(latency, self.clock)
         self.active: list[Counter[int]] = [Counter() for _ in range(workers)]
@@ -192,6 +194,9 @@ class PolicyRouter:
             kv_cache_usage_perc=v.kv_cache_usage,
             prompt_tokens=self.first_token_prompts[v.index],
             ttft_count=self.first_tokens[v.index],
+            prefill_count=self.first_tokens[v.index],
+            prefill_fresh_tokens=self.first_token_fresh[v.index],
+            prefill_prompt_tokens=self.first_token_prompts[v.index],
         )
 
     def _anchor(
@@ -250,6 +255,7 @@ class PolicyRouter:
                 live.prefilling = False
                 self.first_tokens[live.worker] += 1
                 self.first_token_prompts[live.worker] += out.num_prompt_tokens
+                self.first_token_fresh[live.worker] += out.num_prompt_tokens - out.num_cached_tokens
                 self.prefill_tokens[live.worker] -= live.fresh_tokens
                 self.queues.first_byte(self.ids[live.worker], TurnId(out.request_id))
                 if live.session is not None:

@@ -13,8 +13,14 @@ A worker does not always take its requests as fast as that: one whose KV cache i
 admits a waiting request only when running ones end and free their blocks, so requests the
 book counts as done long ago can still be waiting there. The worker's reading says how many
 are waiting; those the book no longer counts (its own past their estimate, other clients',
-a restarted router's) count at the worker's mean prompt length, or the book's mean prefill
-if that is more, on top of what the book counts. On the agent workload at 4 x 8 GiB the
+a restarted router's) count at the worker's mean prefill, or the book's mean prefill if
+that is more, on top of what the book counts. The worker's mean prefill is that of its
+finished requests, their mean fresh prompt over their mean cached one (vLLM's
+`request_prefill_kv_computed_tokens`), not their whole prompt: an agent's turn re-sends a
+long prompt mostly cached, and counted whole, each reading made an evenly loaded worker
+look seconds busier than its sibling (200 sessions in `benchmarks/router_overhead.py`:
+sessions moved off their prefixes, cache hit 0.72, first byte p50 9.4 s against 2.6 s
+direct). On the agent workload at 4 x 8 GiB the
 book alone estimated 0.00-0.02 s at workers where turns then waited 1.9-6.5 s for a first
 token (1-6 requests waiting), and sessions stayed there.
 
@@ -110,9 +116,18 @@ class QueueBook:
         uncounted -= self._counted(worker, load.time, now)
         if uncounted <= 0:
             return routed
+        return routed + uncounted * max(self._waiting_prefill_s(worker, load), self._mean_prefill_s)
+
+    def _waiting_prefill_s(self, worker: WorkerId, load: LoadSnapshot) -> float:
+        """The prefill a request the worker reports waiting will take: its finished
+        requests' mean fresh prompt over their mean cached one, or, before any has
+        finished, the mean prompt of those that had a first token."""
+        if load.prefill_count:
+            fresh = load.prefill_fresh_tokens / load.prefill_count
+            cached = load.prefill_prompt_tokens / load.prefill_count - fresh
+            return self.prefill_s(worker, int(fresh), max(int(cached), 0))
         mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
-        per_request = self.prefill_s(worker, int(mean_prompt), 0) if mean_prompt else 0.0
-        return routed + uncounted * max(per_request, self._mean_prefill_s)
+        return self.prefill_s(worker, int(mean_prompt), 0) if mean_prompt else 0.0
 
     def routed_s(self, worker: WorkerId, now: float) -> float:
         """The prefill seconds the router sent to `worker` that it may still have to do."""

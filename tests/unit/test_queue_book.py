@@ -1,11 +1,13 @@
 """The router's queue estimate: its own requests in a stale worker reading are not load;
 requests the worker reports waiting beyond those the book counts are, at the worker's mean
-prompt length, its own past their estimate included; a request it sent counts only for the
+prefill (fresh over cached; its mean prompt before any finished), its own past their
+estimate included; a request it sent counts only for the
 prefill the worker cannot have done yet."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,3 +173,17 @@ def test_a_request_that_left_the_queue_since_the_reading_is_not_load() -> None:
     book.ended(w0.id, TurnId("a"), failed=False)  # a second time: not another that left
     w0.load = reading(100.5, waiting=3)
     assert book.queue_s(w0) == pytest.approx(1.0)
+
+
+def test_a_waiting_request_counts_at_the_workers_mean_fresh_prefill_once_one_finished() -> None:
+    # Agent turns re-send a long prompt that is mostly cached: a waiting one costs its fresh
+    # part. Counted at the whole prompt, every reading made an evenly loaded worker look
+    # seconds busier than its sibling, and sessions moved off their prefixes for nothing.
+    book, clock, w0 = book_and_worker()
+    clock.t = 102.0
+    w0.load = dataclasses.replace(
+        reading(102.0, waiting=2),
+        prefill_count=4, prefill_fresh_tokens=4 * 100, prefill_prompt_tokens=4 * 1000,
+    )  # fmt: skip
+    # 2 x (100 fresh tokens x 1 ms + 900 cached x 0.1 ms)
+    assert book.queue_s(w0) == pytest.approx(0.38)
