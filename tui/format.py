@@ -85,10 +85,17 @@ def text(value: object) -> str:
     return DASH if value is None or value == "" else str(value)
 
 
-def worker_state(state: str, healthy: bool, draining: bool, sleep_level: int | None) -> str:
+def worker_state(
+    state: str, healthy: bool, draining: bool, sleep_level: int | None,
+    lifecycle: str | None = None,
+) -> str:  # fmt: skip
     """A worker's state in a word: one awake by its health (awake, draining, or down when its
     /health fails), else its power state as the appliance says it (asleep with its level,
-    stopped, waking). Asleep and stopped are the appliance's own choice, not an outage."""
+    stopped, waking). Asleep and stopped are the appliance's own choice, not an outage; a
+    stopped worker whose process crashed (`lifecycle` exited: restarting) or that the
+    supervisor gave up on (failed) is one, and says so."""
+    if state == "stopped" and lifecycle in ("exited", "failed"):
+        return "failed" if lifecycle == "failed" else "down"
     if state == "asleep":
         return f"asleep L{sleep_level}" if sleep_level else "asleep"
     if state != "awake":

@@ -26,6 +26,7 @@ class WorkerState(msgspec.Struct, frozen=True):
     url: str | None = None
     gpus: list[int] = []
     state: str = "awake"
+    lifecycle: str | None = None
     sleep_level: int | None = None
     last_wake_s: float | None = None
     draining: bool = False

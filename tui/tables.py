@@ -54,7 +54,7 @@ def render_status(state: dict[str, Any] | AdminStateView) -> str:
                 w.id,
                 fmt.text(w.engine),
                 ",".join(map(str, w.gpus)) or "-",
-                fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level),
+                fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level, w.lifecycle),
                 fmt.num(w.running),
                 fmt.num(w.waiting),
                 fmt.pct(w.kv_usage),

@@ -45,6 +45,11 @@ class WorkerStateView(_Model):
     its /health: `healthy`), asleep (vLLM's sleep mode), stopped (no process: stopped idle,
     or exited) or waking (on its way up). A string, not an enum, so that a console reads a
     newer server's states too."""
+    lifecycle: str | None = None
+    """The supervisor's state behind `state`: starting, healthy, unhealthy, exited (crashed;
+    a restart is scheduled), draining, stopped, failed (it gave up after repeated exits: the
+    operator's turn), asleep or waking. A stopped worker at rest and one given up on are both
+    `state` stopped; this tells them apart."""
     sleep_level: int | None = None
     """1 (weights in host memory) or 2 (weights discarded) while asleep, else None."""
     last_wake_s: float | None = None

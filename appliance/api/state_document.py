@@ -75,6 +75,7 @@ def _worker(
         restarts=w.restarts,
         healthy=w.healthy,
         state=w.power.value,
+        lifecycle=w.state.value,
         sleep_level=w.sleep_level,
         last_wake_s=None if w.last_wake_s is None else round(w.last_wake_s, 3),
         draining=w.draining,

@@ -17,7 +17,7 @@ from appliance.api.auth import Caller
 from appliance.api.schemas import AdminStateView
 from appliance.domain.gpu import GpuReading
 from appliance.domain.records import TenantId, WorkerId
-from appliance.domain.worker import WorkerState
+from appliance.domain.worker import WorkerState, power_state
 from appliance.engines.vllm_client import VllmClient
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.fake import FakeProbe
@@ -96,6 +96,11 @@ def test_health_is_ok_while_the_workers_rest_and_can_be_woken(
         answer = http.get("/health")
         assert answer.status_code == (200 if ok else 503)
         assert answer.json()["status"] == ("ok" if ok else "no healthy worker")
+        state = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"}).json()
+        # A failed worker is `stopped` as one at rest is; its lifecycle tells them apart.
+        assert [(w["state"], w["lifecycle"]) for w in state["workers"]] == [
+            (power_state(s).value, s.value) for s in states
+        ]
         for w in workers:  # at shutdown they drain: a stopped worker then is no rest
             w.draining = True
         assert http.get("/health").status_code == 503

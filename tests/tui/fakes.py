@@ -58,6 +58,7 @@ def make_state(
             "restarts": i,
             "healthy": i != 3,
             "state": "awake",
+            "lifecycle": "healthy",
             "sleep_level": None,
             "last_wake_s": None,
             "draining": False,
@@ -156,7 +157,8 @@ def make_state(
 
 
 RESTING = [("asleep", 2), ("waking", None), ("stopped", None)]
-"""The power states `rest_workers` puts the workers after the first in, in turn."""
+"""The power states `rest_workers` puts the workers after the first in, in turn (each also
+its supervisor's state of that name)."""
 
 
 def rest_workers(state: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +166,8 @@ def rest_workers(state: dict[str, Any]) -> dict[str, Any]:
     turn, as the appliance shows them: not healthy, no load; the first woke once, in 3.2 s."""
     state["workers"][0]["last_wake_s"] = 3.2
     for w, (power, level) in zip(state["workers"][1:], RESTING, strict=False):
-        w.update(state=power, sleep_level=level, healthy=False, running=None, waiting=None,
-                 kv_usage=None, prefix_hit_rate=None)  # fmt: skip
+        w.update(state=power, lifecycle=power, sleep_level=level, healthy=False, running=None,
+                 waiting=None, kv_usage=None, prefix_hit_rate=None)  # fmt: skip
     return state
 
 

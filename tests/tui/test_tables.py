@@ -94,7 +94,7 @@ def test_status_shows_sleeping_waking_and_stopped_workers_by_their_state() -> No
         state["workers"][0] | {"last_wake_s": 2.5},
         {**state["workers"][1], **resting, "id": "w1", "state": "asleep", "sleep_level": 1},
         {**state["workers"][1], **resting, "id": "w2", "state": "waking", "last_wake_s": 41.0},
-        {**state["workers"][1], **resting, "id": "w3", "state": "stopped"},
+        {**state["workers"][1], **resting, "id": "w3", "state": "stopped", "lifecycle": "stopped"},
         {**state["workers"][0], **resting, "id": "w4", "draining": True},
     ]
     rows = [line.split() for line in render_status(state).splitlines()[3:8]]
@@ -107,6 +107,18 @@ def test_status_shows_sleeping_waking_and_stopped_workers_by_their_state() -> No
     ]
     assert [r[-1] for r in rows] == ["2.5s", "-", "41s", "-", "-"]
     assert "down" not in render_status(state)
+
+
+def test_status_tells_a_worker_given_up_on_or_crashed_from_one_stopped_at_rest() -> None:
+    state = small_state()
+    gone = {"healthy": False, "running": None, "waiting": None, "state": "stopped"}
+    state["workers"] = [
+        {**state["workers"][0], **gone, "id": "w0", "lifecycle": "failed"},
+        {**state["workers"][1], **gone, "id": "w1", "lifecycle": "exited"},
+        {**state["workers"][1], **gone, "id": "w2", "lifecycle": "stopped"},
+    ]
+    rows = [line.split() for line in render_status(state).splitlines()[3:6]]
+    assert [(r[0], r[3]) for r in rows] == [("w0", "failed"), ("w1", "down"), ("w2", "stopped")]
 
 
 def test_status_without_gpus_or_workers() -> None:

@@ -86,18 +86,20 @@ STATE_STYLES = {
     "awake": "green",
     "draining": "yellow",
     "down": "bold red",
+    "failed": "bold red",
     "waking": "bold yellow",
     "asleep": "dim",
     "stopped": "dim red",
 }
-"""A worker's state word (tui.format.worker_state) by its first word. Only an awake worker
-that fails its /health is marked as a fault (bold red): asleep and stopped are the
-appliance's own choice, shown muted."""
+"""A worker's state word (tui.format.worker_state) by its first word. Only a fault is bold
+red (an awake worker failing its /health, a crashed one, one the supervisor gave up on):
+asleep and stopped are the appliance's own choice, shown muted."""
 
 
 def worker_state_cell(w: WorkerState, *, wide: bool = True) -> Text:
     """Its state word, styled; the sleep level only when `wide` (80 columns fit the rest)."""
-    label = fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level if wide else None)
+    level = w.sleep_level if wide else None
+    label = fmt.worker_state(w.state, w.healthy, w.draining, level, w.lifecycle)
     return Text(label, style=STATE_STYLES.get(label.split()[0], ""))
 
 
