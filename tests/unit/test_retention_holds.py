@@ -370,3 +370,26 @@ def test_every_group_is_held_and_tokens_count_the_first() -> None:
     hold(book, "t/a")
     assert pool.held_refs(full + window) == [1] * 8
     assert (book.held()[0].blocks, book.held()[0].tokens) == (8, 6 * BS)
+
+
+def test_blocks_that_holds_share_count_once_under_the_cap() -> None:
+    # A fan-out: four branches hold their parent's prefix and a little of their own. Counted
+    # per hold, the prefix filled the cap five times over and branches' holds were refused.
+    pool, book = book_over(100, max_held_fraction=0.3)  # 30 blocks
+    root = pool.run(10)
+    book.finished("t/root", [root])
+    hold(book, "t/root", priority=1.0)
+    shared = [b for b, _ in root]
+    for i in range(4):
+        book.finished(f"t/k{i}", [pool.run(2, shared=shared)])
+        hold(book, f"t/k{i}", priority=1.0)
+    assert book.take_given_back() == ()
+    assert {h.key: h.blocks for h in book.held()} == {
+        "t/root": 10,
+        **{f"t/k{i}": 12 for i in range(4)},
+    }
+    assert book.held_blocks == 18
+    book.finished("t/big", [pool.run(14, shared=shared)])
+    hold(book, "t/big", priority=0.5)  # below the others: its 14 new blocks cut to the 12 left
+    assert {h.key: h.blocks for h in book.held()}["t/big"] == 22
+    assert book.held_blocks == 30

@@ -129,7 +129,9 @@ class HoldBook:
 
     @property
     def held_blocks(self) -> int:
-        return sum(len(h.blocks) for h in self._holds.values())
+        """Blocks held, each once: holds that share blocks (a fan-out's common prefix) take
+        their room in the pool once."""
+        return len(self._held_ids())
 
     def held_of(self, key: str | None) -> int:
         held = self._holds.get(key) if key is not None else None
@@ -254,7 +256,7 @@ class HoldBook:
         if done is None or not any(runs):
             self._note(d.key, 0, GiveBackReason.NOT_FOUND)
             return
-        runs = self._fit(d, runs, len(held.blocks) if held is not None else 0)
+        runs = self._fit(d, runs)
         blocks = tuple(b for run in runs for b in run)
         if not blocks:  # the cap is full of holds that come before this one
             if held is not None:
@@ -286,21 +288,29 @@ class HoldBook:
         return tuple(runs)
 
     def _fit(
-        self, d: RetentionHold, runs: tuple[tuple[object, ...], ...], own: int
+        self, d: RetentionHold, runs: tuple[tuple[object, ...], ...]
     ) -> tuple[tuple[object, ...], ...]:
-        """The runs within the cap: holds of no higher priority give way first (in order),
-        then the runs are cut to prefixes."""
-        want = sum(len(r) for r in runs)
+        """The runs within the cap, counting only the blocks no other hold has (a branch's
+        inherited prefix is its parent's room already): holds of no higher priority give
+        way first (in order), then the runs are cut to prefixes."""
+        others = self._held_ids(but=d.key)
+        want = _new_blocks(runs, others)
         for held in self._order():
-            if self.held_blocks - own + want <= self._cap or held.priority > d.priority:
+            if len(others) + want <= self._cap or held.priority > d.priority:
                 break
             if held.key != d.key:
                 self._give_back(held.key, GiveBackReason.CAPPED)
-        room = self._cap - (self.held_blocks - own)
+                others = self._held_ids(but=d.key)
+                want = _new_blocks(runs, others)
+        room = self._cap - len(others)
         if room >= want:
             return runs
-        room = max(room, 0)
-        return tuple(r[: len(r) * room // want] for r in runs)
+        return tuple(_cut(run, others, max(room, 0) * _new_blocks((run,), others) // want)
+                     for run in runs)  # fmt: skip
+
+    def _held_ids(self, but: str | None = None) -> set[int]:
+        # vLLM's pool has one block object per physical block: its identity is the block.
+        return {id(b) for h in self._holds.values() if h.key != but for b in h.blocks}
 
     def _give_back(self, key: str, reason: GiveBackReason, *, first: bool = False) -> None:
         held = self._holds.pop(key, None)
@@ -339,3 +349,17 @@ class HoldBook:
     def _note(self, key: str, blocks: int, reason: GiveBackReason) -> None:
         self._given_back.append(GivenBack(key, blocks, reason))
         self.dirty = True
+
+
+def _new_blocks(runs: tuple[tuple[object, ...], ...], held: set[int]) -> int:
+    return sum(1 for run in runs for b in run if id(b) not in held)
+
+
+def _cut(run: tuple[object, ...], held: set[int], budget: int) -> tuple[object, ...]:
+    """The longest prefix of `run` with at most `budget` blocks not in `held`."""
+    for i, b in enumerate(run):
+        if id(b) not in held:
+            if budget == 0:
+                return run[:i]
+            budget -= 1
+    return run
