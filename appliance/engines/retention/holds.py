@@ -24,10 +24,15 @@ Single-threaded: the connector calls it on vLLM's scheduler thread only.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from appliance.engines.retention.held_blocks import (
+    HeldBlockCount,
+    prefix_within,
+    unheld_blocks,
+)
 from appliance.engines.retention.protocol import (
     GiveBackReason,
     GivenBack,
@@ -120,6 +125,7 @@ class HoldBook:
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         self._remembered = 0
         self._holds: dict[str, _Held] = {}
+        self._count = HeldBlockCount()
         self._given_back: list[GivenBack] = []
         self._counter = 0
         self.dirty = False
@@ -131,7 +137,7 @@ class HoldBook:
     def held_blocks(self) -> int:
         """Blocks held, each once: holds that share blocks (a fan-out's common prefix) take
         their room in the pool once."""
-        return len(self._held_ids())
+        return len(self._count)
 
     def held_of(self, key: str | None) -> int:
         held = self._holds.get(key) if key is not None else None
@@ -267,8 +273,10 @@ class HoldBook:
         # The new reference first, then the old one dropped: blocks both requests share
         # never pass through the free queue.
         self._pool.hold(blocks)
+        self._count.add(blocks)
         if held is not None:
             self._pool.give_back(held.blocks, first=False)
+            self._count.remove(held.blocks)
         tokens = len(runs[0]) * self._block_sizes[0]
         self._holds[d.key] = _Held(
             d.key, blocks, tokens, d.until_s, d.priority, self._next(), done.version
@@ -293,28 +301,34 @@ class HoldBook:
         """The runs within the cap, counting only the blocks no other hold has (a branch's
         inherited prefix is its parent's room already): holds of no higher priority give
         way first (in order), then the runs are cut to prefixes."""
-        others = self._held_ids(but=d.key)
-        want = _new_blocks(runs, others)
+        others, want, theirs = self._load(d.key, runs)
         for held in self._order():
-            if len(others) + want <= self._cap or held.priority > d.priority:
+            if others + want <= self._cap or held.priority > d.priority:
                 break
             if held.key != d.key:
                 self._give_back(held.key, GiveBackReason.CAPPED)
-                others = self._held_ids(but=d.key)
-                want = _new_blocks(runs, others)
-        room = self._cap - len(others)
+                others, want, theirs = self._load(d.key, runs)
+        room = self._cap - others
         if room >= want:
             return runs
-        return tuple(_cut(run, others, max(room, 0) * _new_blocks((run,), others) // want)
+        return tuple(prefix_within(run, theirs, max(room, 0) * unheld_blocks(run, theirs) // want)
                      for run in runs)  # fmt: skip
 
-    def _held_ids(self, but: str | None = None) -> set[int]:
-        # vLLM's pool has one block object per physical block: its identity is the block.
-        return {id(b) for h in self._holds.values() if h.key != but for b in h.blocks}
+    def _load(
+        self, key: str, runs: tuple[tuple[object, ...], ...]
+    ) -> tuple[int, int, Callable[[object], bool]]:
+        """Blocks held by holds other than `key`'s, each once; of the runs' blocks, those
+        none of them holds; and whether a block is one they hold."""
+        own = self._holds.get(key)
+        mine = own.blocks if own is not None else ()
+        theirs = self._count.held_besides(mine)
+        others = len(self._count) - sum(1 for b in mine if not theirs(b))
+        return others, sum(unheld_blocks(run, theirs) for run in runs), theirs
 
     def _give_back(self, key: str, reason: GiveBackReason, *, first: bool = False) -> None:
         held = self._holds.pop(key, None)
         if held is not None:
+            self._count.remove(held.blocks)
             self._pool.give_back(held.blocks, first=first)
             self._note(key, len(held.blocks), reason)
 
@@ -330,6 +344,7 @@ class HoldBook:
             self._remembered -= sum(len(g) for g in done.groups)
         held = self._holds.pop(key, None)
         if held is not None:
+            self._count.remove(held.blocks)
             blocks = tuple(held.blocks)
             if demote:
                 self._pool.copy_to_host(blocks, key)
@@ -349,17 +364,3 @@ class HoldBook:
     def _note(self, key: str, blocks: int, reason: GiveBackReason) -> None:
         self._given_back.append(GivenBack(key, blocks, reason))
         self.dirty = True
-
-
-def _new_blocks(runs: tuple[tuple[object, ...], ...], held: set[int]) -> int:
-    return sum(1 for run in runs for b in run if id(b) not in held)
-
-
-def _cut(run: tuple[object, ...], held: set[int], budget: int) -> tuple[object, ...]:
-    """The longest prefix of `run` with at most `budget` blocks not in `held`."""
-    for i, b in enumerate(run):
-        if id(b) not in held:
-            if budget == 0:
-                return run[:i]
-            budget -= 1
-    return run
