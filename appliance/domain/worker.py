@@ -250,6 +250,15 @@ class LoadSnapshot:
         return self.prefix_cache_hits_tokens / self.prefix_cache_queries_tokens
 
     @property
+    def mean_prefill(self) -> tuple[int, int] | None:
+        """The finished requests' mean prompt tokens computed in prefill (fresh) and in
+        all, (fresh, prompt); None before any finished."""
+        n = self.prefill_count
+        if n <= 0:
+            return None
+        return self.prefill_fresh_tokens // n, self.prefill_prompt_tokens // n
+
+    @property
     def busy(self) -> bool:
         return self.running + self.waiting > 0
 

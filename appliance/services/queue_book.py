@@ -122,10 +122,9 @@ class QueueBook:
         """The prefill a request the worker reports waiting will take: its finished
         requests' mean fresh prompt over their mean cached one, or, before any has
         finished, the mean prompt of those that had a first token."""
-        if load.prefill_count:
-            fresh = load.prefill_fresh_tokens / load.prefill_count
-            cached = load.prefill_prompt_tokens / load.prefill_count - fresh
-            return self.prefill_s(worker, int(fresh), max(int(cached), 0))
+        if (mean := load.mean_prefill) is not None:
+            fresh, prompt = mean
+            return self.prefill_s(worker, fresh, max(0, prompt - fresh))
         mean_prompt = load.prompt_tokens / load.ttft_count if load.ttft_count else 0
         return self.prefill_s(worker, int(mean_prompt), 0) if mean_prompt else 0.0
 

@@ -58,11 +58,10 @@ def measured_slowdown(delta: LoadSnapshot, cost: PrefillCost) -> float | None:
     increments over an earlier one (`LoadSnapshot.since`); None for fewer than
     `MIN_PREFILLS` prefills or nothing to compare with."""
     n = delta.prefill_count
-    if n < MIN_PREFILLS or delta.prefill_sum_s <= 0:
+    if n < MIN_PREFILLS or delta.prefill_sum_s <= 0 or (mean := delta.mean_prefill) is None:
         return None
-    fresh = max(1, delta.prefill_fresh_tokens // n)
-    reused = max(0, delta.prefill_prompt_tokens // n - fresh)
-    modelled = cost.prefill_s(fresh, reused)
+    fresh = max(1, mean[0])
+    modelled = cost.prefill_s(fresh, max(0, mean[1] - fresh))
     if modelled <= 0:
         return None
     low, high = SLOWDOWN_RANGE
