@@ -257,7 +257,7 @@ def replay_command(
             help=(
                 "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, reaper, or the reaper with "
                 "restore on lead time and/or branch-local state (--workload only): "
-                "reaper+prefetch[:TRIGGER,...], reaper+branches, reaper+prefetch+branches "
+                "reaper+lead-time[:TRIGGER,...], reaper+branches, reaper+lead-time+branches "
                 "(triggers: tool_finished, tool_due, hazard; default tool_finished). "
                 "Repeat; default: lru."
             ),

@@ -1,5 +1,5 @@
 """Residency policies by the names the CLI and the replay take, with the reaper's options:
-restore on lead time (`+prefetch`, `appliance.policy.prefetch`) and branch-local state
+restore on lead time (`+lead-time`, `appliance.policy.prefetch`) and branch-local state
 (`+branches`, `appliance.policy.branches`)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from appliance.policy.reaper import Reaper
 from appliance.policy.residency import Lru, ResidencyPolicy, TtlPin
 from appliance.policy.wait_curves import LogNormal
 
-RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper", "reaper+prefetch", "reaper+branches")
-PREFETCH = "prefetch"
+RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper", "reaper+lead-time", "reaper+branches")
+LEAD_TIME = "lead-time"
 BRANCHES = "branches"
 _KNOWN = (
-    "lru, ttl-pin, ttl-pin:SECONDS, reaper, reaper+prefetch[:TRIGGER,...], reaper+branches "
+    "lru, ttl-pin, ttl-pin:SECONDS, reaper, reaper+lead-time[:TRIGGER,...], reaper+branches "
     f"(both may be given; triggers: {', '.join(PrefetchTrigger)})"
 )
 
@@ -41,7 +41,7 @@ def residency_policy(
 def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) -> ResidencyPlan:
     """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
     defaults; `priors`: tool class -> its wait, else the default wait prior), the reaper
-    with `+prefetch` (the default triggers, or `+prefetch:TRIGGER,...` those) and/or
+    with `+lead-time` (the default triggers, or `+lead-time:TRIGGER,...` those) and/or
     `+branches`;
     ValueError else."""
     base, *options = name.split("+")
@@ -49,7 +49,7 @@ def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) 
     branches: BranchQuota | None = None
     for option in options:
         what, sep, arg = option.partition(":")
-        if what == PREFETCH and prefetch is None:
+        if what == LEAD_TIME and prefetch is None:
             tuning = PrefetchTuning(triggers=_triggers(arg)) if sep else PrefetchTuning()
             prefetch = PrefetchPolicy(tuning)
         elif what == BRANCHES and branches is None and not sep:
@@ -57,7 +57,7 @@ def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) 
         else:
             raise ValueError(f"unknown residency option {option!r} in {name!r}; known: {_KNOWN}")
     if options and base != "reaper":
-        raise ValueError(f"{name!r}: only the reaper takes +prefetch or +branches")
+        raise ValueError(f"{name!r}: only the reaper takes +lead-time or +branches")
     if options:
         return ResidencyPlan(Reaper(priors=priors, name=name), prefetch, branches)
     return ResidencyPlan(_base(base, priors))
@@ -85,5 +85,5 @@ def _triggers(arg: str) -> frozenset[PrefetchTrigger]:
         return frozenset(PrefetchTrigger(t) for t in arg.split(","))
     except ValueError:
         raise ValueError(
-            f"prefetch triggers are {', '.join(PrefetchTrigger)}, got {arg!r}"
+            f"lead-time triggers are {', '.join(PrefetchTrigger)}, got {arg!r}"
         ) from None

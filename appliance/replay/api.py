@@ -217,7 +217,7 @@ def _rows(
         )
     plans = [residency_plan(r) for r in (residencies or [DEFAULT_RESIDENCY])]
     if not workload and any(p.prefetch or p.branches for p in plans):
-        raise ValueError("+prefetch and +branches replay a closed-loop workload (--workload)")
+        raise ValueError("+lead-time and +branches replay a closed-loop workload (--workload)")
     holds = [p.policy.name for p in plans]
     settings = [parse_worker_reaper(r) for r in reapers or ()]
     watch = ReaperSetting() if settings else None

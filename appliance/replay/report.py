@@ -19,7 +19,8 @@ Report layout (token counts in tokens, times in seconds):
                          "cost_per_success", "discarded_branches",
                          "discarded_cost_share", "routed_by_reason", "residency_by_reason",
                          "residency_by_action", ...,
-                         "prefill_s", "prefetch": {...} | null, "branches": {...} | null,
+                         "prefill_s", "prefetch": {...} | null,
+                         "prefetch_unused_share", "branches": {...} | null,
                          "power": {"setting", "awake_gpu_h", "asleep_gpu_h",
                                    "stopped_gpu_h", "waking_gpu_h", "wakes",
                                    "waited_turns", "released_sessions", "sleeps",
@@ -31,7 +32,7 @@ Report layout (token counts in tokens, times in seconds):
 NAME is the routing policy, `+RESIDENCY` when that is not `lru` (`appliance+ttl-pin`),
 `+pooled-host` for the run with the workers' host tiers pooled. The task figures are null
 for a trace; a closed-loop workload has no bounds, and adds `prefill_s`, `prefetch`
-(`workload_replay.py`: restore on lead time, `+prefetch` rows) and `branches` (the KV
+(`workload_replay.py`: restore on lead time, `+lead-time` rows) and `branches` (the KV
 ended child tasks still hold). The table shows the host-tier columns only when the workers
 have one, and a line per row with prefetches, child tasks or discarded branches (children
 whose results their parent did not keep, and their share of the attempted cost).

@@ -11,8 +11,9 @@ branches still hold is measured in every row (released only under `+branches`).
 
 Figures beyond a trace's (`metrics.py`): the task figures, reuse by the tool a turn waited
 on, `prefill_s` (modelled prefill seconds of every turn's fresh tokens, speculative
-prefills included), `prefetch` (null without `+prefetch`) and `branches` (null without
-child tasks), `power` (null without `--worker-reaper`: `power.py`).
+prefills included), `prefetch` (null without `+lead-time`; the unused share of the restored
+bytes also as `prefetch_unused_share`) and `branches` (null without child tasks), `power`
+(null without `--worker-reaper`: `power.py`).
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def replay_workload(
         out["power"] = power
     out["reuse_by_tool"] = reuse_by_tool(run.result.records, loop)
     prefill_s = turn_prefill_s(run.result.records, latency)
-    out["prefetch"] = None
+    out["prefetch"] = out["prefetch_unused_share"] = None
     if prefetch is not None:
-        out["prefetch"] = prefetch.summary()
+        summary = prefetch.summary()
+        out["prefetch"], out["prefetch_unused_share"] = summary, summary["unused_bytes_share"]
         prefill_s += sum(d.prefill_s for r in prefetch.rows if (d := r.done) is not None)
     out["prefill_s"] = round(prefill_s, 3)
     out["branches"] = run.keeper.summary() if any(loop.branch(t.task_id) for t in tasks) else None

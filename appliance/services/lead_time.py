@@ -14,7 +14,7 @@ next turn settles it: used when its worker's HBM then holds at least what was re
 A restore whose session never comes back is settled unused at its hold's end.
 
 Live restores only promote (`prefill` off): computing a prefix nothing caches would take a
-request of its own, which the replay models (`appliance replay --residency reaper+prefetch`)
+request of its own, which the replay models (`appliance replay --residency reaper+lead-time`)
 and the live appliance does not send yet.
 """
 

@@ -89,13 +89,13 @@ def test_the_reaper_restores_on_lead_time_and_keeps_branches_local(tmp_path: Pat
     spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
     out = tmp_path / "report.json"
     r = run("replay", "--workload", str(spec), "--tasks", "6", "--seed", "3", "--workers", "1",
-            "--policy", "appliance", "--residency", "reaper+prefetch+branches", "--report",
+            "--policy", "appliance", "--residency", "reaper+lead-time+branches", "--report",
             str(out), data_dir=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "appliance+reaper+prefetch+branches:" in r.stdout  # its prefetch line
+    assert "appliance+reaper+lead-time+branches:" in r.stdout  # its prefetch line
     report = json.loads(out.read_text())
     assert report["trace"]["path"].endswith("(seed 3)")
-    m = report["policies"]["appliance+reaper+prefetch+branches"]
+    m = report["policies"]["appliance+reaper+lead-time+branches"]
     assert m["prefetch"]["prefetches"] == len(m["prefetch"]["rows"])
     assert m["prefill_s"] > 0
 
@@ -142,9 +142,9 @@ def test_a_workload_replay_reports_its_discarded_branches(tmp_path: Path) -> Non
         (["--workload", "{tmp}/nope.yaml"], "cannot read it"),
         (["{trace}", "--residency", "mru"], "unknown residency policy 'mru'"),
         (["{trace}", "--residency", "ttl-pin:soon"], "needs a number of seconds"),
-        (["{trace}", "--residency", "reaper+prefetch"], "replay a closed-loop workload"),
+        (["{trace}", "--residency", "reaper+lead-time"], "replay a closed-loop workload"),
         (["{trace}", "--seed", "3"], "--seed draws a workload"),
-        (["--workload", "{spec}", "--residency", "reaper+prefetch:soon"], "triggers are"),
+        (["--workload", "{spec}", "--residency", "reaper+lead-time:soon"], "triggers are"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], needle: str, tmp_path: Path) -> None:

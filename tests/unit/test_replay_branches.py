@@ -111,11 +111,11 @@ def test_the_table_says_what_ended_branches_held_and_what_prefetches_did() -> No
     from appliance.replay import render_table, run_workload
 
     out = run_workload(fan_out_of_16(), policies=["appliance"], workers=2, hbm_gib=8.0,
-                       residencies=["reaper", "reaper+prefetch+branches"])  # fmt: skip
+                       residencies=["reaper", "reaper+lead-time+branches"])  # fmt: skip
     text = render_table(out)
     assert "appliance+reaper: 16 branches ended" in text
     assert (
-        "appliance+reaper+prefetch+branches: 16 branches ended; their own KV held at most 0 MiB"
+        "appliance+reaper+lead-time+branches: 16 branches ended; their own KV held at most 0 MiB"
         in text
     )
-    assert "appliance+reaper+prefetch+branches: 0 prefetches" in text
+    assert "appliance+reaper+lead-time+branches: 0 prefetches" in text

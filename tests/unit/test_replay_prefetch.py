@@ -65,7 +65,7 @@ def returns(r: WorkloadRun) -> dict[str, tuple[float, int]]:
 def test_an_announced_turn_finds_its_prefix_prefilled_before_it_arrives() -> None:
     tasks = waits_then_a_filler(lead_s=1.0)
     plain = returns(run(tasks, "reaper"))
-    fetched_run = run(tasks, "reaper+prefetch:tool_finished")
+    fetched_run = run(tasks, "reaper+lead-time:tool_finished")
     fetched = returns(fetched_run)
     # The first announcement shows the lead; from the second on, the prefix is prefilled.
     for rid in ("big1/1", "big2/1", "big3/1"):
@@ -85,7 +85,7 @@ def test_an_announced_turn_finds_its_prefix_prefilled_before_it_arrives() -> Non
 def test_announcements_that_never_come_early_cost_nothing() -> None:
     tasks = waits_then_a_filler(lead_s=0.0)
     plain = run(tasks, "reaper")
-    fetched = run(tasks, "reaper+prefetch:tool_finished")
+    fetched = run(tasks, "reaper+lead-time:tool_finished")
     assert returns(fetched) == returns(plain)
     assert fetched.prefetch is not None
     summary = fetched.prefetch.summary()
@@ -98,9 +98,11 @@ def test_the_workload_rows_report_prefetches_and_prefill_seconds() -> None:
     setup, latency = make_setup(workers=1, hbm_gib=4.0)
     tasks = waits_then_a_filler(lead_s=1.0)
     plain = replay_workload(tasks, "appliance", setup, latency, residency="reaper")
-    fetched = replay_workload(tasks, "appliance", setup, latency, residency="reaper+prefetch")
+    fetched = replay_workload(tasks, "appliance", setup, latency, residency="reaper+lead-time")
     assert plain["prefetch"] is None and isinstance(fetched["prefetch"], dict)
     assert fetched["prefetch"]["accuracy"] == 1.0
+    assert plain["prefetch_unused_share"] is None
+    assert fetched["prefetch_unused_share"] == fetched["prefetch"]["unused_bytes_share"] == 0.0
     # Prefill moved from the turns to the idle time before them, not added.
     assert fetched["prefill_s"] == pytest.approx(plain["prefill_s"], rel=0.05)
     assert fetched["ttft_p95_s"] <= plain["ttft_p95_s"]

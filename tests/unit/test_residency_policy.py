@@ -175,13 +175,13 @@ def test_the_baselines_decisions_carry_a_fixed_kind(
     ("name", "triggers", "branches"),
     [
         ("reaper", None, False),
-        ("reaper+prefetch", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
-        ("reaper+prefetch:tool_finished", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
-        ("reaper+prefetch:hazard,tool_due",
+        ("reaper+lead-time", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
+        ("reaper+lead-time:tool_finished", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
+        ("reaper+lead-time:hazard,tool_due",
          frozenset({PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE}), False),
         ("reaper+branches", None, True),
-        ("reaper+prefetch+branches", frozenset({PrefetchTrigger.TOOL_FINISHED}), True),
-        ("reaper+prefetch:tool_finished,tool_due,hazard+branches", frozenset(PrefetchTrigger),
+        ("reaper+lead-time+branches", frozenset({PrefetchTrigger.TOOL_FINISHED}), True),
+        ("reaper+lead-time:tool_finished,tool_due,hazard+branches", frozenset(PrefetchTrigger),
          True),
     ],
 )  # fmt: skip
@@ -197,11 +197,11 @@ def test_the_reapers_options_by_name(
 @pytest.mark.parametrize(
     ("name", "needle"),
     [
-        ("lru+prefetch", "only the reaper"),
-        ("reaper+prefetch:soon", "prefetch triggers are"),
+        ("lru+lead-time", "only the reaper"),
+        ("reaper+lead-time:soon", "lead-time triggers are"),
         ("reaper+pin", "unknown residency option 'pin'"),
         ("reaper+branches:3", "unknown residency option"),
-        ("reaper+prefetch+prefetch", "unknown residency option"),
+        ("reaper+lead-time+lead-time", "unknown residency option"),
     ],
 )
 def test_bad_options(name: str, needle: str) -> None:
@@ -209,7 +209,7 @@ def test_bad_options(name: str, needle: str) -> None:
         residency_plan(name)
 
 
-@pytest.mark.parametrize("name", ["reaper", "reaper+prefetch", "reaper+branches"])
+@pytest.mark.parametrize("name", ["reaper", "reaper+lead-time", "reaper+branches"])
 def test_the_reaper_of_every_name_takes_the_priors(name: str) -> None:
     priors = {"test": LogNormal(600.0, 0.05)}  # tests take ten minutes, always
     key = WaitKey(DEFAULT_TENANT, "test")
@@ -222,5 +222,5 @@ def test_the_reaper_of_every_name_takes_the_priors(name: str) -> None:
 
 def test_a_bad_trigger_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as bad:
-        residency_plan("reaper+prefetch:soon")
-    assert str(bad.value) == "prefetch triggers are tool_finished, tool_due, hazard, got 'soon'"
+        residency_plan("reaper+lead-time:soon")
+    assert str(bad.value) == "lead-time triggers are tool_finished, tool_due, hazard, got 'soon'"
