@@ -100,6 +100,9 @@ class StartedEngines:
     """Sleep, stop and wake of the workers (None: the appliance did not start them)."""
     power_states: frozenset[PowerState] = CPU_VLLM_STATES
     """The states the workers can be put to (sleep mode: all)."""
+    wake_s: tuple[float, float, float] | None = None
+    """Seconds the workers take to wake from asleep-1, asleep-2 and stopped, when not the
+    GPU profile's (simulated workers: stretched by their time scale)."""
 
 
 @dataclass
@@ -294,7 +297,7 @@ def _worker_reaper(
     meter = desk.records.meter
     wake = profile.wake
     assert wake is not None  # parse_profile fills it in
-    seconds = (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds)
+    seconds = engines.wake_s or (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds)
     kv = settings.engine.kv_cache_memory_bytes or 0
     table = power_table(seconds, wake.weights_bytes, kv, engines.power_states)
     inputs = PowerInputs(

@@ -64,6 +64,16 @@ def stopped_wake_args(profile: GpuProfile) -> tuple[str, ...]:
     return ("--sim-startup-s", f"{load_s:.6g}")
 
 
+def sim_wake_seconds(profile: GpuProfile, time_scale: float) -> tuple[float, float, float]:
+    """Real seconds a simulated worker takes to wake from asleep-1, asleep-2 and stopped: the
+    profile's times stretched by the time scale, the process start of a stopped one not."""
+    assert profile.wake is not None
+    w = profile.wake
+    load_s = max(0.0, w.stopped.seconds - SIM_PROCESS_START_S)
+    stopped = min(w.stopped.seconds, SIM_PROCESS_START_S) + load_s * time_scale
+    return (w.asleep_1.seconds * time_scale, w.asleep_2.seconds * time_scale, stopped)
+
+
 def sim_spec(engine: EngineSettings) -> LaunchSpec:
     """The simulated workers' launch spec: one `appliance.sim.vllm_entry` process each, on
     consecutive ports, with the settings `appliance up --engine sim` runs them under."""

@@ -7,7 +7,12 @@ from __future__ import annotations
 import os
 
 from appliance.engines.launch import Device, plan_workers
-from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN, SIM_PROCESS_START_S, sim_spec
+from appliance.engines.sim_launch import (
+    SIM_MAX_MODEL_LEN,
+    SIM_PROCESS_START_S,
+    sim_spec,
+    sim_wake_seconds,
+)
 from appliance.perf.profile import bundled_profile
 from appliance.settings import Settings
 from appliance.sim.vllm_entry import retention_tuning, worker_config
@@ -52,6 +57,21 @@ def test_only_a_start_that_wakes_a_stopped_worker_models_its_load() -> None:
     assert wake is not None
     load_s = worker_config(woken, dict(w0.env)).startup_s
     assert abs(load_s - (wake.stopped.seconds - SIM_PROCESS_START_S)) < 1e-3
+
+
+def test_a_simulated_wake_takes_the_profiles_time_stretched_by_the_time_scale() -> None:
+    wake = PROFILE.wake
+    assert wake is not None
+    one, two, stopped = sim_wake_seconds(PROFILE, 0.1)
+    assert (one, two) == (wake.asleep_1.seconds * 0.1, wake.asleep_2.seconds * 0.1)
+    # The process start is real time; only the modelled load is stretched.
+    load_s = wake.stopped.seconds - SIM_PROCESS_START_S
+    assert stopped == SIM_PROCESS_START_S + load_s * 0.1
+    assert sim_wake_seconds(PROFILE, 1.0) == (
+        wake.asleep_1.seconds,
+        wake.asleep_2.seconds,
+        wake.stopped.seconds,
+    )
 
 
 def test_without_retention_or_host_tier_the_worker_has_neither() -> None:
