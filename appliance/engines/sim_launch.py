@@ -59,9 +59,14 @@ def sim_args(engine: EngineSettings, profile: GpuProfile) -> tuple[str, ...]:
 def stopped_wake_args(profile: GpuProfile) -> tuple[str, ...]:
     """What a start that wakes a stopped worker adds: the profile's stopped wake time less
     the real process start (`SIM_PROCESS_START_S`), as the simulated load."""
+    return ("--sim-startup-s", f"{_stopped_load_s(profile):.6g}")
+
+
+def _stopped_load_s(profile: GpuProfile) -> float:
+    """The modelled load of a stopped worker's wake: the profile's figure less the process
+    start that happens for real."""
     assert profile.wake is not None
-    load_s = max(0.0, profile.wake.stopped.seconds - SIM_PROCESS_START_S)
-    return ("--sim-startup-s", f"{load_s:.6g}")
+    return max(0.0, profile.wake.stopped.seconds - SIM_PROCESS_START_S)
 
 
 def sim_wake_seconds(profile: GpuProfile, time_scale: float) -> tuple[float, float, float]:
@@ -69,8 +74,7 @@ def sim_wake_seconds(profile: GpuProfile, time_scale: float) -> tuple[float, flo
     profile's times stretched by the time scale, the process start of a stopped one not."""
     assert profile.wake is not None
     w = profile.wake
-    load_s = max(0.0, w.stopped.seconds - SIM_PROCESS_START_S)
-    stopped = min(w.stopped.seconds, SIM_PROCESS_START_S) + load_s * time_scale
+    stopped = min(w.stopped.seconds, SIM_PROCESS_START_S) + _stopped_load_s(profile) * time_scale
     return (w.asleep_1.seconds * time_scale, w.asleep_2.seconds * time_scale, stopped)
 
 
