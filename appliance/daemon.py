@@ -36,7 +36,6 @@ from appliance.engine_start import (
     start_engines,
 )
 from appliance.engines.preflight import check_port_free
-from appliance.engines.sim_launch import sim_wake_seconds
 from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
@@ -168,7 +167,7 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
                               lambda: engines.workers, feed.gpu_blocks)  # fmt: skip
             wired = wire(
                 settings,
-                engines=_engines_view(settings, kind, engines, profile),
+                engines=_engines_view(settings, kind, engines),
                 ledger=ledger,
                 feed=feed,
                 clock=clock,
@@ -221,12 +220,7 @@ async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: L
             loop.cancel()
 
 
-def _engines_view(
-    settings: Settings, kind: EngineKind, engines: Engines, profile: GpuProfile
-) -> StartedEngines:
-    wake_s = None
-    if kind == EngineKind.SIM:  # a simulated wake takes the profile's time, time-scaled
-        wake_s = sim_wake_seconds(profile, settings.engine.sim_time_scale)
+def _engines_view(settings: Settings, kind: EngineKind, engines: Engines) -> StartedEngines:
     return StartedEngines(
         lambda: engines.workers,
         engines.served_name,
@@ -236,7 +230,7 @@ def _engines_view(
         engines.no_retention,
         engines.power,
         engines.power_states,
-        wake_s,
+        engines.wake_s,
     )
 
 

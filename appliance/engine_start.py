@@ -22,7 +22,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from appliance.engines.factory import start_sim_workers, start_vllm_workers
 from appliance.engines.launch import default_served_name
 from appliance.engines.power_control import PowerControl
 from appliance.engines.retention.client import RetentionClient
-from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN
+from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN, sim_wake_seconds
 from appliance.engines.supervisor import Supervisor
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
@@ -66,6 +66,9 @@ class Engines:
     power_states: frozenset[PowerState] = CPU_VLLM_STATES
     """The states they can be put to (all, with sleep mode: vLLM's `engine.sleep_mode`, and
     every simulated worker)."""
+    wake_s: tuple[float, float, float] | None = None
+    """Seconds they take to wake from asleep-1, asleep-2 and stopped, when not the GPU
+    profile's: simulated workers stretch them by their time scale (`sim_wake_seconds`)."""
 
     @property
     def no_retention(self) -> str:
@@ -168,8 +171,9 @@ async def _sim_engines(
         e, log_dir=log_dir, on_event=on_event, on_kv_batch=feed.on_batch, on_kv_reset=feed.on_reset
     )
     try:
-        yield await _supervised(EngineKind.SIM, supervisor, served_name(settings),
-                                e.max_model_len, ALL_STATES)  # fmt: skip
+        engines = await _supervised(EngineKind.SIM, supervisor, served_name(settings),
+                                    e.max_model_len, ALL_STATES)  # fmt: skip
+        yield replace(engines, wake_s=sim_wake_seconds(e))
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 

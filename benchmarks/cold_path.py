@@ -9,7 +9,10 @@ own per-turn work, each the way the router runs it, back to back ("hot") and aft
 
 - `route`: the routing policy choosing between two workers (pure Python);
 - `parse`: orjson parsing a 60 kB chat body (C, memory-bound);
-- `lookup`: 500 block hashes checked against a 26k-hash set (the KV index's lookup).
+- `lookup`: 500 block hashes checked against a 26k-hash set (the KV index's lookup);
+- `commit`: one turn row through the ledger writer until acknowledged (its thread, SQLite
+  WAL, `synchronous=full`, in a temporary directory on this disk): what a non-streamed
+  answer waits for before it leaves, since nothing is acknowledged before it is durable.
 
 Pauses: `sleep N ms` (the process is idle), and `spin 20 ms` (the process keeps its CPU
 busy in a loop that touches almost no memory: if the code is still cold afterwards, what
@@ -22,16 +25,21 @@ coming back cold.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
 
-from appliance.domain.records import WorkerId
+from appliance.domain.records import TenantId, TurnId, TurnOutcome, TurnRecord, WorkerId
+from appliance.ledger import LedgerWriter
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.policy.routing import RouteRequest, WorkerView, route
@@ -75,6 +83,23 @@ def workloads(rng: random.Random) -> dict[str, Callable[[], Any]]:
     }
 
 
+@contextmanager
+def durable_turn() -> Iterator[Callable[[], Any]]:
+    """A call that writes one turn row and waits for its commit, while the ledger is open."""
+    ids = itertools.count()
+    with tempfile.TemporaryDirectory() as d, LedgerWriter.open(Path(d) / "ledger.db") as ledger:
+
+        def commit() -> Any:
+            now = time.time()
+            turn = TurnRecord(
+                TurnId(f"t{next(ids)}"), TenantId("bench"), None, None, WorkerId("w0"), "m",
+                8_200, 7_800, 16, TurnOutcome.OK, now, now,
+            )  # fmt: skip
+            return ledger.record_turn(turn).result()
+
+        yield commit
+
+
 def _pause(seconds: float, spin: bool) -> None:
     if spin:
         end = time.perf_counter() + seconds
@@ -86,7 +111,12 @@ def _pause(seconds: float, spin: bool) -> None:
 
 def measure(repeat: int = 100, seed: int = 7) -> dict[str, dict[str, float]]:
     """Median microseconds per call of each workload after each pause."""
-    calls = workloads(random.Random(seed))
+    with durable_turn() as commit:
+        calls = workloads(random.Random(seed)) | {"commit": commit}
+        return _medians(calls, repeat)
+
+
+def _medians(calls: dict[str, Callable[[], Any]], repeat: int) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     for name, call in calls.items():
         for _ in range(20):  # warm: the first calls also allocate

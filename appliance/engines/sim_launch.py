@@ -69,19 +69,25 @@ def _stopped_load_s(profile: GpuProfile) -> float:
     return max(0.0, profile.wake.stopped.seconds - SIM_PROCESS_START_S)
 
 
-def sim_wake_seconds(profile: GpuProfile, time_scale: float) -> tuple[float, float, float]:
-    """Real seconds a simulated worker takes to wake from asleep-1, asleep-2 and stopped: the
+def sim_wake_seconds(engine: EngineSettings) -> tuple[float, float, float]:
+    """Real seconds a simulated worker takes to wake from asleep-1, asleep-2 and stopped: its
     profile's times stretched by the time scale, the process start of a stopped one not."""
+    profile, scale = sim_profile(engine), engine.sim_time_scale
     assert profile.wake is not None
     w = profile.wake
-    stopped = min(w.stopped.seconds, SIM_PROCESS_START_S) + _stopped_load_s(profile) * time_scale
-    return (w.asleep_1.seconds * time_scale, w.asleep_2.seconds * time_scale, stopped)
+    stopped = min(w.stopped.seconds, SIM_PROCESS_START_S) + _stopped_load_s(profile) * scale
+    return (w.asleep_1.seconds * scale, w.asleep_2.seconds * scale, stopped)
+
+
+def sim_profile(engine: EngineSettings) -> GpuProfile:
+    """The GPU profile the simulated workers model: `engine.gpu_profile`, else the bundled."""
+    return load_profile(engine.gpu_profile) if engine.gpu_profile else bundled_profile()
 
 
 def sim_spec(engine: EngineSettings) -> LaunchSpec:
     """The simulated workers' launch spec: one `appliance.sim.vllm_entry` process each, on
     consecutive ports, with the settings `appliance up --engine sim` runs them under."""
-    profile = load_profile(engine.gpu_profile) if engine.gpu_profile else bundled_profile()
+    profile = sim_profile(engine)
     retention = None
     if engine.kv_retention:
         retention = RetentionLaunch(engine.kv_retention_base_port)

@@ -62,12 +62,12 @@ def test_only_a_start_that_wakes_a_stopped_worker_models_its_load() -> None:
 def test_a_simulated_wake_takes_the_profiles_time_stretched_by_the_time_scale() -> None:
     wake = PROFILE.wake
     assert wake is not None
-    one, two, stopped = sim_wake_seconds(PROFILE, 0.1)
+    one, two, stopped = sim_wake_seconds(_engine(sim_time_scale=0.1).engine)
     assert (one, two) == (wake.asleep_1.seconds * 0.1, wake.asleep_2.seconds * 0.1)
     # The process start is real time; only the modelled load is stretched.
     load_s = wake.stopped.seconds - SIM_PROCESS_START_S
     assert stopped == SIM_PROCESS_START_S + load_s * 0.1
-    assert sim_wake_seconds(PROFILE, 1.0) == (
+    assert sim_wake_seconds(_engine().engine) == (
         wake.asleep_1.seconds,
         wake.asleep_2.seconds,
         wake.stopped.seconds,
