@@ -62,7 +62,7 @@ from appliance.policy.residency import (
     ResidencyFigures,
     ResidencyKind,
 )
-from appliance.policy.survival import WaitKey, WaitSurvival, depth_of
+from appliance.policy.survival import Outlook, WaitKey, WaitSurvival, depth_of
 from appliance.policy.wait_curves import MIN_GAP_S, LogNormal
 
 DEFAULT_MAX_RESIDENCY_S = 1800.0
@@ -107,13 +107,9 @@ class WaitModel(Protocol):
 
     def observe_censored(self, key: WaitKey, idle_s: float) -> None: ...
 
-    def p_return_within(
-        self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
-    ) -> float: ...
-
-    def expected_remaining_s(
+    def outlook(
         self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
-    ) -> float: ...
+    ) -> Outlook: ...
 
 
 def value_density(p_return: float, expected_wait_s: float, saved_s: float, kv_bytes: int) -> float:
@@ -329,8 +325,7 @@ class Reaper:
         """(P(back within the residency left), E[wait, truncated there])."""
         horizon_s = self.tuning.max_residency_s - idle_s
         key, hint = _key(session), session.expected_wait_s
-        p = self.survival.p_return_within(key, idle_s, horizon_s, hint)
-        return p, self.survival.expected_remaining_s(key, idle_s, horizon_s, hint)
+        return self.survival.outlook(key, idle_s, horizon_s, hint)
 
     def _tier_value(
         self,

@@ -94,6 +94,13 @@ class WaitKey(NamedTuple):
     """The session's turns so far, this one included, capped at `MAX_DEPTH`; 0: unknown."""
 
 
+class Outlook(NamedTuple):
+    """An idle session's prospects over a horizon (`WaitSurvival.outlook`)."""
+
+    p_return: float
+    expected_wait_s: float
+
+
 def depth_of(turns: int | None) -> int:
     """A session's turns so far as a key's depth: 1..`MAX_DEPTH`, 0 when unknown."""
     return 0 if turns is None or turns < 1 else min(turns, MAX_DEPTH)
@@ -222,16 +229,16 @@ class WaitSurvival:
             return 0.0
         return min(1.0, max(0.0, 1.0 - curve.survival(idle_s + t_s) / now))
 
-    def expected_remaining_s(
+    def outlook(
         self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
-    ) -> float:
-        """E[min(remaining wait, horizon_s) | away for `idle_s` so far]."""
+    ) -> Outlook:
+        """P(next turn within the next `horizon_s`) and E[min(remaining wait, horizon_s)],
+        both given away for `idle_s` so far, from one lookup of the key's curve."""
         idle_s, horizon_s = _seconds("idle_s", idle_s), _seconds("horizon_s", horizon_s)
-        curve = self._curve(key, hint_s)
-        now = curve.survival(idle_s)
-        if now <= _NEGLIGIBLE:
-            return horizon_s
-        return min(horizon_s, curve.area(idle_s, idle_s + horizon_s) / now)
+        now, later, area = self._curve(key, hint_s).window(idle_s, idle_s + horizon_s)
+        if now <= _NEGLIGIBLE:  # past everything the model has seen: not coming back
+            return Outlook(0.0, horizon_s)
+        return Outlook(min(1.0, max(0.0, 1.0 - later / now)), min(horizon_s, area / now))
 
     def hint_trust(self, key: WaitKey) -> float:
         """0..1: how far this key's hints have earned a say in its answers."""

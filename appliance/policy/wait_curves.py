@@ -91,35 +91,39 @@ class WaitCurve:
 
     def survival(self, t_s: float) -> float:
         """P(T > t_s)."""
-        if t_s <= MIN_GAP_S:
-            return 1.0
-        if t_s >= MAX_GAP_S:
-            return self.at_edges[-1]
-        k = bin_of(t_s)
-        frac = (t_s - EDGES[k]) / (EDGES[k + 1] - EDGES[k])
-        return self.at_edges[k] + (self.at_edges[k + 1] - self.at_edges[k]) * frac
+        return self._locate(t_s)[1]
 
     def area(self, a_s: float, b_s: float) -> float:
         """The integral of P(T > t) over [a_s, b_s]."""
-        if self._linear_between(a_s, b_s):
-            return (b_s - a_s) * (self.survival(a_s) + self.survival(b_s)) / 2
-        return self._integral(b_s) - self._integral(a_s)
+        return self.window(a_s, b_s)[2]
 
-    @staticmethod
-    def _linear_between(a_s: float, b_s: float) -> bool:
-        """Whether [a_s, b_s] lies within one bin, or wholly outside the bins."""
-        if a_s >= MAX_GAP_S or b_s <= MIN_GAP_S:
-            return True
-        return a_s > MIN_GAP_S and b_s < MAX_GAP_S and bin_of(a_s) == bin_of(b_s)
+    def window(self, a_s: float, b_s: float) -> tuple[float, float, float]:
+        """(`survival(a_s)`, `survival(b_s)`, `area(a_s, b_s)`), each time's bin found once
+        (the reaper asks for all three of every held session it ranks)."""
+        ka, sa = self._locate(a_s)
+        kb, sb = self._locate(b_s)
+        if a_s >= MAX_GAP_S or b_s <= MIN_GAP_S or (ka is not None and ka == kb):
+            return sa, sb, (b_s - a_s) * (sa + sb) / 2  # within one bin, or outside them
+        return sa, sb, self._integral(b_s, kb, sb) - self._integral(a_s, ka, sa)
 
-    def _integral(self, t_s: float) -> float:
-        """The integral of P(T > t) from `EDGES[0]` to `t_s` (negative below it)."""
+    def _locate(self, t_s: float) -> tuple[int | None, float]:
+        """(t_s's bin, None outside the bins; P(T > t_s))."""
+        if t_s <= MIN_GAP_S:
+            return None, 1.0
+        if t_s >= MAX_GAP_S:
+            return None, self.at_edges[-1]
+        k = bin_of(t_s)
+        frac = (t_s - EDGES[k]) / (EDGES[k + 1] - EDGES[k])
+        return k, self.at_edges[k] + (self.at_edges[k + 1] - self.at_edges[k]) * frac
+
+    def _integral(self, t_s: float, k: int | None, s: float) -> float:
+        """The integral of P(T > t) from `EDGES[0]` to `t_s` (negative below it), `k` and
+        `s` its bin and survival (`_locate`)."""
         if t_s <= MIN_GAP_S:
             return t_s - MIN_GAP_S
-        if t_s >= MAX_GAP_S:
+        if k is None:
             return self._cumulative[-1] + (t_s - MAX_GAP_S) * self.at_edges[-1]
-        k = bin_of(t_s)
-        return self._cumulative[k] + (t_s - EDGES[k]) * (self.at_edges[k] + self.survival(t_s)) / 2
+        return self._cumulative[k] + (t_s - EDGES[k]) * (self.at_edges[k] + s) / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +141,15 @@ class BlendedCurve:
     def area(self, a_s: float, b_s: float) -> float:
         w = self.trust
         return w * self.hint.area(a_s, b_s) + (1 - w) * self.data.area(a_s, b_s)
+
+    def window(self, a_s: float, b_s: float) -> tuple[float, float, float]:
+        """As `WaitCurve.window`."""
+        w, (sa, sb, area) = self.trust, self.data.window(a_s, b_s)
+        return (
+            w * self.hint.survival(a_s) + (1 - w) * sa,
+            w * self.hint.survival(b_s) + (1 - w) * sb,
+            w * self.hint.area(a_s, b_s) + (1 - w) * area,
+        )
 
 
 def life_table(

@@ -55,10 +55,6 @@ from appliance.sim.host_tier import HostTier
 from appliance.sim.pins import Pin, PinPriority, PinStats, latest_expiry_first
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _EventFields(TypedDict):
     """What a BlockStored says about the request besides hashes."""
 
@@ -90,10 +86,8 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """vLLM's KVCacheManager for one full-attention group, over a `BlockPool`.
-
-    `num_blocks` counts the null block, like vLLM's `num_gpu_blocks`.
-    """
+    """vLLM's KVCacheManager for one full-attention group, over a `BlockPool`
+    (`num_blocks` counts the null block, like vLLM's `num_gpu_blocks`)."""
 
     def __init__(
         self,
@@ -123,6 +117,7 @@ class PrefixCache:
         self._pin_seq = 0
         self._pin_stats = PinStats()
         self._pin_now = 0.0  # the latest `now` a caller gave (for `pin_priority`)
+        self._pinned_count = ((0, 0), 0)  # ((_pin_seq, pins), distinct pinned blocks)
         self.host = host
         self._host_events: list[KvEvent] = []
         self._host_offered: dict[str, int] = {}  # request -> prompt blocks offered so far
@@ -160,8 +155,13 @@ class PrefixCache:
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Distinct blocks some pin holds (a block two pins share counts once)."""
-        return len({b.block_id for _, blocks in self._pins.values() for b in blocks})
+        """Distinct blocks some pin holds (a block two pins share counts once), counted
+        again only after the pins changed: a new pin raises `_pin_seq`, an end shrinks them."""
+        key = (self._pin_seq, len(self._pins))
+        if self._pinned_count[0] != key:
+            pinned = {b.block_id for _, blocks in self._pins.values() for b in blocks}
+            self._pinned_count = (key, len(pinned))
+        return self._pinned_count[1]
 
     def block_ids(self, request: CacheRequest) -> tuple[int, ...]:
         """The blocks a request holds, in token order."""
@@ -290,7 +290,7 @@ class PrefixCache:
             self._num_cached_blocks[request.request_id] = len(req_blocks)
         num_slots = self._cap(total_computed + num_new_tokens)
         new_blocks = self.pool.get_new_blocks(
-            max(_cdiv(num_slots, self.block_size) - len(req_blocks), 0)
+            max(-(-num_slots // self.block_size) - len(req_blocks), 0)
         )
         req_blocks.extend(new_blocks)
 
@@ -566,7 +566,7 @@ class PrefixCache:
 
     def _blocks_to_allocate(self, request: CacheRequest, num_tokens: int, hit: CacheHit) -> int:
         held = len(self._req_blocks.get(request.request_id, ()))
-        num_new = max(_cdiv(num_tokens, self.block_size) - held - len(hit.block_ids), 0)
+        num_new = max(-(-num_tokens // self.block_size) - held - len(hit.block_ids), 0)
         revived = sum(self.pool.blocks[i].ref_cnt == 0 for i in hit.block_ids)
         return num_new + revived
 

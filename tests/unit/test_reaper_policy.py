@@ -24,7 +24,7 @@ from appliance.policy.residency import (
     ResidencyAction,
     ResidencyKind,
 )
-from appliance.policy.survival import WaitKey, WaitSurvival
+from appliance.policy.survival import Outlook, WaitKey, WaitSurvival
 from appliance.policy.wait_curves import LogNormal
 
 MAX_S = DEFAULT_MAX_RESIDENCY_S
@@ -47,17 +47,11 @@ class Fixed:
     def observe_censored(self, key: WaitKey, idle_s: float) -> None:
         self.censored.append((key, idle_s))
 
-    def p_return_within(
-        self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
-    ) -> float:
-        self.asked.append((key, idle_s, t_s, hint_s))
-        return self.answers[key.tool_class][0]
-
-    def expected_remaining_s(
+    def outlook(
         self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
-    ) -> float:
+    ) -> Outlook:
         self.asked.append((key, idle_s, horizon_s, hint_s))
-        return self.answers[key.tool_class][1]
+        return Outlook(*self.answers[key.tool_class])
 
 
 def exact(p: float = 0.5, wait_s: float = 10.0, **kw: float) -> Reaper:

@@ -143,8 +143,9 @@ def test_a_custom_order_picks_the_victim() -> None:
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 16), st.booleans()), max_size=40))
 def test_invariants_under_random_pins(ops: list[tuple[int, int, bool]]) -> None:
     """Pinned blocks are never free and keep their hash; every reference is a pin's (no
-    request runs between ops); an admission fails only if it would also fail with every
-    other session's pins released, and then releases none."""
+    request runs between ops), and their count is what `num_pinned_blocks` says after every
+    op (it keeps its count between changes); an admission fails only if it would also fail
+    with every other session's pins released, and then releases none."""
     cache = PrefixCache(13, BS)
     now = 0.0
     for k, (session, n, pin) in enumerate(ops):
@@ -169,6 +170,7 @@ def test_invariants_under_random_pins(ops: list[tuple[int, int, bool]]) -> None:
                 assert b.block_hash is not None
         assert not set(cache.free_block_ids()) & set(held)
         assert cache.ref_counts() == {i: held.get(i, 0) for i in cache.ref_counts()}
+        assert cache.num_pinned_blocks == len(held)
 
 
 # --- the engine ---

@@ -63,7 +63,7 @@ def test_exponential_waits_have_a_constant_hazard() -> None:
     assert all(p == pytest.approx(1 - math.exp(-1), abs=0.05) for p in ps)
     assert max(ps) - min(ps) < 0.05  # memoryless: idling changes nothing
     for idle in (0.0, 3.0, 10.0, 20.0):
-        assert model.expected_remaining_s(KEY, idle, DAY) == pytest.approx(10.0, rel=0.08)
+        assert model.outlook(KEY, idle, DAY).expected_wait_s == pytest.approx(10.0, rel=0.08)
 
 
 @pytest.mark.parametrize("idle_s", [0.0, 30.0, 300.0])
@@ -98,11 +98,21 @@ def test_past_the_fast_mode_the_expected_wait_jumps_to_the_slow_mode() -> None:
         return 0.9 * lognormal_survival(*fast)(t) + 0.1 * lognormal_survival(*slow)(t)
 
     model = fed(draw, 20_000, seed=3)
-    expected = {idle: model.expected_remaining_s(KEY, idle, 3600.0) for idle in (0.0, 5.0, 30.0)}
+    expected = {idle: model.outlook(KEY, idle, 3600.0).expected_wait_s for idle in (0.0, 5.0, 30.0)}
     for idle, value in expected.items():
         assert value == pytest.approx(remaining(truth, idle, 3600.0), rel=0.10)
     assert expected[30.0] > 5 * expected[0.0]  # truth: 243 s against 25 s
     assert model.p_return_within(KEY, 30.0, 5.0) < 0.05  # the fast ones are gone
+
+
+@pytest.mark.parametrize(("idle_s", "hint_s"), [(0.0, None), (30.0, None), (5.0, 2.0), (DAY, None)])
+def test_an_outlook_answers_as_the_probability_asked_alone(
+    idle_s: float, hint_s: float | None
+) -> None:
+    model = hinted(accurate, 100)
+    outlook = model.outlook(KEY, idle_s, 600.0, hint_s)
+    assert outlook.p_return == model.p_return_within(KEY, idle_s, 600.0, hint_s)
+    assert 0.0 < outlook.expected_wait_s <= 600.0
 
 
 def test_censored_waits_keep_the_estimate_unbiased_where_counting_them_as_gaps_does_not() -> None:
@@ -332,8 +342,8 @@ def test_accurate_hints_earn_trust_and_sharper_answers(gap_s: float) -> None:
 def test_an_accurate_hint_centres_the_expected_wait_on_the_real_one() -> None:
     # The untrusted 3% keeps the data's mean (108 s) in the blend: 10% (reached: 0.4%).
     model = hinted(accurate, 400)
-    assert model.expected_remaining_s(KEY, 0.0, DAY, hint_s=100.0) == pytest.approx(200, rel=0.1)
-    assert model.expected_remaining_s(KEY, 0.0, DAY) < 150  # without it, the data: 108 s
+    assert model.outlook(KEY, 0.0, DAY, hint_s=100.0).expected_wait_s == pytest.approx(200, rel=0.1)
+    assert model.outlook(KEY, 0.0, DAY).expected_wait_s < 150  # without it, the data: 108 s
 
 
 def test_noise_hints_earn_no_trust_and_answers_fall_back_to_the_data() -> None:
@@ -384,8 +394,9 @@ BAD = [math.nan, math.inf, -math.inf, -1.0]
         ("idle_s", lambda m, v: m.p_return_within(KEY, v, 1.0)),
         ("t_s", lambda m, v: m.p_return_within(KEY, 0.0, v)),
         ("hint_s", lambda m, v: m.p_return_within(KEY, 0.0, 1.0, v)),
-        ("horizon_s", lambda m, v: m.expected_remaining_s(KEY, 0.0, v)),
-        ("hint_s", lambda m, v: m.expected_remaining_s(KEY, 0.0, 1.0, v)),
+        ("idle_s", lambda m, v: m.outlook(KEY, v, 1.0)),
+        ("horizon_s", lambda m, v: m.outlook(KEY, 0.0, v)),
+        ("hint_s", lambda m, v: m.outlook(KEY, 0.0, 1.0, v)),
     ],
 )
 def test_a_bad_time_raises_naming_it(
@@ -402,7 +413,7 @@ def test_times_outside_the_bins_are_clamped_to_them() -> None:
     # Two of three gaps clamped into the first bin, [1 ms, 1.33 ms).
     assert model.p_return_within(KEY, 0.0, EDGES[1]) == pytest.approx(2 / 3, abs=0.01)
     assert model.p_return_within(KEY, 2 * MAX_GAP_S, 1.0) == 0.0  # past the bins: not back
-    assert model.expected_remaining_s(KEY, 2 * MAX_GAP_S, 60.0) == 60.0
+    assert model.outlook(KEY, 2 * MAX_GAP_S, 60.0) == (0.0, 60.0)
 
 
 @pytest.mark.parametrize(

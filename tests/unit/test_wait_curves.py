@@ -106,6 +106,23 @@ def test_a_blend_weighs_its_two_curves_by_trust() -> None:
     )
 
 
+@pytest.mark.parametrize("trust", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("window", [(0.0, 5.0), (0.5, 3600.0), (EDGES[20] * 1.01, EDGES[20] * 1.2)])
+def test_a_window_is_both_survivals_and_the_area_between(
+    trust: float, window: tuple[float, float]
+) -> None:
+    a_s, b_s = window
+    c = curve()
+    blend = BlendedCurve(LogNormal(2.0, 0.5), c, trust)
+    for shape in (c, blend):
+        got = shape.window(a_s, b_s)
+        assert got == (shape.survival(a_s), shape.survival(b_s), shape.area(a_s, b_s))
+    hint_area = blend.hint.area(a_s, b_s)
+    assert blend.window(a_s, b_s)[2] == pytest.approx(
+        trust * hint_area + (1 - trust) * numeric_area(c, a_s, b_s), rel=1e-6
+    )
+
+
 def test_the_bins_are_clamped_at_both_ends() -> None:
     assert bin_of(0.0) == bin_of(MIN_GAP_S) == 0
     assert bin_of(EDGES[-2]) == bin_of(MAX_GAP_S) == bin_of(2 * MAX_GAP_S) == N_BINS - 1
