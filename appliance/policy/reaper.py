@@ -131,6 +131,8 @@ _SAYS = {
 class _Record(NamedTuple):
     session: IdleSession
     action: ResidencyAction
+    key: WaitKey
+    """The session's key in the wait model (`priority` asks it of every held session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +204,7 @@ class Reaper:
         same_period = record is not None and record.session.finished_at_s == session.finished_at_s
         standing = record.action if record is not None and same_period else None
         decision = self._decide(session, max(0.0, now - session.finished_at_s), standing)
-        self._sessions[session.session_id] = _Record(session, decision.action)
+        self._sessions[session.session_id] = _Record(session, decision.action, _key(session))
         if len(self._sessions) > MAX_SESSIONS:
             self._sessions.popitem(last=False)
         return decision
@@ -211,15 +213,15 @@ class Reaper:
         """Value density now (`value_density`): the lowest is given back first. A session
         this policy has not decided on counts as a new one of the tenant `default`."""
         record = self._sessions.get(held.session_id)
-        session = (
-            record.session
-            if record is not None
-            else IdleSession(held.session_id, held.resident_tokens, held.held_since_s)
-        )
+        if record is not None:
+            session, key = record.session, record.key
+        else:
+            session = IdleSession(held.session_id, held.resident_tokens, held.held_since_s)
+            key = _key(session)
         idle_s = max(0.0, now - session.finished_at_s)
         if session.ends_in_tool_call is False or idle_s >= self.tuning.max_residency_s:
             return 0.0
-        p, wait_s = self._outlook(session, idle_s)
+        p, wait_s = self._outlook(session, idle_s, key)
         kv_bytes = self._kv_bytes(session)
         saved_s = self._loss_s(session)
         if session.host is not None and session.host.free_bytes >= kv_bytes:
@@ -272,7 +274,7 @@ class Reaper:
     def _weigh(
         self, session: IdleSession, idle_s: float, standing: ResidencyAction | None
     ) -> _Weighed:
-        p, wait_s = self._outlook(session, idle_s)
+        p, wait_s = self._outlook(session, idle_s, _key(session))
         kv_bytes = self._kv_bytes(session)
         loss_s = self._loss_s(session)
         v_hbm = self._tier_value(session.kv_usage, session.hbm_value, loss_s, kv_bytes)
@@ -321,11 +323,11 @@ class Reaper:
             kind = ResidencyKind.RELEASE_CHEAPEST
         return _Weighed(best, kind, figures)
 
-    def _outlook(self, session: IdleSession, idle_s: float) -> tuple[float, float]:
-        """(P(back within the residency left), E[wait, truncated there])."""
+    def _outlook(self, session: IdleSession, idle_s: float, key: WaitKey) -> Outlook:
+        """(P(back within the residency left), E[wait, truncated there]); `key`: the
+        session's (`_key`)."""
         horizon_s = self.tuning.max_residency_s - idle_s
-        key, hint = _key(session), session.expected_wait_s
-        return self.survival.outlook(key, idle_s, horizon_s, hint)
+        return self.survival.outlook(key, idle_s, horizon_s, session.expected_wait_s)
 
     def _tier_value(
         self,

@@ -259,8 +259,9 @@ class WaitSurvival:
         """The key's own model at its depth, else at any depth, else its class's prior, else
         the tenant's (at its depth, else at any), else the default."""
         tool_class = _known(key.tool_class)
-        if key.depth:
-            own = self._touch(WaitKey(key.tenant, tool_class, key.depth))
+        if key.depth:  # the key itself unless its class is not kept (no new key: a hot path)
+            at_depth = key if tool_class == key.tool_class else key._replace(tool_class=None)
+            own = self._touch(at_depth)
             if own is not None:
                 return own
         if tool_class is None:
