@@ -221,13 +221,8 @@ class WaitSurvival:
     def p_return_within(
         self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
     ) -> float:
-        """P(next turn within the next `t_s` | away for `idle_s` so far)."""
-        idle_s, t_s = _seconds("idle_s", idle_s), _seconds("t_s", t_s)
-        curve = self._curve(key, hint_s)
-        now = curve.survival(idle_s)
-        if now <= _NEGLIGIBLE:  # past everything the model has seen: not coming back
-            return 0.0
-        return min(1.0, max(0.0, 1.0 - curve.survival(idle_s + t_s) / now))
+        """P(next turn within the next `t_s` | away for `idle_s` so far): `outlook`'s."""
+        return self.outlook(key, idle_s, _seconds("t_s", t_s), hint_s).p_return
 
     def outlook(
         self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None

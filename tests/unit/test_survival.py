@@ -105,16 +105,6 @@ def test_past_the_fast_mode_the_expected_wait_jumps_to_the_slow_mode() -> None:
     assert model.p_return_within(KEY, 30.0, 5.0) < 0.05  # the fast ones are gone
 
 
-@pytest.mark.parametrize(("idle_s", "hint_s"), [(0.0, None), (30.0, None), (5.0, 2.0), (DAY, None)])
-def test_an_outlook_answers_as_the_probability_asked_alone(
-    idle_s: float, hint_s: float | None
-) -> None:
-    model = hinted(accurate, 100)
-    outlook = model.outlook(KEY, idle_s, 600.0, hint_s)
-    assert outlook.p_return == model.p_return_within(KEY, idle_s, 600.0, hint_s)
-    assert 0.0 < outlook.expected_wait_s <= 600.0
-
-
 def test_censored_waits_keep_the_estimate_unbiased_where_counting_them_as_gaps_does_not() -> None:
     # Gaps and censoring times both exponential with mean 100 s: half the sessions are
     # censored. Kaplan-Meier's error on P(T <= 100 s) with 4,000 sessions is about 0.013,
