@@ -32,7 +32,12 @@ from typing import Any
 from appliance.perf.latency import LatencyModel
 from appliance.policy.residency_by_name import residency_plan
 from appliance.policy.wait_curves import LogNormal
-from appliance.replay.bounds import block_keys, compute_bounds, trace_stats_check
+from appliance.replay.bounds import (
+    block_keys,
+    compute_bounds,
+    trace_stats_check,
+    ttft_floor,
+)
 from appliance.replay.closed_loop import AgentTaskLike
 from appliance.replay.power import ReaperSetting, parse_worker_reaper
 from appliance.replay.report import write_report
@@ -88,6 +93,7 @@ def run_replay(
     bounds = compute_bounds(
         replayed, setup.block_size, setup.pooled_blocks, keys, host_blocks=setup.pooled_host_blocks
     )
+    floor = ttft_floor(replayed, keys, setup.block_size, latency, setup.max_num_batched_tokens)
     optimal_fresh = bounds["optimal"].fresh_prefill_tokens
     with_host = bounds.get("optimal_with_host")
     out: dict[str, Any] = {
@@ -97,6 +103,7 @@ def run_replay(
         },
         "setup": setup.to_json(),
         "bounds": {name: b.to_json() for name, b in bounds.items()},
+        "ttft_floor": floor.to_json(),
     }
     stats = trace_stats_file(Path(trace))
     if stats is not None and limit is None and replayed is loaded:

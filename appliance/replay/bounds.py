@@ -22,6 +22,14 @@ a time, all workers' caches pooled into one:
   workers allows; what such a tier gains in practice is measured by replaying it (the
   `+pooled-host` rows, `runner.py`), not bounded here.
 
+Beside them, a floor of time to first token (`ttft_floor`): each request prefilled alone on
+an idle worker of the GPU profile, every earlier prompt's blocks still cached (the
+unbounded cache's hit), in chunks of the engine's token budget, each chunk one step of
+`LatencyModel.prefill_s` over what is computed before it. A request never waits less or
+finds more cached in a replay, and sharing a step only lengthens it, so no routing,
+residency policy or schedule gets a request its first token sooner: the floor's
+percentiles bound every row's.
+
 The trace's own statistics (`*.stats.json`) state the same two figures: its total input
 tokens and the share of them an unbounded prefix cache serves (`trace_stats_check`).
 """
@@ -35,6 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import cacheable_blocks
+from appliance.perf.latency import LatencyModel
+from appliance.replay.metrics import percentile
 from appliance.replay.traces import Trace
 from appliance.sim.trace import TRACE_BLOCK_TOKENS, BlockTokens
 
@@ -96,12 +106,60 @@ def no_cache(prompt_tokens: Sequence[int]) -> Bound:
 
 
 def unbounded(prompt_tokens: Sequence[int], keys: Sequence[tuple[int, ...]], bs: int) -> Bound:
-    seen: set[int] = set()
-    cached = 0
-    for n, ks in zip(prompt_tokens, keys, strict=True):
-        cached += _leading(ks, cacheable_blocks(n, bs), seen) * bs
-        seen.update(ks)
+    cached = sum(unbounded_hits(prompt_tokens, keys, bs))
     return Bound(sum(prompt_tokens) - cached, cached)
+
+
+def unbounded_hits(
+    prompt_tokens: Sequence[int], keys: Sequence[tuple[int, ...]], bs: int
+) -> list[int]:
+    """Per request, the tokens a cache that never evicts serves it."""
+    seen: set[int] = set()
+    hits = []
+    for n, ks in zip(prompt_tokens, keys, strict=True):
+        hits.append(_leading(ks, cacheable_blocks(n, bs), seen) * bs)
+        seen.update(ks)
+    return hits
+
+
+@dataclass(frozen=True, slots=True)
+class TtftFloor:
+    """Nearest-rank percentiles of the requests' `prefill_alone_s` (see the module)."""
+
+    p50_s: float
+    p95_s: float
+    p99_s: float
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in asdict(self).items()}
+
+
+def prefill_alone_s(
+    latency: LatencyModel, prompt_tokens: int, cached_tokens: int, chunk_tokens: int
+) -> float:
+    """A prompt's prefill alone on an idle worker: steps of at most `chunk_tokens`."""
+    seconds, done = 0.0, cached_tokens
+    while done < prompt_tokens:
+        n = min(chunk_tokens, prompt_tokens - done)
+        seconds += latency.prefill_s(n, done)
+        done += n
+    return seconds
+
+
+def ttft_floor(
+    trace: Trace,
+    keys: Sequence[tuple[int, ...]],
+    bs: int,
+    latency: LatencyModel,
+    chunk_tokens: int,
+) -> TtftFloor:
+    """The floor of `trace`'s requests (`keys`: their `block_keys` at `bs`)."""
+    prompts = [r.input_length for r in trace.records]
+    floors = [
+        prefill_alone_s(latency, n, c, chunk_tokens)
+        for n, c in zip(prompts, unbounded_hits(prompts, keys, bs), strict=True)
+    ]
+    return TtftFloor(*(percentile(floors, q) or 0.0 for q in (0.5, 0.95, 0.99)))
 
 
 def optimal(

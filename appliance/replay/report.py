@@ -5,6 +5,7 @@ Report layout (token counts in tokens, times in seconds):
     {"trace": {...}, "setup": {...},
      "bounds": {"no_cache" | "unbounded" | "optimal" | "optimal_with_host":
                 {"fresh_prefill_tokens", "cached_tokens", "hit_ratio", "capacity_blocks"}},
+     "ttft_floor": {"p50_s", "p95_s", "p99_s"},        # a trace's only (bounds.py)
      "trace_stats_check": {"no_cache" | "unbounded":
                 {"expected_fresh_tokens", "replayed_fresh_tokens", "relative_error",
                  "within_1pct"}},                      # when *.stats.json sits beside it
@@ -73,6 +74,7 @@ def render_table(report: Mapping[str, Any]) -> str:
     host = bool(setup.get("host_blocks_per_worker"))
     lines = _policy_rows(report.get("policies", {}), host)
     lines += _bounds_line(report.get("bounds", {}))
+    lines += _floor_line(report.get("ttft_floor"))
     lines += _check_line(report.get("trace_stats_check", {}))
     lines += _gain_lines(report.get("pooled_host_gain", {}))
     lines += _prefetch_lines(report.get("policies", {}))
@@ -114,6 +116,15 @@ def _bounds_line(bounds: Mapping[str, Mapping[str, Any]]) -> list[str]:
             f"{name} {b['fresh_prefill_tokens'] / 1e6:.2f} Mtok ({b['hit_ratio']:.1%} hit{cap})"
         )
     return ["bounds (fresh prefill): " + "; ".join(parts)]
+
+
+def _floor_line(floor: Mapping[str, float] | None) -> list[str]:
+    if not floor:
+        return []
+    return [
+        "TTFT floor (each request alone on an idle worker, every earlier prompt cached): "
+        f"p50 {floor['p50_s']:.3f} s, p95 {floor['p95_s']:.2f} s, p99 {floor['p99_s']:.2f} s"
+    ]
 
 
 def _check_line(check: Mapping[str, Any]) -> list[str]:

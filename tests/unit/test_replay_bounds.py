@@ -11,13 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from appliance.perf.latency import LatencyModel
+from appliance.perf.profile import bundled_profile
 from appliance.replay.bounds import (
     block_keys,
     compute_bounds,
     no_cache,
     optimal,
+    prefill_alone_s,
     trace_stats_check,
     unbounded,
+    unbounded_hits,
 )
 from appliance.replay.traces import load_trace, trace_stats_file
 from tests.paths import AZURE, AZURE_STATS, MOONCAKE
@@ -124,6 +128,29 @@ def test_no_cache_and_unbounded_follow_vllm_rules() -> None:
     assert b.cached_tokens == 4 + 8 + 8
     assert b.fresh_prefill_tokens == 37 - 20
     assert b.hit_ratio == pytest.approx(20 / 37)
+
+
+def test_unbounded_hits_are_the_bound_per_request() -> None:
+    prompts = [8, 8, 9, 12]
+    keys = [(1, 2), (1, 2), (1, 2), (1, 2, 3)]
+    assert unbounded_hits(prompts, keys, BS) == [0, 4, 8, 8]
+
+
+def test_a_prompt_alone_is_prefilled_in_chunks_of_the_token_budget() -> None:
+    latency = LatencyModel.from_profile(bundled_profile())
+    chunks = latency.prefill_s(8192, 0) + latency.prefill_s(8192, 8192)
+    assert prefill_alone_s(latency, 20000, 0, 8192) == pytest.approx(
+        chunks + latency.prefill_s(3616, 16384)
+    )
+    # A cached prefix starts the first chunk after it; nothing to compute takes no time.
+    assert prefill_alone_s(latency, 20000, 16000, 8192) == pytest.approx(
+        latency.prefill_s(4000, 16000)
+    )
+    assert prefill_alone_s(latency, 512, 512, 8192) == 0.0
+    # More cached is never slower; a larger budget is never slower.
+    alone = [prefill_alone_s(latency, 30000, c, 8192) for c in range(0, 30000, 2048)]
+    assert alone == sorted(alone, reverse=True)
+    assert prefill_alone_s(latency, 30000, 0, 16384) <= prefill_alone_s(latency, 30000, 0, 8192)
 
 
 def test_belady_keeps_the_block_used_soonest() -> None:

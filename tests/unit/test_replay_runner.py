@@ -15,7 +15,13 @@ import pytest
 from appliance.domain.records import TurnId, WorkerId
 from appliance.policy.routing import RouteKind
 from appliance.replay import POLICY_NAMES, render_table, run_replay
-from appliance.replay.bounds import compute_bounds
+from appliance.replay.bounds import (
+    block_keys,
+    compute_bounds,
+    prefill_alone_s,
+    ttft_floor,
+    unbounded_hits,
+)
 from appliance.replay.progress import ProgressBar
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import fitting, make_engines, make_setup, replay_policy
@@ -92,6 +98,8 @@ def test_report_has_bounds_and_every_policy(report: dict) -> None:
     assert b["unbounded"]["fresh_prefill_tokens"] <= b["optimal"]["fresh_prefill_tokens"]
     assert b["optimal"]["fresh_prefill_tokens"] <= no_cache
     assert b["optimal"]["capacity_blocks"] == 3 * report["setup"]["kv_blocks_per_worker"]
+    floor = report["ttft_floor"]
+    assert 0 < floor["p50_s"] <= floor["p95_s"] <= floor["p99_s"]
     for name, m in report["policies"].items():
         assert m["requests"] == m["finished"] == 30, name
         # The replayed no-cache figure is the prompt total; nothing beats an unbounded cache.
@@ -122,6 +130,10 @@ def test_table_lists_policies_bounds_and_setup(report: dict) -> None:
     for name in POLICY_NAMES:
         assert any(line.startswith(name) for line in lines)
     assert "bounds (fresh prefill): no_cache" in table and "optimal" in table
+    p50 = report["ttft_floor"]["p50_s"]
+    floor_line = next(line for line in table.splitlines() if line.startswith("TTFT floor"))
+    assert "each request alone on an idle worker, every earlier prompt cached" in floor_line
+    assert f"p50 {p50:.3f} s" in floor_line
     assert "3 workers" in table
 
 
@@ -138,6 +150,38 @@ def test_session_hash_keeps_every_session_on_one_worker(small: Path) -> None:
     assert all(len(ws) == 1 for ws in where.values())
     assert len({next(iter(ws)) for ws in where.values()}) > 1
     assert not router.live and sum(router.in_flight) == 0  # every request accounted back
+
+
+@pytest.mark.parametrize("policy", ["appliance", "round-robin"])
+def test_no_request_gets_its_first_token_before_its_floor(policy: str) -> None:
+    """The TTFT floor bounds every request of a replay under pressure (those of the first
+    300 Mooncake requests that fit, on two workers with a small cache, so requests queue,
+    share steps and miss), and the report's floor is those requests' percentiles."""
+    setup, latency = make_setup(workers=2, hbm_gib=2.0)
+    trace = fitting(load_trace(MOONCAKE, limit=300), setup)
+    prompts = [r.input_length for r in trace.records]
+    keys = block_keys(trace, setup.block_size)
+    hits = unbounded_hits(prompts, keys, setup.block_size)
+    chunk = setup.max_num_batched_tokens
+    floor = {
+        f"req-{r.index}": prefill_alone_s(latency, n, c, chunk)
+        for r, n, c in zip(trace.records, prompts, hits, strict=True)
+    }
+    engines = make_engines(setup, latency)
+    router = PolicyRouter(policy, workers=2, hasher=engines[0].hasher, latency=latency)
+    arrivals = trace_arrivals(trace.records, BlockTokens(), sessions=trace.sessions)
+    result = replay(engines, arrivals, router, on_step=router.on_step)
+    waited = 0
+    for rec in result.records:
+        own = floor[rec.request_id]
+        assert rec.ttft_s is not None and rec.ttft_s >= own - 1e-9, rec
+        waited += rec.ttft_s > own * 1.5
+    assert waited > 10  # the bound is not met trivially: many requests waited
+    at, ranked = ttft_floor(trace, keys, setup.block_size, latency, chunk), sorted(floor.values())
+    n = len(ranked)
+    assert n == len(result.records) > 200
+    assert at.p50_s == pytest.approx(ranked[n // 2])
+    assert at.p50_s <= at.p95_s <= at.p99_s == pytest.approx(ranked[int(0.99 * n)])
 
 
 def test_the_appliance_router_estimates_queues_with_the_live_queue_book() -> None:
