@@ -37,6 +37,7 @@ from appliance.replay.bounds import (
     compute_bounds,
     trace_stats_check,
     ttft_floor,
+    unbounded_hits,
 )
 from appliance.replay.closed_loop import AgentTaskLike
 from appliance.replay.power import ReaperSetting, parse_worker_reaper
@@ -90,10 +91,17 @@ def run_replay(
     loaded = load_trace(trace, limit=limit)
     replayed = fitting(loaded, setup)
     keys = block_keys(replayed, setup.block_size)
+    prompts = [r.input_length for r in replayed.records]
+    hits = unbounded_hits(prompts, keys, setup.block_size)
     bounds = compute_bounds(
-        replayed, setup.block_size, setup.pooled_blocks, keys, host_blocks=setup.pooled_host_blocks
+        replayed,
+        setup.block_size,
+        setup.pooled_blocks,
+        keys,
+        host_blocks=setup.pooled_host_blocks,
+        hits=hits,
     )
-    floor = ttft_floor(replayed, keys, setup.block_size, latency, setup.max_num_batched_tokens)
+    floor = ttft_floor(replayed, hits, latency, setup.max_num_batched_tokens)
     optimal_fresh = bounds["optimal"].fresh_prefill_tokens
     with_host = bounds.get("optimal_with_host")
     out: dict[str, Any] = {

@@ -105,8 +105,14 @@ def no_cache(prompt_tokens: Sequence[int]) -> Bound:
     return Bound(sum(prompt_tokens), 0)
 
 
-def unbounded(prompt_tokens: Sequence[int], keys: Sequence[tuple[int, ...]], bs: int) -> Bound:
-    cached = sum(unbounded_hits(prompt_tokens, keys, bs))
+def unbounded(
+    prompt_tokens: Sequence[int],
+    keys: Sequence[tuple[int, ...]],
+    bs: int,
+    hits: Sequence[int] | None = None,
+) -> Bound:
+    """`hits`: the requests' `unbounded_hits`, when already counted."""
+    cached = sum(unbounded_hits(prompt_tokens, keys, bs) if hits is None else hits)
     return Bound(sum(prompt_tokens) - cached, cached)
 
 
@@ -147,17 +153,12 @@ def prefill_alone_s(
 
 
 def ttft_floor(
-    trace: Trace,
-    keys: Sequence[tuple[int, ...]],
-    bs: int,
-    latency: LatencyModel,
-    chunk_tokens: int,
+    trace: Trace, hits: Sequence[int], latency: LatencyModel, chunk_tokens: int
 ) -> TtftFloor:
-    """The floor of `trace`'s requests (`keys`: their `block_keys` at `bs`)."""
+    """The floor of `trace`'s requests (`hits`: their `unbounded_hits`)."""
     prompts = [r.input_length for r in trace.records]
     floors = [
-        prefill_alone_s(latency, n, c, chunk_tokens)
-        for n, c in zip(prompts, unbounded_hits(prompts, keys, bs), strict=True)
+        prefill_alone_s(latency, n, c, chunk_tokens) for n, c in zip(prompts, hits, strict=True)
     ]
     return TtftFloor(*(percentile(floors, q) or 0.0 for q in (0.5, 0.95, 0.99)))
 
@@ -204,14 +205,16 @@ def compute_bounds(
     keys: list[tuple[int, ...]] | None = None,
     *,
     host_blocks: int = 0,
+    hits: Sequence[int] | None = None,
 ) -> dict[str, Bound]:
     """The bounds at `capacity_blocks` of HBM pooled, and with `host_blocks` (pooled) of
-    host memory, `optimal_with_host` too."""
+    host memory, `optimal_with_host` too (`hits`: the requests' `unbounded_hits`, when
+    already counted)."""
     prompts = [r.input_length for r in trace.records]
     ks = keys if keys is not None else block_keys(trace, block_size)
     out = {
         "no_cache": no_cache(prompts),
-        "unbounded": unbounded(prompts, ks, block_size),
+        "unbounded": unbounded(prompts, ks, block_size, hits),
         "optimal": optimal(prompts, ks, block_size, capacity_blocks),
     }
     if host_blocks > 0:

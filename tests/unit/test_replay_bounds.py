@@ -133,7 +133,10 @@ def test_no_cache_and_unbounded_follow_vllm_rules() -> None:
 def test_unbounded_hits_are_the_bound_per_request() -> None:
     prompts = [8, 8, 9, 12]
     keys = [(1, 2), (1, 2), (1, 2), (1, 2, 3)]
-    assert unbounded_hits(prompts, keys, BS) == [0, 4, 8, 8]
+    hits = unbounded_hits(prompts, keys, BS)
+    assert hits == [0, 4, 8, 8]
+    assert unbounded(prompts, keys, BS, hits) == unbounded(prompts, keys, BS)
+    assert unbounded(prompts, keys, BS, [0, 0, 0, 4]).cached_tokens == 4  # counted ones used
 
 
 def test_a_prompt_alone_is_prefilled_in_chunks_of_the_token_budget() -> None:

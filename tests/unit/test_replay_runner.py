@@ -177,7 +177,7 @@ def test_no_request_gets_its_first_token_before_its_floor(policy: str) -> None:
         assert rec.ttft_s is not None and rec.ttft_s >= own - 1e-9, rec
         waited += rec.ttft_s > own * 1.5
     assert waited > 10  # the bound is not met trivially: many requests waited
-    at, ranked = ttft_floor(trace, keys, setup.block_size, latency, chunk), sorted(floor.values())
+    at, ranked = ttft_floor(trace, hits, latency, chunk), sorted(floor.values())
     n = len(ranked)
     assert n == len(result.records) > 200
     assert at.p50_s == pytest.approx(ranked[n // 2])
