@@ -15,11 +15,13 @@ cache fits (the universal first block stays). Rows, fresh prefill in Mtok and x 
 - `offline-depth`: value density P(return) / E[wait] by the session's depth (turns so far,
   1..4+) and idle time, from the whole trace's statistics (hindsight of the distribution,
   not of any session).
-- `offline-depth-length`: the same by depth and prompt length (five bands).
+- `offline-features`: the same by everything the trace says of a turn: depth, the gap
+  before it, its prompt and output lengths (four or five bands each).
 - `online-depth`: the same by depth, learned as the trace goes (what the reaper can know).
 
 The difference between the `offline-*` rows and `belady` is what knowing the distribution
-of returns cannot buy: the share of the gap only an oracle closes.
+of returns cannot buy: the share of the gap only an oracle closes. Below the rows, the share
+of first turns that come back, by band of each feature.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ HORIZON_S = 1800.0
 """The reaper's maximum residency: a session not back within it counts as gone."""
 MAX_DEPTH = 4
 LENGTH_BANDS = (2000, 5000, 10000, 40000)
+OUTPUT_BANDS = (100, 300, 600, 1000)
+GAP_BANDS = (30.0, 120.0, 300.0, 900.0)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Trace:
     sessions: list[str]
     depth: list[int]
     next_return_s: list[float | None]
+    previous_gap_s: list[float | None]
 
     @classmethod
     def load(cls, path: Path, limit: int | None) -> Trace:
@@ -80,16 +85,50 @@ class Trace:
         for i in range(len(records) - 1, -1, -1):
             nxt[i] = last.get(sessions[i])
             last[sessions[i]] = records[i].timestamp_s
-        return cls(records, sessions, depth, nxt)
+        previous: list[float | None] = [None] * len(records)
+        last.clear()
+        for i, (s, rec) in enumerate(zip(sessions, records, strict=True)):
+            if s in last:
+                previous[i] = rec.timestamp_s - last[s]
+            last[s] = rec.timestamp_s
+        return cls(records, sessions, depth, nxt, previous)
 
 
 def depth_key(trace: Trace, i: int) -> object:
     return min(trace.depth[i], MAX_DEPTH)
 
 
-def depth_length_key(trace: Trace, i: int) -> object:
-    n = trace.records[i].input_length
-    return (depth_key(trace, i), next((b for b in LENGTH_BANDS if n < b), math.inf))
+def band(value: float, bands: Sequence[float]) -> int:
+    return next((k for k, b in enumerate(bands) if value < b), len(bands))
+
+
+def features_key(trace: Trace, i: int) -> object:
+    rec, gap = trace.records[i], trace.previous_gap_s[i]
+    return (
+        depth_key(trace, i),
+        -1 if gap is None else band(gap, GAP_BANDS),
+        band(rec.input_length, LENGTH_BANDS),
+        band(rec.output_length, OUTPUT_BANDS),
+    )
+
+
+def first_turn_returns(trace: Trace) -> dict[str, list[tuple[int, float]]]:
+    """Per feature, per band: first turns, and the share of them whose session comes back."""
+    features = {
+        "prompt": (lambda r: r.input_length, LENGTH_BANDS),
+        "output": (lambda r: r.output_length, OUTPUT_BANDS),
+        "arrival, 10 min": (lambda r: r.timestamp_s, tuple(600.0 * k for k in range(1, 6))),
+    }
+    out = {}
+    for name, (value, bands) in features.items():
+        seen, back = Counter[int](), Counter[int]()
+        for i, rec in enumerate(trace.records):
+            if trace.depth[i] == 1:
+                k = band(value(rec), bands)
+                seen[k] += 1
+                back[k] += trace.next_return_s[i] is not None
+        out[name] = [(seen[k], back[k] / seen[k]) for k in sorted(seen)]
+    return out
 
 
 def offline_table(trace: Trace, key: Callable[[Trace, int], object]) -> WaitTable:
@@ -201,8 +240,8 @@ def rows(trace: Trace, blocks: int) -> dict[str, int]:
         "offline-depth": by_session(
             trace, blocks, density(offline_table(trace, depth_key), depth_key)
         ),
-        "offline-depth-length": by_session(
-            trace, blocks, density(offline_table(trace, depth_length_key), depth_length_key)
+        "offline-features": by_session(
+            trace, blocks, density(offline_table(trace, features_key), features_key)
         ),
         "online-depth": by_session(trace, blocks, density(online, depth_key), online),
     }
@@ -225,6 +264,9 @@ def main() -> None:
         fresh = total - hits
         mtok = fresh * TRACE_BLOCK_TOKENS / 1e6
         print(f"{name:<22} {hits / total:>6.1%} {mtok:>10.2f} {fresh / optimum:>8.3f}")
+    print("first turns that come back, by band (first turns, share):")
+    for name, cells in first_turn_returns(trace).items():
+        print(f"  {name}: " + ", ".join(f"{n} {p:.0%}" for n, p in cells))
     print(f"wall {time.perf_counter() - started:.0f} s")
 
 
