@@ -90,17 +90,10 @@ def run_replay(
     rows = _rows(policies, residencies, setup, workload=False, reapers=worker_reapers)
     loaded = load_trace(trace, limit=limit)
     replayed = fitting(loaded, setup)
-    keys = block_keys(replayed, setup.block_size)
-    prompts = [r.input_length for r in replayed.records]
-    hits = unbounded_hits(prompts, keys, setup.block_size)
-    bounds = compute_bounds(
-        replayed,
-        setup.block_size,
-        setup.pooled_blocks,
-        keys,
-        host_blocks=setup.pooled_host_blocks,
-        hits=hits,
-    )
+    bs, host = setup.block_size, setup.pooled_host_blocks
+    keys = block_keys(replayed, bs)
+    hits = unbounded_hits([r.input_length for r in replayed.records], keys, bs)
+    bounds = compute_bounds(replayed, bs, setup.pooled_blocks, keys, host_blocks=host, hits=hits)
     floor = ttft_floor(replayed, hits, latency, setup.max_num_batched_tokens)
     optimal_fresh = bounds["optimal"].fresh_prefill_tokens
     with_host = bounds.get("optimal_with_host")
