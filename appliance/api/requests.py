@@ -9,14 +9,14 @@ The body itself travels on unchanged, so vLLM's own extra fields pass through.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 
 from appliance.api.errors import RequestRefused
-from appliance.services.chat_tokens import ChatEncoder, ChatTokens
+from appliance.services.chat_tokens import ChatEncoder, ChatTokens, with_stem
 
 MAX_BODY_BYTES = 8 * 2**20
 MAX_JSON_DEPTH = 100
@@ -269,12 +269,32 @@ def _chat_ids(
         if encoder is not None:
             render = tokenizer.render_chat  # type: ignore[attr-defined]
             chat = encoder(render(messages, **kw), previous)
+            if previous is None:  # a session's first turn: what its agent's sessions share
+                chat = _with_stem(chat, messages, kw, render)
             return chat.ids, chat  # the same array all the way to the session: no copies
         return tokenizer.encode_chat(messages, **kw), None
     except (ValueError, TypeError) as exc:
         raise RequestRefused(
             400, f"cannot render the messages: {exc}", "invalid_messages"
         ) from None
+
+
+STEM_ROLES = frozenset({"system", "developer"})
+
+
+def _with_stem(
+    chat: ChatTokens, messages: list[Any], kw: dict[str, Any], render: Callable[..., str]
+) -> ChatTokens:
+    """`chat` with its stem: its leading system messages and tool schemas, rendered alone
+    (a template that cannot render them alone gives no stem)."""
+    n = next((i for i, m in enumerate(messages) if m.get("role") not in STEM_ROLES), len(messages))
+    if n == 0 and "tools" not in kw:
+        return chat
+    try:
+        stem_text = render(messages[:n], **{**kw, "add_generation_prompt": False})
+    except (ValueError, TypeError, LookupError):
+        return chat
+    return with_stem(chat, stem_text)
 
 
 def _check_limits(body: dict[str, Any]) -> None:

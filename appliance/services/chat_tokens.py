@@ -14,7 +14,7 @@ import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TokenIds = array
 """Token ids as machine integers (`array('q')`): one object to Python's cyclic collector,
@@ -35,6 +35,24 @@ class ChatTokens:
     text: str
     ids: TokenIds
     cuts: tuple[tuple[int, int], ...]
+    stem: int = 0
+    """Leading tokens that render the chat's system messages and tool schemas, which every
+    session of its agent shares (0: unknown); see `with_stem`."""
+
+
+def with_stem(chat: ChatTokens, stem_text: str) -> ChatTokens:
+    """`chat` knowing its stem: `stem_text` is the chat's leading system messages and tools
+    rendered alone; the stem ends at the last cut within the text both share, where the ids
+    before it are exactly those of the stem's text."""
+    lo, hi = 0, min(len(stem_text), len(chat.text))
+    while lo < hi:  # the longest prefix of `stem_text` that the chat's text starts with
+        mid = (lo + hi + 1) // 2
+        if chat.text.startswith(stem_text[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    stem = max((ids for offset, ids in chat.cuts if offset <= lo), default=0)
+    return replace(chat, stem=stem)
 
 
 def encode_chat_text(
@@ -49,19 +67,20 @@ def encode_chat_text(
     splitter = _splitter(tuple(split_before))
     ids = token_ids(())
     cuts: list[tuple[int, int]] = []
-    start = 0
+    start = stem = 0
     if previous is not None:
         shared = _shared_cut(previous, text, splitter)
         if shared is not None:
             start, n_ids = previous.cuts[shared]
             ids = previous.ids[:n_ids]
             cuts = list(previous.cuts[:shared])
+            stem = previous.stem if previous.stem <= n_ids else 0  # the stem is still there
     bounds = [start, *(m.start() for m in splitter.finditer(text, start) if m.start() > start)]
     for a, b in zip(bounds, [*bounds[1:], len(text)], strict=True):
         cuts.append((a, len(ids)))
         if b > a:
             ids.extend(encode(text[a:b]))
-    return ChatTokens(text, ids, tuple(cuts))
+    return ChatTokens(text, ids, tuple(cuts), stem)
 
 
 class ChatEncoder:

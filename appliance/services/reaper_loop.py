@@ -54,10 +54,10 @@ from appliance.services.lead_time import LeadTime
 from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
-    ends_in_tool_call,
+    ToolSpeakers,
     host_reading,
     idle_session,
-    inherited_blocks,
+    kept_blocks,
     kv_usage,
     prefix_tokens,
     resident_tokens,
@@ -102,7 +102,7 @@ class ReaperLoop:
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
         self._held: dict[str, WorkerId] = {}  # key -> the worker last asked to hold it
-        self._tooled: OrderedDict[str, None] = OrderedDict()  # named a tool class or a wait
+        self._tooled = ToolSpeakers(MAX_WAITING)
         self.outbox = RetentionOutbox(retention)
         self._watched_at = self._ordered_at = -math.inf
         self._prefixes = PrefixWatch(inputs.index)
@@ -139,12 +139,7 @@ class ReaperLoop:
         if worker is None or not prefix_tokens(session) or one_turn(session):
             return
         key = retention_key(session)
-        ends = ends_in_tool_call(session, key in self._tooled)
-        if ends:
-            self._tooled[key] = None
-            self._tooled.move_to_end(key)
-            if len(self._tooled) > MAX_WAITING:
-                self._tooled.popitem(last=False)
+        ends = self._tooled.ends_in_tool_call(session, key)
         moved_from = self._held.get(key)
         if moved_from is not None and moved_from != worker:
             self.outbox.release(moved_from, key)
@@ -182,7 +177,7 @@ class ReaperLoop:
                 self.outbox.demote(w.worker, key)
                 w.seen_tokens, w.evicted = 0, False  # its host copy is watched from here
             elif decision.action is ResidencyAction.EVICT and not w.evicted:
-                self.outbox.evict_first(w.worker, key)
+                self.outbox.evict_first(w.worker, key, keep_blocks=self._kept(w)[0])
             elif key in self._held:
                 self.outbox.release(w.worker, key)
             self._held.pop(key, None)
@@ -208,6 +203,9 @@ class ReaperLoop:
             return None
         values = [self._priority(k, w, now) for k, w in self._held_on(worker) if k != key]
         return min(values) if values else None
+
+    def _kept(self, w: WaitingSession) -> tuple[int, int]:
+        return kept_blocks(self._inputs.task_parent, w, self._waiting.values())
 
     def _host(self, session: SessionState, worker: WorkerId) -> HostTierReading | None:
         block = session.chain.block_size if session.chain is not None else 0
@@ -277,14 +275,14 @@ class ReaperLoop:
             self._abandoned(key, w, now)
 
     def _session_ended(self, key: str, w: WaitingSession, why: str, now: float) -> None:
-        keep = inherited_blocks(self._inputs.task_parent, w.session, self._waiting.values())
+        keep, inherited = self._kept(w)
         if not w.evicted:  # its own blocks go on every tier; a parent's it shares stay
             self.outbox.evict_first(w.worker, key, keep_blocks=keep, drop_host=True)
         self._held.pop(key, None)
         w.decision = ResidencyDecision(ResidencyAction.EVICT, f"{why}: not coming back")
         self.decisions[ResidencyAction.EVICT.value] += 1
         block = w.session.chain.block_size if w.session.chain is not None else 0
-        shared = min(keep * block, w.idle.resident_tokens)
+        shared = min(inherited * block, w.idle.resident_tokens)
         if w.session.task_id is not None:
             self.branch_ends.ended(w.session.task_id, now, w.idle.resident_tokens - shared, shared)
         self._write(rows.closed_row(w.idle, w.worker, why, now, inherited_tokens=shared))

@@ -25,13 +25,14 @@ the appliance knows at that instant:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from appliance.domain.kv_events import Medium
 from appliance.domain.records import TaskId, WorkerId
-from appliance.policy.residency import HostTierReading, IdleSession
+from appliance.policy.residency import HostTierReading, IdleSession, ResidencyAction
 from appliance.ports import KvLookup, KvRetention, WorkerEndpoint
 from appliance.services.sessions import SessionState
 
@@ -100,12 +101,23 @@ def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> fl
     return load.kv_cache_usage_perc if load is not None else 0.0
 
 
-def ends_in_tool_call(session: SessionState, speaks_tools: bool) -> bool | None:
-    """Whether the turn that just ended leads to a tool call (see the module);
-    `speaks_tools`: an earlier turn of the session named a tool class or a wait."""
-    if session.tool_class is not None or session.expected_wait_s is not None:
-        return True
-    return False if speaks_tools else None
+class ToolSpeakers:
+    """Sessions whose client named a tool class or a wait on some turn, so that a turn of
+    theirs naming neither is their last step; the `bound` most recent are remembered."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def ends_in_tool_call(self, session: SessionState, key: str) -> bool | None:
+        """Whether the session's turn that just ended leads to a tool call (see the module)."""
+        if session.tool_class is not None or session.expected_wait_s is not None:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self._bound:
+                self._keys.popitem(last=False)
+            return True
+        return False if key in self._keys else None
 
 
 def idle_session(
@@ -155,6 +167,37 @@ def inherited_blocks(
         if o.task_id == parent and o.chain is not None
     ]
     return max(shared) if shared else len(chain.hashes)
+
+
+def kept_blocks(
+    task_parent: Callable[[TaskId], TaskId | None], ending: Any, waiting: Iterable[Any]
+) -> tuple[int, int]:
+    """(kept, inherited): leading blocks of an ending session's prompt that its end leaves
+    cached, behind what other sessions use (only the rest goes first in the eviction order),
+    and of those a branch's inheritance (`inherited_blocks`). Kept: its stem (the system
+    prompt and tool schemas its agent's next session sends again), what a session of its
+    tenant waiting on the same worker, whose KV is not going, shares with it, and what it
+    inherited. `ending` and `waiting` hold a session as `.session`, with `.worker` and
+    `.decision` (the reaper's waiting sessions)."""
+    session, waiting = ending.session, list(waiting)
+    inherited = inherited_blocks(task_parent, session, waiting)
+    chain = session.chain
+    if chain is None or not chain.hashes:
+        return 0, 0
+    stem = session.stem_tokens // chain.block_size
+    shared = max(
+        (
+            _common_blocks(chain.hashes, o.session.chain.hashes)
+            for o in waiting
+            if o.session is not session
+            and o.worker == ending.worker
+            and o.session.tenant == session.tenant
+            and o.session.chain is not None
+            and o.decision.action is not ResidencyAction.EVICT
+        ),
+        default=0,
+    )
+    return min(len(chain.hashes), max(stem, shared, inherited)), inherited
 
 
 def _common_blocks(a: Sequence[object], b: Sequence[object]) -> int:

@@ -49,8 +49,18 @@ class SessionState:
     messages: list[Any] | None = None
     """The last chat turn's messages (with `chat`: the next turn may be forwarded before it
     is tokenised when it only appends to them; see `appended_token_bound`)."""
+    stem_tokens: int = 0
+    """Leading tokens of its prompts that render its system messages and tool schemas
+    (`ChatTokens.stem`): what its end leaves cached for its agent's next session."""
     task_done: bool = False
     """Its task closed while a turn of it ran: it goes when that turn ends."""
+
+
+def keep_chat(state: SessionState, chat: ChatTokens | None) -> None:
+    """The session's last turn was rendered as `chat` (None: not incrementally)."""
+    state.chat = chat
+    if chat is not None and chat.stem:
+        state.stem_tokens = chat.stem
 
 
 class TurnListener(Protocol):

@@ -48,7 +48,7 @@ from appliance.services.flights import DEADLINE_MISSED, Flight, Flights, loop_al
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
-from appliance.services.sessions import SessionState, SessionTable
+from appliance.services.sessions import SessionState, SessionTable, keep_chat
 from appliance.services.task_state import TaskError, TaskState
 from appliance.services.tasks import TaskBook
 from appliance.services.turn import Attempt, NoWorker, Reply, Soon, TurnRequest, new_turn_id
@@ -250,7 +250,7 @@ class TurnDesk:
         # Kept only from a chat tokenised incrementally (or about to be): anything else makes
         # the next turn tokenise before it is placed.
         incremental = turn.chat is not None or turn.tokenize is not None
-        state.chat = turn.chat if incremental else None
+        keep_chat(state, turn.chat if incremental else None)
         state.messages = turn.messages if incremental else None
         return state
 
@@ -346,7 +346,7 @@ class TurnDesk:
             log.info("turn of session %s not tokenised: %s", session.session_id, exc)
             session.chat = session.messages = None  # ... is tokenised before it is placed
             return
-        session.chat = chat
+        keep_chat(session, chat)
         chain = self.sessions.hash_prompt(
             session, ids, self.placer.salt(turn.tenant, turn.client_salt)
         )

@@ -478,6 +478,31 @@ def test_a_closed_tasks_session_is_evicted_and_ends(s: Setup) -> None:
     assert s.rows.last().reason.startswith("session_ended")
 
 
+def test_an_ended_session_keeps_its_stem_cached_and_evicts_the_rest_first(s: Setup) -> None:
+    session = s.session("a", task="acme/t1")
+    session.stem_tokens = 3 * BLOCK + 5  # its system prompt and tools: 3 full blocks
+    s.turn(session, tool="human", wait_s=60.0)
+    s.sent()
+    s.closed.add("acme/t1")
+    s.loop.tick(1000.1)
+    assert s.sent() == [("evict_first", W0, "acme/a", 3, True)]
+
+
+def test_a_last_step_keeps_what_another_waiting_session_of_its_tenant_shares(s: Setup) -> None:
+    other = s.session("b")
+    s.table.hash_prompt(other, [*range(100, 100 + 4 * BLOCK), *range(9000, 9000 + BLOCK)], "salt")
+    s.turn(other, tool="approval", wait_s=3600.0)
+    stranger = s.table.open(TenantId("zeta"), SessionId("z"), s.clock.t)
+    s.table.hash_prompt(stranger, list(range(100, 100 + PROMPT)), "zeta-salt")
+    stranger.home = W0
+    s.turn(stranger, tool="approval", wait_s=3600.0)
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.sent()
+    s.turn(session)  # its last step: the 4 blocks "b" shares stay, another tenant's do not
+    assert s.sent() == [("evict_first", W0, "acme/a", 4, False)]
+
+
 def test_past_the_maximum_residency_a_session_is_evicted_and_abandoned(s: Setup) -> None:
     session = s.session("a")
     s.turn(session, tool="approval", wait_s=3600.0)
@@ -571,8 +596,8 @@ def test_a_branch_that_ends_drops_its_own_blocks_everywhere_and_leaves_its_paren
     parents = {TaskId("acme/kid"): TaskId("acme/root"), TaskId("acme/orphan"): TaskId("acme/gone")}
     s.loop._inputs = replace(s.loop._inputs, task_parent=parents.get)
     s.turn(s.session("p", task="acme/root"), tool="approval", wait_s=600.0)
-    own = list(range(5000, 5000 + 3 * BLOCK))  # three blocks of its own past the prefix
-    for sid, task in (("c", "acme/kid"), ("o", "acme/orphan")):
+    for sid, task, start in (("c", "acme/kid", 5000), ("o", "acme/orphan", 6000)):
+        own = list(range(start, start + 3 * BLOCK))  # three blocks of its own past the prefix
         child = s.table.open(TenantId("acme"), SessionId(sid), s.clock.t)
         s.table.hash_prompt(child, [*range(100, 100 + PROMPT), *own], "salt")
         child.home, child.task_id = W0, TaskId(task)

@@ -182,3 +182,44 @@ def test_a_tasks_end_ends_its_sessions_once_no_turn_of_them_runs() -> None:
     table.bind_task(elsewhere, done)  # a session that moved to another task: that one's now
     table.forget_task(other)
     assert table.get(t, SessionId("else")) is elsewhere
+
+
+def _system_chat() -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": "you are an agent " * 50},
+        {"role": "developer", "content": "house rules " * 10},
+        {"role": "user", "content": "fix the bug"},
+    ]
+
+
+def test_a_first_turns_stem_is_exactly_its_system_messages_tokens() -> None:
+    messages = _system_chat()
+    body = {"model": "sim", "messages": messages}
+    ids, chat = prompt_tokens("/v1/chat/completions", body, TOK, model="sim", max_model_len=9000)
+    assert chat is not None
+    alone = TOK.encode_chat(messages[:2], add_generation_prompt=False)
+    # It ends at the last cut in the text both share: the last message's closing marks
+    # (here `</s>\n`, a cut before them) are not part of it.
+    assert len(alone) - 2 == chat.stem < len(ids)
+    assert list(ids[: chat.stem]) == alone[: chat.stem]
+
+
+def test_a_chat_without_system_messages_or_tools_has_no_stem() -> None:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hello " * 40}]}
+    _, chat = prompt_tokens("/v1/chat/completions", body, TOK, model="sim", max_model_len=900)
+    assert chat is not None and chat.stem == 0
+
+
+def test_the_stem_goes_on_while_later_turns_keep_it_and_ends_when_it_is_rewritten() -> None:
+    messages = _system_chat()
+    path, limit = "/v1/chat/completions", 9000
+    _, first = prompt_tokens(path, {"model": "sim", "messages": messages}, TOK, model="sim",
+                             max_model_len=limit)  # fmt: skip
+    assert first is not None and first.stem > 0
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+    text = TOK.render_chat(messages, add_generation_prompt=True)
+    second = encode_chat_text(text, _encode, TOK.split_before, first)
+    assert second.stem == first.stem
+    messages[0] = {"role": "system", "content": "a new brief"}
+    text = TOK.render_chat(messages, add_generation_prompt=True)
+    assert encode_chat_text(text, _encode, TOK.split_before, second).stem == 0
