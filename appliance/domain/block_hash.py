@@ -273,6 +273,21 @@ class BlockHasher:
             raise ValueError("extending a chain needs the hash of its last full block")
         return self._hash_run(tokens[start_block * self.block_size :], start_block, parent, keys)
 
+    def hash_after(
+        self,
+        run: Sequence[int],
+        *,
+        first_block: int,
+        parent: BlockHash | None,
+        keys: RequestKeys = NO_KEYS,
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of `run`, whose first token starts block `first_block`
+        of a sequence whose block `first_block - 1` hashed to `parent` (None at block 0):
+        a chain extended by a run of tokens that are not kept."""
+        if first_block > 0 and parent is None:
+            raise ValueError("extending a chain needs the hash of its last full block")
+        return self._hash_run(run, first_block, parent, keys)
+
     def chain(self, tokens: Sequence[int], *, keys: RequestKeys = NO_KEYS) -> BlockHashChain:
         """The chain of a whole token sequence."""
         return self.extend(BlockHashChain(self.block_size, (), (), keys), tokens)

@@ -148,7 +148,9 @@ class PolicyRouter:
         request's tenant, as the engines hash them; SGLang's tree, which sees text, not)."""
         salted = req.cache_salt and self.name in _USES_INDEX
         keys = RequestKeys(cache_salt=req.cache_salt) if salted else NO_KEYS
-        digests = self.hasher.hash_blocks(req.prompt_token_ids, keys=keys)
+        digests = req.block_hashes  # salted: a tree over them has the same shape
+        if digests is None:
+            digests = self.hasher.hash_blocks(req.prompt_token_ids, keys=keys)
         return tuple(event_block_hash(d) for d in digests)
 
     def _resident(self, keys: tuple[int, ...]) -> list[int]:

@@ -58,6 +58,27 @@ class CacheRequest:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
 
+    @classmethod
+    def for_prompt(
+        cls,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        hasher: BlockHasher,
+        *,
+        keys: RequestKeys = NO_KEYS,
+        session_id: str | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> CacheRequest:
+        """A request's view, its prompt hashed, unless its sender gives `block_hashes`
+        (`SimRequest.block_hashes`): then nothing is hashed again."""
+        if block_hashes is None:
+            return cls(request_id, prompt_token_ids, hasher, keys=keys, session_id=session_id)
+        out = cls(request_id, (), hasher, keys=keys, session_id=session_id)
+        out.all_token_ids = list(prompt_token_ids)
+        out.num_prompt_tokens = len(out.all_token_ids)
+        out.block_hashes = list(block_hashes[: out.num_prompt_tokens // hasher.block_size])
+        return out
+
     @property
     def block_size(self) -> int:
         return self._hasher.block_size

@@ -249,8 +249,13 @@ class SimEngine:
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
         keys = RequestKeys(cache_salt=req.cache_salt) if req.cache_salt else NO_KEYS
-        creq = CacheRequest(
-            req.request_id, req.prompt_token_ids, self.hasher, keys=keys, session_id=req.session_id
+        creq = CacheRequest.for_prompt(
+            req.request_id,
+            req.prompt_token_ids,
+            self.hasher,
+            keys=keys,
+            session_id=req.session_id,
+            block_hashes=req.block_hashes,
         )
         self._seq += 1
         entry = RequestState(req, creq, now, self._seq)

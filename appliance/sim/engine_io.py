@@ -8,6 +8,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from appliance.domain.block_hash import BlockHash
 from appliance.domain.kv_events import KvEvent
 
 FinishReason = Literal["length", "stop", "abort"]
@@ -29,6 +30,10 @@ class SimRequest:
     arrival_s: float = 0.0
     eos_after: int | None = None
     """When not `ignore_eos`: stop ("stop") after this many generated tokens."""
+    block_hashes: list[BlockHash] | None = None
+    """The prompt's full blocks' hashes under its `cache_salt`, when its sender has them
+    (a replay of a trace that names its blocks): nothing hashes its tokens again, so a
+    100k-token prompt costs its blocks, not its tokens."""
 
 
 @dataclass(slots=True)

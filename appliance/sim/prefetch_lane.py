@@ -132,6 +132,8 @@ class PrefetchLane:
 
     def block_hashes(self, req: SimRequest) -> list[BlockHash]:
         """The prompt's block hashes, as this engine hashes them (for `probe`)."""
+        if req.block_hashes is not None:
+            return req.block_hashes
         return self.hasher.hash_blocks(req.prompt_token_ids, keys=_keys(req))
 
     def probe(self, req: SimRequest, hashes: Sequence[BlockHash] | None = None) -> tuple[int, int]:
@@ -165,7 +167,9 @@ class PrefetchLane:
         # One token past the last whole block, so a lookup may cover that block too (it
         # never covers the block of a prompt's last token); it is never computed.
         tokens = [*req.prompt_token_ids[:target], 0]
-        creq = CacheRequest(rid, tokens, self.hasher, keys=_keys(req), session_id=sid)
+        creq = CacheRequest.for_prompt(
+            rid, tokens, self.hasher, keys=_keys(req), session_id=sid, block_hashes=req.block_hashes
+        )
         hit = self.cache.lookup(creq)
         host = hit.num_host_tokens
         if not host and (not prefill or hit.num_tokens >= target):
