@@ -118,6 +118,25 @@ def run_sim(*, workers: int, port: int, **config: Any) -> None:
     run_workers(workers, port, **config)
 
 
+def is_session_trace(path: Path) -> bool:
+    """Recorded agent sessions: a folder, or a `.json` / `.json.gz` file."""
+    return path.is_dir() or path.name.endswith((".json", ".json.gz"))
+
+
+def session_table(path: Path, *, duration_s: float, warmup_s: float, **options: Any) -> str:
+    """`appliance replay DIR`: recorded agent sessions through each stack, closed loop."""
+    from appliance.replay.session_loop import RunWindow
+    from appliance.replay.session_report import render_session_report, run_sessions
+
+    if not path.exists():
+        raise ConfigError(f"replay: {path} does not exist")
+    try:
+        window = RunWindow(duration_s=duration_s, warmup_s=warmup_s)
+        return render_session_report(run_sessions(path, window=window, **options))
+    except ValueError as exc:
+        raise ConfigError(f"replay: {exc}") from None
+
+
 def replay_table(
     trace: Path | None,
     *,

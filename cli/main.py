@@ -236,7 +236,13 @@ def costs(
 @app.command("replay")
 def replay_command(
     trace: Annotated[
-        Path | None, typer.Argument(help="Trace file (Mooncake jsonl or Azure csv).")
+        Path | None,
+        typer.Argument(
+            help=(
+                "Trace file (Mooncake jsonl or Azure csv), or recorded agent sessions: a "
+                "folder of kv-cache-tester session files (*.json, *.json.gz) or one."
+            )
+        ),
     ] = None,
     workload: Annotated[
         Path | None,
@@ -255,7 +261,7 @@ def replay_command(
         typer.Option(
             "--residency",
             help=(
-                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, reaper, or the reaper with "
+                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, mori, reaper, or the reaper with "
                 "restore on lead time and/or branch-local state (--workload only): "
                 "reaper+lead-time[:TRIGGER,...], reaper+branches, reaper+lead-time+branches "
                 "(triggers: tool_finished, tool_due, hazard; default tool_finished). "
@@ -279,6 +285,36 @@ def replay_command(
     ] = None,
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
     jobs: Annotated[int, typer.Option(help="Policies replayed at once (processes).")] = 1,
+    stack: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--stack",
+            help=(
+                "Agent sessions: a stack to replay (repeat; default all): vllm, vllm-offload, "
+                "llm-d, dynamo, sglang, cachettl, mori, appliance."
+            ),
+        ),
+    ] = None,
+    users: Annotated[
+        int | None, typer.Option(help="Agent sessions: sessions at once (recycled).", min=1)
+    ] = None,
+    capacity: Annotated[
+        bool,
+        typer.Option(
+            "--capacity", help="Agent sessions: find each stack's capacity (--slo-ttft-p95)."
+        ),
+    ] = False,
+    slo_ttft_p95: Annotated[
+        float | None,
+        typer.Option("--slo-ttft-p95", help="The capacity's SLO: TTFT p95 in seconds.", min=0),
+    ] = None,
+    duration: Annotated[
+        float, typer.Option(help="Agent sessions: virtual seconds of the run.", min=1)
+    ] = 1800.0,
+    warmup: Annotated[
+        float,
+        typer.Option(help="Agent sessions: virtual seconds not counted at the start.", min=0),
+    ] = 600.0,
     worker_reaper: Annotated[
         list[str] | None,
         typer.Option(
@@ -292,7 +328,33 @@ def replay_command(
         ),
     ] = None,
 ) -> None:
-    """Replay a trace (or an agent workload) through every routing policy in virtual time."""
+    """Replay a trace (or an agent workload) through every routing policy in virtual time;
+    recorded agent sessions through every stack, closed loop."""
+    if trace is not None and bootstrap.is_session_trace(trace):
+        if capacity != (slo_ttft_p95 is not None):
+            raise typer.BadParameter("--capacity goes with --slo-ttft-p95 S")
+        typer.echo(
+            bootstrap.session_table(
+                trace,
+                stacks=stack,
+                users=users,
+                slo_ttft_p95_s=slo_ttft_p95,
+                workers=workers,
+                gpu_profile=gpu_profile,
+                hbm_gib=hbm_gib,
+                host_gib=host_gib,
+                duration_s=duration,
+                warmup_s=warmup,
+                jobs=jobs,
+                report=report,
+            )
+        )
+        return
+    if stack or users is not None or capacity:
+        raise typer.BadParameter(
+            "--stack, --users and --capacity replay agent sessions: "
+            "give a folder of session files (or one .json/.json.gz)"
+        )
     typer.echo(
         bootstrap.replay_table(
             trace,

@@ -1,4 +1,5 @@
-"""Residency policies by the names the CLI and the replay take, with the reaper's options:
+"""Residency policies by the names the CLI and the replay take (the anchors `lru`, `ttl-pin` and
+`mori`, the appliance's `reaper`), with the reaper's options:
 restore on lead time (`+lead-time`, `appliance.policy.prefetch`) and branch-local state
 (`+branches`, `appliance.policy.branches`)."""
 
@@ -8,16 +9,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from appliance.policy.branches import BranchQuota
+from appliance.policy.mori import Mori
 from appliance.policy.prefetch import PrefetchPolicy, PrefetchTrigger, PrefetchTuning
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import Lru, ResidencyPolicy, TtlPin
 from appliance.policy.wait_curves import LogNormal
 
-RESIDENCY_NAMES = ("lru", "ttl-pin", "reaper", "reaper+lead-time", "reaper+branches")
+RESIDENCY_NAMES = ("lru", "ttl-pin", "mori", "reaper", "reaper+lead-time", "reaper+branches")
 LEAD_TIME = "lead-time"
 BRANCHES = "branches"
 _KNOWN = (
-    "lru, ttl-pin, ttl-pin:SECONDS, reaper, reaper+lead-time[:TRIGGER,...], reaper+branches "
+    "lru, ttl-pin, ttl-pin:SECONDS, mori, reaper, reaper+lead-time[:TRIGGER,...], reaper+branches "
     f"(both may be given; triggers: {', '.join(PrefetchTrigger)})"
 )
 
@@ -39,7 +41,7 @@ def residency_policy(
 
 
 def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) -> ResidencyPlan:
-    """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS` or `reaper` (its
+    """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS`, `mori` or `reaper` (its
     defaults; `priors`: tool class -> its wait, else the default wait prior), the reaper
     with `+lead-time` (the default triggers, or `+lead-time:TRIGGER,...` those) and/or
     `+branches`;
@@ -67,6 +69,8 @@ def _base(name: str, priors: Mapping[str, LogNormal] | None) -> ResidencyPolicy:
     base, sep, arg = name.partition(":")
     if base == "lru" and not sep:
         return Lru()
+    if base == "mori" and not sep:
+        return Mori()
     if base == "reaper" and not sep:
         return Reaper(priors=priors)
     if base == "ttl-pin":

@@ -75,7 +75,8 @@ class TurnHint:
     whether its session ends after it (`session_ends`: no next turn; with a tool call, the
     client gives up after `expected_wait_s`)."""
 
-    ends_in_tool_call: bool
+    ends_in_tool_call: bool | None
+    """None: the client's answer did not say."""
     tool_class: str | None = None
     expected_wait_s: float | None = None
     session_ends: bool = False

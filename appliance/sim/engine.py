@@ -483,6 +483,8 @@ class SimEngine:
                 n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
                 self._room(creq, n, hit, full=True)
                 if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
+                    if self._unblock(entry):
+                        continue
                     break
                 waiting.pop()
                 self._running.append(entry)
@@ -495,6 +497,18 @@ class SimEngine:
                 entry.num_host_cached_tokens = hit.num_host_tokens
                 entry.first_scheduled_s = now
         return budget
+
+    def _unblock(self, head: RequestState) -> bool:
+        """Nothing runs or loads and the head does not fit: the other waiting requests give
+        back the host blocks they had loaded (preempted, to load again), so that loaded
+        requests cannot hold each other up forever. Whether any did."""
+        if self._running or self._loading:
+            return False
+        loaded = [e for e in self._waiting if e is not head and e.cache.num_computed_tokens]
+        for e in loaded:
+            self.cache.preempt(e.cache)
+            self._n.preemptions += 1
+        return bool(loaded)
 
     def _duration(self, scheduled: list[tuple[RequestState, int, int]]) -> float:
         latency = self.latency

@@ -153,3 +153,54 @@ def test_bad_input_is_one_line(args: list[str], needle: str, tmp_path: Path) -> 
     filled = [a.format(trace=MOONCAKE, spec=spec, tmp=tmp_path) for a in args]
     r = run("replay", *filled, data_dir=tmp_path)
     assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+KVCT = ROOT / "tests" / "data" / "kvct"
+SMALL_BOX = ["--workers", "1", "--hbm-gib", "8", "--host-gib", "16", "--duration", "400",
+             "--warmup", "100"]  # fmt: skip
+
+
+def test_recorded_agent_sessions_replay_through_each_stack_at_a_fixed_count(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sessions.json"
+    r = run("replay", str(KVCT), "--stack", "vllm", "--stack", "appliance", "--users", "2",
+            *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "3 sessions (337 requests)" in r.stdout
+    report = json.loads(out.read_text())
+    assert [row["stack"] for row in report["rows"]] == ["vllm", "appliance"]
+    for row in report["rows"]:
+        assert row["users"] == 2 and 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
+        assert 0 < row["hit_rate"] < 1
+    assert "bound_sessions" in report
+    assert report["rows"][0]["host_tier"] is False and report["rows"][1]["host_tier"] is True
+
+
+def test_a_capacity_search_prints_each_step_and_reports_the_capacity(tmp_path: Path) -> None:
+    out = tmp_path / "capacity.json"
+    r = run("replay", str(KVCT), "--stack", "vllm", "--capacity", "--slo-ttft-p95", "60",
+            *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    steps = row["steps"]
+    assert len(steps) >= 2 and r.stderr.count("vllm: ") == len(steps)
+    cap = row["capacity_sessions"]
+    meets = [s["users"] for s in steps if s["ttft_p95_s"] <= 60]
+    assert cap == (max(meets) if meets else 0)
+    assert all(s["ttft_p95_s"] > 60 for s in steps if s["users"] > cap)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--users", "2", "--stack", "magic"], "unknown stack 'magic'"),
+        (["--stack", "vllm"], "give --users N, or --capacity"),
+        (["--capacity"], "--capacity goes with --slo-ttft-p95"),
+    ],
+)
+def test_bad_session_replays_are_refused_in_one_line(
+    args: list[str], needle: str, tmp_path: Path
+) -> None:
+    r = run("replay", str(KVCT), *args, data_dir=tmp_path)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr

@@ -1,0 +1,56 @@
+"""The clairvoyant bound on how many recorded agent sessions a box serves: residency
+ordered by each session's true next return, restores from host memory free.
+
+Model of the world: the session loop tells, at each turn's end, when the session truly
+comes back (its recorded think time; `SessionLoop(clairvoyant=True)`), which no client can
+tell. Every waiting session is held on the GPU until then; under pressure the holds give
+way furthest return first, and the host tier keeps the soonest returns (Belady's order over
+HBM and host memory); a session with no next request keeps nothing. Its blocks come back
+from host memory at no cost (the latency model's host-to-device copies take no time), and
+it is routed by the appliance's router. No residency order meets the SLO with more
+sessions: the capacity this replays is the bound every stack's is measured against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from appliance.perf.latency import CopyCurve, LatencyModel
+from appliance.policy.residency import (
+    HeldSession,
+    IdleSession,
+    ResidencyAction,
+    ResidencyDecision,
+)
+
+BOUND_ROUTING = "appliance"
+
+
+@dataclass(slots=True)
+class ClairvoyantResidency:
+    """Hold every session until its true return; the furthest return gives way first."""
+
+    name: str = "clairvoyant"
+    returns: dict[str, float] = field(default_factory=dict)
+    """Session -> when it comes back (absent: it does not)."""
+
+    def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
+        wait = session.expected_wait_s  # the true one: `SessionLoop(clairvoyant=True)`
+        if wait is None:
+            self.returns.pop(session.session_id, None)
+            return ResidencyDecision(ResidencyAction.EVICT, "does not come back")
+        back = session.finished_at_s + wait
+        self.returns[session.session_id] = back
+        return ResidencyDecision(ResidencyAction.HOLD, "held until its return", until_s=back + 1.0)
+
+    def priority(self, held: HeldSession, now: float) -> float:
+        return -self.returns.get(held.session_id, math.inf)
+
+    def host_priority(self, held: HeldSession, now: float) -> float:
+        return self.priority(held, now)
+
+
+def free_restores(latency: LatencyModel) -> LatencyModel:
+    """`latency` with host-to-device copies that take no time."""
+    return replace(latency, h2d=CopyCurve(((1, 0.0),), math.inf))

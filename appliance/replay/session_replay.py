@@ -1,0 +1,155 @@
+"""Recorded agent sessions (`agent_traces.py`) through one stack a self-hoster could run:
+a routing policy, a residency policy and a host tier, at `users` sessions at once
+(`session_loop.py`), and the capacity search over `users`.
+
+Model of the world: as `workload_replay.py` for the agent workload (the same simulated
+workers, router and residency adapter), the requests released by completions plus think
+times. The figures count the requests that arrive after the warm-up and by the end of the
+run (`warmup_s` < arrival <= `duration_s`), so the users' ramp and the drain after the end
+are not in them; a user's session time counts the sessions it started and finished in the
+window.
+
+Stacks (`STACKS`), each as its authors ship it at its best settings (the routing anchors'
+and residency anchors' docstrings cite their sources):
+- `vllm`: vLLM as shipped behind vllm-router's consistent hash on the session: LRU, no
+  host tier;
+- `vllm-offload`: the same with vLLM's native CPU offloading (an LRU host tier);
+- `llm-d`: llm-d's precise prefix scorer with load scorers, vLLM's offloading;
+- `dynamo`: Dynamo's KV router (overlap minus load), its KVBM host tier (LRU);
+- `sglang`: SGLang's cache-aware router, HiCache (an LRU host tier);
+- `cachettl`: CacheTTL (formerly Continuum, arXiv 2511.02230) on vLLM: TTL pins on turns
+  that end in a tool call, sessions by consistent hash, no host tier;
+- `mori`: MORI (arXiv 2606.00866): sessions ranked by idleness, the idlest demoted to the
+  host tier, sessions by consistent hash;
+- `appliance`: the appliance's router, its idle reaper, the host tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.latency import LatencyModel
+from appliance.policy.residency_by_name import residency_plan
+from appliance.replay.agent_traces import AgentSessionTrace
+from appliance.replay.metrics import policy_metrics
+from appliance.replay.residency import PolicyResidency
+from appliance.replay.routers import PolicyRouter
+from appliance.replay.runner import ReplaySetup, make_engines, with_decision_counts
+from appliance.replay.session_bound import BOUND_ROUTING, ClairvoyantResidency, free_restores
+from appliance.replay.session_loop import RunWindow, SessionLoop
+from appliance.sim.virtual import ReplayResult, replay
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    routing: str
+    residency: str
+    host: bool
+    """Whether it keeps KV in host memory (the replay's `--host-gib`)."""
+
+
+STACKS: dict[str, Stack] = {
+    "vllm": Stack("session-hash", "lru", host=False),
+    "vllm-offload": Stack("session-hash", "lru", host=True),
+    "llm-d": Stack("llm-d-precise", "lru", host=True),
+    "dynamo": Stack("dynamo-kv", "lru", host=True),
+    "sglang": Stack("sglang-cache-aware", "lru", host=True),
+    "cachettl": Stack("session-hash", "ttl-pin", host=False),
+    "mori": Stack("session-hash", "mori", host=True),
+    "appliance": Stack("appliance", "reaper", host=True),
+}
+BOUND = "bound"
+"""The clairvoyant bound's row (`session_bound.py`), replayed like a stack."""
+_BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True)
+
+
+DEFAULT_WINDOW = RunWindow()
+
+
+def replay_stack(
+    sessions: Sequence[AgentSessionTrace],
+    stack: str,
+    setup: ReplaySetup,
+    latency: LatencyModel,
+    *,
+    users: int,
+    window: RunWindow = DEFAULT_WINDOW,
+) -> dict[str, object]:
+    """One run of `stack` (or the clairvoyant `BOUND`) at `users` sessions at once: its
+    figures (see the module)."""
+    bound = stack == BOUND
+    plan = _BOUND_STACK if bound else STACKS[stack]
+    if not plan.host:
+        setup = replace(setup, host_blocks_per_worker=0, host_gib_per_worker=0.0)
+    hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)  # as `make_engines` hashes
+    loop = SessionLoop(sessions, users=users, hasher=hasher, max_model_len=setup.max_model_len,
+                       window=window, clairvoyant=bound)  # fmt: skip
+    if bound:
+        latency = free_restores(latency)
+    policy = ClairvoyantResidency() if bound else residency_plan(plan.residency).policy
+    hold = PolicyResidency(policy, latency=latency, block_size=setup.block_size, hints=loop.hint)
+    engines = make_engines(setup, latency, hold)
+    router = PolicyRouter(plan.routing, workers=setup.workers, hasher=hasher, latency=latency)
+    t0 = time.perf_counter()
+    result = replay(engines, loop.arrivals(), router, on_step=router.on_step,
+                    on_finish=loop.on_finish)  # fmt: skip
+    wall_s = time.perf_counter() - t0
+    counted = _in_window(result, window)
+    out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}
+    out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
+    out["hit_rate"] = out["hit_ratio"]
+    out["skipped_for_window"] = loop.counts.skipped_for_window
+    out["sessions_started"] = loop.counts.sessions_started
+    out["sessions_finished"] = loop.counts.sessions_finished
+    out["subagents"] = loop.counts.subagents
+    return with_decision_counts(out, router, hold, wall_s)
+
+
+def plan_fields(plan: Stack) -> dict[str, object]:
+    return {"routing": plan.routing, "residency": plan.residency, "host_tier": plan.host}
+
+
+def _in_window(result: ReplayResult, window: RunWindow) -> ReplayResult:
+    kept = [r for r in result.records if window.warmup_s < r.arrival_s <= window.duration_s]
+    return ReplayResult(kept, result.engine_stats, result.end_s, result.num_steps)
+
+
+def capacity(
+    run: Callable[[int], dict[str, object]],
+    slo_ttft_p95_s: float,
+    *,
+    start: int = 4,
+    limit: int = 4096,
+    say: Callable[[str], None] = lambda line: None,
+) -> tuple[int, list[dict[str, object]]]:
+    """The largest `users` whose run (`run(users)`) keeps its TTFT p95 within the SLO, and
+    every run made: doubling from `start` until one misses it, then halving the gap."""
+    rows: list[dict[str, object]] = []
+
+    def meets(users: int) -> bool:
+        row = run(users)
+        rows.append(row)
+        p95 = row["ttft_p95_s"]
+        ok = isinstance(p95, float | int) and p95 <= slo_ttft_p95_s
+        say(f"{row['stack']}: {users} users: TTFT p95 {p95} s {'meets' if ok else 'misses'}")
+        return ok
+
+    good, bad = 0, None
+    users = start
+    while bad is None and users <= limit:
+        if meets(users):
+            good, users = users, users * 2
+        else:
+            bad = users
+    if bad is None:
+        return good, rows
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if meets(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, rows

@@ -1,0 +1,157 @@
+"""`run_sessions`: recorded agent sessions (a folder of kv-cache-tester session files, or
+one) through each stack (`session_replay.STACKS`) at a fixed number of users, or the
+capacity of each: the most users whose steady-state TTFT p95 meets an SLO.
+
+Stacks run one after another, or `jobs` at a time in forked processes (each replay is
+single-threaded and independent; results do not depend on `jobs`). Each capacity step is
+printed as it ends (`say`). The report: `rows` (one per stack, with `capacity_sessions`
+and its `steps` in a capacity search), the sessions' summary, the simulated box, the
+window, and `bound_sessions`: null until the clairvoyant bound is replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from appliance.perf.latency import LatencyModel
+from appliance.replay.agent_traces import (
+    AgentSessionTrace,
+    read_agent_sessions,
+    sessions_summary,
+)
+from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
+from appliance.replay.session_loop import RunWindow
+from appliance.replay.session_replay import DEFAULT_WINDOW, STACKS, capacity, replay_stack
+
+SESSION_BLOCK_SIZE = 64
+"""The traces' own block: one hash id, one block (vLLM on CUDA takes any multiple of 16)."""
+_SHOWN = ("users", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "hit_rate", "step_p50_s",
+          "session_p50_s", "requests", "skipped_for_window", "wall_s")  # fmt: skip
+
+
+def run_sessions(
+    path: Path,
+    *,
+    stacks: list[str] | None = None,
+    users: int | None = None,
+    slo_ttft_p95_s: float | None = None,
+    workers: int = 8,
+    gpu_profile: Path | None = None,
+    hbm_gib: float | None = None,
+    host_gib: float = 0.0,
+    window: RunWindow = DEFAULT_WINDOW,
+    jobs: int = 1,
+    report: Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Replay the sessions at `path` through each of `stacks` (default: all) at `users`
+    sessions at once, or (with `slo_ttft_p95_s`) find each one's capacity; returns the
+    report and writes it (JSON) to `report`."""
+    names = stacks or list(STACKS)
+    unknown = [s for s in names if s not in STACKS]
+    if unknown:
+        raise ValueError(f"unknown stack {unknown[0]!r}; known: {', '.join(STACKS)}")
+    if (users is None) == (slo_ttft_p95_s is None):
+        raise ValueError("give --users N, or --capacity with --slo-ttft-p95 S")
+    if users is not None and users < 1:
+        raise ValueError(f"--users must be at least 1, got {users}")
+    sessions = read_agent_sessions(path)
+    setup, latency = make_setup(workers=workers, gpu_profile=gpu_profile, hbm_gib=hbm_gib,
+                                host_gib=host_gib, block_size=SESSION_BLOCK_SIZE,
+                                max_model_len=DEFAULT_MAX_MODEL_LEN)  # fmt: skip
+    global _JOB
+    _JOB = partial(_stack_row, sessions=sessions, setup=setup, latency=latency, users=users,
+                   slo=slo_ttft_p95_s, window=window, say=say or _to_stderr)  # fmt: skip
+    if jobs > 1 and len(names) > 1:
+        ctx = multiprocessing.get_context("fork")  # the children have `_JOB`, sessions and all
+        with ProcessPoolExecutor(max_workers=min(jobs, len(names)), mp_context=ctx) as pool:
+            rows = list(pool.map(_run_job, names))
+    else:
+        rows = [_run_job(name) for name in names]
+    _JOB = None
+    out: dict[str, Any] = {
+        "source": str(path),
+        "sessions": sessions_summary(sessions),
+        "setup": setup.to_json(),
+        "window": {"duration_s": window.duration_s, "warmup_s": window.warmup_s},
+        "slo_ttft_p95_s": slo_ttft_p95_s,
+        "rows": rows,
+        "bound_sessions": None,
+    }
+    if report is not None:
+        report.write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+_JOB: Callable[[str], dict[str, Any]] | None = None
+"""The stack replay of the report being made, for forked workers to inherit."""
+
+
+def _run_job(stack: str) -> dict[str, Any]:
+    assert _JOB is not None
+    return _JOB(stack)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _stack_row(
+    stack: str,
+    *,
+    sessions: list[AgentSessionTrace],
+    setup: ReplaySetup,
+    latency: LatencyModel,
+    users: int | None,
+    slo: float | None,
+    window: RunWindow,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    def run(n: int) -> dict[str, object]:
+        return replay_stack(sessions, stack, setup, latency, users=n, window=window)
+
+    if users is not None:
+        return run(users)
+    assert slo is not None
+    found, steps = capacity(run, slo, say=say)
+    at = [r for r in steps if r["users"] == found]
+    row: dict[str, Any] = dict(at[0]) if at else {"stack": stack, "users": 0}
+    row["capacity_sessions"] = found
+    row["steps"] = [{k: r[k] for k in ("users", "ttft_p95_s", "hit_rate")} for r in steps]
+    return row
+
+
+def render_session_report(out: dict[str, Any]) -> str:
+    """The report as a table: a line per stack."""
+    s = out["sessions"]
+    setup = out["setup"]
+    lines = [
+        f"{s['sessions']} sessions ({s['requests']} requests) from {out['source']}; "
+        f"{setup['workers']} workers x {setup['kv_gib_per_worker']} GiB KV, host "
+        f"{setup['host_gib_per_worker']} GiB each; window {out['window']['warmup_s']:g}-"
+        f"{out['window']['duration_s']:g} s",
+    ]
+    slo = out["slo_ttft_p95_s"]
+    head = ["stack", *(["capacity"] if slo is not None else []), *_SHOWN]
+    table = [head]
+    for row in out["rows"]:
+        cap = [str(row["capacity_sessions"])] if slo is not None else []
+        table.append([row["stack"], *cap, *(_cell(row.get(k)) for k in _SHOWN)])
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
+    if slo is not None:
+        lines.append(f"capacity: the most users whose TTFT p95 is at most {slo:g} s")
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)

@@ -1,0 +1,213 @@
+"""Recorded agent sessions closed loop (`replay/session_loop.py`) and through a stack
+(`replay/session_replay.py`), on the vendored real sessions (tests/data/kvct) and on
+hand-made ones: think times after answers, sub-agents beside their parent, users recycled,
+prompts' blocks hashed as the engines hash them, the window and the capacity search."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
+from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
+from appliance.replay.agent_traces import (
+    AgentSessionTrace,
+    SubagentTrace,
+    TraceRequest,
+    TraceSubagents,
+    read_agent_sessions,
+)
+from appliance.replay.runner import make_setup
+from appliance.replay.session_bound import ClairvoyantResidency, free_restores
+from appliance.replay.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
+from appliance.replay.session_replay import STACKS, capacity, replay_stack
+from appliance.sim.virtual import Arrival, RequestRecord
+from tests.paths import DATA
+
+
+def req(n_in: int, ids: Iterable[int], *, think: float = 0.0, out: int = 10,
+        stop: str = "tool_use") -> TraceRequest:  # fmt: skip
+    return TraceRequest(0.0, n_in, out, tuple(ids), stop, think, None)
+
+
+def trace(sid: str, *steps: TraceRequest | TraceSubagents, system: int = 0) -> AgentSessionTrace:
+    return AgentSessionTrace(sid, 64, "local", system, 0, steps)
+
+
+def loop(*sessions: AgentSessionTrace, users: int = 1, bs: int = 64, duration_s: float = 1e9,
+         warmup_s: float = 0.0) -> SessionLoop:  # fmt: skip
+    hasher = BlockHasher(HashAlgo.SHA256, bs)
+    return SessionLoop(sessions, users=users, hasher=hasher, max_model_len=4096,
+                       window=RunWindow(duration_s, warmup_s))  # fmt: skip
+
+
+def finish(arrival: Arrival, at_s: float) -> RequestRecord:
+    r = arrival.request
+    return RequestRecord(r.request_id, 0, arrival.time_s, len(r.prompt_token_ids),
+                         first_token_s=at_s, finish_s=at_s, output_tokens=r.max_tokens)  # fmt: skip
+
+
+def test_each_request_follows_the_previous_answer_by_its_think_time() -> None:
+    s = trace("a", req(200, [1, 2, 3]), req(300, [1, 2, 3, 4], think=7.5), stop_last := req(
+        330, [1, 2, 3, 4, 5], think=2.0, stop="end_turn"))  # fmt: skip
+    lp = loop(s)
+    [first] = list(lp.arrivals())
+    assert first.time_s == 0.0 and len(first.request.prompt_token_ids) == 200
+    [second] = lp.on_finish(finish(first, 3.0))
+    assert second.time_s == pytest.approx(10.5)  # 3.0 + 7.5
+    assert lp.hint(second.request.request_id).ends_in_tool_call  # type: ignore[union-attr]
+    [third] = lp.on_finish(finish(second, 11.0))
+    assert third.time_s == pytest.approx(13.0)
+    last = lp.hint(third.request.request_id)
+    assert last is not None and not stop_last.ends_in_tool_call
+    assert last.tool_class == PERSON  # an answer to the person: the person comes back
+
+
+def test_a_finished_session_is_replaced_by_the_next_recording_until_the_end() -> None:
+    lp = loop(trace("a", req(200, [1, 2, 3])), trace("b", req(100, [1])), duration_s=20.0)
+    [a] = list(lp.arrivals())
+    [b] = lp.on_finish(finish(a, 5.0))
+    assert b.request.session_id == "u0.2:b" and b.time_s == 5.0
+    [a2] = lp.on_finish(finish(b, 6.0))  # the list cycles: "a" again, a new run of it
+    assert a2.request.session_id == "u0.3:a"
+    assert lp.on_finish(finish(a2, 21.0)) == []  # past the end: nothing more is sent
+    assert (lp.counts.sessions_started, lp.counts.sessions_finished) == (3, 3)
+
+
+def test_users_ramp_up_over_the_warm_up() -> None:
+    lp = loop(trace("a", req(200, [1, 2, 3])), users=4, warmup_s=100.0, duration_s=500.0)
+    assert [a.time_s for a in lp.arrivals()] == [0.0, 25.0, 50.0, 75.0]
+
+
+def test_a_prompt_that_does_not_fit_the_window_is_skipped_and_counted() -> None:
+    lp = loop(trace("a", req(200, [1, 2, 3]), req(5000, range(1, 79)), req(300, [1, 2, 3, 4])))
+    [a] = list(lp.arrivals())
+    [c] = lp.on_finish(finish(a, 1.0))
+    assert len(c.request.prompt_token_ids) == 300
+    assert (lp.counts.skipped_for_window, lp.counts.skipped_tokens) == (1, 5000)
+
+
+@pytest.mark.parametrize("bs", [16, 64, 128])
+def test_block_hashes_are_the_engines_for_the_ids_and_a_resent_prefix_shares_them(bs: int) -> None:
+    s = trace("a", req(256, [1, 2, 3, 4]), req(384, [1, 2, 3, 9, 10, 11]))
+    lp = loop(s, bs=bs)
+    [a] = list(lp.arrivals())
+    [b] = lp.on_finish(finish(a, 1.0))
+    ha, hb = a.request.block_hashes, b.request.block_hashes
+    assert ha is not None and hb is not None
+    assert (len(ha), len(hb)) == (256 // bs, 384 // bs)
+    shared = 3 * 64 // bs  # ids 1-3, as whole blocks of the workers' size
+    assert ha[:shared] == hb[:shared] and ha[shared] != hb[shared]
+    # They chain as an engine hashes the ids' tokens: each after its parent, salted.
+    tokens = block_tokens([1, 2, 3, 9], "u0.1:a")
+    engine = BlockHasher(HashAlgo.SHA256, bs).hash_blocks(tokens, keys=RequestKeys("agents"))
+    assert hb[: len(engine)] == engine
+
+
+def test_only_the_warm_share_of_the_system_prompt_is_shared_between_sessions() -> None:
+    a = trace("a", req(640, range(1, 11)), system=512)  # 8 blocks of system: 4 warm
+    lp = loop(a, a, users=2)
+    first, second = lp.arrivals()
+    h1, h2 = first.request.block_hashes, second.request.block_hashes
+    assert h1 is not None and h2 is not None
+    assert h1[:4] == h2[:4] and h1[4] != h2[4]  # two runs of one recording share no more
+
+
+def test_sub_agents_run_beside_the_parent_which_waits_for_them() -> None:
+    agents = TraceSubagents((
+        SubagentTrace("x", "Explore", "completed", 30.0, 20.0, 0, 0, (req(128, [1, 2]),)),
+        SubagentTrace("y", "Explore", "async_launched", 10.0, None, 0, 0, (req(128, [5, 6]),)),
+    ))  # fmt: skip
+    s = trace("p", req(200, [1, 2, 3]), agents, req(300, [1, 2, 3, 4], think=25.0))
+    lp = loop(s)
+    [p0] = list(lp.arrivals())
+    x, y = lp.on_finish(finish(p0, 1.0))
+    assert {x.request.session_id, y.request.session_id} == {"u0.1:p/sa2.0", "u0.1:p/sa2.1"}
+    assert lp.on_finish(finish(y, 2.0)) == []  # in the background: nobody waits for it
+    [p1] = lp.on_finish(finish(x, 4.0))  # the waited one ends: the parent goes on
+    assert p1.request.session_id == "u0.1:p"
+    assert p1.time_s == pytest.approx(4.0 + 25.0 - 20.0)  # its think time counted them
+    assert lp.counts.subagents == 2
+
+
+def test_an_answers_stop_is_what_the_residency_policy_hears_and_no_more() -> None:
+    s = trace("a", req(200, [1, 2, 3]), req(300, [1, 2, 3, 4], stop="end_turn"),
+              req(330, [1, 2, 3, 4, 5], stop=""), req(400, range(1, 7)))  # fmt: skip
+    lp = loop(s)
+    hints = []
+    [a] = list(lp.arrivals())
+    for at in (1.0, 2.0, 3.0, 4.0):
+        hints.append(lp.hint(a.request.request_id))
+        follow = lp.on_finish(finish(a, at))
+        a = follow[0] if follow else a
+    got = [(h.ends_in_tool_call, h.tool_class, h.expected_wait_s) for h in hints if h]
+    assert got == [(True, None, None), (True, PERSON, None), (None, None, None),
+                   (True, None, None)]  # fmt: skip
+
+
+def test_the_clairvoyant_loop_tells_each_true_wait_and_the_last_request() -> None:
+    s = trace("a", req(200, [1, 2, 3]), req(9000, range(1, 141), think=3.0),
+              req(300, [1, 2, 3, 4], think=7.0))  # fmt: skip
+    hasher = BlockHasher(HashAlgo.SHA256, 64)
+    lp = SessionLoop([s], users=1, hasher=hasher, max_model_len=4096, clairvoyant=True)
+    [a] = list(lp.arrivals())
+    first = lp.hint(a.request.request_id)
+    assert first is not None and first.expected_wait_s == 7.0  # the one it will send next
+    [b] = lp.on_finish(finish(a, 1.0))
+    last = lp.hint(b.request.request_id)
+    assert last is not None and last.session_ends and last.expected_wait_s is None
+
+
+def test_the_clairvoyant_order_holds_until_the_return_and_gives_way_furthest_first() -> None:
+    policy = ClairvoyantResidency()
+
+    def idle(sid: str, wait: float | None) -> IdleSession:
+        return IdleSession(sid, 640, 100.0, True, None, 1, wait, 0.1, 0.9)
+
+    soon = policy.decide(idle("soon", 5.0), 100.0)
+    late = policy.decide(idle("late", 500.0), 100.0)
+    assert soon.action is ResidencyAction.HOLD and soon.until_s == 106.0
+    assert policy.decide(idle("gone", None), 100.0).action is ResidencyAction.EVICT
+    held = [HeldSession(s, 640, 100.0, 1e9) for s in ("late", "gone", "soon")]
+    order = sorted(held, key=lambda h: policy.priority(h, 101.0))
+    assert [h.session_id for h in order] == ["gone", "late", "soon"]
+    assert late.action is ResidencyAction.HOLD
+
+
+def test_restores_are_free_for_the_bound_and_nothing_else_changes() -> None:
+    _, latency = make_setup(workers=1, hbm_gib=4, block_size=64)
+    free = free_restores(latency)
+    assert free.h2d.copy_s(10**9) == 0.0 and latency.h2d.copy_s(10**9) > 0.0
+    assert free.prefill_s(1000, 500) == latency.prefill_s(1000, 500)
+
+
+SLICE = read_agent_sessions(DATA / "kvct")
+
+
+def test_every_stack_replays_the_real_sessions_and_counts_only_the_window() -> None:
+    setup, latency = make_setup(workers=1, hbm_gib=4, host_gib=8, block_size=64)
+    window = RunWindow(duration_s=400.0, warmup_s=100.0)
+    rows = {s: replay_stack(SLICE, s, setup, latency, users=3, window=window) for s in STACKS}
+    for name, row in rows.items():
+        assert row["stack"] == name and row["users"] == 3
+        assert isinstance(row["requests"], int) and row["requests"] > 10
+        assert 0.0 < row["hit_rate"] < 1.0  # type: ignore[operator]
+        assert row["ttft_p95_s"] >= row["ttft_p50_s"] > 0  # type: ignore[operator]
+    assert rows["vllm"]["demotions"] == 0 and rows["vllm"]["host_hit_tokens"] == 0
+    everything = replay_stack(SLICE, "vllm", setup, latency, users=3,
+                              window=RunWindow(duration_s=400.0, warmup_s=0.0))  # fmt: skip
+    assert everything["requests"] > rows["vllm"]["requests"]  # type: ignore[operator]
+
+
+def test_the_capacity_is_the_largest_count_within_the_slo() -> None:
+    asked: list[int] = []
+
+    def run(users: int) -> dict[str, object]:
+        asked.append(users)
+        return {"stack": "s", "ttft_p95_s": 0.1 * users}  # meets 2 s up to 20 users
+
+    found, rows = capacity(run, 2.0, start=4)
+    assert found == 20 and len(rows) == len(asked)
+    assert asked[:4] == [4, 8, 16, 32]  # doubling, then halving the gap
+    assert capacity(lambda n: {"stack": "s", "ttft_p95_s": 9.0}, 2.0)[0] == 0
