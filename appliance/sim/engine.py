@@ -37,10 +37,7 @@ Public API (the server builds on these names; everything else is private):
   `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
   It, `RequestOutput` and `StepResult` live in `engine_io.py`, `EngineStats` in
   `engine_stats.py`, the residency hook's types in `residency_hook.py`.
-- `EngineConfig(num_blocks, block_size, max_model_len, max_num_seqs=256,
-  max_num_batched_tokens=8192, enable_prefix_caching=True, policy="fcfs",
-  enable_kv_events=True)` (ValueError unless max_model_len fits in the cache and
-  1 <= max_num_seqs <= max_num_batched_tokens).
+- `EngineConfig` (`engine_config.py`): vLLM's settings the engine honours.
 - `SimEngine(config, hasher=, latency=, residency=None, host=None, output_token_ids=None,
   retention=None)`:
   `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
@@ -121,12 +118,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, RequestKeys
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
 from appliance.sim.copy_channel import CopyChannel
+from appliance.sim.engine_config import EngineConfig
 from appliance.sim.engine_io import (
     FinishReason,
     RequestOutput,
@@ -144,36 +141,6 @@ from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQ
 
 LAST_PROMPTS = 4096
 """Sessions whose newest finished prompt a live engine keeps for `restore` (oldest dropped)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """The engine's vLLM settings (ValueError unless max_model_len fits in the cache and
-    1 <= max_num_seqs <= max_num_batched_tokens)."""
-
-    num_blocks: int
-    """KV blocks, the null block included (vLLM's `num_gpu_blocks`)."""
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    policy: SchedulingPolicy = "fcfs"
-    enable_kv_events: bool = True
-
-    def __post_init__(self) -> None:
-        blocks = -(-self.max_model_len // self.block_size)
-        if blocks > self.num_blocks - 1:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} needs {blocks} blocks "
-                f"of {self.block_size}; the cache has {self.num_blocks - 1}: lower "
-                "max_model_len or give the cache more blocks"
-            )
-        if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
-            raise ValueError(
-                f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}), as vLLM does"
-            )
 
 
 class SimEngine:
