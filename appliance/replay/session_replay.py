@@ -123,10 +123,12 @@ def capacity(
     *,
     start: int = 4,
     limit: int = 4096,
+    resolution: float = 1 / 16,
     say: Callable[[str], None] = lambda line: None,
 ) -> tuple[int, list[dict[str, object]]]:
     """The largest `users` whose run (`run(users)`) keeps its TTFT p95 within the SLO, and
-    every run made: doubling from `start` until one misses it, then halving the gap."""
+    every run made: doubling from `start` until one misses it, then halving the gap until
+    it is at most `resolution` of the count found (or 1)."""
     rows: list[dict[str, object]] = []
 
     def meets(users: int) -> bool:
@@ -146,7 +148,7 @@ def capacity(
             bad = users
     if bad is None:
         return good, rows
-    while bad - good > 1:
+    while bad - good > max(1, int(good * resolution)):
         mid = (good + bad) // 2
         if meets(mid):
             good = mid

@@ -6,7 +6,8 @@ Stacks run one after another, or `jobs` at a time in forked processes (each repl
 single-threaded and independent; results do not depend on `jobs`). Each capacity step is
 printed as it ends (`say`). The report: `rows` (one per stack, with `capacity_sessions`
 and its `steps` in a capacity search), the sessions' summary, the simulated box, the
-window, and `bound_sessions`: null until the clairvoyant bound is replayed.
+window, and with a capacity search the clairvoyant bound's (`bound`, and its capacity as
+`bound_sessions`; `session_bound.py`), searched like a stack's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from appliance.replay.agent_traces import (
 )
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
 from appliance.replay.session_loop import RunWindow
-from appliance.replay.session_replay import DEFAULT_WINDOW, STACKS, capacity, replay_stack
+from appliance.replay.session_replay import (
+    BOUND,
+    DEFAULT_WINDOW,
+    STACKS,
+    capacity,
+    replay_stack,
+)
 
 SESSION_BLOCK_SIZE = 64
 """The traces' own block: one hash id, one block (vLLM on CUDA takes any multiple of 16)."""
@@ -69,6 +76,8 @@ def run_sessions(
     global _JOB
     _JOB = partial(_stack_row, sessions=sessions, setup=setup, latency=latency, users=users,
                    slo=slo_ttft_p95_s, window=window, say=say or _to_stderr)  # fmt: skip
+    if slo_ttft_p95_s is not None:
+        names = [*names, BOUND]  # the clairvoyant bound's capacity, as a last row
     if jobs > 1 and len(names) > 1:
         ctx = multiprocessing.get_context("fork")  # the children have `_JOB`, sessions and all
         with ProcessPoolExecutor(max_workers=min(jobs, len(names)), mp_context=ctx) as pool:
@@ -82,8 +91,9 @@ def run_sessions(
         "setup": setup.to_json(),
         "window": {"duration_s": window.duration_s, "warmup_s": window.warmup_s},
         "slo_ttft_p95_s": slo_ttft_p95_s,
-        "rows": rows,
-        "bound_sessions": None,
+        "rows": [r for r in rows if r["stack"] != BOUND],
+        "bound": next((r for r in rows if r["stack"] == BOUND), None),
+        "bound_sessions": next((r["capacity_sessions"] for r in rows if r["stack"] == BOUND), None),
     }
     if report is not None:
         report.write_text(json.dumps(out, indent=1, default=str))
@@ -147,7 +157,8 @@ def render_session_report(out: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
     if slo is not None:
-        lines.append(f"capacity: the most users whose TTFT p95 is at most {slo:g} s")
+        lines.append(f"capacity: the most users whose TTFT p95 is at most {slo:g} s; the "
+                     f"clairvoyant bound: {out['bound_sessions']}")  # fmt: skip
     return "\n".join(lines)
 
 

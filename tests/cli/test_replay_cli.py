@@ -185,6 +185,8 @@ def test_a_capacity_search_prints_each_step_and_reports_the_capacity(tmp_path: P
     [row] = json.loads(out.read_text())["rows"]
     steps = row["steps"]
     assert len(steps) >= 2 and r.stderr.count("vllm: ") == len(steps)
+    report = json.loads(out.read_text())
+    assert isinstance(report["bound_sessions"], int) and report["bound"]["stack"] == "bound"
     cap = row["capacity_sessions"]
     meets = [s["users"] for s in steps if s["ttft_p95_s"] <= 60]
     assert cap == (max(meets) if meets else 0)

@@ -207,7 +207,9 @@ def test_the_capacity_is_the_largest_count_within_the_slo() -> None:
         asked.append(users)
         return {"stack": "s", "ttft_p95_s": 0.1 * users}  # meets 2 s up to 20 users
 
-    found, rows = capacity(run, 2.0, start=4)
+    found, rows = capacity(run, 2.0, start=4, resolution=0.0)
     assert found == 20 and len(rows) == len(asked)
-    assert asked[:4] == [4, 8, 16, 32]  # doubling, then halving the gap
+    assert asked[:4] == [4, 8, 16, 32]  # doubling, then halving the gap to one
     assert capacity(lambda n: {"stack": "s", "ttft_p95_s": 9.0}, 2.0)[0] == 0
+    coarse, steps = capacity(lambda n: {"stack": "s", "ttft_p95_s": 0.01 * n}, 2.0)
+    assert 188 <= coarse <= 200 and len(steps) < 12  # within 1/16 of it: fewer runs
