@@ -310,7 +310,7 @@ def replay_command(
     ] = None,
     duration: Annotated[
         float, typer.Option(help="Agent sessions: virtual seconds of the run.", min=1)
-    ] = 1800.0,
+    ] = 3600.0,
     warmup: Annotated[
         float,
         typer.Option(help="Agent sessions: virtual seconds not counted at the start.", min=0),
@@ -523,6 +523,17 @@ def keys_revoke(
     """Remove a key; a running appliance refuses it within a second, no restart."""
     bootstrap.revoke_api_key(name, config=config, data_dir=data_dir)
     typer.echo(f"revoked {name}")
+
+
+@keys_app.command("show")
+def keys_show(
+    name: Annotated[str, typer.Argument(help="The key's name (see `appliance keys list`).")],
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Print the key called NAME, only the key (e.g. `export KEY=$(appliance keys show
+    default)`); an unknown name exits 2."""
+    typer.echo(bootstrap.show_api_key(name, config=config, data_dir=data_dir))
 
 
 @keys_app.command("list")

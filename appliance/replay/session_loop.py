@@ -55,7 +55,7 @@ PERSON = "person"
 class RunWindow:
     """How long a run lasts and what of it counts, in virtual seconds."""
 
-    duration_s: float = 1800.0
+    duration_s: float = 3600.0
     warmup_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -127,8 +127,10 @@ def capacity(
     say: Callable[[str], None] = lambda line: None,
 ) -> tuple[int, list[dict[str, object]]]:
     """The largest `users` whose run (`run(users)`) keeps its TTFT p95 within the SLO, and
-    every run made: doubling from `start` until one misses it, then halving the gap until
-    it is at most `resolution` of the count found (or 1)."""
+    every run made: doubling from `start` until two counts in a row above the largest that
+    met it miss it (the p95 of a small count rests on a few first turns, so one miss there
+    says little), then halving the gap between that largest and the first miss above it
+    until it is at most `resolution` of the count found (or 1)."""
     rows: list[dict[str, object]] = []
 
     def meets(users: int) -> bool:
@@ -139,15 +141,17 @@ def capacity(
         say(f"{row['stack']}: {users} users: TTFT p95 {p95} s {'meets' if ok else 'misses'}")
         return ok
 
-    good, bad = 0, None
+    good, misses = 0, []
     users = start
-    while bad is None and users <= limit:
+    while users <= limit and len(misses) < 2:
         if meets(users):
-            good, users = users, users * 2
+            good, misses = users, []
         else:
-            bad = users
-    if bad is None:
+            misses.append(users)
+        users *= 2
+    if not misses:
         return good, rows
+    bad = misses[0]
     while bad - good > max(1, int(good * resolution)):
         mid = (good + bad) // 2
         if meets(mid):
