@@ -14,6 +14,7 @@ sessions: the capacity this replays is the bound every stack's is measured again
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from appliance.perf.latency import CopyCurve, LatencyModel
@@ -23,6 +24,8 @@ from appliance.policy.residency import (
     ResidencyAction,
     ResidencyDecision,
 )
+from appliance.replay.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
+from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE
 
 BOUND_ROUTING = "appliance"
 
@@ -54,3 +57,44 @@ class ClairvoyantResidency:
 def free_restores(latency: LatencyModel) -> LatencyModel:
     """`latency` with host-to-device copies that take no time."""
     return replace(latency, h2d=CopyCurve(((1, 0.0),), math.inf))
+
+
+def ttft_floor(
+    sessions: Sequence[AgentSessionTrace], latency: LatencyModel, max_model_len: int
+) -> dict[str, float | None]:
+    """The TTFT no stack beats, p50 / p95 / p99 over every request that fits the window:
+    each request alone on an idle worker, the longest prefix it shares with its session's
+    previous request cached (a session's first, the warm prefix: `session_loop.py`), and
+    the share of requests that exceed 2 s even so (their own prefill)."""
+    seconds: list[float] = []
+    for session in sessions:
+        warm = int(WARM_PREFIX_SHARE * (session.system_tokens + session.tool_tokens)) // 64
+        runs = [[s for s in session.steps if isinstance(s, TraceRequest)]]
+        runs += [list(a.requests) for s in session.steps if isinstance(s, TraceSubagents)
+                 for a in s.agents]  # fmt: skip
+        for requests in runs:
+            previous: tuple[int, ...] | None = None
+            for r in requests:
+                if r.input_tokens + r.output_tokens > max_model_len:
+                    continue
+                shared = _shared(previous, r.hash_ids) if previous is not None else warm
+                cached = min(shared * TRACE_BLOCK_TOKENS, r.input_tokens - 1)
+                seconds.append(latency.prefill_s(r.input_tokens - cached, cached))
+                previous = r.hash_ids
+    seconds.sort()
+    n = len(seconds)
+
+    def at(p: float) -> float | None:
+        return round(seconds[min(n - 1, int(p * n))], 4) if n else None
+
+    over = sum(1 for s in seconds if s > 2.0) / n if n else None
+    return {"p50_s": at(0.5), "p95_s": at(0.95), "p99_s": at(0.99), "over_2s_share": over}
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

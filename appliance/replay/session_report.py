@@ -6,7 +6,8 @@ Stacks run one after another, or `jobs` at a time in forked processes (each repl
 single-threaded and independent; results do not depend on `jobs`). Each capacity step is
 printed as it ends (`say`). The report: `rows` (one per stack, with `capacity_sessions`
 and its `steps` in a capacity search), the sessions' summary, the simulated box, the
-window, and with a capacity search the clairvoyant bound's (`bound`, and its capacity as
+window, the TTFT floor (`session_bound.ttft_floor`: each request alone, so no stack's
+TTFT is lower), and with a capacity search the clairvoyant bound's (`bound`, and its capacity as
 `bound_sessions`; `session_bound.py`), searched like a stack's.
 """
 
@@ -28,6 +29,7 @@ from appliance.replay.agent_traces import (
     sessions_summary,
 )
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
+from appliance.replay.session_bound import ttft_floor
 from appliance.replay.session_loop import RunWindow
 from appliance.replay.session_replay import (
     BOUND,
@@ -91,6 +93,7 @@ def run_sessions(
         "setup": setup.to_json(),
         "window": {"duration_s": window.duration_s, "warmup_s": window.warmup_s},
         "slo_ttft_p95_s": slo_ttft_p95_s,
+        "ttft_floor": ttft_floor(sessions, latency, setup.max_model_len),
         "rows": [r for r in rows if r["stack"] != BOUND],
         "bound": next((r for r in rows if r["stack"] == BOUND), None),
         "bound_sessions": next((r["capacity_sessions"] for r in rows if r["stack"] == BOUND), None),
@@ -156,6 +159,9 @@ def render_session_report(out: dict[str, Any]) -> str:
         table.append([row["stack"], *cap, *(_cell(row.get(k)) for k in _SHOWN)])
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
+    floor = out["ttft_floor"]
+    lines.append(f"TTFT floor (each request alone, its session's prefix cached): p50 "
+                 f"{floor['p50_s']} s, p95 {floor['p95_s']} s, p99 {floor['p99_s']} s")  # fmt: skip
     if slo is not None:
         lines.append(f"capacity: the most users whose TTFT p95 is at most {slo:g} s; the "
                      f"clairvoyant bound: {out['bound_sessions']}")  # fmt: skip
