@@ -59,7 +59,7 @@ def free_restores(latency: LatencyModel) -> LatencyModel:
     return replace(latency, h2d=CopyCurve(((1, 0.0),), math.inf))
 
 
-def ttft_floor(
+def session_ttft_floor(
     sessions: Sequence[AgentSessionTrace], latency: LatencyModel, max_model_len: int
 ) -> dict[str, float | None]:
     """The TTFT no stack beats, p50 / p95 / p99 over every request that fits the window:

@@ -6,7 +6,7 @@ Stacks run one after another, or `jobs` at a time in forked processes (each repl
 single-threaded and independent; results do not depend on `jobs`). Each capacity step is
 printed as it ends (`say`). The report: `rows` (one per stack, with `capacity_sessions`
 and its `steps` in a capacity search), the sessions' summary, the simulated box, the
-window, the TTFT floor (`session_bound.ttft_floor`: each request alone, so no stack's
+window, the TTFT floor (`session_bound.session_ttft_floor`: each request alone, so no stack's
 TTFT is lower), and with a capacity search the clairvoyant bound's (`bound`, and its capacity as
 `bound_sessions`; `session_bound.py`), searched like a stack's.
 """
@@ -29,7 +29,7 @@ from appliance.replay.agent_traces import (
     sessions_summary,
 )
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
-from appliance.replay.session_bound import ttft_floor
+from appliance.replay.session_bound import session_ttft_floor
 from appliance.replay.session_loop import RunWindow
 from appliance.replay.session_replay import (
     BOUND,
@@ -93,7 +93,7 @@ def run_sessions(
         "setup": setup.to_json(),
         "window": {"duration_s": window.duration_s, "warmup_s": window.warmup_s},
         "slo_ttft_p95_s": slo_ttft_p95_s,
-        "ttft_floor": ttft_floor(sessions, latency, setup.max_model_len),
+        "ttft_floor": session_ttft_floor(sessions, latency, setup.max_model_len),
         "rows": [r for r in rows if r["stack"] != BOUND],
         "bound": next((r for r in rows if r["stack"] == BOUND), None),
         "bound_sessions": next((r["capacity_sessions"] for r in rows if r["stack"] == BOUND), None),

@@ -19,7 +19,7 @@ from appliance.replay.agent_traces import (
     read_agent_sessions,
 )
 from appliance.replay.runner import make_setup
-from appliance.replay.session_bound import ClairvoyantResidency, free_restores, ttft_floor
+from appliance.replay.session_bound import ClairvoyantResidency, free_restores, session_ttft_floor
 from appliance.replay.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
 from appliance.replay.session_replay import STACKS, capacity, replay_stack
 from appliance.sim.virtual import Arrival, RequestRecord
@@ -228,11 +228,11 @@ def test_the_ttft_floor_is_each_request_alone_with_its_previous_prompt_cached() 
     ids = list(range(1, 101))
     s = trace("a", req(6400, ids), req(6464, [*ids, 500], think=1.0),
               req(6528, [*ids, 500, 501], think=1.0))  # fmt: skip
-    floor = ttft_floor([s], latency, 16384)
+    floor = session_ttft_floor([s], latency, 16384)
     cold, warm = latency.prefill_s(6400, 0), latency.prefill_s(64, 6464)
     assert floor["p99_s"] == pytest.approx(cold, abs=1e-4)  # the first: nothing cached
     assert floor["p50_s"] == pytest.approx(warm, abs=1e-4)  # the rest: all but 64 tokens
     real = replay_stack(SLICE, "vllm", *make_setup(workers=1, hbm_gib=8, block_size=64),
                         users=1, window=RunWindow(400.0, 0.0))  # fmt: skip
-    alone = ttft_floor(SLICE, latency, 16384)
+    alone = session_ttft_floor(SLICE, latency, 16384)
     assert alone["p50_s"] <= real["ttft_p50_s"]  # type: ignore[operator]
