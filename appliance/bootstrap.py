@@ -49,6 +49,11 @@ def revoke_api_key(name: str, *, config: Path | None, data_dir: Path | None) -> 
     keystore.revoke_key(keystore.keys_path(home), name)
 
 
+def show_api_key(name: str, *, config: Path | None, data_dir: Path | None) -> str:
+    home = load_settings(config, data_dir=data_dir).data_dir
+    return keystore.find_key(keystore.keys_path(home), name).key
+
+
 def list_api_keys(*, config: Path | None, data_dir: Path | None) -> list[keystore.ApiKey]:
     home = load_settings(config, data_dir=data_dir).data_dir
     return keystore.load_keys(keystore.keys_path(home))

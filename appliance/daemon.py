@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__, keystore
-from appliance.api.auth import Caller
+from appliance.access import access_note, check_aliases, key_callers
 from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
 from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
-from appliance.domain.records import CostMode, Price, TenantId, WorkerId
+from appliance.domain.records import CostMode, Price, WorkerId
 from appliance.domain.worker import can_serve
 from appliance.engine_start import (
     Engines,
@@ -35,7 +35,7 @@ from appliance.engine_start import (
     runtime_identity,
     start_engines,
 )
-from appliance.engines.preflight import check_port_free
+from appliance.engines.port_plan import planned_ports
 from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
@@ -115,7 +115,8 @@ async def serve(settings: Settings, *, control: Control | None = None) -> None:
     """`appliance up` until cancelled: engines, the wired appliance, the API, the refresh
     loop and the idle reaper run under one task group; cancelling it drains the API, stops
     the workers and closes the ledger."""
-    check_port_free(settings.server.host, settings.server.port, "the API", "pass --port")
+    check_aliases(settings)
+    settings = planned_ports(settings)  # PortInUse names every port in use at once
     data_dir = ensure_data_dir(settings.data_dir)
     with lock_data_dir(data_dir):
         await _serve(settings, data_dir, control or Control())
@@ -123,20 +124,6 @@ async def serve(settings: Settings, *, control: Control | None = None) -> None:
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def key_callers(key_file: keystore.KeyFile) -> Callable[[], dict[str, Caller]]:
-    """The callers of the keys in the key file as it is now (read anew when it changes)."""
-    seen: list[Any] = [None, {}]  # the file's version, its callers
-
-    def now() -> dict[str, Caller]:
-        keys = key_file.current()
-        if seen[0] != key_file.version:
-            seen[:] = [key_file.version, {k.key: Caller(TenantId(k.name), k.admin) for k in keys}]
-        callers: dict[str, Caller] = seen[1]
-        return callers
-
-    return now
 
 
 async def _serve(settings: Settings, data_dir: Path, control: Control) -> None:
@@ -184,7 +171,8 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
             print(
                 f"appliance {__version__}: engine {kind.value} "
                 f"({_plural(len(engines.workers), 'worker')}, model {engines.served_name}); "
-                f"API at {url}; keys in {keys_file}\nappliance: {gpu_plan(kind, engines.workers)}",
+                f"API at {url}; {access_note(settings, keys_file)}\n"
+                f"appliance: {gpu_plan(kind, engines.workers)}",
                 flush=True,
             )
             try:

@@ -82,10 +82,19 @@ def add_key(path: Path, name: str, *, admin: bool = False) -> ApiKey:
 def revoke_key(path: Path, name: str) -> None:
     """Remove the key called `name`; a running appliance refuses it within a second."""
     keys = load_keys(path)
-    if not any(k.name == name for k in keys):
+    find_key(path, name, keys)
+    _write(path, [k for k in keys if k.name != name])
+
+
+def find_key(path: Path, name: str, keys: list[ApiKey] | None = None) -> ApiKey:
+    """The key called `name` (of `keys`, else of the file); ApiKeyError naming the known
+    ones when there is none."""
+    keys = load_keys(path) if keys is None else keys
+    found = next((k for k in keys if k.name == name), None)
+    if found is None:
         known = ", ".join(k.name for k in keys) or "none"
         raise ApiKeyError(f"no key named '{name}' in {path} (keys: {known})")
-    _write(path, [k for k in keys if k.name != name])
+    return found
 
 
 class KeyFile:

@@ -14,16 +14,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+from pydantic import Field, PositiveFloat, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from appliance.settings_api import ApiSettings, ServerSettings
+from appliance.settings_section import Section
+
+__all__ = ["ApiSettings", "EngineKind", "Section", "ServerSettings", "Settings"]
+
 ENV_PREFIX = "APPLIANCE_"
-
-
-class Section(BaseModel):
-    """A nested settings section: unknown keys are errors, field docstrings are descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
 class EngineKind(StrEnum):
@@ -33,15 +32,8 @@ class EngineKind(StrEnum):
     EXTERNAL = "external"
 
 
-class ServerSettings(Section):
-    host: str = "127.0.0.1"
-    """Address the HTTP API listens on. Keep 127.0.0.1 unless a proxy with TLS fronts it."""
-    port: int = Field(8080, ge=1, le=65535)
-    """TCP port of the HTTP API."""
-    request_timeout_s: PositiveFloat = 30.0
-    """Seconds a request's head and body have to arrive, from its first byte; later: 408."""
-    idle_timeout_s: PositiveFloat = 75.0
-    """Seconds a kept-alive connection may wait for its next request before it is closed."""
+PORT_OFFSETS = {"base_port": 20, "kv_events_base_port": -2523, "kv_retention_base_port": -2423}
+"""Where an engine port left unset sits from server.port: 8100, 5557 and 5657 for 8080."""
 
 
 class EngineSettings(Section):
@@ -62,16 +54,19 @@ class EngineSettings(Section):
     gpus_per_worker each (`up --gpus 0,1,2,3`); without workers set, one worker per
     gpus_per_worker of them. None: the appliance's own CUDA_VISIBLE_DEVICES when it lists
     indices, else 0, 1, ... Simulated workers carry the ids only."""
-    base_port: int = Field(8100, ge=1, le=65535)
-    """HTTP port of worker 0; worker i listens on base_port + i."""
-    kv_events_base_port: int = Field(5557, ge=1, le=65535)
-    """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i."""
+    base_port: int | None = Field(None, ge=1, le=65535)
+    """HTTP port of worker 0; worker i listens on base_port + i. None: server.port + 20 (8100
+    for 8080), or free ports chosen at start when those are taken."""
+    kv_events_base_port: int | None = Field(None, ge=1, le=65535)
+    """ZMQ port on 127.0.0.1 the appliance binds for worker 0's KV events; worker i uses +i.
+    None: server.port - 2523 (5557 for 8080), or free ports chosen at start when taken."""
     kv_retention: bool = True
     """Give every worker the appliance starts (vLLM or simulated) its retention connector, so
     a waiting session's KV can be held in the worker; false starts plain workers."""
-    kv_retention_base_port: int = Field(5657, ge=1, le=65535)
+    kv_retention_base_port: int | None = Field(None, ge=1, le=65535)
     """ZMQ port on 127.0.0.1 the appliance binds for worker 0's retention control channel;
-    worker i uses +i."""
+    worker i uses +i. None: server.port - 2423 (5657 for 8080), or free ports chosen at start
+    when taken."""
     block_size: int = Field(32, ge=1, le=1024)
     """KV block size in tokens, pinned on every worker so the router's block hashes match
     (a multiple of 32 on vLLM's CPU build)."""
@@ -113,11 +108,11 @@ class EngineSettings(Section):
     """vLLM's sleep mode (--enable-sleep-mode, with its development endpoints): idle workers
     can then sleep (level 1 keeps the weights in host memory, level 2 drops them) rather
     than stop. vLLM's CUDA build only; on CUDA it also turns on vLLM's cumem allocator."""
-    extra_args: list[str] = []
+    extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed verbatim to every `vllm serve`."""
-    external_urls: list[str] = []
+    external_urls: list[str] = Field(default_factory=list)
     """Base URLs of vLLM servers the appliance did not start (engine kind `external`)."""
-    external_kv_event_endpoints: list[str] = []
+    external_kv_event_endpoints: list[str] = Field(default_factory=list)
     """ZMQ endpoints of those servers' KV events, in the same order as external_urls."""
     external_keepalive_s: float = Field(5.0, gt=0)
     """Seconds those servers keep an idle connection open (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
@@ -133,6 +128,12 @@ class EngineSettings(Section):
     """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None
     """GPU profile JSON for the sim engine's latency model; None = the bundled H200 profile."""
+
+    def port_base(self, key: str, api_port: int = 8080) -> int:
+        """The engine port `key` as set, else where it follows `api_port` (`appliance up`
+        sets each before a worker starts: appliance/engines/port_plan.py)."""
+        value: int | None = getattr(self, key)
+        return value if value is not None else api_port + PORT_OFFSETS[key]
 
     @model_validator(mode="after")
     def _gpus_for_every_worker(self) -> EngineSettings:
@@ -239,7 +240,7 @@ class AdmissionSettings(Section):
     """Open tasks at which the box counts as saturated for new tasks (shared by weight too)."""
     default_weight: float = Field(1.0, gt=0)
     """Fair-share weight of a tenant not named in tenant_weights."""
-    tenant_weights: dict[str, PositiveFloat] = {}
+    tenant_weights: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Fair-share weight by tenant (its key name); a tenant with weight 2 gets twice the
     share of one with weight 1 when the box is saturated. A tenant alone may use it all."""
     max_children_per_task: int = Field(64, ge=0)
@@ -255,7 +256,7 @@ class AdmissionSettings(Section):
     higher priority tolerates a longer queue."""
     default_priority_ceiling: int = 0
     """Highest X-Priority a tenant not named in priority_ceilings may use (higher is clipped)."""
-    priority_ceilings: dict[str, int] = {}
+    priority_ceilings: dict[str, int] = Field(default_factory=dict)
     """Highest X-Priority by tenant (its key name); higher requests are clipped to it."""
     retry_after_s: float = Field(1.0, gt=0)
     """Retry-After sent with a refusal whose wait cannot be estimated (at least 1 s is sent)."""
@@ -329,6 +330,7 @@ class Settings(BaseSettings):
     """Directory of appliance.log (rotated at 10 MiB, 5 kept) and the workers' logs; None =
     logs/ in the data dir."""
     server: ServerSettings = ServerSettings()
+    api: ApiSettings = ApiSettings()
     engine: EngineSettings = EngineSettings()
     routing: RoutingSettings = RoutingSettings()
     ledger: LedgerSettings = LedgerSettings()

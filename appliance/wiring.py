@@ -13,7 +13,7 @@ from pathlib import Path
 
 from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.app import ApiApp, create_api_app
-from appliance.api.auth import Caller, Keys
+from appliance.api.auth import LOCAL, Caller, Keys
 from appliance.api.context import ApiContext
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.gpu import GpuSnapshot
@@ -161,9 +161,10 @@ def wire(
             desk=desk,
             tasks=tasks,
             tokenizer=load_tokenizer(settings.engine.model),
-            keys=Keys(keys),
+            keys=Keys(keys, anyone=LOCAL if settings.server.auth == "none" else None),
             clock=clock,
             model=engines.served_name,
+            model_aliases=settings.api.model_aliases,
             max_model_len=engines.max_model_len,
             state=lambda: snapshot(sources),
             healthy=lambda: any(can_serve(w.state, w.draining) for w in engines.workers()),
@@ -172,14 +173,17 @@ def wire(
             costs=lambda: cost_report(settings.ledger_path),
             admission=admission,
             workers=engines.workers,
-            sessions_admin=SessionAdmin(
-                releases,
-                lambda tenant, sid, n: session_turns(settings.ledger_path, tenant, sid, limit=n),
-                kv,
-            ),
+            sessions_admin=_session_admin(settings.ledger_path, releases, kv),
         )
     )
     return Wiring(app, desk, speeds, events, gpu, reaper, desk.power, admission)
+
+
+def _session_admin(ledger_path: Path, releases: SessionReleases, kv: SessionKv) -> SessionAdmin:
+    """One session's detail (its turns read from the ledger) and its release."""
+    return SessionAdmin(
+        releases, lambda tenant, sid, n: session_turns(ledger_path, tenant, sid, limit=n), kv
+    )
 
 
 def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:

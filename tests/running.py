@@ -60,19 +60,25 @@ def appliance_process(
     env: Mapping[str, str] | None = None,
     startup_s: float = 180,
     ports: tuple[int, int, int] | None = None,
+    engine_ports: bool = True,
 ) -> Iterator[Started]:
     """Runs `appliance up`; on exit stops it and fails if any of its processes is left.
     `workers` None leaves the flag out (the configured default); `args` are more flags;
-    `ports`: (API, worker base, KV-event base), to start again where a stopped one ran."""
+    `ports`: (API, worker base, KV-event base), to start again where a stopped one ran;
+    `engine_ports` False sets only the API's port (the engine's follow it, or are chosen
+    free: `base_port` is then 0)."""
     blocks = workers or 1
     port, base, kv = ports or (free_port(), free_port_block(blocks), free_port_block(blocks))
     full = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    full.update(
-        APPLIANCE_DATA_DIR=str(data_dir),
-        APPLIANCE_ENGINE__BASE_PORT=str(base),
-        APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
-        APPLIANCE_ENGINE__KV_RETENTION_BASE_PORT=str(free_port_block(blocks)),
-    )
+    full.update(APPLIANCE_DATA_DIR=str(data_dir))
+    if engine_ports:
+        full.update(
+            APPLIANCE_ENGINE__BASE_PORT=str(base),
+            APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
+            APPLIANCE_ENGINE__KV_RETENTION_BASE_PORT=str(free_port_block(blocks)),
+        )
+    else:
+        base = kv = 0
     full.update(env or {})  # the test's own win, the ports too
     argv = [str(BIN / "appliance"), "up", "--engine", engine, "--port", str(port)]
     if workers is not None:

@@ -29,14 +29,16 @@ class AdminRoutes:
         ]
 
     async def models(self, request: Request) -> Response:
+        """The served model first, then each alias of it (`*` is none), as vLLM lists each
+        of its --served-model-name."""
         self._ctx.keys.caller(request.headers)
-        card = {
-            "id": self._ctx.model,
-            "object": "model",
-            "owned_by": "appliance",
-            "max_model_len": self._ctx.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        names = [self._ctx.model, *(a for a in self._ctx.model_aliases if a != "*")]
+        cards = [
+            {"id": name, "object": "model", "owned_by": "appliance", "root": self._ctx.model,
+             "max_model_len": self._ctx.max_model_len}
+            for name in dict.fromkeys(names)
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": cards})
 
     async def admin_state(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -48,3 +48,5 @@ class ApiContext:
     """One session's detail and its release (`/admin/v1/sessions/{id}`); None: no routes."""
     workers: Callable[[], Sequence[WorkerEndpoint]] = tuple
     """The workers now: a chained Responses turn needs the same worker, not restarted."""
+    model_aliases: Mapping[str, str] = field(default_factory=dict)
+    """Model names clients may send for `model` (`*`: any name), `api.model_aliases`."""

@@ -24,21 +24,31 @@ _TYPES = {
 
 
 class RequestRefused(ApplianceError):
-    """A request the API refuses; `code` is a stable machine-readable reason."""
+    """A request the API refuses; `code` is a stable machine-readable reason, `kind` the
+    error's `type` where it is not the status's usual one."""
 
-    def __init__(self, status: int, message: str, code: str, *, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        param: str | None = None,
+        kind: str | None = None,
+    ):
         super().__init__(message, code=code, http_status=status)
         self.param = param
+        self.kind = kind
 
 
 def error_body(
-    status: int, message: str, code: str, *, param: str | None = None
+    status: int, message: str, code: str, *, param: str | None = None, kind: str | None = None
 ) -> dict[str, dict[str, str | None]]:
     """`{"error": {"message", "type", "param", "code"}}`: what every refusal of the API says."""
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "api_error"),
+            "type": kind or _TYPES.get(status, "api_error"),
             "param": param,
             "code": code,
         }
@@ -52,9 +62,10 @@ def error_response(
     *,
     param: str | None = None,
     retry_after_s: float | None = None,
+    kind: str | None = None,
 ) -> JSONResponse:
     """The error JSON; `retry_after_s` becomes a `Retry-After` header in whole seconds (>= 1)."""
-    body = error_body(status, message, code, param=param)
+    body = error_body(status, message, code, param=param, kind=kind)
     headers = None
     if retry_after_s is not None:
         headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
@@ -68,4 +79,5 @@ def from_exception(exc: ApplianceError) -> JSONResponse:
         exc.code,
         param=getattr(exc, "param", None),
         retry_after_s=getattr(exc, "retry_after_s", None),
+        kind=getattr(exc, "kind", None),
     )

@@ -4,8 +4,9 @@ Messages API's `/v1/messages`, made a chat turn: anthropic_messages.py): HTTP in
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -19,15 +20,18 @@ from appliance.api.anthropic_messages import (
 )
 from appliance.api.anthropic_reply import MessageEvents, message_body
 from appliance.api.context import ApiContext
+from appliance.api.context_limit import ContextTooLong
 from appliance.api.errors import RequestRefused
 from appliance.api.requests import (
     agent_headers,
     chat_encoder,
     check_model_request,
     parse_json_body,
+    served_model,
     tokenize_checked,
 )
 from appliance.domain.records import SessionId
+from appliance.services.chat_tokens import ChatTokens
 from appliance.services.sessions import SessionState, resumable
 from appliance.services.turn_desk import TurnInput
 
@@ -51,6 +55,7 @@ class ModelRoute:
             if hdr.session_id is None:
                 hdr = replace(hdr, session_id=conversation_key(body))
             body, path = chat, CHAT_PATH
+        served_model(body, self._ctx.model_aliases)
         max_tokens = check_model_request(path, body, self._ctx.model)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
@@ -67,15 +72,7 @@ class ModelRoute:
                 tenant=who.tenant,
                 path=path,
                 body=body,
-                tokenize=lambda previous: tokenize_checked(
-                    path,
-                    body,
-                    self._ctx.tokenizer,
-                    max_tokens=max_tokens,
-                    max_model_len=self._ctx.max_model_len,
-                    previous=previous,
-                    encoder=self._encoder,
-                ),
+                tokenize=partial(self._tokenize, path, body, max_tokens, messages_api),
                 estimate=lambda session: (
                     self._untokenised_estimate(session, body, max_tokens) if plain else None
                 ),
@@ -96,6 +93,31 @@ class ModelRoute:
             return RelayedStream(chunks, reply.headers, on_end=reply.on_end)
         answer = message_body(reply.body) if messages_api and reply.status == 200 else reply.body
         return Response(answer, reply.status, reply.headers, "application/json")
+
+    def _tokenize(
+        self,
+        path: str,
+        body: dict[str, Any],
+        max_tokens: int | None,
+        messages_api: bool,
+        previous: ChatTokens | None,
+    ) -> tuple[Sequence[int], ChatTokens | None]:
+        """The prompt's ids (`tokenize_checked`); too long for the model: refused in the
+        words of the route's API."""
+        try:
+            return tokenize_checked(
+                path,
+                body,
+                self._ctx.tokenizer,
+                max_tokens=max_tokens,
+                max_model_len=self._ctx.max_model_len,
+                previous=previous,
+                encoder=self._encoder,
+            )
+        except ContextTooLong as exc:
+            if messages_api:
+                raise exc.in_anthropic_words() from None
+            raise
 
     def _untokenised_estimate(
         self, session: SessionState | None, body: dict[str, Any], max_tokens: int | None

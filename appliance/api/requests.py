@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from appliance.api.context_limit import check_context
 from appliance.api.errors import RequestRefused
 from appliance.services.chat_tokens import ChatEncoder, ChatTokens, with_stem
 
@@ -211,14 +212,16 @@ def tokenize_checked(
         ids, chat = _chat_ids(body, tokenizer, previous, encoder or chat_encoder(tokenizer))
     else:
         ids = _completion_ids(body, tokenizer)
-    if len(ids) + (max_tokens or 1) > max_model_len:
-        raise RequestRefused(
-            413,
-            f"the prompt has {len(ids)} tokens and asks for {max_tokens or 1} more, above the "
-            f"model's limit of {max_model_len}; shorten the prompt or lower max_tokens",
-            "context_length_exceeded",
-        )
+    check_context(len(ids), max_tokens, max_model_len)  # 400 in vLLM's words
     return ids, chat
+
+
+def served_model(body: dict[str, Any], aliases: Mapping[str, str]) -> None:
+    """Puts the served model in `body["model"]` when that names an alias of it (`*`: any
+    name), so the worker, which knows only the served name, takes the request."""
+    name = body.get("model")
+    if isinstance(name, str) and aliases:
+        body["model"] = aliases.get(name) or aliases.get("*") or name
 
 
 def check_model_request(path: str, body: dict[str, Any], model: str) -> int | None:

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appliance.api.context import ApiContext
+from appliance.api.context_limit import ContextTooLong
 from appliance.api.errors import RequestRefused
 from appliance.api.model_route import RelayedStream
 from appliance.api.requests import (
@@ -43,6 +44,7 @@ from appliance.api.requests import (
     chat_encoder,
     check_model_request,
     parse_json_body,
+    served_model,
     tokenize_checked,
 )
 from appliance.domain.records import SessionId, TenantId, WorkerId
@@ -109,6 +111,7 @@ class ResponsesRoute:
         who = ctx.keys.caller(request.headers)
         body = parse_json_body(await request.body())
         hdr = agent_headers(request.headers, body)
+        served_model(body, ctx.model_aliases)
         check_model_request(RESPONSES_PATH, body, ctx.model)
         max_tokens = _max_output_tokens(body)
         chained = self._chained(who.tenant, body, hdr.session_id)
@@ -164,15 +167,18 @@ class ResponsesRoute:
             return tok.encode_chat(
                 messages, add_generation_prompt=True, add_special_tokens=True
             ), None
-        ids, rendered = tokenize_checked(
-            _CHAT_PATH,
-            chat,
-            tok,
-            max_tokens=max_tokens,
-            max_model_len=limit - len(lead),
-            previous=last,
-            encoder=self._encoder,
-        )
+        try:
+            ids, rendered = tokenize_checked(
+                _CHAT_PATH,
+                chat,
+                tok,
+                max_tokens=max_tokens,
+                max_model_len=limit - len(lead),
+                previous=last,
+                encoder=self._encoder,
+            )
+        except ContextTooLong as exc:  # counted with the lead, as vLLM counts the prompt
+            raise exc.shifted(len(lead)) from None
         return [*lead, *ids], rendered
 
     def _chained(self, tenant: TenantId, body: dict[str, Any], header: str | None) -> _Chained:

@@ -362,8 +362,8 @@ def spec_from_settings(
         device=device,
         workers=engine.workers,
         gpus_per_worker=engine.gpus_per_worker,
-        base_port=engine.base_port,
-        kv_events_base_port=engine.kv_events_base_port,
+        base_port=engine.port_base("base_port"),
+        kv_events_base_port=engine.port_base("kv_events_base_port"),
         block_size=engine.block_size,
         hash_algo=engine.hash_algo,
         python_hash_seed=engine.python_hash_seed,
@@ -374,7 +374,9 @@ def spec_from_settings(
         extra_args=tuple(engine.extra_args),
         gpu_ids=gpu_ids,
         cpu_ids=tuple(cpu_ids),
-        retention=RetentionLaunch(engine.kv_retention_base_port) if engine.kv_retention else None,
+        retention=RetentionLaunch(engine.port_base("kv_retention_base_port"))
+        if engine.kv_retention
+        else None,
         tool_call_parser=engine.tool_call_parser,
         enable_auto_tool_choice=engine.enable_auto_tool_choice,
         structured_outputs=_structured_outputs(engine),

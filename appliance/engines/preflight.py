@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,45 +143,68 @@ def bind_error(host: str, port: int) -> str | None:
     return None
 
 
-def check_port_free(
-    host: str,
-    port: int,
-    what: str,
-    fix: str = "choose other ports (engine.base_port, engine.kv_events_base_port)",
-) -> None:
-    error = bind_error(host, port)
-    if error is not None:
-        raise PortInUse(
-            f"{host}:{port} ({what}) is in use ({error}); stop what listens there or {fix}"
-        )
+@dataclass(frozen=True, slots=True)
+class PortBlock:
+    """Ports a server binds: `base` .. `base + count - 1` on `host`, set by `key`."""
+
+    key: str
+    """The setting that moves it (`server.port`, `engine.base_port`, ...)."""
+    host: str
+    base: int
+    count: int
+    what: str
+    """What listens there; `{i}` stands for the worker's index."""
+
+    def overlaps(self, other: PortBlock) -> bool:
+        return self.base < other.base + other.count and other.base < self.base + self.count
+
+
+_FIXES = {"server.port": "pass another --port"}
+
+
+def check_blocks(blocks: Sequence[PortBlock]) -> None:
+    """Raises PortInUse when two blocks overlap, or else naming every port of them that is
+    in use, all in one message."""
+    for i, a in enumerate(blocks):
+        for b in blocks[i + 1 :]:
+            if a.overlaps(b):
+                n = max(a.count, b.count)
+                both = f"{a.key}={a.base} and {b.key}={b.base}"
+                raise PortInUse(f"{both} overlap for {n} workers; move one of them")
+    taken = [
+        (block, f"{block.host}:{port} ({block.what.format(i=i)})", error)
+        for block in blocks
+        for i, port in enumerate(range(block.base, block.base + block.count))
+        if (error := bind_error(block.host, port)) is not None
+    ]
+    if not taken:
+        return
+    keys = dict.fromkeys(block.key for block, _, _ in taken)
+    fix = " and ".join(_FIXES.get(key, f"choose another {key}") for key in keys)
+    if len(taken) == 1:
+        _, where, error = taken[0]
+        raise PortInUse(f"{where} is in use ({error}); stop what listens there or {fix}")
+    named = ", ".join(where for _, where, _ in taken)
+    raise PortInUse(f"{len(taken)} ports are in use: {named}; stop what listens there or {fix}")
+
+
+def spec_blocks(spec: LaunchSpec) -> list[PortBlock]:
+    """The ports a launch spec's workers need: HTTP, KV events and retention control."""
+    n = spec.workers
+    kv, kv_what = spec.kv_events_base_port, "KV events of worker w{i}"
+    blocks = [
+        PortBlock("engine.base_port", spec.host, spec.base_port, n, "HTTP of worker w{i}"),
+        PortBlock("engine.kv_events_base_port", "127.0.0.1", kv, n, kv_what),
+    ]
+    if spec.retention is not None:
+        retention = spec.retention.base_port
+        what = "retention control of worker w{i}"
+        blocks.append(PortBlock("engine.kv_retention_base_port", "127.0.0.1", retention, n, what))
+    return blocks
 
 
 def check_ports(spec: LaunchSpec) -> None:
-    n = spec.workers
-    ranges = {
-        f"engine.base_port={spec.base_port}": spec.base_port,
-        f"engine.kv_events_base_port={spec.kv_events_base_port}": spec.kv_events_base_port,
-    }
-    if spec.retention is not None:
-        ranges[f"engine.kv_retention_base_port={spec.retention.base_port}"] = (
-            spec.retention.base_port
-        )
-    names = list(ranges)
-    for a, b in ((a, b) for i, a in enumerate(names) for b in names[i + 1 :]):
-        if abs(ranges[a] - ranges[b]) < n:
-            raise PortInUse(f"{a} and {b} overlap for {n} workers; move one of them")
-    for i in range(n):
-        check_port_free(spec.host, spec.port(i), f"HTTP of worker w{i}")
-    for i in range(n):
-        check_port_free("127.0.0.1", spec.kv_events_base_port + i, f"KV events of worker w{i}")
-    if spec.retention is not None:
-        for i in range(n):
-            check_port_free(
-                "127.0.0.1",
-                spec.retention.base_port + i,
-                f"retention control of worker w{i}",
-                "choose another engine.kv_retention_base_port",
-            )
+    check_blocks(spec_blocks(spec))
 
 
 def check_gpus(needed: Iterable[int], snapshot: GpuSnapshot | None) -> None:

@@ -90,7 +90,7 @@ def sim_spec(engine: EngineSettings) -> LaunchSpec:
     profile = sim_profile(engine)
     retention = None
     if engine.kv_retention:
-        retention = RetentionLaunch(engine.kv_retention_base_port)
+        retention = RetentionLaunch(engine.port_base("kv_retention_base_port"))
     return LaunchSpec(
         model=engine.model or "sim",
         served_model_name=sim_served_name(engine),
@@ -98,8 +98,8 @@ def sim_spec(engine: EngineSettings) -> LaunchSpec:
         device=Device.SIM,
         workers=engine.workers,
         gpus_per_worker=engine.gpus_per_worker,
-        base_port=engine.base_port,
-        kv_events_base_port=engine.kv_events_base_port,
+        base_port=engine.port_base("base_port"),
+        kv_events_base_port=engine.port_base("kv_events_base_port"),
         block_size=engine.block_size,
         hash_algo=engine.hash_algo,
         python_hash_seed=engine.python_hash_seed,

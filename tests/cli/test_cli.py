@@ -102,6 +102,18 @@ def test_keys_add_prints_only_the_key_and_keeps_the_file_private(tmp_path: Path)
     assert key in path.read_text()  # nothing lost by the refused add
 
 
+def test_keys_show_prints_that_key_only_and_an_unknown_name_is_one_line(tmp_path: Path) -> None:
+    key = run("keys", "add", "alice", data_dir=tmp_path).stdout.strip()
+    run("keys", "add", "ops", "--admin", data_dir=tmp_path)
+    shown = run("keys", "show", "alice", data_dir=tmp_path)
+    assert (shown.returncode, shown.stdout) == (0, key + "\n"), shown.stderr
+    unknown = run("keys", "show", "bob", data_dir=tmp_path)
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr == (
+        f"appliance: no key named 'bob' in {tmp_path / 'api-keys.toml'} (keys: alice, ops)\n"
+    )
+
+
 def test_bad_key_name_is_refused(tmp_path: Path) -> None:
     r = run("keys", "add", "no spaces", data_dir=tmp_path)
     assert r.returncode == 2 and "key name 'no spaces' is invalid" in r.stderr

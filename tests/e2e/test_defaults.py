@@ -87,7 +87,8 @@ def test_an_agent_session_runs_through_the_defaults(readme_up: tuple[Started, st
                 "messages": [{"role": "user", "content": "x"}],
             },
         )
-        assert too_long.status_code == 413 and str(limit) in too_long.text
+        assert too_long.status_code == 400 and str(limit) in too_long.text
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
     with closing(sqlite3.connect(up.log.parent / "ledger.db")) as db:
         outcomes = db.execute(
             "SELECT outcome FROM turns WHERE session_id = 'fix-it' ORDER BY started_at"

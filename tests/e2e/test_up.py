@@ -219,7 +219,7 @@ def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningApplian
                 "model": app.model,
                 "messages": [{"role": "user", "content": text(3, app.words(80000))}],
             },
-            413,
+            400,
             "context_length_exceeded",
         ),
         (

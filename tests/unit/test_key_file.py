@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.keystore import ApiKeyError, KeyFile, add_key, revoke_key
+from appliance.keystore import ApiKeyError, KeyFile, add_key, find_key, revoke_key
 from tests.fakes import ManualClock
 
 
@@ -46,3 +46,14 @@ def test_revoking_an_unknown_key_names_the_known_ones(tmp_path: Path) -> None:
     add_key(path, "alice")
     with pytest.raises(ApiKeyError, match=r"no key named 'bob'.*\(keys: alice\)"):
         revoke_key(path, "bob")
+
+
+def test_a_key_is_found_by_name_and_an_unknown_name_lists_the_known(tmp_path: Path) -> None:
+    path = tmp_path / "api-keys.toml"
+    alice = add_key(path, "alice")
+    add_key(path, "ops", admin=True)
+    assert find_key(path, "alice") == alice
+    with pytest.raises(ApiKeyError) as err:
+        find_key(path, "bob")
+    assert err.value.message == f"no key named 'bob' in {path} (keys: alice, ops)"
+    assert err.value.exit_code == 2

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from appliance.domain.errors import ConfigError
-from appliance.settings import Settings
+from appliance.settings import PORT_OFFSETS, Settings
 from appliance.settings_load import load
 from appliance.settings_yaml import documented_yaml
 
@@ -111,3 +111,36 @@ def test_every_field_is_documented() -> None:
         return missing
 
     assert walk(Settings, "") == []
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.4", "::", "example.org"])
+def test_keyless_auth_off_loopback_is_one_line_naming_the_key(tmp_path: Path, host: str) -> None:
+    cfg = tmp_path / "open.yaml"
+    cfg.write_text(f"server: {{auth: none, host: '{host}'}}\n")
+    with pytest.raises(ConfigError) as err:
+        load(cfg)
+    assert err.value.exit_code == 2 and "\n" not in err.value.message
+    assert "server.auth='none' is invalid" in err.value.message
+    assert f"not {host!r}" in err.value.message and "loopback" in err.value.message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_keyless_auth_on_loopback_is_accepted(host: str) -> None:
+    assert load(server={"auth": "none", "host": host}).server.auth == "none"
+    assert load().server.auth == "keys"  # keys unless asked
+
+
+def test_engine_ports_left_unset_follow_the_api_port() -> None:
+    engine = load().engine
+    assert (engine.base_port, engine.kv_events_base_port, engine.kv_retention_base_port) == (
+        None, None, None,
+    )  # fmt: skip
+    assert [engine.port_base(k) for k in PORT_OFFSETS] == [8100, 5557, 5657]
+    assert [engine.port_base(k, 9000) for k in PORT_OFFSETS] == [9020, 6477, 6577]
+    set_one = load(engine={"base_port": 7000}).engine
+    assert set_one.port_base("base_port", 9000) == 7000
+
+
+def test_model_aliases_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_API__MODEL_ALIASES", '{"claude-sonnet-4-5": "sim", "*": "sim"}')
+    assert load().api.model_aliases == {"claude-sonnet-4-5": "sim", "*": "sim"}
