@@ -34,10 +34,15 @@ class AdminRoutes:
         self._ctx.keys.caller(request.headers)
         names = [self._ctx.model, *(a for a in self._ctx.model_aliases if a != "*")]
         cards = [
-            {"id": name, "object": "model", "owned_by": "appliance", "root": self._ctx.model,
-             "max_model_len": self._ctx.max_model_len}
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "appliance",
+                "root": self._ctx.model,
+                "max_model_len": self._ctx.max_model_len,
+            }
             for name in dict.fromkeys(names)
-        ]  # fmt: skip
+        ]
         return JSONResponse({"object": "list", "data": cards})
 
     async def admin_state(self, request: Request) -> Response:

@@ -70,8 +70,12 @@ def session_ttft_floor(
     for session in sessions:
         warm = int(WARM_PREFIX_SHARE * (session.system_tokens + session.tool_tokens)) // 64
         runs = [[s for s in session.steps if isinstance(s, TraceRequest)]]
-        runs += [list(a.requests) for s in session.steps if isinstance(s, TraceSubagents)
-                 for a in s.agents]  # fmt: skip
+        runs += [
+            list(a.requests)
+            for s in session.steps
+            if isinstance(s, TraceSubagents)
+            for a in s.agents
+        ]
         for requests in runs:
             previous: tuple[int, ...] | None = None
             for r in requests:

@@ -220,8 +220,14 @@ class SessionLoop:
         out: list[Arrival] = []
         for i, agent in enumerate(step.agents):
             waits = agent.parent_waits  # else it runs in the background: nobody waits
-            child = _SessionRun(f"{run.sid}/sa{run.step}.{i}", agent.requests, None,
-                         run if waits else None, run.blocks, run.scope)  # fmt: skip
+            child = _SessionRun(
+                f"{run.sid}/sa{run.step}.{i}",
+                agent.requests,
+                None,
+                run if waits else None,
+                run.blocks,
+                run.scope,
+            )
             run.children += waits
             if waits:
                 run.credit_s = max(run.credit_s, agent.duration_s or 0.0)

@@ -85,8 +85,14 @@ def replay_stack(
     if not plan.host:
         setup = replace(setup, host_blocks_per_worker=0, host_gib_per_worker=0.0)
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)  # as `make_engines` hashes
-    loop = SessionLoop(sessions, users=users, hasher=hasher, max_model_len=setup.max_model_len,
-                       window=window, clairvoyant=bound)  # fmt: skip
+    loop = SessionLoop(
+        sessions,
+        users=users,
+        hasher=hasher,
+        max_model_len=setup.max_model_len,
+        window=window,
+        clairvoyant=bound,
+    )
     if bound:
         latency = free_restores(latency)
     policy = ClairvoyantResidency() if bound else residency_plan(plan.residency).policy
@@ -94,8 +100,9 @@ def replay_stack(
     engines = make_engines(setup, latency, hold)
     router = PolicyRouter(plan.routing, workers=setup.workers, hasher=hasher, latency=latency)
     t0 = time.perf_counter()
-    result = replay(engines, loop.arrivals(), router, on_step=router.on_step,
-                    on_finish=loop.on_finish)  # fmt: skip
+    result = replay(
+        engines, loop.arrivals(), router, on_step=router.on_step, on_finish=loop.on_finish
+    )
     wall_s = time.perf_counter() - t0
     counted = _in_window(result, window)
     out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}

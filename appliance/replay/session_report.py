@@ -41,8 +41,18 @@ from appliance.replay.session_replay import (
 
 SESSION_BLOCK_SIZE = 64
 """The traces' own block: one hash id, one block (vLLM on CUDA takes any multiple of 16)."""
-_SHOWN = ("users", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "hit_rate", "step_p50_s",
-          "session_p50_s", "requests", "skipped_for_window", "wall_s")  # fmt: skip
+_SHOWN = (
+    "users",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "ttft_p99_s",
+    "hit_rate",
+    "step_p50_s",
+    "session_p50_s",
+    "requests",
+    "skipped_for_window",
+    "wall_s",
+)
 
 
 def run_sessions(
@@ -72,12 +82,25 @@ def run_sessions(
     if users is not None and users < 1:
         raise ValueError(f"--users must be at least 1, got {users}")
     sessions = read_agent_sessions(path)
-    setup, latency = make_setup(workers=workers, gpu_profile=gpu_profile, hbm_gib=hbm_gib,
-                                host_gib=host_gib, block_size=SESSION_BLOCK_SIZE,
-                                max_model_len=DEFAULT_MAX_MODEL_LEN)  # fmt: skip
+    setup, latency = make_setup(
+        workers=workers,
+        gpu_profile=gpu_profile,
+        hbm_gib=hbm_gib,
+        host_gib=host_gib,
+        block_size=SESSION_BLOCK_SIZE,
+        max_model_len=DEFAULT_MAX_MODEL_LEN,
+    )
     global _JOB
-    _JOB = partial(_stack_row, sessions=sessions, setup=setup, latency=latency, users=users,
-                   slo=slo_ttft_p95_s, window=window, say=say or _to_stderr)  # fmt: skip
+    _JOB = partial(
+        _stack_row,
+        sessions=sessions,
+        setup=setup,
+        latency=latency,
+        users=users,
+        slo=slo_ttft_p95_s,
+        window=window,
+        say=say or _to_stderr,
+    )
     if slo_ttft_p95_s is not None:
         names = [*names, BOUND]  # the clairvoyant bound's capacity, as a last row
     if jobs > 1 and len(names) > 1:
@@ -160,11 +183,15 @@ def render_session_report(out: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
     floor = out["ttft_floor"]
-    lines.append(f"TTFT floor (each request alone, its session's prefix cached): p50 "
-                 f"{floor['p50_s']} s, p95 {floor['p95_s']} s, p99 {floor['p99_s']} s")  # fmt: skip
+    lines.append(
+        f"TTFT floor (each request alone, its session's prefix cached): p50 "
+        f"{floor['p50_s']} s, p95 {floor['p95_s']} s, p99 {floor['p99_s']} s"
+    )
     if slo is not None:
-        lines.append(f"capacity: the most users whose TTFT p95 is at most {slo:g} s; the "
-                     f"clairvoyant bound: {out['bound_sessions']}")  # fmt: skip
+        lines.append(
+            f"capacity: the most users whose TTFT p95 is at most {slo:g} s; the "
+            f"clairvoyant bound: {out['bound_sessions']}"
+        )
     return "\n".join(lines)
 
 
