@@ -73,14 +73,7 @@ def run_sessions(
     """Replay the sessions at `path` through each of `stacks` (default: all) at `users`
     sessions at once, or (with `slo_ttft_p95_s`) find each one's capacity; returns the
     report and writes it (JSON) to `report`."""
-    names = stacks or list(STACKS)
-    unknown = [s for s in names if s not in STACKS]
-    if unknown:
-        raise ValueError(f"unknown stack {unknown[0]!r}; known: {', '.join(STACKS)}")
-    if (users is None) == (slo_ttft_p95_s is None):
-        raise ValueError("give --users N, or --capacity with --slo-ttft-p95 S")
-    if users is not None and users < 1:
-        raise ValueError(f"--users must be at least 1, got {users}")
+    names = _checked(stacks, users, slo_ttft_p95_s)
     sessions = read_agent_sessions(path)
     setup, latency = make_setup(
         workers=workers,
@@ -90,8 +83,7 @@ def run_sessions(
         block_size=SESSION_BLOCK_SIZE,
         max_model_len=DEFAULT_MAX_MODEL_LEN,
     )
-    global _JOB
-    _JOB = partial(
+    job = partial(
         _stack_row,
         sessions=sessions,
         setup=setup,
@@ -103,13 +95,7 @@ def run_sessions(
     )
     if slo_ttft_p95_s is not None:
         names = [*names, BOUND]  # the clairvoyant bound's capacity, as a last row
-    if jobs > 1 and len(names) > 1:
-        ctx = multiprocessing.get_context("fork")  # the children have `_JOB`, sessions and all
-        with ProcessPoolExecutor(max_workers=min(jobs, len(names)), mp_context=ctx) as pool:
-            rows = list(pool.map(_run_job, names))
-    else:
-        rows = [_run_job(name) for name in names]
-    _JOB = None
+    rows = _run_all(job, names, jobs)
     out: dict[str, Any] = {
         "source": str(path),
         "sessions": sessions_summary(sessions),
@@ -128,6 +114,35 @@ def run_sessions(
 
 _JOB: Callable[[str], dict[str, Any]] | None = None
 """The stack replay of the report being made, for forked workers to inherit."""
+
+
+def _checked(stacks: list[str] | None, users: int | None, slo: float | None) -> list[str]:
+    """The stacks to run (default: all); ValueError for a bad request."""
+    names = stacks or list(STACKS)
+    unknown = [s for s in names if s not in STACKS]
+    if unknown:
+        raise ValueError(f"unknown stack {unknown[0]!r}; known: {', '.join(STACKS)}")
+    if (users is None) == (slo is None):
+        raise ValueError("give --users N, or --capacity with --slo-ttft-p95 S")
+    if users is not None and users < 1:
+        raise ValueError(f"--users must be at least 1, got {users}")
+    return names
+
+
+def _run_all(
+    job: Callable[[str], dict[str, Any]], names: list[str], jobs: int
+) -> list[dict[str, Any]]:
+    """`job` for each stack: in turn, or `jobs` at a time in forked processes."""
+    global _JOB
+    _JOB = job
+    try:
+        if jobs > 1 and len(names) > 1:
+            ctx = multiprocessing.get_context("fork")  # the children inherit `_JOB`
+            with ProcessPoolExecutor(max_workers=min(jobs, len(names)), mp_context=ctx) as pool:
+                return list(pool.map(_run_job, names))
+        return [_run_job(name) for name in names]
+    finally:
+        _JOB = None
 
 
 def _run_job(stack: str) -> dict[str, Any]:
