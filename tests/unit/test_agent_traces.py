@@ -30,7 +30,6 @@ BACKGROUND = data_file("kvct/trace_0295.json.gz")  # 8 sub-agents, 4 of them in 
 SESSIONS = (NO_THINK_TIME, WAITED, BACKGROUND)
 
 FULL_TRACES_ENV = "APPLIANCE_TEST_TRACES"
-SHARED_TRACES = Path("/work/shared/traces")
 
 
 def raw(path: Path) -> dict[str, Any]:
@@ -295,14 +294,14 @@ def test_an_empty_or_missing_folder_is_refused(tmp_path: Path) -> None:
 
 
 def full_folder() -> Path:
-    """The whole folder: under $APPLIANCE_TEST_TRACES (then it must be there), else in
-    /work/shared/traces; skipped, with the reason, where neither holds it."""
+    """The whole folder, under $APPLIANCE_TEST_TRACES (as the trace replay's full check:
+    tests/unit/test_replay_bounds.py); skipped, with the reason, where it is unset: the
+    slice's tests above stand in."""
     root = os.environ.get(FULL_TRACES_ENV)
-    folder = Path(root or SHARED_TRACES) / "claude_code_kvct"
-    if root:
-        assert folder.is_dir(), f"${FULL_TRACES_ENV}={root} holds no claude_code_kvct/"
-    elif not folder.is_dir():
-        pytest.skip(f"no {folder} and ${FULL_TRACES_ENV} unset: the slice tests stand in")
+    if not root:
+        pytest.skip(f"${FULL_TRACES_ENV} unset: no full folder of sessions to check")
+    folder = Path(root) / "claude_code_kvct"
+    assert folder.is_dir(), f"${FULL_TRACES_ENV}={root} holds no claude_code_kvct/"
     return folder
 
 
