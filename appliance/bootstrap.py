@@ -3,6 +3,7 @@ concrete ledger, engines and probes; the CLI calls the functions here and nothin
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -128,7 +129,7 @@ def is_session_trace(path: Path) -> bool:
     return path.is_dir() or path.name.endswith((".json", ".json.gz"))
 
 
-def session_table(path: Path, *, duration_s: float, warmup_s: float, **options: Any) -> str:
+def session_table(path: Path, *, duration_s: float | None, warmup_s: float, **options: Any) -> str:
     """`appliance replay DIR`: recorded agent sessions through each stack, closed loop."""
     from appliance.replay.session_loop import RunWindow
     from appliance.replay.session_report import render_session_report, run_sessions
@@ -136,7 +137,7 @@ def session_table(path: Path, *, duration_s: float, warmup_s: float, **options: 
     if not path.exists():
         raise ConfigError(f"replay: {path} does not exist")
     try:
-        window = RunWindow(duration_s=duration_s, warmup_s=warmup_s)
+        window = RunWindow(duration_s=duration_s or math.inf, warmup_s=warmup_s)
         return render_session_report(run_sessions(path, window=window, **options))
     except ValueError as exc:
         raise ConfigError(f"replay: {exc}") from None

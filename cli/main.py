@@ -309,8 +309,13 @@ def replay_command(
         typer.Option("--slo-ttft-p95", help="The capacity's SLO: TTFT p95 in seconds.", min=0),
     ] = None,
     duration: Annotated[
-        float, typer.Option(help="Agent sessions: virtual seconds of the run.", min=1)
-    ] = 3600.0,
+        float | None,
+        typer.Option(
+            help="Agent sessions: virtual seconds of the run (default: until every session "
+            "has started once).",
+            min=1,
+        ),
+    ] = None,
     warmup: Annotated[
         float,
         typer.Option(help="Agent sessions: virtual seconds not counted at the start.", min=0),

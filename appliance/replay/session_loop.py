@@ -4,8 +4,11 @@ session after another, in the replay's virtual time.
 Model of the world (kv-cache-tester's `trace_replay_tester.py`, its default `think-only`
 timing, with `--recycle`): a user runs a session's requests in order, each sent
 `think_time` after the previous answer ended (the tool's run, or the person's reply); when
-its session has no request left, the user starts the next session of the list at once
-(the list cycles), until `duration_s`, after which nothing new is sent and what is in
+its session has no request left, the user starts the next session of the list at once.
+By default every session of the list starts once (one pass: at every count of users the
+same sessions are replayed, so runs differ only in how many run at once), and the counted
+window ends as the last one starts (after that, fewer than `users` run); with a
+`duration_s` the list cycles until then, after which nothing new is sent and what is in
 flight finishes. User `u` starts at `u * warmup_s / users`, so the users ramp up over the
 warm-up. A sub-agent entry starts its sub-agents beside the session, each a session of its
 own; the session resumes when the last it waits for has ended (a background one it does
@@ -55,7 +58,8 @@ PERSON = "person"
 class RunWindow:
     """How long a run lasts and what of it counts, in virtual seconds."""
 
-    duration_s: float = 3600.0
+    duration_s: float = math.inf
+    """inf: until every recorded session has started once (one pass over the list)."""
     warmup_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -82,6 +86,8 @@ class _SessionRun:
     """Where its ids are scoped: its user's session (a sub-agent's, its parent's)."""
     warm_ids: tuple[int, ...] = ()
     """The leading ids of its session's first prompt that are the warm prefix."""
+    last: tuple[tuple[int, ...], list[BlockHash], int] = ((), [], 0)
+    """Its previous prompt: ids, block hashes, and how many leading chunks were warm."""
     step: int = 0
     children: int = 0
     credit_s: float = 0.0
@@ -135,6 +141,9 @@ class SessionLoop:
         self.clairvoyant = clairvoyant
         self._warm_blocks: dict[tuple[BlockHash | None, tuple[object, ...]], list[BlockHash]] = {}
         self._next_session = 0
+        self.one_pass = math.isinf(self.duration_s)
+        """Every session starts once: the window ends as the last one starts."""
+        self.last_start_s = math.inf
         self._runs: dict[str, tuple[_SessionRun, TraceRequest]] = {}  # request id -> its run
         self._session_of: dict[str, str] = {}
         self.counts = SessionCounts()
@@ -151,6 +160,16 @@ class SessionLoop:
         now = rec.finish_s if rec.finish_s is not None else rec.arrival_s
         run.step += 1
         return self._advance(run, now)
+
+    @property
+    def passed(self) -> bool:
+        """One pass: every recorded session has started."""
+        return self.one_pass and self._next_session >= len(self._sessions)
+
+    @property
+    def end_s(self) -> float:
+        """Where the counted window ends: the run's end, or the last session's start."""
+        return min(self.duration_s, self.last_start_s)
 
     def hint(self, request_id: str) -> TurnHint | None:
         """What the turn's answer tells: whether it ended in a tool call (see the module).
@@ -184,10 +203,12 @@ class SessionLoop:
     # --- the loop ---
 
     def _start_user(self, user: int, at_s: float) -> list[Arrival]:
-        if at_s > self.duration_s:
+        if at_s > self.duration_s or self.passed:
             return []
         trace = self._sessions[self._next_session % len(self._sessions)]
         self._next_session += 1
+        if self.one_pass and self._next_session == len(self._sessions):
+            self.last_start_s = at_s  # the last session starts: the counted window ends
         n = self.counts.by_user[user] = self.counts.by_user.get(user, 0) + 1
         sid = f"u{user}.{n}:{trace.session_id}"
         warm = int(self._warm_share * (trace.system_tokens + trace.tool_tokens)) // 64
@@ -262,34 +283,35 @@ class SessionLoop:
         )
 
     def _hashes(self, run: _SessionRun, step: TraceRequest) -> list[BlockHash]:
-        """The prompt's full blocks' hashes, each id's once per run (see the module)."""
+        """The prompt's full blocks' hashes, each id's once per run (see the module): the
+        chunks it shares with the run's previous prompt are that prompt's hashes."""
         bs = self._hasher.block_size
         per = max(1, bs // TRACE_BLOCK_TOKENS)  # ids per hashed chunk
-        ids = step.hash_ids
-        n_full = step.input_tokens // bs
-        out: list[BlockHash] = []
-        parent: BlockHash | None = None
-        warm = True
-        for start in range(0, len(ids) - per + 1, per):
+        blocks_per = per * TRACE_BLOCK_TOKENS // bs  # blocks per chunk
+        ids, n_full = step.hash_ids, step.input_tokens // bs
+        prev_ids, prev_hashes, prev_warm = run.last
+        reused = min(_shared_prefix(prev_ids, ids) // per, len(prev_hashes) // blocks_per)
+        out = list(prev_hashes[: reused * blocks_per])
+        warm_chunks = min(reused, prev_warm)
+        warm = reused <= prev_warm  # every chunk so far is the warm prefix's
+        for start in range(reused * per, len(ids) - per + 1, per):
             if len(out) >= n_full:
                 break
-            chunk = ids[start : start + per]
             keys: list[object] = []
-            for j, x in enumerate(chunk):
+            for j, x in enumerate(ids[start : start + per]):
                 warm = warm and start + j < len(run.warm_ids) and x == run.warm_ids[start + j]
                 keys.append((_WARM, start + j) if warm else x)
+            warm_chunks += warm
             memo = self._warm_blocks if warm else run.blocks
-            key = (parent, tuple(keys))
-            hashes = memo.get(key)
+            parent = out[-1] if out else None
+            hashes = memo.get((parent, tuple(keys)))
             if hashes is None:
-                hashes = memo[key] = self._hasher.hash_after(
-                    block_tokens(keys, _WARM if warm else run.scope),
-                    first_block=len(out),
-                    parent=parent,
-                    keys=self._keys,
+                tokens = block_tokens(keys, _WARM if warm else run.scope)
+                hashes = memo[(parent, tuple(keys))] = self._hasher.hash_after(
+                    tokens, first_block=len(out), parent=parent, keys=self._keys
                 )
             out += hashes
-            parent = out[-1] if out else parent
+        run.last = (ids, out, warm_chunks)
         return out[:n_full]
 
 
@@ -309,5 +331,20 @@ def block_tokens(keys: Sequence[object], scope: str) -> list[int]:
     out: list[int] = []
     for key in keys:
         base = zlib.crc32(f"{scope}/{key}".encode())
-        out += [(base + 7919 * i) % DEFAULT_VOCAB_SIZE for i in range(TRACE_BLOCK_TOKENS)]
+        out += [(base + step) % DEFAULT_VOCAB_SIZE for step in _TOKEN_STEPS]
     return out
+
+
+_TOKEN_STEPS = tuple(7919 * i for i in range(TRACE_BLOCK_TOKENS))
+
+
+def _shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading ids `a` and `b` share (compared a slice at a time, in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -5,9 +5,8 @@ a routing policy, a residency policy and a host tier, at `users` sessions at onc
 Model of the world: as `workload_replay.py` for the agent workload (the same simulated
 workers, router and residency adapter), the requests released by completions plus think
 times. The figures count the requests that arrive after the warm-up and by the end of the
-run (`warmup_s` < arrival <= `duration_s`), so the users' ramp and the drain after the end
-are not in them; a user's session time counts the sessions it started and finished in the
-window.
+window (`warmup_s` < arrival <= `SessionLoop.end_s`: the last session's start in one pass,
+else `duration_s`), so the users' ramp and the drain after the end are not in them.
 
 Stacks (`STACKS`), each as its authors ship it at its best settings (the routing anchors'
 and residency anchors' docstrings cite their sources):
@@ -104,10 +103,11 @@ def replay_stack(
         engines, loop.arrivals(), router, on_step=router.on_step, on_finish=loop.on_finish
     )
     wall_s = time.perf_counter() - t0
-    counted = _in_window(result, window)
+    counted = _in_window(result, window.warmup_s, loop.end_s)
     out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
+    out["window_end_s"] = round(loop.end_s, 1)
     out["skipped_for_window"] = loop.counts.skipped_for_window
     out["sessions_started"] = loop.counts.sessions_started
     out["sessions_finished"] = loop.counts.sessions_finished
@@ -119,8 +119,8 @@ def plan_fields(plan: Stack) -> dict[str, object]:
     return {"routing": plan.routing, "residency": plan.residency, "host_tier": plan.host}
 
 
-def _in_window(result: ReplayResult, window: RunWindow) -> ReplayResult:
-    kept = [r for r in result.records if window.warmup_s < r.arrival_s <= window.duration_s]
+def _in_window(result: ReplayResult, start_s: float, end_s: float) -> ReplayResult:
+    kept = [r for r in result.records if start_s < r.arrival_s <= end_s]
     return ReplayResult(kept, result.engine_stats, result.end_s, result.num_steps)
 
 

@@ -186,8 +186,8 @@ def render_session_report(out: dict[str, Any]) -> str:
     lines = [
         f"{s['sessions']} sessions ({s['requests']} requests) from {out['source']}; "
         f"{setup['workers']} workers x {setup['kv_gib_per_worker']} GiB KV, host "
-        f"{setup['host_gib_per_worker']} GiB each; window {out['window']['warmup_s']:g}-"
-        f"{out['window']['duration_s']:g} s",
+        f"{setup['host_gib_per_worker']} GiB each; counted from {out['window']['warmup_s']:g} s "
+        f"to {_window_end(out['window']['duration_s'])}",
     ]
     slo = out["slo_ttft_p95_s"]
     head = ["stack", *(["capacity"] if slo is not None else []), *_SHOWN]
@@ -208,6 +208,10 @@ def render_session_report(out: dict[str, Any]) -> str:
             f"clairvoyant bound: {out['bound_sessions']}"
         )
     return "\n".join(lines)
+
+
+def _window_end(duration_s: float) -> str:
+    return "the last session's start" if duration_s == float("inf") else f"{duration_s:g} s"
 
 
 def _cell(value: object) -> str:

@@ -75,6 +75,17 @@ def test_a_finished_session_is_replaced_by_the_next_recording_until_the_end() ->
     assert (lp.counts.sessions_started, lp.counts.sessions_finished) == (3, 3)
 
 
+def test_by_default_every_recording_starts_once_and_the_window_ends_at_the_last() -> None:
+    hasher = BlockHasher(HashAlgo.SHA256, 64)
+    sessions = [trace("a", req(200, [1, 2, 3])), trace("b", req(100, [1]))]
+    lp = SessionLoop(sessions, users=1, hasher=hasher, max_model_len=4096)
+    [a] = list(lp.arrivals())
+    [b] = lp.on_finish(finish(a, 5.0))
+    assert b.request.session_id == "u0.2:b" and lp.end_s == 5.0  # the last one started
+    assert lp.on_finish(finish(b, 6.0)) == [] and lp.passed  # none is replayed twice
+    assert (lp.counts.sessions_started, lp.counts.sessions_finished) == (2, 2)
+
+
 def test_users_ramp_up_over_the_warm_up() -> None:
     lp = loop(trace("a", req(200, [1, 2, 3])), users=4, warmup_s=100.0, duration_s=500.0)
     assert [a.time_s for a in lp.arrivals()] == [0.0, 25.0, 50.0, 75.0]
