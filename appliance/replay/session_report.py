@@ -5,10 +5,10 @@ capacity of each: the most users whose steady-state TTFT p95 meets an SLO.
 Stacks run one after another, or `jobs` at a time in forked processes (each replay is
 single-threaded and independent; results do not depend on `jobs`). Each capacity step is
 printed as it ends (`say`). The report: `rows` (one per stack, with `capacity_sessions`
-and its `steps` in a capacity search), the sessions' summary, the simulated box, the
-window, the TTFT floor (`session_bound.session_ttft_floor`: each request alone, so no stack's
-TTFT is lower), and with a capacity search the clairvoyant bound's (`bound`, and its capacity as
-`bound_sessions`; `session_bound.py`), searched like a stack's.
+and its `steps` in a capacity search; with a capacity search also the clairvoyant bound's,
+stack `bound`, `session_bound.py`, its capacity also as `bound_sessions`), the sessions'
+summary, the simulated box, the window, and the TTFT floor
+(`session_bound.session_ttft_floor`: each request alone, so no stack's TTFT is lower).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def run_sessions(
         window=window,
         say=say or _to_stderr,
     )
-    if slo_ttft_p95_s is not None:
+    if slo_ttft_p95_s is not None and BOUND not in names:
         names = [*names, BOUND]  # the clairvoyant bound's capacity, as a last row
     rows = _run_all(job, names, jobs)
     out: dict[str, Any] = {
@@ -103,8 +103,7 @@ def run_sessions(
         "window": {"duration_s": window.duration_s, "warmup_s": window.warmup_s},
         "slo_ttft_p95_s": slo_ttft_p95_s,
         "ttft_floor": session_ttft_floor(sessions, latency, setup.max_model_len),
-        "rows": [r for r in rows if r["stack"] != BOUND],
-        "bound": next((r for r in rows if r["stack"] == BOUND), None),
+        "rows": rows,
         "bound_sessions": next((r["capacity_sessions"] for r in rows if r["stack"] == BOUND), None),
     }
     if report is not None:
@@ -119,9 +118,9 @@ _JOB: Callable[[str], dict[str, Any]] | None = None
 def _checked(stacks: list[str] | None, users: int | None, slo: float | None) -> list[str]:
     """The stacks to run (default: all); ValueError for a bad request."""
     names = stacks or list(STACKS)
-    unknown = [s for s in names if s not in STACKS]
+    unknown = [s for s in names if s not in STACKS and s != BOUND]
     if unknown:
-        raise ValueError(f"unknown stack {unknown[0]!r}; known: {', '.join(STACKS)}")
+        raise ValueError(f"unknown stack {unknown[0]!r}; known: {', '.join([*STACKS, BOUND])}")
     if (users is None) == (slo is None):
         raise ValueError("give --users N, or --capacity with --slo-ttft-p95 S")
     if users is not None and users < 1:

@@ -182,11 +182,11 @@ def test_a_capacity_search_prints_each_step_and_reports_the_capacity(tmp_path: P
     r = run("replay", str(KVCT), "--stack", "vllm", "--capacity", "--slo-ttft-p95", "60",
             *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    [row] = json.loads(out.read_text())["rows"]
+    row, bound = json.loads(out.read_text())["rows"]
     steps = row["steps"]
     assert len(steps) >= 2 and r.stderr.count("vllm: ") == len(steps)
     report = json.loads(out.read_text())
-    assert isinstance(report["bound_sessions"], int) and report["bound"]["stack"] == "bound"
+    assert bound["stack"] == "bound" and report["bound_sessions"] == bound["capacity_sessions"]
     cap = row["capacity_sessions"]
     meets = [s["users"] for s in steps if s["ttft_p95_s"] <= 60]
     assert cap == (max(meets) if meets else 0)
