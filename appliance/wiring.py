@@ -36,7 +36,7 @@ from appliance.policy.admission import AdmissionLimits
 from appliance.policy.prefetch import PrefetchPolicy, PrefetchTuning
 from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
-from appliance.policy.survival import WaitKey
+from appliance.policy.survival import PERSON, WaitKey
 from appliance.policy.wait_curves import LogNormal
 from appliance.policy.worker_power import (
     CPU_VLLM_STATES,
@@ -223,6 +223,18 @@ def _session_kv(
     return releases, SessionKv(desk.placer.residency, releases, reaper)
 
 
+def _wait_priors() -> dict[str, LogNormal]:
+    """The reaper's priors: the workload config's tool classes' waits, and for a person's
+    reply (an answer that called no tool) its human wait."""
+    priors = {
+        name: LogNormal.from_median_p95(c.median, c.p95)
+        for name, c in WorkloadSpec().tool_classes.items()
+    }
+    if "human" in priors:
+        priors.setdefault(PERSON, priors["human"])
+    return priors
+
+
 def _reaper_loop(
     settings: Settings,
     engines: StartedEngines,
@@ -238,16 +250,12 @@ def _reaper_loop(
     r = settings.residency
     if not r.reaper:
         return None
-    priors = {
-        name: LogNormal.from_median_p95(c.median, c.p95)
-        for name, c in WorkloadSpec().tool_classes.items()
-    }
     tuning = ReaperTuning(
         max_residency_s=r.max_residency_s,
         pressure_from=r.pressure_from,
         kv_bytes_per_token=profile.kv_bytes_per_token,
     )
-    reaper = Reaper(priors=priors, tuning=tuning)
+    reaper = Reaper(priors=_wait_priors(), tuning=tuning)
     now = clock.now()
     for gap in session_gaps(settings.ledger_path, since=now - RESTORE_WINDOW_S, now=now,
                             limit=RESTORE_MAX):  # fmt: skip

@@ -25,14 +25,17 @@ either says, see `life_table`) and end at the prior's hazard. So the prior's sha
 bin's hazard is at most prior_weight / (n + prior_weight) with n sessions observed: a class
 seen a few times answers from its prior, a well-observed one from its data, and past the
 longest gap seen the prior alone sets the hazard. A key not seen yet answers from its class's prior;
-a class without one, or none, or a name over `MAX_CLASS_LEN` characters (never kept), from
-the tenant-wide model (every observation of the tenant); a tenant not seen yet from
-`DEFAULT_PRIOR`. A class without a prior takes the tenant-wide model's hazards, as they
-stand when the class is first seen, as its prior. A depth (1..`MAX_DEPTH` turns so far) is
-a key of its own beside its depth-less key, fed alike, with the depth-less key's hazards
-when the depth is first seen as its prior, and answers for its sessions once it has data:
-a session on its first turn and one on its fifth leave (and return) alike within a class
-only if the data says so.
+a tool's class without one from the tenant's pool of tool waits (`ANY_TOOL`: every
+observation of a class but `PERSON`), and a class without a prior not pooled there yet,
+`PERSON`, none, or a name over `MAX_CLASS_LEN` characters (never kept), from the
+tenant-wide model (every observation of the tenant); a tenant not seen yet from
+`DEFAULT_PRIOR`. A class without a prior takes the hazards of the tenant's tool pool (for
+`PERSON`: of the tenant-wide model), as they stand when the class is first seen, as its
+prior. So a tool named for the first time is expected back like the tenant's other tools,
+a person's reply is not. A depth (1..`MAX_DEPTH` turns so far) is a key of its own beside
+its depth-less key, fed alike, with the depth-less key's hazards when the depth is first
+seen as its prior, and answers for its sessions once it has data: a session on its first
+turn and one on its fifth leave (and return) alike within a class only if the data says so.
 
 The client's hint (`X-Expected-Tool-Wait-S`) is judged by its record: per key, the
 decayed mean and spread of log(gap / hint) and of log(gap) over hinted returns. Trust is
@@ -77,6 +80,12 @@ MAX_KEYS = 4096
 """Keys kept, least recently used dropped first: about 3 KiB each, 12 MiB in all."""
 MAX_CLASS_LEN = 64
 """Longest tool class name kept (the workload config's limit on names)."""
+PERSON = "person"
+"""The class of a wait on a person (an answer that called no tool): never pooled with the
+tenant's tool waits."""
+ANY_TOOL = ""  # pragma: no mutate (any name no caller can pass: `_known` takes "" for none)
+"""The class of a tenant's pool of tool waits: the empty name, which no caller's class can
+be (an empty class is no class)."""
 HINT_SAMPLES_FOR_HALF_TRUST = 5.0
 """Judgement: a hint's record earns half its trust after 5 hinted returns."""
 MAX_DEPTH = 4
@@ -266,19 +275,22 @@ class WaitSurvival:
             return own
         if tool_class in self._priors:
             return self._prior_only(tool_class)
-        return self._tenant_wide(key.tenant)
+        pooled = self._touch(WaitKey(key.tenant, ANY_TOOL)) if tool_class != PERSON else None
+        return pooled or self._tenant_wide(key.tenant)
 
     def _tenant_wide(self, tenant: str) -> _KeyModel:
         return self._touch(WaitKey(tenant, None)) or self._prior_only(None)
 
     def _models_fed_by(self, key: WaitKey) -> list[_KeyModel]:
-        """Most specific first: a depth's model is created with its key's hazards as they
-        stand, before this observation joins them."""
+        """Most specific first, then a tool's pool (of no depth): a depth's model is created
+        with its key's hazards as they stand, before this observation joins them."""
         tool_class = _known(key.tool_class)
         keys = [WaitKey(key.tenant, tool_class)] if tool_class is not None else []
         keys.append(WaitKey(key.tenant, None))
         if key.depth:
             keys = [k._replace(depth=key.depth) for k in keys] + keys
+        if tool_class is not None and tool_class != PERSON:
+            keys.append(WaitKey(key.tenant, ANY_TOOL))
         return [self._touch_or_add(k) for k in keys]
 
     def _touch(self, key: WaitKey) -> _KeyModel | None:
@@ -303,15 +315,18 @@ class WaitSurvival:
 
     def _prior_for(self, key: WaitKey) -> Sequence[float]:
         """At a depth: the hazards the key answers with at any depth now. Else its class's
-        prior, else the tenant-wide model's hazards now, else the default."""
+        prior, else the hazards now of the tenant's tool pool (not for `PERSON`, nor the pool
+        itself) or its tenant-wide model, else the default."""
         if key.depth:
             return hazards(self._answering(key._replace(depth=0)).curve().at_edges)
         if key.tool_class is None:
             return self._default
         if key.tool_class in self._priors:
             return self._priors[key.tool_class]
-        tenant_wide = self._models.get(WaitKey(key.tenant, None))
-        return self._default if tenant_wide is None else hazards(tenant_wide.curve().at_edges)
+        like = self._models.get(WaitKey(key.tenant, ANY_TOOL))
+        if like is None or key.tool_class == PERSON:
+            like = self._models.get(WaitKey(key.tenant, None))
+        return self._default if like is None else hazards(like.curve().at_edges)
 
 
 def _known(tool_class: str | None) -> str | None:

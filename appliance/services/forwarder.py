@@ -1,14 +1,16 @@
 """The forwarder: one attempt of a turn at one worker, relayed to the client.
 
-A non-streamed answer is relayed as the worker's bytes; its `usage` is read once. A stream
-is relayed chunk by chunk as the worker sends it, unparsed, while `UsageScanner` finds the
-`usage` line in passing. The worker's first byte tells the queue book the prefill is done.
-A worker that fails before the first byte raises (EngineUnavailable, EngineTimedOut when it
-sent nothing for `engine.request_timeout_s`, or EngineRequestError with its status) and the
-caller decides whether to retry; a stream that breaks midway ends
-with an SSE error event and a failed attempt; a client that leaves a stream midway ends the
-worker's request (its stream is closed) and leaves a cancelled attempt. Every attempt ends
-in the queue book and in the turn records exactly once (`finish`).
+A non-streamed answer is relayed as the worker's bytes; it is parsed once, for its `usage`
+and for how it ended (`answer_tools.py`: the tools it called, or none). A stream is relayed
+chunk by chunk as the worker sends it, unparsed, while `UsageScanner` finds the `usage` line
+and `ToolCallScanner` the tool calls and finish reason in passing. The worker's first byte
+tells the queue book the prefill is done. A worker that fails before the first byte raises
+(EngineUnavailable, EngineTimedOut when it sent nothing for `engine.request_timeout_s`, or
+EngineRequestError with its status) and the caller decides whether to retry; a stream that
+breaks midway ends with an SSE error event and a failed attempt; a client that leaves a
+stream midway ends the worker's request (its stream is closed) and leaves a cancelled
+attempt. Every attempt ends in the queue book and in the turn records exactly once
+(`finish`).
 
 The client hears that a turn is done only once its turn row is committed: a non-streamed
 answer is sent after the commit, and a stream's closing `data: [DONE]` is held back until
@@ -28,6 +30,7 @@ import orjson
 from appliance.domain.errors import EngineRequestError, EngineTimedOut, LedgerError
 from appliance.domain.records import TurnOutcome
 from appliance.ports import Clock, WorkerEndpoint
+from appliance.services.answer_tools import ToolCallScanner, answer_end
 from appliance.services.queue_book import QueueBook
 from appliance.services.turn import Attempt, Reply, TurnRequest, cached_tokens
 from appliance.services.turn_records import TurnRecords
@@ -53,7 +56,9 @@ class Forwarder:
         if on_answer is not None:
             on_answer()
         attempt.first_byte_at = self._clock.now()
-        attempt.usage = usage_of(answer) or {}
+        doc = _parsed(answer)
+        attempt.usage = usage_in(doc) or {}
+        attempt.said = answer_end(doc)
         await asyncio.wrap_future(self.finish(turn, attempt, TurnOutcome.OK))  # refused: 503
         return Reply(200, headers(turn, attempt), answer)
 
@@ -84,7 +89,7 @@ class Forwarder:
 
         async def chunks() -> AsyncGenerator[bytes, None]:
             outcome, error = TurnOutcome.OK, None
-            usage = UsageScanner()
+            usage, tools = UsageScanner(), ToolCallScanner()
             done = b""  # the worker's closing `data: [DONE]`, sent once the turn is recorded
             try:
                 async for data in source:  # relayed as they come, unparsed
@@ -93,6 +98,7 @@ class Forwarder:
                         yield b"data: " + orjson.dumps(_stopped_event(ended)) + b"\n\n"
                         break
                     usage.feed(data)
+                    tools.feed(data)
                     attempt.chunks += 1
                     if data.endswith(SSE_DONE):
                         data, done = data[: -len(SSE_DONE)], SSE_DONE
@@ -100,6 +106,7 @@ class Forwarder:
                         yield data
                 if usage.last:
                     attempt.usage = usage.last
+                attempt.said = tools.end()  # before `on_end`: the reaper reads it then
             except (GeneratorExit, asyncio.CancelledError):  # the client left midway
                 outcome = TurnOutcome.CANCELLED
                 raise
@@ -215,10 +222,18 @@ class UsageScanner:
 
 
 def usage_of(data: bytes) -> dict[str, Any] | None:
+    return usage_in(_parsed(data))
+
+
+def _parsed(data: bytes) -> Any:
     try:
-        chunk = orjson.loads(data)
+        return orjson.loads(data)
     except ValueError:
         return None
+
+
+def usage_in(chunk: Any) -> dict[str, Any] | None:
+    """The usage of a parsed answer or chunk, in the chat API's shape."""
     if isinstance(chunk, dict) and isinstance(chunk.get("response"), dict):
         chunk = chunk["response"]  # a Responses API event (`response.completed`)
     usage = chunk.get("usage") if isinstance(chunk, dict) else None

@@ -20,6 +20,7 @@ from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDe
 from appliance.ports import KvLookup
 from appliance.services.residency_inputs import prefix_tokens, resident_tokens
 from appliance.services.sessions import SessionState
+from appliance.services.tool_waits import UNKNOWN, TurnWait
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class WaitingSession:
     ended_by: str | None = None
     """What ended its hold other than the reaper: a give-back's reason, or an operator."""
     evicted: bool = False
+    wait: TurnWait = UNKNOWN
+    """What it waits on (the tools its last answer called, a person), as its turn ended."""
 
 
 class PrefixWatch:

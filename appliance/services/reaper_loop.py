@@ -54,7 +54,6 @@ from appliance.services.lead_time import LeadTime
 from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
-    ToolSpeakers,
     host_reading,
     idle_session,
     kept_blocks,
@@ -65,6 +64,7 @@ from appliance.services.residency_inputs import (
 )
 from appliance.services.retention_outbox import RetentionOutbox
 from appliance.services.sessions import SessionState, one_turn
+from appliance.services.tool_waits import ToolWaits
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
@@ -102,7 +102,7 @@ class ReaperLoop:
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
         self._held: dict[str, WorkerId] = {}  # key -> the worker last asked to hold it
-        self._tooled = ToolSpeakers(MAX_WAITING)
+        self._tooled = ToolWaits(MAX_WAITING)  # what each session waits on, from its answer
         self.outbox = RetentionOutbox(retention)
         self._watched_at = self._ordered_at = -math.inf
         self._prefixes = PrefixWatch(inputs.index)
@@ -139,7 +139,7 @@ class ReaperLoop:
         if worker is None or not prefix_tokens(session) or one_turn(session):
             return
         key = retention_key(session)
-        ends = self._tooled.ends_in_tool_call(session, key)
+        wait = self._tooled.wait_of(session, key)
         moved_from = self._held.get(key)
         if moved_from is not None and moved_from != worker:
             self.outbox.release(moved_from, key)
@@ -150,9 +150,9 @@ class ReaperLoop:
         usage = kv_usage(self._inputs, self.retention, worker)
         host = self._host(session, worker)
         idle = idle_session(self._inputs, session, worker, tokens=tokens, finished_at_s=now,
-                            kv_usage_now=usage, ends=ends, host=host)  # fmt: skip
+                            kv_usage_now=usage, wait=wait, host=host)  # fmt: skip
         idle = replace(idle, hbm_value=self._hbm_value(worker, key, usage, now))
-        waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen_tokens=seen)
+        waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen, wait=wait)
         self._waiting[key] = waiting
         self._waiting.move_to_end(key)
         if len(self._waiting) > MAX_WAITING:
@@ -185,7 +185,7 @@ class ReaperLoop:
         w.decision = decision
         self.decisions[decision.action.value] += 1
         log.debug("idle reaper: %s %s on %s: %s", decision.action, key, w.worker, decision.reason)
-        self._write(rows.decision_row(w.idle, w.worker, decision, now, priority))
+        self._write(rows.decision_row(w.idle, w.worker, decision, now, priority, w.wait))
         if decision.kind is ResidencyKind.MAX_RESIDENCY:
             self._abandoned(key, w, now)
 

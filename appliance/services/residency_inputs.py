@@ -17,15 +17,14 @@ the appliance knows at that instant:
 - the host tier, where the worker's retention reports show one: room for the whole session
   (it is a cache that evicts to make room), its use as its pressure, and its size against
   the GPU pool's (what it displaces when full is that much further from use);
-- the tool class, the client's expected wait and the session's depth from its turn's
-  headers and counts; and whether the turn ended in a tool call: yes when the client named
-  a tool class or a wait, no when a client that named them on earlier turns of the session
-  names neither (its last step), unknown for a client that never does.
+- what the session waits on (`tool_waits.py`): the tools its answer called (their names
+  its tool class), or the person (`person`) when the answer called none; the client's
+  `X-Tool-Class` and `X-Expected-Tool-Wait-S`, when sent, as hints that win for their turn;
+  and the session's depth from its turns.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from appliance.domain.records import TaskId, WorkerId
 from appliance.policy.residency import HostTierReading, IdleSession, ResidencyAction
 from appliance.ports import KvLookup, KvRetention, WorkerEndpoint
 from appliance.services.sessions import SessionState
+from appliance.services.tool_waits import TurnWait
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,25 +101,6 @@ def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> fl
     return load.kv_cache_usage_perc if load is not None else 0.0
 
 
-class ToolSpeakers:
-    """Sessions whose client named a tool class or a wait on some turn, so that a turn of
-    theirs naming neither is their last step; the `bound` most recent are remembered."""
-
-    def __init__(self, bound: int) -> None:
-        self._bound = bound
-        self._keys: OrderedDict[str, None] = OrderedDict()
-
-    def ends_in_tool_call(self, session: SessionState, key: str) -> bool | None:
-        """Whether the session's turn that just ended leads to a tool call (see the module)."""
-        if session.tool_class is not None or session.expected_wait_s is not None:
-            self._keys[key] = None
-            self._keys.move_to_end(key)
-            if len(self._keys) > self._bound:
-                self._keys.popitem(last=False)
-            return True
-        return False if key in self._keys else None
-
-
 def idle_session(
     inputs: LiveInputs,
     session: SessionState,
@@ -128,19 +109,19 @@ def idle_session(
     tokens: int,
     finished_at_s: float,
     kv_usage_now: float,
-    ends: bool | None,
+    wait: TurnWait,
     host: HostTierReading | None = None,
 ) -> IdleSession:
     """The policy's view of the session, waiting since `finished_at_s` on `worker` with
-    `tokens` of its prefix resident there."""
+    `tokens` of its prefix resident there, on what `wait` says."""
     return IdleSession(
         session_id=retention_key(session),
         resident_tokens=tokens,
         finished_at_s=finished_at_s,
-        ends_in_tool_call=ends,
-        tool_class=session.tool_class,
+        ends_in_tool_call=wait.ends_in_tool_call,
+        tool_class=wait.tool_class,
         turns=session.turns,
-        expected_wait_s=session.expected_wait_s,
+        expected_wait_s=wait.expected_wait_s,
         recompute_s=inputs.prefill_s(worker, tokens) if tokens else 0.0,
         kv_usage=kv_usage_now,
         tenant=session.tenant,

@@ -33,6 +33,7 @@ from appliance.domain.retention import ReturnedKv
 from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDecision
 from appliance.services.residency_inputs import LiveInputs, prefix_tokens, retention_key
 from appliance.services.sessions import SessionState
+from appliance.services.tool_waits import UNKNOWN, TurnWait
 
 log = logging.getLogger(__name__)
 GIVEN_BACK = "given_back"
@@ -101,8 +102,14 @@ def decision_row(
     decision: ResidencyDecision,
     now: float,
     priority: float | None = None,
+    wait: TurnWait = UNKNOWN,
 ) -> ResidencyEvent:
+    """The decision's row: its reason ends with what the session waits on, in words (the
+    tool its answer called, the person, the client's hint), and its figures hold both the
+    answer's tools and the header's class (`TurnWait.figures`)."""
     kind = decision.kind.value if decision.kind is not None else None
+    reason = f"{kind}: {decision.reason}" if kind else decision.reason
+    says = wait.says()
     figures: dict[str, Any] = {
         "kind": kind,
         "until_s": decision.until_s,
@@ -113,6 +120,7 @@ def decision_row(
         "tool_class": idle.tool_class,
         "expected_wait_s": idle.expected_wait_s,
         "turns": idle.turns,
+        **wait.figures(),
     }
     if decision.figures is not None:
         figures |= dataclasses.asdict(decision.figures)
@@ -121,7 +129,7 @@ def decision_row(
         session_id=SessionId(idle.session_id),
         worker=worker,
         action=decision.action.value,
-        reason=f"{kind}: {decision.reason}" if kind else decision.reason,
+        reason=f"{reason}; {says}" if says else reason,
         tokens=idle.resident_tokens,
         tier=CacheTier.GPU,
         figures_json=orjson.dumps(figures).decode(),

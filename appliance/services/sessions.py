@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from appliance.domain.block_hash import BlockHashChain, BlockHasher, RequestKeys
 from appliance.domain.records import RecentSession, SessionId, TaskId, TenantId, WorkerId
+from appliance.services.answer_tools import AnswerEnd
 from appliance.services.chat_tokens import ChatTokens, TokenIds, token_ids
 
 
@@ -41,7 +42,11 @@ class SessionState:
     in_flight: int = 0
     last_active_at: float = 0.0
     tool_class: str | None = None
+    """Its turn's `X-Tool-Class` (a hint; `said` is what its answer ended in)."""
     expected_wait_s: float | None = None
+    said: AnswerEnd | None = None
+    """How its last turn's answer ended (tool calls, or back to the person); None while a
+    turn runs, or when the answer did not say (`answer_tools.py`)."""
     resident_tokens: dict[WorkerId, int] = field(default_factory=dict)
     last_reason: str | None = None
     chat: ChatTokens | None = None
@@ -147,6 +152,7 @@ class SessionTable:
         state.in_flight += 1
         state.turns += 1
         state.last_active_at = now
+        state.said = None  # the last answer's end is history
         if self.listener is not None:
             self.listener.turn_began(state, now)
 

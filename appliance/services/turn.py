@@ -13,6 +13,7 @@ from typing import Any
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
+from appliance.services.answer_tools import AnswerEnd
 from appliance.services.chat_tokens import ChatTokens
 
 _PROCESS = secrets.randbits(64)
@@ -96,6 +97,9 @@ class Attempt:
     makes the receipt stale, rather than one that may claim a prefix the reset dropped)."""
     recorded: Future[float | None] | None = None
     """Its turn row's write, once it has ended (Forwarder.finish: exactly once)."""
+    said: AnswerEnd | None = None
+    """How its answer ended (tool calls, or back to the person), once whole; None: it did
+    not say (`answer_tools.py`)."""
 
 
 @dataclass(frozen=True, slots=True)

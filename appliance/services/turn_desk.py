@@ -53,6 +53,7 @@ from appliance.services.task_state import TaskError, TaskState
 from appliance.services.tasks import TaskBook
 from appliance.services.turn import Attempt, NoWorker, Reply, Soon, TurnRequest, new_turn_id
 from appliance.services.turn_records import TurnRecords
+from appliance.services.worker_body import worker_body
 from appliance.services.worker_reaper import WorkerReaperLoop
 
 log = logging.getLogger(__name__)
@@ -277,14 +278,14 @@ class TurnDesk:
             self.placer.commit(session, placement)
             worker = next(w for w in self._workers() if w.id == worker_id)
             attempt = self._begin(turn, session, placement, worker_id)
-            body = self._worker_body(turn, session, placement.salt)
+            body = worker_body(turn, session, placement.salt)
             if turn.tokenize is not None and tokenized is None:  # once the request is sent
                 tokenized = Soon(partial(self._tokenize_sent, turn, session, attempt))
             if turn.received_at is not None and not tried:
                 self.records.forward_s.observe(time.monotonic() - turn.received_at)
             try:
                 if turn.stream:
-                    on_end = partial(self._stream_ended, session, tokenized)
+                    on_end = partial(self._stream_ended, session, tokenized, attempt)
                     reply = await self._forwarder.stream(
                         turn, worker, attempt, body, on_end,
                         stopped=lambda: flight.outcome if flight.stopped else None,
@@ -308,6 +309,7 @@ class TurnDesk:
                 last_error = exc
                 continue
             session.home = worker.id
+            session.said = attempt.said  # a stream's: once it has ended (`_stream_ended`)
             return reply
         if last_error is not None:
             raise NoWorker(f"no worker could serve the request: {last_error.message}")
@@ -332,9 +334,12 @@ class TurnDesk:
         self.records.placed(attempt, placement.decision, turn.prompt_len)
         return attempt
 
-    def _stream_ended(self, session: SessionState, tokenized: Soon | None) -> None:
+    def _stream_ended(
+        self, session: SessionState, tokenized: Soon | None, attempt: Attempt
+    ) -> None:
         if tokenized is not None:
             tokenized.now()
+        session.said = attempt.said  # how its answer ended, for the reaper at the turn's end
         self._release(session)
 
     def _tokenize_sent(self, turn: TurnRequest, session: SessionState, attempt: Attempt) -> None:
@@ -353,19 +358,6 @@ class TurnDesk:
         if chain.hashes and attempt.first_byte_at is None:
             attempt.prefix_digest = chain.hashes[-1].hex()
             attempt.prefix_tokens = len(chain.hashes) * chain.block_size
-
-    def _worker_body(self, turn: TurnRequest, session: SessionState, salt: str) -> dict[str, Any]:
-        body = dict(turn.body)
-        body["cache_salt"] = salt
-        body["session_id"] = f"{turn.tenant}/{session.session_id}"
-        # vLLM's priority scheduling runs the lowest value first; the client's own field
-        # is overwritten, so a tenant's ceiling binds.
-        body["priority"] = -turn.priority
-        if turn.stream:
-            opts = dict(body.get("stream_options") or {})
-            opts["include_usage"] = True  # the ledger needs the worker's own counts
-            body["stream_options"] = opts
-        return body
 
 
 def _turn_request(

@@ -28,7 +28,9 @@ from appliance.domain.records import (
 from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.reaper import Reaper
+from appliance.policy.survival import WaitKey, WaitSurvival
 from appliance.policy.wait_curves import LogNormal
+from appliance.services.answer_tools import TO_PERSON, AnswerEnd
 from appliance.services.events import EventFeed
 from appliance.services.no_retention import NoRetention
 from appliance.services.reaper_loop import HOLD_GRACE_S, ReaperLoop
@@ -155,10 +157,11 @@ class Setup:
         return s
 
     def turn(self, s: SessionState, *, tool: str | None = None, wait_s: float | None = None,
-             worker: WorkerId = W0) -> None:  # fmt: skip
-        """One turn of the session, ending now."""
+             worker: WorkerId = W0, said: AnswerEnd | None = None) -> None:  # fmt: skip
+        """One turn of the session, ending now (`said`: how its answer ended)."""
         self.table.began(s, self.clock.t)
         s.home, s.tool_class, s.expected_wait_s = worker, tool, wait_s
+        s.said = said
         self.table.ended(s, self.clock.t)
 
     def sent(self) -> list[tuple[Any, ...]]:
@@ -262,6 +265,61 @@ def test_a_last_step_is_evicted(s: Setup) -> None:
 def test_a_client_that_never_names_tools_is_not_taken_for_a_last_step(s: Setup) -> None:
     s.turn(s.session("a"))
     assert s.rows.figures()["kind"] != "last_step"
+
+
+GREP = AnswerEnd(True, ("grep",))
+
+
+def test_a_turn_whose_answer_called_a_tool_waits_on_that_tool(s: Setup) -> None:
+    session = s.session("a")  # its client sends no agent header
+    s.turn(session, said=GREP)
+    row, figures = s.rows.last(), s.rows.figures()
+    assert figures["kind"] == "pool_free" and row.action == "hold"
+    assert row.reason.endswith("; waits on tool grep (its answer called grep)")
+    assert (figures["tool_class"], figures["answer_tools"]) == ("grep", "grep")
+    assert (figures["wait_from"], figures["header_tool_class"]) == ("answer", None)
+    s.clock.t += 2.0
+    s.table.began(session, s.clock.t)  # back: the gap is learned under the tool's name
+    survival = s.loop.reaper.survival
+    assert isinstance(survival, WaitSurvival)
+    assert WaitKey("acme", "grep") in survival and WaitKey("acme", "grep", 1) in survival
+
+
+def test_an_answer_that_called_no_tool_waits_on_the_person_not_a_last_step(s: Setup) -> None:
+    s.turn(s.session("a"), said=TO_PERSON)
+    row, figures = s.rows.last(), s.rows.figures()
+    assert figures["kind"] == "pool_free" and figures["tool_class"] == "person"
+    assert row.reason.endswith("; waits on the person (its answer called no tool)")
+
+
+def test_the_headers_win_for_their_turn_and_the_ledger_keeps_both(s: Setup) -> None:
+    s.turn(s.session("a"), tool="api", wait_s=1.0, said=GREP)
+    row, figures = s.rows.last(), s.rows.figures()
+    assert (figures["tool_class"], figures["header_wait_s"]) == ("api", 1.0)
+    assert (figures["header_tool_class"], figures["answer_tools"]) == ("api", "grep")
+    assert figures["wait_from"] == "header"
+    assert row.reason.endswith(
+        "; waits on api (X-Tool-Class, expected 1 s; its answer called grep)"
+    )
+    s.turn(s.session("b"), wait_s=5.0, said=GREP)  # a wait, no class: the answer's class
+    assert s.rows.figures()["tool_class"] == "grep"
+
+
+def test_a_header_speaker_without_headers_ends_unless_its_answer_called_a_tool(s: Setup) -> None:
+    session = s.session("a")
+    s.turn(session, tool="api", wait_s=1.0)
+    s.turn(session, said=GREP)  # no header, but a tool call: it is coming back
+    assert s.rows.figures()["kind"] == "pool_free" and s.rows.figures()["tool_class"] == "grep"
+    s.turn(session, said=TO_PERSON)  # no header and no tool: its last step, as it says
+    assert s.rows.figures()["kind"] == "last_step"
+    assert "last step: its client named tools on earlier turns" in s.rows.last().reason
+
+
+def test_a_turn_whose_answer_said_nothing_is_unknown(s: Setup) -> None:
+    s.turn(s.session("a"))  # an error, a cut stream: no answer read, no header
+    row, figures = s.rows.last(), s.rows.figures()
+    assert figures["kind"] == "pool_free" and figures["tool_class"] is None
+    assert figures["wait_from"] is None and "waits on" not in row.reason
 
 
 def test_a_turns_end_is_decided_after_its_answer_unless_the_next_turn_began() -> None:

@@ -193,6 +193,64 @@ def test_a_new_class_without_a_prior_starts_from_the_tenant_wide_model() -> None
     assert new_tenant.p_return_within(new_tool, 0.0, 60.0) > 0.5
 
 
+def tools_and_unknown(person_too: bool = False) -> tuple[WaitSurvival, WaitSurvival, WaitSurvival]:
+    """Tenant acme's waits: 300 on the tool grep (about 1 s) and 300 of no class (about
+    10 min), interleaved (with `person_too`, 300 more on "person", about 10 min). Beside it,
+    models fed the same gaps with no class: the grep gaps only, and all of them."""
+    model, tools, everything = (WaitSurvival(PRIORS) for _ in range(3))
+    rng = random.Random(21)
+    for _ in range(300):
+        short, long, person = rng.lognormvariate(0.0, 0.5), rng.lognormvariate(6.4, 0.5), 600.0
+        model.observe_gap(WaitKey("acme", "grep"), short)
+        model.observe_gap(WaitKey("acme", None), long)
+        tools.observe_gap(WaitKey("acme", None), short)
+        everything.observe_gap(WaitKey("acme", None), short)
+        everything.observe_gap(WaitKey("acme", None), long)
+        if person_too:
+            model.observe_gap(WaitKey("acme", "person"), person)
+            everything.observe_gap(WaitKey("acme", None), person)
+    return model, tools, everything
+
+
+def test_a_tool_not_seen_yet_answers_from_the_tenants_tool_pool() -> None:
+    # The pool is exactly a model of the tool gaps alone; the tenant-wide model has the long
+    # waits of no class too, and a person's reply (not seen yet, no prior) answers from it.
+    model, tools, everything = tools_and_unknown()
+    pool = tools.outlook(WaitKey("acme", None), 0.0, 60.0)
+    tenant = everything.outlook(WaitKey("acme", None), 0.0, 60.0)
+    assert pool.p_return > 0.95 and tenant.p_return < 0.6  # far apart: which one answers shows
+    for new_tool in (WaitKey("acme", "sed"), WaitKey("acme", "sed", 2)):
+        assert model.outlook(new_tool, 0.0, 60.0) == pool
+    assert model.outlook(WaitKey("acme", "person"), 0.0, 60.0) == tenant
+    assert model.outlook(WaitKey("acme", None), 0.0, 60.0) == tenant
+    assert model.outlook(WaitKey("acme", "x" * (MAX_CLASS_LEN + 1)), 0.0, 60.0) == tenant
+
+
+def test_waits_on_a_person_are_not_pooled_with_the_tools() -> None:
+    model, tools, everything = tools_and_unknown(person_too=True)
+    pool = tools.outlook(WaitKey("acme", None), 0.0, 60.0)
+    assert model.outlook(WaitKey("acme", "sed"), 0.0, 60.0) == pool
+    assert model.outlook(WaitKey("acme", None), 0.0, 60.0) == everything.outlook(
+        WaitKey("acme", None), 0.0, 60.0
+    )
+    assert model.p_return_within(WaitKey("acme", "person"), 0.0, 60.0) < 0.1  # its own
+
+
+def test_a_new_tool_starts_from_the_tool_pool_and_a_person_from_the_tenant() -> None:
+    # One wait each, still going at 30 s, censored. Started from the pool's hazards (tools
+    # back within seconds), the new tool keeps most of the pool's say at 60 s (reached:
+    # 0.92; from the tenant's it would be near 0.5); the person, started from the tenant's
+    # (half its waits are 10 min), keeps near the tenant's 0.51 (reached: 0.46).
+    model, _, everything = tools_and_unknown()
+    tenant = everything.p_return_within(WaitKey("acme", None), 0.0, 60.0)
+    for new in ("sed", "person"):
+        model.observe_censored(WaitKey("acme", new), 30.0)
+    assert model.p_return_within(WaitKey("acme", "sed"), 0.0, 60.0) > 0.8
+    assert model.p_return_within(WaitKey("acme", "person"), 0.0, 60.0) == pytest.approx(
+        tenant, abs=0.1
+    )
+
+
 def depth_fed(seed: int, first_turn_returns: float, later_returns: float) -> WaitSurvival:
     """Sessions of tenant acme, class probe (no prior of its own): on their first turn a
     share comes back after about 10 s and the rest never does (censored at 30 min); from
@@ -352,10 +410,10 @@ def test_few_hints_earn_little_trust() -> None:
 
 
 def test_the_number_of_keys_is_capped_least_recently_used_first() -> None:
-    model = WaitSurvival(max_keys=4)
-    for i in range(6):  # each feeds ("t", "c<i>") and the tenant-wide ("t", None)
+    model = WaitSurvival(max_keys=5)
+    for i in range(6):  # each feeds ("t", "c<i>"), the tenant-wide ("t", None), the tool pool
         model.observe_gap(WaitKey("t", f"c{i}"), 1.0)
-    assert len(model) == 4
+    assert len(model) == 5
     assert [WaitKey("t", f"c{i}") in model for i in range(6)] == [False] * 3 + [True] * 3
     assert WaitKey("t", None) in model
     dropped = model.p_return_within(WaitKey("t", "c0"), 0.0, 2.0)
@@ -368,7 +426,7 @@ def test_a_class_name_over_the_limit_is_treated_as_unknown() -> None:
     model.observe_gap(WaitKey("t", "x" * (MAX_CLASS_LEN + 1)), 1.0)
     assert WaitKey("t", "x" * MAX_CLASS_LEN) in model
     assert WaitKey("t", "x" * (MAX_CLASS_LEN + 1)) not in model
-    assert len(model) == 2  # the kept class and the tenant-wide model
+    assert len(model) == 3  # the kept class, the tenant's tool pool and its tenant-wide model
 
 
 BAD = [math.nan, math.inf, -math.inf, -1.0]
