@@ -104,7 +104,9 @@ def run_sessions(
         "slo_ttft_p95_s": slo_ttft_p95_s,
         "ttft_floor": session_ttft_floor(sessions, latency, setup.max_model_len),
         "rows": rows,
-        "bound_sessions": next((r["capacity_sessions"] for r in rows if r["stack"] == BOUND), None),
+        "bound_sessions": next(
+            (r.get("capacity_sessions") for r in rows if r["stack"] == BOUND), None
+        ),
     }
     if report is not None:
         report.write_text(json.dumps(out, indent=1, default=str))

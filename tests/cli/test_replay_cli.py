@@ -164,12 +164,13 @@ def test_recorded_agent_sessions_replay_through_each_stack_at_a_fixed_count(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "sessions.json"
-    r = run("replay", str(KVCT), "--stack", "vllm", "--stack", "appliance", "--users", "2",
-            *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    r = run("replay", str(KVCT), "--stack", "vllm", "--stack", "appliance", "--stack", "bound",
+            "--users", "2", *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "3 sessions (337 requests)" in r.stdout
     report = json.loads(out.read_text())
-    assert [row["stack"] for row in report["rows"]] == ["vllm", "appliance"]
+    assert [row["stack"] for row in report["rows"]] == ["vllm", "appliance", "bound"]
+    assert report["bound_sessions"] is None  # a capacity only a capacity search finds
     for row in report["rows"]:
         assert row["users"] == 2 and 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
         assert 0 < row["hit_rate"] < 1
