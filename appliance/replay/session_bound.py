@@ -25,7 +25,7 @@ from appliance.policy.residency import (
     ResidencyDecision,
 )
 from appliance.replay.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
-from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE
+from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE, shared_prefix
 
 BOUND_ROUTING = "appliance"
 
@@ -81,7 +81,7 @@ def session_ttft_floor(
             for r in requests:
                 if r.input_tokens + r.output_tokens > max_model_len:
                     continue
-                shared = _shared(previous, r.hash_ids) if previous is not None else warm
+                shared = shared_prefix(previous, r.hash_ids) if previous is not None else warm
                 cached = min(shared * TRACE_BLOCK_TOKENS, r.input_tokens - 1)
                 seconds.append(latency.prefill_s(r.input_tokens - cached, cached))
                 previous = r.hash_ids
@@ -93,12 +93,3 @@ def session_ttft_floor(
 
     over = sum(1 for s in seconds if s > 2.0) / n if n else None
     return {"p50_s": at(0.5), "p95_s": at(0.95), "p99_s": at(0.99), "over_2s_share": over}
-
-
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

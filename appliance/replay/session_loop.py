@@ -290,7 +290,7 @@ class SessionLoop:
         blocks_per = per * TRACE_BLOCK_TOKENS // bs  # blocks per chunk
         ids, n_full = step.hash_ids, step.input_tokens // bs
         prev_ids, prev_hashes, prev_warm = run.last
-        reused = min(_shared_prefix(prev_ids, ids) // per, len(prev_hashes) // blocks_per)
+        reused = min(shared_prefix(prev_ids, ids) // per, len(prev_hashes) // blocks_per)
         out = list(prev_hashes[: reused * blocks_per])
         warm_chunks = min(reused, prev_warm)
         warm = reused <= prev_warm  # every chunk so far is the warm prefix's
@@ -338,7 +338,7 @@ def block_tokens(keys: Sequence[object], scope: str) -> list[int]:
 _TOKEN_STEPS = tuple(7919 * i for i in range(TRACE_BLOCK_TOKENS))
 
 
-def _shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """How many leading ids `a` and `b` share (compared a slice at a time, in C)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
