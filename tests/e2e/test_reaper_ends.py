@@ -139,7 +139,9 @@ def test_an_abandoned_sessions_hold_ends_at_the_maximum_residency(ending: Ending
     assert unheld_reads == 0  # held at the first step after its turn, and on until released
     assert MAX_RESIDENCY_S - 0.5 <= released - ended <= MAX_RESIDENCY_S + TICK_S + 1.0
     view = app.session("abandoned")["session"]
-    assert view["decision"] == "evict" and view["held_until"] is None, view
+    # Evicted, or already seen gone: an abandoned session whose KV the KV index shows gone
+    # is no longer followed (the watch runs every second, and the ticks evict it at once).
+    assert view["decision"] in ("evict", None) and view["held_until"] is None, view
     # Held until the reaper ended it there: the session is not coming back within the
     # maximum residency (at its last revisit, the horizon left is a sliver), then past it.
     rows = eventually(
