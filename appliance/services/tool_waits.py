@@ -85,8 +85,12 @@ class TurnWait:
 
     def figures(self) -> dict[str, Any]:
         """The wait's part of its decision's ledger figures."""
-        return {"answer_tools": self.answered, "header_tool_class": self.hinted,
-                "header_wait_s": self.expected_wait_s, "wait_from": self.source}  # fmt: skip
+        return {
+            "answer_tools": self.answered,
+            "header_tool_class": self.hinted,
+            "header_wait_s": self.expected_wait_s,
+            "wait_from": self.source,
+        }
 
 
 def _answer_says(answer: AnswerEnd | None) -> str:
