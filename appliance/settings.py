@@ -224,7 +224,8 @@ class CostSettings(Section):
     output_per_mtok: float = Field(15.0, ge=0)
     """Price of one million output tokens, tokens mode."""
     reasoning_per_mtok: float = Field(15.0, ge=0)
-    """Price of one million reasoning tokens, tokens mode."""
+    """Price of one million reasoning tokens (a part of the output tokens, priced at this
+    rate instead of the output price), tokens mode."""
     gpu_second: float = Field(0.0011, ge=0)
     """Price of one GPU-second, gpu_seconds mode (about 4 USD per GPU-hour)."""
 

@@ -178,6 +178,10 @@ class TurnRecord:
             self.cached_tokens <= self.prompt_tokens,
             f"turn {self.turn_id}: cached_tokens exceeds prompt_tokens",
         )
+        _require(
+            self.reasoning_tokens <= self.output_tokens,
+            f"turn {self.turn_id}: reasoning_tokens exceeds output_tokens (they are a part of it)",
+        )
         _require(self.finished_at >= self.started_at, f"turn {self.turn_id}: ends before start")
         _require(self.gpu_s >= 0 and self.tool_cost >= 0, f"turn {self.turn_id}: negative cost")
 

@@ -3,9 +3,11 @@
 The model of the world, in two rules:
 
 1. One attempt (a turn) costs, in tokens mode,
-       c_fresh*U + c_cached*H + c_out*O + c_reason*R + tool_cost
-   with U fresh prompt tokens, H cached prompt tokens, O output and R reasoning tokens and
-   the c_* prices per million tokens; in gpu_seconds mode, gpu_s * gpu_second + tool_cost.
+       c_fresh*U + c_cached*H + c_out*(O - R) + c_reason*R + tool_cost
+   with U fresh prompt tokens, H cached prompt tokens, O output tokens of which R are
+   reasoning (vLLM's `completion_tokens` counts reasoning tokens, so each generated token
+   is priced once: at the reasoning price when it is reasoning, else at the output price)
+   and the c_* prices per million tokens; in gpu_seconds mode, gpu_s * gpu_second + tool_cost.
    The price is the version in effect at the attempt's end; the ledger stores the cost with
    the price id, so a new price never rewrites history.
 
@@ -43,11 +45,12 @@ def attempt_cost(
 ) -> float:
     if price.mode is CostMode.GPU_SECONDS:
         return gpu_s * price.gpu_second + tool_cost
+    reasoning = min(reasoning_tokens, output_tokens)  # a part of the output, never more
     return (
         price.fresh_per_mtok * fresh_tokens
         + price.cached_per_mtok * cached_tokens
-        + price.output_per_mtok * output_tokens
-        + price.reasoning_per_mtok * reasoning_tokens
+        + price.output_per_mtok * (output_tokens - reasoning)
+        + price.reasoning_per_mtok * reasoning
     ) / MTOK + tool_cost
 
 

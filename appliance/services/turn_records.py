@@ -117,6 +117,7 @@ class TurnRecords:
         usage = attempt.usage
         prompt = int(usage.get("prompt_tokens") or turn.prompt_len)
         cached = min(cached_tokens(usage) or 0, prompt)
+        output = int(usage.get("completion_tokens") or 0)  # reasoning tokens included
         record = TurnRecord(
             turn_id=attempt.turn_id,
             tenant=turn.tenant,
@@ -126,8 +127,8 @@ class TurnRecords:
             model=self._model,
             prompt_tokens=prompt,
             cached_tokens=cached,
-            output_tokens=int(usage.get("completion_tokens") or 0),
-            reasoning_tokens=reasoning_tokens(usage),
+            output_tokens=output,
+            reasoning_tokens=min(reasoning_tokens(usage), output),
             outcome=outcome,
             started_at=attempt.started_at,
             finished_at=max(end, attempt.started_at),

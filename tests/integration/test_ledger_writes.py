@@ -93,8 +93,9 @@ def test_a_turn_is_stored_with_its_price_and_cost(ledger: LedgerWriter, db: Path
         ttft_s=0.25, e2e_s=1.0, gpu_s=0.75, predicted_cached_tokens=512, tool_cost=0.5,
         parent_task_id=TaskId("P"), outcome=TurnOutcome.DISCARDED,
     )  # fmt: skip
-    # 600 fresh*2 + 400 cached*0.5 + 100 out*10 = 2400 / 1M = 0.0024, + tool 0.5 = 0.5024
-    assert ledger.record_turn(t).result() == pytest.approx(0.5024)
+    # 600 fresh*2 + 400 cached*0.5 + (100 out - 7 reasoning)*10 + 7 reasoning*0 (P1 has no
+    # reasoning price) = 2330 / 1M = 0.00233, + tool 0.5 = 0.50233
+    assert ledger.record_turn(t).result() == pytest.approx(0.50233)
     (row,) = rows(db, "SELECT * FROM turns")
     assert row == {
         "turn_id": "u1", "tenant": "acme", "task_id": "A", "session_id": "s1",
@@ -103,7 +104,7 @@ def test_a_turn_is_stored_with_its_price_and_cost(ledger: LedgerWriter, db: Path
         "reasoning_tokens": 7, "predicted_cached_tokens": 512, "queue_s": 0.5,
         "ttft_s": 0.25, "e2e_s": 1.0, "gpu_s": 0.75, "outcome": "discarded", "error": None,
         "started_at": 9.0, "finished_at": 10.0, "tool_cost": 0.5, "price_id": price_id,
-        "cost": pytest.approx(0.5024),
+        "cost": pytest.approx(0.50233),
     }  # fmt: skip
 
 

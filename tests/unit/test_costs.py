@@ -58,15 +58,19 @@ GPU = Price(CostMode.GPU_SECONDS, effective_from=0.0, gpu_second=0.001, fresh_pe
         (P1, {"fresh_tokens": 1_000_000}, 2.0),
         # 2M cached * 0.5 = 1.0
         (P1, {"cached_tokens": 2_000_000}, 1.0),
-        # 100k output * 10.0/M = 1.0 ; 50k reasoning * 20.0/M = 1.0
-        (P1, {"output_tokens": 100_000, "reasoning_tokens": 50_000}, 2.0),
+        # 150k output of which 50k reasoning, each token priced once:
+        # 100k other output * 10.0/M = 1.0 ; 50k reasoning * 20.0/M = 1.0
+        (P1, {"output_tokens": 150_000, "reasoning_tokens": 50_000}, 2.0),
+        # a worker that says more reasoning than output: the output is all reasoning,
+        # 10k * 20.0/M = 0.2
+        (P1, {"output_tokens": 10_000, "reasoning_tokens": 50_000}, 0.2),
         # 2.0 + 1.0 + 1.0 + 1.0 + tool 0.25 = 5.25
         (
             P1,
             {
                 "fresh_tokens": 1_000_000,
                 "cached_tokens": 2_000_000,
-                "output_tokens": 100_000,
+                "output_tokens": 150_000,
                 "reasoning_tokens": 50_000,
                 "tool_cost": 0.25,
             },
@@ -138,6 +142,11 @@ def test_price_book_picks_the_version_in_effect_at_the_turns_end() -> None:
     assert turn_cost(new, book.at(new.finished_at) or P1) == pytest.approx(0.0048)
 
 
+def test_a_turn_cannot_say_more_reasoning_than_output() -> None:
+    with pytest.raises(ValueError, match="reasoning_tokens exceeds output_tokens"):
+        _turn(10.0, prompt=0, cached=0, out=10, reasoning=11)
+
+
 def test_attempt_cost_of_no_usage_is_zero() -> None:
     # Every count defaults to zero: an attempt that used nothing costs nothing, in both modes.
     assert attempt_cost(P1) == 0.0
@@ -145,8 +154,9 @@ def test_attempt_cost_of_no_usage_is_zero() -> None:
 
 
 def test_turn_cost_counts_reasoning_tokens_and_tool_cost() -> None:
-    # 50k reasoning * 20.0/M = 1.0, + tool 0.25 = 1.25 (no prompt or output tokens)
-    turn = _turn(10.0, prompt=0, cached=0, out=0, reasoning=50_000, tool_cost=0.25, gpu_s=0.0)
+    # 50k output, all reasoning: 50k * 20.0/M = 1.0 (not also 50k * 10.0/M as output),
+    # + tool 0.25 = 1.25 (no prompt tokens)
+    turn = _turn(10.0, prompt=0, cached=0, out=50_000, reasoning=50_000, tool_cost=0.25, gpu_s=0)
     assert turn_cost(turn, P1) == pytest.approx(1.25)
     # gpu_seconds mode, no GPU time: only the tool, 0.25
     assert turn_cost(turn, GPU) == pytest.approx(0.25)

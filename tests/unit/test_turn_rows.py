@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -151,3 +152,22 @@ def test_a_turn_row_carries_its_wait_before_the_worker_and_its_reasoning_tokens(
     assert 0.75 <= first.queue_s < 5.0
     assert second.queue_s == 0.0
     assert (first.reasoning_tokens, first.output_tokens) == (25, 40)
+
+
+def test_a_worker_that_says_more_reasoning_than_output_has_all_its_output_reasoning() -> None:
+    """Reasoning tokens are a part of the output (vLLM's count), so they are priced once."""
+    ledger = AckLedger()
+
+    class Overthinking:
+        async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
+            usage = {
+                "prompt_tokens": 100,
+                "completion_tokens": 40,
+                "completion_tokens_details": {"reasoning_tokens": 55},
+            }
+            return json.dumps({"usage": usage}).encode()
+
+    wired = wired_desk([RouterWorker(WorkerId("w0"), Overthinking())], ledger=ledger)
+    asyncio.run(wired.desk.handle(turn()))
+    (row,) = ledger.turns
+    assert (row.reasoning_tokens, row.output_tokens) == (40, 40)
