@@ -23,7 +23,6 @@ merge for templates that want one system message first (the bundled templates do
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import orjson
@@ -83,17 +82,15 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def conversation_key(body: dict[str, Any]) -> str:
+def user_session(body: dict[str, Any]) -> str | None:
     """A session for a Messages client that names none: its `metadata.user_id` (Claude
-    Code's carries its session), else a hash of the system prompt and first message."""
+    Code's carries its session), hashed to a bounded id; None without one (the desk then
+    finds the session by the conversation's prefix: services/session_finder.py)."""
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if isinstance(user, str) and user:
         return f"anthropic-user-{hashlib.sha256(user.encode()).hexdigest()[:24]}"
-    messages = body.get("messages")
-    start = messages[0] if isinstance(messages, list) and messages else None
-    first = json.dumps([body.get("system"), start], default=str).encode()
-    return f"anthropic-conv-{hashlib.sha256(first).hexdigest()[:24]}"
+    return None
 
 
 def _text(value: Any, param: str) -> str:

@@ -12,12 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from appliance.api.anthropic_messages import (
-    CHAT_PATH,
-    MESSAGES_PATH,
-    chat_request,
-    conversation_key,
-)
+from appliance.api.anthropic_messages import CHAT_PATH, MESSAGES_PATH, chat_request, user_session
 from appliance.api.anthropic_reply import MessageEvents, message_body
 from appliance.api.context import ApiContext
 from appliance.api.context_limit import ContextTooLong
@@ -33,7 +28,7 @@ from appliance.api.requests import (
 from appliance.domain.records import SessionId
 from appliance.services.chat_tokens import ChatTokens
 from appliance.services.sessions import SessionState, resumable
-from appliance.services.turn_desk import TurnInput
+from appliance.services.turn import TurnInput
 
 MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_PATH})
 
@@ -52,8 +47,9 @@ class ModelRoute:
         messages_api = path == MESSAGES_PATH
         if messages_api:  # a chat turn, answered in the Messages API's shapes
             chat = chat_request(body)
-            if hdr.session_id is None:
-                hdr = replace(hdr, session_id=conversation_key(body))
+            user = user_session(body) if hdr.session_id is None else None
+            if user is not None:
+                hdr = replace(hdr, session_id=user, session_note="session from metadata.user_id")
             body, path = chat, CHAT_PATH
         served_model(body, self._ctx.model_aliases)
         max_tokens = check_model_request(path, body, self._ctx.model)
@@ -77,6 +73,7 @@ class ModelRoute:
                     self._untokenised_estimate(session, body, max_tokens) if plain else None
                 ),
                 messages=body["messages"] if plain else None,
+                conversation=body["messages"] if path.endswith("chat/completions") else None,
                 task_id=hdr.task_id,
                 session_id=SessionId(hdr.session_id) if hdr.session_id else None,
                 parent_task_id=hdr.parent_task_id,
@@ -86,6 +83,7 @@ class ModelRoute:
                 expected_wait_s=hdr.expected_wait_s,
                 client_salt=salt,
                 received_at=_received_at(request),
+                route_note=hdr.session_note,
             )
         )
         if reply.chunks is not None:

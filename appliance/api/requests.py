@@ -49,6 +49,8 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True, slots=True)
 class AgentHeaders:
     session_id: str | None
+    session_note: str | None
+    """Where `session_id` came from, for the route decision ("session from X-Session-ID")."""
     task_id: str | None
     parent_task_id: str | None
     deadline_s: float | None
@@ -137,10 +139,35 @@ def _number_header(headers: Mapping[str, str], name: str, *, integer: bool = Fal
     return value
 
 
+SESSION_HEADERS = (
+    ("x-session-id", "X-Session-ID"),
+    ("x-claude-code-session-id", "X-Claude-Code-Session-Id"),  # Claude Code 2.1.86+
+    ("session_id", "session_id"),  # the Codex CLI's
+    ("session-id", "session-id"),  # the Codex CLI's, newer
+)
+"""Headers that name a turn's session, in the order they are asked (the body's `session_id`
+comes right after X-Session-ID, the body's `prompt_cache_key` after them all)."""
+
+
+def client_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The session a turn names itself, and where it named it: X-Session-ID (or the body's
+    `session_id`), else the harness's own session id (Claude Code's, the Codex CLI's
+    headers), else the body's `prompt_cache_key` (a client's cache-routing key). Each is
+    1-256 printable characters, else the turn is refused (400)."""
+    for i, (name, shown) in enumerate(SESSION_HEADERS):
+        value = _text_header(headers, name)
+        if value is not None:
+            return value, f"session from {shown}"
+        if i == 0 and body.get("session_id") is not None:
+            return identifier(body["session_id"], "session_id"), "session from body session_id"
+    if body.get("prompt_cache_key") is not None:
+        key = identifier(body["prompt_cache_key"], "prompt_cache_key")
+        return key, "session from prompt_cache_key"
+    return None
+
+
 def agent_headers(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHeaders:
-    session = _text_header(headers, "x-session-id")
-    if session is None and body.get("session_id") is not None:
-        session = identifier(body["session_id"], "session_id")
+    session, note = client_session(headers, body) or (None, None)
     task_id = _text_header(headers, "x-task-id")
     parent_task_id = _text_header(headers, "x-parent-task-id")
     if task_id is not None and task_id == parent_task_id:
@@ -152,6 +179,7 @@ def agent_headers(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentH
         )
     return AgentHeaders(
         session_id=session,
+        session_note=note,
         task_id=task_id,
         parent_task_id=parent_task_id,
         deadline_s=_number_header(headers, "x-deadline-s"),

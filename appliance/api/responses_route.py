@@ -16,14 +16,15 @@ another, which would not know the id (or worse, one day, answer without the hist
 worker restarted since, or gone, has lost it: the request is refused 404
 `previous_response_lost`, naming the restart. An id the router never saw is vLLM's 404.
 
-The turn's session: the previous response's (a chain is one session), else X-Session-ID
-(or the body's `session_id`), else a hash of the first messages; the route decision's
-reason says which.
+The turn's session: the one it names (X-Session-ID or the body's `session_id`, the
+harness's own id, `prompt_cache_key`: api/requests.py `client_session`), else the previous
+response's (a chain is one session), else its `conversation`'s id, else the one whose last
+prompt its messages extend (the desk's prefix chain: services/session_finder.py); the
+route decision's reason says which.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from appliance.api.requests import (
     agent_headers,
     chat_encoder,
     check_model_request,
+    identifier,
     parse_json_body,
     served_model,
     tokenize_checked,
@@ -50,7 +52,7 @@ from appliance.api.requests import (
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
 from appliance.services.chat_tokens import ChatTokens
-from appliance.services.turn_desk import TurnInput
+from appliance.services.turn import TurnInput
 
 RESPONSES_PATH = "/v1/responses"
 _CHAT_PATH = "/v1/chat/completions"
@@ -66,7 +68,7 @@ class StoredResponse:
     messages: list[dict[str, Any]]
     """The chat messages the response answered (its own system message included)."""
     texts: list[str]
-    session: SessionId
+    session: SessionId | None
 
 
 class ResponseBook:
@@ -90,8 +92,9 @@ class _Chained:
     """Where a turn's history and session come from."""
 
     previous: StoredResponse | None
-    session: SessionId
-    note: str
+    session: SessionId | None
+    """None: the desk finds it by the prefix chain."""
+    note: str | None
 
 
 class ResponsesRoute:
@@ -114,7 +117,7 @@ class ResponsesRoute:
         served_model(body, ctx.model_aliases)
         check_model_request(RESPONSES_PATH, body, ctx.model)
         max_tokens = _max_output_tokens(body)
-        chained = self._chained(who.tenant, body, hdr.session_id)
+        chained = self._chained(who.tenant, body, hdr.session_id, hdr.session_note)
         previous = chained.previous
         try:
             history = (previous.messages, previous.texts) if previous else None
@@ -122,8 +125,6 @@ class ResponsesRoute:
         except ResponsesInputError as exc:
             raise RequestRefused(400, str(exc), "invalid_value", param=exc.param) from None
         check_model_request(_CHAT_PATH, {"model": ctx.model, "messages": messages}, ctx.model)
-        if chained.previous is None and hdr.session_id is None:
-            chained = _Chained(None, _hashed_session(messages), chained.note)
         reply = await ctx.desk.run(
             TurnInput(
                 tenant=who.tenant,
@@ -144,9 +145,11 @@ class ResponsesRoute:
                 .get("received_at"),
                 pinned=previous.worker if previous else None,
                 route_note=chained.note,
+                conversation=messages,
             )
         )
-        learn = self._learner(who.tenant, body, messages, chained.session, reply.headers)
+        session = reply.session_id or chained.session
+        learn = self._learner(who.tenant, body, messages, session, reply.headers)
         if reply.chunks is not None:
             chunks = _learning(reply.chunks, learn)
             return RelayedStream(chunks, reply.headers, on_end=reply.on_end)
@@ -181,13 +184,19 @@ class ResponsesRoute:
             raise exc.shifted(len(lead)) from None
         return [*lead, *ids], rendered
 
-    def _chained(self, tenant: TenantId, body: dict[str, Any], header: str | None) -> _Chained:
-        """The turn's history and session (module docstring); raises for a lost one."""
+    def _chained(
+        self, tenant: TenantId, body: dict[str, Any], named: str | None, note: str | None
+    ) -> _Chained:
+        """The turn's history and session (module docstring; `named`: the session the turn
+        names, `note` saying how); raises for a lost history."""
         pid = body.get("previous_response_id")
         if pid is None:
-            if header is not None:
-                return _Chained(None, SessionId(header), "session from X-Session-ID")
-            return _Chained(None, SessionId(""), "session from a hash of the first messages")
+            if named is not None:
+                return _Chained(None, SessionId(named), note)
+            conversation = _conversation(body.get("conversation"))
+            if conversation is not None:
+                return _Chained(None, SessionId(conversation), "session from conversation")
+            return _Chained(None, None, None)
         if not isinstance(pid, str):
             raise RequestRefused(
                 400,
@@ -221,8 +230,12 @@ class ResponsesRoute:
                 "previous_response_lost",
                 param="previous_response_id",
             )
-        note = f"session from previous_response_id {pid}; pinned to {entry.worker}, which stores it"
-        return _Chained(entry, entry.session, note)
+        pin = f"pinned to {entry.worker}, which stores previous_response_id {pid}"
+        if named is not None:
+            return _Chained(entry, SessionId(named), f"{note}; {pin}")
+        if entry.session is None:  # the desk finds it by the prefix chain
+            return _Chained(entry, None, pin)
+        return _Chained(entry, entry.session, f"session from previous_response_id {pid}; {pin}")
 
     def _lost(self, entry: StoredResponse) -> str | None:
         """Why the worker that stored the response no longer has it; "" when it is down for
@@ -242,7 +255,7 @@ class ResponsesRoute:
         tenant: TenantId,
         body: dict[str, Any],
         messages: list[dict[str, Any]],
-        session: SessionId,
+        session: SessionId | None,
         headers: Mapping[str, str],
     ) -> Callable[[bytes | dict[str, Any]], None]:
         """What remembers the worker's answer (if it was stored) for the next turn."""
@@ -303,11 +316,18 @@ def _restarts(worker: Any) -> int:
     return int(getattr(worker, "restarts", 0))
 
 
-def _hashed_session(messages: list[dict[str, Any]]) -> SessionId:
-    """A session for an unchained turn without a session header: the same first messages
-    (instructions, first input), the same session."""
-    digest = hashlib.sha256(orjson.dumps(messages[:2], option=orjson.OPT_SORT_KEYS))
-    return SessionId(f"responses:{digest.hexdigest()[:24]}")
+def _conversation(value: Any) -> str | None:
+    """The id of the request's `conversation` (a string, or an object with an `id`)."""
+    if isinstance(value, dict):
+        value = value.get("id")
+        if value is None:
+            raise RequestRefused(
+                400,
+                "'conversation' must be a string or an object with an 'id'",
+                "invalid_value",
+                param="conversation",
+            )
+    return identifier(value, "conversation") if value is not None else None
 
 
 def _max_output_tokens(body: dict[str, Any]) -> int | None:

@@ -11,13 +11,15 @@ same (sessions sharing a system prompt or context). Either way the hashes are ex
 vLLM's for these token ids and this tenant's salt.
 
 A chat turn's ids come from services/chat_tokens.py, which tokenises only what it appended.
-A session ends with its task (`forget_task`); the table is bounded besides.
+A session ends with its task (`forget_task`); the table is bounded besides. A session the
+prefix chain found (services/session_finder.py) is indexed by its last prompt's tip
+(`tip`, `by_tip`) while it is in the table.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +61,12 @@ class SessionState:
     (`ChatTokens.stem`): what its end leaves cached for its agent's next session."""
     task_done: bool = False
     """Its task closed while a turn of it ran: it goes when that turn ends."""
+    prompt_tip: bytes | None = None
+    """Its last prompt's messages' chain hash, when its session was found by the prefix
+    chain (services/session_finder.py); a turn that extends them may be its next."""
+    claimed: object | None = None
+    """The finding of a turn that took it by its tip, until that turn's run is over (it has
+    begun, or failed first): no other turn takes it meanwhile."""
 
 
 def keep_chat(state: SessionState, chat: ChatTokens | None) -> None:
@@ -105,6 +113,9 @@ class SessionTable:
         self._max_donors = max_donors
         self._by_task: dict[TaskId, set[tuple[str, str]]] = {}
         """Sessions by their task, so a task's end ends them (`forget_task`)."""
+        self._tips: dict[tuple[str, bytes], dict[SessionState, None]] = {}
+        """Sessions of the prefix chain by (tenant, their tip), oldest first: one entry for
+        each such session in the table, gone with it."""
 
     def get(self, tenant: TenantId, session_id: SessionId) -> SessionState | None:
         return self._sessions.get((tenant, session_id))
@@ -146,6 +157,31 @@ class SessionTable:
             keys.discard(key)
             if not keys:
                 del self._by_task[state.task_id]
+
+    def tip(self, state: SessionState, tip: bytes) -> None:
+        """The session's last prompt's messages chain to `tip` (`session_finder.prompt_chain`)."""
+        if state.prompt_tip != tip:
+            self._untip(state)
+            state.prompt_tip = tip
+            self._tips.setdefault((state.tenant, tip), {})[state] = None
+
+    def by_tip(self, tenant: TenantId, tips: Sequence[bytes]) -> tuple[int, Iterator[SessionState]]:
+        """The sessions whose tip is the longest of `tips` any session has (the latest
+        first), and how many of `tips` that is (0, and none, when no session has any)."""
+        for n in range(len(tips), 0, -1):
+            holders = self._tips.get((tenant, tips[n - 1]))
+            if holders:
+                return n, reversed(holders)
+        return 0, iter(())
+
+    def _untip(self, state: SessionState) -> None:
+        if state.prompt_tip is not None:
+            key = (state.tenant, state.prompt_tip)
+            holders = self._tips.get(key, {})
+            holders.pop(state, None)
+            if not holders:
+                self._tips.pop(key, None)
+            state.prompt_tip = None
 
     def began(self, state: SessionState, now: float) -> None:
         """A turn of the session starts now."""
@@ -229,6 +265,7 @@ class SessionTable:
         state = self._sessions.pop(key, None)
         if state is not None:
             self._unbind(key, state)
+            self._untip(state)
             # The idle reaper may watch its KV a while longer; it needs no conversation.
             state.messages, state.chat = None, None
 

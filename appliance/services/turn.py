@@ -1,5 +1,6 @@
-"""The values of one model turn's life: the request as the API hands it over, each attempt
-at a worker, and the reply the API sends back."""
+"""The values of one model turn's life: the request as the API hands it over (`TurnInput`),
+as the desk places it (`TurnRequest`), each attempt at a worker, and the reply the API sends
+back."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
 from appliance.services.answer_tools import AnswerEnd
 from appliance.services.chat_tokens import ChatTokens
+from appliance.services.sessions import SessionState
 
 _PROCESS = secrets.randbits(64)
 _SERIAL = itertools.count()
@@ -31,6 +33,38 @@ def new_turn_id() -> TurnId:
 class NoWorker(ApplianceError):
     code = "no_healthy_worker"
     http_status = 503
+
+
+Tokenize = Callable[[ChatTokens | None], tuple[Sequence[int], ChatTokens | None]]
+"""The session's last chat (or None) -> the turn's ids and its rendered chat."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInput:
+    """A model turn as the API hands it over: authenticated, its body and headers checked."""
+
+    tenant: TenantId
+    path: str
+    body: dict[str, Any]
+    tokenize: Tokenize
+    estimate: Callable[[SessionState | None], int | None]
+    """The likely prompt length when the turn may go before it is tokenised, else None."""
+    messages: list[Any] | None = None  # a plain chat's (the next turn's base)
+    task_id: str | None = None  # X-Task-ID; None: a one-turn task of its own
+    session_id: SessionId | None = None
+    parent_task_id: str | None = None
+    deadline_s: float | None = None
+    priority: int | None = None
+    tool_class: str | None = None
+    expected_wait_s: float | None = None
+    client_salt: str | None = None
+    received_at: float | None = None  # when the whole request had arrived (monotonic)
+    pinned: WorkerId | None = None  # see TurnRequest
+    route_note: str | None = None
+    conversation: Sequence[Any] | None = None
+    """A chat's messages, to find its session by their prefix when it names none
+    (services/session_finder.py)."""
+    prompt_tip: bytes | None = None  # see TurnRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +98,9 @@ class TurnRequest:
     """The only worker that may serve it (a chained Responses turn: the one storing it)."""
     route_note: str | None = None
     """Said first in its route decision's reason (where its session and pin came from)."""
+    prompt_tip: bytes | None = None
+    """Its messages' chain hash, when the prefix chain found its session: the session's
+    tip from now on (services/session_finder.py)."""
 
     @property
     def stream(self) -> bool:
@@ -113,6 +150,8 @@ class Reply:
     chunks: AsyncGenerator[bytes, None] | None = None
     on_end: Callable[[], None] | None = None
     """A stream's: runs once it has ended, however it ended."""
+    session_id: SessionId | None = None
+    """The session the turn was of (named, or found), when it had one."""
 
 
 def cached_tokens(usage: dict[str, Any]) -> int | None:

@@ -1,6 +1,7 @@
 """The turn desk: one model turn's order, from the API's hand-over to its last record.
 
-    find the session  ->  tokenise, or not yet  ->  admit  ->  open the task  ->  place
+    find the session (named, else by its prefix: session_finder.py)  ->  tokenise, or not
+    yet  ->  admit  ->  open the task  ->  place
     ->  forward (one retry elsewhere)  ->  record  ->  release
 
 The API hands over a checked, authenticated turn (`TurnInput`) and gets a `Reply`; nothing
@@ -28,9 +29,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any
 
 from appliance.domain.errors import (
     ApplianceError,
@@ -48,41 +48,24 @@ from appliance.services.flights import DEADLINE_MISSED, Flight, Flights, loop_al
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
+from appliance.services.session_finder import find_session, let_go
 from appliance.services.sessions import SessionState, SessionTable, keep_chat
 from appliance.services.task_state import TaskError, TaskState
 from appliance.services.tasks import TaskBook
-from appliance.services.turn import Attempt, NoWorker, Reply, Soon, TurnRequest, new_turn_id
+from appliance.services.turn import (
+    Attempt,
+    NoWorker,
+    Reply,
+    Soon,
+    TurnInput,
+    TurnRequest,
+    new_turn_id,
+)
 from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_body import worker_body
 from appliance.services.worker_reaper import WorkerReaperLoop
 
 log = logging.getLogger(__name__)
-Tokenize = Callable[[ChatTokens | None], tuple[Sequence[int], ChatTokens | None]]
-"""The session's last chat (or None) -> the turn's ids and its rendered chat."""
-
-
-@dataclass(frozen=True, slots=True)
-class TurnInput:
-    """A model turn as the API hands it over: authenticated, its body and headers checked."""
-
-    tenant: TenantId
-    path: str
-    body: dict[str, Any]
-    tokenize: Tokenize
-    estimate: Callable[[SessionState | None], int | None]
-    """The likely prompt length when the turn may go before it is tokenised, else None."""
-    messages: list[Any] | None = None  # a plain chat's (the next turn's base)
-    task_id: str | None = None  # X-Task-ID; None: a one-turn task of its own
-    session_id: SessionId | None = None
-    parent_task_id: str | None = None
-    deadline_s: float | None = None
-    priority: int | None = None
-    tool_class: str | None = None
-    expected_wait_s: float | None = None
-    client_salt: str | None = None
-    received_at: float | None = None  # when the whole request had arrived (monotonic)
-    pinned: WorkerId | None = None  # see TurnRequest
-    route_note: str | None = None
 
 
 class TurnDesk:
@@ -115,6 +98,18 @@ class TurnDesk:
         failing = self.records.ledger_failing()
         if failing is not None:
             raise LedgerUnavailable(f"the ledger cannot record the turn ({failing}); retry later")
+        found = None
+        if t.session_id is None and t.task_id is None and t.conversation:
+            found = find_session(self.sessions, t.tenant, str(t.body.get("model")), t.conversation)
+        if found is not None:  # named by none: the prefix chain's
+            note = "; ".join(n for n in (found.note, t.route_note) if n)
+            t = replace(t, session_id=found.session_id, route_note=note, prompt_tip=found.tip)
+        try:
+            return await self._run(t)
+        finally:
+            let_go(found)
+
+    async def _run(self, t: TurnInput) -> Reply:
         known = self._known_task(t)
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
         tokenize = partial(t.tokenize, session.chat if session else None)
@@ -152,7 +147,8 @@ class TurnDesk:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise stopped_error(client_task, flight) from None
-            reply = replace(reply, headers={**reply.headers, "X-Task-ID": client_task})
+            headers = {**reply.headers, "X-Task-ID": client_task}
+            reply = replace(reply, headers=headers, session_id=t.session_id)
             if reply.chunks is not None:  # the turn ends when the stream ends
                 streaming = True
                 return replace(reply, on_end=partial(self._ended, task, flight))
@@ -253,6 +249,8 @@ class TurnDesk:
         incremental = turn.chat is not None or turn.tokenize is not None
         keep_chat(state, turn.chat if incremental else None)
         state.messages = turn.messages if incremental else None
+        if turn.prompt_tip is not None:
+            self.sessions.tip(state, turn.prompt_tip)
         return state
 
     def _release(self, session: SessionState) -> None:
@@ -388,4 +386,5 @@ def _turn_request(
         priority=priority,
         pinned=t.pinned,
         route_note=t.route_note,
+        prompt_tip=t.prompt_tip,
     )

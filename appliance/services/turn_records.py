@@ -145,18 +145,7 @@ class TurnRecords:
         if self._on_turn is not None:
             self._on_turn(record, written)
         if outcome == TurnOutcome.OK and attempt.prefix_digest is not None:
-            receipt = CacheReceipt(
-                prefix_digest=attempt.prefix_digest,
-                token_count=attempt.prefix_tokens,
-                model=self._model,
-                runtime_identity=self._runtime,
-                tenant_domain=turn.tenant,
-                worker=attempt.worker,
-                tier=CacheTier.GPU,
-                created_at=end,
-                last_used_at=end,
-                generation=attempt.generation,
-            )
+            receipt = self._receipt(turn, attempt, attempt.prefix_digest, end)
             _log_failure(self._ledger.record_cache_receipt(receipt), "cache receipt")
         session = _session_record(turn, attempt, outcome, end)
         if session is not None:
@@ -166,6 +155,23 @@ class TurnRecords:
         if record.ttft_s is not None:
             self.first_byte_s_total += record.ttft_s
         return written
+
+    def _receipt(
+        self, turn: TurnRequest, attempt: Attempt, digest: str, end: float
+    ) -> CacheReceipt:
+        """The GPU-tier receipt of the prefix a successful attempt left on its worker."""
+        return CacheReceipt(
+            prefix_digest=digest,
+            token_count=attempt.prefix_tokens,
+            model=self._model,
+            runtime_identity=self._runtime,
+            tenant_domain=turn.tenant,
+            worker=attempt.worker,
+            tier=CacheTier.GPU,
+            created_at=end,
+            last_used_at=end,
+            generation=attempt.generation,
+        )
 
 
 def _session_record(

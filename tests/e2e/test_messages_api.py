@@ -61,11 +61,11 @@ def test_a_conversation_of_messages_stays_on_its_worker_and_reads_its_prefix(
 
 
 def ledger_turns_by_prefix(app: RunningAppliance) -> list[tuple[str, int, int, int]]:
-    """The turns of sessions the appliance named after a Messages conversation."""
+    """The turns of sessions the appliance found by their prefix (the client names none)."""
     with closing(sqlite3.connect(app.ledger)) as db:
         return db.execute(
             "SELECT worker, prompt_tokens, cached_tokens, output_tokens FROM turns"
-            " WHERE session_id LIKE 'anthropic-conv-%' AND outcome = 'ok' ORDER BY started_at"
+            " WHERE session_id LIKE 'chain-%' AND outcome = 'ok' ORDER BY started_at"
         ).fetchall()
 
 

@@ -110,7 +110,7 @@ def test_three_chained_turns_stay_on_their_worker_and_the_ledger_agrees(
     # The router's prompt ids are the worker's: it knew exactly what the worker had cached.
     assert [row[5] for row in rows] == [row[3] for row in rows], rows
     assert len({row[0] for row in rows}) == 1, rows  # one session: the chain's
-    assert "session from a hash of the first messages" in _reasons(app, head1["x-task-id"])
+    assert "new session (no id, no prefix match)" in _reasons(app, head1["x-task-id"])
     reason = _reasons(app, head3["x-task-id"])
     assert f"previous_response_id {second.id}" in reason and workers[0] in reason, reason
 

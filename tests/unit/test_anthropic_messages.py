@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 import orjson
 import pytest
 
-from appliance.api.anthropic_messages import chat_request, conversation_key
+from appliance.api.anthropic_messages import chat_request, user_session
 from appliance.api.anthropic_reply import MessageEvents, message_body, usage
 from appliance.api.errors import RequestRefused
 
@@ -65,18 +65,15 @@ def test_what_the_messages_api_refuses_is_refused_naming_the_field(
     assert (refused.value.http_status, refused.value.param) == (400, param)
 
 
-def test_a_conversation_is_one_session_turn_after_turn() -> None:
+def test_metadata_user_id_names_the_session_and_nothing_else_does() -> None:
+    """Claude Code's `metadata.user_id` carries its session; without one the route names no
+    session (the desk finds it by the conversation's prefix: services/session_finder.py)."""
     first = {"system": "s", "messages": [{"role": "user", "content": "a"}]}
-    later = {"system": "s", "messages": [{"role": "user", "content": "a"},
-                                         {"role": "assistant", "content": "b"}]}  # fmt: skip
-    assert (
-        conversation_key(first)
-        == conversation_key(later)
-        != conversation_key({"system": "t", "messages": first["messages"]})
-    )
-    assert conversation_key({**first, "metadata": {"user_id": "u_session_9"}}).startswith(
-        "anthropic-user-"
-    )
+    assert user_session(first) is None
+    assert user_session({**first, "metadata": {"user_id": ""}}) is None
+    named = user_session({**first, "metadata": {"user_id": "u_session_9" * 100}})
+    assert named is not None and named.startswith("anthropic-user-") and len(named) <= 64
+    assert named != user_session({**first, "metadata": {"user_id": "u_session_8"}})
 
 
 def test_usage_splits_the_prompt_into_fresh_and_cached() -> None:

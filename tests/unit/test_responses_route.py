@@ -126,13 +126,40 @@ def test_a_chain_whose_worker_lost_it_is_refused(
     route = _route([worker] if worker else [_Worker("w0", restarts=2)])
     pid = "resp_1" if worker else "resp_unknown"
     with pytest.raises(RequestRefused) as refused:
-        route._chained(TenantId("alice"), {"previous_response_id": pid}, None)
+        route._chained(TenantId("alice"), {"previous_response_id": pid}, None, None)
     assert (refused.value.http_status, refused.value.code) == (status, code)
 
 
 def test_a_chain_is_pinned_to_its_worker_and_keeps_its_session() -> None:
     route = _route([_Worker("w0", restarts=2), _Worker("w1")])
-    chained = route._chained(TenantId("alice"), {"previous_response_id": "resp_1"}, "hdr")
+    alice, chain = TenantId("alice"), {"previous_response_id": "resp_1"}
+    chained = route._chained(alice, chain, None, None)
     assert chained.previous is not None and chained.previous.worker == "w0"
-    assert chained.session == "chain" and "pinned to w0" in chained.note
+    assert chained.session == "chain" and "pinned to w0" in (chained.note or "")
+    assert chained.note.startswith("session from previous_response_id resp_1")  # type: ignore[union-attr]
     assert route.lead == [1]  # the tokenizer's BOS, which vLLM's Responses route adds
+    # A session the turn names wins over the chain's; the turn stays pinned.
+    named = route._chained(alice, chain, "hdr", "session from X-Session-ID")
+    assert (named.session, named.previous) == ("hdr", chained.previous)
+    assert named.note == (
+        "session from X-Session-ID; pinned to w0, which stores previous_response_id resp_1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("conversation", "session"),
+    [("conv_1", "conv_1"), ({"id": "conv_2"}, "conv_2"), (None, None)],
+)
+def test_a_conversation_names_the_session_else_the_desk_finds_it(
+    conversation: object, session: str | None
+) -> None:
+    chained = _route([])._chained(TenantId("alice"), {"conversation": conversation}, None, None)
+    assert chained.session == session and chained.previous is None
+    assert chained.note == ("session from conversation" if session else None)
+
+
+@pytest.mark.parametrize("conversation", [{"name": "x"}, 7, "x" * 257, {"id": ""}])
+def test_a_bad_conversation_is_refused(conversation: object) -> None:
+    with pytest.raises(RequestRefused) as refused:
+        _route([])._chained(TenantId("alice"), {"conversation": conversation}, None, None)
+    assert (refused.value.http_status, refused.value.param) == (400, "conversation")
