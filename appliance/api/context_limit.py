@@ -4,9 +4,13 @@ a 413).
 
 The OpenAI routes (chat, completions, responses) answer as vLLM 0.32 does
 (vllm/renderers/params.py; `type` BadRequestError), with OpenAI's own code for it,
-`context_length_exceeded`. A prompt that fits while the answer it asks for does not is
-refused too (vLLM 0.32 would shorten `max_tokens` instead), in the words earlier vLLM used
-for it. The Messages route answers as Anthropic's API does (`in_anthropic_words`).
+`context_length_exceeded`, and refuse what it refuses: a prompt that leaves no room for one
+output token. A prompt that fits while the answer it asks for does not is served, its
+`max_tokens` shortened to what fits, as vLLM 0.32 does (`get_max_tokens` in
+vllm/entrypoints/serve/utils/api_utils.py; the worker shortens it): clients such as
+kv-cache-tester ask for long answers near the window. The Messages route counts the answer
+too and refuses, as Anthropic's API does (`in_anthropic_words`): Claude Code reads that
+message to lower its `max_tokens` and retry.
 """
 
 from __future__ import annotations
@@ -46,10 +50,15 @@ class ContextTooLong(RequestRefused):
         )
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, limit: int) -> None:
-    """Raises ContextTooLong when the prompt and the answer it asks for exceed `limit`."""
-    if prompt_tokens + (max_tokens or 1) > limit:
-        raise ContextTooLong(prompt_tokens, max_tokens, limit)
+def check_context(
+    prompt_tokens: int, max_tokens: int | None, limit: int, *, answer_counts: bool = False
+) -> None:
+    """Raises ContextTooLong when the prompt and one output token exceed `limit` (vLLM
+    0.32's rule), or with `answer_counts` the prompt and the `max_tokens` it asks for
+    (Anthropic's)."""
+    asked = max_tokens if answer_counts else None
+    if prompt_tokens + (asked or 1) > limit:
+        raise ContextTooLong(prompt_tokens, asked, limit)
 
 
 def _vllm_words(prompt: int, asked: int, limit: int) -> tuple[str, str | None]:
@@ -61,12 +70,6 @@ def _vllm_words(prompt: int, asked: int, limit: int) -> tuple[str, str | None]:
             f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
             f"value={prompt})",
             "input_tokens",
-        )
-    if asked > limit:
-        return (
-            f"max_tokens={asked} cannot be greater than max_model_len={limit}. Please request "
-            f"fewer output tokens. (parameter=max_tokens, value={asked})",
-            "max_tokens",
         )
     return (
         f"This model's maximum context length is {limit} tokens. However, you requested "

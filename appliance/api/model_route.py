@@ -70,7 +70,9 @@ class ModelRoute:
                 body=body,
                 tokenize=partial(self._tokenize, path, body, max_tokens, messages_api),
                 estimate=lambda session: (
-                    self._untokenised_estimate(session, body, max_tokens) if plain else None
+                    self._untokenised_estimate(session, body, max_tokens if messages_api else None)
+                    if plain
+                    else None
                 ),
                 messages=body["messages"] if plain else None,
                 conversation=body["messages"] if path.endswith("chat/completions") else None,
@@ -111,6 +113,7 @@ class ModelRoute:
                 max_model_len=self._ctx.max_model_len,
                 previous=previous,
                 encoder=self._encoder,
+                answer_counts=messages_api,
             )
         except ContextTooLong as exc:
             if messages_api:
@@ -122,7 +125,7 @@ class ModelRoute:
     ) -> int | None:
         """The likely prompt length of a turn that may be forwarded before it is tokenised
         (it only appends text to its session's last turn, and cannot exceed the model's
-        length); None: tokenise it first."""
+        length with `max_tokens`, or one token when None); None: tokenise it first."""
         appended = resumable(session, body["messages"])
         if appended is None or session is None or session.chat is None:
             return None

@@ -233,14 +233,16 @@ def tokenize_checked(
     max_model_len: int,
     previous: ChatTokens | None = None,
     encoder: ChatEncoder | None = None,
+    answer_counts: bool = False,
 ) -> tuple[Sequence[int], ChatTokens | None]:
-    """`prompt_tokens` for a body `check_model_request` already passed (giving `max_tokens`)."""
+    """`prompt_tokens` for a body `check_model_request` already passed (giving `max_tokens`);
+    `answer_counts`: the answer it asks for must fit the window too (api/context_limit.py)."""
     chat = None
     if path.endswith("chat/completions"):
         ids, chat = _chat_ids(body, tokenizer, previous, encoder or chat_encoder(tokenizer))
     else:
         ids = _completion_ids(body, tokenizer)
-    check_context(len(ids), max_tokens, max_model_len)  # 400 in vLLM's words
+    check_context(len(ids), max_tokens, max_model_len, answer_counts=answer_counts)
     return ids, chat
 
 

@@ -94,6 +94,22 @@ def test_an_over_long_prompt_is_400_in_each_apis_own_shape(
     assert turns_of(up.log.parent / "ledger.db", "too-long") == []  # refused before any worker
 
 
+def test_an_answer_longer_than_the_window_leaves_is_shortened_as_vllm_does(
+    aliased: tuple[Started, str],
+) -> None:
+    """A prompt that fits, asking for more output than the window leaves: served (vLLM 0.32
+    shortens `max_tokens`), on the OpenAI routes; Anthropic's API refuses it."""
+    up, key = aliased
+    messages = [{"role": "user", "content": text(12, 200)}]
+    openai_client = openai.OpenAI(base_url=f"{up.url}/v1", api_key=key, max_retries=0)
+    answer = openai_client.chat.completions.create(model="sim", messages=messages, max_tokens=LIMIT)
+    assert answer.usage is not None
+    assert 0 < answer.usage.prompt_tokens + answer.usage.completion_tokens <= LIMIT
+    client = anthropic.Anthropic(base_url=up.url, api_key=key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="exceed context limit"):
+        client.messages.create(model="claude-sonnet-4-5", max_tokens=LIMIT, messages=messages)
+
+
 def test_a_claude_model_name_is_served_through_an_alias(aliased: tuple[Started, str]) -> None:
     up, key = aliased
     client = anthropic.Anthropic(base_url=up.url, api_key=key, max_retries=0)

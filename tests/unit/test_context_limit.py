@@ -104,20 +104,20 @@ def test_an_over_long_prompt_is_400_in_each_apis_shape(path: str) -> None:
     )
 
 
-def test_a_prompt_that_fits_with_too_long_an_answer_is_refused_in_each_apis_words() -> None:
+def test_a_prompt_that_fits_with_too_long_an_answer_is_served_but_on_messages() -> None:
+    """vLLM 0.32 shortens `max_tokens` to what fits (the worker does); Anthropic's API
+    refuses, and Claude Code reads its words to ask again for less."""
     fits = "x" * 60  # 60 + 8 > 64
-    with app(Desk()) as http:
+    desk = Desk()
+    with app(desk) as http:
         chat = http.post("/v1/chat/completions", headers=KEY, json={
             "model": "served", "messages": [{"role": "user", "content": fits}], "max_tokens": 8,
-        }).json()  # fmt: skip
+        })  # fmt: skip
         messages = http.post("/v1/messages", headers=KEY, json={
             "model": "served", "messages": [{"role": "user", "content": fits}], "max_tokens": 8,
         }).json()  # fmt: skip
-    assert chat["error"]["message"] == (
-        "This model's maximum context length is 64 tokens. However, you requested 68 tokens "
-        "(60 in the messages, 8 in the completion). Please reduce the length of the messages "
-        "or completion."
-    )
+    assert chat.status_code == 200, chat.text
+    assert [body["max_tokens"] for body in desk.sent] == [8]  # the worker shortens it
     assert messages["error"]["message"] == (
         "input length and `max_tokens` exceed context limit: 60 + 8 > 64, decrease input "
         "length or `max_tokens` and try again"
@@ -125,16 +125,19 @@ def test_a_prompt_that_fits_with_too_long_an_answer_is_refused_in_each_apis_word
 
 
 def test_the_words_for_each_way_of_not_fitting() -> None:
+    check_context(10, 100, 64)  # an OpenAI route: the answer is shortened, not refused
+    check_context(63, 100, 64)  # room for one output token
     with pytest.raises(ContextTooLong) as too_long:
-        check_context(10, 100, 64)
+        check_context(10, 100, 64, answer_counts=True)
     assert too_long.value.message == (
-        "max_tokens=100 cannot be greater than max_model_len=64. Please request fewer output "
-        "tokens. (parameter=max_tokens, value=100)"
+        "This model's maximum context length is 64 tokens. However, you requested 110 tokens "
+        "(10 in the messages, 100 in the completion). Please reduce the length of the "
+        "messages or completion."
     )
-    assert too_long.value.param == "max_tokens"
-    check_context(63, None, 64)  # one output token counted when none is asked: fits
+    assert too_long.value.param is None
+    check_context(63, None, 64, answer_counts=True)  # one output token counted when none asked
     with pytest.raises(ContextTooLong) as exactly:
-        check_context(64, None, 64)
+        check_context(64, 8, 64)
     assert "you requested 65 tokens (64 in the messages, 1 in the completion)" in (
         exactly.value.message
     )
