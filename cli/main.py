@@ -385,8 +385,19 @@ def bench(
     url: UrlOpt = DEFAULT_URL,
     trace: Annotated[
         Path | None,
-        typer.Option(help="Drive a recorded trace (Mooncake jsonl, Azure csv) instead."),
+        typer.Option(
+            help="Drive a recorded trace (Mooncake jsonl, Azure csv) instead, or recorded "
+            "agent sessions (a folder of kv-cache-tester session files, or one) with --users."
+        ),
     ] = None,
+    users: Annotated[
+        int | None,
+        typer.Option(help="Recorded agent sessions: sessions at once (recycled).", min=1),
+    ] = None,
+    warmup: Annotated[
+        float,
+        typer.Option(help="Recorded agent sessions: seconds not counted at the start.", min=0),
+    ] = 0.0,
     duration: Annotated[
         float, typer.Option(help="Seconds during which new turns start.", min=0.001)
     ] = 60.0,
@@ -399,7 +410,11 @@ def bench(
     ] = 8,
     seed: Annotated[int | None, typer.Option(help="Workload seed (default: the file's).")] = None,
     time_scale: Annotated[
-        float, typer.Option(help="Multiplies tool waits (0.01: tools 100x faster).", min=0)
+        float,
+        typer.Option(
+            help="Multiplies tool waits, or recorded sessions' think times (0.01: 100x faster).",
+            min=0,
+        ),
     ] = 1.0,
     drain: Annotated[
         float, typer.Option(help="Seconds in-flight turns may finish after the duration.", min=0)
@@ -412,7 +427,8 @@ def bench(
     as_json: JsonOpt = False,
     report: Annotated[Path | None, typer.Option(help="Also write the JSON report here.")] = None,
 ) -> None:
-    """Drive a running appliance with concurrent agent sessions; report step and task latency."""
+    """Drive a running appliance with concurrent agent sessions; report step and task latency
+    (recorded sessions: the replay's figures and the router's CPU per turn)."""
     from appliance.bench import run_bench  # the HTTP client side; loaded only for this command
 
     typer.echo(
@@ -429,6 +445,8 @@ def bench(
             data_dir=data_dir,
             as_json=as_json,
             report=report,
+            users=users,
+            warmup_s=warmup,
         )
     )
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from appliance.bench.client import ApplianceClient
 from appliance.bench.report import Recorder, TaskResult
-from appliance.bench.text import words
 from appliance.workload.model import SUBAGENT_TOOL, AgentTask, AgentTurn, TaskTree
+from appliance.workload.text import words
 
 MESSAGE_OVERHEAD_TOKENS = 8
 """Chat-template tokens allowed per message when checking a prompt against the model."""

@@ -149,37 +149,48 @@ class ApplianceClient:
     async def cancel(self, task_id: str) -> TaskAnswer:
         return await self._post(f"/v1/tasks/{quote(task_id, safe='')}/cancel", {})
 
+    async def metrics(self) -> str | None:
+        """The appliance's `/metrics` text; None when it does not answer."""
+        try:
+            response = await self._http.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
     async def step(
         self,
         task_id: str,
         messages: list[dict[str, str]],
         *,
-        output_tokens: int,
         headers: Mapping[str, str],
+        output_tokens: int = 1,
+        options: Mapping[str, Any] | None = None,
     ) -> tuple[AgentStepResult, str]:
-        """One streamed model call: its result and the generated text."""
+        """One streamed model call: its result and the generated text. `options`: the
+        request's fields (max_tokens, tools, extra_body), else `output_tokens` of text."""
         start = time.perf_counter()
         ttft_s: float | None = None
         text: list[str] = []
-        usage = None
+        usage, finish = None, None
+        fields = options or {"max_tokens": output_tokens, "extra_body": {"ignore_eos": True}}
         create = self._ai.chat.completions.with_streaming_response.create
         try:
             async with create(  # type: ignore[call-overload]
                 model=self.model,
                 messages=messages,
-                max_tokens=output_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
                 extra_headers=dict(headers),
+                **fields,
             ) as response:
                 worker = response.headers.get("x-appliance-worker")
                 async for chunk in await response.parse():
+                    if chunk.choices and ttft_s is None:  # the role, with the first token
+                        ttft_s = time.perf_counter() - start
                     for choice in chunk.choices:
                         if choice.delta.content:
-                            if ttft_s is None:
-                                ttft_s = time.perf_counter() - start
                             text.append(choice.delta.content)
+                        finish = choice.finish_reason or finish
                     if chunk.usage is not None:
                         usage = chunk.usage
         except openai.APIStatusError as exc:
@@ -200,6 +211,7 @@ class ApplianceClient:
             ttft_s=ttft_s,
             e2e_s=e2e_s,
             worker=worker,
+            finish_reason=finish,
         )
         return result, "".join(text)
 

@@ -1,7 +1,8 @@
 """What a benchmark run measured, summed into one report: a table for people, JSON for scripts.
 
 Model of the world: a step is one model call (turn); its time to first token runs from
-sending the request to the first generated text, its end-to-end time to the stream's end,
+sending the request to the stream's first chunk (the answer's role, which comes with the
+first generated token, text or tool call), its end-to-end time to the stream's end,
 and its token counts are the appliance's own `usage` (cached tokens from
 `prompt_tokens_details`). A task's latency runs from its creation to its outcome, tool waits
 and children included. Only finished steps and tasks enter the latencies; the counts say
@@ -33,6 +34,7 @@ class AgentStepResult:
     error: str | None = None
     rejected: bool = False
     """Admission said no (429): no attempt reached a worker, so the ledger has no turn."""
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,28 +2,35 @@
 
 Model of the world: the workload comes from `configs/workload.yaml` (or `--workload FILE`,
 or the built-in defaults when the file is not installed), or from a recorded trace
-(`--trace`); the seed makes the tasks the same run after run. Each tenant of the workload
-sends with the API key of the same name from the data dir's `api-keys.toml` unless
-`--api-key` is given (then every tenant sends as that key's tenant). Before any load the
-appliance must answer `GET /v1/models` with that key: that tells the model name and its
-context limit. Task and session ids of a run share a fresh `run_tag`, so the run's rows in
-the ledger can be told apart from every other run's; `started_at`/`finished_at` (Unix
-seconds) bound the interval.
+(`--trace`: a Mooncake jsonl or Azure csv); the seed makes the tasks the same run after
+run. Recorded agent sessions (`--trace DIR --users N`) run as `session_run.py` says. Each
+tenant of the workload sends with the API key of the same name from the data dir's
+`api-keys.toml` unless `--api-key` is given (then every tenant sends as that key's
+tenant). Before any load the appliance must answer `GET /v1/models` with that key: that
+tells the model name and its context limit. Task and session ids of a run share a fresh
+`run_tag`, so the run's rows in the ledger can be told apart from every other run's;
+`started_at`/`finished_at` (Unix seconds) bound the interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from appliance.bench.agents import Agents, RunPlan
-from appliance.bench.client import ApplianceClient, BadInput, BenchError, probe
+from appliance.bench.client import ApplianceClient, BadInput, probe
 from appliance.bench.report import Recorder, build_report, render, to_json
+from appliance.bench.session_run import (
+    holds_sessions,
+    run_session_bench,
+    session_run_tag,
+    write_bench_report,
+)
+from appliance.bench.sessions import SessionRunPlan
 from appliance.keystore import KEYS_FILE, load_keys
 from appliance.workload import TaskTree, WorkloadSpec, iter_trees, load_spec
 from appliance.workload.trace import load_trace_workload
@@ -45,8 +52,11 @@ def run_bench(
     data_dir: Path | None = None,
     as_json: bool = False,
     report: Path | None = None,
+    users: int | None = None,
+    warmup_s: float = 0.0,
 ) -> str:
-    """Run the benchmark; returns the table (or JSON) and writes `report` when given."""
+    """Run the benchmark; returns the table (or JSON) and writes `report` when given.
+    Recorded agent sessions (`trace` a folder or a `.json[.gz]`) run with `users` at once."""
     if duration_s <= 0 or drain_s < 0 or concurrency < 1 or time_scale < 0:
         raise BadInput(
             "bench: --duration must be > 0, --drain >= 0, --concurrency >= 1 and --time-scale >= 0"
@@ -54,17 +64,21 @@ def run_bench(
     url = url.rstrip("/").removesuffix("/v1")
     spec = load_spec(workload) if workload else _default_spec()
     seed = spec.seed if seed is None else seed
-    if trace is not None:
-        tenant = spec.tenants[0].name
-        trees: Iterator[TaskTree] = iter(
-            load_trace_workload(
-                trace, tenant=tenant, max_context_tokens=spec.max_context_tokens
-            ).trees
+    if (users is not None) != (trace is not None and holds_sessions(trace)):
+        raise BadInput(
+            "bench: --users N goes with --trace DIR (recorded agent sessions: a folder of "
+            "kv-cache-tester session files, or one .json/.json.gz), and such a trace needs it"
         )
-        tenants = [tenant]
-    else:
-        trees = iter_trees(spec, seed=seed)
-        tenants = [t.name for t in spec.tenants]
+    if trace is not None and users is not None:
+        tenant = spec.tenants[0].name
+        key = resolve_keys([tenant], api_key=api_key, data_dir=data_dir)[tenant]
+        plan = SessionRunPlan(
+            session_run_tag(), users, duration_s, warmup_s, drain_s, time_scale, None
+        )
+        return run_session_bench(
+            trace, url=url, api_key=key, plan=plan, as_json=as_json, report=report
+        )
+    trees, tenants = _trees(spec, trace, seed)
     keys = resolve_keys(tenants, api_key=api_key, data_dir=data_dir)
     run: dict[str, Any] = {
         "url": url,
@@ -74,18 +88,22 @@ def run_bench(
         "duration_s": duration_s,
         "drain_s": drain_s,
         "time_scale": time_scale,
-        "run_tag": f"bench-{secrets.token_hex(4)}",
+        "run_tag": session_run_tag(),
     }
     result = asyncio.run(_run(run, trees, keys))
-    if report is not None:
-        try:
-            report.write_text(to_json(result) + "\n")
-        except OSError as exc:
-            raise BadInput(f"bench: cannot write {report} ({exc.strerror or exc})") from None
-    if result["steps"]["ok"] == 0 and result["errors"]:
-        first = next(iter(result["errors"]))
-        raise BenchError(f"bench: no model call succeeded; the first error: {first}")
+    write_bench_report(result, report, answered=result["steps"]["ok"])
     return to_json(result) if as_json else render(result)
+
+
+def _trees(
+    spec: WorkloadSpec, trace: Path | None, seed: int
+) -> tuple[Iterator[TaskTree], list[str]]:
+    """The task trees to run and their tenants: the trace's (one tenant) or the spec's."""
+    if trace is None:
+        return iter_trees(spec, seed=seed), [t.name for t in spec.tenants]
+    tenant = spec.tenants[0].name
+    workload = load_trace_workload(trace, tenant=tenant, max_context_tokens=spec.max_context_tokens)
+    return iter(workload.trees), [tenant]
 
 
 def _default_spec() -> WorkloadSpec:

@@ -16,6 +16,7 @@ the console reads (appliance/api/state_document.py builds the pydantic `AdminSta
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +217,12 @@ class _ApplianceCollector(Collector):
                                   records.first_byte_s_total)  # fmt: skip
         yield GaugeMetricFamily("appliance_sessions", "Sessions the router holds.",
                                 len(src.desk.sessions))  # fmt: skip
+        yield CounterMetricFamily(
+            "appliance_process_cpu_seconds",
+            "CPU seconds the appliance's process has used, every thread (the router's own "
+            "cost: parsing, tokenising, placing, relaying, KV events, the ledger).",
+            time.process_time(),
+        )
         yield records.forward_s.family(
             "appliance_forward_seconds",
             "The router's own time per model turn, from the whole request having arrived to "

@@ -52,3 +52,30 @@ def test_a_bad_workload_file_is_exit_2_naming_the_key(
 def test_a_bad_option_is_a_usage_error(tmp_path: Path) -> None:
     r = run("bench", "--concurrency", "0", data_dir=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_users_go_with_a_folder_of_recorded_sessions_only(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    r = run("bench", "--url", url, "--users", "2", "--api-key", "sk-x", data_dir=tmp_path)
+    assert r.returncode == 2 and "--users N goes with --trace DIR" in one_line(r.stderr)
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    r = run("bench", "--url", url, "--trace", str(sessions), "--api-key", "sk-x", data_dir=tmp_path)
+    assert r.returncode == 2 and "--users N goes with --trace DIR" in one_line(r.stderr)
+
+
+def test_an_empty_folder_of_sessions_is_exit_2(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    r = run(
+        "bench",
+        "--url",
+        url,
+        "--trace",
+        str(tmp_path),
+        "--users",
+        "2",
+        "--api-key",
+        "sk-x",
+        data_dir=tmp_path,
+    )
+    assert r.returncode == 2 and "holds no session file" in one_line(r.stderr)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from appliance.replay import agent_traces
-from appliance.replay.agent_traces import (
+from appliance.workload import agent_traces
+from appliance.workload.agent_traces import (
     TraceRequest,
     TraceSubagents,
     read_agent_sessions,
