@@ -295,6 +295,9 @@ class ResidencySettings(Section):
     """No hold past this many seconds idle: the session is evicted and counts as abandoned."""
     pressure_from: float = Field(0.8, ge=0, lt=1)
     """KV usage (0..1) under which a hold costs nothing; above, what it would push out."""
+    restore_ahead: bool = False
+    """Restore a demoted session when the wait model says its turn is likely, not only on
+    its client's tool_finished (off: no gain on recorded agent sessions, docs/benchmarks.md)."""
 
 
 class WorkerReaperSettings(Section):

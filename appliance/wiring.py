@@ -33,7 +33,12 @@ from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
-from appliance.policy.prefetch import PrefetchPolicy, PrefetchTuning
+from appliance.policy.prefetch import (
+    DEFAULT_TRIGGERS,
+    RESTORE_AHEAD_TRIGGERS,
+    PrefetchPolicy,
+    PrefetchTuning,
+)
 from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
 from appliance.policy.survival import PERSON, WaitKey
@@ -285,8 +290,10 @@ def _reaper_loop(
         note = "holds are sent to the workers' retention connectors"
     loop = ReaperLoop(reaper, retention, inputs, ledger=ledger, clock=clock, note=note)
     desk.sessions.listener = loop  # hears of every turn's start and end
-    prefetch = PrefetchPolicy(PrefetchTuning(prefill=False))  # live restores only promote
+    triggers = RESTORE_AHEAD_TRIGGERS if r.restore_ahead else DEFAULT_TRIGGERS
+    prefetch = PrefetchPolicy(PrefetchTuning(prefill=False, triggers=triggers))  # promote only
     lead = LeadTime(prefetch, inputs, loop.outbox, ledger=ledger, waiting=loop.waiting_sessions)
+    lead.survival, lead.horizon_s = reaper.survival, tuning.max_residency_s  # its due times
     loop.lead_time = lead
     tasks.on_tool_finished = lead.tool_finished
     return loop

@@ -92,6 +92,13 @@ triggers added prefetches used less often (a fifth to a third of their bytes unu
 announcements left a twentieth), so they are asked for by name."""
 
 
+RESTORE_AHEAD_TRIGGERS = frozenset(PrefetchTrigger)
+"""Restore ahead of the predicted return: the announcements and the wait model's times,
+each key switched off by its own record (live with `residency.restore_ahead`, and the
+agent-session replay's `appliance-restore`; docs/benchmarks.md, "Restore ahead of the
+predicted return")."""
+
+
 class PrefetchAction(StrEnum):
     PROMOTE = "promote"
     PREFILL = "prefill"

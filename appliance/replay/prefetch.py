@@ -5,14 +5,18 @@ and every prefetch written down with whether its turn used it.
 Model of the world:
 - At a turn's end (`turn_ended`, through the residency adapter) the session's stable prefix
   (that turn's prompt) is kept, and the wait model (the reaper's) is asked from when on the
-  next turn is likely: with the client's expected duration (`TOOL_DUE`, the hint, weighed
-  by the trust its record earned) and from history alone (`HAZARD`). Each answer is a
-  timer, handed to the replay when the turn's record finishes (`on_finish`).
+  next turn is likely (`due`, a `DueRule`): with the client's expected duration
+  (`TOOL_DUE`, the hint, weighed by the trust its record earned) and from history alone
+  (`HAZARD`). Each answer is a timer, handed to the replay when the turn's record finishes
+  (`on_finish`). A rule with a `recheck_s` asks again when a signal started nothing (the
+  prefix in HBM still, say): a timer at the next likely time, while there is one.
 - A `tool_finished` announcement comes from the closed loop (`tool_finished`).
 - On a signal, the worker is the one the router would place the turn on (`predict`), whose
   prefetch lane says how much of the prefix is in HBM and, past that, on its host tier;
   the policy decides with the worker's load; a PROMOTE or PREFILL starts there. One
-  prefetch per idle period.
+  prefetch per idle period. A prefix whose last block is still in HBM on the worker the
+  session last ran on is taken as resident there without asking the router (the router
+  places a turn where its prefix is; a prefix loses its tail first).
 - At the session's next arrival each of its signals' lead (arrival - signal) goes to the
   policy; at the turn's first token the prefetch is settled: used when the turn ran on
   the prefetch's worker and found more of its prompt in HBM than was there before. A
@@ -45,8 +49,7 @@ from appliance.policy.prefetch import (
     WorkerLoad,
 )
 from appliance.policy.residency import IdleSession
-from appliance.policy.return_due import ReturnModel, first_likely_return_s
-from appliance.policy.survival import WaitKey, depth_of
+from appliance.policy.return_due import ONCE, DueRule, ReturnModel, signal_due_s
 from appliance.replay.residency import TurnHint
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest, StepResult
@@ -111,6 +114,8 @@ class _Idle:
     row: int | None = None
     hashes: list[BlockHash] | None = None
     """Its prompt's block hashes, once a signal needed them."""
+    worker: int | None = None
+    """Where its last turn ran."""
 
 
 class PrefetchDriver:
@@ -124,11 +129,13 @@ class PrefetchDriver:
         latency: LatencyModel,
         survival: ReturnModel | None = None,
         horizon_s: float = 1800.0,
+        due: DueRule = ONCE,
     ) -> None:
         self.policy = policy
         self.latency = latency
         self.survival = survival
         self.horizon_s = horizon_s
+        self.due = due
         self.rows: list[PrefetchRow] = []
         self.skipped: Counter[str] = Counter()
         """Signals not acted on, by kind."""
@@ -149,24 +156,25 @@ class PrefetchDriver:
     def turn_ended(self, end: TurnEnd, hint: TurnHint | None, session: IdleSession) -> None:
         req = end.request
         sid = session.session_id
-        self._idle[sid] = _Idle(req, session)
-        if self.survival is None or hint is None or not hint.ends_in_tool_call:
+        idle = self._idle[sid] = _Idle(req, session)
+        if hint is None or not hint.ends_in_tool_call:
             return
-        key = WaitKey(session.tenant, session.tool_class, depth_of(session.turns))
         due: list[tuple[PrefetchTrigger, float]] = []
-        triggers = self.policy.tuning.triggers
-        asks = [(PrefetchTrigger.HAZARD, None)]
-        if hint.expected_wait_s is not None:
-            asks.append((PrefetchTrigger.TOOL_DUE, hint.expected_wait_s))
-        for trigger, hint_s in asks:
-            if trigger in triggers:
-                idle_s = first_likely_return_s(
-                    self.survival, key, hint_s=hint_s, horizon_s=self.horizon_s
-                )
-                if idle_s is not None:
-                    due.append((trigger, end.now_s + idle_s))
+        for trigger in (PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE):
+            idle_s = self._due_s(idle, trigger)
+            if idle_s is not None:
+                due.append((trigger, end.now_s + idle_s))
         if due:
             self._timers[req.request_id] = (sid, due)
+
+    def _due_s(
+        self, idle: _Idle, trigger: PrefetchTrigger, after_s: float | None = None
+    ) -> float | None:
+        """When the wait model's `trigger` is due (`signal_due_s`), if the policy uses it."""
+        if self.survival is None or trigger not in self.policy.tuning.triggers:
+            return None
+        model, session, horizon_s = self.survival, idle.session, self.horizon_s
+        return signal_due_s(self.due, model, session, trigger, horizon_s=horizon_s, after_s=after_s)
 
     def held_value(self, session_id: str) -> float | None:
         """The value a waiting session's prefetch was decided at (None: none this wait)."""
@@ -193,8 +201,12 @@ class PrefetchDriver:
     def on_finish(self, rec: RequestRecord) -> list[Timer]:
         """The signals the wait model scheduled at this turn's end, as timers."""
         sid, due = self._timers.pop(rec.request_id, ("", []))
+        idle = self._idle.get(sid)
+        if idle is None:
+            return []
+        idle.worker = rec.worker
         finish = rec.finish_s if rec.finish_s is not None else rec.arrival_s
-        period = self._idle[sid].session.finished_at_s if sid in self._idle else -1.0
+        period = idle.session.finished_at_s
         return [
             Timer(max(at_s, finish), self._signal_at(sid, trigger, period)) for trigger, at_s in due
         ]
@@ -205,14 +217,17 @@ class PrefetchDriver:
 
     def on_step(self, i: int, now: float, result: StepResult) -> None:
         """Lanes' finished prefetches join their rows; first tokens settle them."""
-        for done in self.engines[i].prefetches.take_done():
-            index = self._running.pop(done.session_id, None)
-            if index is not None:
-                self.rows[index].done = done
-        for out in result.outputs:
-            if out.first_token and out.request_id in self._awaiting:
-                self._settle_turn(self._awaiting.pop(out.request_id), i, out)
-        self._sweep(now)
+        if self._running:  # else no prefetch is in flight anywhere
+            for done in self.engines[i].prefetches.take_done():
+                index = self._running.pop(done.session_id, None)
+                if index is not None:
+                    self.rows[index].done = done
+        if self._awaiting:
+            for out in result.outputs:
+                if out.first_token and out.request_id in self._awaiting:
+                    self._settle_turn(self._awaiting.pop(out.request_id), i, out)
+        if self._decisions:
+            self._sweep(now)
 
     # --- signals ---
 
@@ -221,7 +236,8 @@ class PrefetchDriver:
         idle = self._idle.get(session_id)
         if idle is None or self._predict is None:
             return  # back already, or not bound
-        idle.signals.append((trigger, now))
+        if all(t is not trigger for t, _ in idle.signals):  # a recheck's lead is not its own
+            idle.signals.append((trigger, now))
         key = self._key(idle, trigger)
         gated = self.policy.gate(key)
         if gated is not None:
@@ -229,15 +245,17 @@ class PrefetchDriver:
             return
         if idle.hashes is None:
             idle.hashes = self.engines[0].prefetches.block_hashes(idle.req)
-        w = self._predict(idle.req, engine_views(self.engines), idle.hashes)
+        w = home = self._resident_on(idle, idle.hashes)
+        if w is None:
+            w = self._predict(idle.req, engine_views(self.engines), idle.hashes)
         if w is None:
             self.skipped["no_worker"] += 1
             return
         engine = self.engines[w]
         ask = PrefetchAsk(
             key,
-            self._need(engine, idle.req, idle.hashes),
-            _load(engine),
+            self._need(engine, idle.req, idle.hashes, resident=home is not None),
+            _load(engine) if home is None else _UNREAD,  # a prefix in HBM: load not read
             in_flight=idle.row is not None or engine.prefetches.in_flight(session_id),
         )
         decision = self.policy.choose(ask, now)
@@ -256,19 +274,42 @@ class PrefetchDriver:
 
     def _signal_at(
         self, session_id: str, trigger: PrefetchTrigger, period: float
-    ) -> Callable[[float], None]:
-        """A scheduled signal, for this idle period only (`period`: when it began)."""
+    ) -> Callable[[float], list[Timer]]:
+        """A scheduled signal, for this idle period only (`period`: when it began); set
+        again while nothing started and the rule rechecks."""
 
-        def fire(now: float) -> None:
+        def fire(now: float) -> list[Timer]:
             idle = self._idle.get(session_id)
-            if idle is not None and idle.session.finished_at_s == period:
-                self.signal(session_id, trigger, now)
+            if idle is None or idle.session.finished_at_s != period:
+                return []
+            self.signal(session_id, trigger, now)
+            if idle.row is not None:
+                return []  # one prefetch per idle period
+            again = self._due_s(idle, trigger, after_s=now - period)
+            return [] if again is None else [Timer(period + again, fire)]
 
         return fire
 
-    def _need(self, engine: SimEngine, req: SimRequest, hashes: list[BlockHash]) -> PrefetchNeed:
+    def _resident_on(self, idle: _Idle, hashes: list[BlockHash]) -> int | None:
+        """The worker the session last ran on, when its prefix's last block is in HBM
+        there (see the module), else None."""
+        w = idle.worker
+        if w is None:
+            return None
+        lane = self.engines[w].prefetches
+        n = len(idle.req.prompt_token_ids) // lane.hasher.block_size
+        if n == 0 or n > len(hashes) or lane.cache.pool.get_cached_block(hashes[n - 1]) is None:
+            return None
+        return w
+
+    def _need(
+        self, engine: SimEngine, req: SimRequest, hashes: list[BlockHash], *, resident: bool
+    ) -> PrefetchNeed:
+        """What restoring the prefix on `engine` takes (`resident`: all in HBM there)."""
         bs = engine.block_size
         tokens = len(req.prompt_token_ids) // bs * bs
+        if resident:
+            return PrefetchNeed(tokens, tokens, 0, 0)
         gpu, host = engine.prefetches.probe(req, hashes)
         missing = max(0, tokens - gpu)
         return PrefetchNeed(
@@ -348,6 +389,9 @@ class PrefetchDriver:
 
 _GRACE_S = 60.0
 """A prefetch still unsettled this long after its hold is over has lost its turn."""
+
+
+_UNREAD = WorkerLoad(0, 0)
 
 
 def _load(engine: SimEngine) -> WorkerLoad:

@@ -20,7 +20,21 @@ and residency anchors' docstrings cite their sources):
   that end in a tool call, sessions by consistent hash, no host tier;
 - `mori`: MORI (arXiv 2606.00866): sessions ranked by idleness, the idlest demoted to the
   host tier, sessions by consistent hash;
-- `appliance`: the appliance's router, its idle reaper, the host tier.
+- `appliance`: the appliance's router, its idle reaper, the host tier;
+- `appliance-restore`: the same with restore ahead of the predicted return (below), off by
+  default live too (`residency.restore_ahead`): on the recorded sessions it restored next
+  to nothing and did not lower the TTFT (docs/benchmarks.md).
+
+Restore ahead (`Stack.restore`): the live box's decision code (`residency.restore_ahead`
+on), `PrefetchPolicy` with `RESTORE_AHEAD_TRIGGERS` and no prefill (the live box only
+promotes), driven by the replay's `PrefetchDriver` (`prefetch.py`) on the live box's due
+times (`return_due.RESTORE_AHEAD`): at each turn's end the reaper's wait model, learned per
+tenant, tool class from the answer (`tool_use`, or the person) and depth, says when the
+next turn becomes likely (the `HAZARD` signal), and again a second on while it stays
+likely; then, if the session's prefix is in the host tier and not in HBM on the worker its
+turn would go to, it is copied back. The row counts restores (`restores`, `restores_used`),
+the bytes restored and those no turn used (`restored_unused_share`), and the driver's
+summary (`restore`: by trigger, signals skipped by kind, TTFT saved).
 """
 
 from __future__ import annotations
@@ -31,15 +45,20 @@ from dataclasses import dataclass, replace
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
+from appliance.policy.prefetch import RESTORE_AHEAD_TRIGGERS, PrefetchPolicy, PrefetchTuning
 from appliance.policy.residency_by_name import residency_plan
+from appliance.policy.return_due import RESTORE_AHEAD
 from appliance.replay.agent_traces import AgentSessionTrace
 from appliance.replay.metrics import policy_metrics
+from appliance.replay.prefetch import PrefetchDriver
 from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import ReplaySetup, make_engines, with_decision_counts
 from appliance.replay.session_bound import BOUND_ROUTING, ClairvoyantResidency, free_restores
 from appliance.replay.session_loop import RunWindow, SessionLoop
-from appliance.sim.virtual import ReplayResult, replay
+from appliance.sim.engine import SimEngine
+from appliance.sim.engine_io import StepResult
+from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +67,8 @@ class Stack:
     residency: str
     host: bool
     """Whether it keeps KV in host memory (the replay's `--host-gib`)."""
+    restore: bool = False
+    """Whether a session's KV is restored from host memory ahead of its predicted return."""
 
 
 STACKS: dict[str, Stack] = {
@@ -59,6 +80,7 @@ STACKS: dict[str, Stack] = {
     "cachettl": Stack("session-hash", "ttl-pin", host=False),
     "mori": Stack("session-hash", "mori", host=True),
     "appliance": Stack("appliance", "reaper", host=True),
+    "appliance-restore": Stack("appliance", "reaper", host=True, restore=True),
 }
 BOUND = "bound"
 """The clairvoyant bound's row (`session_bound.py`), replayed like a stack."""
@@ -95,13 +117,19 @@ def replay_stack(
     if bound:
         latency = free_restores(latency)
     policy = ClairvoyantResidency() if bound else residency_plan(plan.residency).policy
-    hold = PolicyResidency(policy, latency=latency, block_size=setup.block_size, hints=loop.hint)
+    ahead = restore_driver(policy, latency) if plan.restore else None
+    hold = PolicyResidency(
+        policy, latency=latency, block_size=setup.block_size, hints=loop.hint, watch=ahead
+    )
     engines = make_engines(setup, latency, hold)
     router = PolicyRouter(plan.routing, workers=setup.workers, hasher=hasher, latency=latency)
     t0 = time.perf_counter()
-    result = replay(
-        engines, loop.arrivals(), router, on_step=router.on_step, on_finish=loop.on_finish
-    )
+    if ahead is None:
+        result = replay(
+            engines, loop.arrivals(), router, on_step=router.on_step, on_finish=loop.on_finish
+        )
+    else:
+        result = _replay_restoring(engines, loop, router, ahead)
     wall_s = time.perf_counter() - t0
     counted = _in_window(result, window.warmup_s, loop.end_s)
     out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}
@@ -112,7 +140,59 @@ def replay_stack(
     out["sessions_started"] = loop.counts.sessions_started
     out["sessions_finished"] = loop.counts.sessions_finished
     out["subagents"] = loop.counts.subagents
+    out |= restore_fields(ahead)
     return with_decision_counts(out, router, hold, wall_s)
+
+
+def restore_driver(policy: object, latency: LatencyModel) -> PrefetchDriver:
+    """Restore ahead of the predicted return for `policy` (a reaper: its wait model)."""
+    tuning = getattr(policy, "tuning", None)
+    return PrefetchDriver(
+        PrefetchPolicy(PrefetchTuning(prefill=False, triggers=RESTORE_AHEAD_TRIGGERS)),
+        latency=latency,
+        survival=getattr(policy, "survival", None),
+        horizon_s=float(getattr(tuning, "max_residency_s", 1800.0)),
+        due=RESTORE_AHEAD,
+    )
+
+
+def _replay_restoring(
+    engines: list[SimEngine], loop: SessionLoop, router: PolicyRouter, ahead: PrefetchDriver
+) -> ReplayResult:
+    ahead.bind(engines, router.predict)
+
+    def on_step(i: int, now: float, result: StepResult) -> None:
+        router.on_step(i, now, result)
+        ahead.on_step(i, now, result)
+
+    def on_finish(rec: RequestRecord) -> list[Arrival | Timer]:
+        return [*loop.on_finish(rec), *ahead.on_finish(rec)]
+
+    result = replay(engines, loop.arrivals(), router, on_step=on_step, on_finish=on_finish)
+    ahead.finish()
+    return result
+
+
+def restore_fields(ahead: PrefetchDriver | None) -> dict[str, object]:
+    """A row's restore figures: restores issued, used, restored bytes and the share of them
+    no turn used (None without restore ahead), and the summary without its rows."""
+    if ahead is None:
+        return dict.fromkeys((*_RESTORE_FIELDS, "restore"))
+    summary = ahead.summary()
+    summary.pop("rows")
+    out: dict[str, object] = {k: summary[s] for k, s in _RESTORE_FIELDS.items()}
+    out["restore"] = summary
+    return out
+
+
+_RESTORE_FIELDS = {
+    "restores": "prefetches",
+    "restores_used": "used",
+    "restored_bytes": "restored_bytes",
+    "restored_unused_bytes": "unused_bytes",
+    "restored_unused_share": "unused_bytes_share",
+}
+"""A row's restore figure -> the driver's summary's."""
 
 
 def plan_fields(plan: Stack) -> dict[str, object]:

@@ -51,6 +51,8 @@ _SHOWN = (
     "session_p50_s",
     "requests",
     "skipped_for_window",
+    "restores",
+    "restored_unused_share",
     "wall_s",
 )
 

@@ -11,6 +11,11 @@ the host tier (the worker counts those tokens as loaded, vLLM's
 `prompt_tokens_by_source{source="external_kv_transfer"}`), its TTFT at least the copy's
 time longer than the held one's by the copy's time.
 
+Restore ahead of the predicted return: once the wait model has seen test runs end 30 s
+after their turn, a demoted session of the same kind is copied back to the GPU shortly
+before its 30 s are up, on the wait model's timer alone (no client announces anything),
+and its next turn finds its prefix there.
+
 The host link is slowed to 16 GB/s in the worker's GPU profile (a copy back costs a quarter
 of a re-prefill: the reaper still finds it worth it) and the simulated GPU runs 4x slower
 than the profile, so the copy takes about 80 ms, above this machine's timing noise (at an
@@ -63,6 +68,22 @@ def slow_link_profile(path: Path) -> Path:
 
 @pytest.fixture  # each test its own: what a worker was measured at moves the reaper's choices
 def hosted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Reaped]:
+    yield from _hosted(tmp_path_factory, tiny_model_dir, {})
+
+
+@pytest.fixture
+def hosted_ahead(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[Reaped]:
+    """`hosted`, with restore ahead of the predicted return on (off by default)."""
+    yield from _hosted(
+        tmp_path_factory, tiny_model_dir, {"APPLIANCE_RESIDENCY__RESTORE_AHEAD": "true"}
+    )
+
+
+def _hosted(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, more: dict[str, str]
+) -> Iterator[Reaped]:
     data_dir = tmp_path_factory.mktemp("demote-sim")
     key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
     pool_bytes = POOL_TOKENS * SIM_KV_BYTES_PER_TOKEN
@@ -75,6 +96,7 @@ def hosted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
         "APPLIANCE_ENGINE__KV_HOST_BYTES": str(HOST_TIMES_POOL * pool_bytes),
         "APPLIANCE_ENGINE__GPU_PROFILE": str(slow_link_profile(data_dir / "profile.json")),
         "APPLIANCE_ENGINE__SIM_TIME_SCALE": str(TIME_SCALE),
+        **more,
     }
     with appliance_process(data_dir, engine="sim", workers=1, env=env) as up:
         worker_url = f"http://127.0.0.1:{up.base_port}"
@@ -237,6 +259,82 @@ def test_a_demoted_session_whose_tool_is_announced_done_is_back_on_the_gpu_befor
         lambda: app.rows(
             "SELECT action FROM residency_events WHERE session_id = ? AND action LIKE 'restore_%'",
             "alice/restored",
+        ),
+        lambda rows: len(rows) == 1,
+    )
+    assert settled == [("restore_used",)]
+
+
+TAUGHT_GAP_S = 30.0
+"""The test runs the wait model is taught: each session's next turn 30 s (and the time the
+others' turns take) after its answer. Learnt from a few, the turn is likely (0.6 within
+the next bin) from 29.1 s into a wait."""
+
+
+def test_a_demoted_session_is_back_on_the_gpu_when_its_turn_is_due_with_no_announcement(
+    hosted_ahead: Reaped,
+) -> None:
+    """Restore ahead of the predicted return (issue 37): six sessions teach the reaper's
+    wait model that a test run takes 30 s; a seventh, demoted and pushed out of the GPU by a
+    flood, is restored on the model's timer (a `hazard` restore) before its next turn, which
+    then loads nothing from the host tier and settles the restore used (`restore_ahead` on)."""
+    app = hosted_ahead
+    teach = {
+        f"teach-{i}": [{"role": "user", "content": text(60 + i, WORDS // 4)}] for i in range(6)
+    }
+    firsts = {sid: streamed(app, sid, m) for sid, m in teach.items()}
+    time.sleep(TAUGHT_GAP_S)
+    for i, (sid, m) in enumerate(teach.items()):
+        streamed(
+            app, sid, [*m, firsts[sid]["message"], {"role": "user", "content": text(70 + i, 10)}]
+        )
+    time.sleep(1.0)  # the returns are learnt (after the answers)
+    ops = {"Authorization": f"Bearer {app.ops}"}
+    for sid in teach:  # their holds would make HBM look cheap: as the tests above, one is held
+        r = httpx.post(f"{app.url}/admin/v1/sessions/{sid}/release?tenant=alice", headers=ops)
+        assert r.status_code == 200, r.text
+
+    streamed(app, "held-beside", [{"role": "user", "content": text(41, WORDS)}])
+    messages = [{"role": "user", "content": text(52, WORDS)}]
+    first = streamed(app, "ahead", messages)
+    ended = time.monotonic()
+    n_first = prompt_tokens(first)
+    demoted = eventually(
+        lambda: app.rows(
+            "SELECT action FROM residency_events WHERE session_id = ? AND action = 'demote'",
+            "alice/ahead",
+        ),
+        lambda rows: len(rows) == 1,
+    )
+    assert demoted == [("demote",)]
+    statuses = flood(app, WORDS // 2, n_first // 2)
+    assert set(statuses) == {200}, statuses
+    assert time.monotonic() - ended < TAUGHT_GAP_S - 5.0  # the flood is over before it is due
+
+    ((restored, figures),) = eventually(
+        lambda: app.rows(
+            "SELECT tokens, figures FROM residency_events WHERE session_id = ?"
+            " AND action = 'restore'",
+            "alice/ahead",
+        ),
+        lambda rows: len(rows) == 1,
+        timeout_s=TAUGHT_GAP_S + 5.0,
+    )
+    assert json.loads(figures)["trigger"] == "hazard"
+    turn_at = ended + TAUGHT_GAP_S + 2.0  # as the taught sessions came back (30 s and more)
+    assert time.monotonic() < turn_at - 0.5  # restored ahead of the turn
+    time.sleep(turn_at - time.monotonic())
+    loaded = host_loaded_tokens(app)
+    messages += [first["message"], {"role": "user", "content": text(53, 20)}]
+    answer = streamed(app, "ahead", messages)
+    print(f"restored {restored} tokens on the timer; {cached(answer)} of {n_first} cached")
+    assert restored >= 0.9 * n_first
+    assert cached(answer) >= 0.9 * n_first
+    assert host_loaded_tokens(app) == loaded  # the turn found it on the GPU
+    settled = eventually(
+        lambda: app.rows(
+            "SELECT action FROM residency_events WHERE session_id = ? AND action LIKE 'restore_%'",
+            "alice/ahead",
         ),
         lambda rows: len(rows) == 1,
     )

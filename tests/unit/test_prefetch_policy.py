@@ -12,6 +12,7 @@ from appliance.policy.prefetch import (
     DEFAULT_MIN_LEAD_S,
     DEFAULT_PROBE_EVERY,
     MAX_KEYS,
+    RESTORE_AHEAD_TRIGGERS,
     PrefetchAction,
     PrefetchAsk,
     PrefetchDecision,
@@ -23,8 +24,18 @@ from appliance.policy.prefetch import (
     PrefetchTuning,
     WorkerLoad,
 )
-from appliance.policy.return_due import first_likely_return_s
-from appliance.policy.survival import WaitKey, WaitSurvival
+from appliance.policy.residency import IdleSession
+from appliance.policy.return_due import (
+    DEFAULT_DUE_THRESHOLD,
+    DEFAULT_DUE_WINDOW_S,
+    ONCE,
+    RESTORE_AHEAD,
+    RESTORE_RECHECK_S,
+    DueRule,
+    first_likely_return_s,
+    signal_due_s,
+)
+from appliance.policy.survival import Outlook, WaitKey, WaitSurvival
 from appliance.policy.wait_curves import EDGES, LogNormal
 
 GIB = 1 << 30
@@ -391,11 +402,11 @@ class Scripted:
         self.answers = answers
         self.asked: list[tuple[float, float, float | None]] = []
 
-    def p_return_within(
-        self, key: WaitKey, idle_s: float, t_s: float, hint_s: float | None = None
-    ) -> float:
-        self.asked.append((idle_s, t_s, hint_s))
-        return self.answers.get(idle_s, 0.0)
+    def outlook(
+        self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
+    ) -> Outlook:
+        self.asked.append((idle_s, horizon_s, hint_s))
+        return Outlook(self.answers.get(idle_s, 0.0), horizon_s)
 
 
 def test_the_scan_starts_at_the_turns_end_then_walks_the_bins_from_the_least_lead() -> None:
@@ -413,7 +424,7 @@ def test_the_first_idle_time_at_the_threshold_is_due() -> None:
     assert first_likely_return_s(model, WaitKey("a", "t"), hint_s=None, horizon_s=edge) is None
     due = first_likely_return_s(model, WaitKey("a", "t"), hint_s=None, horizon_s=edge + 1e-9)
     assert due == edge
-    assert Scripted({0.0: 0.6}).p_return_within(WaitKey("a", "t"), 0.0, 5.0) == 0.6
+    assert Scripted({0.0: 0.6}).outlook(WaitKey("a", "t"), 0.0, 5.0).p_return == 0.6
     assert first_likely_return_s(Scripted({0.0: 0.6}), WaitKey("a", "t"), hint_s=None,
                                  horizon_s=10.0) == 0.0  # fmt: skip
 
@@ -426,3 +437,95 @@ def test_the_window_is_a_bin_wide_past_the_minimum_and_no_longer_than_a_hold() -
     for idle_s, window in windows.items():
         assert window == pytest.approx(min(30.0, max(5.0, idle_s * (ratio - 1))))
     assert windows[0.0] == 5.0 and max(windows.values()) == 30.0
+
+
+# --- restore ahead of the predicted return ---
+
+LATE = [e for e in EDGES if e > 1.0]
+"""Bin edges past a second: (LATE[0], LATE[1], ...)."""
+
+
+def test_a_scan_from_a_later_idle_time_starts_at_its_first_edge_and_not_at_the_end() -> None:
+    likely = Scripted({0.0: 0.9, LATE[0]: 0.9, LATE[2]: 0.9})
+    k = WaitKey("a", "t")
+    assert first_likely_return_s(likely, k, hint_s=None, horizon_s=1800.0) == 0.0
+    assert (
+        first_likely_return_s(likely, k, hint_s=None, horizon_s=1800.0, after_s=LATE[0]) == LATE[0]
+    )
+    later = first_likely_return_s(likely, k, hint_s=None, horizon_s=1800.0, after_s=LATE[0] + 1e-9)
+    assert later == LATE[2]
+    model = Scripted({})
+    first_likely_return_s(model, k, hint_s=None, horizon_s=1800.0, after_s=LATE[0])
+    assert min(a for a, _, _ in model.asked) == LATE[0]
+
+
+def test_a_rule_without_a_recheck_is_due_once_a_wait() -> None:
+    model = Scripted({0.0: 0.6, LATE[0]: 0.6})
+    k = WaitKey("a", "t")
+    assert DueRule() == ONCE and ONCE.recheck_s is None
+    assert ONCE.next_s(model, k, hint_s=None, horizon_s=1800.0) == 0.0
+    assert ONCE.next_s(model, k, hint_s=None, horizon_s=1800.0, after_s=0.0) is None
+
+
+def test_a_rule_with_a_recheck_is_due_again_from_its_recheck_past_the_last_time() -> None:
+    model = Scripted({0.0: 0.6, LATE[0]: 0.6, LATE[1]: 0.6, LATE[3]: 0.6})
+    k = WaitKey("a", "t")
+    rule = DueRule(recheck_s=LATE[1] - LATE[0])
+    assert rule.next_s(model, k, hint_s=None, horizon_s=1800.0) == 0.0
+    assert rule.next_s(model, k, hint_s=None, horizon_s=1800.0, after_s=0.0) == LATE[0]
+    assert rule.next_s(model, k, hint_s=None, horizon_s=1800.0, after_s=LATE[0]) == LATE[1]
+    assert rule.next_s(model, k, hint_s=None, horizon_s=1800.0, after_s=LATE[1]) == LATE[3]
+    assert rule.next_s(model, k, hint_s=None, horizon_s=LATE[3], after_s=LATE[1]) is None
+
+
+def test_a_rule_asks_with_its_window_and_threshold() -> None:
+    model = Scripted({0.0: 0.5})
+    k = WaitKey("a", "t")
+    assert DueRule(window_s=7.0, threshold=0.5).next_s(model, k, hint_s=3.0, horizon_s=60.0) == 0.0
+    assert model.asked == [(0.0, 7.0, 3.0)]
+    assert DueRule(threshold=0.51).next_s(model, k, hint_s=None, horizon_s=60.0) is None
+
+
+def test_restoring_ahead_uses_every_signal_and_the_due_times_rechecked_each_second() -> None:
+    assert frozenset(PrefetchTrigger) == RESTORE_AHEAD_TRIGGERS
+    assert DueRule(DEFAULT_DUE_WINDOW_S, DEFAULT_DUE_THRESHOLD, 1.0) == RESTORE_AHEAD
+    assert RESTORE_RECHECK_S == 1.0
+
+
+class Keyed(Scripted):
+    """A scripted wait model that also writes down the keys it is asked about."""
+
+    def __init__(self, answers: dict[float, float]) -> None:
+        super().__init__(answers)
+        self.keys: list[WaitKey] = []
+
+    def outlook(
+        self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
+    ) -> Outlook:
+        self.keys.append(key)
+        return super().outlook(key, idle_s, horizon_s, hint_s)
+
+
+def test_a_sessions_signals_are_timed_under_the_reapers_key_with_its_hint() -> None:
+    waiting = IdleSession(
+        "s", 640, 100.0, True, "build", turns=9, expected_wait_s=20.0, tenant="acme"
+    )
+    model = Keyed({LATE[0]: 0.6})
+    hazard = PrefetchTrigger.HAZARD
+    assert signal_due_s(ONCE, model, waiting, hazard, horizon_s=1800.0) == LATE[0]
+    assert set(model.keys) == {WaitKey("acme", "build", 4)}  # depths past 4 are 4
+    assert {h for _, _, h in model.asked} == {None}
+    model.asked.clear()
+    due = signal_due_s(ONCE, model, waiting, PrefetchTrigger.TOOL_DUE, horizon_s=1800.0)
+    assert due == LATE[0] and {h for _, _, h in model.asked} == {20.0}
+    model.asked.clear()
+    assert signal_due_s(ONCE, model, waiting, PrefetchTrigger.TOOL_DUE, horizon_s=LATE[0]) is None
+    assert max(a for a, _, _ in model.asked) < LATE[0]
+    rule = DueRule(recheck_s=1.0)
+    again = signal_due_s(rule, model, waiting, hazard, horizon_s=1800.0, after_s=LATE[0])
+    assert again is None  # nothing likely from a second past it
+    unhinted = IdleSession("s", 640, 100.0, True, "build")
+    model.asked.clear()
+    for trigger in (PrefetchTrigger.TOOL_DUE, PrefetchTrigger.TOOL_FINISHED):
+        assert signal_due_s(ONCE, model, unhinted, trigger, horizon_s=1800.0) is None
+    assert model.asked == []  # not timed by the model at all

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from appliance.policy.prefetch import PrefetchPolicy
+from appliance.policy.prefetch import RESTORE_AHEAD_TRIGGERS, PrefetchPolicy, PrefetchTuning
 from appliance.policy.residency import (
     HeldSession,
     IdleSession,
@@ -18,8 +18,16 @@ from appliance.policy.residency import (
     ResidencyKind,
 )
 from appliance.policy.residency_by_name import ResidencyPlan
+from appliance.policy.return_due import ONCE, RESTORE_AHEAD, DueRule
+from appliance.policy.survival import Outlook, WaitKey
+from appliance.policy.wait_curves import EDGES
+from appliance.replay.prefetch import PrefetchDriver
+from appliance.replay.residency import TurnHint
 from appliance.replay.runner import make_setup
 from appliance.replay.workload_replay import WorkloadRun, replay_closed_loop, replay_workload
+from appliance.sim.engine_io import SimRequest
+from appliance.sim.residency_hook import TurnEnd
+from appliance.sim.virtual import RequestRecord, Timer
 from appliance.workload import AgentTask, AgentTurn
 
 BLOCK = 512
@@ -137,3 +145,53 @@ def test_an_announced_turn_finds_its_demoted_blocks_promoted() -> None:
         assert fetched[rid][0] < plain[rid][0]  # without the copy in its TTFT
     host = [x for x in fetched_run.result.records if x.request_id.endswith("/1")]
     assert all(x.host_cached_tokens == 0 for x in host)
+
+
+# --- the wait model's signals, rechecked (restore ahead of the predicted return) ---
+
+DUE = next(e for e in EDGES if e >= 10.0)
+AGAIN = next(e for e in EDGES if e >= DUE + 1.0)
+
+
+class LikelyFrom:
+    """A wait model by which a turn is likely (P 0.9) once away `from_s`, not before."""
+
+    def __init__(self, from_s: float) -> None:
+        self.from_s = from_s
+
+    def outlook(
+        self, key: WaitKey, idle_s: float, horizon_s: float, hint_s: float | None = None
+    ) -> Outlook:
+        return Outlook(0.9 if idle_s >= self.from_s else 0.0, horizon_s)
+
+
+def waiting_driver(due: DueRule, hint: TurnHint) -> tuple[PrefetchDriver, list[Timer]]:
+    """A driver (bound to no engines: a signal starts nothing) told of a session's turn
+    ending at 100 s, and the timers that turn's record hands the replay."""
+    _, latency = make_setup(workers=1, hbm_gib=4.0)
+    policy = PrefetchPolicy(PrefetchTuning(triggers=RESTORE_AHEAD_TRIGGERS))
+    driver = PrefetchDriver(policy, latency=latency, survival=LikelyFrom(10.0), due=due)
+    req = SimRequest("s/0", [0] * 640, 8, cache_salt="acme", session_id="s")
+    session = IdleSession("s", 640, 100.0, hint.ends_in_tool_call, tenant="acme")
+    driver.turn_ended(TurnEnd(req, 640, 0.5, 100.0), hint, session)
+    return driver, driver.on_finish(RequestRecord("s/0", 0, 90.0, 640, finish_s=100.0))
+
+
+def fired(timer: Timer, now: float) -> list[Timer]:
+    return list(timer.fire(now) or ())
+
+
+def test_a_wait_model_signal_that_started_nothing_is_due_again_while_the_turn_stays_likely() -> (
+    None
+):
+    driver, timers = waiting_driver(RESTORE_AHEAD, TurnHint(True))
+    (first,) = timers
+    assert first.time_s == 100.0 + DUE
+    (again,) = fired(first, 100.0 + DUE)
+    assert again.time_s == 100.0 + AGAIN
+    driver.turn_arrived(SimRequest("s/1", [0] * 700, 8, session_id="s"), 100.0 + AGAIN - 0.5)
+    assert fired(again, 100.0 + AGAIN) == []  # back: the timer is dropped
+    _, once = waiting_driver(ONCE, TurnHint(True))
+    assert fired(once[0], 100.0 + DUE) == []
+    _, none = waiting_driver(RESTORE_AHEAD, TurnHint(None))
+    assert none == []  # nothing known of the wait: not timed

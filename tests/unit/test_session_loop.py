@@ -211,6 +211,28 @@ def test_every_stack_replays_the_real_sessions_and_counts_only_the_window() -> N
     assert everything["requests"] > rows["vllm"]["requests"]  # type: ignore[operator]
 
 
+def test_the_appliance_restores_host_copies_ahead_of_their_likely_turns() -> None:
+    """Restore ahead of the predicted return: the reaper's wait model, learned from the
+    answers, times a signal; a session whose prefix a worker gave back to the host tier by
+    then is copied back to HBM, and its turn finds it there. Without it, nothing is."""
+    setup, latency = make_setup(workers=1, hbm_gib=4, host_gib=8, block_size=64)
+    window = RunWindow(duration_s=400.0, warmup_s=100.0)
+    on = replay_stack(SLICE, "appliance-restore", setup, latency, users=3, window=window)
+    off = replay_stack(SLICE, "appliance", setup, latency, users=3, window=window)
+    assert STACKS["appliance-restore"].restore and not STACKS["appliance"].restore
+    restores, used = on["restores"], on["restores_used"]
+    assert isinstance(restores, int) and isinstance(used, int) and restores >= used >= 1
+    summary = on["restore"]
+    assert isinstance(summary, dict)
+    assert summary["by_trigger"].keys() == {"hazard"}  # no client announces anything here
+    assert summary["ttft_saved_s"] > 0 and "rows" not in summary
+    restored, unused = on["restored_bytes"], on["restored_unused_bytes"]
+    assert isinstance(restored, int) and isinstance(unused, int) and 0 <= unused < restored
+    assert on["restored_unused_share"] == round(unused / restored, 4)
+    assert summary["skipped"]["resident"] > 0  # most signals find the prefix in HBM
+    assert [off[k] for k in ("restores", "restored_bytes", "restore")] == [None] * 3
+
+
 def test_the_capacity_is_the_largest_count_within_the_slo() -> None:
     asked: list[int] = []
 
