@@ -24,8 +24,8 @@ from appliance.policy.residency import (
     ResidencyAction,
     ResidencyDecision,
 )
-from appliance.replay.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE, shared_prefix
+from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 
 BOUND_ROUTING = "appliance"
 

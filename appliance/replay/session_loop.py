@@ -41,10 +41,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys
-from appliance.replay.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 from appliance.replay.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.virtual import Arrival, RequestRecord
+from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 
 TRACE_BLOCK_TOKENS = 64
 WARM_PREFIX_SHARE = 0.5

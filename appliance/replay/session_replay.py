@@ -48,7 +48,6 @@ from appliance.perf.latency import LatencyModel
 from appliance.policy.prefetch import RESTORE_AHEAD_TRIGGERS, PrefetchPolicy, PrefetchTuning
 from appliance.policy.residency_by_name import residency_plan
 from appliance.policy.return_due import RESTORE_AHEAD
-from appliance.replay.agent_traces import AgentSessionTrace
 from appliance.replay.metrics import policy_metrics
 from appliance.replay.prefetch import PrefetchDriver
 from appliance.replay.residency import PolicyResidency
@@ -59,6 +58,7 @@ from appliance.replay.session_loop import RunWindow, SessionLoop
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import StepResult
 from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
+from appliance.workload.agent_traces import AgentSessionTrace
 
 
 @dataclass(frozen=True, slots=True)

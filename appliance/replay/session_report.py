@@ -23,11 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from appliance.perf.latency import LatencyModel
-from appliance.replay.agent_traces import (
-    AgentSessionTrace,
-    read_agent_sessions,
-    sessions_summary,
-)
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
 from appliance.replay.session_bound import session_ttft_floor
 from appliance.replay.session_loop import RunWindow
@@ -37,6 +32,11 @@ from appliance.replay.session_replay import (
     STACKS,
     capacity,
     replay_stack,
+)
+from appliance.workload.agent_traces import (
+    AgentSessionTrace,
+    read_agent_sessions,
+    sessions_summary,
 )
 
 SESSION_BLOCK_SIZE = 64

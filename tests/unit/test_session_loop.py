@@ -11,18 +11,18 @@ import pytest
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
-from appliance.replay.agent_traces import (
+from appliance.replay.runner import make_setup
+from appliance.replay.session_bound import ClairvoyantResidency, free_restores, session_ttft_floor
+from appliance.replay.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
+from appliance.replay.session_replay import STACKS, capacity, replay_stack
+from appliance.sim.virtual import Arrival, RequestRecord
+from appliance.workload.agent_traces import (
     AgentSessionTrace,
     SubagentTrace,
     TraceRequest,
     TraceSubagents,
     read_agent_sessions,
 )
-from appliance.replay.runner import make_setup
-from appliance.replay.session_bound import ClairvoyantResidency, free_restores, session_ttft_floor
-from appliance.replay.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
-from appliance.replay.session_replay import STACKS, capacity, replay_stack
-from appliance.sim.virtual import Arrival, RequestRecord
 from tests.paths import DATA
 
 
