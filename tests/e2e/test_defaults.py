@@ -79,12 +79,12 @@ def test_an_agent_session_runs_through_the_defaults(readme_up: tuple[Started, st
         assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
         done = http.post("/v1/tasks/fix-it/events", json={"type": "succeeded", "verified": True})
         assert done.json()["status"] == "succeeded"
-        too_long = http.post(
+        too_long = http.post(  # at least one token a word: over the window
             "/v1/chat/completions",
             json={
                 "model": model,
-                "max_tokens": limit,
-                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "word " * (limit + 1)}],
             },
         )
         assert too_long.status_code == 400 and str(limit) in too_long.text
