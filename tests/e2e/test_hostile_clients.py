@@ -241,10 +241,11 @@ sampling = {
 
 def bounded(body: dict[str, Any]) -> dict[str, Any]:
     """A body a worker would take is kept to a few output tokens (a few ms of the worker),
-    whatever else it asks for; a limit far past the model's stays (refused before it)."""
+    whatever else it asks for: a limit past the window is served too, shortened to what the
+    window leaves (as vLLM 0.32 does), and would take the worker seconds."""
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if (value is None and name == "max_tokens") or (type(value) is int and 4 < value < 10**9):
+        if (value is None and name == "max_tokens") or (type(value) is int and value > 4):
             body[name] = 4
     return body
 
