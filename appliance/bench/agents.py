@@ -225,11 +225,15 @@ class Agents:
             self._rec.error(f"{kind} event: {answer.error}")
 
     async def _wait(self, seconds: float) -> bool:
-        """Sleep `seconds`; False when the run stopped first."""
-        if seconds <= 0:
-            return not self._stop.is_set()
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
-        except TimeoutError:
-            return True
-        return False
+        return await sleep_unless_stopped(self._stop, seconds)
+
+
+async def sleep_unless_stopped(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep `seconds`; False when `stop` was set first (or is set already)."""
+    if seconds <= 0:
+        return not stop.is_set()
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        return True
+    return False

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from appliance.bench.agents import sleep_unless_stopped
 from appliance.bench.client import ApplianceClient
 from appliance.bench.session_figures import LiveTurn, SessionRecorder
 from appliance.workload.agent_sessions import SessionPrompts, warm_blocks
@@ -170,11 +171,4 @@ class LiveSessions:
         return True
 
     async def _wait(self, seconds: float) -> bool:
-        """Sleep `seconds`; False when the run stopped first."""
-        if seconds <= 0:
-            return not self._stop.is_set()
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
-        except TimeoutError:
-            return True
-        return False
+        return await sleep_unless_stopped(self._stop, seconds)
