@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import takewhile
 
 from appliance.domain.block_hash import BlockHash, event_block_hash
 from appliance.domain.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -110,6 +111,7 @@ class BlockPool:
         # hash -> {block_id: block}, in insertion order. vLLM does not de-duplicate: two
         # requests that compute the same block at once both cache it under one hash.
         self._cached: dict[BlockHash, dict[int, Block]] = {}
+        self._first: dict[BlockHash, int] = {}  # hash -> its first-cached block's id
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
         self._events: list[KvEvent] = []
@@ -121,6 +123,10 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def has_events(self) -> bool:
+        return bool(self._events)
+
+    @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests (vLLM `get_usage`: the null block is
         left out; cached blocks in the free queue count as free)."""
@@ -129,8 +135,14 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         """The first-cached block with this hash, if any."""
-        blocks = self._cached.get(block_hash)
-        return next(iter(blocks.values())) if blocks else None
+        block_id = self._first.get(block_hash)
+        return self.blocks[block_id] if block_id is not None else None
+
+    def cached_prefix(self, block_hashes: Iterable[BlockHash]) -> list[int]:
+        """The first-cached block of each of the leading `block_hashes` that are cached
+        (`get_cached_block` of each in turn, up to the first miss), by id."""
+        first = self._first
+        return list(map(first.__getitem__, takewhile(first.__contains__, block_hashes)))
 
     def cached_entries(self) -> Iterator[tuple[BlockHash, int]]:
         """(hash, block id) of every entry in the hash map."""
@@ -206,25 +218,22 @@ class BlockPool:
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null:
-                continue
-            block_hash = block_hashes[i]
-            if block.block_hash == block_hash:
+        cached, first = self._cached, self._first
+        new = block_hashes[num_cached_blocks:num_full_blocks]
+        for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks], new, strict=True):
+            if block.is_null or block.block_hash == block_hash:
                 continue
             assert block.block_hash is None, f"{block} already cached under another hash"
             block.block_hash = block_hash
-            self._cached.setdefault(block_hash, {})[block.block_id] = block
+            cached.setdefault(block_hash, {})[block.block_id] = block
+            first.setdefault(block_hash, block.block_id)
         if not self.enable_events:
             return
         parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         self._events.append(
             BlockStored(
-                block_hashes=tuple(
-                    event_block_hash(h) for h in block_hashes[num_cached_blocks:num_full_blocks]
-                ),
+                block_hashes=tuple(map(event_block_hash, new)),
                 parent_block_hash=event_block_hash(parent) if parent is not None else None,
                 token_ids=tuple(token_ids[start:end]),
                 block_size=block_size,
@@ -274,6 +283,7 @@ class BlockPool:
         if self.num_blocks - self.num_free_blocks != 1:  # the null block is always "used"
             return False
         self._cached = {}
+        self._first = {}
         for block in self.blocks:
             block.block_hash = None
         if self.enable_events:
@@ -295,6 +305,9 @@ class BlockPool:
             return
         if not entry:
             del self._cached[block_hash]
+            del self._first[block_hash]
+        elif self._first[block_hash] == block.block_id:
+            self._first[block_hash] = next(iter(entry))
         if self.enable_events:
             self._events.append(
                 BlockRemoved(

@@ -42,7 +42,9 @@ Public API (the server builds on these names; everything else is private):
   retention=None)`:
   `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
   max_model_len tokens or more, max_tokens < 1), `abort_request(request_id, now)`,
-  `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`,
+  `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`
+  (`queue_lengths()`: its running and waiting counts alone), `decode_step(now)` and
+  `take_decoded(steps)` (a plain decode step with its outputs held: `decode_run.py`),
   `reset_prefix_cache() -> bool`, `block_ids(request_id)`, `cache` (the `PrefixCache`, to
   peek at; never change it), `host` (the `HostTier` or None), `demote(session_id)` and
   `evict(session_id)` (below), `restore(session_id, now, hold_s)` (with a retention: the
@@ -111,7 +113,8 @@ branch's pin and drops its own blocks on every tier.
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
-a few microseconds per running request.
+a few microseconds per running request, and a plain decode step (`decode_step`) about a
+microsecond per request, with no output built until its outputs are taken.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, Request
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
 from appliance.sim.copy_channel import CopyChannel
+from appliance.sim.decode_run import DecodeRun
 from appliance.sim.engine_config import EngineConfig
 from appliance.sim.engine_io import (
     FinishReason,
@@ -137,7 +141,12 @@ from appliance.sim.pin_keeper import PinKeeper, pin_owner
 from appliance.sim.prefetch_lane import PrefetchLane
 from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.residency_hook import ResidencyHook, RetentionHook
-from appliance.sim.waiting_queue import RequestState, SchedulingPolicy, WaitingQueue
+from appliance.sim.waiting_queue import (
+    RequestState,
+    SchedulingPolicy,
+    WaitingQueue,
+    request_output,
+)
 
 LAST_PROMPTS = 4096
 """Sessions whose newest finished prompt a live engine keeps for `restore` (oldest dropped)."""
@@ -200,6 +209,7 @@ class SimEngine:
         self._last_prompts: OrderedDict[str, SimRequest] = OrderedDict()
         """Each session's newest finished request (the retention's, for `restore`)."""
         self._fast_decode = True  # tests turn it off to check it changes nothing
+        self._decode = DecodeRun(self.cache, latency, self._token, self._n, config.max_model_len)
 
     # --- requests ---
 
@@ -237,6 +247,8 @@ class SimEngine:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
+        self._decode.settle()
+        self._decode.left = 0
         if entry in self._running:
             self._running.remove(entry)
             self._finished(entry)
@@ -247,7 +259,7 @@ class SimEngine:
         elif not self.prefetches.unpark(entry):
             self._waiting.remove(entry)
         self._n.success["abort"] += 1
-        self._pending.append(self._output(entry, [], "abort"))
+        self._pending.append(request_output(entry, [], "abort"))
 
     def abort_all(self, now: float) -> int:
         """Abort every request in the engine (vLLM's pause in "abort" mode); how many."""
@@ -270,19 +282,23 @@ class SimEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return engine_stats(
-            self._n,
-            self.cache,
-            self.host,
-            num_running=len(self._running),
-            num_waiting=len(self._waiting) + len(self._loading) + self.prefetches.num_parked,
-            pins=self._residency is not None,
-        )
+        running, waiting = self.queue_lengths()
+        pins = self._residency is not None
+        return engine_stats(self._n, self.cache, self.host, running, waiting, pins=pins)
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """`stats`' num_running and num_waiting (a router's look, without the counters)."""
+        waiting = len(self._waiting) + len(self._loading) + self.prefetches.num_parked
+        return len(self._running), waiting
 
     # --- the step ---
 
     def step(self, now: float) -> StepResult:
         """Schedule one batch, run it on the modelled GPU and return what it produced."""
+        if self._decode.held:
+            raise RuntimeError("take the held decode steps' outputs first (take_decoded)")
+        self._decode.settle()
+        self._decode.left = 0
         scheduled: list[tuple[RequestState, int, int]] = []  # entry, tokens, computed before
         preempted: list[str] = []
         if self._retention is not None:
@@ -329,6 +345,33 @@ class SimEngine:
             result.idle_until_s = min(ready)
             result.duration_s = result.idle_until_s - now
         return result
+
+    def decode_step(self, now: float) -> float | None:
+        """The virtual driver's fast path (`decode_run.py`): if the next step is a plain
+        decode step, run it now as `step` would, hold its outputs back for `take_decoded`
+        and return its duration; else None, nothing done (call `step`)."""
+        lane = self.prefetches
+        if self._retention is not None or self._pending or self._waiting or self._loading:
+            return None
+        if lane.busy:
+            return None  # (its `schedule` would take what the step leaves)
+        if self._residency is not None or lane.started:
+            due = self.cache.next_pin_expiry_s()
+            if due is not None and due <= now:
+                return None
+        run = self._decode
+        if run.left <= 0 and not run.plan(self._running, self.max_num_batched_tokens):
+            return None
+        duration = run.advance()
+        if duration is not None:
+            self._now = now
+            if self.host is not None:
+                self.host.now_s = now
+        return duration
+
+    def take_decoded(self, steps: int) -> StepResult:
+        """The outputs of the `steps` oldest steps `decode_step` ran, as one step's."""
+        return self._decode.take(steps)
 
     def _queue_first(self, entries: list[RequestState]) -> None:
         """Requests that waited for their session's prefetch go to the head of the queue."""
@@ -565,23 +608,6 @@ class SimEngine:
             self._finished(entry)
             self._pins.release(entry, now)
             self._n.success[reason] += 1
-        out = self._output(entry, [token], reason)
+        out = request_output(entry, [token], reason)
         out.first_token = first
         return out
-
-    @staticmethod
-    def _output(
-        entry: RequestState, tokens: list[int], reason: FinishReason | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            entry.req.request_id,
-            tokens,
-            reason is not None,
-            reason,
-            entry.cache.num_prompt_tokens,
-            entry.num_cached_tokens,
-            False,
-            entry.cache.num_preemptions,
-            entry.first_scheduled_s,
-            entry.num_host_cached_tokens,
-        )

@@ -75,3 +75,9 @@ def default_output_token(req: SimRequest, index: int) -> int:
     """A deterministic token id for the `index`-th generated token of `req`."""
     base = zlib.crc32(req.request_id.encode())
     return (base + 7919 * index) % DEFAULT_VOCAB_SIZE
+
+
+def output_tokens(req: SimRequest, first: int, n: int) -> list[int]:
+    """`default_output_token` of `req` for the `n` indices from `first`."""
+    base = zlib.crc32(req.request_id.encode())
+    return [(base + 7919 * index) % DEFAULT_VOCAB_SIZE for index in range(first, first + n)]

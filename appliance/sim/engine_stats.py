@@ -82,9 +82,9 @@ def engine_stats(
     n: EngineCounters,
     cache: PrefixCache,
     host: HostTier | None,
-    *,
     num_running: int,
     num_waiting: int,
+    *,
     pins: bool,
 ) -> EngineStats:
     """The snapshot: `pins` adds the pin fields (an engine with a residency hook)."""

@@ -27,9 +27,10 @@ session that last stored or touched it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import count, islice, repeat
 
 from appliance.domain.block_hash import BlockHash, event_block_hash
 from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent, Medium
@@ -50,12 +51,6 @@ HostPriority = Callable[[HostSession, float], float]
 """(session, now) -> rank: the lowest-ranked session's blocks are evicted first."""
 
 
-@dataclass(slots=True)
-class _HostEntry:
-    owner: str | None
-    sink: EventSink | None
-
-
 @dataclass(frozen=True, slots=True)
 class HostTierStats:
     stored: int = 0
@@ -74,10 +69,13 @@ class HostTier:
             raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.priority = priority
+        """Fixed at construction: only a ranked tier keeps each block's owner."""
+        self._ranked = _Owners() if priority is not None else None
         self.medium = medium
         self.now_s = 0.0
         """The time stores and touches are stamped with (set by the engine each step)."""
-        self._blocks: OrderedDict[BlockHash, _HostEntry] = OrderedDict()
+        self._blocks: OrderedDict[BlockHash, EventSink | None] = OrderedDict()
+        """Each held hash's sink (the storing engine's events), in LRU order."""
         self._last_used: dict[str | None, float] = {}
         self._stored = 0
         self._evicted = 0
@@ -108,11 +106,10 @@ class HostTier:
     def touch(self, block_hashes: Sequence[BlockHash], *, owner: str | None = None) -> None:
         """Make the held ones among `block_hashes` the most recently used, the first last."""
         blocks = self._blocks
-        for h in reversed(block_hashes):
-            entry = blocks.get(h)
-            if entry is not None:
-                blocks.move_to_end(h)
-                entry.owner = owner
+        held = list(filter(blocks.__contains__, reversed(block_hashes)))
+        deque(map(blocks.move_to_end, held), maxlen=0)  # each in turn, the first last
+        if self._ranked is not None:
+            self._ranked.to_end(held, owner)
         self._last_used[owner] = self.now_s
 
     def store(
@@ -131,8 +128,9 @@ class HostTier:
         over = len(blocks) + len(new) - self.num_blocks
         if over > 0:
             self._evict(over)
-        for h in new:
-            blocks[h] = _HostEntry(owner, sink)
+        blocks.update(dict.fromkeys(new, sink))
+        if self._ranked is not None:
+            self._ranked.to_end(new, owner)
         if new:
             self._last_used[owner] = self.now_s
             self._stored += len(new)
@@ -158,44 +156,77 @@ class HostTier:
         )
 
     def _evict(self, n: int) -> None:
-        victims = self._lru_victims(n) if self.priority is None else self._ranked_victims(n)
+        victims = list(islice(self._blocks, n)) if self._ranked is None else self._victims(n)
         self._remove(victims)
         self._evicted += len(victims)
 
     def _remove(self, victims: Sequence[BlockHash]) -> None:
         by_sink: dict[int, tuple[EventSink, list[int]]] = {}
         for h in victims:
-            entry = self._blocks.pop(h)
-            if entry.sink is not None:
-                by_sink.setdefault(id(entry.sink), (entry.sink, []))[1].append(event_block_hash(h))
-        for sink, hashes in by_sink.values():
-            sink.append(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium, group_idx=0))
+            sink = self._blocks.pop(h)
+            if self._ranked is not None:
+                self._ranked.remove(h)
+            if sink is not None:
+                by_sink.setdefault(id(sink), (sink, []))[1].append(event_block_hash(h))
+        for out, hashes in by_sink.values():
+            out.append(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium, group_idx=0))
 
-    def _lru_victims(self, n: int) -> list[BlockHash]:
-        victims = []
-        for h in self._blocks:
-            victims.append(h)
-            if len(victims) == n:
-                break
-        return victims
-
-    def _ranked_victims(self, n: int) -> list[BlockHash]:
+    def _victims(self, n: int) -> list[BlockHash]:
         """The lowest-ranked sessions' blocks, each session's in LRU order."""
-        rank = self.priority
-        assert rank is not None
-        by_owner: dict[str | None, list[BlockHash]] = {}
-        for h, entry in self._blocks.items():
-            by_owner.setdefault(entry.owner, []).append(h)
-        now = self.now_s
-        ranked = sorted(
-            by_owner.items(),
-            key=lambda item: rank(
-                HostSession(item[0], len(item[1]), self._last_used.get(item[0], 0.0)), now
-            ),
-        )
+        rank, now, last_used = self.priority, self.now_s, self._last_used
+        assert rank is not None and self._ranked is not None
+        groups = self._ranked.groups
+
+        def key(owner: str | None) -> float:
+            return rank(HostSession(owner, len(groups[owner]), last_used.get(owner, 0.0)), now)
+
         victims: list[BlockHash] = []
-        for _, hashes in ranked:
-            victims += hashes[: n - len(victims)]
+        for owner in sorted(self._ranked.owners(), key=key):  # stable: ties in tier order
+            victims += islice(groups[owner], n - len(victims))
             if len(victims) == n:
                 break
         return victims
+
+
+_NEW = object()  # (not held yet)
+
+
+class _Owners:
+    """A ranked tier's blocks by owner (a block is the last storer's or toucher's), each
+    owner's in the tier's LRU order, and each block's place in that order (a stamp that
+    only grows), so that an eviction ranks the owners without a pass over the tier."""
+
+    def __init__(self) -> None:
+        self.of: dict[BlockHash, str | None] = {}
+        self.groups: dict[str | None, OrderedDict[BlockHash, None]] = {}
+        self.stamp: dict[BlockHash, int] = {}
+        self._stamps = count()
+
+    def owners(self) -> list[str | None]:
+        """The owners in the order their least recently used blocks come in the tier."""
+        groups, stamp = self.groups, self.stamp
+        return sorted(groups, key=lambda owner: stamp[next(iter(groups[owner]))])
+
+    def to_end(self, hashes: list[BlockHash], owner: str | None) -> None:
+        """`hashes` (held or new) moved to the tier's most recent end in turn, `owner`'s."""
+        of, groups = self.of, self.groups
+        group = groups.get(owner)
+        if group is not None and set(map(of.get, hashes, repeat(_NEW))) <= {owner}:
+            deque(map(group.move_to_end, hashes), maxlen=0)  # all its own already
+        else:
+            for h in hashes:
+                if h in of:
+                    self._drop(h, of[h])
+                groups.setdefault(owner, OrderedDict())[h] = None
+                of[h] = owner
+        self.stamp.update(zip(hashes, self._stamps, strict=False))  # (stamps never run out)
+
+    def remove(self, block_hash: BlockHash) -> None:
+        self._drop(block_hash, self.of.pop(block_hash))
+        del self.stamp[block_hash]
+
+    def _drop(self, block_hash: BlockHash, owner: str | None) -> None:
+        group = self.groups[owner]
+        del group[block_hash]
+        if not group:
+            del self.groups[owner]

@@ -8,6 +8,7 @@ them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 from appliance.domain.retention import HostTierSize
 from appliance.sim.engine_io import SimRequest
@@ -94,8 +95,8 @@ class PinKeeper:
         if self._residency is None:
             self.cache.free(creq)
             return
-        blocks = self.cache.pool.blocks
-        cached = sum(1 for i in self.cache.block_ids(creq) if blocks[i].block_hash)
+        held = map(self.cache.pool.blocks.__getitem__, self.cache.block_ids(creq))
+        cached = len(list(filter(None, map(attrgetter("block_hash"), held))))  # cached ones
         end = TurnEnd(
             entry.req,
             cached * self.cache.block_size,

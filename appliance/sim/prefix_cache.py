@@ -45,6 +45,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import TypedDict
 
 from appliance.domain.block_hash import BlockHash, cacheable_blocks, event_extra_keys
@@ -165,7 +166,7 @@ class PrefixCache:
 
     def block_ids(self, request: CacheRequest) -> tuple[int, ...]:
         """The blocks a request holds, in token order."""
-        return tuple(b.block_id for b in self._req_blocks.get(request.request_id, ()))
+        return tuple(map(attrgetter("block_id"), self._req_blocks.get(request.request_id, ())))
 
     def free_block_ids(self) -> tuple[int, ...]:
         """The free queue, first to be evicted first."""
@@ -190,12 +191,7 @@ class PrefixCache:
         if not self._lookup_enabled(request):
             return NO_HIT
         max_blocks = cacheable_blocks(request.num_tokens, self.block_size)
-        hit: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block.block_id)
+        hit = self.pool.cached_prefix(request.block_hashes[:max_blocks])
         if hit and request.report_cached_blocks:
             self.pool.emit_cached_block_events(
                 request.block_hashes[: len(hit)], **self._event_fields(request, 0, len(hit))
@@ -236,12 +232,10 @@ class PrefixCache:
     ) -> bool:
         """Whether `allocate` with these arguments would succeed now; if not, the
         scheduler preempts a running request and asks again."""
-        free = self.num_free_blocks
-        if full_sequence_must_fit and (
-            self.blocks_needed(request, num_new_tokens, hit, full_sequence_must_fit=True) > free
-        ):
-            return False
-        return self.blocks_needed(request, num_new_tokens, hit) <= free
+        # The whole sequence needs at least what its next `num_new_tokens` need.
+        full = full_sequence_must_fit
+        needed = self.blocks_needed(request, num_new_tokens, hit, full_sequence_must_fit=full)
+        return needed <= self.num_free_blocks
 
     # --- changes ---
 
@@ -445,6 +439,10 @@ class PrefixCache:
         self._stats = replace(self._stats, resets=self._stats.resets + 1)
         return True
 
+    @property
+    def has_events(self) -> bool:
+        return self.pool.has_events or bool(self._host_events)
+
     def take_events(self) -> list[KvEvent]:
         """KV events since the last call, in the order vLLM would publish them (the
         engine's, then the host tier's)."""
@@ -558,16 +556,17 @@ class PrefixCache:
         return self._cap(request.num_computed_tokens + hit.num_tokens)
 
     def _resolve_hit(self, request: CacheRequest, hit: CacheHit) -> list[Block]:
-        blocks = [self.pool.blocks[i] for i in hit.block_ids]
-        for i, block in enumerate(blocks):
-            if block.block_hash != request.block_hashes[i]:
-                raise ValueError(f"stale cache hit for {request.request_id}: block {i} changed")
+        blocks = list(map(self.pool.blocks.__getitem__, hit.block_ids))
+        hashes = list(map(attrgetter("block_hash"), blocks))
+        if hashes != request.block_hashes[: len(hashes)]:  # a block was evicted and reused
+            raise ValueError(f"stale cache hit for {request.request_id}: a block changed")
         return blocks
 
     def _blocks_to_allocate(self, request: CacheRequest, num_tokens: int, hit: CacheHit) -> int:
         held = len(self._req_blocks.get(request.request_id, ()))
         num_new = max(-(-num_tokens // self.block_size) - held - len(hit.block_ids), 0)
-        revived = sum(self.pool.blocks[i].ref_cnt == 0 for i in hit.block_ids)
+        blocks = map(self.pool.blocks.__getitem__, hit.block_ids)
+        revived = list(map(attrgetter("ref_cnt"), blocks)).count(0)  # in the free queue
         return num_new + revived
 
     def _cache_blocks(self, request: CacheRequest, num_tokens: int) -> None:

@@ -23,6 +23,17 @@ runs in the same virtual time. It may also return `Timer`s: a callback at a time
 client's announcement, a scheduled look at a waiting session), run before arrivals of the
 same time, which may answer with more timers; after it every engine with work that is not
 stepping steps (one waiting for a host load goes on waiting).
+
+Plain decode steps (`fast_decode`, the default): a step in which an engine has nothing to
+do but decode its batch and nobody finishes (`decode_run.py` says exactly when) runs
+through `SimEngine.decode_step`: the same step at the same time, doing the same to the
+engine, its completion on the heap as any step's, so every event keeps its time and order
+(one whose completion would be the next event anyway ends at once, off the heap). Only its
+outputs (tokens, KV events) are held back, and handed over together (`take_decoded`) as one
+`StepResult` at the last such step's end, before the engine's next other step, an arrival,
+a timer or a finish anywhere, whichever comes first. Records and engines end exactly as
+when each step is handed over alone (`fast_decode=False`); `on_step` sees such a run as
+one step (durations summed, tokens and events together).
 """
 
 from __future__ import annotations
@@ -122,6 +133,7 @@ def session_hash() -> Route:
 
 
 _TIMER, _ARRIVAL, _STEP_DONE = 0, 1, 2
+_DECODED = StepResult(0.0, [], [], 0)  # a plain decode step's, its outputs held (module)
 _FOLLOW = -2  # the engine slot of an arrival `on_finish` returned (-1: from `arrivals`)
 
 
@@ -132,13 +144,16 @@ def replay(
     *,
     on_step: Callable[[int, float, StepResult], None] | None = None,
     on_finish: Callable[[RequestRecord], Iterable[Arrival | Timer]] | None = None,
+    fast_decode: bool = True,
 ) -> ReplayResult:
     """Run every arrival to completion; `on_step(engine, time, result)` sees each step as
-    its outputs become visible (KV events included); `on_finish(record)` may answer a
-    finished request with new arrivals (not before its finish)."""
+    its outputs become visible (KV events included), plain decode steps in runs (see the
+    module; `fast_decode=False`: each alone); `on_finish(record)` may answer a finished
+    request with new arrivals (not before its finish)."""
     if not engines:
         raise ValueError("replay needs at least one engine")
-    return _Replay(engines, arrivals, route or round_robin(), on_step, on_finish).run()
+    router = route or round_robin()
+    return _Replay(engines, arrivals, router, on_step, on_finish, fast_decode).run()
 
 
 class _Replay:
@@ -151,6 +166,7 @@ class _Replay:
         router: Route,
         on_step: Callable[[int, float, StepResult], None] | None,
         on_finish: Callable[[RequestRecord], Iterable[Arrival | Timer]] | None,
+        fast_decode: bool = True,
     ) -> None:
         self.engines = engines
         self.router = router
@@ -168,6 +184,9 @@ class _Replay:
         self.empty_steps = [0] * len(engines)
         self.source: Iterator[Arrival] = iter(arrivals)
         self.last_arrival = float("-inf")
+        self.fast = fast_decode
+        self.held = [0] * len(engines)  # plain decode steps done, their outputs held
+        self.held_at = [0.0] * len(engines)  # when the last of them ended
 
     def run(self) -> ReplayResult:
         self.push_next_arrival()
@@ -178,11 +197,15 @@ class _Replay:
                 self.cut_short.discard(step_seq)
                 continue
             self.now = t
-            if isinstance(payload, Arrival):
+            if payload is _DECODED:
+                self.decoded(i)
+            elif isinstance(payload, Arrival):
                 if i != _FOLLOW:
                     self.push_next_arrival()
+                self.deliver_held()
                 self.arrive(payload)
             elif isinstance(payload, Timer):
+                self.deliver_held()
                 for timer in payload.fire(t) or ():
                     self.push(max(timer.time_s, t), _TIMER, timer)
                 for w, engine in enumerate(self.engines):
@@ -190,6 +213,7 @@ class _Replay:
                         self.start_step(w, t)
             else:
                 self.step_done(i, payload)
+        self.deliver_held()
         return ReplayResult(
             records=self.order,
             engine_stats=[e.stats for e in self.engines],
@@ -211,7 +235,27 @@ class _Replay:
         heapq.heappush(self.heap, (arrival.time_s, _ARRIVAL, self.seq, -1, arrival))
 
     def start_step(self, i: int, t: float) -> None:
-        result = self.engines[i].step(t)
+        engine, heap = self.engines[i], self.heap
+        while self.fast:  # plain decode steps, outputs held (see the module)
+            duration = engine.decode_step(t)
+            if duration is None:
+                if self.held[i]:
+                    self.deliver(i)
+                break
+            self.steps += 1
+            self.empty_steps[i] = 0
+            self.seq += 1
+            end = t + duration
+            if heap and heap[0][0] <= end:
+                self.busy[i] = True
+                self.idle_step[i] = None
+                heapq.heappush(heap, (end, _STEP_DONE, self.seq, i, _DECODED))
+                return
+            # Its end would be the next event: it ends now, and the engine steps again.
+            self.now = t = end
+            self.held[i] += 1
+            self.held_at[i] = end
+        result = engine.step(t)
         self.steps += 1
         if result.num_scheduled_tokens == 0 and not result.outputs and result.idle_until_s is None:
             self.empty_steps[i] += 1
@@ -244,11 +288,36 @@ class _Replay:
         elif not self.busy[w]:
             self.start_step(w, now)
 
+    def decoded(self, i: int) -> None:
+        """A plain decode step ended: its outputs wait with the engine's others."""
+        self.busy[i] = False
+        self.held[i] += 1
+        self.held_at[i] = self.now
+        self.start_step(i, self.now)  # it finished nobody: the engine has work
+
+    def deliver(self, i: int) -> None:
+        """The held outputs of engine `i`'s ended decode steps, as one step's."""
+        result = self.engines[i].take_decoded(self.held[i])
+        self.held[i] = 0
+        records = self.records
+        for out in result.outputs:
+            records[out.request_id].output_tokens += len(out.new_token_ids)
+        if self.on_step is not None:
+            self.on_step(i, self.held_at[i], result)
+
+    def deliver_held(self) -> None:
+        """Every engine's held outputs, before anything that may look at them."""
+        for i, n in enumerate(self.held):
+            if n:
+                self.deliver(i)
+
     def step_done(self, i: int, result: StepResult) -> None:
         """The step's outputs become visible; the engine steps again if it has work."""
         now = self.now
         self.busy[i] = False
         self.idle_step[i] = None
+        if any(out.finished for out in result.outputs):
+            self.deliver_held()  # `on_finish` may look at anything
         for out in result.outputs:
             rec = self.records[out.request_id]
             if out.first_token:
@@ -289,6 +358,6 @@ def engine_views(engines: Sequence[SimEngine]) -> list[EngineView]:
     """What a routing callback sees of each engine now."""
     views = []
     for i, e in enumerate(engines):
-        s = e.stats
-        views.append(EngineView(i, s.num_running, s.num_waiting, s.kv_cache_usage, e))
+        running, waiting = e.queue_lengths()
+        views.append(EngineView(i, running, waiting, e.cache.usage, e))
     return views

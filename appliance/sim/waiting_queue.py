@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 from appliance.sim.cache_request import CacheRequest
-from appliance.sim.engine_io import SimRequest
+from appliance.sim.engine_io import FinishReason, RequestOutput, SimRequest
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -43,6 +43,24 @@ class RequestState:
     def priority_key(self) -> tuple[int, float, str, int]:
         """vLLM's `Request.__lt__`: priority, then arrival, then request id."""
         return (self.req.priority, self.arrival_s, self.req.request_id, self.seq)
+
+
+def request_output(
+    entry: RequestState, tokens: list[int], reason: FinishReason | None
+) -> RequestOutput:
+    """What a step produced for the request: `tokens`, and its end if `reason`."""
+    return RequestOutput(
+        entry.req.request_id,
+        tokens,
+        reason is not None,
+        reason,
+        entry.cache.num_prompt_tokens,
+        entry.num_cached_tokens,
+        False,
+        entry.cache.num_preemptions,
+        entry.first_scheduled_s,
+        entry.num_host_cached_tokens,
+    )
 
 
 class WaitingQueue:

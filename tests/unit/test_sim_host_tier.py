@@ -114,6 +114,65 @@ def test_a_priority_hook_orders_evictions_by_session() -> None:
     assert HostSession("big", 3, 2.0) in seen and HostSession("small", 1, 1.0) in seen
 
 
+class _ScanModel:
+    """The ranked tier as a list in LRU order, each eviction a pass over all of it."""
+
+    def __init__(self, size: int, rank: Any) -> None:
+        self.size, self.rank, self.now = size, rank, 0.0
+        self.order: list[tuple[bytes, str | None]] = []
+        self.last_used: dict[str | None, float] = {}
+
+    def store(self, new: list[bytes], owner: str | None) -> None:
+        held = {h for h, _ in self.order}
+        new = [h for h in dict.fromkeys(new) if h not in held]
+        if len(new) > self.size:
+            return
+        over = len(self.order) + len(new) - self.size
+        if over > 0:
+            by_owner: dict[str | None, list[bytes]] = {}
+            for h, o in self.order:
+                by_owner.setdefault(o, []).append(h)
+            sessions = [
+                HostSession(o, len(hs), self.last_used.get(o, 0.0)) for o, hs in by_owner.items()
+            ]
+            ranked = sorted(sessions, key=lambda s: self.rank(s, self.now))  # stable
+            victims = [h for s in ranked for h in by_owner[s.owner]][:over]
+            self.order = [(h, o) for h, o in self.order if h not in victims]
+        self.order += [(h, owner) for h in new]
+        if new:
+            self.last_used[owner] = self.now
+
+    def touch(self, hs: list[bytes], owner: str | None) -> None:
+        for h in reversed(hs):
+            if any(x == h for x, _ in self.order):
+                self.order = [(x, o) for x, o in self.order if x != h] + [(h, owner)]
+        self.last_used[owner] = self.now
+
+
+def test_a_ranked_eviction_takes_what_a_pass_over_the_tier_would() -> None:
+    """The tier keeps its blocks by owner; a model that groups them anew at each eviction
+    agrees with it on every order, store after store."""
+    weight = {None: 2, "a": 0, "b": 3, "c": 1}
+    ranks = [
+        lambda s, now: weight[s.owner] - s.last_used_s / 50,
+        lambda s, now: s.num_blocks % 3,  # many ties: the tier's order decides them
+    ]
+    for seed in range(40):
+        rng, rank = random.Random(seed), ranks[seed % 2]
+        tier, model = HostTier(24, priority=rank), _ScanModel(24, rank)
+        for step in range(200):
+            tier.now_s = model.now = step / 2
+            hs = hashes(*(rng.randrange(60) for _ in range(rng.randrange(1, 12))))
+            owner = rng.choice([None, "a", "b", "c"])
+            if rng.random() < 0.5:
+                tier.store(hs, owner=owner)
+                model.store(hs, owner)
+            else:
+                tier.touch(hs, owner=owner)
+                model.touch(hs, owner)
+            assert tier.hashes() == tuple(h for h, _ in model.order), (seed, step)
+
+
 # --- in the prefix cache ---
 
 
