@@ -42,6 +42,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
@@ -55,6 +56,7 @@ from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import ReplaySetup, make_engines, with_decision_counts
 from appliance.replay.session_bound import BOUND_ROUTING, ClairvoyantResidency, free_restores
 from appliance.replay.session_loop import RunWindow, SessionLoop
+from appliance.replay.session_usage import SessionUsage
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import StepResult
 from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
@@ -123,13 +125,11 @@ def replay_stack(
     )
     engines = make_engines(setup, latency, hold)
     router = PolicyRouter(plan.routing, workers=setup.workers, hasher=hasher, latency=latency)
+    usage = SessionUsage(engines)
     t0 = time.perf_counter()
-    if ahead is None:
-        result = replay(
-            engines, loop.arrivals(), router, on_step=router.on_step, on_finish=loop.on_finish
-        )
-    else:
-        result = _replay_restoring(engines, loop, router, ahead)
+    result = _replay_watched(engines, loop, router, [router, usage, *([ahead] if ahead else [])])
+    if ahead is not None:
+        ahead.finish()
     wall_s = time.perf_counter() - t0
     counted = _in_window(result, window.warmup_s, loop.end_s)
     out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}
@@ -141,6 +141,7 @@ def replay_stack(
     out["sessions_finished"] = loop.counts.sessions_finished
     out["subagents"] = loop.counts.subagents
     out |= restore_fields(ahead)
+    out |= usage.fields(window.warmup_s, loop.end_s)
     return with_decision_counts(out, router, hold, wall_s)
 
 
@@ -156,21 +157,27 @@ def restore_driver(policy: object, latency: LatencyModel) -> PrefetchDriver:
     )
 
 
-def _replay_restoring(
-    engines: list[SimEngine], loop: SessionLoop, router: PolicyRouter, ahead: PrefetchDriver
-) -> ReplayResult:
-    ahead.bind(engines, router.predict)
+class _Watcher(Protocol):
+    def on_step(self, i: int, now: float, result: StepResult) -> None: ...
 
-    def on_step(i: int, now: float, result: StepResult) -> None:
-        router.on_step(i, now, result)
-        ahead.on_step(i, now, result)
+
+def _replay_watched(
+    engines: list[SimEngine], loop: SessionLoop, router: PolicyRouter, watchers: list[_Watcher]
+) -> ReplayResult:
+    """The replay, each step shown to every watcher in turn; a restore driver among them is
+    bound to the engines and also hears of each finished request."""
+    ahead = next((w for w in watchers if isinstance(w, PrefetchDriver)), None)
+    if ahead is not None:
+        ahead.bind(engines, router.predict)
 
     def on_finish(rec: RequestRecord) -> list[Arrival | Timer]:
-        return [*loop.on_finish(rec), *ahead.on_finish(rec)]
+        return [*loop.on_finish(rec), *(ahead.on_finish(rec) if ahead else ())]
 
-    result = replay(engines, loop.arrivals(), router, on_step=on_step, on_finish=on_finish)
-    ahead.finish()
-    return result
+    def on_step(i: int, now: float, result: StepResult) -> None:
+        for w in watchers:
+            w.on_step(i, now, result)
+
+    return replay(engines, loop.arrivals(), router, on_step=on_step, on_finish=on_finish)
 
 
 def restore_fields(ahead: PrefetchDriver | None) -> dict[str, object]:

@@ -133,6 +133,11 @@ class BlockPool:
         usable = self.num_blocks - 1
         return 0.0 if usable == 0 else 1.0 - self.num_free_blocks / usable
 
+    @property
+    def cached_hashes(self) -> int:
+        """How many hashes the pool has cached blocks of (about its cached blocks)."""
+        return len(self._first)
+
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         """The first-cached block with this hash, if any."""
         block_id = self._first.get(block_hash)

@@ -211,6 +211,32 @@ def test_every_stack_replays_the_real_sessions_and_counts_only_the_window() -> N
     assert everything["requests"] > rows["vllm"]["requests"]  # type: ignore[operator]
 
 
+def test_a_row_gives_gpu_seconds_per_session_and_memory_over_time() -> None:
+    """GPU-seconds per session add up to the engines' busy time; HBM and host use are
+    sampled every minute of the counted window, within 0..1, the host tier only where the
+    stack has one."""
+    setup, latency = make_setup(workers=2, hbm_gib=4, host_gib=8, block_size=64)
+    window = RunWindow(duration_s=400.0, warmup_s=100.0)
+    with_host = replay_stack(SLICE, "vllm-offload", setup, latency, users=3, window=window)
+    no_host = replay_stack(SLICE, "vllm", setup, latency, users=3, window=window)
+    usage = with_host["usage"]
+    assert isinstance(usage, dict) and usage["every_s"] == 60.0
+    assert usage["t_s"] == [120.0, 180.0, 240.0, 300.0, 360.0]  # the window's marks
+    for name in ("hbm_held", "hbm_cached", "host_used"):
+        assert len(usage[name]) == 5 and all(0.0 <= v <= 1.0 for v in usage[name])
+    assert max(usage["hbm_cached"]) > 0.5  # the sessions' prefixes fill the 4 GiB pools
+    assert with_host["host_used_max"] == max(usage["host_used"]) > 0
+    assert no_host["host_used_mean"] is None and set(no_host["usage"]["host_used"]) == {None}  # type: ignore[index]
+    gpu_s, per, p50 = (
+        with_host[k] for k in ("gpu_s", "gpu_s_per_session", "gpu_s_per_session_p50")
+    )
+    assert isinstance(gpu_s, float) and isinstance(per, float) and isinstance(p50, float)
+    assert p50 > 0 and 0 < per < gpu_s
+    assert with_host["gpu_s_sessions"] * per == pytest.approx(gpu_s, rel=1e-3)
+    busy = with_host["gpu_busy_s"]
+    assert isinstance(busy, float) and 0.95 * busy <= gpu_s <= busy * (1 + 1e-9)
+
+
 def test_the_appliance_restores_host_copies_ahead_of_their_likely_turns() -> None:
     """Restore ahead of the predicted return: the reaper's wait model, learned from the
     answers, times a signal; a session whose prefix a worker gave back to the host tier by
