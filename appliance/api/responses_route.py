@@ -1,11 +1,13 @@
 """`POST /v1/responses` (the OpenAI Responses API), routed as a chat turn.
 
 A Responses request is a chat turn in other clothes: vLLM renders its instructions, its
-chained history and its input as chat messages (domain/responses_input.py) and templates
-them, so the router tokenises and hashes the same messages and hands the turn to the desk
-like any chat (tenant, session and task headers, the tenant's salt, admission, placement
-by the KV index, the ledger, receipts). The body goes to the worker unchanged but for the
-fields the desk sets; the answer, streamed or not, goes back in the API's own shape.
+chained history and its input (function calls and their outputs too) as chat messages
+(domain/responses_input.py) and templates them with its function tools in chat's shape
+(domain/responses_tools.py), so the router tokenises and hashes the same messages and tools
+and hands the turn to the desk like any chat (tenant, session and task headers, the
+tenant's salt, admission, placement by the KV index, the ledger, receipts). The body goes
+to the worker unchanged but for the fields the desk sets; the answer, streamed or not, goes
+back in the API's own shape.
 
 Chaining: vLLM keeps a stored response (and the messages behind it) in the memory of the
 worker that produced it. The route learns each answer (the body, or the stream's
@@ -51,6 +53,7 @@ from appliance.api.requests import (
 )
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
+from appliance.domain.responses_tools import chat_tools
 from appliance.services.chat_tokens import ChatTokens
 from appliance.services.turn import TurnInput
 
@@ -122,6 +125,7 @@ class ResponsesRoute:
         try:
             history = (previous.messages, previous.texts) if previous else None
             messages = input_messages(body, history)
+            tools = chat_tools(body)
         except ResponsesInputError as exc:
             raise RequestRefused(400, str(exc), "invalid_value", param=exc.param) from None
         check_model_request(_CHAT_PATH, {"model": ctx.model, "messages": messages}, ctx.model)
@@ -130,7 +134,7 @@ class ResponsesRoute:
                 tenant=who.tenant,
                 path=RESPONSES_PATH,
                 body=body,
-                tokenize=partial(self._tokenize, messages, max_tokens),
+                tokenize=partial(self._tokenize, messages, tools, max_tokens),
                 estimate=lambda session: None,
                 task_id=hdr.task_id,
                 session_id=chained.session,
@@ -158,17 +162,25 @@ class ResponsesRoute:
         return Response(reply.body, reply.status, reply.headers, "application/json")
 
     def _tokenize(
-        self, messages: list[dict[str, Any]], max_tokens: int | None, last: ChatTokens | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        max_tokens: int | None,
+        last: ChatTokens | None,
     ) -> tuple[Sequence[int], ChatTokens | None]:
-        """The prompt's ids as vLLM's Responses route makes them: the rendered chat tokenised
-        with the tokenizer's special tokens (chat's route adds none), so a template that
-        writes its own BOS gets a second one there too."""
-        chat = {"messages": messages}
+        """The prompt's ids as vLLM's Responses route makes them: the rendered chat (with the
+        function tools, in chat's shape, as its template renders them) tokenised with the
+        tokenizer's special tokens (chat's route adds none), so a template that writes its
+        own BOS gets a second one there too."""
+        chat: dict[str, Any] = {"messages": messages}
+        if tools:
+            chat["tools"] = tools
         lead, tok, limit = self.lead, self._ctx.tokenizer, self._ctx.max_model_len
         if lead is None:  # the specials are not only leading: the whole chat tokenised again
             tokenize_checked(_CHAT_PATH, chat, tok, max_tokens=max_tokens, max_model_len=limit)
+            kw: dict[str, Any] = {"tools": tools} if tools else {}
             return tok.encode_chat(
-                messages, add_generation_prompt=True, add_special_tokens=True
+                messages, add_generation_prompt=True, add_special_tokens=True, **kw
             ), None
         try:
             ids, rendered = tokenize_checked(

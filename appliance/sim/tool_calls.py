@@ -8,7 +8,9 @@ first block, null when none); "required" and a named tool constrain the output t
 blocks (structured output; content ""). finish_reason is "tool_calls" for auto and
 required, "stop" for a named tool. Streamed, the calls come as deltas: {id, type, index,
 function: {name}} first, then argument fragments. `response_format` json_schema /
-json_object makes the content a JSON document valid for the schema.
+json_object makes the content a JSON document valid for the schema. A Responses API request
+runs as such a chat turn (`responses_api.py`), its calls answered as `function_call` items
+(`responses_events.py`).
 
 The sim's rule (deterministic, per request id): with tools and tool_choice auto it calls,
 unless the last message is a tool result (then it answers in text), each tool whose name

@@ -1,6 +1,7 @@
 """A planned answer (`tool_calls.Plan`) rendered as vLLM 0.32 renders it: the whole chat
 body's message with `tool_calls` and its finish_reason, or the stream's content deltas
-turned into tool-call deltas (`tool_calls.py` states the model)."""
+turned into tool-call deltas (`tool_calls.py` states the model; the Responses API's output
+items are built from the same plan and deltas in `responses_events.py`)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def rewrite_body(plan: Plan, body: dict[str, Any], decoders: Sequence[PlannedDec
 
 
 @dataclass(slots=True)
-class _Streamed:
-    """One choice's stream so far: its text, and what each call has sent."""
+class CallDeltas:
+    """One choice's stream so far: its text, and what each call has sent (the Responses
+    stream reads its calls from these deltas too: `responses_events.py`)."""
 
     text: str = ""
     ids: dict[int, str] = field(default_factory=dict)
@@ -80,7 +82,7 @@ class _Streamed:
 async def rewrite_stream(plan: Plan, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chat stream's content deltas as tool-call deltas (a JSON plan streams as text).
     A chunk that says nothing new is held back, as vLLM's parser does."""
-    states: dict[int, _Streamed] = {}
+    states: dict[int, CallDeltas] = {}
     async for raw in chunks:
         chunk = json.loads(raw)
         choices = chunk.get("choices") or []
@@ -88,7 +90,7 @@ async def rewrite_stream(plan: Plan, chunks: AsyncIterator[str]) -> AsyncIterato
             yield raw
             continue
         choice = choices[0]
-        state = states.setdefault(choice["index"], _Streamed())
+        state = states.setdefault(choice["index"], CallDeltas())
         state.text += choice["delta"].get("content") or ""
         deltas = state.deltas(plan.calls)
         finish = choice.get("finish_reason")

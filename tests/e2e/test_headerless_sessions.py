@@ -4,18 +4,18 @@ five-step tool loop (the answer calls a tool, the client appends the call and it
 then asks again), and the ledger holds it as ONE session, found by its prefix
 (`chain-...`): every turn on one worker, its cached tokens growing, each route decision
 saying how the session was known, and the idle reaper deciding on that session after
-each turn. Through the OpenAI SDK (chat, whole and streamed answers; Responses, with the
-whole conversation as input each time, as the Codex CLI sends it) and the Anthropic SDK.
+each turn. Through the OpenAI SDK (chat, and Responses with function tools, the whole
+conversation as input each time as the Codex CLI sends it: the answer's `function_call`
+items, then `function_call_output`; whole and streamed answers) and the Anthropic SDK.
 
 What each engine can show: on the simulated engine the model calls the tool the last user
-message names (docs/engines.md), and the reaper's decision after each tool call names that
+message names (docs/harnesses.md), and the reaper's decision after each tool call names that
 tool. On vLLM (CPU build, a tiny random model) a chat request's structured output makes it
 write the call as a hermes block that vLLM's parser turns into `tool_calls`
-(tests/e2e/test_answer_waits.py); a Messages request cannot carry that field, so there the
-client writes the assistant's tool_use block itself and the reaper's decisions are not
-checked against tool names. The Responses API as the appliance serves it has no
-function-call items on either engine: its loop carries each tool's result as text, and the
-reaper's decisions are checked to be on the one session (waiting on the person)."""
+(tests/e2e/test_answer_waits.py); the Messages and Responses loops do not constrain it, so
+there the client writes the assistant's call itself (a tool_use block, a `function_call`
+item) as if the model had made it, and the reaper's decisions are not checked against tool
+names (on Responses: they are on the one session, the text answer waiting on the person)."""
 
 from __future__ import annotations
 
@@ -188,30 +188,63 @@ def test_a_headerless_anthropic_tool_loop_is_one_session(appliance_up: RunningAp
             assert decided(app, session, step + 1)[step] == f"tool {name}"
 
 
+RESPONSES_TOOLS: list[Any] = [
+    {"type": "function", **tool["function"]} for tool in TOOLS
+]  # the same tools in the Responses API's flat shape
+
+
+def responses_step(app: RunningAppliance, stream: bool, **kw: Any) -> tuple[Any, str]:
+    """One Responses turn: (the response, its task id); streamed, the response the stream's
+    `response.completed` event carries."""
+    client = openai_client(app)
+    if app.engine == "sim":
+        kw["max_output_tokens"] = 128
+    else:  # a random model writes text: a few tokens of it
+        kw.update(max_output_tokens=8, extra_body={"ignore_eos": True})
+    raw = client.responses.with_raw_response.create(**kw, stream=stream)
+    if not stream:
+        return raw.parse(), raw.headers["x-task-id"]
+    events = list(raw.parse())
+    assert events[-1].type == "response.completed", [e.type for e in events]
+    return events[-1].response, raw.headers["x-task-id"]
+
+
 def test_a_headerless_responses_loop_is_one_session(appliance_up: RunningAppliance) -> None:
-    app, client = appliance_up, openai_client(appliance_up)
-    instructions = f"You are a coding agent {uuid.uuid4().hex}. Report each tool's result."
+    app = appliance_up
+    instructions = f"You are a coding agent {uuid.uuid4().hex}. Call the tool the user names."
     items: list[Any] = [
         {"role": "user", "content": f"Please call {NAMES[0]}. {text(701, app.words(40))}"}
     ]
     tasks: list[str] = []
     for step, name in enumerate(NAMES):
-        raw = client.responses.with_raw_response.create(
+        answer, task = responses_step(
+            app,
+            bool(step % 2),
             model=app.model,
             instructions=instructions,
             input=items,
-            max_output_tokens=8,
+            tools=RESPONSES_TOOLS,
             store=False,
-            extra_body={"ignore_eos": True},
         )
-        answer = raw.parse()
-        tasks.append(raw.headers["x-task-id"])
+        tasks.append(task)
+        items += [item.model_dump(exclude_none=True) for item in answer.output]  # as Codex
+        calls = [item for item in answer.output if item.type == "function_call"]
+        if app.engine == "sim":
+            assert [call.name for call in calls] == [name] and answer.output[-1] == calls[0]
+            call_id = calls[0].call_id
+        else:  # a random model calls no tool: the client writes the call it would have made
+            assert calls == []
+            call_id = f"call_{step}"
+            call = {"type": "function_call", "call_id": call_id, "name": name}
+            items.append({**call, "arguments": '{"target": "src"}'})
         items += [
-            {"role": "assistant", "content": answer.output_text},
-            {"role": "user", "content": f"{name} said: {result(app, 710 + step)}"},
+            {"type": "function_call_output", "call_id": call_id, "output": result(app, 710 + step)},
+            {"role": "user", "content": f"Now call {NAMES[(step + 1) % len(NAMES)]}."},
         ]
         session = one_session(app, tasks)
-        # The reaper decides on the one session after each turn: no tool, so the person.
-        made = eventually(partial(decisions, app, session), partial(longer, than=step))
-        assert len(made) > step, made
-        assert waits(app, session) == ["the person"]
+        if app.engine == "sim":
+            assert decided(app, session, step + 1)[step] == f"tool {name}"
+        else:  # the answer called no tool: the reaper decides it waits on the person
+            made = eventually(partial(decisions, app, session), partial(longer, than=step))
+            assert len(made) > step, made
+            assert waits(app, session) == ["the person"]

@@ -1,5 +1,6 @@
-"""The Responses route's parts: the chat messages a request renders as (vLLM's rules), the
-book of stored responses, the learning of a stream's `response.completed` however the socket
+"""The Responses route's parts: the chat messages a request renders as (vLLM's rules) and
+its tokens (with its function tools, as the worker's template renders them), the book of
+stored responses, the learning of a stream's `response.completed` however the socket
 cut it, and the Responses usage shape read as chat's."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from appliance.api.errors import RequestRefused
 from appliance.api.responses_route import ResponseBook, ResponsesRoute, StoredResponse, _learning
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages
+from appliance.domain.responses_tools import chat_tools
 from appliance.services.forwarder import UsageScanner
 
 USAGE = {
@@ -163,3 +165,33 @@ def test_a_bad_conversation_is_refused(conversation: object) -> None:
     with pytest.raises(RequestRefused) as refused:
         _route([])._chained(TenantId("alice"), {"conversation": conversation}, None, None)
     assert (refused.value.http_status, refused.value.param) == (400, "conversation")
+
+
+class _ChatTokenizer(_Tokenizer):
+    """Renders a chat as one id per message, and one per tool it was given."""
+
+    def __init__(self) -> None:
+        self.tools: list[Any] = []
+
+    def encode_chat(self, messages: list[Any], **kw: Any) -> list[int]:
+        self.tools.append(kw.get("tools"))
+        return [7] * len(messages) + [9] * len(kw.get("tools") or [])
+
+
+def test_the_prompt_is_tokenised_with_the_function_tools_as_the_worker_renders_it() -> None:
+    tok = _ChatTokenizer()
+    ctx: Any = SimpleNamespace(tokenizer=tok, workers=lambda: [], max_model_len=100)
+    grep = {"type": "function", "name": "grep", "parameters": {"type": "object"}}
+    body = {
+        "input": [
+            {"role": "user", "content": "grep"},
+            {"type": "function_call", "call_id": "c1", "name": "grep", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "3 matches"},
+        ],
+        "tools": [grep, {"type": "web_search"}],
+    }
+    messages = input_messages(body)
+    ids, _ = ResponsesRoute(ctx)._tokenize(messages, chat_tools(body), None, None)
+    assert list(ids) == [1, 7, 7, 7, 9]  # the lead (BOS), three messages, one function tool
+    function = {"name": "grep", "description": None, "parameters": {"type": "object"}}
+    assert tok.tools == [[{"type": "function", "function": function}]]
