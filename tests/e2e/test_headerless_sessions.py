@@ -10,12 +10,12 @@ items, then `function_call_output`; whole and streamed answers) and the Anthropi
 
 What each engine can show: on the simulated engine the model calls the tool the last user
 message names (docs/harnesses.md), and the reaper's decision after each tool call names that
-tool. On vLLM (CPU build, a tiny random model) a chat request's structured output makes it
-write the call as a hermes block that vLLM's parser turns into `tool_calls`
-(tests/e2e/test_answer_waits.py); the Messages and Responses loops do not constrain it, so
-there the client writes the assistant's call itself (a tool_use block, a `function_call`
-item) as if the model had made it, and the reaper's decisions are not checked against tool
-names (on Responses: they are on the one session, the text answer waiting on the person)."""
+tool. On vLLM (CPU build, a tiny random model) a chat or Responses request's structured
+output makes it write the call as a hermes block that vLLM's parser turns into `tool_calls`
+or a `function_call` item (tests/e2e/test_answer_waits.py), and the reaper's decisions name
+the tool there too. The Messages route passes no structured output to the worker, so on
+vLLM its client writes the assistant's tool_use block itself, as if the model had made it,
+and the reaper's decisions are not checked against tool names."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import itertools
 import sqlite3
 import uuid
 from contextlib import closing
-from functools import partial
 from typing import Any
 
 import anthropic
@@ -35,11 +34,9 @@ from tests.e2e.test_answer_waits import (
     NAMES,
     TOOLS,
     decided,
-    decisions,
     forced,
     hermes_call,
     openai_client,
-    waits,
 )
 from tests.e2e.test_up import text
 from tests.running import eventually
@@ -83,10 +80,6 @@ def one_session(app: RunningAppliance, tasks: list[str]) -> str:
     assert "new session (no id, no prefix match)" in reasons[0], reasons
     assert all("session from prefix chain" in r for r in reasons[1:]), reasons
     return session
-
-
-def longer(rows: list[Any], than: int) -> bool:
-    return len(rows) > than
 
 
 def result(app: RunningAppliance, seed: int) -> str:
@@ -193,14 +186,14 @@ RESPONSES_TOOLS: list[Any] = [
 ]  # the same tools in the Responses API's flat shape
 
 
-def responses_step(app: RunningAppliance, stream: bool, **kw: Any) -> tuple[Any, str]:
+def responses_step(app: RunningAppliance, stream: bool, name: str, **kw: Any) -> tuple[Any, str]:
     """One Responses turn: (the response, its task id); streamed, the response the stream's
     `response.completed` event carries."""
     client = openai_client(app)
     if app.engine == "sim":
         kw["max_output_tokens"] = 128
-    else:  # a random model writes text: a few tokens of it
-        kw.update(max_output_tokens=8, extra_body={"ignore_eos": True})
+    else:  # structured output: the random model writes the call, vLLM's parser reads it
+        kw.update(max_output_tokens=128, temperature=0, extra_body=forced(app, hermes_call(name)))
     raw = client.responses.with_raw_response.create(**kw, stream=stream)
     if not stream:
         return raw.parse(), raw.headers["x-task-id"]
@@ -220,6 +213,7 @@ def test_a_headerless_responses_loop_is_one_session(appliance_up: RunningApplian
         answer, task = responses_step(
             app,
             bool(step % 2),
+            name,
             model=app.model,
             instructions=instructions,
             input=items,
@@ -229,22 +223,11 @@ def test_a_headerless_responses_loop_is_one_session(appliance_up: RunningApplian
         tasks.append(task)
         items += [item.model_dump(exclude_none=True) for item in answer.output]  # as Codex
         calls = [item for item in answer.output if item.type == "function_call"]
-        if app.engine == "sim":
-            assert [call.name for call in calls] == [name] and answer.output[-1] == calls[0]
-            call_id = calls[0].call_id
-        else:  # a random model calls no tool: the client writes the call it would have made
-            assert calls == []
-            call_id = f"call_{step}"
-            call = {"type": "function_call", "call_id": call_id, "name": name}
-            items.append({**call, "arguments": '{"target": "src"}'})
+        assert [call.name for call in calls] == [name] and answer.output[-1] == calls[0]
+        call_id = calls[0].call_id
         items += [
             {"type": "function_call_output", "call_id": call_id, "output": result(app, 710 + step)},
             {"role": "user", "content": f"Now call {NAMES[(step + 1) % len(NAMES)]}."},
         ]
         session = one_session(app, tasks)
-        if app.engine == "sim":
-            assert decided(app, session, step + 1)[step] == f"tool {name}"
-        else:  # the answer called no tool: the reaper decides it waits on the person
-            made = eventually(partial(decisions, app, session), partial(longer, than=step))
-            assert len(made) > step, made
-            assert waits(app, session) == ["the person"]
+        assert decided(app, session, step + 1)[step] == f"tool {name}"
