@@ -47,6 +47,7 @@ from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.sdnotify import Notifier
+from appliance.services.reaper_runner import run_reaper
 from appliance.services.worker_watch import WorkerWatch, record_power_event
 from appliance.settings import EngineKind, Settings
 from appliance.wiring import StartedEngines, Wiring, admission_limits, wire
@@ -195,7 +196,7 @@ async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: L
     async with asyncio.TaskGroup() as group:
         loops = [group.create_task(_refresh(engines, wired, clock, ledger, refreshed))]
         if wired.reaper is not None:
-            loops.append(group.create_task(wired.reaper.run()))
+            loops.append(group.create_task(run_reaper(wired.reaper)))
         if wired.power is not None:
             loops.append(group.create_task(wired.power.run()))
         await refreshed.wait()

@@ -33,12 +33,6 @@ from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
-from appliance.policy.prefetch import (
-    DEFAULT_TRIGGERS,
-    RESTORE_AHEAD_TRIGGERS,
-    PrefetchPolicy,
-    PrefetchTuning,
-)
 from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
 from appliance.policy.survival import PERSON, WaitKey
@@ -55,7 +49,6 @@ from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuMeter
-from appliance.services.lead_time import LeadTime
 from appliance.services.no_retention import NoRetention
 from appliance.services.placement import Placer
 from appliance.services.queue_book import QueueBook
@@ -67,6 +60,7 @@ from appliance.services.sessions import SessionTable
 from appliance.services.state import StateSources, metrics_text, snapshot
 from appliance.services.tasks import TaskBook
 from appliance.services.tenancy import TenantSalts
+from appliance.services.tool_events import reaper_hears, restore_on_lead
 from appliance.services.turn_desk import TurnDesk
 from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_reaper import PowerInputs, WorkerReaperLoop
@@ -273,7 +267,7 @@ def _reaper_loop(
         index=feed,
         workers=engines.workers,
         prefill_s=lambda worker, n: desk.queues.prefill_s(worker, n, 0),
-        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.is_terminal,
+        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.ends_sessions,
         kv_bytes_per_token=profile.kv_bytes_per_token,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
@@ -290,12 +284,8 @@ def _reaper_loop(
         note = "holds are sent to the workers' retention connectors"
     loop = ReaperLoop(reaper, retention, inputs, ledger=ledger, clock=clock, note=note)
     desk.sessions.listener = loop  # hears of every turn's start and end
-    triggers = RESTORE_AHEAD_TRIGGERS if r.restore_ahead else DEFAULT_TRIGGERS
-    prefetch = PrefetchPolicy(PrefetchTuning(prefill=False, triggers=triggers))  # promote only
-    lead = LeadTime(prefetch, inputs, loop.outbox, ledger=ledger, waiting=loop.waiting_sessions)
-    lead.survival, lead.horizon_s = reaper.survival, tuning.max_residency_s  # its due times
-    loop.lead_time = lead
-    tasks.on_tool_finished = lead.tool_finished
+    loop.lead_time = restore_on_lead(loop, inputs, ledger, restore_ahead=r.restore_ahead)
+    tasks.on_tool_event = reaper_hears(loop)
     return loop
 
 

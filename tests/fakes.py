@@ -145,6 +145,8 @@ class Wired:
     clock: ManualClock
     speeds: WorkerSpeeds
     """The measured speeds (the queue book reads them unless the test fixed a slowdown)."""
+    tasks: TaskBook
+    """The desk's task book (its closed tasks end their sessions, as the daemon wires it)."""
 
 
 def wired_desk(
@@ -173,12 +175,14 @@ def wired_desk(
         cost=LinearCost(), profile=default_profile(), model="m",
         salt=lambda t, c: f"salt-{t}",
     )  # fmt: skip
+    tasks = TaskBook(ledger)
+    tasks.on_done = sessions.forget_task
     desk = TurnDesk(
         sessions=sessions, placer=placer, queues=queues, records=TurnRecords(ledger, model="m"),
-        tasks=TaskBook(ledger), clock=clock, workers=lambda: workers,
+        tasks=tasks, clock=clock, workers=lambda: workers,
     )  # fmt: skip
     desk.flights = Flights(clock.alarm)  # deadlines ring as the test moves the clock
-    return Wired(desk, queues, index, ledger, clock, speeds)
+    return Wired(desk, queues, index, ledger, clock, speeds, tasks)
 
 
 async def read_request_body(reader: asyncio.StreamReader) -> bytes | None:

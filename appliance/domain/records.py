@@ -26,18 +26,30 @@ class TaskStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    DONE = "done"
+    """A one-turn task (its turn named no X-Task-ID) whose turn ended: its outcome is
+    unknown, so it is never a success, nor a failure."""
 
     @property
     def is_terminal(self) -> bool:
         return not TASK_TRANSITIONS[self]
 
+    @property
+    def ends_sessions(self) -> bool:
+        """Whether reaching it ends the sessions bound to the task: every close does but
+        `done` (a session the client named binds a new one-turn task each turn)."""
+        return self.is_terminal and self is not TaskStatus.DONE
+
 
 # The whole task lifecycle: a task is open until one terminal event; terminal states are final.
 TASK_TRANSITIONS: Mapping[TaskStatus, frozenset[TaskStatus]] = {
-    TaskStatus.OPEN: frozenset({TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED}),
+    TaskStatus.OPEN: frozenset(
+        {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.DONE}
+    ),
     TaskStatus.SUCCEEDED: frozenset(),
     TaskStatus.FAILED: frozenset(),
     TaskStatus.CANCELLED: frozenset(),
+    TaskStatus.DONE: frozenset(),
 }
 
 
@@ -51,17 +63,30 @@ class TaskEventType(StrEnum):
     CANCELLED = "cancelled"
     TOOL_STARTED = "tool_started"
     TOOL_FINISHED = "tool_finished"
+    DONE = "done"
+    """The appliance's own: a one-turn task's turn ended (a client never sends it)."""
 
     @property
     def terminal_status(self) -> TaskStatus | None:
         """The status this event moves a task to, or None for an event that changes none."""
         return _EVENT_STATUS.get(self)
 
+    @property
+    def is_tool_event(self) -> bool:
+        """A tool's start or finish (the task stays open)."""
+        return self in (TaskEventType.TOOL_STARTED, TaskEventType.TOOL_FINISHED)
+
+    @property
+    def from_client(self) -> bool:
+        """Whether a client may report it (`POST /v1/tasks/{id}/events`)."""
+        return self is not TaskEventType.DONE
+
 
 _EVENT_STATUS: Mapping[TaskEventType, TaskStatus] = {
     TaskEventType.SUCCEEDED: TaskStatus.SUCCEEDED,
     TaskEventType.FAILED: TaskStatus.FAILED,
     TaskEventType.CANCELLED: TaskStatus.CANCELLED,
+    TaskEventType.DONE: TaskStatus.DONE,
 }
 
 

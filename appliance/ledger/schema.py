@@ -16,6 +16,7 @@ from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
 from appliance.domain.errors import LedgerError
+from appliance.ledger.rebuilds import TASKS_WITH_DONE
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 MIGRATION_SET = "appliance_ledger"
@@ -241,6 +242,12 @@ def _worker_power(db: Database) -> None:
             "PRAGMA user_version = 7",
         ],
     )
+
+
+@migrations(name="0008_one_turn_tasks_done")
+def _one_turn_tasks_done(db: Database) -> None:
+    # A one-turn task (a turn without X-Task-ID) closes `done` when its turn ends.
+    _run(db, TASKS_WITH_DONE)
 
 
 KNOWN = [m.name for m in migrations._migrations]

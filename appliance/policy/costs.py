@@ -15,7 +15,8 @@ The model of the world, in two rules:
    creation time): every attempted cost of every task tree (failed, cancelled and retried
    attempts, discarded fan-out branches; a child task rolls up into its root) divided by
    the number of root tasks that succeeded with verified=true. Zero such successes gives
-   None: the work bought nothing yet, which is neither free nor infinitely dear.
+   None: the work bought nothing yet, which is neither free nor infinitely dear. A one-turn
+   task closed `done` (its outcome unknown) counts as a task, never as a success.
 
 Pure: no I/O, no clock.
 """

@@ -37,7 +37,13 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from appliance.domain.records import CacheEviction, CacheTier, ResidencyEvent, WorkerId
+from appliance.domain.records import (
+    CacheEviction,
+    CacheTier,
+    ResidencyEvent,
+    TaskId,
+    WorkerId,
+)
 from appliance.domain.retention import ReturnedKv
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
@@ -97,8 +103,8 @@ class ReaperLoop:
         """What the reaper's decisions do (the log, `/admin/v1/state`)."""
         self._inputs = inputs
         self._ledger = ledger
-        self._clock = clock
-        self._tick_s = tick_s
+        self.clock = clock
+        self.tick_s = tick_s  # how often `reaper_runner` ticks it
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
         self._held: dict[str, WorkerId] = {}  # key -> the worker last asked to hold it
@@ -158,6 +164,19 @@ class ReaperLoop:
         if len(self._waiting) > MAX_WAITING:
             self._waiting.popitem(last=False)
         self._decide(key, waiting, now)
+
+    def tool_started(
+        self, task: TaskId, tool_class: str | None, expected_s: float | None, now: float
+    ) -> None:
+        """The task's waiting sessions wait on the tool its client says has started; those
+        held or released (not yet moved or dropped) are decided again on it."""
+        for key, w in list(self._waiting.items()):
+            if w.session.task_id != task or w.due_s == math.inf:
+                continue
+            w.wait = self._tooled.started(w.session, key, w.wait, tool_class, expected_s)
+            w.idle = w.wait.applied_to(w.idle)
+            if w.decision.action in (ResidencyAction.HOLD, ResidencyAction.RELEASE):
+                self._decide(key, w, now)
 
     # --- deciding and sending ---------------------------------------------------------
 
@@ -367,28 +386,6 @@ class ReaperLoop:
         return {"reaper": True, "retention": self.retention.controls, "note": self.note,
                 "waiting": len(self._waiting), "held": len(self._held),
                 "decisions": dict(self.decisions), "unsent": self.outbox.unsent}  # fmt: skip
-
-    # --- running ----------------------------------------------------------------------
-
-    async def run(self) -> None:
-        """Ticks, sends and reads the workers' give-backs until cancelled."""
-        log.info("idle reaper: %s", self.note)
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self.outbox.run())
-            group.create_task(self._returns())
-            while True:
-                try:
-                    self.tick(self._clock.now())
-                except Exception:
-                    log.exception("idle reaper: a tick failed")
-                await asyncio.sleep(self._tick_s)
-
-    async def _returns(self) -> None:
-        async for r in self.retention.returned():
-            try:
-                self.returned(r, self._clock.now())
-            except Exception:
-                log.exception("idle reaper: a give-back could not be recorded")
 
 
 _NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")

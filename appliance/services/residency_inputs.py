@@ -46,7 +46,8 @@ class LiveInputs:
     prefill_s: Callable[[WorkerId, int], float]
     """(worker, tokens) -> seconds a prefill of that many fresh tokens takes there now."""
     task_closed: Callable[[TaskId], bool]
-    """Whether the task a client named has closed (succeeded, failed, cancelled)."""
+    """Whether the task a client named has closed (succeeded, failed, cancelled; a one-turn
+    task's `done` is no end of the session that named it)."""
     kv_bytes_per_token: int
     model: str
     runtime_identity: str

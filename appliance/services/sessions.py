@@ -11,7 +11,8 @@ same (sessions sharing a system prompt or context). Either way the hashes are ex
 vLLM's for these token ids and this tenant's salt.
 
 A chat turn's ids come from services/chat_tokens.py, which tokenises only what it appended.
-A session ends with its task (`forget_task`); the table is bounded besides. A session the
+A session ends with its task (`forget_task`; not with a one-turn task's `done`: a session
+the client named binds a one-turn task per turn); the table is bounded besides. A session the
 prefix chain found (services/session_finder.py) is indexed by its last prompt's tip
 (`tip`, `by_tip`) while it is in the table.
 """

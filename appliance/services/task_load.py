@@ -5,8 +5,8 @@ Per task: its depth, cap, open children and turns in flight; per tenant: its ope
 turns in flight. A task counts from its creation until its terminal event, or until it has
 had no turn in flight, no new turn and no new child for `idle_s`: then it is let go for
 good, so that a client that never closes its tasks cannot lock itself out. A one-turn task
-(a turn without X-Task-ID) is let go when its turn ends. A task taken back after a restart
-counts again once a turn or a new child names it.
+(a turn without X-Task-ID) is let go when its turn ends, closed then (`done`). A task taken
+back after a restart counts again once a turn or a new child names it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A task belongs to its tenant: ids are namespaced `tenant/id` in the ledger, so another
 tenant's id is simply another task. A task is open until one terminal event (succeeded,
-failed, cancelled); a second terminal event is a conflict. Cancelling a task cancels its
+failed, cancelled; `done` for a one-turn task, when its turn ends: a turn without X-Task-ID
+leaves no open task); a second terminal event is a conflict. Cancelling a task cancels its
 open descendants too, and a closed task takes no new children. Every change is written to
 the ledger where it is made; a cancellation is also told to the operator's event feed (one
 event per cancel, naming how many open descendants went with it).
@@ -44,6 +45,9 @@ from appliance.services.task_state import (
     undo_refused,
 )
 
+ToolEventHook = Callable[[TaskId, TaskEventType, str | None, float | None, float], None]
+"""Told of each `tool_started` and `tool_finished`: task, kind, tool class, expected s, now."""
+
 
 class TaskBook:
     def __init__(
@@ -63,10 +67,10 @@ class TaskBook:
         self._tasks: dict[TaskId, TaskState] = {}
         self._loads = TaskLoads(self._tasks.get, idle_s, on_let_go=self._settle)
         self._shelf = shelf if shelf is not None else SettledShelf()
-        self.on_tool_finished: Callable[[TaskId, str | None, float], None] | None = None
+        self.on_tool_event: ToolEventHook | None = None  # the idle reaper hears tool events
         """Told of each `tool_finished` (task, tool class, when): the reaper's lead time."""
         self.on_done: Callable[[TaskId], None] | None = None
-        """Told of a task closed: its sessions end (SessionTable.forget_task)."""
+        """Told of a task closed (not `done`): its sessions end (SessionTable.forget_task)."""
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
@@ -223,14 +227,14 @@ class TaskBook:
         )
         if cost:
             self._spent(state, state.written, cost)
-        if kind is TaskEventType.TOOL_FINISHED and self.on_tool_finished is not None:
-            self.on_tool_finished(state.key, tool_class, now)
+        if kind.is_tool_event and self.on_tool_event is not None:
+            self.on_tool_event(state.key, kind, tool_class, expected_s, now)
         if new is not None:
             before = (state.status, state.verified)
             state.status = new
             state.verified = verified
             self._loads.let_go(state)  # for good: a refused write leaves it uncounted
-            if self.on_done is not None:
+            if self.on_done is not None and new.ends_sessions:
                 self.on_done(state.key)
             # A refused write takes the change back (the writer's thread: two assignments).
             state.written.add_done_callback(lambda f: undo_refused(f, state, before))
@@ -331,7 +335,10 @@ class TaskBook:
         self._loads.turn_began(state, now)
 
     def turn_ended(self, state: TaskState, now: float) -> None:
-        """The turn's answer (or its stream) has ended, however it ended."""
+        """The turn's answer (or its stream) has ended, however it ended. A one-turn task
+        closes with its turn: `done`, its outcome unknown (a refused write reopens it)."""
+        if state.load.one_turn and state.load.in_flight == 1 and state.status is TaskStatus.OPEN:
+            self.event(state.tenant, state.client_id, TaskEventType.DONE, now)
         self._loads.turn_ended(state, now)
         if state.load.standing is Standing.LET_GO and not state.load.in_flight:
             self._settle(state)  # closed while the turn ran

@@ -14,6 +14,10 @@ and sends neither on a later one whose answer calls no tool says that turn is it
 neither names nor says anything (no header, no answer read: an error, a cut stream) is
 unknown, as a client that never sent headers was before answers were read.
 
+A `tool_started` task event (its `tool_class` and `expected_s`) comes after the turn has
+ended: the task's waiting sessions then wait as a turn with those headers would have said
+(`started`), the event named as the source.
+
 Clients name their tools, so the names a tenant's waits are learned under are bounded: its
 first `NAMES_PER_TENANT` classes are kept, any later one is learned as `OTHER` (the ledger
 still names it), for the `MAX_TENANTS` most recent tenants.
@@ -22,9 +26,10 @@ still names it), for the `MAX_TENANTS` most recent tenants.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from appliance.policy.residency import IdleSession
 from appliance.policy.survival import PERSON
 from appliance.services.answer_tools import AnswerEnd
 from appliance.services.sessions import SessionState
@@ -35,6 +40,8 @@ OTHER = "other"
 MAX_TENANTS = 4096
 HEADER = "header"
 ANSWER = "answer"
+EVENT = "event"
+STARTED_EVENT = "its task's tool_started event"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,8 @@ class TurnWait:
     """The client's `X-Tool-Class`."""
     answer: AnswerEnd | None = None
     """How its answer ended (None: it did not say)."""
+    hinted_by: str = "X-Tool-Class"
+    """What gave the hints: the turn's headers, or the task's `tool_started` event."""
 
     @property
     def answered(self) -> str | None:
@@ -61,7 +70,7 @@ class TurnWait:
     def source(self) -> str | None:
         """Where the wait came from: `HEADER`, `ANSWER`, or None (a last step, unknown)."""
         if self.hinted is not None or self.expected_wait_s is not None:
-            return HEADER
+            return EVENT if self.hinted_by == STARTED_EVENT else HEADER
         return ANSWER if self.ends_in_tool_call else None
 
     def says(self) -> str | None:
@@ -76,12 +85,21 @@ class TurnWait:
         if self.tool_class != named:  # a tenant's names past the bound
             wait += f"; learned as {self.tool_class}"
         if self.hinted is not None:
-            return f"waits on {self.hinted} (X-Tool-Class{wait}; {answer})"
+            return f"waits on {self.hinted} ({self.hinted_by}{wait}; {answer})"
         if self.tool_class == PERSON:
             return f"waits on the person ({answer}{wait})"
         if self.answered is None:
             return f"waits on a tool ({answer}{wait})"
         return f"waits on tool {self.answered} ({answer}{wait})"
+
+    def applied_to(self, idle: IdleSession) -> IdleSession:
+        """The policy's view of a waiting session, waiting on this instead."""
+        return replace(
+            idle,
+            ends_in_tool_call=self.ends_in_tool_call,
+            tool_class=self.tool_class,
+            expected_wait_s=self.expected_wait_s,
+        )
 
     def figures(self) -> dict[str, Any]:
         """The wait's part of its decision's ledger figures."""
@@ -128,6 +146,22 @@ class ToolWaits:
         if said is not None and (said.tool_call or key not in self._speakers):
             return TurnWait(True, self._learned(session.tenant, answered), answer=said)
         return TurnWait(False if key in self._speakers else None, answer=said)
+
+    def started(
+        self,
+        session: SessionState,
+        key: str,
+        wait: TurnWait,
+        tool_class: str | None,
+        expected_s: float | None,
+    ) -> TurnWait:
+        """What the session waits on once its task's client says a tool has started: that
+        tool (else the one it waited on), with the event's expected wait if it gave one."""
+        self._spoke(key)
+        hinted = tool_class or wait.hinted or wait.answered
+        hint_s = expected_s if expected_s is not None else wait.expected_wait_s
+        learned = self._learned(session.tenant, hinted)
+        return TurnWait(True, learned, hint_s, hinted, wait.answer, STARTED_EVENT)
 
     def _spoke(self, key: str) -> None:
         self._speakers[key] = None

@@ -23,6 +23,7 @@ from contextlib import closing
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -180,3 +181,30 @@ def test_an_anthropic_sdk_tool_loop_is_decided_on_each_tool_it_calls(
         ]})  # fmt: skip
         assert decided(app, session, step + 1)[step] == f"tool {name}"
     assert waits(app, session) == ["tool grep", "tool read_file"]
+
+
+def test_a_tool_started_event_tells_the_reaper_what_the_session_waits_on(
+    appliance_up: RunningAppliance,
+) -> None:
+    """A client that reports its tools (`POST /v1/tasks/{id}/events`): its turn's answer
+    calls no tool, so the reaper first decides the session waits on the person; its task's
+    `tool_started` event then says which tool runs and for how long, and the reaper decides
+    again on that (the ledger's reason names the event)."""
+    app, session = appliance_up, f"started-{uuid.uuid4().hex[:8]}"
+    task = f"task-{session}"
+    reply = openai_client(app).chat.completions.create(
+        model=app.model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello."}],
+        max_tokens=8,
+        extra_headers={"X-Session-ID": session, "X-Task-ID": task},
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert decided(app, session, 1) == ["the person"]  # no tool called: back to the person
+    event = {"type": "tool_started", "tool_class": "deploy", "expected_s": 300}
+    auth = {"Authorization": f"Bearer {app.keys['alice']}"}
+    r = httpx.post(f"{app.url}/v1/tasks/{task}/events", json=event, headers=auth)
+    assert r.status_code == 200, r.text
+    assert decided(app, session, 2)[1] == "deploy"
+    _, reason = decisions(app, session)[-1]
+    assert "waits on deploy (its task's tool_started event, expected 300 s;" in reason

@@ -12,6 +12,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from appliance.domain.records import (
     CacheEviction,
     ResidencyEvent,
     SessionId,
+    TaskEventType,
     TaskId,
     TenantId,
     WorkerId,
@@ -34,9 +36,11 @@ from appliance.services.answer_tools import TO_PERSON, AnswerEnd
 from appliance.services.events import EventFeed
 from appliance.services.no_retention import NoRetention
 from appliance.services.reaper_loop import HOLD_GRACE_S, ReaperLoop
+from appliance.services.reaper_runner import run_reaper
 from appliance.services.residency_inputs import LiveInputs
 from appliance.services.session_admin import SessionReleases
 from appliance.services.sessions import SessionState, SessionTable
+from appliance.services.tool_events import reaper_hears
 from tests.fakes import FixedIndex, ManualClock, RouterWorker
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
@@ -303,6 +307,39 @@ def test_the_headers_win_for_their_turn_and_the_ledger_keeps_both(s: Setup) -> N
     )
     s.turn(s.session("b"), wait_s=5.0, said=GREP)  # a wait, no class: the answer's class
     assert s.rows.figures()["tool_class"] == "grep"
+
+
+def test_a_tool_started_event_decides_the_tasks_waiting_session_again_on_its_tool() -> None:
+    s = build(usage=0.9)
+    session = s.session("quick", task="acme/t1")
+    other = s.session("other", task="acme/t2")
+    s.turn(session, said=GREP)
+    s.turn(other, said=GREP)
+    assert [r.action for r in s.rows.residency] == ["release", "release"]  # unknown, HBM full
+    s.clock.t += 0.1
+    hook = reaper_hears(s.loop)
+    hook(TaskId("acme/t1"), TaskEventType.TOOL_STARTED, "api", 1.0, s.clock.t)
+    [row] = s.rows.residency[2:]  # only the task's session is decided again
+    figures = s.rows.figures()
+    assert (row.session_id, row.action) == ("acme/quick", "hold")  # a quick tool: kept
+    assert (figures["tool_class"], figures["header_wait_s"]) == ("api", 1.0)
+    assert (figures["wait_from"], figures["answer_tools"]) == ("event", "grep")
+    assert row.reason.endswith(
+        "; waits on api (its task's tool_started event, expected 1 s; its answer called grep)"
+    )
+    assert [(c[0], c[2]) for c in s.sent()] == [("hold", "acme/quick")]
+    s.clock.t += 0.5
+    s.table.began(session, s.clock.t)  # back: the gap is learned under the event's tool
+    survival = s.loop.reaper.survival
+    assert isinstance(survival, WaitSurvival) and WaitKey("acme", "api", 1) in survival
+
+
+def test_a_tool_finished_event_reaches_the_lead_time(s: Setup) -> None:
+    heard: list[tuple[Any, ...]] = []
+    s.loop.lead_time = SimpleNamespace(tool_finished=lambda *a: heard.append(a))  # type: ignore[assignment]
+    reaper_hears(s.loop)(TaskId("acme/t1"), TaskEventType.TOOL_FINISHED, "grep", None, 5.0)
+    reaper_hears(s.loop)(TaskId("acme/t1"), TaskEventType.SUCCEEDED, None, None, 6.0)
+    assert heard == [(TaskId("acme/t1"), "grep", 5.0)]
 
 
 def test_a_header_speaker_without_headers_ends_unless_its_answer_called_a_tool(s: Setup) -> None:
@@ -622,7 +659,7 @@ def test_the_loop_reads_the_workers_give_backs_as_they_come() -> None:
         s = build()
         s.retention.returns = asyncio.Queue()
         s.turn(s.session("a"), tool="api", wait_s=1.0)
-        task = asyncio.create_task(s.loop.run())
+        task = asyncio.create_task(run_reaper(s.loop))
         await s.retention.returns.put(ReturnedKv(W0, "acme/a", 10, "capped"))
         for _ in range(50):
             if s.rows.last().action == "given_back":

@@ -30,6 +30,7 @@ STATUS_STYLE = {
     "succeeded": "green",
     "failed": "bold red",
     "cancelled": "yellow",
+    "done": "dim",  # a one-turn task whose turn ended: no outcome
 }
 
 
