@@ -39,7 +39,7 @@ from appliance.engines.port_plan import planned_ports
 from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
 from appliance.gpu.nvml import NvmlProbe
-from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe
+from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe, board_power
 from appliance.ledger import LedgerWriter
 from appliance.live_reload import LiveReload
 from appliance.oplog import start_logging
@@ -73,7 +73,8 @@ def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
     blocks = kv_capacity.default_num_gpu_blocks(profile, block_size, utilization)
     kv_bytes = blocks * block_size * profile.kv_bytes_per_token
     baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)
-    return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes)
+    idle_w, tdp_w = board_power(profile.gpu)
+    return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes, idle_w, tdp_w)
 
 
 def gpu_probe(
@@ -165,6 +166,8 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
                 secret=_secret(data_dir),
             )
             relay.target = partial(record_power_event, wired.events)
+            if isinstance(probe, SimulatedGpuProbe):  # its utilisation: the busy share metered
+                probe.meter = wired.desk.records.meter
             if control.live is not None:
                 _reloads(control.live, key_file, ledger, wired)
             _log_plan(kind, engines, log_dir)

@@ -142,8 +142,9 @@ def _view(view: str, url: str, key: str | None, data_dir: Path | None, as_json: 
           **kw: bool) -> None:  # fmt: skip
     from tui import client, tables  # the console's renderers; loaded only for these commands
 
+    api_key, source = client.console_key(key, data_dir) or (None, None)
     try:
-        state = client.fetch_state(url, client.resolve_api_key(key, data_dir))
+        state = client.fetch_state(url, api_key, key_source=source)
     except client.ConsoleError as exc:
         print(f"appliance: {exc.message}", file=sys.stderr)
         raise typer.Exit(1) from None

@@ -4,8 +4,10 @@ One async poll worker reads `GET /admin/v1/state` twice a second and posts each 
 the app (`StateUpdated`, which a newer one replaces while still queued). The app keeps the
 latest snapshot and hands it to the screens of the current stack; a tab that comes back into
 view draws the latest one it missed. A lost connection shows as a banner on every screen and
-clears by itself when the appliance answers again. The one operator action, releasing a
-session's KV, asks first and then shows the appliance's own answer.
+clears by itself when the appliance answers again; a refused key is said once, naming the
+key and data dir used and how to fix it, and not retried until the operator presses `r`.
+The one operator action, releasing a session's KV, asks first and then shows the
+appliance's own answer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.reactive import reactive
 
-from tui.client import ConsoleError, Lost, Poller, StateClient, default_data_dir, find_admin_key
+from tui.client import ConsoleError, Lost, Poller, StateClient, console_key, default_data_dir
 from tui.messages import ConnectionLost, ConnectionRestored, ReleaseFinished, StateUpdated
 from tui.screens.base import StateScreen
 from tui.screens.costs import CostsScreen
@@ -131,6 +133,9 @@ class ConsoleApp(App[None]):
     def _released(self, message: ReleaseFinished) -> None:
         if message.ok:
             self.notify(f"Session {message.session_id}: {message.text}.", timeout=5)
+            for screen in self.screen_stack:
+                if isinstance(screen, StateScreen) and screen.ready:
+                    screen.session_released(message.session_id)
         else:
             self.notify(
                 f"The appliance refused to release session {message.session_id}: {message.text}",
@@ -140,20 +145,24 @@ class ConsoleApp(App[None]):
             )
 
 
-def run_console(url: str, api_key: str | None, data_dir: Path | None) -> None:
-    """Run the console in this terminal until the operator quits.
-
-    Without `api_key`, the first operator key in `data_dir`'s api-keys.toml is used
-    (`data_dir` defaults to $APPLIANCE_DATA_DIR, else ~/.local/share/appliance). Exits with a
-    one-line message when there is no key to use.
-    """
-    key = api_key or find_admin_key(data_dir)
-    if key is None:
+def console_app(url: str, api_key: str | None, data_dir: Path | None) -> ConsoleApp:
+    """The console for the appliance at `url`, with `api_key`, else the first operator key in
+    `data_dir`'s api-keys.toml (`data_dir` defaults to $APPLIANCE_DATA_DIR, else
+    ~/.local/share/appliance); it names that key and data dir if the appliance refuses the
+    key. Exits with a one-line message when there is no key to use."""
+    found = console_key(api_key, data_dir)
+    if found is None:
         where = (data_dir or default_data_dir()) / "api-keys.toml"
         raise SystemExit(
             f"appliance top: no operator key in {where}; pass --data-dir of the appliance, "
             "or create one with `appliance keys add NAME --admin`"
         )
-    ConsoleApp(StateClient(url, key)).run()
+    key, source = found
+    return ConsoleApp(StateClient(url, key, key_source=source))
+
+
+def run_console(url: str, api_key: str | None, data_dir: Path | None) -> None:
+    """Run the console (`console_app`) in this terminal until the operator quits."""
+    console_app(url, api_key, data_dir).run()
     if sys.stdout.isatty():
         sys.stdout.flush()

@@ -4,8 +4,10 @@ No Textual here. `StateClient` makes the requests and turns every failure into a
 `ConsoleError` whose message is one line an operator can act on. `Poller` is the console's
 one poll loop: fetch a snapshot, hand it over, sleep to the next tick (2 Hz by default);
 after a failure, say so once per attempt and retry with a capped backoff until the
-appliance answers again, then say that it is back. The sync functions at the bottom serve the
-terminal tables (`appliance status/sessions/tasks/events`).
+appliance answers again, then say that it is back. A refused key (401, 403) is said once,
+with the data dir and the name of the key used (never the key) and how to fix it, and is
+not retried: the same key would be refused again; the operator's `r` tries once more. The
+sync functions at the bottom serve the terminal tables (`appliance status/sessions/...`).
 """
 
 from __future__ import annotations
@@ -50,8 +52,42 @@ class Refused(ConsoleError):
     """The appliance answered with an error status; `message` carries its own words."""
 
 
+class KeyRefused(Refused):
+    """The appliance refused the console's key (401, 403): retrying cannot help; `message`
+    says which key it was and how to get one it takes."""
+
+
 class BadPayload(ConsoleError):
     """The appliance answered 200 with a body that is not the schema's."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeySource:
+    """Where the console's key came from, to name it when the appliance refuses it: its name
+    in a data dir's api-keys.toml, or given on the command line (`name` None). Never the
+    key itself."""
+
+    name: str | None = None
+    data_dir: Path | None = None
+
+    def refused(self, url: str, status: int, said: str) -> str:
+        """What to tell the operator when the appliance at `url` refused the key."""
+        by_key = (
+            'one of its operator keys (--key "$(appliance keys show NAME --data-dir DIR)"; '
+            "`appliance keys list --data-dir DIR` names them)"
+        )
+        if self.name is None or self.data_dir is None:
+            used, fix = "the key given with --key", f"pass {by_key}"
+        else:
+            keys = self.data_dir / KEYS_FILE
+            used = f'operator key "{self.name}" from {keys} (data dir {self.data_dir})'
+            fix = f"pass the data dir the appliance runs on (--data-dir DIR), or {by_key}"
+        if status == 403:
+            why = "it is not an operator key"
+            fix = f"create one (`appliance keys add NAME --admin --data-dir DIR`) and {fix}"
+        else:
+            why = f"the appliance at {url} does not know it (revoked, or another data dir's)"
+        return f"{said}. Used {used}: {why}. To fix it, {fix}."
 
 
 def default_data_dir() -> Path:
@@ -62,18 +98,35 @@ def default_data_dir() -> Path:
 def find_admin_key(data_dir: Path | None = None) -> str | None:
     """The first operator key in the data dir's api-keys.toml, or None (no file, no admin key,
     or a file that cannot be read)."""
+    found = find_operator_key(data_dir)
+    return found[1] if found is not None else None
+
+
+def find_operator_key(data_dir: Path | None = None) -> tuple[str, str] | None:
+    """(name, key) of the first operator key in the data dir's api-keys.toml, or None."""
     path = (data_dir or default_data_dir()) / KEYS_FILE
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError):
         return None
     keys = data.get("keys", {})
-    for entry in keys.values() if isinstance(keys, dict) else ():
+    for name, entry in keys.items() if isinstance(keys, dict) else ():
         if isinstance(entry, dict) and entry.get("admin") is True:
             key = entry.get("key")
             if isinstance(key, str) and key:
-                return key
+                return str(name), key
     return None
+
+
+def console_key(api_key: str | None, data_dir: Path | None) -> tuple[str, KeySource] | None:
+    """The key given, else the data dir's first operator key, with where it came from; None
+    when there is neither."""
+    if api_key:
+        return api_key, KeySource()
+    found = find_operator_key(data_dir)
+    if found is None:
+        return None
+    return found[1], KeySource(found[0], data_dir or default_data_dir())
 
 
 def error_text(response: httpx.Response) -> str:
@@ -114,8 +167,10 @@ class StateClient:
         *,
         timeout_s: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        key_source: KeySource | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.key_source = key_source
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers=_headers(api_key),
@@ -131,7 +186,7 @@ class StateClient:
         except httpx.HTTPError as exc:
             raise _unreachable(self.url, exc) from None
         if response.status_code >= 400:
-            raise Refused(error_text(response), status=response.status_code)
+            raise refusal(self.url, response, self.key_source)
         return response
 
     async def state(self) -> AdminState:
@@ -153,10 +208,16 @@ class StateClient:
         except ValidationError:
             return ReleaseResult(session_id=session_id, tenant=tenant)
 
-    async def session_detail(self, session_id: str, tenant: str | None = None) -> SessionDetail:
-        """`GET /admin/v1/sessions/{id}?tenant=T`: the session, its residency, its turns."""
+    async def session_detail(
+        self, session_id: str, tenant: str | None = None, turns: int | None = None
+    ) -> SessionDetail:
+        """`GET /admin/v1/sessions/{id}?tenant=T[&turns=N]`: the session, its residency, its
+        newest turns (the server's default number, or `turns`)."""
         path = f"/admin/v1/sessions/{quote(session_id, safe='')}"
-        response = await self._request("GET", path, _tenant(tenant))
+        params = _tenant(tenant) or {}
+        if turns is not None:
+            params["turns"] = str(turns)
+        response = await self._request("GET", path, params or None)
         try:
             return SessionDetail.model_validate_json(response.content)
         except ValidationError as exc:
@@ -166,6 +227,16 @@ class StateClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def refusal(url: str, response: httpx.Response, key: KeySource | None) -> Refused:
+    """The error for an answer >= 400: a refused key (401, 403) says which key it was (when
+    `key` says where it came from) and how to fix it."""
+    status, said = response.status_code, error_text(response)
+    if status not in (401, 403):
+        return Refused(said, status=status)
+    message = key.refused(url, status, said) if key is not None else said
+    return KeyRefused(message, status=status)
 
 
 def _tenant(tenant: str | None) -> dict[str, str] | None:
@@ -196,6 +267,9 @@ class Lost:
     retry_in_s: float
     since: float
     """Wall time of the first failure of this outage."""
+    retrying: bool = True
+    """False when retrying cannot help (the appliance refused the key): the console waits
+    for the operator's `r`."""
 
 
 class Poller:
@@ -220,9 +294,10 @@ class Poller:
         """Fetch now instead of at the next tick (or the next retry)."""
         self._wake.set()
 
-    async def _sleep(self, seconds: float) -> None:
+    async def _sleep(self, seconds: float | None) -> None:
+        """Until `seconds` have passed or `wake()` is called (None: until then only)."""
         self._wake.clear()
-        if seconds <= 0:
+        if seconds is not None and seconds <= 0:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
@@ -238,6 +313,12 @@ class Poller:
             started = self._clock()
             try:
                 state = await self.client.state()
+            except KeyRefused as exc:  # the same key is refused again: said once, not retried
+                down_since = down_since if down_since is not None else time.time()
+                self.backoff.reset()
+                on_lost(Lost(exc.message, 1, 0.0, down_since, retrying=False))
+                await self._sleep(None)
+                continue
             except ConsoleError as exc:
                 down_since = down_since if down_since is not None else time.time()
                 delay = self.backoff.next_delay()
@@ -253,7 +334,9 @@ class Poller:
             await self._sleep(self.interval_s - (self._clock() - started))
 
 
-def fetch_state(url: str, api_key: str | None, *, timeout_s: float = 5.0) -> dict[str, Any]:
+def fetch_state(
+    url: str, api_key: str | None, *, timeout_s: float = 5.0, key_source: KeySource | None = None
+) -> dict[str, Any]:
     """One snapshot as plain JSON data, checked against the schema (for the terminal tables
     and `--json`). Raises ConsoleError with a one-line message."""
     base = url.rstrip("/")
@@ -262,7 +345,7 @@ def fetch_state(url: str, api_key: str | None, *, timeout_s: float = 5.0) -> dic
     except httpx.HTTPError as exc:
         raise _unreachable(base, exc) from None
     if response.status_code >= 400:
-        raise Refused(error_text(response), status=response.status_code)
+        raise refusal(base, response, key_source)
     try:
         data: dict[str, Any] = response.json()
         AdminStateView.model_validate(data)

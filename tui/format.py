@@ -42,6 +42,31 @@ def pct(fraction: float | None, digits: int = 0) -> str:
     return DASH if fraction is None else f"{fraction * 100:.{digits}f}%"
 
 
+def fine_pct(fraction: float | None) -> str:
+    """A share that is often small: 0.0062 -> 0.6%, 0.0004 -> <0.1%, 0.41 -> 41%."""
+    if fraction is None:
+        return DASH
+    if fraction <= 0:
+        return "0%"
+    if fraction < 0.001:
+        return "<0.1%"
+    return f"{fraction * 100:.1f}%" if fraction < 0.1 else f"{fraction * 100:.0f}%"
+
+
+def kv_fill(
+    kv_usage: float | None, kv_tokens: int | None, kv_capacity_tokens: int | None
+) -> float | None:
+    """A worker's KV pool in use, 0..1: what is there, cached blocks included (the KV
+    index's tokens against the pool), or vLLM's share held by running requests when that is
+    more (it counts partly filled blocks too). vLLM's share alone reads 0 between turns
+    however much is cached; it is all there is when the worker does not say its pool's
+    size."""
+    if kv_tokens is None or not kv_capacity_tokens:
+        return kv_usage
+    held = min(kv_tokens / kv_capacity_tokens, 1.0)
+    return held if kv_usage is None else max(held, kv_usage)
+
+
 def times(factor: float) -> str:
     """A ratio to a reference: 0.756 -> x0.76."""
     return f"x{factor:.2f}"

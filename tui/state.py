@@ -35,6 +35,7 @@ class WorkerState(msgspec.Struct, frozen=True):
     waiting: int | None = None
     kv_usage: float | None = None
     kv_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
     prefix_hit_rate: float | None = None
     prefill_slowdown: float = 1.0
     gpu_busy_s: float | None = None

@@ -44,7 +44,8 @@ def _state(state: dict[str, Any] | AdminStateView) -> AdminStateView:
 
 
 def render_status(state: dict[str, Any] | AdminStateView) -> str:
-    """Workers (engine, GPUs, state, load, KV use, restarts, their latest wake's seconds),
+    """Workers (engine, GPUs, state, load, KV use: cached blocks included, `fmt.kv_fill`;
+    restarts, their latest wake's seconds),
     GPUs, sessions and tasks in a few lines."""
     s = _state(state)
     out = [f"appliance state at {fmt.clock(s.time)}"]
@@ -57,7 +58,7 @@ def render_status(state: dict[str, Any] | AdminStateView) -> str:
                 fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level, w.lifecycle),
                 fmt.num(w.running),
                 fmt.num(w.waiting),
-                fmt.pct(w.kv_usage),
+                fmt.fine_pct(fmt.kv_fill(w.kv_usage, w.kv_tokens, w.kv_capacity_tokens)),
                 fmt.pct(w.prefix_hit_rate),
                 fmt.times(w.prefill_slowdown),
                 str(w.restarts),

@@ -7,7 +7,7 @@ appliance/services/session_kv.py) and its newest N turns (default 50, at most 50
 first, read from the ledger in a thread so the event loop never waits on the disk.
 `POST /admin/v1/sessions/{id}/release?tenant=T`: releases the session's KV in every worker
 that holds it (appliance/services/session_admin.py); answered once its ledger row has
-committed.
+committed, with the tokens it had on a GPU: the state's `resident_tokens.gpu` of it.
 
 Session ids are chosen by each tenant, so `tenant` names whose session it is; it may be left
 out when only one tenant has a session of that id. The id is the rest of the path and may
@@ -78,7 +78,8 @@ def session_routes(
 
     async def release(request: Request) -> Response:
         session = _find(request)
-        done, written = releases.release(session, clock.now())
+        on_gpu = admin.kv.now(session).most()["gpu"]  # what the state and the detail show
+        done, written = releases.release(session, clock.now(), on_gpu)
         if written is not None:
             await asyncio.wrap_future(written)
         return JSONResponse(

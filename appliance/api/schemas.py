@@ -59,10 +59,15 @@ class WorkerStateView(_Model):
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
-    """Fraction 0..1 of the worker's KV cache in use (vLLM's kv_cache_usage_perc)."""
+    """Fraction 0..1 of the worker's KV pool that running requests (and holds) use: vLLM's
+    kv_cache_usage_perc, which counts blocks only cached as free, so it reads 0 between
+    turns however much is cached (`kv_tokens` of `kv_capacity_tokens` is what is there)."""
     kv_tokens: int | None = None
     """Tokens of KV on the worker's GPU now: the full blocks the KV index holds there, held,
     in use or only cached (what the sessions' resident GPU tokens add up to)."""
+    kv_capacity_tokens: int | None = None
+    """Tokens the worker's KV pool holds (vLLM's cache_config_info: its GPU blocks, the null
+    block excluded, times the block size); None when the worker does not say."""
     prefix_hit_rate: float | None = None
     """Fraction 0..1 of prompt tokens served from the prefix cache."""
     prefill_slowdown: float = 1.0

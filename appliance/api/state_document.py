@@ -24,12 +24,12 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
         time=snap.time,
         version=__version__,
         workers=[
-            _worker(
+            worker_document(
                 w, fleet.prefill_slowdown[w.id], fleet.kv_tokens.get(w.id), fleet.gpu_time.get(w.id)
             )
             for w in fleet.workers
         ],
-        gpus=[_gpu(g) for g in (gpu.gpus if gpu else ())],
+        gpus=[gpu_document(g) for g in (gpu.gpus if gpu else ())],
         gpu_driver=gpu.driver if gpu else None,
         sessions=[session_document(v) for v in snap.sessions],
         tasks=[_task(t, snap.task_kv.get(t.key)) for t in snap.tasks],
@@ -63,7 +63,7 @@ def session_document(v: SessionView) -> schemas.SessionStateView:
     )
 
 
-def _worker(
+def worker_document(
     w: WorkerStatus, prefill_slowdown: float, kv_tokens: int | None, gpu_time: GpuTime | None
 ) -> schemas.WorkerStateView:
     load = w.load
@@ -83,6 +83,7 @@ def _worker(
         waiting=load.waiting if load else None,
         kv_usage=load.kv_cache_usage_perc if load else None,
         kv_tokens=kv_tokens,
+        kv_capacity_tokens=load.kv_capacity_tokens if load else None,
         prefix_hit_rate=load.prefix_hit_rate if load else None,
         prefill_slowdown=round(prefill_slowdown, 4),
         gpu_busy_s=round(gpu_time.busy_s, 3) if gpu_time else None,
@@ -90,7 +91,7 @@ def _worker(
     )
 
 
-def _gpu(g: GpuReading) -> schemas.GpuStateView:
+def gpu_document(g: GpuReading) -> schemas.GpuStateView:
     return schemas.GpuStateView(
         index=g.index,
         name=g.name,

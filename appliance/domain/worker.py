@@ -241,6 +241,9 @@ class LoadSnapshot:
     """Their prompt tokens computed in prefill (not found in any cache)."""
     prefill_prompt_tokens: int = 0
     """Their prompt tokens, cached ones included."""
+    kv_capacity_tokens: int | None = None
+    """Tokens its KV pool holds: vLLM's `cache_config_info` (num_gpu_blocks less the null
+    block, times block_size, summed over its engines); None when it does not say."""
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -299,6 +302,7 @@ class LoadSnapshot:
             prefill_count=self.prefill_count - earlier.prefill_count,
             prefill_fresh_tokens=self.prefill_fresh_tokens - earlier.prefill_fresh_tokens,
             prefill_prompt_tokens=self.prefill_prompt_tokens - earlier.prefill_prompt_tokens,
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )
 
 

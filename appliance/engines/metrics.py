@@ -7,7 +7,8 @@ more than none. Counters appear with the `_total` suffix (prometheus_client adds
 `_created` samples beside them are timestamps and ignored); histograms appear as `_bucket`,
 `_sum` and `_count` samples, of which only TTFT's sum and count are kept. With several engine
 cores (data parallel) a server exposes one sample per `engine` label: counts and gauges are
-summed, the KV-cache usage is the fullest engine's. Names of older vLLM releases
+summed, the KV-cache usage is the fullest engine's. The KV pool's size comes from
+`vllm:cache_config_info`'s labels. Names of older vLLM releases
 (`gpu_cache_usage_perc`, `gpu_prefix_cache_*`) are read as fallbacks.
 """
 
@@ -163,6 +164,7 @@ LOAD_FAMILIES = frozenset(
         "vllm:request_prefill_time_seconds_count",
         "vllm:request_prefill_kv_computed_tokens_sum",
         "vllm:request_prompt_tokens_sum",
+        "vllm:cache_config_info",
     }
 )
 """The samples a LoadSnapshot reads: a scrape parses only these lines (the rest, mostly
@@ -207,7 +209,22 @@ def load_snapshot(
         prefill_count=total("vllm:request_prefill_time_seconds_count"),
         prefill_fresh_tokens=total("vllm:request_prefill_kv_computed_tokens_sum"),
         prefill_prompt_tokens=total("vllm:request_prompt_tokens_sum"),
+        kv_capacity_tokens=kv_capacity_tokens(m),
     )
+
+
+def kv_capacity_tokens(m: Metrics) -> int | None:
+    """Tokens the server's KV pool holds, from `vllm:cache_config_info`: num_gpu_blocks less
+    vLLM's null block, times block_size, summed over its engines; None when it does not say
+    (an older server, or labels that are not numbers)."""
+    tokens = 0
+    found = m.select("vllm:cache_config_info")
+    for sample in found:
+        blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+        if blocks is None or size is None or not blocks.isdigit() or not size.isdigit():
+            return None
+        tokens += max(int(blocks) - 1, 0) * int(size)
+    return tokens if found else None
 
 
 def cache_config(metrics: Metrics | str) -> dict[str, str]:

@@ -8,9 +8,10 @@ reaper's `release`), and the reaper holds it no more until its next turn; the bl
 in the engine's prefix cache, least recently used first, until the engine needs the room.
 The session's residency decision reads "released" ("released by operator") until its next
 turn starts, a `residency_events` row (session `tenant/id`, action "release", the tokens it
-had on the GPU) is written where the release is made, and the event feed says so. A session
-with a request in flight is never released (its KV is in use); releasing a session that is
-released already changes nothing.
+had on the GPU: the state's figure, so the operator's dialog, the answer and the row agree)
+is written where the release is made, and the event feed says so. A session with a request
+in flight is never released (its KV is in use); releasing a session that is released
+already changes nothing.
 """
 
 from __future__ import annotations
@@ -96,9 +97,14 @@ class SessionReleases:
             return None
         return release
 
-    def release(self, session: SessionState, now: float) -> tuple[Release, Future[None] | None]:
+    def release(
+        self, session: SessionState, now: float, gpu_tokens: int | None = None
+    ) -> tuple[Release, Future[None] | None]:
         """Releases the session; returns the release and its ledger write (None when it was
-        released already). Raises SessionAdminError (409) while a request is in flight."""
+        released already). Raises SessionAdminError (409) while a request is in flight.
+        `gpu_tokens`: its prefix on a GPU now, the figure the state shows of it (the KV
+        index's, `SessionKv.now`), which the release, its row and its event say; None: what
+        its last placement found there."""
         if session.in_flight:
             raise SessionAdminError(
                 f"session {session.session_id} of tenant {session.tenant} has a request in "
@@ -109,7 +115,8 @@ class SessionReleases:
         held = self.in_effect(session)
         if held is not None:
             return held, None
-        tokens = max(session.resident_tokens.values(), default=0)
+        placed = max(session.resident_tokens.values(), default=0)
+        tokens = gpu_tokens if gpu_tokens is not None else placed
         release = Release(now, session.turns, tokens, tokens * self.kv_bytes_per_token)
         told = self._kv_release(session) if self._kv_release is not None else []
         self._released[(session.tenant, session.session_id)] = release

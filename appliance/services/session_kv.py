@@ -8,7 +8,8 @@ keeps out of the engine's eviction order, and until when (their latest reports).
 worker the prefix is split into GPU held until T, GPU unheld (cached, evicted when the
 engine needs room, least recently used first), host, and gone (the rest). The decision shown
 is an operator's release while it lasts (until the session's next turn), else the idle
-reaper's standing one (none while a turn is in flight).
+reaper's standing one; without one, why there is none (`undecided_reason`): a turn in
+flight, or a prompt under one block, which leaves nothing cached to decide on.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from appliance.services.residency_inputs import prefix_tokens, retention_key
 from appliance.services.session_admin import RELEASE_REASON, RELEASED, SessionReleases
 from appliance.services.sessions import SessionState
 
-NO_DECISION_REASON = "no residency decision yet: a turn is in flight, or none has ended"
+NO_DECISION_REASON = "no residency decision yet: no turn of it has ended, or one just did"
+IN_FLIGHT_REASON = "no residency decision while a turn is in flight"
+UNDER_ONE_BLOCK = "nothing cached: prompt under one block"
+"""Why a session whose prompt fills no KV block gets no decision: nothing of it is cached
+(vLLM caches full blocks only), so the idle reaper has nothing to hold or release."""
 REAPER_OFF_REASON = "the idle reaper is off (residency.reaper): the engine's LRU decides"
 Index = Callable[[SessionState], Mapping[str, Mapping[WorkerId, int]]]
 """The session's prefix as the KV index holds it now: tier ("gpu", "host") -> worker ->
@@ -130,5 +135,16 @@ class SessionKv:
             return None, REAPER_OFF_REASON
         decided = self._reaper.decision_of(session)
         if decided is None:
-            return None, NO_DECISION_REASON
+            return None, undecided_reason(session)
         return decided.action.value, decided.reason
+
+
+def undecided_reason(session: SessionState) -> str:
+    """Why the idle reaper has no decision on the session: a turn is in flight, its prompt
+    is under one block (it never will have one), or none has ended yet."""
+    if session.in_flight:
+        return IN_FLIGHT_REASON
+    chain = session.chain
+    if chain is not None and not prefix_tokens(session):
+        return f"{UNDER_ONE_BLOCK} ({len(session.token_ids):,} of {chain.block_size} tokens)"
+    return NO_DECISION_REASON

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from appliance.gpu.simulated import SimulatedGpu
 from appliance.policy.routing import RouteKind
 from appliance.services.session_kv import NO_DECISION_REASON
 
@@ -27,6 +28,7 @@ SIM_DRIVER = "simulated (the sim engine's GPU model; not measured)"
 SIM_HBM_BYTES = 150_754_820_096  # the bundled H200 profile's memory
 SIM_BASELINE_BYTES = 16_061_374_136  # weights and runtime of its model
 SIM_KV_POOL_BYTES = 122_633_060_352
+SIM_GPU = SimulatedGpu("NVIDIA H200 sim", SIM_HBM_BYTES, SIM_BASELINE_BYTES, SIM_KV_POOL_BYTES)
 
 
 def make_state(
@@ -88,17 +90,7 @@ def make_state(
         for w in ws:
             w["gpus"] = []
         gs = [
-            {
-                "index": i,
-                "name": "NVIDIA H200 sim",
-                "mem_total_bytes": SIM_HBM_BYTES,
-                "mem_used_bytes": SIM_BASELINE_BYTES + round(w["kv_usage"] * SIM_KV_POOL_BYTES),
-                "util": w["running"] / (w["running"] + 1),
-                "temp_c": 40.0,
-                "power_w": 100.0,
-                "kv_bytes": round(w["kv_usage"] * SIM_KV_POOL_BYTES),
-            }
-            for i, w in enumerate(ws)
+            sim_gpu(i, w["kv_usage"], w["running"] / (w["running"] + 1)) for i, w in enumerate(ws)
         ]
     n_tasks = n_tasks if n_tasks is not None else max(1, n_sessions // 2)
     tasks: list[dict[str, Any]] = []
@@ -153,6 +145,22 @@ def make_state(
         "costs": {},
         "admission": {},
         "routing": {RouteKind.PREFIX_RESIDENT: 40 + tick, RouteKind.LEAST_TTFT: 9},
+    }
+
+
+def sim_gpu(index: int, kv_usage: float, util: float) -> dict[str, Any]:
+    """A simulated GPU as the sim engine's model reads it after a long while at this load:
+    its power at `util`, its temperature settled there (appliance/gpu/simulated.py)."""
+    power = SIM_GPU.power_w(util)
+    return {
+        "index": index,
+        "name": SIM_GPU.name,
+        "mem_total_bytes": SIM_HBM_BYTES,
+        "mem_used_bytes": SIM_BASELINE_BYTES + round(kv_usage * SIM_KV_POOL_BYTES),
+        "util": util,
+        "temp_c": round(SIM_GPU.steady_temp_c(power), 1),
+        "power_w": round(power, 1),
+        "kv_bytes": round(kv_usage * SIM_KV_POOL_BYTES),
     }
 
 

@@ -522,8 +522,9 @@ async def test_a_banner_before_any_snapshot_and_a_refused_key() -> None:
     try:
         app = console(fake.url, key="sk-not-an-operator")
         async with app.run_test(size=(120, 30)) as pilot:
-            await until_text(pilot, "connection lost: 401 Unauthorized: missing or unknown API key")
-            assert "no snapshot yet" in " ".join(screen_text(app).split())
+            await until_text(pilot, "key refused: 401 Unauthorized: missing or unknown API key")
+            text = " ".join(screen_text(app).split())
+            assert "not retrying: r tries again · no snapshot yet" in text
             assert app.state is None
     finally:
         fake.down()

@@ -14,11 +14,14 @@ from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state
 from tui.client import (
     Backoff,
     BadPayload,
+    KeyRefused,
+    KeySource,
     Lost,
     Poller,
     Refused,
     StateClient,
     Unreachable,
+    console_key,
     fetch_state,
     find_admin_key,
     resolve_api_key,
@@ -232,6 +235,27 @@ def test_the_admin_key_comes_from_the_data_dir(tmp_path: Path) -> None:
     assert resolve_api_key(None, tmp_path) == "sk-admin-2"
     (tmp_path / "api-keys.toml").write_text("not toml [")
     assert find_admin_key(tmp_path) is None
+
+
+def test_a_refused_key_names_its_name_and_data_dir_never_the_key(
+    fake: FakeAppliance, tmp_path: Path
+) -> None:
+    (tmp_path / "api-keys.toml").write_text('[keys.ops]\nkey = "sk-stale"\nadmin = true\n')
+    found = console_key(None, tmp_path)
+    assert found == ("sk-stale", KeySource("ops", tmp_path))
+    with pytest.raises(KeyRefused) as refused:
+        fetch_state(fake.url, found[0], key_source=found[1])
+    said = refused.value.message
+    assert said.startswith("401 Unauthorized: missing or unknown API key. Used operator key")
+    assert f'"ops" from {tmp_path}/api-keys.toml (data dir {tmp_path})' in said
+    assert "sk-stale" not in said and refused.value.status == 401
+    fake.routes[("GET", "/admin/v1/state")] = json_reply(
+        403, {"error": {"message": "not an operator key", "code": "not_admin"}}
+    )
+    with pytest.raises(KeyRefused, match="it is not an operator key") as given:
+        fetch_state(fake.url, ADMIN_KEY, key_source=console_key(ADMIN_KEY, None)[1])  # type: ignore[index]
+    assert "Used the key given with --key" in given.value.message
+    assert "appliance keys add NAME --admin" in given.value.message
 
 
 def test_the_admin_key_follows_the_data_dir_env(

@@ -30,7 +30,7 @@ import pytest
 
 from appliance.api.schemas import AdminStateView
 from appliance.ledger import open_reader
-from tests.running import BIN, add_key, appliance_process
+from tests.running import BIN, add_key, appliance_process, eventually
 from tests.tui.test_schemas import unknown_keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -201,6 +201,15 @@ GPU_LINE = re.compile(
 )
 
 
+WORKER_KV = re.compile(r"^\s*(w\d)\s+sim\s+awake\s+\d+\s+\d+\s+[█░]+\s+(\S+)\s+(\S+)\s")
+
+
+def worker_kv(screen: str) -> dict[str, tuple[str, str]]:
+    """Each awake worker's KV use and KV tokens, as the Overview shows them."""
+    found = (WORKER_KV.match(line) for line in screen.splitlines())
+    return {m.group(1): (m.group(2), m.group(3)) for m in found if m}
+
+
 TURN_ROW = re.compile(r"^\s*[0-9a-f]{32}\s+\d\d:\d\d:\d\dZ\s+w[01]\s.*\sok\b", re.M)
 """A row of the session detail's turns: turn id, start, worker, ..., outcome ok."""
 
@@ -222,12 +231,26 @@ def test_top_in_a_real_terminal_under_agent_load(appliance: Appliance, terminal:
         )
         state = httpx.get(f"{appliance.url}/admin/v1/state", headers=ops, timeout=10).json()
         assert state["gpu_driver"].startswith("simulated") and len(state["gpus"]) == 2
+        # Each worker's KV pool is known (its /metrics' cache config), and the modelled GPUs
+        # draw more than idle power and warm up while the agents keep them busy.
+        assert all(w["kv_capacity_tokens"] > 0 for w in state["workers"]), state["workers"]
+        warm = eventually(
+            lambda: httpx.get(f"{appliance.url}/admin/v1/state", headers=ops, timeout=10).json(),
+            lambda s: any(g["power_w"] > 150 and g["temp_c"] > 40.5 for g in s["gpus"]),
+        )
+        assert any(g["power_w"] > 150 and g["temp_c"] > 40.5 for g in warm["gpus"]), warm["gpus"]
         assert "simulated by the sim engine's GPU model, not measured" in screen
         first = gpu_lines(screen)
         for bar, used, total, kv, _util in first.values():
             assert float(total) == round(state["gpus"][0]["mem_total_bytes"] / 2**30, 1)
             assert float(used) >= 1.0 and float(kv) <= float(used) < float(total)
             assert "▓" in bar and "░" in bar
+        # A worker's KV use counts what its GPU holds, cached blocks too: not 0 % between
+        # turns while its KV tokens grow.
+        screen = terminal.wait_for(
+            lambda s: any(tok != "0" for _, tok in worker_kv(s).values()), "KV on a worker"
+        )
+        assert all(use != "0%" for use, tok in worker_kv(screen).values() if tok != "0"), screen
         # The bars follow the agents' load: used memory, KV and utilisation move.
         terminal.wait_for(lambda s: gpu_lines(s) not in ({}, first), "the GPU bars to update")
         assert re.search(r"w0\s+\S+\s+awake", screen) and ("█" in screen or "░" in screen)

@@ -13,6 +13,8 @@ import pytest
 
 from appliance.domain.worker import LoadSnapshot
 from appliance.engines.metrics import LOAD_FAMILIES, cache_config, load_snapshot, parse
+from appliance.sim.engine_stats import EngineStats
+from appliance.sim.metrics import SimMetrics, cache_config_labels
 
 REAL = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 
@@ -55,6 +57,7 @@ def test_real_vllm_metrics_to_load_snapshot() -> None:
         prefill_count=3,
         prefill_fresh_tokens=1384,
         prefill_prompt_tokens=3720,
+        kv_capacity_tokens=127 * 32,  # 128 blocks of 32 tokens, less vLLM's null block
     )
     assert snap.prefix_hit_rate == pytest.approx(2336 / 3720)
     assert not snap.busy
@@ -82,6 +85,33 @@ def test_cache_config_names_the_block_size() -> None:
     assert config["block_size"] == "32"
     assert config["enable_prefix_caching"] == "True"
     assert config["prefix_caching_hash_algo"] == "sha256_cbor"
+
+
+def test_the_kv_pools_size_is_read_from_the_cache_config_the_simulator_exposes_too() -> None:
+    labels = cache_config_labels(
+        block_size=16,
+        num_gpu_blocks=1001,
+        max_model_len=4096,
+        hash_algo="sha256_cbor",
+        kv_cache_memory_bytes=None,
+    )
+    sim = SimMetrics(model_name="m", max_model_len=4096, cache_config=labels)
+    stats = EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        prompt_tokens_total=0,
+        prompt_tokens_by_source={},
+        generation_tokens_total=0,
+        num_preemptions_total=0,
+        request_success_total={},
+    )
+    assert load_snapshot(sim.render(stats), now=0.0).kv_capacity_tokens == 1000 * 16
+    assert load_snapshot(DP2, now=0.0).kv_capacity_tokens is None  # not said: not known
+    odd = 'vllm:cache_config_info{block_size="None",num_gpu_blocks="8"} 1.0\n'
+    assert load_snapshot(odd, now=0.0).kv_capacity_tokens is None
 
 
 DP2 = """

@@ -176,15 +176,18 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
         "s1",
         home=WorkerId("w1"),
         turns=3,
-        resident_tokens={WorkerId("w1"): 2048},
+        resident_tokens={WorkerId("w1"): 2048},  # predicted at its last placement
     )
+    setup.held["s1"] = {"gpu": {WorkerId("w1"): 1536, WorkerId("w0"): 512}, "host": {}}
+    shown = setup.http.get("/admin/v1/sessions/s1", headers=OPS).json()["session"]
+    assert shown["resident_tokens"]["gpu"] == 1536  # what the state shows: the KV index's
     r = setup.http.post("/admin/v1/sessions/s1/release?tenant=acme", headers=OPS)
     assert r.status_code == 200, r.text
     assert r.json() == {
         "session_id": "s1",
         "tenant": "acme",
-        "released_tokens": 2048,
-        "released_bytes": 2048 * KV_BYTES_PER_TOKEN,
+        "released_tokens": 1536,  # the same figure, not the placement's prediction
+        "released_bytes": shown["resident_bytes"]["gpu"],
         "decision": "released",
         "reason": "released by operator",
     }
@@ -193,11 +196,12 @@ def test_release_records_the_decision_the_ledger_row_and_the_event(setup: Setup)
         "acme/s1",
         "w1",
         "release",
-        2048,
+        1536,
         130.0,
     )
     (event,) = setup.feed.recent()
     assert (event["kind"], event["subject"], event["tenant"]) == ("release", "s1", "acme")
+    assert "1,536 tokens held on w1" in event["detail"]
     kv = SessionKv(lambda s: {}, setup.releases)
     shown = session_view(session, 130.0, KV_BYTES_PER_TOKEN, kv.now(session))
     assert (shown.decision, shown.reason) == ("released", "released by operator")

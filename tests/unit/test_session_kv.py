@@ -7,8 +7,15 @@ from __future__ import annotations
 import pytest
 
 from appliance.api.admin_sessions import residency_rows
+from appliance.domain.records import SessionId, TenantId
 from appliance.domain.retention import RetainedKv
-from appliance.services.session_kv import REAPER_OFF_REASON, SessionKv, WorkerKv
+from appliance.services.session_kv import (
+    IN_FLIGHT_REASON,
+    NO_DECISION_REASON,
+    REAPER_OFF_REASON,
+    SessionKv,
+    WorkerKv,
+)
 from tests.unit.test_reaper_loop import PROMPT, W0, W1, Setup, build
 
 
@@ -45,3 +52,18 @@ def test_the_state_shows_the_prefix_by_tier_and_the_reapers_decision(s: Setup) -
 def test_without_the_reaper_the_state_says_so() -> None:
     kv = SessionKv(lambda x: {})
     assert kv.status() == {"reaper": False, "retention": False, "note": REAPER_OFF_REASON}
+
+
+def test_a_session_without_a_decision_says_why(s: Setup) -> None:
+    kv = SessionKv(lambda x: {"gpu": {W0: 0}}, None, s.loop)
+    short = s.table.open(TenantId("acme"), SessionId("short"), s.clock.t)
+    assert kv.now(short).reason == NO_DECISION_REASON  # no turn yet
+    s.table.hash_prompt(short, list(range(100, 105)), "salt")  # 5 tokens: no full block
+    s.table.began(short, s.clock.t)
+    assert (kv.now(short).decision, kv.now(short).reason) == (None, IN_FLIGHT_REASON)
+    short.home = W0
+    s.table.ended(short, s.clock.t)
+    assert s.loop.decision_of(short) is None  # the reaper never decides on it
+    now = kv.now(short)
+    assert now.decision is None
+    assert now.reason == "nothing cached: prompt under one block (5 of 16 tokens)"

@@ -11,8 +11,15 @@ from appliance.daemon import gpu_probe, simulated_gpu
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.gpu.nvml import NvmlProbe
-from appliance.gpu.simulated import DRIVER, SimulatedGpu, SimulatedGpuProbe
+from appliance.gpu.simulated import (
+    DRIVER,
+    FULL_LOAD_TEMP_C,
+    IDLE_TEMP_C,
+    SimulatedGpu,
+    SimulatedGpuProbe,
+)
 from appliance.perf.profile import bundled_profile
+from appliance.services.gpu_meter import GpuTime
 from appliance.settings import EngineKind
 
 GPU = SimulatedGpu(
@@ -113,3 +120,64 @@ def test_the_sim_engine_gets_the_simulated_probe_and_others_nvml() -> None:
     assert isinstance(gpu_probe(EngineKind.SIM, profile, 32, lambda: []), SimulatedGpuProbe)
     for kind in (EngineKind.VLLM, EngineKind.EXTERNAL):
         assert isinstance(gpu_probe(kind, profile, 32, lambda: []), NvmlProbe)
+
+
+@dataclass
+class Meter:
+    """The router's GPU meter as the probe reads it: awake and busy seconds per worker."""
+
+    seconds: dict[str, tuple[float, float]]
+
+    def reading(self, worker: WorkerId) -> GpuTime:
+        awake, busy = self.seconds[worker]
+        return GpuTime(awake_s=awake, busy_s=busy)
+
+
+def test_power_and_temperature_follow_the_busy_share_with_a_lag() -> None:
+    workers = [Worker(WorkerId("w0"), load=load(0.1, 1)), Worker(WorkerId("w1"), load=load(0, 0))]
+    now = [0.0]
+    meter = Meter({"w0": (0.0, 0.0), "w1": (0.0, 0.0)})
+    probe = SimulatedGpuProbe(GPU, lambda: workers, meter=meter, clock=lambda: now[0])
+    first = probe.snapshot().gpus  # no busy share yet: w0 runs one request, half busy
+    assert [(g.temp_c, g.power_w) for g in first] == [(IDLE_TEMP_C, 400.0), (IDLE_TEMP_C, 100.0)]
+    temps = []
+    for step in range(1, 241):  # two minutes, a reading each half second
+        now[0] = step * 0.5
+        meter.seconds = {"w0": (now[0], now[0]), "w1": (now[0], 0.0)}  # w0 busy, w1 idle
+        busy, idle = probe.snapshot().gpus
+        temps.append(busy.temp_c)
+        assert (busy.util, busy.power_w) == (1.0, GPU.tdp_w) and idle.util == 0.0
+        assert (idle.power_w, idle.temp_c) == (GPU.idle_w, IDLE_TEMP_C)
+    assert temps == sorted(temps) and temps[0] < IDLE_TEMP_C + 1  # no jump: a lag
+    after_30s = temps[59]
+    assert after_30s == pytest.approx(IDLE_TEMP_C + (FULL_LOAD_TEMP_C - IDLE_TEMP_C) * 0.632, 0.01)
+    assert temps[-1] == pytest.approx(FULL_LOAD_TEMP_C, abs=1.0)
+    half = {"w0": (now[0] + 10.0, now[0] + 5.0), "w1": (now[0] + 10.0, 0.0)}
+    meter.seconds, now[0] = half, now[0] + 10.0  # half busy for ten seconds: it cools some
+    cooling = probe.snapshot().gpus[0]
+    assert cooling.util == 0.5 and cooling.power_w == 400.0
+    assert GPU.steady_temp_c(400.0) < cooling.temp_c < temps[-1]  # type: ignore[operator]
+
+
+def test_a_down_worker_reads_no_power_or_temperature_and_its_gpu_cools() -> None:
+    worker = Worker(WorkerId("w0"), load=load(0.1, 3))
+    now = [0.0]
+    probe = SimulatedGpuProbe(GPU, lambda: [worker], clock=lambda: now[0])
+    for step in range(1, 200):
+        now[0] = step * 1.0
+        hot = probe.snapshot().gpus[0].temp_c
+    assert hot is not None and hot > 60
+    worker.healthy = False
+    now[0] += 300.0
+    down = probe.snapshot().gpus[0]
+    assert (down.temp_c, down.power_w, down.util) == (None, None, 0.0)
+    worker.healthy = True
+    now[0] += 0.5
+    assert probe.snapshot().gpus[0].temp_c == pytest.approx(IDLE_TEMP_C, abs=0.5)
+
+
+def test_the_profiles_gpu_draws_from_idle_to_its_tdp() -> None:
+    gpu = simulated_gpu(bundled_profile(), block_size=32)
+    assert "H200" in gpu.name and (gpu.idle_w, gpu.tdp_w) == (100.0, 700.0)
+    assert (gpu.power_w(0.0), gpu.power_w(1.0), gpu.power_w(2.0)) == (100.0, 700.0, 700.0)
+    assert (gpu.steady_temp_c(100.0), gpu.steady_temp_c(700.0)) == (40.0, 75.0)

@@ -70,3 +70,7 @@ class StateScreen(Screen[None]):
 
     def update_body(self, state: AdminState) -> None:
         """Draw `state`; subclasses fill their widgets."""
+
+    def session_released(self, session_id: str) -> None:
+        """The appliance released this session's KV; a screen that shows more of it than
+        the snapshot reads it again."""

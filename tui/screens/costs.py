@@ -1,4 +1,5 @@
-"""Costs: cost per successful task by task class and tenant, and a small chart over time."""
+"""Costs: cost per successful task by task class and tenant, the workers' GPU-seconds, and a
+chart of cost per success over time with its scale (tui/widgets/chart.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.widgets import Sparkline, Static
+from textual.widgets import Static
 
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.state import AdminState, Costs, WorkerState
+from tui.widgets.chart import CostChart
 
 NOT_REPORTED = (
     "This appliance does not report costs in its state yet. "
@@ -69,7 +71,7 @@ class CostsScreen(StateScreen):
             yield Static(id="gpu-time")
             yield Static("Over time (cost per success)", classes="section")
             yield Static(id="cost-chart-caption", classes="status")
-            yield Sparkline([], id="cost-chart")
+            yield CostChart(id="cost-chart")
 
     def update_body(self, state: AdminState) -> None:
         costs = state.costs
@@ -77,7 +79,7 @@ class CostsScreen(StateScreen):
         self.query_one("#gpu-time", Static).update(gpu_time_line(state.workers))
         series = [p.cost_per_success for p in costs.series or () if p.cost_per_success is not None]
         caption = self.query_one("#cost-chart-caption", Static)
-        chart = self.query_one(Sparkline)
+        chart = self.query_one(CostChart)
         chart.display = bool(series)
         if not series:
             caption.update(
@@ -91,4 +93,4 @@ class CostsScreen(StateScreen):
             f"{fmt.clock(points[0].window_start)} to {fmt.clock(points[-1].window_start)}"
             f" · {points[-1].succeeded:,} successes"
         )
-        chart.data = series
+        chart.show(points, costs.currency)

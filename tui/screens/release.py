@@ -1,5 +1,6 @@
 """Releasing a session's KV from the console: asked first, from the Sessions table or a
-session's detail."""
+session's detail. The dialog's figure is the snapshot's (the session's prefix on a GPU, the
+KV index's), the one the appliance's answer reports too."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ from tui.state import SessionState
 
 def confirm_release(screen: StateScreen, session: SessionState) -> None:
     """Ask, then release: the app sends the request and shows the appliance's answer."""
+    tiers = session.resident_tokens
+    held = (
+        f", {fmt.num(tiers.gpu_held)} of them held until {fmt.clock(session.held_until)}"
+        if tiers.gpu_held
+        else ""
+    )
     question = (
         f"Release the KV cache held by session {session.id} "
-        f"(tenant {session.tenant}, {fmt.tokens(session.resident_tokens.gpu)} tokens / "
-        f"{fmt.size(session.resident_bytes.gpu)} on GPU)?\n\n"
+        f"(tenant {session.tenant}, {fmt.num(tiers.gpu)} tokens / "
+        f"{fmt.size(session.resident_bytes.gpu)} on GPU{held})?\n\n"
         "Its next turn will prefill its context again."
     )
 

@@ -1,8 +1,11 @@
 """One session: what it holds where, its task and tool wait, the reaper's decision, its turns.
 
 The fields come from each snapshot; its residency per worker and its turns from
-`GET /admin/v1/sessions/{id}?tenant=T`, fetched when the screen opens and on `t`. An
-appliance without that route says so in place.
+`GET /admin/v1/sessions/{id}?tenant=T`, fetched when the screen opens, on `t` and after a
+release. The residency follows the snapshots: when the session's figures in a snapshot
+differ from those the residency was read with (a release, a hold that lapsed, a turn), it is
+read again, so the table never contradicts the fields above it. An appliance without that
+route says so in place.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from tui import format as fmt
 from tui.client import ConsoleError
 from tui.screens.base import StateScreen
 from tui.screens.release import confirm_release
-from tui.state import AdminState, SessionState
+from tui.state import AdminState, SessionState, Tiers
 
 
 def session_fields(s: SessionState, tasks: dict[str, str]) -> Table:
@@ -122,6 +125,8 @@ class SessionDetailScreen(StateScreen):
         self.tenant = tenant
         """None: the one tenant that has a session of this id."""
         self.session: SessionState | None = None
+        self._read_at: Tiers | None = None
+        """The session's figures the residency table was read with."""
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="detail"):
@@ -153,6 +158,31 @@ class SessionDetailScreen(StateScreen):
             return
         task_status = {t.id: t.status for t in state.tasks}
         fields.update(session_fields(found, task_status))
+        if self._read_at is not None and found.resident_tokens != self._read_at:
+            self._read_at = None  # read once more, until the answer is in
+            self.load_residency()
+
+    def session_released(self, session_id: str) -> None:
+        if session_id == self.session_id:
+            self.load_turns()
+
+    def _read(self, detail: SessionDetail | None) -> None:
+        """The residency was read (None: could not be): with the figures it says, else
+        with the snapshot's."""
+        shown = self.session.resident_tokens if self.session is not None else Tiers()
+        said = detail.session if detail is not None else None
+        self._read_at = Tiers(**said.resident_tokens.model_dump()) if said else shown
+
+    @work(exclusive=True, group="residency")
+    async def load_residency(self) -> None:
+        """The residency again (with the fewest turns the route gives)."""
+        try:
+            detail = await self.console.client.session_detail(self.session_id, self.tenant, 1)
+        except ConsoleError:
+            self._read(None)
+            return
+        self._read(detail)
+        self.query_one("#residency", Static).update(residency_table(detail.residency))
 
     @work(exclusive=True, group="turns")
     async def load_turns(self) -> None:
@@ -161,6 +191,7 @@ class SessionDetailScreen(StateScreen):
         try:
             detail = await self.console.client.session_detail(self.session_id, self.tenant)
         except ConsoleError as exc:
+            self._read(None)
             residency.update(Text("-", style="dim"))
             lines = [
                 Text("The appliance did not give this session's turns:", style="dim"),
@@ -175,6 +206,7 @@ class SessionDetailScreen(StateScreen):
                 )
             target.update(Group(*lines))
             return
+        self._read(detail)
         residency.update(residency_table(detail.residency))
         target.update(turns_table(detail))
 

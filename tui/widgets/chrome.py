@@ -59,7 +59,8 @@ class TopBar(Widget):
 
 class Banner(Widget):
     """Hidden while the appliance answers; otherwise says what is wrong and when the console
-    tries again, and that what is on screen is the last snapshot it got."""
+    tries again (a refused key: that it does not, until `r`), and that what is on screen is
+    the last snapshot it got."""
 
     DEFAULT_CSS = """
     Banner { height: auto; display: none; padding: 0 1; }
@@ -92,6 +93,10 @@ class Banner(Widget):
                 if held is not None
                 else "no snapshot yet"
             )
+            if not link.retrying:
+                return Text(
+                    f"⚠ key refused: {link.message} · not retrying: r tries again · {shown}"
+                )
             return Text(
                 f"⚠ connection lost: {link.message} · retry {link.attempt} in "
                 f"{link.retry_in_s:.1f}s · {shown}"

@@ -105,9 +105,10 @@ def worker_state_cell(w: WorkerState, *, wide: bool = True) -> Text:
 
 class WorkersPanel(Panel):
     """Per worker: its state (awake, draining, down, asleep, stopped, waking), running/waiting,
-    KV use (vLLM's: requests and holds), the KV on its GPU in tokens (every block that holds
-    anything, cached ones too: what the sessions' resident tokens add up to; when the
-    appliance reports it), prefix hit rate, restarts; when wide, its measured prefill time
+    KV use (the share of its KV pool that holds KV, cached blocks included: `fmt.kv_fill`),
+    the KV on its GPU in tokens (every block that holds anything, cached ones too: what the
+    sessions' resident tokens add up to; when the appliance reports it), prefix hit rate,
+    restarts; when wide, its measured prefill time
     against the GPU profile's, a sleeping worker's level (asleep L1 or L2), its latest wake's
     seconds, and its URL."""
 
@@ -136,7 +137,8 @@ class WorkersPanel(Panel):
             table.add_column("wake", justify="right", no_wrap=True)
             table.add_column("url", style="dim", no_wrap=True)
         for w in state.workers:
-            kv = fill_bar(10, w.kv_usage) + Text(f" {fmt.pct(w.kv_usage):>4}")
+            used = fmt.kv_fill(w.kv_usage, w.kv_tokens, w.kv_capacity_tokens)
+            kv = fill_bar(10, used) + Text(f" {fmt.fine_pct(used):>4}")
             cells: list[RenderableType] = [
                 w.id,
                 fmt.text(w.engine),
