@@ -9,6 +9,16 @@ cannot have done yet, taking the requests one after the other at the cost model'
 scaled by the worker's measured slowdown: a non-streamed answer shows no first token, and
 counting its prefill until the whole answer is back would count its decode as queue.
 
+A streamed attempt past its estimate with no first byte yet is still in its prefill (it
+shares the worker's steps with others' decodes, waits for blocks, or the estimate was
+short): it counts as needing as long again as it has overrun, up to its estimate. Letting
+it lapse made a worker with a 115k-token cold prefill 27 s in (10 s estimated, 36 s taken)
+look idle, and short turns sent there waited 9 s for a first token (the Mooncake replay's
+slowest requests under the same router, whatever the residency). A non-streamed attempt
+shows its first byte only at its end, so it counts only up to its estimate. An attempt
+past its estimate is not taken for one of those a reading reports waiting (below): one
+still waiting then counts at the worker's mean prefill too.
+
 A worker does not always take its requests as fast as that: one whose KV cache is full
 admits a waiting request only when running ones end and free their blocks, so requests the
 book counts as done long ago can still be waiting there. The worker's reading says how many
@@ -66,8 +76,9 @@ class QueueBook:
         # Failed attempts per worker in the last FAILURE_WINDOW_S, oldest first.
         self._failures: dict[WorkerId, deque[float]] = {}
         # Prefill work sent to each worker whose first byte has not come back yet: its
-        # estimated seconds, when the worker should be done with it and when it was sent.
-        self._pending: dict[WorkerId, dict[TurnId, tuple[float, float, float]]] = {}
+        # estimated seconds, when the worker should be done with it, when it was sent and
+        # whether it streams (its first byte will be seen).
+        self._pending: dict[WorkerId, dict[TurnId, tuple[float, float, float, bool]]] = {}
         # When the router's attempts at each worker left its waiting queue, as far as the
         # router can tell (first byte, or the end before one), oldest first.
         self._left: dict[WorkerId, deque[float]] = {}
@@ -75,10 +86,18 @@ class QueueBook:
 
     # --- what the router reports -----------------------------------------------------
 
-    def sent(self, worker: WorkerId, turn: TurnId, prefill_s: float, started_at: float) -> None:
+    def sent(
+        self,
+        worker: WorkerId,
+        turn: TurnId,
+        prefill_s: float,
+        started_at: float,
+        *,
+        streamed: bool = True,
+    ) -> None:
         """An attempt left for `worker`, with `prefill_s` of estimated prefill."""
         done_by = started_at + self.routed_s(worker, started_at) + prefill_s
-        self._pending.setdefault(worker, {})[turn] = (prefill_s, done_by, started_at)
+        self._pending.setdefault(worker, {})[turn] = (prefill_s, done_by, started_at, streamed)
         self.spans.began(worker, turn, started_at)
         self._mean_prefill_s += MEAN_PREFILL_WEIGHT * (prefill_s - self._mean_prefill_s)
 
@@ -133,12 +152,15 @@ class QueueBook:
         pending = self._pending.get(worker)
         if not pending:
             return 0.0
-        return sum(min(est, done_by - now) for est, done_by, _ in pending.values() if done_by > now)
+        return sum(
+            _left_s(est, done_by, now, streamed) for est, done_by, _, streamed in pending.values()
+        )
 
     def _counted(self, worker: WorkerId, sent_by: float, now: float) -> int:
-        """The router's attempts at `worker` sent by `sent_by` that `routed_s` still counts."""
+        """The router's attempts at `worker` sent by `sent_by` that `routed_s` counts within
+        their estimate (one past it, if the worker reports it waiting, counts again)."""
         pending = self._pending.get(worker, {}).values()
-        return sum(1 for _, done_by, sent in pending if done_by > now and sent <= sent_by)
+        return sum(1 for _, done_by, sent, _ in pending if done_by > now and sent <= sent_by)
 
     def _left_queue(self, worker: WorkerId, turn: TurnId) -> None:
         if self._pending.get(worker, {}).pop(turn, None) is None:
@@ -167,3 +189,10 @@ class QueueBook:
         while seen and seen[0] < horizon:
             seen.popleft()
         return len(seen)
+
+
+def _left_s(est: float, done_by: float, now: float, streamed: bool) -> float:
+    """The prefill seconds an attempt may still have ahead of it (the module docstring)."""
+    if done_by > now:
+        return min(est, done_by - now)
+    return min(est, now - done_by) if streamed else 0.0

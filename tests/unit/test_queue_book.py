@@ -141,7 +141,7 @@ def test_the_routers_own_request_still_waiting_past_its_estimate_is_load() -> No
     # A worker whose KV cache is full holds a request back until running ones end: long
     # after the book's estimate of its prefill ran out, the worker still reports it waiting.
     book, clock, w0 = book_and_worker()
-    book.sent(w0.id, TurnId("a"), 0.1, 100.0)
+    book.sent(w0.id, TurnId("a"), 0.1, 100.0, streamed=False)
     clock.t = 102.0
     assert book.queue_s(w0) == 0.0  # no reading: the book alone thinks it done
     w0.load = reading(102.0, waiting=1)
@@ -187,3 +187,23 @@ def test_a_waiting_request_counts_at_the_workers_mean_fresh_prefill_once_one_fin
     )  # fmt: skip
     # 2 x (100 fresh tokens x 1 ms + 900 cached x 0.1 ms)
     assert book.queue_s(w0) == pytest.approx(0.38)
+
+
+def test_a_streamed_attempt_past_its_estimate_counts_until_its_first_byte() -> None:
+    """A streamed attempt with no first byte past its estimate is still prefilling: as long
+    again as it has overrun, up to its estimate; a non-streamed one (no first byte until
+    its end) lapses at its estimate."""
+    clock = ManualClock(100.0)
+    book = QueueBook(LinearCost(), clock)
+    w0, w1 = WorkerId("w0"), WorkerId("w1")
+    book.sent(w0, TurnId("long"), 10.0, 100.0)
+    book.sent(w1, TurnId("whole"), 10.0, 100.0, streamed=False)
+    clock.t = 104.0
+    assert book.routed_s(w0, clock.t) == pytest.approx(6.0) == book.routed_s(w1, clock.t)
+    clock.t = 113.0  # 3 s over its estimate
+    assert book.routed_s(w0, clock.t) == pytest.approx(3.0)
+    assert book.routed_s(w1, clock.t) == 0.0
+    clock.t = 150.0
+    assert book.routed_s(w0, clock.t) == pytest.approx(10.0)  # at most its estimate
+    book.first_byte(w0, TurnId("long"))
+    assert book.routed_s(w0, clock.t) == 0.0

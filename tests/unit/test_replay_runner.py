@@ -197,7 +197,9 @@ def test_the_appliance_router_estimates_queues_with_the_live_queue_book() -> Non
     one = latency.prefill_s(4096, 0)
     assert router.queues.routed_s(w0, 0.0) == pytest.approx(one)
     assert router.queues.routed_s(w0, one / 2) == pytest.approx(one / 2)
-    assert router.queues.routed_s(w0, one * 2) == 0.0  # done by now, first token or not
+    # Past its estimate with no first token: still prefilling, as long again as it overran.
+    assert router.queues.routed_s(w0, one * 1.5) == pytest.approx(one / 2)
+    assert router.queues.routed_s(w0, one * 3) == pytest.approx(one)  # at most its estimate
     router.queues.first_byte(w0, TurnId("a"))
     assert router.queues.routed_s(w0, 0.0) == 0.0
 
