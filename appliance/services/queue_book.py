@@ -15,9 +15,10 @@ short): it counts as needing as long again as it has overrun, up to its estimate
 it lapse made a worker with a 115k-token cold prefill 27 s in (10 s estimated, 36 s taken)
 look idle, and short turns sent there waited 9 s for a first token (the Mooncake replay's
 slowest requests under the same router, whatever the residency). A non-streamed attempt
-shows its first byte only at its end, so it counts only up to its estimate. An attempt
-past its estimate is not taken for one of those a reading reports waiting (below): one
-still waiting then counts at the worker's mean prefill too.
+shows its first byte only at its end, so it counts only up to its estimate. (Counting an
+overdue one once more at the worker's mean prefill when a reading shows it waiting, as
+below, took the recorded agent sessions' TTFT p95 back from 1.39 to 1.58 s: the book's
+own figure for it is the better one.)
 
 A worker does not always take its requests as fast as that: one whose KV cache is full
 admits a waiting request only when running ones end and free their blocks, so requests the
@@ -157,10 +158,13 @@ class QueueBook:
         )
 
     def _counted(self, worker: WorkerId, sent_by: float, now: float) -> int:
-        """The router's attempts at `worker` sent by `sent_by` that `routed_s` counts within
-        their estimate (one past it, if the worker reports it waiting, counts again)."""
+        """The router's attempts at `worker` sent by `sent_by` that `routed_s` still counts."""
         pending = self._pending.get(worker, {}).values()
-        return sum(1 for _, done_by, sent, _ in pending if done_by > now and sent <= sent_by)
+        return sum(
+            1
+            for est, done_by, sent, streamed in pending
+            if sent <= sent_by and _left_s(est, done_by, now, streamed) > 0
+        )
 
     def _left_queue(self, worker: WorkerId, turn: TurnId) -> None:
         if self._pending.get(worker, {}).pop(turn, None) is None:
