@@ -198,6 +198,7 @@ async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: L
     refreshed = asyncio.Event()
     async with asyncio.TaskGroup() as group:
         loops = [group.create_task(_refresh(engines, wired, clock, ledger, refreshed))]
+        loops.append(group.create_task(wired.usage.run()))  # its last period at the stop
         if wired.reaper is not None:
             loops.append(group.create_task(run_reaper(wired.reaper)))
         if wired.power is not None:
@@ -293,17 +294,8 @@ def _open_ledger(settings: Settings) -> LedgerWriter:
 
 
 def configured_price(settings: Settings, effective_from: float) -> Price:
-    c = settings.costs
-    return Price(
-        mode=CostMode(c.mode),
-        effective_from=effective_from,
-        currency=c.currency,
-        fresh_per_mtok=c.fresh_per_mtok,
-        cached_per_mtok=c.cached_per_mtok,
-        output_per_mtok=c.output_per_mtok,
-        reasoning_per_mtok=c.reasoning_per_mtok,
-        gpu_second=c.gpu_second,
-    )
+    c = settings.costs  # every `costs.*` key is the price's but the mode
+    return Price(CostMode(c.mode), effective_from, **c.model_dump(exclude={"mode"}))
 
 
 async def _started(
@@ -334,7 +326,7 @@ async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: Le
                 ledger.probe()
             watch.observe(engines.workers, clock.now())
             wired.speeds.observe(engines.workers)
-            wired.gpu.reading = await asyncio.to_thread(wired.gpu.probe.snapshot)
+            wired.gpu.take(await asyncio.to_thread(wired.gpu.probe.snapshot))  # and energy
         except Exception:
             log.exception("refreshing worker and GPU readings failed")
         refreshed.set()

@@ -210,6 +210,10 @@ class LedgerSettings(Section):
     """SQLite synchronous mode: full survives power loss, normal survives a process crash."""
     busy_timeout_s: float = Field(5.0, gt=0)
     """How long a connection waits on a lock before it reports the ledger busy."""
+    usage_period_s: float = Field(60.0, ge=0.5, le=3600)
+    """Seconds of each usage period the router records (its workers' awake and busy
+    GPU-seconds and energy, the box's overhead): one row per worker per period, and what a
+    crash can lose of them."""
 
 
 class CostSettings(Section):
@@ -227,7 +231,14 @@ class CostSettings(Section):
     """Price of one million reasoning tokens (a part of the output tokens, priced at this
     rate instead of the output price), tokens mode."""
     gpu_second: float = Field(0.0011, ge=0)
-    """Price of one GPU-second, gpu_seconds mode (about 4 USD per GPU-hour)."""
+    """Price of one GPU-second, gpu_seconds mode (about 4 USD per GPU-hour): busy ones are
+    the turns', idle awake ones the box's overhead, spread over the work."""
+    energy_per_kwh: float = Field(0.0, ge=0)
+    """Price of one kWh the workers' GPUs drew (NVML's power readings, or the simulated
+    GPUs' model), gpu_seconds mode, charged as overhead; 0: gpu_second includes it."""
+    box_per_hour: float = Field(0.0, ge=0)
+    """Price of the box per hour the appliance runs (capacity bought: the hardware or the
+    reservation, asleep or awake), gpu_seconds mode, charged as overhead."""
 
 
 class AdmissionSettings(Section):

@@ -15,8 +15,8 @@ from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.app import ApiApp, create_api_app
 from appliance.api.auth import LOCAL, Caller, Keys
 from appliance.api.context import ApiContext
+from appliance.class_paces import finished_runs
 from appliance.domain.block_hash import BlockHasher, HashAlgo
-from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.worker import can_serve
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
@@ -46,6 +46,7 @@ from appliance.policy.worker_power import (
 from appliance.ports import Clock, GpuProbe, KvRetention, WorkerPowerSwitch
 from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.attempt_spans import AttemptSpans
+from appliance.services.box_usage import BoxUsage, EnergyMeter, GpuTick
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuMeter
@@ -73,14 +74,6 @@ RESTORE_WINDOW_S = 24 * 3600.0
 RESTORE_MAX = 10_000
 """A restart takes back the open tasks and the sessions active in the last day, the newest
 10,000 of each (appliance/ledger/restore.py)."""
-
-
-class GpuTick:
-    """The GPU probe's latest reading, taken by the refresh loop, read by the state."""
-
-    def __init__(self, probe: GpuProbe) -> None:
-        self.probe = probe
-        self.reading: GpuSnapshot = probe.snapshot()
 
 
 @dataclass
@@ -117,6 +110,8 @@ class Wiring:
     """The worker reaper (None: `reaper.worker_idle_s` unset, or no power switch)."""
     admission: AdmissionService
     """Its `limits` are replaced on a reload (`admission_limits`)."""
+    usage: BoxUsage
+    """The box's usage periods (the daemon runs it)."""
 
 
 def wire(
@@ -131,15 +126,17 @@ def wire(
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
 ) -> Wiring:
-    events, gpu = LoggedEventFeed(), GpuTick(probe)
+    events, gpu = LoggedEventFeed(), GpuTick(probe, EnergyMeter(engines.workers))
     speeds, queues = _measured_queues(cost := LatencyModel.from_profile(profile), clock)
     desk, admission, sessions, tasks = _turn_desk(
         settings, engines, ledger, feed, clock, cost, queues, events, secret
     )
     _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
+    desk.paces.warm(finished_runs(settings.ledger_path, since=clock.now() - RESTORE_WINDOW_S))
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
     desk.power = _worker_reaper(settings, engines, ledger, clock, desk, reaper, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
+    usage = BoxUsage(desk.records.meter, gpu.energy, ledger, clock, settings.ledger.usage_period_s)
     sources = StateSources(
         workers=lambda: [w.status() for w in engines.workers()],
         desk=desk,
@@ -154,6 +151,7 @@ def wire(
         admission=admission,
         wakes=desk.power.wake_seconds if desk.power is not None else None,
         kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
+        usage=usage,
     )
     app = create_api_app(
         ApiContext(
@@ -175,7 +173,7 @@ def wire(
             sessions_admin=_session_admin(settings.ledger_path, releases, kv),
         )
     )
-    return Wiring(app, desk, speeds, events, gpu, reaper, desk.power, admission)
+    return Wiring(app, desk, speeds, events, gpu, reaper, desk.power, admission, usage)
 
 
 def _session_admin(ledger_path: Path, releases: SessionReleases, kv: SessionKv) -> SessionAdmin:
@@ -344,7 +342,6 @@ def _turn_desk(
     archive = TaskHistory(settings.ledger_path)
     tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s, archive=archive)
     sessions = SessionTable(hasher)
-    tasks.on_done = sessions.forget_task
     records = TurnRecords(
         ledger,
         model=engines.served_name,
@@ -387,4 +384,5 @@ def _turn_desk(
         workers=engines.workers,
         admission=admission,
     )
+    tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)  # learns, ends sessions
     return desk, admission, sessions, tasks

@@ -223,7 +223,8 @@ def costs(
     data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Cost per successful task, read from a ledger file (read-only)."""
+    """Cost per successful task, read from a ledger file (read-only): per group the direct
+    cost, its share of the box's overhead (gpu_seconds mode) and their total."""
     if db is None:
         db = bootstrap.load_settings(config, data_dir=data_dir).ledger_path
     groups = tuple(g.strip() for g in by.split(",") if g.strip())
@@ -231,7 +232,27 @@ def costs(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
     else:
-        typer.echo(_table(rows))
+        typer.echo(_cost_table(rows))
+
+
+_COST_HIDDEN = ("overhead_idle", "overhead_energy", "overhead_box", "direct_cost_per_success")
+
+
+def _cost_table(rows: list[dict[str, object]]) -> str:
+    """The report's table, and the overhead's parts below it (`--json` has them by group)."""
+    shown = [{k: v for k, v in r.items() if k not in _COST_HIDDEN} for r in rows]
+    parts = [sum(_number(r.get(k)) for r in rows) for k in _COST_HIDDEN[:3]]
+    if not rows or not sum(parts):
+        return _table(shown)
+    currency = rows[0].get("currency") or ""
+    return _table(shown) + (
+        f"\noverhead {_fmt(sum(parts))} {currency}: idle GPU time {_fmt(parts[0])}, energy "
+        f"{_fmt(parts[1])}, the box {_fmt(parts[2])}; shared by GPU-seconds"
+    )
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 @app.command("replay")

@@ -16,7 +16,9 @@ from typing import Any
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
+from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
+from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.flights import Flights
 from appliance.services.placement import Placer
@@ -157,10 +159,12 @@ def wired_desk(
     ledger: AckLedger | None = None,
     slowdown: dict[str, float] | None = None,
     block_size: int = 16,
+    admission: bool = False,
 ) -> Wired:
     """The turn desk as the daemon wires it (queue book, turn records, placer, worker
     speeds), over fakes of the outside only: workers, the KV index, the ledger and the clock.
-    `slowdown`: fixed per worker; without it, measured (`Wired.speeds`)."""
+    `slowdown`: fixed per worker; without it, measured (`Wired.speeds`). `admission`: with
+    the admission controller at its default limits, over the same estimates."""
     clock = clock or ManualClock(100.0)
     index = index if index is not None else FixedIndex()
     ledger = ledger or AckLedger()
@@ -176,11 +180,15 @@ def wired_desk(
         salt=lambda t, c: f"salt-{t}",
     )  # fmt: skip
     tasks = TaskBook(ledger)
-    tasks.on_done = sessions.forget_task
+    estimator = WorkerEstimator(lambda: workers, queues.queue_s, LinearCost(), measured)
+    judge = AdmissionService(
+        limits=AdmissionLimits(), tasks=tasks, estimator=estimator, ledger=ledger, clock=clock
+    )
     desk = TurnDesk(
         sessions=sessions, placer=placer, queues=queues, records=TurnRecords(ledger, model="m"),
-        tasks=tasks, clock=clock, workers=lambda: workers,
+        tasks=tasks, clock=clock, workers=lambda: workers, admission=judge if admission else None,
     )  # fmt: skip
+    tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)
     desk.flights = Flights(clock.alarm)  # deadlines ring as the test moves the clock
     return Wired(desk, queues, index, ledger, clock, speeds, tasks)
 

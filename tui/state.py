@@ -93,9 +93,28 @@ class CostGroup(msgspec.Struct, frozen=True):
     succeeded: int = 0
     attempts: int = 0
     unpriced_attempts: int = 0
+    gpu_s: float | None = None
     cost: float | None = None
+    overhead: float | None = None
+    overhead_idle: float | None = None
+    overhead_energy: float | None = None
+    overhead_box: float | None = None
+    total_cost: float | None = None
     cost_per_success: float | None = None
+    direct_cost_per_success: float | None = None
     currency: str | None = None
+
+
+class CostOverhead(msgspec.Struct, frozen=True):
+    through: float | None = None
+    idle: float = 0.0
+    energy: float = 0.0
+    box: float = 0.0
+    total: float = 0.0
+    awake_gpu_s: float = 0.0
+    idle_gpu_s: float = 0.0
+    energy_kwh: float = 0.0
+    box_hours: float = 0.0
 
 
 class CostPoint(msgspec.Struct, frozen=True):
@@ -108,6 +127,7 @@ class Costs(msgspec.Struct, frozen=True):
     currency: str | None = None
     groups: list[CostGroup] | None = None
     series: list[CostPoint] | None = None
+    overhead: CostOverhead | None = None
 
 
 class TenantAdmission(msgspec.Struct, frozen=True):
@@ -180,6 +200,7 @@ MIRRORS = {
     "TaskStateView": TaskState,
     "CostGroupView": CostGroup,
     "CostPointView": CostPoint,
+    "OverheadView": CostOverhead,
     "CostsView": Costs,
     "TenantAdmissionView": TenantAdmission,
     "AdmissionView": Admission,

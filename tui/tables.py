@@ -232,6 +232,8 @@ def render_costs(state: dict[str, Any] | AdminStateView) -> str:
             str(g.succeeded),
             str(g.attempts),
             fmt.money(g.cost),
+            fmt.money(g.overhead),
+            fmt.money(g.total_cost),
             fmt.money(g.cost_per_success),
             fmt.text(g.currency or costs.currency),
         ]
@@ -244,10 +246,12 @@ def render_costs(state: dict[str, Any] | AdminStateView) -> str:
         "succeeded",
         "attempts",
         "cost",
+        "overhead",
+        "total",
         "per_success",
         "currency",
     ]
-    return table(headers, rows, right={2, 3, 4, 5, 6})
+    return table(headers, rows, right={2, 3, 4, 5, 6, 7, 8})
 
 
 def render_events(state: dict[str, Any] | AdminStateView) -> str:

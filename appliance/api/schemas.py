@@ -77,7 +77,8 @@ class WorkerStateView(_Model):
     """GPU-seconds since the appliance started with a turn in flight here: what the turns'
     `gpu_s` add up to (None: not metered)."""
     gpu_idle_s: float | None = None
-    """GPU-seconds awake with no turn in flight: overhead no turn is charged."""
+    """GPU-seconds awake with no turn in flight: the box's overhead, charged to the tasks
+    as the ledger records it period by period (`costs.overhead`)."""
 
 
 class GpuStateView(_Model):
@@ -136,7 +137,9 @@ class TaskStateView(_Model):
 
 
 class CostGroupView(_Model):
-    """One row of the cost-per-successful-task report (the ledger's `cost_report`)."""
+    """One row of the cost-per-successful-task report (the ledger's `cost_report`): the
+    direct cost, the group's share of the box's overhead (spread by GPU-seconds), their
+    total, and cost per success with the overhead."""
 
     task_class: str | None = None
     tenant: str | None = None
@@ -144,9 +147,36 @@ class CostGroupView(_Model):
     succeeded: int = 0
     attempts: int = 0
     unpriced_attempts: int = 0
+    gpu_s: float | None = None
     cost: float | None = None
+    """Direct: what the attempts and tools were priced at."""
+    overhead: float | None = None
+    overhead_idle: float | None = None
+    overhead_energy: float | None = None
+    overhead_box: float | None = None
+    total_cost: float | None = None
     cost_per_success: float | None = None
+    """total_cost / succeeded."""
+    direct_cost_per_success: float | None = None
     currency: str | None = None
+
+
+class OverheadView(_Model):
+    """The box's overhead the groups share: the usage periods the ledger acknowledged this
+    run, priced (gpu_seconds mode; 0 in tokens mode)."""
+
+    through: float | None = None
+    """The end of the last period counted."""
+    idle: float = 0.0
+    """Idle awake GPU-seconds at the GPU-second price."""
+    energy: float = 0.0
+    box: float = 0.0
+    """The box's hours at its price per hour."""
+    total: float = 0.0
+    awake_gpu_s: float = 0.0
+    idle_gpu_s: float = 0.0
+    energy_kwh: float = 0.0
+    box_hours: float = 0.0
 
 
 class CostPointView(_Model):
@@ -161,6 +191,8 @@ class CostsView(_Model):
     """None: the server does not report costs yet."""
     series: list[CostPointView] | None = None
     """Cost per successful task over time, oldest first; None: not reported."""
+    overhead: OverheadView | None = None
+    """None: the server records no overhead (or does not report it yet)."""
 
 
 class TenantAdmissionView(_Model):

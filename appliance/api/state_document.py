@@ -132,6 +132,7 @@ def _costs(c: CostView) -> schemas.CostsView:
         series=None
         if c.series is None
         else [schemas.CostPointView.model_validate(p) for p in c.series],
+        overhead=None if c.overhead is None else schemas.OverheadView.model_validate(c.overhead),
     )
 
 

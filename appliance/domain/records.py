@@ -309,8 +309,10 @@ class RouteDecisionRecord:
 @dataclass(frozen=True, slots=True)
 class Price:
     """One version of the price list. Prices per million tokens (tokens mode) or per
-    GPU-second (gpu_seconds mode). A turn is costed with the version in effect at its
-    `finished_at` and keeps that cost when a later version arrives."""
+    GPU-second (gpu_seconds mode), and in gpu_seconds mode the box's overhead: energy per
+    kWh and the box per hour (policy/overhead.py). A turn is costed with the version in
+    effect at its `finished_at`, a usage period at its end, and keeps that cost when a later
+    version arrives."""
 
     mode: CostMode
     effective_from: float
@@ -322,35 +324,29 @@ class Price:
     gpu_second: float = 0.0
     price_id: PriceId | None = None
     """Assigned by the ledger when the version is stored."""
+    energy_per_kwh: float = 0.0
+    box_per_hour: float = 0.0
 
     def __post_init__(self) -> None:
-        rates = (
+        _require(all(r >= 0 for r in self._rates()), "a price cannot be negative")
+
+    def _rates(self) -> tuple[float, ...]:
+        return (
             self.fresh_per_mtok,
             self.cached_per_mtok,
             self.output_per_mtok,
             self.reasoning_per_mtok,
             self.gpu_second,
+            self.energy_per_kwh,
+            self.box_per_hour,
         )
-        _require(all(r >= 0 for r in rates), "a price cannot be negative")
 
     def same_rates(self, other: Price) -> bool:
-        """Equal in everything a turn's cost depends on (not the id or the start time)."""
-        return (
-            self.mode,
-            self.currency,
-            self.fresh_per_mtok,
-            self.cached_per_mtok,
-            self.output_per_mtok,
-            self.reasoning_per_mtok,
-            self.gpu_second,
-        ) == (
+        """Equal in everything a cost depends on (not the id or the start time)."""
+        return (self.mode, self.currency, self._rates()) == (
             other.mode,
             other.currency,
-            other.fresh_per_mtok,
-            other.cached_per_mtok,
-            other.output_per_mtok,
-            other.reasoning_per_mtok,
-            other.gpu_second,
+            other._rates(),
         )
 
 

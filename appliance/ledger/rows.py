@@ -20,6 +20,7 @@ from appliance.domain.records import (
     TurnRecord,
     WorkerPowerEvent,
 )
+from appliance.domain.usage import PeriodCost, UsagePeriod
 
 INSERT_TASK = """INSERT INTO tasks (task_id, tenant, parent_task_id, task_class, status,
     created_at, deadline_at, budget, max_children) VALUES (?, ?, ?, ?, 'open', ?, ?, ?, ?)"""
@@ -169,8 +170,8 @@ def route_decision_params(d: RouteDecisionRecord) -> tuple[Any, ...]:
 
 
 INSERT_PRICE = """INSERT INTO prices (effective_from, mode, currency, fresh_per_mtok,
-    cached_per_mtok, output_per_mtok, reasoning_per_mtok, gpu_second)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?)"""
+    cached_per_mtok, output_per_mtok, reasoning_per_mtok, gpu_second, energy_per_kwh,
+    box_per_hour) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 
 def price_params(p: Price) -> tuple[Any, ...]:
@@ -183,12 +184,14 @@ def price_params(p: Price) -> tuple[Any, ...]:
         p.output_per_mtok,
         p.reasoning_per_mtok,
         p.gpu_second,
+        p.energy_per_kwh,
+        p.box_per_hour,
     )
 
 
 SELECT_PRICES = """SELECT price_id, effective_from, mode, currency, fresh_per_mtok,
-    cached_per_mtok, output_per_mtok, reasoning_per_mtok, gpu_second
-    FROM prices ORDER BY price_id"""
+    cached_per_mtok, output_per_mtok, reasoning_per_mtok, gpu_second, energy_per_kwh,
+    box_per_hour FROM prices ORDER BY price_id"""
 
 
 def load_prices(conn: sqlite3.Connection) -> list[Price]:
@@ -203,6 +206,23 @@ def load_prices(conn: sqlite3.Connection) -> list[Price]:
             output_per_mtok=r[6],
             reasoning_per_mtok=r[7],
             gpu_second=r[8],
+            energy_per_kwh=r[9],
+            box_per_hour=r[10],
         )
         for r in conn.execute(SELECT_PRICES)
+    ]
+
+
+INSERT_USAGE_PERIOD = """INSERT INTO usage_periods (started_at, ended_at, price_id, box_cost)
+    VALUES (?, ?, ?, ?)"""
+INSERT_WORKER_USAGE = """INSERT INTO worker_usage (period_id, worker, gpus, awake_s, busy_s,
+    energy_j, idle_cost, energy_cost) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+def worker_usage_params(
+    period_id: int, period: UsagePeriod, cost: PeriodCost
+) -> list[tuple[Any, ...]]:
+    return [
+        (period_id, w.worker, w.gpus, w.awake_s, w.busy_s, w.energy_j, idle, energy)
+        for w, (idle, energy) in zip(period.workers, cost.by_worker, strict=True)
     ]

@@ -250,6 +250,40 @@ def _one_turn_tasks_done(db: Database) -> None:
     _run(db, TASKS_WITH_DONE)
 
 
+@migrations(name="0009_box_usage")
+def _box_usage(db: Database) -> None:
+    # The box's awake time and energy per period and worker, priced as overhead; the
+    # energy and box prices beside the others (0: what ledgers before them charged).
+    _run(
+        db,
+        [
+            "ALTER TABLE prices ADD COLUMN energy_per_kwh REAL NOT NULL DEFAULT 0",
+            "ALTER TABLE prices ADD COLUMN box_per_hour REAL NOT NULL DEFAULT 0",
+            """CREATE TABLE usage_periods (
+                period_id INTEGER PRIMARY KEY,
+                started_at REAL NOT NULL,
+                ended_at REAL NOT NULL,
+                price_id INTEGER REFERENCES prices (price_id),
+                box_cost REAL NOT NULL,
+                CHECK (ended_at >= started_at)
+            )""",
+            "CREATE INDEX usage_periods_ended ON usage_periods (ended_at)",
+            """CREATE TABLE worker_usage (
+                period_id INTEGER NOT NULL REFERENCES usage_periods (period_id),
+                worker TEXT NOT NULL,
+                gpus INTEGER NOT NULL,
+                awake_s REAL NOT NULL,
+                busy_s REAL NOT NULL,
+                energy_j REAL,
+                idle_cost REAL NOT NULL,
+                energy_cost REAL NOT NULL,
+                PRIMARY KEY (period_id, worker)
+            )""",
+            "PRAGMA user_version = 9",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

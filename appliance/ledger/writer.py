@@ -42,9 +42,11 @@ from appliance.domain.records import (
     WorkerPowerEvent,
     can_transition,
 )
+from appliance.domain.usage import PeriodCost, UsagePeriod
 from appliance.ledger import rows
 from appliance.ledger.connections import Synchronous, open_reader, open_writer_connection
 from appliance.policy.costs import PriceBook, turn_cost
+from appliance.policy.overhead import price_period
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,11 @@ class LedgerWriter:
 
     def record_route_decision(self, decision: RouteDecisionRecord) -> Future[None]:
         return self._submit(self._write_route_decision, decision)
+
+    def record_usage(self, period: UsagePeriod) -> Future[PeriodCost]:
+        """One usage period of the box and its workers, priced at the version in effect at
+        its end (policy/overhead.py); resolves to that cost once committed."""
+        return self._submit(self._write_usage, period)
 
     def set_price(self, price: Price) -> Future[PriceId]:
         return self._submit(self._write_price, price)
@@ -312,6 +319,26 @@ class LedgerWriter:
 
     def _write_route_decision(self, decision: RouteDecisionRecord) -> None:
         self._conn.execute(rows.INSERT_ROUTE_DECISION, rows.route_decision_params(decision))
+
+    def _write_usage(self, period: UsagePeriod) -> PeriodCost:
+        """The period's row and its workers' rows, all or none (a savepoint)."""
+        cost = price_period(self._prices.at(period.ended_at), period)
+        conn = self._conn
+        conn.execute("SAVEPOINT usage")
+        try:
+            cur = conn.execute(
+                rows.INSERT_USAGE_PERIOD,
+                (period.started_at, period.ended_at, cost.price_id, cost.box),
+            )
+            params = rows.worker_usage_params(int(cur.lastrowid or 0), period, cost)
+            conn.executemany(rows.INSERT_WORKER_USAGE, params)
+        except sqlite3.Error:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK TO usage")
+                conn.execute("RELEASE usage")
+            raise
+        conn.execute("RELEASE usage")
+        return cost
 
     def _write_price(self, price: Price) -> PriceId:
         latest = self._prices.latest()

@@ -20,9 +20,10 @@ this order, when:
                        of the work's priority: `max_queue_s + priority *
                        queue_s_per_priority` (never below 0), so higher priority
                        tolerates a longer queue                                       (503)
-  deadline_infeasible  even the fastest worker's estimated wait for the first token
-                       (its queue plus this turn's prefill there) ends after the
-                       deadline; a task without a turn yet counts the queue alone     (429)
+  deadline_infeasible  the estimated wait for the turn's first token (queue, wake, and
+                       this turn's prefill) at the worker placement chose for it (with
+                       none chosen: the fastest) ends after the deadline; a task
+                       without a turn yet counts the fastest queue alone             (429)
   tenant_over_share    the box is saturated (in-flight turns >= `turns_per_worker` per
                        healthy worker, or open tasks >= `max_open_tasks`), another
                        tenant has work on it, and the tenant already holds its weighted
@@ -45,6 +46,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from appliance.policy.deadline_share import WorkerEstimate, judged_worker
 
 
 class Work(StrEnum):
@@ -109,22 +112,6 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerEstimate:
-    """One healthy worker that takes new work, as the router estimates it."""
-
-    queue_s: float
-    """Seconds of queued prefill ahead of new work there."""
-    prefill_s: float = 0.0
-    """Seconds to prefill this turn there (what is not resident); 0 for a task alone."""
-    wake_s: float = 0.0
-    """Seconds until it serves again: a worker asleep or stopped by the worker reaper."""
-
-    @property
-    def first_token_s(self) -> float:
-        return self.wake_s + self.queue_s + self.prefill_s
-
-
-@dataclass(frozen=True, slots=True)
 class ParentLoad:
     """The parent of a new task."""
 
@@ -163,6 +150,13 @@ class BoxLoad:
     """Every tenant with work on the box (others count as idle)."""
     workers: Sequence[WorkerEstimate]
     """Healthy workers that take new work (not draining)."""
+    placed: str | None = None
+    """The worker placement chose for the turn; None: none (a task alone, all resting)."""
+
+    @property
+    def judged(self) -> WorkerEstimate | None:
+        """The worker a turn's deadline is judged on (`judged_worker`)."""
+        return judged_worker(self.workers, self.placed)
 
     @property
     def in_flight_turns(self) -> int:
@@ -183,6 +177,8 @@ class AdmitDecision:
     """The priority the work runs at (X-Priority clipped to the tenant's ceiling)."""
     http_status: int = 200
     retry_after_s: float | None = None
+    first_token_s: float | None = None
+    """An admitted turn's estimated first token at the judged worker (`BoxLoad.judged`)."""
 
     @property
     def admitted(self) -> bool:
@@ -217,22 +213,11 @@ def admit(
         refusal = check(request, box, limits, now, priority)
         if refusal is not None:
             return refusal
-    best = min((w.first_token_s for w in box.workers), default=None)
-    wait = f"; fastest first token in {best:.3f} s" if best is not None else ""
-    return AdmitDecision(
-        Verdict.ADMIT, AdmitCode.ADMITTED, f"admitted at priority {priority}{wait}", priority
-    )
-
-
-def effective_deadline(
-    now: float, deadline_s: float | None, parent_deadline_at: float | None
-) -> float | None:
-    """A task's deadline: the earlier of its own (`deadline_s` from `now`) and its
-    parent's; None when neither has one."""
-    own = now + deadline_s if deadline_s is not None else None
-    if own is None or parent_deadline_at is None:
-        return own if own is not None else parent_deadline_at
-    return min(own, parent_deadline_at)
+    best = box.judged
+    first = best.first_token_s if best is not None else None
+    wait = f"; {_quoted(box, best, 'fastest')} in {first:.3f} s" if best is not None else ""
+    reason = f"admitted at priority {priority}{wait}"
+    return AdmitDecision(Verdict.ADMIT, AdmitCode.ADMITTED, reason, priority, first_token_s=first)
 
 
 def _deny(
@@ -333,21 +318,24 @@ def _deadline_infeasible(
     if request.deadline_at is None or not box.workers:
         return None
     left = request.deadline_at - now
-    fastest = min(box.workers, key=lambda w: w.first_token_s)
-    if fastest.first_token_s <= left:
+    w = box.judged
+    if w is None or w.first_token_s <= left:
         return None
+    waking = f"wake {w.wake_s:.3f} s + " if w.wake_s > 0 else ""
+    whose = _quoted(box, w, "fastest worker's")
     return _deny(
         AdmitCode.DEADLINE_INFEASIBLE,
-        f"the deadline is {left:.3f} s away, but the fastest worker's first token is "
-        f"{fastest.first_token_s:.3f} s away ({_waking(fastest)}queue {fastest.queue_s:.3f} s"
-        f" + prefill {fastest.prefill_s:.3f} s)",
+        f"the deadline is {left:.3f} s away, but the {whose} is {w.first_token_s:.3f} s away "
+        f"({waking}queue {w.queue_s:.3f} s + prefill {w.prefill_s:.3f} s)",
         priority,
         limits,
     )
 
 
-def _waking(w: WorkerEstimate) -> str:
-    return f"wake {w.wake_s:.3f} s + " if w.wake_s > 0 else ""
+def _quoted(box: BoxLoad, w: WorkerEstimate, fastest: str) -> str:
+    """The first token a decision quotes: at placement's choice, else the fastest's."""
+    placed = f"first token at {w.worker}, placement's choice,"
+    return placed if w.worker == box.placed else f"{fastest} first token"
 
 
 def _fair_share(

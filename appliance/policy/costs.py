@@ -16,7 +16,10 @@ The model of the world, in two rules:
    attempts, discarded fan-out branches; a child task rolls up into its root) divided by
    the number of root tasks that succeeded with verified=true. Zero such successes gives
    None: the work bought nothing yet, which is neither free nor infinitely dear. A one-turn
-   task closed `done` (its outcome unknown) counts as a task, never as a success.
+   task closed `done` (its outcome unknown) counts as a task, never as a success. Each group
+   also sums its attempts' GPU-seconds, the measure policy/overhead.py spreads the box's
+   overhead by (gpu_seconds mode: idle awake time, energy, the box per hour); a group's cost
+   per success then counts its share too, and without overhead it is the direct cost alone.
 
 Pure: no I/O, no clock.
 """
@@ -113,6 +116,8 @@ class AttemptRow:
     at: float
     cost: float | None
     attempts: int = 1
+    gpu_s: float = 0.0
+    """The attempts' share of their workers' busy GPU-seconds (the turns' gpu_s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,26 @@ class CostGroup:
     attempts: int
     unpriced_attempts: int
     cost: float
+    """The direct cost: what the attempts (and the tools) were priced at."""
     cost_per_success: float | None
+    """(cost + overhead) / succeeded."""
+    gpu_s: float = 0.0
+    overhead_idle: float = 0.0
+    """The group's share of the idle awake GPU-seconds' cost (policy/overhead.py)."""
+    overhead_energy: float = 0.0
+    overhead_box: float = 0.0
+
+    @property
+    def overhead(self) -> float:
+        return self.overhead_idle + self.overhead_energy + self.overhead_box
+
+    @property
+    def total_cost(self) -> float:
+        return self.cost + self.overhead
+
+    @property
+    def direct_cost_per_success(self) -> float | None:
+        return self.cost / self.succeeded if self.succeeded else None
 
 
 @dataclass(slots=True)
@@ -137,6 +161,7 @@ class _Acc:
     attempts: int = 0
     unpriced: int = 0
     costs: list[float] = field(default_factory=list)
+    gpu_s: list[float] = field(default_factory=list)
 
 
 def cost_per_success(
@@ -179,6 +204,7 @@ def cost_per_success(
         acc.succeeded += root.status is TaskStatus.SUCCEEDED and root.verified is True
         for a in spent.get(root.task_id, ()):
             acc.attempts += a.attempts
+            acc.gpu_s.append(a.gpu_s)
             if a.cost is None:
                 acc.unpriced += a.attempts
             else:
@@ -223,6 +249,7 @@ def _cost_group(key: tuple[str | None, str | None, float | None], acc: _Acc) -> 
         unpriced_attempts=acc.unpriced,
         cost=cost,
         cost_per_success=cost / acc.succeeded if acc.succeeded else None,
+        gpu_s=math.fsum(acc.gpu_s),
     )
 
 
@@ -268,7 +295,9 @@ def _sort_key(key: tuple[str | None, str | None, float | None]) -> tuple[str, st
 def group_row(
     g: CostGroup, *, by: Sequence[str], currency: str | None, windowed: bool = False
 ) -> dict[str, object]:
-    """One group as a report row: the `by` columns (and window_start), then the figures."""
+    """One group as a report row: the `by` columns (and window_start), then the figures:
+    the direct cost, the overhead share in parts, their total, and cost per success with
+    the overhead and without it."""
     row: dict[str, object] = {key: getattr(g, key) for key in by}
     if windowed:
         row["window_start"] = g.window_start
@@ -277,8 +306,15 @@ def group_row(
         "succeeded": g.succeeded,
         "attempts": g.attempts,
         "unpriced_attempts": g.unpriced_attempts,
+        "gpu_s": g.gpu_s,
         "cost": g.cost,
+        "overhead": g.overhead,
+        "overhead_idle": g.overhead_idle,
+        "overhead_energy": g.overhead_energy,
+        "overhead_box": g.overhead_box,
+        "total_cost": g.total_cost,
         "cost_per_success": g.cost_per_success,
+        "direct_cost_per_success": g.direct_cost_per_success,
         "currency": currency,
     }
     return row

@@ -9,11 +9,15 @@ through `TaskView`, which alone keeps the tasks and lets go of those idle too lo
 the task book.
 
 Queue estimates are the router's (queued prefill seconds per worker) and the prefill of a
-turn comes from the same cost model the router uses, over the prefix its session likely
-left resident. Every refusal is written to the ledger's `admission_events` (decision
-"deny", reason "code: why", queue_depth = turns in flight on the box) and acknowledged
-before the client hears no, and goes to the operator event feed; accepts and rejects are
-counted for `/admin/v1/state` and `/metrics`.
+turn comes from the same cost model the router uses. The turn desk places a turn before
+admission judges it and names the worker placement chose (`placed`) with the prefix the KV
+index holds there, so a deadline is judged on the worker the turn will go to, with the
+numbers placement ranked it by; with no worker chosen (every one resting), on the fastest,
+over the prefix its session likely left resident (`resident_hint`). Every refusal is
+written to the ledger's `admission_events` (decision "deny", reason "code: why",
+queue_depth = turns in flight on the box) and acknowledged before the client hears no, and
+goes to the operator event feed; accepts and rejects are counted for `/admin/v1/state` and
+`/metrics`.
 """
 
 from __future__ import annotations
@@ -40,10 +44,9 @@ from appliance.policy.admission import (
     ParentLoad,
     TenantLoad,
     Work,
-    WorkerEstimate,
     admit,
-    effective_deadline,
 )
+from appliance.policy.deadline_share import WorkerEstimate, effective_deadline
 from appliance.policy.routing import PrefillCost
 from appliance.ports import Clock, Ledger, WorkerEndpoint
 from appliance.services.events import EventFeed, EventKind
@@ -132,7 +135,7 @@ class WorkerEstimator:
                 self.cost.prefill_s(fresh, reused) * self.slowdown(w.id) if prompt_tokens else 0.0
             )
             queue = queues.get(w.id, 0.0) if queues is not None else self.queue_s(w)
-            estimates.append(WorkerEstimate(queue, prefill, wake))
+            estimates.append(WorkerEstimate(queue, prefill, wake, w.id))
         return estimates
 
 
@@ -237,11 +240,13 @@ class AdmissionService:
         prompt_tokens: int = 0,
         resident_tokens: Mapping[WorkerId, int] | None = None,
         queues: Mapping[WorkerId, float] | None = None,
+        placed: WorkerId | None = None,
     ) -> AdmitDecision:
         """Judges one model turn of `task_id` (opening the task when it is new, under
         `parent`): the decision, or AdmissionRefused. The caller opens the task and starts
         the turn in the book. `queues`: each worker's queue estimate now, when the caller
-        has them."""
+        has them; `placed`: the worker placement chose for the turn, whose estimate its
+        deadline is judged on (None: the fastest's)."""
         now = self._clock.now()
         tenants = self._tasks.tenant_loads(now)  # first: it lets go of idle tasks
         known = self._tasks.find(task_id)
@@ -262,7 +267,7 @@ class AdmissionService:
             self._parent_load(parent) if opens else None,
         )
         estimates = self._estimator.estimates(resident_tokens or {}, prompt_tokens, queues)
-        return await self._judged(request, BoxLoad(tenants, estimates), task_id, now)
+        return await self._judged(request, BoxLoad(tenants, estimates, placed), task_id, now)
 
     def _deadline_of(self, task: TaskId | None) -> float | None:
         known = self._tasks.find(task) if task is not None else None

@@ -3,10 +3,11 @@
 Model of the world: time is cut into windows of `window_s` seconds (aligned to the Unix
 epoch, so every reader sees the same boundaries). Each point holds the figure for all the
 tasks this run has seen as it stood at the last observation inside its window: the overall
-cost per successful task (all attempted cost / root tasks that succeeded verified; None
-before the first success) and the number of successes so far. Observations come with every
-state snapshot; a window in which nobody asked for one has no point. The series keeps the
-newest `max_points` windows; the ledger, not this series, is the history.
+cost per successful task (all attempted cost and the overhead spread over it / root tasks
+that succeeded verified; None before the first success) and the number of successes so far.
+Observations come with every state snapshot; a window in which nobody asked for one has no
+point. The series keeps the newest `max_points` windows; the ledger, not this series, is
+the history.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ class CostPoint:
 
 def overall(groups: Iterable[Mapping[str, Any]]) -> tuple[float | None, int]:
     """(cost per success, successes) over report rows that split the root tasks into
-    groups: the groups' costs summed over their successes summed."""
+    groups: the groups' total costs (direct and overhead) summed over their successes
+    summed."""
     cost, succeeded = 0.0, 0
     for g in groups:
-        cost += g.get("cost") or 0.0
+        total = g.get("total_cost")
+        cost += (total if total is not None else g.get("cost")) or 0.0
         succeeded += int(g.get("succeeded") or 0)
     return (cost / succeeded if succeeded else None), succeeded
 

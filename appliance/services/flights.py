@@ -6,10 +6,12 @@ succeeded without it (a discarded branch) is stopped the same way, its attempts 
 `discarded`. Either way the worker's request is
 closed, which aborts it.
 
-A turn whose task has a deadline arms one alarm at it when it takes off, disarmed when it
-lands. If the alarm goes off while the turn still waits on its worker (no first byte: a
-stream not started, or an answer not yet given), the turn is aborted as a cancellation
-aborts it and the desk answers 504 `deadline_missed`; a stream already relaying runs on.
+A turn whose task has a deadline arms one alarm when it takes off, disarmed when it lands:
+at its share of the deadline, the deadline less what its task's class is expected to need
+after it (services/task_paces.py). If the alarm goes off while the turn still waits on its
+worker (no first byte: a stream not started, or an answer not yet given), the turn is
+aborted as a cancellation aborts it and the desk answers 504 `deadline_missed`, saying what
+of the deadline was kept; a stream already relaying runs on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from functools import partial
 from typing import Any
 
 from appliance.domain.records import TaskId, TurnOutcome
+from appliance.policy.deadline_share import TurnShare
 from appliance.ports import Clock
 from appliance.services.task_state import TaskError
 
@@ -52,6 +55,8 @@ class Flight:
     """Its stream is being relayed: it stops at its next chunk instead."""
     missed: bool = False
     """Its deadline passed while it waited on its worker: it was stopped for that."""
+    share: TurnShare | None = None
+    """Its share of its task's deadline (None: no deadline)."""
     outcome: TurnOutcome = TurnOutcome.CANCELLED
     """What its attempt is recorded as once stopped: `discarded` when its task was closed
     because its parent succeeded without it."""
@@ -63,13 +68,13 @@ class Flights:
         self._by_task: dict[TaskId, set[Flight]] = {}
         self._alarm = alarm
 
-    def take_off(self, task: TaskId, deadline_at: float | None = None) -> Flight:
+    def take_off(self, task: TaskId, share: TurnShare | None = None) -> Flight:
         """The current request's turn of `task` is in flight; it must have its first byte
-        by `deadline_at` (None: no deadline)."""
-        flight = Flight(asyncio.current_task())
+        by its share of the deadline (None: no deadline)."""
+        flight = Flight(asyncio.current_task(), share=share)
         self._by_task.setdefault(task, set()).add(flight)
-        if deadline_at is not None:
-            flight.disarm = self._alarm(deadline_at, partial(_deadline, flight))
+        if share is not None:
+            flight.disarm = self._alarm(share.deadline_at, partial(_deadline, flight))
         return flight
 
     def land(self, task: TaskId, flight: Flight) -> None:
@@ -104,10 +109,21 @@ def _deadline(flight: Flight) -> None:
 def stopped_error(client_task: str, flight: Flight) -> TaskError:
     """What a client whose turn was stopped while it waited on its worker is told."""
     if flight.missed:
-        return TaskError(f"task {client_task}'s deadline passed before its worker started "
-                         "the turn; the turn was aborted", code=DEADLINE_MISSED,
-                         http_status=504)  # fmt: skip
+        return TaskError(_missed(client_task, flight.share), code=DEADLINE_MISSED, http_status=504)
     if flight.outcome is TurnOutcome.DISCARDED:
         return TaskError(f"task {client_task} was discarded: its parent succeeded without it",
                          code="task_discarded", http_status=409)  # fmt: skip
     return TaskError(f"task {client_task} was cancelled", code="task_cancelled", http_status=409)
+
+
+def _missed(client_task: str, share: TurnShare | None) -> str:
+    if share is None or share.reserve is None or share.kept_s <= 0:
+        return (
+            f"task {client_task}'s deadline passed before its worker started the turn; "
+            "the turn was aborted"
+        )
+    return (
+        f"task {client_task}'s turn had not started within its share of the deadline "
+        f"({share.given_s:.3f} s; {share.kept_s:.3f} s kept for {share.reserve.describe()}); "
+        "the turn was aborted"
+    )

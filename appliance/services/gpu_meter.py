@@ -8,7 +8,8 @@ since the last one is a pool, and the attempt that ends takes the share its comp
 its own plus what the attempts still in flight have done so far (their estimated prefill and
 the chunks a stream has relayed, one token each); the rest stays in the pool for them. So
 the attempts' `gpu_s` add up to the worker's busy time exactly, however they overlap, and
-its idle time (awake, nothing in flight) is overhead, shown apart.
+its idle time (awake, nothing in flight) is overhead: services/box_usage.py records it per
+period and policy/overhead.py spreads it over the work.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ class GpuMeter:
         self._clock = clock
         self._cost = cost
         self._slowdown = slowdown
-        self._gpus = gpus_per_worker
+        self._gpus = self.gpus_per_worker = gpus_per_worker
         self._started = clock.now()
         self._workers: dict[WorkerId, _Worker] = {}
         self._rested: dict[WorkerId, float] = {}  # resting seconds, before `_resting_since`
         self._resting_since: dict[WorkerId, float] = {}
+        self.charged_s = 0.0
+        """GPU-seconds divided among the attempts that ended so far (all workers)."""
 
     def rests(self, worker: WorkerId, resting: bool, now: float) -> None:
         """The worker went to sleep or stopped (`resting`), or is awake again (its wake
@@ -109,6 +112,7 @@ class GpuMeter:
         else:
             share = worker.pool_s / (len(worker.running) + 1)
         worker.pool_s -= share
+        self.charged_s += share
         return share
 
     def in_flight(self, worker: WorkerId) -> int:

@@ -35,7 +35,9 @@ from appliance.policy.costs import (
     cost_per_success,
     group_row,
 )
+from appliance.policy.overhead import spread_overhead
 from appliance.services.admission import AdmissionService
+from appliance.services.box_usage import BoxUsage, RecordedUsage
 from appliance.services.branch_kv import TaskKv, task_kv, task_kv_of
 from appliance.services.cost_series import CostSeries, overall
 from appliance.services.events import EventFeed
@@ -68,6 +70,8 @@ class StateSources:
     """The worker reaper's measured wakes (None: it is off)."""
     kv_tokens: Callable[[WorkerId], int] | None = None
     """Tokens of KV the index holds on a worker's GPU now (None: not known)."""
+    usage: BoxUsage | None = None
+    """The box's usage periods the ledger acknowledged: the overhead (None: none kept)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,8 @@ class CostView:
     """Cost per successful task by task class and tenant (`cost_groups`)."""
     series: list[dict[str, Any]] | None
     """The cost-per-success series, oldest first; None: the appliance keeps none."""
+    overhead: dict[str, Any] | None = None
+    """The overhead the groups share (`RecordedUsage.summary`); None: none recorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +169,17 @@ def _fleet(src: StateSources) -> Fleet:
 
 
 def _costs(src: StateSources, now: float) -> CostView:
-    """The cost report now; observing it extends the series."""
-    groups = cost_groups(src.tasks, src.currency)
+    """The cost report now, with the overhead the ledger acknowledged spread over it by the
+    GPU-seconds of this run's attempts; observing it extends the series."""
+    recorded = src.usage.recorded() if src.usage is not None else None
+    meter = src.desk.records.meter
+    basis = meter.charged_s if meter is not None and recorded is not None else 0.0
+    groups = cost_groups(src.tasks, src.currency, recorded, basis_gpu_s=basis)
+    overhead = recorded.summary() if recorded is not None else None
     if src.cost_series is None:
-        return CostView(src.currency, groups, None)
+        return CostView(src.currency, groups, None, overhead)
     src.cost_series.observe(now, *overall(groups))
-    return CostView(src.currency, groups, src.cost_series.points())
+    return CostView(src.currency, groups, src.cost_series.points(), overhead)
 
 
 def session_view(
@@ -278,27 +289,46 @@ def _gpu_time_families(src: StateSources, workers: Sequence[WorkerStatus]) -> It
         "A worker's GPU-seconds awake with no turn in flight (overhead).",
         labels=["worker"],
     )
+    energy = CounterMetricFamily(
+        "appliance_worker_gpu_energy_joules",
+        "Joules a worker's GPUs drew (the GPU probe's power readings; simulated under the "
+        "sim engine), asleep or awake.",
+        labels=["worker"],
+    )
     for w in workers:
         reading = meter.reading(w.id)
         busy.add_metric([w.id], reading.busy_s)
         idle.add_metric([w.id], reading.idle_s)
+        joules = src.usage.energy.joules(w.id) if src.usage is not None else None
+        if joules is not None:
+            energy.add_metric([w.id], joules)
     yield busy
     yield idle
+    yield energy
 
 
-def cost_groups(tasks: TaskBook, currency: str) -> list[dict[str, Any]]:
+def cost_groups(
+    tasks: TaskBook,
+    currency: str,
+    recorded: RecordedUsage | None = None,
+    *,
+    basis_gpu_s: float = 0.0,
+) -> list[dict[str, Any]]:
     """Cost per successful task by task class and tenant over the tasks this run has seen,
-    by the same rule as the ledger's report (children roll up into their root), from the
-    costs the ledger priced each attempt at."""
+    by the same rules as the ledger's report (children roll up into their root; the
+    overhead spread by GPU-seconds), from the costs the ledger priced each attempt at and
+    the usage periods it acknowledged. `basis_gpu_s`: the GPU-seconds of all this run's
+    attempts, so tasks the book forgot keep their share out of the others'."""
     rows = [
         TaskRow(t.key, t.tenant, t.created_at, t.parent, t.task_class, t.status, t.verified)
         for t in tasks
     ]
     attempts = [
-        AttemptRow(t.key, t.tenant, t.created_at, t.cost, attempts=t.turns)
+        AttemptRow(t.key, t.tenant, t.created_at, t.cost, attempts=t.turns, gpu_s=t.gpu_s)
         for t in tasks
         if t.turns
     ]
-    return [
-        group_row(g, by=GROUP_KEYS, currency=currency) for g in cost_per_success(rows, attempts)
-    ]
+    groups = cost_per_success(rows, attempts)
+    if recorded is not None:
+        groups = spread_overhead(groups, recorded.overhead, basis_gpu_s=basis_gpu_s)
+    return [group_row(g, by=GROUP_KEYS, currency=currency) for g in groups]

@@ -1,19 +1,21 @@
 """What admission counts of the tasks, kept inside the task book (services/tasks.py), which
 admission reads through its `TaskView` (services/admission.py).
 
-Per task: its depth, cap, open children and turns in flight; per tenant: its open tasks and
-turns in flight. A task counts from its creation until its terminal event, or until it has
-had no turn in flight, no new turn and no new child for `idle_s`: then it is let go for
-good, so that a client that never closes its tasks cannot lock itself out. A one-turn task
-(a turn without X-Task-ID) is let go when its turn ends, closed then (`done`). A task taken
-back after a restart counts again once a turn or a new child names it.
+Per task: its depth, cap, open children and turns in flight, and when its turns ran
+(`TurnPace`: its class's history learns from it when it succeeds, services/task_paces.py);
+per tenant: its open tasks and turns in flight. A task counts from its creation until its
+terminal event, or until it has had no turn in flight, no new turn and no new child for
+`idle_s`: then it is let go for good, so that a client that never closes its tasks cannot
+lock itself out. A one-turn task (a turn without X-Task-ID) is let go when its turn ends,
+closed then (`done`). A task taken back after a restart counts again once a turn or a new
+child names it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
@@ -32,6 +34,33 @@ class Standing(StrEnum):
 
 
 @dataclass(eq=False)
+class TurnPace:
+    """When a task's turns ran, as far as this process saw them (services/task_paces.py)."""
+
+    turns: int = 0
+    """Its turns that began here (fewer than it ran when it was taken back after a restart)."""
+    first_began_at: float | None = None
+    last_ended_at: float | None = None
+    busy_s: float = 0.0
+    """Seconds with a turn of it in flight, up to `last_ended_at`."""
+    busy_since: float = 0.0
+
+    def began(self, now: float, in_flight: int) -> None:
+        """A turn began, with `in_flight` of its turns running before it."""
+        self.turns += 1
+        if self.first_began_at is None:
+            self.first_began_at = now
+        if not in_flight:
+            self.busy_since = now
+
+    def ended(self, now: float, in_flight: int) -> None:
+        """A turn ended, leaving `in_flight` of its turns running."""
+        if not in_flight:
+            self.busy_s += now - self.busy_since
+            self.last_ended_at = now
+
+
+@dataclass(eq=False)
 class TaskLoad:
     """What admission counts of one task."""
 
@@ -45,6 +74,8 @@ class TaskLoad:
     one_turn: bool = False
     """A turn without X-Task-ID: let go when that turn ends."""
     standing: Standing = Standing.UNSEEN
+    pace: TurnPace = field(default_factory=TurnPace)
+    """When its turns ran (this process's): its class's history learns from it."""
 
 
 class Loaded(Protocol):
@@ -125,6 +156,7 @@ class TaskLoads:
         load = task.load
         if load.standing is Standing.UNSEEN:
             self.count(task, now)
+        load.pace.began(now, load.in_flight)
         load.in_flight += 1
         load.last_active_at = now
         self._idle.pop(task.key, None)
@@ -133,6 +165,7 @@ class TaskLoads:
     def turn_ended(self, task: Loaded, now: float) -> None:
         load = task.load
         load.in_flight -= 1
+        load.pace.ended(now, load.in_flight)
         load.last_active_at = now
         _decrement(self._turns, task.tenant)
         if load.in_flight > 0 or load.standing is not Standing.COUNTED:

@@ -38,6 +38,8 @@ class TaskState:
     output_tokens: int = 0
     cost: float = 0.0
     """Sum of the ledger's costs of this task's attempts (children not included)."""
+    gpu_s: float = 0.0
+    """GPU-seconds of this task's attempts this run (children not included)."""
     budget: float | None = None
     """What the task's subtree may spend, in the ledger's currency; None: no budget."""
     tree_cost: float = 0.0

@@ -31,7 +31,8 @@ from appliance.domain.records import (
     TurnRecord,
     can_transition,
 )
-from appliance.policy.admission import ParentLoad, TenantLoad, effective_deadline
+from appliance.policy.admission import ParentLoad, TenantLoad
+from appliance.policy.deadline_share import effective_deadline
 from appliance.ports import Ledger, TaskArchive
 from appliance.services.events import EventFeed, EventKind
 from appliance.services.settled_tasks import SettledShelf, settled, tree_of
@@ -301,6 +302,7 @@ class TaskBook:
         task.prompt_tokens += turn.prompt_tokens
         task.cached_tokens += turn.cached_tokens
         task.output_tokens += turn.output_tokens
+        task.gpu_s += turn.gpu_s
         self._spent(task, cost)
 
     def _spent(self, task: TaskState, written: Future[Any], cost: float | None = None) -> None:

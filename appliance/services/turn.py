@@ -154,6 +154,37 @@ class Reply:
     """The session the turn was of (named, or found), when it had one."""
 
 
+def turn_request(
+    t: TurnInput,
+    task_id: TaskId,
+    ids: Sequence[int] | None,
+    chat: ChatTokens | None,
+    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None,
+    n_prompt: int,
+) -> TurnRequest:
+    """The turn as the desk places it, of the task `task_id` (its parent and the priority
+    admission gives it are set once the task is opened)."""
+    return TurnRequest(
+        tenant=t.tenant,
+        path=t.path,
+        body=t.body,
+        prompt_ids=ids,
+        task_id=task_id,
+        session_id=t.session_id,
+        client_salt=t.client_salt,
+        tool_class=t.tool_class,
+        expected_wait_s=t.expected_wait_s,
+        chat=chat,
+        messages=t.messages,
+        tokenize=tokenize,
+        estimated_tokens=n_prompt,
+        received_at=t.received_at,
+        pinned=t.pinned,
+        route_note=t.route_note,
+        prompt_tip=t.prompt_tip,
+    )
+
+
 def cached_tokens(usage: dict[str, Any]) -> int | None:
     """The worker's `usage.prompt_tokens_details.cached_tokens`, when it says."""
     details = usage.get("prompt_tokens_details") or {}

@@ -1,19 +1,23 @@
 """The turn desk: one model turn's order, from the API's hand-over to its last record.
 
     find the session (named, else by its prefix: session_finder.py)  ->  tokenise, or not
-    yet  ->  admit  ->  open the task  ->  place
-    ->  forward (one retry elsewhere)  ->  record  ->  release
+    yet  ->  place  ->  admit (on the worker placed)  ->  open the task  ->  its share of
+    the deadline  ->  forward (one retry elsewhere)  ->  record  ->  release
 
 The API hands over a checked, authenticated turn (`TurnInput`) and gets a `Reply`; nothing
 else of a turn's life is in the HTTP layer. A session's next chat turn that only appends
 text may be placed and forwarded before it is tokenised (`TurnInput.estimate` says how long
 it likely is): what it shares with the last turn is that turn's prompt, whose chain is
 known, and it is tokenised and hashed while the worker prefills, ready for the turn after
-it. Admission decides; the task book opens the task and counts the turn in flight until
+it. Placement comes first, so that admission judges the turn's deadline on the worker it
+will go to (its first attempt goes there, unless a worker must wake for it first).
+Admission decides; the task book opens the task and counts the turn in flight until
 the answer is complete, or for a stream until it ends, however it ends (the session's
-in-flight count likewise). A turn whose task has a deadline and that still waits on its
-worker then (no first byte) is aborted and answered 504 `deadline_missed`
-(services/flights.py); a non-streamed answer after the deadline is of no use to the task.
+in-flight count likewise). A turn whose task has a deadline gets its share of it: the
+deadline less what its class's history expects the task to need after this turn
+(services/task_paces.py); one that still waits on its worker then (no first byte) is
+aborted and answered 504 `deadline_missed` (services/flights.py): a non-streamed answer
+after that is of no use to the task.
 
 Failures: a worker that fails before the first byte (unreachable, 5xx) costs one failed
 attempt and the turn is placed again, once, without it; a 4xx goes back as the worker wrote
@@ -40,7 +44,6 @@ from appliance.domain.errors import (
     LedgerUnavailable,
 )
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
-from appliance.policy.admission import effective_deadline
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.admission import AdmissionService, resident_hint
 from appliance.services.chat_tokens import ChatTokens
@@ -50,6 +53,7 @@ from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
 from appliance.services.session_finder import find_session, let_go
 from appliance.services.sessions import SessionState, SessionTable, keep_chat
+from appliance.services.task_paces import TaskPaces, share_headers
 from appliance.services.task_state import TaskError, TaskState
 from appliance.services.tasks import TaskBook
 from appliance.services.turn import (
@@ -60,6 +64,7 @@ from appliance.services.turn import (
     TurnInput,
     TurnRequest,
     new_turn_id,
+    turn_request,
 )
 from appliance.services.turn_records import TurnRecords
 from appliance.services.worker_body import worker_body
@@ -92,6 +97,7 @@ class TurnDesk:
         self._forwarder = Forwarder(clock, queues, records)
         self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
         self.power: WorkerReaperLoop | None = None  # the worker reaper: wakes a worker when none is
+        self.paces = TaskPaces(clock)  # each turn's share of its task's deadline
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -120,8 +126,11 @@ class TurnDesk:
             ids, chat = tokenize()
             n_prompt = len(ids)
         client_task = t.task_id or f"turn-{uuid.uuid4().hex[:16]}"
+        lazy = tokenize if ids is None else None
+        turn = turn_request(t, self._tasks.key(t.tenant, client_task), ids, chat, lazy, n_prompt)
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
-        priority = await self._admit(t, client_task, n_prompt, session, queues)
+        placed = self._preview(turn, queues)  # admission judges the worker placement chose
+        priority, need_s = await self._admit(t, turn, session, queues, placed)
         streaming = False
         task: TaskState | None = None
         flight: Flight | None = None
@@ -136,18 +145,17 @@ class TurnDesk:
                 one_turn=t.task_id is None,
             )
             self._tasks.turn_began(task, now)
-            lazy = tokenize if ids is None else None
-            turn = _turn_request(t, task, ids, chat, lazy, n_prompt, priority)
-            deadline_at = effective_deadline(now, t.deadline_s, task.deadline_at)
-            flight = self.flights.take_off(task.key, deadline_at)
+            turn = replace(turn, parent_task_id=task.parent, priority=priority)
+            share = self.paces.share(task, now, t.deadline_s, need_s)
+            flight = self.flights.take_off(task.key, share)
             try:
-                reply = await self.handle(turn, queues, flight)
+                reply = await self.handle(turn, queues, flight, placed)
             except asyncio.CancelledError:
                 if not flight.stopped:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise stopped_error(client_task, flight) from None
-            headers = {**reply.headers, "X-Task-ID": client_task}
+            headers = {**reply.headers, "X-Task-ID": client_task, **share_headers(share)}
             reply = replace(reply, headers=headers, session_id=t.session_id)
             if reply.chunks is not None:  # the turn ends when the stream ends
                 streaming = True
@@ -189,30 +197,45 @@ class TurnDesk:
         sid = session_id or (SessionId(f"task:{task_id}") if task_id else None)
         return self.sessions.get(tenant, sid) if sid else None
 
+    def _preview(self, turn: TurnRequest, queues: dict[WorkerId, float]) -> Placement | None:
+        """Where the turn would go now, before it is admitted (None: no worker to choose);
+        its first attempt goes there, unless a worker had to wake for it first."""
+        sid = turn.session_id or SessionId(f"task:{turn.task_id}")
+        session = self.sessions.get(turn.tenant, sid)
+        if session is None:  # its first turn: placed as on the session `_session` opens
+            session = SessionState(turn.tenant, sid, created_at=self._clock.now())
+        placement = self.placer.place(turn, session, frozenset(), queues)
+        return placement if placement.decision.worker is not None else None
+
     async def _admit(
         self,
         t: TurnInput,
-        client_task: str,
-        n_prompt: int,
+        turn: TurnRequest,
         session: SessionState | None,
         queues: dict[WorkerId, float],
-    ) -> int:
-        """Admission's decision on this turn (none without admission): the turn's priority,
-        clipped to its tenant's ceiling (0 without admission); raises when refused."""
+        placed: Placement | None,
+    ) -> tuple[int, float]:
+        """Admission's decision on this turn, judged on the worker placement chose: the
+        turn's priority, clipped to its tenant's ceiling (0 without admission), and its own
+        need (its estimated first token there); raises when refused."""
+        need_s = placed.decision.candidates[0].ttft_estimate_s if placed is not None else 0.0
         if self._admission is None:
-            return 0
+            return 0, need_s
         parent = self._tasks.key(t.tenant, t.parent_task_id) if t.parent_task_id else None
+        n_prompt = turn.prompt_len
+        resident = placed.resident if placed is not None else resident_hint(session, n_prompt)
         decision = await self._admission.admit_turn(
             t.tenant,
-            self._tasks.key(t.tenant, client_task),
+            turn.task_id,
             parent=parent,
             deadline_s=t.deadline_s,
             priority=t.priority,
             prompt_tokens=n_prompt,
-            resident_tokens=resident_hint(session, n_prompt),
+            resident_tokens=resident,
             queues=queues,
+            placed=placed.decision.worker if placed is not None else None,
         )
-        return decision.priority
+        return decision.priority, decision.first_token_s or 0.0
 
     # --- placement and forwarding ----------------------------------------------------
 
@@ -221,16 +244,18 @@ class TurnDesk:
         turn: TurnRequest,
         queues: dict[WorkerId, float] | None = None,
         flight: Flight | None = None,
+        placed: Placement | None = None,
     ) -> Reply:
         """Places and forwards one turn of its session; `queues`: this moment's estimates,
-        when the caller has them already; `flight`: what its task's cancellation stops."""
+        when the caller has them already; `flight`: what its task's cancellation stops;
+        `placed`: where admission saw it placed on them (its first attempt goes there)."""
         if self.power is not None and await self.power.ensure_awake():
-            queues = None  # a worker woke for it: this moment's estimates
+            queues = placed = None  # a worker woke for it: this moment's estimates
         now = self._clock.now()
         session = self._session(turn, now)
         self.sessions.began(session, now)
         try:
-            reply = await self._forward(turn, session, queues, flight or Flight(None))
+            reply = await self._forward(turn, session, queues, flight or Flight(None), placed)
         except BaseException:
             self._release(session)
             raise
@@ -262,14 +287,15 @@ class TurnDesk:
         session: SessionState,
         queues: dict[WorkerId, float] | None,
         flight: Flight,
+        placed: Placement | None,
     ) -> Reply:
         tried: set[WorkerId] = set()
         last_error: ApplianceError | None = None
         tokenized: Soon | None = None
         for _ in range(2):  # the first choice, then one retry elsewhere
             # A retry comes later: the queues are estimated again.
-            placement = self.placer.place(turn, session, frozenset(tried), queues)
-            queues = None
+            placement = placed or self.placer.place(turn, session, frozenset(tried), queues)
+            queues = placed = None
             worker_id = placement.decision.worker
             if worker_id is None:
                 break
@@ -328,7 +354,7 @@ class TurnDesk:
             # The last full block's hash commits to the whole prefix and the tenant salt.
             attempt.prefix_digest = chain.hashes[-1].hex()
             attempt.prefix_tokens = len(chain.hashes) * chain.block_size
-        self.queues.sent(worker, attempt.turn_id, est, now)
+        self.queues.sent(worker, attempt.turn_id, est, now, streamed=turn.stream)
         self.records.placed(attempt, placement.decision, turn.prompt_len)
         return attempt
 
@@ -356,35 +382,3 @@ class TurnDesk:
         if chain.hashes and attempt.first_byte_at is None:
             attempt.prefix_digest = chain.hashes[-1].hex()
             attempt.prefix_tokens = len(chain.hashes) * chain.block_size
-
-
-def _turn_request(
-    t: TurnInput,
-    task: TaskState,
-    ids: Sequence[int] | None,
-    chat: ChatTokens | None,
-    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None,
-    n_prompt: int,
-    priority: int,
-) -> TurnRequest:
-    return TurnRequest(
-        tenant=t.tenant,
-        path=t.path,
-        body=t.body,
-        prompt_ids=ids,
-        task_id=task.key,
-        session_id=t.session_id,
-        parent_task_id=task.parent,
-        client_salt=t.client_salt,
-        tool_class=t.tool_class,
-        expected_wait_s=t.expected_wait_s,
-        chat=chat,
-        messages=t.messages,
-        tokenize=tokenize,
-        estimated_tokens=n_prompt,
-        received_at=t.received_at,
-        priority=priority,
-        pinned=t.pinned,
-        route_note=t.route_note,
-        prompt_tip=t.prompt_tip,
-    )

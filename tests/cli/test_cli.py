@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
@@ -221,6 +222,51 @@ def test_costs_reads_a_ledger_file_offline(tmp_path: Path) -> None:
     assert row["cost_per_success"] == pytest.approx(4.0)
     table = run("costs", "--db", str(db), data_dir=tmp_path).stdout
     assert "cost_per_success" in table.splitlines()[0] and "acme" in table
+
+
+def test_costs_shows_the_boxs_overhead_beside_the_direct_cost(tmp_path: Path) -> None:
+    from appliance.domain.records import (
+        CostMode,
+        Price,
+        TaskEvent,
+        TaskEventType,
+        TaskId,
+        TaskRecord,
+        TenantId,
+        TurnId,
+        TurnOutcome,
+        TurnRecord,
+        WorkerId,
+    )
+    from appliance.domain.usage import UsagePeriod, WorkerUsage
+    from appliance.ledger import LedgerWriter
+
+    db = tmp_path / "ledger.db"
+    w0 = WorkerId("w0")
+    with LedgerWriter.open(db) as ledger:
+        price = Price(CostMode.GPU_SECONDS, 0.0, gpu_second=0.001, box_per_hour=3.6)
+        ledger.set_price(price).result()
+        ledger.record_task(TaskRecord(TaskId("t1"), TenantId("acme"), 10.0, task_class="code"))
+        acme, t1 = TenantId("acme"), TaskId("t1")
+        ok = TurnOutcome.OK
+        turn = TurnRecord(TurnId("u1"), acme, t1, None, w0, "m", 10, 0, 1, ok, 11.0, 12.0)
+        ledger.record_turn(dataclasses.replace(turn, gpu_s=40.0))
+        ledger.record_task_event(TaskEvent(TaskId("t1"), TaskEventType.SUCCEEDED, 20.0, True))
+        # 100 s: 60 idle GPU-seconds (0.06) and the box's 100 s (0.1)
+        ledger.record_usage(UsagePeriod(0.0, 100.0, (WorkerUsage(w0, 1, 100.0, 40.0),))).result()
+    import json
+
+    (row,) = json.loads(run("costs", "--db", str(db), "--json", data_dir=tmp_path).stdout)
+    # direct 40 GPU-s * 0.001 = 0.04; with the overhead 0.2 per success
+    assert row["cost"] == pytest.approx(0.04) and row["overhead"] == pytest.approx(0.16)
+    assert row["cost_per_success"] == pytest.approx(0.2)
+    assert row["direct_cost_per_success"] == pytest.approx(0.04)
+    header, line, footer = run("costs", "--db", str(db), data_dir=tmp_path).stdout.splitlines()
+    assert header.split()[-5:] == ["cost", "overhead", "total_cost", "cost_per_success", "currency"]
+    assert line.split()[-5:] == ["0.04", "0.16", "0.2", "0.2", "USD"]
+    assert footer == (
+        "overhead 0.16 USD: idle GPU time 0.06, energy 0, the box 0.1; shared by GPU-seconds"
+    )
 
 
 def test_costs_refuses_a_file_that_is_not_a_ledger(tmp_path: Path) -> None:

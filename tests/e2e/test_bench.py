@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e import ledger_costs
 from tests.running import BIN, add_key, appliance_process
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +59,8 @@ class BenchRun:
     ledger: Path
     state: dict[str, Any]
     """The appliance's state document once the run had ended."""
+    costs: list[dict[str, Any]]
+    """`appliance costs --json` once the appliance had stopped."""
 
 
 def bench(url: str, data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -78,8 +81,14 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchRun]:
     workload = data_dir / "workload.yaml"
     workload.write_text(WORKLOAD)
     report_file = data_dir / "bench.json"
-    # Self-hosted pricing: every attempt costs its share of its worker's GPU-seconds.
-    env = {"APPLIANCE_COSTS__MODE": "gpu_seconds"}
+    # Self-hosted pricing: every attempt costs its share of its worker's GPU-seconds, and the
+    # box's idle GPU-seconds, energy and hours are overhead, recorded every second.
+    env = {
+        "APPLIANCE_COSTS__MODE": "gpu_seconds",
+        "APPLIANCE_COSTS__ENERGY_PER_KWH": "0.25",
+        "APPLIANCE_COSTS__BOX_PER_HOUR": "20",
+        "APPLIANCE_LEDGER__USAGE_PERIOD_S": "1",
+    }
     with appliance_process(data_dir, workers=2, env=env) as up:
         bad_key = bench(up.url, data_dir, "--api-key", "sk-wrong", "--duration", "1")
         r = bench(
@@ -94,7 +103,14 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchRun]:
         state = httpx.get(f"{up.url}/admin/v1/state", headers=auth, timeout=30).json()
     # The appliance has stopped: every acknowledged row is in the file.
     report = json.loads(report_file.read_text())
-    yield BenchRun(report, r.stdout, bad_key, data_dir / "ledger.db", state)
+    ledger = data_dir / "ledger.db"
+    costs = subprocess.run(
+        [str(BIN / "appliance"), "costs", "--db", str(ledger), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    yield BenchRun(report, r.stdout, bad_key, ledger, state, json.loads(costs.stdout))
 
 
 def query(ledger: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
@@ -236,4 +252,70 @@ def test_cost_per_success_in_gpu_seconds_is_one_figure_in_table_and_chart(
     (ledger_cost,) = query(bench_run.ledger, "SELECT sum(cost) FROM turns")[0]
     assert spent == pytest.approx(ledger_cost, rel=1e-6)
     last = costs["series"][-1]
-    assert last["cost_per_success"] == pytest.approx(spent / succeeded, rel=1e-6)
+    with_overhead = sum(g["total_cost"] for g in groups)  # the chart's figure is the table's
+    assert last["cost_per_success"] == pytest.approx(with_overhead / succeeded, rel=1e-6)
+
+
+def test_the_box_usage_periods_cover_the_run_once_with_each_workers_energy(
+    bench_run: BenchRun,
+) -> None:
+    o = ledger_costs.overhead(bench_run.ledger)
+    starts, ends = zip(*o.periods, strict=True)
+    assert list(starts[1:]) == list(ends[:-1])  # no gap, no overlap
+    assert ends[-1] - starts[0] > DURATION_S  # from the router's start to its stop
+    per_period = query(
+        bench_run.ledger,
+        "SELECT count(*), count(energy_j), min(awake_s) FROM worker_usage GROUP BY period_id",
+    )
+    assert {(n, measured) for n, measured, _ in per_period} == {(2, 2)}  # simulated power
+    # What the ledger priced each period at is what its quantities and the price give.
+    (idle, energy, box) = query(
+        bench_run.ledger,
+        "SELECT sum(idle_cost), sum(energy_cost), (SELECT sum(box_cost) FROM usage_periods) "
+        "FROM worker_usage",
+    )[0]
+    assert (idle, energy, box) == pytest.approx((o.idle, o.energy, o.box), rel=1e-9)
+    assert o.idle > 0 and o.energy > 0 and o.box > 0
+
+
+def test_cost_per_success_counts_the_idle_box_in_the_report_and_the_console(
+    bench_run: BenchRun,
+) -> None:
+    """The box's idle time was charged to no one: at 87 % idle, cost per successful task
+    understated its cost up to 8 times (issue 40). Now `appliance costs` and the console
+    both show the direct cost and a share of the overhead, and agree with the ledger's rows
+    worked out by hand."""
+    whole = ledger_costs.overhead(bench_run.ledger)
+    by_hand = ledger_costs.groups(bench_run.ledger, whole.total)
+    report = {(r["task_class"], r["tenant"]): r for r in bench_run.costs}
+    assert report.keys() == by_hand.keys()
+    for key, g in by_hand.items():
+        row = report[key]
+        assert (row["tasks"], row["succeeded"]) == (g.tasks, g.succeeded), key
+        assert row["cost"] == pytest.approx(g.cost, rel=1e-6), key
+        assert row["gpu_s"] == pytest.approx(g.gpu_s, rel=1e-6), key
+        assert row["overhead"] == pytest.approx(g.overhead, rel=1e-6), key
+        assert row["total_cost"] == pytest.approx(g.cost + g.overhead, rel=1e-6), key
+        assert row["cost_per_success"] == pytest.approx(g.per_success, rel=1e-6), key
+    # The idle time is in it, and raises what a success costs above its direct cost.
+    assert whole.idle > 0 and whole.idle_gpu_s > 0
+    for row in bench_run.costs:
+        if row["succeeded"]:
+            assert row["cost_per_success"] > row["direct_cost_per_success"] > 0
+    # The console: the overhead the ledger had acknowledged when the state was read.
+    costs = bench_run.state["costs"]
+    shown = costs["overhead"]
+    assert shown["through"] is not None
+    seen = ledger_costs.overhead(bench_run.ledger, through=shown["through"])
+    assert seen.idle > 0
+    assert shown["total"] == pytest.approx(seen.total, rel=1e-6)
+    assert shown["idle_gpu_s"] == pytest.approx(seen.idle_gpu_s, rel=1e-6)
+    at_read = ledger_costs.groups(bench_run.ledger, seen.total)
+    state_groups = {(g["task_class"], g["tenant"]): g for g in costs["groups"]}
+    assert state_groups.keys() == at_read.keys()
+    for key, g in at_read.items():
+        assert state_groups[key]["overhead"] == pytest.approx(g.overhead, rel=1e-6), key
+        assert state_groups[key]["cost_per_success"] == pytest.approx(g.per_success, rel=1e-6)
+    succeeded = sum(g.succeeded for g in at_read.values())
+    total = sum(g.cost + g.overhead for g in at_read.values())
+    assert costs["series"][-1]["cost_per_success"] == pytest.approx(total / succeeded, rel=1e-6)

@@ -136,8 +136,11 @@ def test_a_price_change_never_rewrites_history(ledger: LedgerWriter, db: Path) -
     assert cost_report(db) == [
         {
             "task_class": "code", "tenant": "acme", "tasks": 1, "succeeded": 1,
-            "attempts": 3, "unpriced_attempts": 0, "cost": pytest.approx(0.0096),
-            "cost_per_success": pytest.approx(0.0096), "currency": "USD",
+            "attempts": 3, "unpriced_attempts": 0, "gpu_s": 0.0,
+            "cost": pytest.approx(0.0096), "overhead": 0.0, "overhead_idle": 0.0,
+            "overhead_energy": 0.0, "overhead_box": 0.0, "total_cost": pytest.approx(0.0096),
+            "cost_per_success": pytest.approx(0.0096),
+            "direct_cost_per_success": pytest.approx(0.0096), "currency": "USD",
         }
     ]  # fmt: skip
 

@@ -22,7 +22,9 @@ from appliance.api.state_document import admin_state
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot, WorkerState, WorkerStatus
+from appliance.policy.overhead import Overhead
 from appliance.policy.routing import RouteKind
+from appliance.services.box_usage import RecordedUsage
 from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed, EventKind
 from appliance.services.gpu_meter import GpuTime
@@ -103,7 +105,9 @@ def _sources(with_gpu: bool) -> StateSources:
         ),
         records=SimpleNamespace(
             routed_by_reason={RouteKind.PREFIX_RESIDENT: 3},
-            meter=SimpleNamespace(reading=lambda w: GpuTime(awake_s=100.0, busy_s=40.0)),
+            meter=SimpleNamespace(
+                reading=lambda w: GpuTime(awake_s=100.0, busy_s=40.0), charged_s=40.0
+            ),
         ),
         queues=SimpleNamespace(slowdown=lambda w: 1.25 if w == "w0" else 1.0),
     )
@@ -120,7 +124,19 @@ def _sources(with_gpu: bool) -> StateSources:
         currency="USD",
         events=events,
         cost_series=CostSeries(),
+        usage=SimpleNamespace(recorded=lambda: RECORDED) if with_gpu else None,  # type: ignore[arg-type]
     )
+
+
+# The overhead the ledger acknowledged: 60 idle GPU-seconds, 0.5 kWh, half an hour.
+RECORDED = RecordedUsage(
+    through=990.0,
+    overhead=Overhead(idle=0.066, energy=0.15, box=2.0),
+    awake_s=100.0,
+    idle_s=60.0,
+    energy_j=1_800_000.0,
+    box_s=1800.0,
+)
 
 
 def published(snap: StateSnapshot) -> dict[str, Any]:
@@ -185,6 +201,20 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
             ("worker_restart", "w1", None),
         ]
         assert state.costs.series is not None and len(state.costs.series) == 1
+        if with_gpu:
+            assert state.costs.overhead == schemas.OverheadView(
+                through=990.0,
+                idle=0.066,
+                energy=0.15,
+                box=2.0,
+                total=2.216,
+                awake_gpu_s=100.0,
+                idle_gpu_s=60.0,
+                energy_kwh=0.5,
+                box_hours=0.5,
+            )
+        else:
+            assert state.costs.overhead is None
         # The KV index's view now (the router's `residency`), not the placement's prediction.
         assert state.sessions[0].resident_tokens.gpu == 4096
         assert state.sessions[0].resident_tokens.host == 1024

@@ -46,10 +46,15 @@ def snapshot_state() -> dict[str, object]:
         "currency": "USD",
         "groups": [
             {"task_class": "code", "tenant": "alice", "tasks": 12, "succeeded": 9,
-             "attempts": 40, "cost": 2.7, "cost_per_success": 0.3},
+             "attempts": 40, "cost": 2.7, "overhead": 0.9, "total_cost": 3.6,
+             "cost_per_success": 0.4},
             {"task_class": "research", "tenant": "bob", "tasks": 5, "succeeded": 2,
-             "attempts": 17, "unpriced_attempts": 2, "cost": 1.1, "cost_per_success": 0.55},
+             "attempts": 17, "unpriced_attempts": 2, "cost": 1.1, "overhead": 0.3,
+             "total_cost": 1.4, "cost_per_success": 0.7},
         ],
+        "overhead": {"through": t - 20, "idle": 0.95, "energy": 0.05, "box": 0.2,
+                     "total": 1.2, "awake_gpu_s": 1500.0, "idle_gpu_s": 863.6,
+                     "energy_kwh": 0.2, "box_hours": 0.1},
         "series": [
             {"window_start": t - 60 * (12 - i), "cost_per_success": 0.2 + 0.03 * (i % 5),
              "succeeded": 2 + i}

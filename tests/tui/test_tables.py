@@ -202,11 +202,16 @@ def test_costs_not_reported_and_reported() -> None:
     assert render_costs(state) == "costs: no finished tasks yet"
     state["costs"]["groups"] = [
         {"task_class": "code", "tenant": "alice", "tasks": 3, "succeeded": 2, "attempts": 9,
-         "cost": 1.5, "cost_per_success": 0.75},
+         "cost": 1.5, "overhead": 0.5, "total_cost": 2.0, "cost_per_success": 1.0},
+        {"task_class": "old", "tenant": "bob", "tasks": 1, "succeeded": 1, "attempts": 1,
+         "cost": 0.5, "cost_per_success": 0.5},  # from a server that spreads no overhead
     ]  # fmt: skip
-    assert render_costs(state).splitlines()[1].split() == [
-        "code", "alice", "3", "2", "9", "1.50", "0.7500", "EUR",
+    lines = render_costs(state).splitlines()
+    assert lines[0].split()[5:8] == ["cost", "overhead", "total"]
+    assert lines[1].split() == [
+        "code", "alice", "3", "2", "9", "1.50", "0.5000", "2.00", "1.00", "EUR",
     ]  # fmt: skip
+    assert lines[2].split()[5:9] == ["0.5000", "-", "-", "0.5000"]
 
 
 def test_json_views() -> None:

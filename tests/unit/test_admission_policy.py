@@ -17,11 +17,10 @@ from appliance.policy.admission import (
     TenantLoad,
     Verdict,
     Work,
-    WorkerEstimate,
     admit,
-    effective_deadline,
     fair_share,
 )
+from appliance.policy.deadline_share import WorkerEstimate, effective_deadline
 
 NOW = 1000.0
 LIMITS = AdmissionLimits(

@@ -437,15 +437,23 @@ def test_groups_come_in_string_order_of_class_then_tenant_with_no_class_first() 
     ]
 
 
-# A group as cost_per_success returns it: code/acme, the window from t=100.
-GROUP = CostGroup("code", "acme", 100.0, 5, 2, 9, 1, 6.5, 3.25)
+# A group as policy/overhead.py leaves it: code/acme, the window from t=100, 6.5 direct and
+# 0.5 + 0.25 + 1.25 = 2.0 overhead, so 8.5 in all over 2 successes: 4.25 (3.25 direct).
+GROUP = CostGroup("code", "acme", 100.0, 5, 2, 9, 1, 6.5, 4.25, 40.0, 0.5, 0.25, 1.25)
 FIGURES = [
     ("tasks", 5),
     ("succeeded", 2),
     ("attempts", 9),
     ("unpriced_attempts", 1),
+    ("gpu_s", 40.0),
     ("cost", 6.5),
-    ("cost_per_success", 3.25),
+    ("overhead", 2.0),
+    ("overhead_idle", 0.5),
+    ("overhead_energy", 0.25),
+    ("overhead_box", 1.25),
+    ("total_cost", 8.5),
+    ("cost_per_success", 4.25),
+    ("direct_cost_per_success", 3.25),
 ]
 
 

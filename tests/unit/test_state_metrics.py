@@ -3,12 +3,14 @@ one it is in and 0 for the others, so that a query needs no list of states."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerPowerState, WorkerState, WorkerStatus
+from appliance.services.gpu_meter import GpuTime
 from appliance.services.histogram import PromHistogram
 from appliance.services.state import StateSources, metrics_text
 from appliance.services.tasks import TaskBook
@@ -73,3 +75,32 @@ def test_the_worker_reapers_wakes_are_a_histogram_when_it_runs() -> None:
     buckets = got["appliance_worker_wake_seconds_bucket"]
     assert (buckets[("", "5")], buckets[("", "30")], buckets[("", "+Inf")]) == (1, 2, 3)
     assert got["appliance_worker_wake_seconds_sum"][("", "")] == 2.7 + 22.9 + 41.0
+
+
+def test_each_workers_gpu_seconds_and_energy_are_counters() -> None:
+    status = WorkerStatus(WorkerId("w0"), "sim", "http://x", (), WorkerState.HEALTHY, False, 0)
+    workers = [status, dataclasses.replace(status, id=WorkerId("w1"))]
+    records = TurnRecords(AckLedger(), model="m")  # type: ignore[arg-type]
+    records.meter = SimpleNamespace(reading=lambda w: GpuTime(awake_s=100.0, busy_s=30.0))  # type: ignore[assignment]
+    queues = SimpleNamespace(slowdown=lambda w: 1.0)
+    desk = SimpleNamespace(sessions=[], records=records, queues=queues)
+    joules = {WorkerId("w0"): 3600.0}  # w1: no power reading yet
+    src = StateSources(
+        workers=lambda: workers,
+        desk=desk,  # type: ignore[arg-type]
+        tasks=TaskBook(AckLedger()),  # type: ignore[arg-type]
+        gpus=lambda: None,
+        clock_now=lambda: 0.0,
+        kv_bytes_per_token=1,
+        currency="USD",
+        usage=SimpleNamespace(energy=SimpleNamespace(joules=joules.get)),  # type: ignore[arg-type]
+    )
+    samples = {
+        (s.name, s.labels.get("worker")): s.value
+        for family in text_string_to_metric_families(metrics_text(src))
+        for s in family.samples
+    }
+    assert samples[("appliance_worker_gpu_busy_seconds_total", "w1")] == 30.0
+    assert samples[("appliance_worker_gpu_idle_seconds_total", "w1")] == 70.0
+    assert samples[("appliance_worker_gpu_energy_joules_total", "w0")] == 3600.0
+    assert ("appliance_worker_gpu_energy_joules_total", "w1") not in samples
