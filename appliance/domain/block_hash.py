@@ -71,6 +71,18 @@ def cacheable_tokens(prompt_tokens: int, block_size: int) -> int:
     return cacheable_blocks(prompt_tokens, block_size) * block_size
 
 
+def shared_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items `a` and `b` share (compared a slice at a time, in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def event_block_hash(digest: bytes) -> int:
     """A digest as KV events carry it: its last 8 bytes as a big-endian uint64."""
     return int.from_bytes(digest, "big") & _UINT64_MASK

@@ -83,6 +83,8 @@ class KvIndex:
         self._forgotten = 0
         self._losses: dict[WorkerId, int] = {}
         self._generations: dict[WorkerId, int] = {}
+        self._masks: dict[WorkerId, int] = {}
+        """Each worker's slots as a bit mask, kept while no slot is added."""
 
     def _slot(self, worker: WorkerId, medium: str) -> int:
         slot = self._slot_of.get((worker, medium))
@@ -91,10 +93,16 @@ class KvIndex:
                 raise ValueError(f"more than {MAX_SLOTS} (worker, tier) pairs in one index")
             slot = self._slot_of[(worker, medium)] = len(self._slots)
             self._slots.append((worker, medium))
+            self._masks.clear()
         return slot
 
     def _worker_mask(self, worker: WorkerId) -> int:
-        return sum(1 << i for i, (w, _) in enumerate(self._slots) if w == worker)
+        mask = self._masks.get(worker)
+        if mask is None:
+            mask = sum(1 << i for i, (w, _) in enumerate(self._slots) if w == worker)
+            # Equivalent mutants on the next line: without the cache the mask is recomputed.
+            self._masks[worker] = mask  # pragma: no mutate (equivalent)
+        return mask
 
     def _medium_mask(self, medium: str | None) -> int:
         if medium is None:

@@ -45,7 +45,7 @@ from appliance.policy.worker_power import (
 from appliance.replay.closed_loop import TaskOutcome
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
-from appliance.sim.virtual import EngineView, Route
+from appliance.sim.engine_views import EngineView, Route
 
 MODEL = "replay"
 GIB = 1 << 30

@@ -29,6 +29,7 @@ from appliance.domain.block_hash import (
     RequestKeys,
     cacheable_tokens,
     event_block_hash,
+    shared_prefix,
 )
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import TurnId, WorkerId
@@ -40,7 +41,7 @@ from appliance.policy.routing.core import default_profile
 from appliance.services.queue_book import QueueBook
 from appliance.sim.clock import VirtualClock
 from appliance.sim.engine_io import SimRequest, StepResult
-from appliance.sim.virtual import EngineView
+from appliance.sim.engine_views import EngineView
 
 _NUMBERS = re.compile(r"\d[\d.,]*")
 APPLIANCE = "appliance"
@@ -48,6 +49,8 @@ MODEL = "replay"
 POLICY_NAMES = (APPLIANCE, *ANCHORS)
 _USES_INDEX = {APPLIANCE, "llm-d-precise", "dynamo-kv"}
 _USES_KEYS = _USES_INDEX | {"sglang-cache-aware"}
+_KEYS_KEPT = 4096
+"""Sessions whose last prompt's event hashes a router keeps, to convert only what is new."""
 
 
 def worker_url(i: int) -> str:
@@ -97,6 +100,7 @@ class PolicyRouter:
         self.active: list[Counter[int]] = [Counter() for _ in range(workers)]
         self.live: dict[str, _Live] = {}
         self.home: dict[str, int] = {}
+        self._last_keys: dict[str, tuple[Sequence[BlockHash], tuple[int, ...]]] = {}
         self.reasons: Counter[str] = Counter()
         if policy == APPLIANCE:
             self.profile = default_profile()
@@ -151,7 +155,23 @@ class PolicyRouter:
         digests = req.block_hashes  # salted: a tree over them has the same shape
         if digests is None:
             digests = self.hasher.hash_blocks(req.prompt_token_ids, keys=keys)
-        return tuple(event_block_hash(d) for d in digests)
+        return self._event_keys(req.session_id, digests)
+
+    def _event_keys(self, session: str | None, digests: Sequence[BlockHash]) -> tuple[int, ...]:
+        """The digests as KV events name them; what the session's previous prompt shares
+        with this one (its leading digests) converted once."""
+        keys: tuple[int, ...] = ()
+        last = self._last_keys.pop(session, None) if session else None
+        if last is not None:
+            prev = last[0]  # most often all of it begins this prompt: one comparison
+            same = len(prev) if digests[: len(prev)] == prev else shared_prefix(prev, digests)
+            keys = last[1][:same]
+        keys += tuple(map(event_block_hash, digests[len(keys) :]))
+        if session:
+            self._last_keys[session] = (digests, keys)
+            if len(self._last_keys) > _KEYS_KEPT:
+                del self._last_keys[next(iter(self._last_keys))]  # the longest unseen
+        return keys
 
     def _resident(self, keys: tuple[int, ...]) -> list[int]:
         if self.index is None or not keys:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from appliance.domain.block_hash import shared_prefix
 from appliance.perf.latency import CopyCurve, LatencyModel
 from appliance.policy.residency import (
     HeldSession,
@@ -24,7 +25,7 @@ from appliance.policy.residency import (
     ResidencyAction,
     ResidencyDecision,
 )
-from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE, shared_prefix
+from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE
 from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 
 BOUND_ROUTING = "appliance"

@@ -40,7 +40,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys
+from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys, shared_prefix
 from appliance.replay.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.virtual import Arrival, RequestRecord
@@ -336,15 +336,3 @@ def block_tokens(keys: Sequence[object], scope: str) -> list[int]:
 
 
 _TOKEN_STEPS = tuple(7919 * i for i in range(TRACE_BLOCK_TOKENS))
-
-
-def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading ids `a` and `b` share (compared a slice at a time, in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -39,6 +39,7 @@ summary (`restore`: by trigger, signals skipped by kind, TTFT saved).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -215,29 +216,35 @@ def capacity(
     run: Callable[[int], dict[str, object]],
     slo_ttft_p95_s: float,
     *,
-    start: int = 4,
+    start: int = 32,
     limit: int = 4096,
     resolution: float = 1 / 16,
+    confirm_misses: int = 2,
     say: Callable[[str], None] = lambda line: None,
 ) -> tuple[int, list[dict[str, object]]]:
     """The largest `users` whose run (`run(users)`) keeps its TTFT p95 within the SLO, and
-    every run made: doubling from `start` until two counts in a row above the largest that
-    met it miss it (the p95 of a small count rests on a few first turns, so one miss there
-    says little), then halving the gap between that largest and the first miss above it
-    until it is at most `resolution` of the count found (or 1)."""
+    every run made: doubling from `start` until `confirm_misses` counts in a row above the
+    largest that met it miss it (in a run of fixed duration the p95 of a small count rests
+    on a few first turns, so one miss there says little; a pass over every session counts
+    them all at any count), then narrowing the gap between that largest and the first miss
+    above it until it is at most `resolution` of the count found (or 1): each next count
+    where the line between the two ends' p95 crosses the SLO, kept a quarter of the gap
+    from either end (so the gap shrinks at least by a quarter)."""
     rows: list[dict[str, object]] = []
+    p95s: dict[int, float] = {}
 
     def meets(users: int) -> bool:
         row = run(users)
         rows.append(row)
         p95 = row["ttft_p95_s"]
         ok = isinstance(p95, float | int) and p95 <= slo_ttft_p95_s
+        p95s[users] = float(p95) if isinstance(p95, float | int) else math.inf
         say(f"{row['stack']}: {users} users: TTFT p95 {p95} s {'meets' if ok else 'misses'}")
         return ok
 
     good, misses = 0, []
     users = start
-    while users <= limit and len(misses) < 2:
+    while users <= limit and len(misses) < confirm_misses:
         if meets(users):
             good, misses = users, []
         else:
@@ -247,9 +254,20 @@ def capacity(
         return good, rows
     bad = misses[0]
     while bad - good > max(1, int(good * resolution)):
-        mid = (good + bad) // 2
-        if meets(mid):
-            good = mid
+        users = _next_count(good, bad, p95s.get(good, 0.0), p95s[bad], slo_ttft_p95_s)
+        if meets(users):
+            good = users
         else:
-            bad = mid
+            bad = users
     return good, rows
+
+
+def _next_count(good: int, bad: int, p95_good: float, p95_bad: float, slo: float) -> int:
+    """Where the line from (good, its p95) to (bad, its p95) meets the SLO, at least a
+    quarter of the gap from either end (the middle when the bad end's p95 is unknown)."""
+    gap = bad - good
+    at = good + gap / 2
+    if math.isfinite(p95_bad) and p95_bad > p95_good:
+        at = good + gap * (slo - p95_good) / (p95_bad - p95_good)
+    at = min(max(at, good + gap / 4), bad - gap / 4)
+    return min(max(round(at), good + 1), bad - 1)

@@ -107,11 +107,7 @@ class DecodeRun:
         batch = len(self._batch)
         context, self._context = self._context, self._context + batch
         # `latency.decode_step_s(batch, context)`, the same sum: G(batch) kept per batch size.
-        decode = self.latency.decode
-        g = self._batch_s.get(batch)
-        if g is None:
-            g = self._batch_s[batch] = decode.step_s(batch, 0)
-        duration = g + decode.per_context_token_s * context
+        duration = self._batch_g(batch) + self.latency.decode.per_context_token_s * context
         n = self._n
         n.generation_tokens += batch
         n.steps += 1
@@ -121,6 +117,54 @@ class DecodeRun:
         self._durations.append(duration)
         self.left -= 1
         return duration
+
+    def quiet_durations(self, now: float, due: float | None) -> list[float]:
+        """The durations of the planned steps ahead, from `now`, in which no request nears a
+        block edge and that start before `due` (a pin falling due), as `advance` would run
+        them; nothing is run (`run_quiet` runs them)."""
+        steps = min(self._quiet, self.left)
+        batch = len(self._batch)
+        if steps <= 0 or not batch:
+            return []
+        g, per_token = self._batch_g(batch), self.latency.decode.per_context_token_s
+        context = self._context
+        out = [g + per_token * (context + j * batch) for j in range(steps)]
+        if due is None:
+            return out
+        start = now
+        for j, duration in enumerate(out):
+            if start >= due:
+                return out[:j]
+            start += duration
+        return out
+
+    def run_quiet(self, durations: list[float]) -> None:
+        """Run the first `len(durations)` of the `quiet_durations` ahead, as as many calls
+        of `advance` would: only counted, their tokens written when `settle` is due."""
+        steps, batch = len(durations), len(self._batch)
+        if not 0 < steps <= min(self._quiet, self.left):
+            raise ValueError(f"{steps} quiet steps asked, {min(self._quiet, self.left)} ahead")
+        n = self._n
+        n.generation_tokens += steps * batch
+        n.steps += steps
+        busy = n.busy_s
+        for duration in durations:  # added one by one, as `advance` adds them
+            busy += duration
+        n.busy_s = busy
+        if self.cache.has_events:  # any since the engine's last step
+            self._events.append((len(self._durations), self.cache.take_events()))
+        self._durations += durations
+        self._lag += steps
+        self._quiet -= steps
+        self.left -= steps
+        self._context += steps * batch
+
+    def _batch_g(self, batch: int) -> float:
+        """`latency.decode_step_s(batch, 0)`, kept per batch size."""
+        g = self._batch_s.get(batch)
+        if g is None:
+            g = self._batch_s[batch] = self.latency.decode.step_s(batch, 0)
+        return g
 
     def _edge_step(self) -> bool:
         """A step near a block edge, request by request as `SimEngine.step` runs it."""

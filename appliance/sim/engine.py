@@ -43,12 +43,14 @@ Public API (the server builds on these names; everything else is private):
   `add_request(req, now)` (ValueError for a duplicate id, an empty prompt, one of
   max_model_len tokens or more, max_tokens < 1), `abort_request(request_id, now)`,
   `has_unfinished_requests()`, `step(now) -> StepResult`, `stats -> EngineStats`
-  (`queue_lengths()`: its running and waiting counts alone), `decode_step(now)` and
-  `take_decoded(steps)` (a plain decode step with its outputs held: `decode_run.py`),
+  (`queue_lengths()`: its running and waiting counts alone), `decode_step(now)`,
+  `decode_stretch(now)`, `run_stretch` and `take_decoded(steps)` (plain decode steps with
+  their outputs held: `decode_run.py`),
   `reset_prefix_cache() -> bool`, `block_ids(request_id)`, `cache` (the `PrefixCache`, to
   peek at; never change it), `host` (the `HostTier` or None), `demote(session_id)` and
-  `evict(session_id)` (below), `restore(session_id, now, hold_s)` (with a retention: the
-  session's newest finished prompt promoted from the host tier, a prefetch below).
+  `evict(session_id)` (`residency_hook.py`), `restore(session_id, now, hold_s)` (with a
+  retention: the session's newest finished prompt promoted from the host tier, a prefetch
+  below).
   `output_token_ids(req, index)` chooses the `index`-th generated token (default:
   `default_output_token`).
 - `StepResult(duration_s, outputs, events, num_scheduled_tokens, scheduled, preempted,
@@ -80,30 +82,8 @@ cached (`num_cached_tokens`) and, apart, as `host_hit_tokens_total`
 (`vllm:prompt_tokens_cached_by_source{source="host"}`). A step with nothing to schedule
 but loads in flight lasts until the first load completes (`idle_until_s`).
 
-Residency (`residency=`, default none: vLLM as above; `pin_keeper.py` carries it out): when
-a request finishes (not aborted), `residency.after_turn(TurnEnd(...))` says what becomes of
-its cached blocks (`AfterTurn`): "release" (vLLM's free), "hold" until a time (pinned,
-`PrefixCache.pin`, owner: its session, else its id), "evict" (freed to the head of the
-eviction order) or "demote" (copied to the host tier, then freed and forgotten on the GPU;
-ValueError without a host tier). Pins due by a step's `now` are released at the start of
-that step, except those of sessions whose next request is already waiting; a session's pin
-is released when its next request is admitted (that request then holds what it reuses); and
-under pressure the cache gives pins back in `residency.pin_priority` order before the
-scheduler would preempt or stop admitting. `demote(session_id)` and `evict(session_id)` do
-the same to a held session's pin at any time between steps. A hook with `revisit(PinDue)` is
-asked again about each pin as it comes due (before it would lapse) and the engine extends
-it, demotes or evicts it, or lets it lapse, as the answer says; a hook with
-`turn_arrived(req, now)` is told of each request as it is added. A running request is never
-preempted for its own session's pin (only a request adopting a hit spares it: it may hold
-those very blocks).
-
-Retention (`retention=`, a `RetentionHook`, default none; the live worker's
-`retention.SimRetention`, the retention connector's twin): called where vLLM's scheduler
-calls its KV connector: at the start of each step, for each waiting request just before
-its allocation (holds are given back until its prompt fits), when a running request is
-short of blocks (holds given back: it is not scheduled this step and nobody is
-preempted, as vLLM does on `has_pending_block_frees`), and before a finished or aborted
-request's blocks are freed.
+Residency (`residency=`) and retention (`retention=`): when the engine calls each and what
+it does with the answers, `residency_hook.py`.
 
 Prefetches (`prefetches`, a `PrefetchLane`: `prefetch_lane.py` says what it does): a
 session's KV restored before its next turn, a promotion on the host -> GPU channel the host
@@ -113,8 +93,9 @@ branch's pin and drops its own blocks on every tier.
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
-a few microseconds per running request, and a plain decode step (`decode_step`) about a
-microsecond per request, with no output built until its outputs are taken.
+a few microseconds per running request; plain decode steps (`decode_step`, and runs of them
+that touch no block: `decode_stretch`) cost only their counting until their outputs are
+taken.
 """
 
 from __future__ import annotations
@@ -350,24 +331,48 @@ class SimEngine:
         """The virtual driver's fast path (`decode_run.py`): if the next step is a plain
         decode step, run it now as `step` would, hold its outputs back for `take_decoded`
         and return its duration; else None, nothing done (call `step`)."""
-        lane = self.prefetches
+        run = self._plain_run(now)
+        duration = None if run is None else run.advance()
+        if duration is not None:
+            self._clock_to(now)
+        return duration
+
+    def decode_stretch(self, now: float) -> list[float]:
+        """The durations of the plain decode steps from `now` on that touch no block and
+        start before any pin falls due, `decode_step` after `decode_step`; nothing is run
+        (`run_stretch` runs the first of them)."""
+        run = self._plain_run(now)
+        return [] if run is None else run.quiet_durations(now, self._pin_due())
+
+    def run_stretch(self, durations: list[float], last_start: float) -> None:
+        """Run the first `len(durations)` steps of `decode_stretch`, the last at `last_start`."""
+        self._decode.run_quiet(durations)
+        self._clock_to(last_start)
+
+    def _plain_run(self, now: float) -> DecodeRun | None:
+        """The decode run if the next step is a plain decode step, planned; else None."""
         if self._retention is not None or self._pending or self._waiting or self._loading:
             return None
-        if lane.busy:
+        if self.prefetches.busy:
             return None  # (its `schedule` would take what the step leaves)
-        if self._residency is not None or lane.started:
-            due = self.cache.next_pin_expiry_s()
-            if due is not None and due <= now:
-                return None
+        due = self._pin_due()
+        if due is not None and due <= now:
+            return None
         run = self._decode
         if run.left <= 0 and not run.plan(self._running, self.max_num_batched_tokens):
             return None
-        duration = run.advance()
-        if duration is not None:
-            self._now = now
-            if self.host is not None:
-                self.host.now_s = now
-        return duration
+        return run
+
+    def _pin_due(self) -> float | None:
+        """When the next pin falls due, where a step would look (None: never)."""
+        if self._residency is not None or self.prefetches.started:
+            return self.cache.next_pin_expiry_s()
+        return None
+
+    def _clock_to(self, now: float) -> None:
+        self._now = now
+        if self.host is not None:
+            self.host.now_s = now
 
     def take_decoded(self, steps: int) -> StepResult:
         """The outputs of the `steps` oldest steps `decode_step` ran, as one step's."""

@@ -1,7 +1,32 @@
 """The contracts between a simulated engine and what decides where a session's KV stays:
 a residency policy (the replay's), told when a request finishes or a pin comes due, whose
-answer the engine carries out (`engine.py` says how); and the retention connector's twin
-(`retention.py`), called where vLLM's scheduler calls its KV connector."""
+answer the engine carries out (`pin_keeper.py`); and the retention connector's twin
+(`retention.py`), called where vLLM's scheduler calls its KV connector.
+
+Residency (`residency=`, default none: vLLM as `engine.py` models it; `pin_keeper.py`
+carries it out): when a request finishes (not aborted),
+`residency.after_turn(TurnEnd(...))` says what becomes of its cached blocks (`AfterTurn`):
+"release" (vLLM's free), "hold" until a time (pinned, `PrefixCache.pin`, owner: its
+session, else its id), "evict" (freed to the head of the eviction order) or "demote"
+(copied to the host tier, then freed and forgotten on the GPU; ValueError without a host
+tier). Pins due by a step's `now` are released at the start of that step, except those of
+sessions whose next request is already waiting; a session's pin is released when its next
+request is admitted (that request then holds what it reuses); and under pressure the cache
+gives pins back in `residency.pin_priority` order before the scheduler would preempt or
+stop admitting. `demote(session_id)` and `evict(session_id)` do the same to a held
+session's pin at any time between steps. A hook with `revisit(PinDue)` is asked again about
+each pin as it comes due (before it would lapse) and the engine extends it, demotes or
+evicts it, or lets it lapse, as the answer says; a hook with `turn_arrived(req, now)` is
+told of each request as it is added. A running request is never preempted for its own
+session's pin (only a request adopting a hit spares it: it may hold those very blocks).
+
+Retention (`retention=`, a `RetentionHook`, default none; the live worker's
+`retention.SimRetention`, the retention connector's twin): called where vLLM's scheduler
+calls its KV connector: at the start of each step, for each waiting request just before
+its allocation (holds are given back until its prompt fits), when a running request is
+short of blocks (holds given back: it is not scheduled this step and nobody is
+preempted, as vLLM does on `has_pending_block_frees`), and before a finished or aborted
+request's blocks are freed."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ engine settings give the same records, bit for bit.
 Arrivals are consumed lazily, in time order (an iterator of 12k prompts of 100k tokens
 would not fit in memory as a list). An arrival names its engine, or the `route` callback
 picks one: `route(request, views) -> engine index`, where `views` shows each engine's
-index, load and cache (see `EngineView`); `round_robin()` and `session_hash()` are provided.
+index, load and cache (`engine_views.py`: `EngineView`, `round_robin()`, `session_hash()`).
 
 Closed loops: `on_finish(record)` sees each request as it finishes and may return more
 arrivals (an agent's next turn after its tool wait), at that time or later; they join the
@@ -33,19 +33,21 @@ outputs (tokens, KV events) are held back, and handed over together (`take_decod
 `StepResult` at the last such step's end, before the engine's next other step, an arrival,
 a timer or a finish anywhere, whichever comes first. Records and engines end exactly as
 when each step is handed over alone (`fast_decode=False`); `on_step` sees such a run as
-one step (durations summed, tokens and events together).
+one step (durations summed, tokens and events together). A run of such steps that touch
+no block goes on the heap as one event and runs when someone may look (`decode_stretch.py`).
 """
 
 from __future__ import annotations
 
 import heapq
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from appliance.sim.decode_stretch import DecodeStretch
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.engine_stats import EngineStats
+from appliance.sim.engine_views import Route, engine_views, round_robin
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,21 +65,6 @@ class Timer:
 
     time_s: float
     fire: Callable[[float], Iterable[Timer] | None]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineView:
-    """What a routing callback sees of one engine at the arrival time."""
-
-    index: int
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    engine: SimEngine
-    """The engine itself, e.g. for `engine.cache.lookup`; a router must not change it."""
-
-
-Route = Callable[[SimRequest, Sequence[EngineView]], int]
 
 
 @dataclass(slots=True)
@@ -110,30 +97,9 @@ class ReplayResult:
     num_steps: int = 0
 
 
-def round_robin() -> Route:
-    """Engines in turn, whatever their state."""
-    state = {"next": 0}
-
-    def route(req: SimRequest, views: Sequence[EngineView]) -> int:
-        i = state["next"] % len(views)
-        state["next"] = i + 1
-        return i
-
-    return route
-
-
-def session_hash() -> Route:
-    """A fixed engine per session (CRC-32 of the session id, else of the request id)."""
-
-    def route(req: SimRequest, views: Sequence[EngineView]) -> int:
-        key = req.session_id if req.session_id is not None else req.request_id
-        return zlib.crc32(key.encode()) % len(views)
-
-    return route
-
-
 _TIMER, _ARRIVAL, _STEP_DONE = 0, 1, 2
 _DECODED = StepResult(0.0, [], [], 0)  # a plain decode step's, its outputs held (module)
+_STRETCH = StepResult(0.0, [], [], 0)  # a stretch of them ended (`decode_stretch.py`)
 _FOLLOW = -2  # the engine slot of an arrival `on_finish` returned (-1: from `arrivals`)
 
 
@@ -187,6 +153,7 @@ class _Replay:
         self.fast = fast_decode
         self.held = [0] * len(engines)  # plain decode steps done, their outputs held
         self.held_at = [0.0] * len(engines)  # when the last of them ended
+        self.stretches: list[DecodeStretch | None] = [None] * len(engines)  # not yet run
 
     def run(self) -> ReplayResult:
         self.push_next_arrival()
@@ -199,6 +166,8 @@ class _Replay:
             self.now = t
             if payload is _DECODED:
                 self.decoded(i)
+            elif payload is _STRETCH:
+                self.stretch_ended(i)
             elif isinstance(payload, Arrival):
                 if i != _FOLLOW:
                     self.push_next_arrival()
@@ -237,6 +206,21 @@ class _Replay:
     def start_step(self, i: int, t: float) -> None:
         engine, heap = self.engines[i], self.heap
         while self.fast:  # plain decode steps, outputs held (see the module)
+            durations = engine.decode_stretch(t)
+            if len(durations) > 1:
+                stretch = DecodeStretch.plan(t, durations, self.seq + 1)
+                if heap and heap[0][0] <= stretch.end_s:  # run when someone may look
+                    self.seq += 1
+                    self.stretches[i] = stretch
+                    self.busy[i] = True
+                    self.idle_step[i] = None
+                    heapq.heappush(heap, (stretch.end_s, _STEP_DONE, self.seq, i, _STRETCH))
+                    return
+                self.run_stretch(i, stretch, len(durations))  # nothing comes before its end
+                self.now = t = stretch.end_s
+                self.held[i] += 1
+                self.held_at[i] = t
+                continue
             duration = engine.decode_step(t)
             if duration is None:
                 if self.held[i]:
@@ -295,6 +279,36 @@ class _Replay:
         self.held_at[i] = self.now
         self.start_step(i, self.now)  # it finished nobody: the engine has work
 
+    def stretch_ended(self, i: int) -> None:
+        """Every step of engine `i`'s stretch ended: they run, their outputs held."""
+        stretch = self.stretches[i]
+        assert stretch is not None
+        self.stretches[i] = None
+        self.run_stretch(i, stretch, len(stretch.durations))
+        self.decoded(i)  # its last step
+
+    def run_stretch(self, i: int, stretch: DecodeStretch, steps: int) -> None:
+        """The first `steps` steps of the stretch run; all but the last held."""
+        self.engines[i].run_stretch(stretch.durations[:steps], stretch.starts[steps - 1])
+        self.steps += steps
+        self.empty_steps[i] = 0
+        if steps > 1:
+            self.held[i] += steps - 1
+            self.held_at[i] = stretch.starts[steps - 1]
+
+    def cut_stretches(self) -> None:
+        """Someone may look now: each stretch's steps begun so far run, the one under way
+        ending at its own end (`decode_stretch.py`)."""
+        for i, stretch in enumerate(self.stretches):
+            if stretch is None:
+                continue
+            self.stretches[i] = None
+            steps = stretch.started_by(self.now)
+            self.run_stretch(i, stretch, steps)
+            self.cut_short.add(stretch.seq)
+            self.seq += 1
+            heapq.heappush(self.heap, (stretch.starts[steps], _STEP_DONE, self.seq, i, _DECODED))
+
     def deliver(self, i: int) -> None:
         """The held outputs of engine `i`'s ended decode steps, as one step's."""
         result = self.engines[i].take_decoded(self.held[i])
@@ -307,6 +321,7 @@ class _Replay:
 
     def deliver_held(self) -> None:
         """Every engine's held outputs, before anything that may look at them."""
+        self.cut_stretches()
         for i, n in enumerate(self.held):
             if n:
                 self.deliver(i)
@@ -352,12 +367,3 @@ class _Replay:
     def push(self, t: float, kind: int, event: Arrival | Timer) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, kind, self.seq, _FOLLOW, event))
-
-
-def engine_views(engines: Sequence[SimEngine]) -> list[EngineView]:
-    """What a routing callback sees of each engine now."""
-    views = []
-    for i, e in enumerate(engines):
-        running, waiting = e.queue_lengths()
-        views.append(EngineView(i, running, waiting, e.cache.usage, e))
-    return views

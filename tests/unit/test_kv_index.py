@@ -122,6 +122,18 @@ CASES = [
         {W0: 1},
         medium="GPU",
     ),
+    Case(
+        "a tier that joins after a removal still counts as the worker's",
+        [
+            (W0, stored(2)),
+            (W0, removed(2)),
+            (W0, stored(1, medium="CPU")),
+            (W0, stored(1)),
+            (W0, removed(1)),
+        ],
+        (1,),
+        {W0: 1},
+    ),
 ]
 
 

@@ -268,18 +268,25 @@ def test_the_capacity_is_the_largest_count_within_the_slo() -> None:
 
     found, rows = capacity(run, 2.0, start=4, resolution=0.0)
     assert found == 20 and len(rows) == len(asked)
-    assert asked[:5] == [4, 8, 16, 32, 64]  # doubling to two misses, then halving the gap
+    assert asked[:5] == [4, 8, 16, 32, 64]  # doubling to two misses, then narrowing the gap
+    assert asked[5] == 20  # where the line between 16 and 32 crosses the SLO
     assert capacity(lambda n: {"stack": "s", "ttft_p95_s": 9.0}, 2.0)[0] == 0
     linear = lambda n: {"stack": "s", "ttft_p95_s": 0.01 * n}  # noqa: E731
     coarse, steps = capacity(linear, 2.0)
     exact, all_steps = capacity(linear, 2.0, resolution=0.0)
     assert exact == 200 and 188 <= coarse <= 200
     assert len(steps) < len(all_steps)  # within 1/16 of it: fewer runs
+    once, once_steps = capacity(linear, 2.0, confirm_misses=1)
+    assert once == coarse and [r["ttft_p95_s"] for r in once_steps][:4] == [0.32, 0.64, 1.28, 2.56]
+    assert len(once_steps) == len(steps) - 1  # no second miss at 512 users
+    # A hockey stick: the crossing is found a quarter of the gap from either end at most.
+    stick = lambda n: {"stack": "s", "ttft_p95_s": 1.0 if n <= 150 else 50.0}  # noqa: E731
+    found, stick_steps = capacity(stick, 2.0, resolution=0.0)
+    assert found == 150 and len(stick_steps) <= 5 + 12
     # A small count's miss (a few first turns make its p95) does not end the search.
-    noisy = {4: 1.0, 8: 3.0, 16: 1.5, 32: 1.8, 64: 2.5, 128: 3.0, 48: 1.9, 56: 2.2, 52: 2.1}
-    found, _ = capacity(lambda n: {"stack": "s", "ttft_p95_s": noisy.get(n, 9.0)}, 2.0,
-                        resolution=0.0)  # fmt: skip
-    assert found == 48
+    noisy = lambda n: {"stack": "s", "ttft_p95_s": 3.0 if n == 8 else 1.0 + n / 50}  # noqa: E731
+    assert capacity(noisy, 2.0, start=4, resolution=0.0)[0] == 50
+    assert capacity(noisy, 2.0, start=4, resolution=0.0, confirm_misses=1)[0] == 7  # 8 ends it
 
 
 def test_the_ttft_floor_is_each_request_alone_with_its_previous_prompt_cached() -> None:

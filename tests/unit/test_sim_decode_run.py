@@ -22,10 +22,11 @@ from appliance.replay.session_replay import BOUND, STACKS, replay_stack
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_config import EngineConfig
 from appliance.sim.engine_io import SimRequest, StepResult
+from appliance.sim.engine_views import session_hash
 from appliance.sim.host_tier import HostTier
 from appliance.sim.pins import Pin
 from appliance.sim.residency_hook import AfterTurn, PinDue, TurnEnd
-from appliance.sim.virtual import Arrival, ReplayResult, replay, session_hash
+from appliance.sim.virtual import Arrival, ReplayResult, replay
 from appliance.workload.agent_traces import read_agent_sessions
 from tests.paths import DATA
 

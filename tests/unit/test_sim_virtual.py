@@ -15,6 +15,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
+from appliance.sim.engine_views import EngineView, round_robin, session_hash
 from appliance.sim.trace import (
     TRACE_BLOCK_TOKENS,
     BlockTokens,
@@ -23,13 +24,7 @@ from appliance.sim.trace import (
     load_mooncake,
     trace_arrivals,
 )
-from appliance.sim.virtual import (
-    Arrival,
-    EngineView,
-    replay,
-    round_robin,
-    session_hash,
-)
+from appliance.sim.virtual import Arrival, replay
 from tests.paths import MOONCAKE as TRACE
 
 LAT = LatencyModel.from_profile(bundled_profile())
