@@ -10,7 +10,9 @@ backoff) and both can be slept, stopped and woken (`Engines.power`); `external` 
 servers started elsewhere. Every kind ends up as the same worker handles behind the same
 client, KV-event subscribers and index, so the router cannot tell them apart. With
 `engine.kv_retention` the vLLM and the simulated workers also speak the retention control
-protocol, each to a socket the appliance binds for it (`Engines.retention`). The
+protocol, each to a socket the appliance binds for it (`Engines.retention`), and with
+`engine.kv_host_bytes` they have a host tier (vLLM's offloading connector; the simulated
+workers model it), where the reaper demotes sessions. The
 supervisor's worker events go to `on_event` (the daemon records the power changes in the
 operator's event feed).
 """
@@ -26,11 +28,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from appliance.domain.errors import ConfigError
 from appliance.domain.worker import WorkerEvent
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_sim_workers, start_vllm_workers
 from appliance.engines.launch import default_served_name
+from appliance.engines.offload.support import check_host_tier
 from appliance.engines.power_control import PowerControl
 from appliance.engines.retention.client import RetentionClient
 from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN, sim_wake_seconds
@@ -139,11 +141,8 @@ async def _vllm_engines(
     settings: Settings, feed: KvIndexFeed, log_dir: Path, on_event: WorkerEventSink | None
 ) -> AsyncIterator[Engines]:
     e = settings.engine
-    if e.kv_host_bytes:
-        raise ConfigError(
-            "engine.kv_host_bytes: only the simulated workers have a host tier yet (vLLM's CPU "
-            "build refuses host offloading); set it to 0 for vLLM workers"
-        )
+    if e.kv_host_bytes:  # vLLM's offloading connector, with the CPU build's own copies
+        await asyncio.to_thread(check_host_tier, e.python or sys.executable)
     supervisor = await start_vllm_workers(
         e,
         python=e.python or sys.executable,

@@ -80,8 +80,8 @@ class EngineSettings(Section):
     """KV cache size per worker in bytes (a simulated worker: at its profile's bytes per token);
     None: from gpu_memory_utilization (GPU), or 40 % of free memory (CPU build, <= 4 GiB)."""
     kv_host_bytes: int = Field(0, ge=0)
-    """Host memory per worker for KV in bytes (vLLM's --kv-offloading-size), where the reaper may
-    demote KV; 0: none. The simulated workers model it; not yet on vLLM workers."""
+    """Host memory per worker for KV in bytes, where the reaper may demote KV; 0: none. vLLM
+    workers: vLLM's offloading connector (CPU build: the appliance's copies); the sim models it."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit (the API
     takes the limit each worker reports)."""

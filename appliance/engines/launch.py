@@ -5,7 +5,8 @@ Model of the world: worker i is one `python -m vllm.entrypoints.openai.api_serve
 tcp://127.0.0.1:(kv_events_base_port + i), a socket the appliance binds (vLLM connects to a
 plain tcp endpoint), and loading the appliance's retention connector, whose control channel
 connects to tcp://127.0.0.1:(retention base port + i), bound by the appliance too
-(appliance/engines/retention/plugin.py: what it adds to the command and the PYTHONPATH).
+(appliance/engines/retention/plugin.py: what it adds to the command and the PYTHONPATH;
+with `engine.kv_host_bytes`, composed with vLLM's host tier: appliance/engines/offload/plan.py).
 Every worker gets the same block size, hash algorithm and PYTHONHASHSEED as the router, so
 the router can recompute the hashes it sees in events. GPU build: worker i sees its own
 GPUs through CUDA_VISIBLE_DEVICES (PCI bus order, so the indices are NVML's) and shards the
@@ -33,6 +34,7 @@ from pathlib import PurePath
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
+from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.settings import EngineSettings
 
@@ -97,6 +99,8 @@ class LaunchSpec:
     """What follows the interpreter: the module to run (tests put a stand-in here)."""
     retention: RetentionLaunch | None = None
     """The retention connector every worker loads, with its control port; None: none."""
+    host_tier: HostTierPlan | None = None
+    """Each worker's host tier (vLLM's offloading connector); None: none."""
     tool_call_parser: str | None = None
     """--tool-call-parser; None: none (tool_choice "none" only)."""
     enable_auto_tool_choice: bool = False
@@ -250,8 +254,8 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         args += ["--structured-outputs-config", config]
     if spec.sleep_mode:
         args.append("--enable-sleep-mode")
-    if spec.retention is not None:
-        config = spec.retention.kv_transfer_config(index)
+    retention = spec.retention.kv_transfer_config(index) if spec.retention else None
+    if config := transfer_config(retention, spec.host_tier):
         args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     return (*args, *spec.extra_args)
 
@@ -376,6 +380,9 @@ def spec_from_settings(
         cpu_ids=tuple(cpu_ids),
         retention=RetentionLaunch(engine.port_base("kv_retention_base_port"))
         if engine.kv_retention
+        else None,
+        host_tier=HostTierPlan(engine.kv_host_bytes, native_copies=device == Device.CUDA)
+        if engine.kv_host_bytes and device in (Device.CUDA, Device.CPU)
         else None,
         tool_call_parser=engine.tool_call_parser,
         enable_auto_tool_choice=engine.enable_auto_tool_choice,

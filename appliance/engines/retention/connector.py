@@ -27,6 +27,13 @@ A directive sent to an idle engine is applied when the next request is scheduled
 evicts without a step, so this is the same as at once.
 
 It subclasses `SupportsHMA`, or vLLM would turn its hybrid KV cache manager off.
+
+With a host tier (`appliance.engines.offload.connector.HostTierConnector` composes it with
+vLLM's OffloadingConnector and `attach_host`es that connector's tier before the pool is
+bound): a demotion keeps the key's prefix in the host tier and gives its GPU blocks back
+first; a restore makes its host copies the tier's most recently used, and the key's next
+request loads them back (vLLM's offloading connector, past what the GPU still has); the
+reports carry the tier's size and use.
 """
 
 from __future__ import annotations
@@ -47,8 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from appliance.engines.retention.channel import ControlChannel, log
 from appliance.engines.retention.holds import HoldBook
 from appliance.engines.retention.plugin import RetentionTuning
-from appliance.engines.retention.protocol import GiveBackReason, RetentionReport
-from appliance.engines.retention.vllm_pool import VllmKvPool
+from appliance.engines.retention.protocol import (
+    GiveBackReason,
+    RetentionReport,
+    RetentionRestore,
+)
+from appliance.engines.retention.vllm_pool import HostTierReader, VllmKvPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,6 +84,10 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._pool: VllmKvPool | None = None
+        self._host: HostTierReader | None = None
+        self._host_seen = (0, 0)
+        """The host tier's size and use in the latest report."""
+        self._published_at = 0.0
         self._book: HoldBook | None = None
         self._reserve = 0
         self._step_begins = True
@@ -107,8 +122,14 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a hold is a cache: a preempted request need not wait for it
 
+    def attach_host(self, host: HostTierReader) -> None:
+        """The worker's host tier (before vLLM binds the block pool)."""
+        self._host = host
+        if self._pool is not None:
+            self._pool.host = host
+
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        self._pool = VllmKvPool(gpu_block_pool)
+        self._pool = VllmKvPool(gpu_block_pool, self._host)
         self._book = HoldBook(
             self._pool, self._block_sizes, max_held_fraction=self._tuning.max_held_fraction
         )
@@ -192,14 +213,25 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
     def _housekeeping(self) -> None:
         if self._book is None:
             return
-        pending = self._channel.pending() if self._channel is not None else ()
-        if self._book.catch_up(pending, time.time()):
+        pending = list(self._channel.pending()) if self._channel is not None else []
+        restores = [d for d in pending if isinstance(d, RetentionRestore)]
+        owed = self._book.catch_up(
+            [d for d in pending if not isinstance(d, RetentionRestore)], time.time()
+        )
+        if self._host is not None:
+            for restore in restores:
+                self._host.refresh(restore.key)
+            changed = self._host.size() != self._host_seen  # stores land every step: 1 s
+            owed = owed or (changed and time.monotonic() - self._published_at >= 1.0)
+        if owed:
             self._publish()
 
     def _publish(self) -> None:
         if self._channel is None or self._book is None or self._pool is None:
             return
         given_back = self._book.take_given_back()
+        self._host_seen = host = self._pool.host_blocks()
+        self._published_at = time.monotonic()
         self._channel.publish(
             RetentionReport(
                 incarnation=self._incarnation,
@@ -209,5 +241,7 @@ class RetentionConnector(KVConnectorBase_V1, SupportsHMA):
                 free_blocks=self._pool.free_blocks(),
                 held=self._book.held(),
                 given_back=given_back,
+                host_blocks=host[0],
+                host_used_blocks=host[1],
             )
         )

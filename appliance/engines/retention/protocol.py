@@ -27,8 +27,10 @@ nothing is evicted without a step); the report that shows them follows:
   prompt back into HBM from the worker's host tier (the part past what HBM still has: its
   blocks allocated now, cached when the host -> GPU copy lands) ahead of the session's next
   turn, and keep it there until `until_s` (a hold of that priority; the next turn takes it
-  over). The simulated workers do it (their host tier's prefetch); a connector without a
-  host tier ignores it, and the appliance sends it only where reports show one.
+  over). The simulated workers do it (their host tier's prefetch); a vLLM worker's connector
+  makes the key's host copies the tier's most recently used, and the key's next request
+  loads them back (vLLM loads only for a request); a connector without a host tier ignores
+  it, and the appliance sends it only where reports show one.
 - `RetentionOrder(priorities)`: new priorities for held keys. Under pressure the connector
   gives holds back lowest priority first (ties: the oldest hold first).
 - `RetentionQuery()`: answer with the latest report now (from the channel's thread).

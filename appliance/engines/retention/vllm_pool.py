@@ -4,12 +4,18 @@ counts, or iterate over the prefix cache blocks"): `BlockPool.touch`, `free_bloc
 `blocks`, `get_num_free_blocks`, the free queue's `remove` / `prepend_n`, and each
 block's `ref_cnt`, `block_hash` and `is_null`. `check_block_pool` fails the worker's start
 with one line when a vLLM release has moved any of them, rather than holding wrongly.
+
+The host tier, where the worker has one, is vLLM's own offloading connector's, which stores
+every computed prompt block there by itself: `HostTierReader` is what the pool asks of it
+(`appliance.engines.offload.host_view.OffloadedHostTier` answers, composed in by
+`appliance.engines.offload.connector`). A demotion's `copy_to_host` copies nothing, then:
+it keeps the leading blocks that have a copy there, as the tier's most recently used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 _POOL_NEEDS = ("touch", "free_blocks", "blocks", "get_num_free_blocks", "free_block_queue")
 _QUEUE_NEEDS = ("remove", "prepend_n")
@@ -29,10 +35,28 @@ def check_block_pool(pool: Any) -> None:
         )
 
 
+class HostTierReader(Protocol):
+    """vLLM's host tier, as the retention connector uses it (scheduler thread)."""
+
+    def size(self) -> tuple[int, int]:
+        """(blocks it holds at most, blocks in it now)."""
+        ...
+
+    def keep(self, key: str, block_hashes: Sequence[object]) -> int:
+        """Of the blocks (their hashes, a prefix), the leading ones with a copy in the tier:
+        made its most recently used and remembered under `key`; how many."""
+        ...
+
+    def refresh(self, key: str) -> int:
+        """`key`'s kept blocks still in the tier made its most recently used again."""
+        ...
+
+
 class VllmKvPool:
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, host: HostTierReader | None = None) -> None:
         check_block_pool(pool)
         self._pool = pool
+        self.host = host
 
     def usable_blocks(self) -> int:
         return int(self._pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block
@@ -65,15 +89,17 @@ class VllmKvPool:
         queue.prepend_n(idle)
 
     def copy_to_host(self, blocks: Sequence[Any], key: str) -> int:
-        """Nothing to copy: vLLM's own offloading (where it runs) stores every cached prompt
-        block in its host tier as it is computed; the CPU build has none."""
-        return 0
+        """Nothing to copy: vLLM's offloading connector stored the blocks as they were
+        computed; those the tier has are kept there as its most recently used."""
+        if self.host is None:
+            return 0
+        return self.host.keep(key, [b.block_hash for b in blocks])
 
     def host_blocks(self) -> tuple[int, int]:
-        return 0, 0
+        return self.host.size() if self.host is not None else (0, 0)
 
     def drop_from_host(self, blocks: Sequence[Any]) -> int:
-        return 0  # no host tier composed with the connector yet
+        return 0  # vLLM's tier has no way to drop a chunk: its LRU takes them in time
 
     def cached_entries(
         self, block_ids: Sequence[Sequence[int]], num_tokens: int, block_sizes: Sequence[int]
