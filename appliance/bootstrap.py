@@ -188,3 +188,32 @@ def replay_table(
     except ValueError as exc:
         raise ConfigError(f"replay: {exc}") from None
     return render_table(result)
+
+
+def write_box_profile(model: str, *, out: Path | None, config: Path | None) -> str:
+    """`appliance profile`: measures this box with `model` through engine.python's vLLM at
+    engine.kv_cache_dtype and engine.block_size, writes the profile (default:
+    ./profile-MODEL.json) and returns what to tell the user."""
+    from appliance.engines.box_profile import profile_box
+
+    e = load_settings(config).engine
+    out = out or Path(f"profile-{Path(model).expanduser().resolve().name}.json")
+    profile = profile_box(
+        model,
+        out=out,
+        python=e.python or sys.executable,
+        kv_cache_dtype=e.kv_cache_dtype,
+        block_size=e.block_size,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    full = next(p for p in profile.prefill if p.reused_tokens == 0)
+    step = profile.decode[0]
+    copy = profile.copies[-1]
+    copy_gbps = copy.nbytes / copy.h2d_s / 1e9
+    return (
+        f"wrote {out}: {profile.gpu}; KV {profile.kv_bytes_per_token:,} B per token; prefill of "
+        f"{full.fresh_tokens} tokens {full.seconds * 1e3:.1f} ms; decode step (batch "
+        f"{step.batch_size}) {step.seconds * 1e3:.2f} ms; copy {copy_gbps:.1f} GB/s\n"
+        f"use it: engine.gpu_profile: {out} (appliance up), or appliance replay TRACE "
+        f"--gpu-profile {out}"
+    )

@@ -47,6 +47,7 @@ from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.sdnotify import Notifier
+from appliance.served_kv import served_kv_bytes
 from appliance.services.reaper_runner import run_reaper
 from appliance.services.worker_watch import WorkerWatch, record_power_event
 from appliance.settings import EngineKind, Settings
@@ -154,6 +155,8 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
         async with start_engines(settings, kind, feed, log_dir, relay) as engines:
             probe = gpu_probe(kind, profile, settings.engine.block_size,
                               lambda: engines.workers, feed.gpu_blocks)  # fmt: skip
+            kv = served_kv_bytes(settings.engine, kind, profile)
+            log.info("KV bytes per token: %d (%s)", kv.bytes_per_token, kv.how)
             wired = wire(
                 settings,
                 engines=_engines_view(settings, kind, engines),
@@ -161,7 +164,7 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
                 feed=feed,
                 clock=clock,
                 probe=probe,
-                profile=profile,
+                profile=profile.for_kv_bytes(kv.bytes_per_token),
                 keys=key_callers(key_file),
                 secret=_secret(data_dir),
             )

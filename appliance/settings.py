@@ -79,6 +79,11 @@ class EngineSettings(Section):
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     """KV cache size per worker in bytes (a simulated worker: at its profile's bytes per token);
     None: from gpu_memory_utilization (GPU), or 40 % of free memory (CPU build, <= 4 GiB)."""
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV cache dtype (vLLM's --kv-cache-dtype): auto stores KV at the model's dtype (bf16 or
+    fp16: 2 bytes per element); fp8 takes 1 byte and halves the KV bytes per token that
+    every held session is priced at. vLLM's CPU build stores auto or fp8 only. The simulated
+    workers keep the GPU profile's model and its dtype."""
     kv_host_bytes: int = Field(0, ge=0)
     """Host memory per worker for KV in bytes, where the reaper may demote KV; 0: none. vLLM
     workers: vLLM's offloading connector (CPU build: the appliance's copies); the sim models it."""
@@ -127,7 +132,9 @@ class EngineSettings(Section):
     sim_time_scale: float = Field(1.0, gt=0)
     """Simulated engine only: 2.0 makes every modelled GPU step take twice as long."""
     gpu_profile: Path | None = None
-    """GPU profile JSON for the sim engine's latency model; None = the bundled H200 profile."""
+    """GPU profile JSON (`appliance profile` writes one for this box): the latency model of
+    the router, admission, the reaper and the simulated workers; None = the bundled H200
+    profile. Byte figures take the served model's KV bytes per token whatever the profile."""
 
     def port_base(self, key: str, api_port: int = 8080) -> int:
         """The engine port `key` as set, else where it follows `api_port` (`appliance up`

@@ -532,6 +532,21 @@ def sim(
 
 
 @app.command()
+def profile(
+    model: Annotated[str, typer.Option(help="Model directory (a Hugging Face one) to measure.")],
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Where to write the profile JSON (default: ./profile-MODEL.json)."),
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Measure this box with MODEL through vLLM on its own device (a GPU, or the CPU build):
+    prefill at a few lengths, decode at a few batch sizes, host-device copies; write a GPU
+    profile for engine.gpu_profile and `appliance replay --gpu-profile`."""
+    typer.echo(bootstrap.write_box_profile(model, out=out, config=config))
+
+
+@app.command()
 def doctor(config: ConfigOpt = None, data_dir: DataDirOpt = None) -> None:
     """Check GPUs, the engine install, ports, data dir and config: one line each."""
     checks = bootstrap.run_doctor(config, data_dir=data_dir)

@@ -36,6 +36,7 @@ class WorkerState(msgspec.Struct, frozen=True):
     kv_usage: float | None = None
     kv_tokens: int | None = None
     kv_capacity_tokens: int | None = None
+    kv_bytes_per_token: int | None = None
     prefix_hit_rate: float | None = None
     prefill_slowdown: float = 1.0
     gpu_busy_s: float | None = None

@@ -68,6 +68,10 @@ class WorkerStateView(_Model):
     kv_capacity_tokens: int | None = None
     """Tokens the worker's KV pool holds (vLLM's cache_config_info: its GPU blocks, the null
     block excluded, times the block size); None when the worker does not say."""
+    kv_bytes_per_token: int | None = None
+    """Bytes of KV one token of its model takes (the served model's config at
+    engine.kv_cache_dtype; simulated workers: the GPU profile's model): what every byte
+    figure of the state, the reaper and the releases is priced at."""
     prefix_hit_rate: float | None = None
     """Fraction 0..1 of prompt tokens served from the prefix cache."""
     prefill_slowdown: float = 1.0

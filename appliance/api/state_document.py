@@ -25,7 +25,11 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
         version=__version__,
         workers=[
             worker_document(
-                w, fleet.prefill_slowdown[w.id], fleet.kv_tokens.get(w.id), fleet.gpu_time.get(w.id)
+                w,
+                fleet.prefill_slowdown[w.id],
+                fleet.kv_tokens.get(w.id),
+                fleet.gpu_time.get(w.id),
+                fleet.kv_bytes_per_token or None,
             )
             for w in fleet.workers
         ],
@@ -64,7 +68,11 @@ def session_document(v: SessionView) -> schemas.SessionStateView:
 
 
 def worker_document(
-    w: WorkerStatus, prefill_slowdown: float, kv_tokens: int | None, gpu_time: GpuTime | None
+    w: WorkerStatus,
+    prefill_slowdown: float,
+    kv_tokens: int | None,
+    gpu_time: GpuTime | None,
+    kv_bytes_per_token: int | None = None,
 ) -> schemas.WorkerStateView:
     load = w.load
     return schemas.WorkerStateView(
@@ -84,6 +92,7 @@ def worker_document(
         kv_usage=load.kv_cache_usage_perc if load else None,
         kv_tokens=kv_tokens,
         kv_capacity_tokens=load.kv_capacity_tokens if load else None,
+        kv_bytes_per_token=kv_bytes_per_token,
         prefix_hit_rate=load.prefix_hit_rate if load else None,
         prefill_slowdown=round(prefill_slowdown, 4),
         gpu_busy_s=round(gpu_time.busy_s, 3) if gpu_time else None,

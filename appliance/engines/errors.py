@@ -17,6 +17,14 @@ class VllmNotInstalled(EngineError):
     exit_code = 2
 
 
+class VllmUnsupported(EngineError):
+    """The interpreter's vLLM is another release than the one the appliance is built on."""
+
+    code = "vllm_unsupported"
+    http_status = 503
+    exit_code = 2
+
+
 class ModelNotFound(EngineError):
     code = "model_not_found"
     http_status = 400
@@ -63,6 +71,7 @@ __all__ = [
     "ModelNotFound",
     "PortInUse",
     "VllmNotInstalled",
+    "VllmUnsupported",
     "WorkerPowerRefused",
     "WorkerStartFailed",
 ]

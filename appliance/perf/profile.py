@@ -12,7 +12,9 @@ script fixes at 512 on a GPU and 128 with `--tiny` (on the CPU), so that is what
 unless the file carries `incremental_prefill_fresh_tokens`. `batched_decode_step_s` and
 `grid_decode_step_s` keys read `B{batch}_ctx{context per sequence}`, `grid_prefill_s` keys
 `ctx{reused}_fresh{fresh}`. Copy entries give GB/s (1e9 bytes) for a copy of `bytes`;
-`d2d_*` is device-to-device bandwidth counting bytes read plus bytes written.
+`d2d_*` is device-to-device bandwidth counting bytes read plus bytes written. The device's
+memory is the first NVML snapshot's `mem_total`, or `memory_bytes` (`appliance profile`
+writes that one: appliance/perf/box_profile.py).
 
 Wake times (`wake_s`, optional; `WakeTimes`): seconds from each resting state of a worker
 (`appliance.policy.worker_power`) to serving, each with its source. gpu_calibrate.py does not
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,14 @@ class GpuProfile:
     @property
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
+
+    def for_kv_bytes(self, kv_bytes_per_token: int) -> GpuProfile:
+        """The same timings with the KV of a model of `kv_bytes_per_token` (the served
+        model's, `appliance/perf/kv_bytes.py`): what every byte figure is priced at."""
+        if kv_bytes_per_token == self.kv_bytes_per_token:
+            return self
+        model = replace(self.model, kv_bytes_per_token=kv_bytes_per_token)
+        return replace(self, model=model)
 
 
 def load_profile(path: str | Path) -> GpuProfile:
@@ -312,6 +322,8 @@ def _int_keyed(data: Mapping[str, Any], field: str, fail: _Fail) -> list[tuple[i
 
 
 def _memory_bytes(data: Mapping[str, Any]) -> int | None:
+    if _positive_int(data.get("memory_bytes")):  # `appliance profile` writes it
+        return int(data["memory_bytes"])
     for snapshot in ("nvml_idle", "nvml_loaded", "nvml_end"):
         devices = (data.get(snapshot) or {}).get("devices") or []
         if (

@@ -117,6 +117,7 @@ def decision_row(
         "idle_s": round(now - idle.finished_at_s, 3),
         "kv_usage": round(idle.kv_usage, 4),
         "recompute_s": idle.recompute_s,
+        "kv_bytes": idle.kv_bytes,  # the bytes the costs priced: tokens x the model's per token
         "tool_class": idle.tool_class,
         "expected_wait_s": idle.expected_wait_s,
         "turns": idle.turns,

@@ -86,6 +86,8 @@ class Fleet:
     kv_tokens: dict[WorkerId, int]
     gpu_time: dict[WorkerId, GpuTime]
     """Each worker's awake and busy GPU-seconds (empty when the router meters none)."""
+    kv_bytes_per_token: int = 0
+    """The KV bytes per token of the model every worker serves (appliance/served_kv.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +167,8 @@ def _fleet(src: StateSources) -> Fleet:
     kv_tokens = {w.id: resident(w.id) for w in workers} if resident is not None else {}
     meter = src.desk.records.meter
     gpu_time = {w.id: meter.reading(w.id) for w in workers} if meter is not None else {}
-    return Fleet(workers, slowdown, src.gpus(), residency, kv_tokens, gpu_time)
+    per_token = src.kv_bytes_per_token
+    return Fleet(workers, slowdown, src.gpus(), residency, kv_tokens, gpu_time, per_token)
 
 
 def _costs(src: StateSources, now: float) -> CostView:

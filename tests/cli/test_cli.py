@@ -42,6 +42,7 @@ def test_help_lists_every_command_of_the_interface() -> None:
         "replay",
         "bench",
         "sim",
+        "profile",
         "doctor",
         "config",
         "keys",
