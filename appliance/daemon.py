@@ -186,6 +186,7 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
                 await _run_api(server, engines, wired, ledger, clock, control, url)
             finally:
                 log.info("the API has drained; stopping the workers")
+                await wired.desk.escalation.aclose()  # the outside endpoints' connections
     finally:
         if probe is not None:  # the workers had started
             log.info("workers stopped; closing the ledger")

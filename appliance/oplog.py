@@ -95,9 +95,9 @@ def log_turns(
                 "turn %s tenant=%s session=%s task=%s worker=%s status=%s prompt_tokens=%d "
                 "cached_tokens=%d output_tokens=%d ttft_s=%s latency_s=%.3f",
                 record.turn_id, record.tenant, record.session_id, record.task_id,
-                record.worker, record.outcome.value, record.prompt_tokens, record.cached_tokens,
-                record.output_tokens, None if record.ttft_s is None else round(record.ttft_s, 4),
-                record.e2e_s,
+                record.worker or f"outside:{record.endpoint}", record.outcome.value,
+                record.prompt_tokens, record.cached_tokens, record.output_tokens,
+                None if record.ttft_s is None else round(record.ttft_s, 4), record.e2e_s,
             )  # fmt: skip
         then(record, written)
 

@@ -18,6 +18,7 @@ from pydantic import Field, PositiveFloat, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from appliance.settings_api import ApiSettings, ServerSettings
+from appliance.settings_escalation import EscalationSettings
 from appliance.settings_section import Section
 
 __all__ = ["ApiSettings", "EngineKind", "Section", "ServerSettings", "Settings"]
@@ -360,6 +361,7 @@ class Settings(BaseSettings):
     admission: AdmissionSettings = AdmissionSettings()
     residency: ResidencySettings = ResidencySettings()
     reaper: WorkerReaperSettings = WorkerReaperSettings()
+    escalation: EscalationSettings = EscalationSettings()
 
     @property
     def ledger_path(self) -> Path:

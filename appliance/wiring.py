@@ -68,6 +68,7 @@ from appliance.services.worker_reaper import PowerInputs, WorkerReaperLoop
 from appliance.services.worker_speed import WorkerSpeeds
 from appliance.settings import Settings
 from appliance.tokenization.tokenizer import load_tokenizer
+from appliance.wiring_escalation import outside_escalation
 from appliance.workload.spec import WorkloadSpec
 
 RESTORE_WINDOW_S = 24 * 3600.0
@@ -362,8 +363,7 @@ def _turn_desk(
     admission = AdmissionService(
         limits=admission_limits(settings),
         tasks=tasks,
-        # queue_s: the queued prefill ahead of new work
-        estimator=WorkerEstimator(
+        estimator=WorkerEstimator(  # queue_s: the queued prefill ahead of new work
             engines.workers,
             queues.queue_s,
             cost,
@@ -385,4 +385,5 @@ def _turn_desk(
         admission=admission,
     )
     tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)  # learns, ends sessions
+    desk.escalation = outside_escalation(settings.escalation, records, clock)
     return desk, admission, sessions, tasks

@@ -86,6 +86,7 @@ class ModelRoute:
                 client_salt=salt,
                 received_at=_received_at(request),
                 route_note=hdr.session_note,
+                escalate=hdr.escalate,
             )
         )
         if reply.chunks is not None:

@@ -57,6 +57,7 @@ class AgentHeaders:
     priority: int | None
     tool_class: str | None
     expected_wait_s: float | None
+    escalate: str | None = None  # X-Escalate: an outside endpoint's name, or `local`
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -186,6 +187,7 @@ def agent_headers(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentH
         priority=_number_header(headers, "x-priority", integer=True),
         tool_class=_text_header(headers, "x-tool-class"),
         expected_wait_s=_number_header(headers, "x-expected-tool-wait-s"),
+        escalate=_text_header(headers, "x-escalate"),
     )
 
 

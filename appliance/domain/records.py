@@ -190,6 +190,13 @@ class TurnRecord:
     tool_cost: float = 0.0
     """Money spent on tools attributed to this attempt, in the price's currency."""
     error: str | None = None
+    endpoint: str | None = None
+    """The outside endpoint it went to (escalation); None: the local box."""
+    route_reason: str | None = None
+    """Why it went to its side (the escalation rule), when a rule spoke."""
+    priced_cost: float | None = None
+    """Its cost priced already (an outside endpoint's, at its prices); None: the ledger's
+    price row prices it."""
 
     @property
     def fresh_tokens(self) -> int:

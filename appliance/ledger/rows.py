@@ -66,8 +66,8 @@ def session_params(s: SessionRecord) -> tuple[Any, ...]:
 INSERT_TURN = """INSERT INTO turns (turn_id, tenant, task_id, session_id, parent_task_id,
     worker, model, prompt_tokens, cached_tokens, fresh_tokens, output_tokens,
     reasoning_tokens, predicted_cached_tokens, queue_s, ttft_s, e2e_s, gpu_s, outcome, error,
-    started_at, finished_at, tool_cost, price_id, cost)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+    started_at, finished_at, tool_cost, price_id, cost, endpoint, route_reason)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 
 def turn_params(t: TurnRecord, price_id: PriceId | None, cost: float | None) -> tuple[Any, ...]:
@@ -96,6 +96,8 @@ def turn_params(t: TurnRecord, price_id: PriceId | None, cost: float | None) -> 
         t.tool_cost,
         price_id,
         cost,
+        t.endpoint,
+        t.route_reason,
     )
 
 

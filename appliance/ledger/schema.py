@@ -284,6 +284,20 @@ def _box_usage(db: Database) -> None:
     )
 
 
+@migrations(name="0010_turn_sides")
+def _turn_sides(db: Database) -> None:
+    # Where a turn went (`endpoint`: an outside endpoint's name; NULL: the local box) and why
+    # (`route_reason`: the escalation rule that chose its side; NULL: ledgers before it).
+    _run(
+        db,
+        [
+            "ALTER TABLE turns ADD COLUMN endpoint TEXT",
+            "ALTER TABLE turns ADD COLUMN route_reason TEXT",
+            "PRAGMA user_version = 10",
+        ],
+    )
+
+
 KNOWN = [m.name for m in migrations._migrations]
 SCHEMA_VERSION = len(KNOWN)  # PRAGMA user_version after the last migration
 

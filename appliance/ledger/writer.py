@@ -296,9 +296,12 @@ class LedgerWriter:
         self._conn.execute(rows.UPSERT_SESSION, rows.session_params(session))
 
     def _write_turn(self, turn: TurnRecord) -> float | None:
-        price = self._prices.at(turn.finished_at)
-        cost = turn_cost(turn, price) if price is not None else None
-        price_id = price.price_id if price is not None else None
+        if turn.priced_cost is not None:  # an outside endpoint's turn, at its prices
+            cost, price_id = turn.priced_cost + turn.tool_cost, None
+        else:
+            price = self._prices.at(turn.finished_at)
+            cost = turn_cost(turn, price) if price is not None else None
+            price_id = price.price_id if price is not None else None
         self._conn.execute(rows.INSERT_TURN, rows.turn_params(turn, price_id, cost))
         return cost
 

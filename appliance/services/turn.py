@@ -65,6 +65,8 @@ class TurnInput:
     """A chat's messages, to find its session by their prefix when it names none
     (services/session_finder.py)."""
     prompt_tip: bytes | None = None  # see TurnRequest
+    escalate: str | None = None
+    """X-Escalate: an outside endpoint's name, or `local` (services/escalation/)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,8 @@ class TurnRequest:
     prompt_tip: bytes | None = None
     """Its messages' chain hash, when the prefix chain found its session: the session's
     tip from now on (services/session_finder.py)."""
+    side_reason: str | None = None
+    """Why it is on the local box when escalation rules are set (its row's route_reason)."""
 
     @property
     def stream(self) -> bool:

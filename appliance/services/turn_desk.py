@@ -1,8 +1,10 @@
 """The turn desk: one model turn's order, from the API's hand-over to its last record.
 
     find the session (named, else by its prefix: session_finder.py)  ->  tokenise, or not
-    yet  ->  place  ->  admit (on the worker placed)  ->  open the task  ->  its share of
-    the deadline  ->  forward (one retry elsewhere)  ->  record  ->  release
+    yet  ->  its side (an outside endpoint skips place and admit: services/escalation/)  ->
+    place  ->  admit (on the worker placed; a refusal may spill over outside)  ->  open the
+    task  ->  its share of the deadline  ->  forward (one retry elsewhere)  ->  record  ->
+    release
 
 The API hands over a checked, authenticated turn (`TurnInput`) and gets a `Reply`; nothing
 else of a turn's life is in the HTTP layer. A session's next chat turn that only appends
@@ -45,16 +47,18 @@ from appliance.domain.errors import (
 )
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
-from appliance.services.admission import AdmissionService, resident_hint
+from appliance.services.admission import AdmissionRefused, AdmissionService, resident_hint
 from appliance.services.chat_tokens import ChatTokens
+from appliance.services.escalation.service import Escalation
 from appliance.services.flights import DEADLINE_MISSED, Flight, Flights, loop_alarm, stopped_error
 from appliance.services.forwarder import Forwarder, error_reply
 from appliance.services.placement import Placement, Placer
 from appliance.services.queue_book import QueueBook
+from appliance.services.sent_tokens import tokenize_sent
 from appliance.services.session_finder import find_session, let_go
 from appliance.services.sessions import SessionState, SessionTable, keep_chat
 from appliance.services.task_paces import TaskPaces, share_headers
-from appliance.services.task_state import TaskError, TaskState
+from appliance.services.task_state import TaskState
 from appliance.services.tasks import TaskBook
 from appliance.services.turn import (
     Attempt,
@@ -67,6 +71,7 @@ from appliance.services.turn import (
     turn_request,
 )
 from appliance.services.turn_records import TurnRecords
+from appliance.services.turn_task import known_task
 from appliance.services.worker_body import worker_body
 from appliance.services.worker_reaper import WorkerReaperLoop
 
@@ -98,6 +103,7 @@ class TurnDesk:
         self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
         self.power: WorkerReaperLoop | None = None  # the worker reaper: wakes a worker when none is
         self.paces = TaskPaces(clock)  # each turn's share of its task's deadline
+        self.escalation = Escalation({})  # outside endpoints (none: every turn is local)
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -116,7 +122,7 @@ class TurnDesk:
             let_go(found)
 
     async def _run(self, t: TurnInput) -> Reply:
-        known = self._known_task(t)
+        known = known_task(self._tasks, t)
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
         tokenize = partial(t.tokenize, session.chat if session else None)
         ids: Sequence[int] | None = None
@@ -129,8 +135,15 @@ class TurnDesk:
         lazy = tokenize if ids is None else None
         turn = turn_request(t, self._tasks.key(t.tenant, client_task), ids, chat, lazy, n_prompt)
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
-        placed = self._preview(turn, queues)  # admission judges the worker placement chose
-        priority, need_s = await self._admit(t, turn, session, queues, placed)
+        side = self.escalation.side(turn, t.escalate, known.task_class if known else None)
+        placed, priority, need_s = None, 0, 0.0
+        if side.endpoint is None:  # admission judges the worker placement chose
+            placed = self._preview(turn, queues)
+            try:
+                priority, need_s = await self._admit(t, turn, session, queues, placed)
+            except AdmissionRefused as refused:  # outside instead, where spill-over allows
+                deadline_at = known.deadline_at if known else None
+                side, placed = self.escalation.spill(refused, t.deadline_s, deadline_at), None
         streaming = False
         task: TaskState | None = None
         flight: Flight | None = None
@@ -145,11 +158,14 @@ class TurnDesk:
                 one_turn=t.task_id is None,
             )
             self._tasks.turn_began(task, now)
-            turn = replace(turn, parent_task_id=task.parent, priority=priority)
+            reason = side.reason if self.escalation.active else None
+            turn = replace(turn, parent_task_id=task.parent, priority=priority, side_reason=reason)
             share = self.paces.share(task, now, t.deadline_s, need_s)
             flight = self.flights.take_off(task.key, share)
             try:
-                reply = await self.handle(turn, queues, flight, placed)
+                local = partial(self._local, t, session, queues, flight, placed)
+                reply = await self.escalation.serve(turn, side, local)
+                flight.relaying = reply.chunks is not None  # a stream runs on past the deadline
             except asyncio.CancelledError:
                 if not flight.stopped:
                     raise
@@ -165,25 +181,29 @@ class TurnDesk:
             if not streaming:
                 self._ended(task, flight)
 
+    async def _local(
+        self,
+        t: TurnInput,
+        session: SessionState | None,
+        queues: dict[WorkerId, float],
+        flight: Flight,
+        placed: Placement | None,
+        turn: TurnRequest,
+        admit: bool,
+    ) -> Reply:
+        """The turn on the local box; `admit`: it was meant for an outside endpoint that
+        could not take it, so the box's admission judges it first (and may refuse it)."""
+        if admit:
+            placed = self._preview(turn, queues)
+            priority, _ = await self._admit(t, turn, session, queues, placed)
+            turn = replace(turn, priority=priority)
+        return await self.handle(turn, queues, flight, placed)
+
     def _ended(self, task: TaskState | None, flight: Flight | None) -> None:
         if task is not None:
             self._tasks.turn_ended(task, self._clock.now())
             if flight is not None:
                 self.flights.land(task.key, flight)
-
-    def _known_task(self, t: TurnInput) -> TaskState | None:
-        """The open task the turn names, if it exists; a closed one (succeeded, failed,
-        cancelled) takes no more turns, and a new task's parent must exist and be open."""
-        known = self._tasks.get(t.tenant, t.task_id) if t.task_id else None
-        if known is not None and known.status.is_terminal:
-            raise TaskError(f"task {t.task_id} is {known.status}; it takes no more turns",
-                            code="task_closed", http_status=409)  # fmt: skip
-        if known is None and t.parent_task_id and not self._tasks.get(t.tenant, t.parent_task_id):
-            raise TaskError(f"parent task {t.parent_task_id} not found", code="task_not_found",
-                            http_status=404)  # fmt: skip
-        if known is None:
-            self._tasks.check_parent(t.tenant, t.parent_task_id)  # a closed one takes no more
-        return known
 
     def stop(self, task: TaskId, outcome: TurnOutcome = TurnOutcome.CANCELLED) -> int:
         """Ends the task's turns in flight (its cancellation, or its discarding; see
@@ -304,7 +324,10 @@ class TurnDesk:
             attempt = self._begin(turn, session, placement, worker_id)
             body = worker_body(turn, session, placement.salt)
             if turn.tokenize is not None and tokenized is None:  # once the request is sent
-                tokenized = Soon(partial(self._tokenize_sent, turn, session, attempt))
+                salt = self.placer.salt(turn.tenant, turn.client_salt)
+                tokenized = Soon(
+                    partial(tokenize_sent, self.sessions, salt, turn, session, attempt)
+                )
             if turn.received_at is not None and not tried:
                 self.records.forward_s.observe(time.monotonic() - turn.received_at)
             try:
@@ -365,20 +388,3 @@ class TurnDesk:
             tokenized.now()
         session.said = attempt.said  # how its answer ended, for the reaper at the turn's end
         self._release(session)
-
-    def _tokenize_sent(self, turn: TurnRequest, session: SessionState, attempt: Attempt) -> None:
-        """Tokenises and hashes a turn forwarded untokenised, for the session's next turn."""
-        assert turn.tokenize is not None
-        try:
-            ids, chat = turn.tokenize()
-        except Exception as exc:  # the worker judges the request itself; the next turn
-            log.info("turn of session %s not tokenised: %s", session.session_id, exc)
-            session.chat = session.messages = None  # ... is tokenised before it is placed
-            return
-        keep_chat(session, chat)
-        chain = self.sessions.hash_prompt(
-            session, ids, self.placer.salt(turn.tenant, turn.client_salt)
-        )
-        if chain.hashes and attempt.first_byte_at is None:
-            attempt.prefix_digest = chain.hashes[-1].hex()
-            attempt.prefix_tokens = len(chain.hashes) * chain.block_size

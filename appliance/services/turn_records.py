@@ -92,6 +92,15 @@ class TurnRecords:
             attempt.gpu_s = self.meter.ended(attempt)
         return self._record_turn(turn, attempt, outcome, error, end)
 
+    def outside(self, record: TurnRecord) -> Future[float | None]:
+        """Records an attempt at an outside endpoint (services/escalation/relay.py): its turn
+        row alone (no worker: no route decision, cache receipt or session worker)."""
+        written = self._ledger.record_turn(record)
+        _log_failure(written, f"turn {record.turn_id}")
+        if self._on_turn is not None:
+            self._on_turn(record, written)
+        return written
+
     def _record_decision(self, attempt: Attempt) -> None:
         decision = self._decisions.pop(attempt.turn_id, None)
         if decision is None:
@@ -139,6 +148,7 @@ class TurnRecords:
             gpu_s=attempt.gpu_s,
             predicted_cached_tokens=attempt.predicted_cached,
             error=error,
+            route_reason=turn.side_reason,
         )
         written = self._ledger.record_turn(record)
         _log_failure(written, f"turn {record.turn_id}")

@@ -31,7 +31,7 @@ from appliance.domain.usage import UsagePeriod, WorkerUsage
 from appliance.ledger import LedgerWriter, open_reader
 from appliance.ledger.reports import cost_report
 from appliance.ledger.rows import load_prices
-from appliance.ledger.schema import migrations
+from appliance.ledger.schema import SCHEMA_VERSION, migrations
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
 # 0.001 per GPU-second, 0.30 per kWh, 3.60 per box-hour (0.001 per box-second).
@@ -178,4 +178,4 @@ def test_an_older_ledger_takes_the_usage_tables_and_keeps_its_prices(tmp_path: P
         cost = ledger.record_usage(period(0.0, 10.0, w)).result()
         assert (cost.idle, cost.energy, cost.box) == pytest.approx((0.012, 0.0, 0.0))
     with closing(sqlite3.connect(db)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION

@@ -104,7 +104,7 @@ def test_a_turn_is_stored_with_its_price_and_cost(ledger: LedgerWriter, db: Path
         "reasoning_tokens": 7, "predicted_cached_tokens": 512, "queue_s": 0.5,
         "ttft_s": 0.25, "e2e_s": 1.0, "gpu_s": 0.75, "outcome": "discarded", "error": None,
         "started_at": 9.0, "finished_at": 10.0, "tool_cost": 0.5, "price_id": price_id,
-        "cost": pytest.approx(0.50233),
+        "cost": pytest.approx(0.50233), "endpoint": None, "route_reason": None,
     }  # fmt: skip
 
 
