@@ -224,15 +224,7 @@ def test_streamed_tool_calls_pass_through_an_outside_endpoint(pair: Pair) -> Non
         stream=True,
         extra_headers={"X-Task-ID": "tools-1", "X-Escalate": "frontier"},
     )
-    names, arguments, finish = [], "", None
-    for chunk in stream:
-        for choice in chunk.choices:
-            for call in choice.delta.tool_calls or []:
-                if call.function and call.function.name:
-                    names.append(call.function.name)
-                if call.function and call.function.arguments:
-                    arguments += call.function.arguments
-            finish = choice.finish_reason or finish
+    names, arguments, finish = _streamed_tool_calls(stream)
     assert names == ["get_weather"] and finish == "tool_calls"
     assert "city" in json.loads(arguments)
     got = rows(
@@ -289,15 +281,7 @@ def test_an_anthropic_endpoint_serves_chat_streams_tool_calls_and_messages(pair:
         stream=True,
         extra_headers=headers,
     )
-    names, arguments, finish = [], "", None
-    for chunk in stream:
-        for choice in chunk.choices:
-            for call in choice.delta.tool_calls or []:
-                if call.function and call.function.name:
-                    names.append(call.function.name)
-                if call.function and call.function.arguments:
-                    arguments += call.function.arguments
-            finish = choice.finish_reason or finish
+    names, arguments, finish = _streamed_tool_calls(stream)
     assert names == ["get_weather"] and finish == "tool_calls"
     assert "city" in json.loads(arguments)
     messages = anthropic.Anthropic(base_url=pair.local.url, api_key=pair.key, max_retries=0)
@@ -411,3 +395,17 @@ def test_costs_add_both_sides_and_the_key_stays_in_the_box(pair: Pair) -> None:
     for path in pair.local_dir.rglob("*"):
         if path.is_file():
             assert KEY.encode() not in path.read_bytes(), path
+
+
+def _streamed_tool_calls(stream: Any) -> tuple[list[str], str, str | None]:
+    """The tool names, the arguments (concatenated) and the finish reason of a stream."""
+    names, arguments, finish = [], "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.function and call.function.name:
+                    names.append(call.function.name)
+                if call.function and call.function.arguments:
+                    arguments += call.function.arguments
+            finish = choice.finish_reason or finish
+    return names, arguments, finish
