@@ -246,16 +246,7 @@ def test_the_messages_api_works_through_an_outside_endpoint(pair: Pair) -> None:
     message = raw.parse()
     assert raw.headers["x-appliance-endpoint"] == "frontier"
     assert message.type == "message" and message.usage.output_tokens == 5
-    with client.messages.stream(
-        model="sim",
-        max_tokens=4,
-        messages=[{"role": "user", "content": "again"}],
-        extra_headers=headers,
-    ) as stream:
-        streamed = "".join(stream.text_stream)
-        final = stream.get_final_message()
-    assert final.content[0].text == streamed  # type: ignore[union-attr]
-    assert final.usage.output_tokens == 4
+    _assert_streamed_message(client, headers)
 
 
 def test_an_anthropic_endpoint_serves_chat_streams_tool_calls_and_messages(pair: Pair) -> None:
@@ -285,15 +276,7 @@ def test_an_anthropic_endpoint_serves_chat_streams_tool_calls_and_messages(pair:
     assert names == ["get_weather"] and finish == "tool_calls"
     assert "city" in json.loads(arguments)
     messages = anthropic.Anthropic(base_url=pair.local.url, api_key=pair.key, max_retries=0)
-    with messages.messages.stream(
-        model="sim",
-        max_tokens=4,
-        messages=[{"role": "user", "content": "again"}],
-        extra_headers=headers,
-    ) as events:
-        streamed = "".join(events.text_stream)
-        final = events.get_final_message()
-    assert final.content[0].text == streamed and final.usage.output_tokens == 4  # type: ignore[union-attr]
+    _assert_streamed_message(messages, headers)
     got = rows(
         pair.local_dir / "ledger.db",
         "SELECT endpoint, outcome, output_tokens FROM turns WHERE task_id LIKE '%claude-1'"
@@ -409,3 +392,17 @@ def _streamed_tool_calls(stream: Any) -> tuple[list[str], str, str | None]:
                     arguments += call.function.arguments
             finish = choice.finish_reason or finish
     return names, arguments, finish
+
+
+def _assert_streamed_message(client: anthropic.Anthropic, headers: dict[str, str]) -> None:
+    """A streamed four-token Messages answer: its text as streamed, its usage as asked."""
+    with client.messages.stream(
+        model="sim",
+        max_tokens=4,
+        messages=[{"role": "user", "content": "again"}],
+        extra_headers=headers,
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.content[0].text == streamed  # type: ignore[union-attr]
+    assert final.usage.output_tokens == 4
