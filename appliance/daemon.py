@@ -205,8 +205,8 @@ async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: L
         loops.append(group.create_task(wired.usage.run()))  # its last period at the stop
         if wired.reaper is not None:
             loops.append(group.create_task(run_reaper(wired.reaper)))
-        if wired.power is not None:
-            loops.append(group.create_task(wired.power.run()))
+        if wired.worker_reaper is not None:
+            loops.append(group.create_task(wired.worker_reaper.run()))
         await refreshed.wait()
         server.app = wired.app
         serving = group.create_task(server.serve())

@@ -186,12 +186,13 @@ class KvLookup(Protocol):
 
 
 class KvRetention(Protocol):
-    """Holds on waiting sessions' KV inside the workers (vLLM: the retention connector each
-    worker loads, `engine.kv_retention`). Keys are `"{tenant}/{session}"`. A directive goes
-    out at once and takes effect at the worker's next scheduler step; each returns False when
-    it was not sent (no connector of that worker is connected). `controls` False: a
-    retention that sends nothing (plain or external vLLM, the simulator), so the reaper's
-    decisions are recorded but change nothing in the workers."""
+    """Holds on waiting sessions' KV inside the workers (`engine.kv_retention`: the retention
+    connector each vLLM worker loads, its twin in each simulated worker, sim/retention.py).
+    Keys are `"{tenant}/{session}"`. A directive goes out at once and takes effect at the
+    worker's next scheduler step; each returns False when it was not sent (no connector of
+    that worker is connected). `controls` False: a retention that sends nothing (workers
+    without `engine.kv_retention`, external vLLM), so the reaper's decisions are recorded
+    but change nothing in the workers."""
 
     @property
     def controls(self) -> bool: ...

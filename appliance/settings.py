@@ -321,7 +321,8 @@ class ResidencySettings(Section):
 
 class WorkerReaperSettings(Section):
     """The worker reaper (appliance/policy/worker_power.py; services/worker_reaper.py): idle
-    workers sleep or stop, and a turn wakes one."""
+    workers sleep or stop, and a turn wakes one. Its key was `reaper:` (still read, with a
+    warning); the idle session reaper is `residency.reaper`."""
 
     worker_idle_s: float | None = Field(None, ge=0)
     """Seconds a worker has had no running, waiting or held turn before it sleeps or stops;
@@ -360,7 +361,7 @@ class Settings(BaseSettings):
     costs: CostSettings = CostSettings()
     admission: AdmissionSettings = AdmissionSettings()
     residency: ResidencySettings = ResidencySettings()
-    reaper: WorkerReaperSettings = WorkerReaperSettings()
+    worker_reaper: WorkerReaperSettings = WorkerReaperSettings()
     escalation: EscalationSettings = EscalationSettings()
 
     @property

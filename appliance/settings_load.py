@@ -1,10 +1,12 @@
 """The settings built from their sources, strongest first: explicit values (CLI flags),
 environment variables (`APPLIANCE_` prefix, `__` between nested keys), the YAML file
 (`--config PATH` or `$APPLIANCE_CONFIG`), then the defaults of appliance/settings.py. A bad
-key or value is one line naming the key, the value and the fix."""
+key or value is one line naming the key, the value and the fix. A renamed key of the file
+(`RENAMED`) still works under its old name, with one warning line."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,11 @@ from pydantic_settings import EnvSettingsSource
 from appliance.domain.errors import ConfigError
 from appliance.settings import ENV_PREFIX, Settings
 
+log = logging.getLogger(__name__)
+
+RENAMED = {"reaper": "worker_reaper"}
+"""Old top-level key of the file -> its new name (the idle reaper is `residency.reaper`)."""
+
 
 def load(config_file: Path | None = None, **flags: Any) -> Settings:
     """Build the settings: defaults, then the YAML file, then the environment, then `flags`.
@@ -26,7 +33,8 @@ def load(config_file: Path | None = None, **flags: Any) -> Settings:
     """
     path = config_file or _env_config_path()
     _check_env_keys()
-    layers = [_read_yaml(path) if path else {}, EnvSettingsSource(Settings)(), _given(flags)]
+    file = _renamed(_read_yaml(path), path) if path else {}
+    layers = [file, EnvSettingsSource(Settings)(), _given(flags)]
     values: dict[str, Any] = {}
     for layer in layers:
         _deep_merge(values, layer)
@@ -81,6 +89,18 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _renamed(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`data` with each old key of `RENAMED` under its new name, and a warning for each."""
+    for old, new in RENAMED.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ConfigError(f"config file {path}: both '{old}' and '{new}'; keep only '{new}'")
+        log.warning("config file %s: '%s' is now '%s'; rename the key", path, old, new)
+        data[new] = data.pop(old)
+    return data
+
+
 # Environment variables the appliance reads itself rather than as settings keys.
 _NON_SETTING_ENV = {"CONFIG", "VLLM_PYTHON", "TEST_CACHE"}
 
@@ -93,6 +113,9 @@ def _check_env_keys() -> None:
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         if parts[0].upper() in _NON_SETTING_ENV:
             continue
+        if parts[0] in RENAMED:
+            new = ENV_PREFIX + "__".join([RENAMED[parts[0]], *parts[1:]]).upper()
+            raise ConfigError(f"environment {name}: renamed; set {new} instead")
         model: type[BaseModel] | None = Settings
         for part in parts:
             fields = model.model_fields if model else {}

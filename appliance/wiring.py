@@ -21,12 +21,7 @@ from appliance.domain.worker import can_serve
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
-from appliance.ledger.restore import (
-    open_tasks,
-    receipt_generations,
-    recent_sessions,
-    session_gaps,
-)
+from appliance.ledger.restore import open_tasks, receipt_generations, recent_sessions, session_gaps
 from appliance.ledger.session_history import session_turns
 from appliance.ledger.task_history import TaskHistory
 from appliance.oplog import LoggedEventFeed, log_turns
@@ -107,8 +102,8 @@ class Wiring:
     gpu: GpuTick
     reaper: ReaperLoop | None
     """The idle reaper's loop (None: `residency.reaper` is off); the daemon runs it."""
-    power: WorkerReaperLoop | None
-    """The worker reaper (None: `reaper.worker_idle_s` unset, or no power switch)."""
+    worker_reaper: WorkerReaperLoop | None
+    """The worker reaper (None: `worker_reaper.worker_idle_s` unset, or no power switch)."""
     admission: AdmissionService
     """Its `limits` are replaced on a reload (`admission_limits`)."""
     usage: BoxUsage
@@ -135,7 +130,7 @@ def wire(
     _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
     desk.paces.warm(finished_runs(settings.ledger_path, since=clock.now() - RESTORE_WINDOW_S))
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
-    desk.power = _worker_reaper(settings, engines, ledger, clock, desk, reaper, profile)
+    desk.worker_reaper = _worker_reaper(settings, engines, ledger, clock, desk, reaper, profile)
     releases, kv = _session_kv(desk, ledger, events, profile, reaper)
     usage = BoxUsage(desk.records.meter, gpu.energy, ledger, clock, settings.ledger.usage_period_s)
     sources = StateSources(
@@ -150,7 +145,7 @@ def wire(
         kv=kv,
         cost_series=CostSeries(),
         admission=admission,
-        wakes=desk.power.wake_seconds if desk.power is not None else None,
+        wakes=desk.worker_reaper.wake_seconds if desk.worker_reaper is not None else None,
         kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
         usage=usage,
     )
@@ -174,7 +169,7 @@ def wire(
             sessions_admin=_session_admin(settings.ledger_path, releases, kv),
         )
     )
-    return Wiring(app, desk, speeds, events, gpu, reaper, desk.power, admission, usage)
+    return Wiring(app, desk, speeds, events, gpu, reaper, desk.worker_reaper, admission, usage)
 
 
 def _session_admin(ledger_path: Path, releases: SessionReleases, kv: SessionKv) -> SessionAdmin:
@@ -297,9 +292,9 @@ def _worker_reaper(
     reaper: ReaperLoop | None,
     profile: GpuProfile,
 ) -> WorkerReaperLoop | None:
-    """Idle workers sleep or stop, and a turn wakes one (`reaper.worker_idle_s` set, and
+    """Idle workers sleep or stop, and a turn wakes one (`worker_reaper.worker_idle_s` set, and
     workers the appliance started)."""
-    r = settings.reaper
+    r = settings.worker_reaper
     if r.worker_idle_s is None or engines.power is None:
         return None
     meter = desk.records.meter
@@ -368,7 +363,7 @@ def _turn_desk(
             queues.queue_s,
             cost,
             queues.slowdown,
-            wake_s=lambda w: desk.power.wake_s(w) if desk.power is not None else None,
+            wake_s=lambda w: r.wake_s(w) if (r := desk.worker_reaper) is not None else None,
         ),
         ledger=ledger,
         clock=clock,

@@ -38,14 +38,6 @@ class ConnectionRestored(Message):
     """The appliance answers again after an outage."""
 
 
-class ReleaseRequested(Message):
-    """An operator asked to release the KV a session holds (before confirmation)."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__()
-        self.session_id = session_id
-
-
 class ReleaseFinished(Message):
     """The appliance's answer to a release: `ok`, and the words to show."""
 

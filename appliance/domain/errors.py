@@ -31,14 +31,6 @@ class ConfigError(ApplianceError):
     exit_code = 2
 
 
-class NotYetAvailable(ApplianceError):
-    """A command of the interface whose capability this build does not carry yet."""
-
-    code = "not_available"
-    http_status = 501
-    exit_code = 2
-
-
 class LedgerError(ApplianceError):
     """The ledger file cannot be used as it is (not SQLite, newer schema, unwritable)."""
 

@@ -147,10 +147,6 @@ class LedgerWriter:
                 "the disk may be stalled"
             ) from None
 
-    def current_price(self) -> Price | None:
-        """The newest price version known to the writer (including queued-and-committed)."""
-        return self._prices.latest()
-
     def reader(self) -> sqlite3.Connection:
         """A new read-only connection to this ledger (close it when done)."""
         return open_reader(self.path)

@@ -17,23 +17,12 @@ Pure: no clock, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import StrEnum
 
 from appliance.policy.residency import ResidencyAction, ResidencyDecision, ResidencyKind
 
 DEFAULT_BRANCH_QUOTA_BYTES = 2 << 30
 """Judgement: a branch may hold 2 GiB of its own KV (16k tokens of the bundled Llama-3-8B,
 a sub-agent's exploration of a few files), about a quarter of a small worker's pool."""
-
-
-class BranchEnd(StrEnum):
-    """How a child task ended; each releases its own KV at once."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    DISCARDED = "discarded"
-    """Its parent gave it up (a losing branch of a search)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ and, between a resting state and awake, `waking` (a wake under way, `waking_left
 figures are the caller's data (the GPU profile's wake times; a platform supports a subset:
 vLLM's CPU build has no sleep mode, so `CPU_VLLM_STATES`).
 
-The reaper's rule (`decide_power`), per worker group and its `reaper:` settings: a worker
-that is awake and idle (no running, waiting or held work: `held` counts the turns the
+The reaper's rule (`decide_power`), per worker group and its `worker_reaper:` settings: a
+worker that is awake and idle (no running, waiting or held work: `held` counts the turns the
 appliance holds for it) for at least `worker_idle_s` goes to the cheapest supported state
 whose wake time is at most `max_wake_s`, cheapest meaning the least GPU memory held, then
 the least host memory, then the faster wake. Of each model, `min_awake` workers stay
@@ -134,7 +134,7 @@ def power_table(
 
 @dataclass(frozen=True, slots=True)
 class PowerSettings:
-    """One worker group's `reaper:` settings."""
+    """One worker group's `worker_reaper:` settings."""
 
     worker_idle_s: float | None = None
     """Idle seconds before an awake worker sleeps or stops (None: always awake)."""

@@ -1,7 +1,8 @@
 """The retention of workers that have no retention channel (`ports.KvRetention` with
-`controls` False): plain or external vLLM (`engine.kv_retention: false`, `engine.kind:
-external`) and the simulated workers. The idle reaper still decides and records every
-decision; nothing reaches a worker, whose KV stays in its engine's own eviction order."""
+`controls` False): vLLM or simulated workers started with `engine.kv_retention: false`,
+and external vLLM (`engine.kind: external`). The idle reaper still decides and records
+every decision; nothing reaches a worker, whose KV stays in its engine's own eviction
+order."""
 
 from __future__ import annotations
 

@@ -93,7 +93,8 @@ class Placer:
             WorkerView(
                 worker=w.id,
                 models=frozenset({self._model}),
-                healthy=w.healthy and w.id not in exclude and turn.pinned in (None, w.id),
+                healthy=w.healthy,
+                excluded=w.id in exclude or turn.pinned not in (None, w.id),
                 draining=w.draining,
                 resident_tokens=resident.get(w.id, 0),
                 queue_s=queues.get(w.id, 0.0),

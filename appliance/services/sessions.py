@@ -51,7 +51,6 @@ class SessionState:
     """How its last turn's answer ended (tool calls, or back to the person); None while a
     turn runs, or when the answer did not say (`answer_tools.py`)."""
     resident_tokens: dict[WorkerId, int] = field(default_factory=dict)
-    last_reason: str | None = None
     chat: ChatTokens | None = None
     """The last turn's rendered chat and ids, for `encode_chat_text` on the next turn."""
     messages: list[Any] | None = None

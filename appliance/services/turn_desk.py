@@ -101,7 +101,7 @@ class TurnDesk:
         self._admission = admission
         self._forwarder = Forwarder(clock, queues, records)
         self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
-        self.power: WorkerReaperLoop | None = None  # the worker reaper: wakes a worker when none is
+        self.worker_reaper: WorkerReaperLoop | None = None  # wakes a worker when none is awake
         self.paces = TaskPaces(clock)  # each turn's share of its task's deadline
         self.escalation = Escalation({})  # outside endpoints (none: every turn is local)
 
@@ -269,7 +269,7 @@ class TurnDesk:
         """Places and forwards one turn of its session; `queues`: this moment's estimates,
         when the caller has them already; `flight`: what its task's cancellation stops;
         `placed`: where admission saw it placed on them (its first attempt goes there)."""
-        if self.power is not None and await self.power.ensure_awake():
+        if self.worker_reaper is not None and await self.worker_reaper.ensure_awake():
             queues = placed = None  # a worker woke for it: this moment's estimates
         now = self._clock.now()
         session = self._session(turn, now)

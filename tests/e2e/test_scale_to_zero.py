@@ -1,8 +1,8 @@
-"""Scale to zero, live: `appliance up` on one worker with `reaper.worker_idle_s: 5`.
+"""Scale to zero, live: `appliance up` on one worker with `worker_reaper.worker_idle_s: 5`.
 
 An idle worker is put to rest (on vLLM's CPU build, which has no sleep mode: stopped, its
-process ended; on the simulated engine stopped, or with `reaper.max_wake_s: 5` asleep at
-vLLM's sleep level 2, the cheapest state that wakes within 5 s), its awake GPU-seconds stop
+process ended; on the simulated engine stopped, or with `worker_reaper.max_wake_s: 5` asleep
+at vLLM's sleep level 2, the cheapest state that wakes within 5 s), its awake GPU-seconds stop
 growing, a turn whose deadline is shorter than the wake is refused before any worker
 starts, and the next turns wake it and succeed, their time to first token holding the
 measured wake. Two turns that arrive while it is down cause one wake. The ledger's
@@ -85,7 +85,7 @@ CASES = {
     "vllm": ("vllm", "stopped", {}),
     # A stopped simulated worker models a model load of the profile's ~41 s: a tenth here.
     "sim-stopped": ("sim", "stopped", {"APPLIANCE_ENGINE__SIM_TIME_SCALE": "0.1"}),
-    "sim-asleep": ("sim", "asleep-2", {"APPLIANCE_REAPER__MAX_WAKE_S": "5"}),
+    "sim-asleep": ("sim", "asleep-2", {"APPLIANCE_WORKER_REAPER__MAX_WAKE_S": "5"}),
 }
 FROM = {"stopped": "stopped", "asleep-2": "sleep level 2"}
 HURRY_S = {"stopped": "5", "asleep-2": "1"}
@@ -104,7 +104,7 @@ def resting(
     key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
     model_dir = request.getfixturevalue("tiny_model_dir")
     env = {
-        "APPLIANCE_REAPER__WORKER_IDLE_S": str(IDLE_S),
+        "APPLIANCE_WORKER_REAPER__WORKER_IDLE_S": str(IDLE_S),
         "APPLIANCE_ENGINE__MODEL": str(model_dir),
         "APPLIANCE_ENGINE__MAX_MODEL_LEN": "4096",
         **extra,

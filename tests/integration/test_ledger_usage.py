@@ -171,8 +171,8 @@ def test_an_older_ledger_takes_the_usage_tables_and_keeps_its_prices(tmp_path: P
             " VALUES (0, 'gpu_seconds', 'USD', 0, 0, 0, 0, 0.002)"
         )
     with LedgerWriter.open(db) as ledger:
-        old = ledger.current_price()
-        assert old is not None
+        with closing(ledger.reader()) as conn:
+            (old,) = load_prices(conn)
         assert (old.gpu_second, old.energy_per_kwh, old.box_per_hour) == (0.002, 0.0, 0.0)
         w = WorkerUsage(W0, 1, awake_s=10.0, busy_s=4.0, energy_j=3_600_000.0)
         cost = ledger.record_usage(period(0.0, 10.0, w)).result()

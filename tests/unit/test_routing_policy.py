@@ -185,13 +185,13 @@ counts use the kind, so they stay a fixed set whatever the figures."""
 def test_no_eligible_worker_names_each_filter() -> None:
     d = route(
         RouteRequest("m", 10),
-        [w(A, healthy=False), w(B, draining=True)],
+        [w(A, healthy=False), w(B, draining=True), w(C, excluded=True)],
         LinearCost(),
         default_profile(),
     )
     assert d.worker is None and d.reason == "no eligible worker"
     assert d.kind == RouteKind.NO_ELIGIBLE
-    assert d.excluded == {"a": "healthy", "b": "not_draining"}
+    assert d.excluded == {"a": "healthy", "b": "not_draining", "c": "not_excluded"}
 
 
 def test_excluded_workers_are_named_by_their_first_failed_filter_beside_a_pick() -> None:

@@ -85,6 +85,32 @@ def test_unknown_environment_key_is_an_error(monkeypatch: pytest.MonkeyPatch) ->
         load()
 
 
+def test_the_old_worker_reaper_key_is_read_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("reaper: {worker_idle_s: 5}\nresidency: {reaper: false}\n")
+    with caplog.at_level("WARNING", logger="appliance.settings_load"):
+        s = load(cfg)
+    assert (s.worker_reaper.worker_idle_s, s.residency.reaper) == (5.0, False)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"config file {cfg}: 'reaper' is now 'worker_reaper'; rename the key"
+    ]
+    cfg.write_text("reaper: {worker_idle_s: 5}\nworker_reaper: {worker_idle_s: 6}\n")
+    with pytest.raises(ConfigError, match=r"both 'reaper' and 'worker_reaper'"):
+        load(cfg)
+
+
+def test_the_old_worker_reaper_environment_key_names_the_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("APPLIANCE_WORKER_REAPER__MIN_AWAKE", "2")
+    assert load().worker_reaper.min_awake == 2
+    monkeypatch.setenv("APPLIANCE_REAPER__MIN_AWAKE", "2")
+    with pytest.raises(ConfigError, match=r"set APPLIANCE_WORKER_REAPER__MIN_AWAKE instead$"):
+        load()
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"no-such\.yaml"):
         load(tmp_path / "no-such.yaml")

@@ -234,13 +234,6 @@ class Grid(ScrollView, Generic[R], can_focus=True):
         elif self.cursor >= top + page:
             self.scroll_to(y=self.cursor - page + 1, animate=False)
 
-    def select_key(self, key: str) -> bool:
-        for i, row in enumerate(self._view):
-            if self._row_key(row) == key:
-                self._move(i)
-                return True
-        return False
-
     def action_cursor_up(self) -> None:
         self._move(self.cursor - 1)
 

@@ -31,6 +31,9 @@ class WorkerView:
     worker: WorkerId
     models: frozenset[str]
     healthy: bool = True
+    excluded: bool = False
+    """This turn may not go there: an earlier attempt of it failed there, or it is pinned
+    to another worker."""
     draining: bool = False
     resident_tokens: int = 0
     """Leading tokens of this request's prompt resident in the worker's KV cache (index)."""
@@ -96,6 +99,10 @@ Scorer = Callable[[Context, WorkerView], float]
 
 def healthy(_: RouteRequest, w: WorkerView) -> bool:
     return w.healthy
+
+
+def not_excluded(_: RouteRequest, w: WorkerView) -> bool:
+    return not w.excluded
 
 
 def not_draining(_: RouteRequest, w: WorkerView) -> bool:
@@ -168,7 +175,12 @@ def default_profile(
 ) -> RoutingProfile:
     return RoutingProfile(
         name="appliance",
-        filters=(("healthy", healthy), ("not_draining", not_draining), ("model", serves_model)),
+        filters=(
+            ("healthy", healthy),
+            ("not_excluded", not_excluded),
+            ("not_draining", not_draining),
+            ("model", serves_model),
+        ),
         scorers=(
             ("reuse", reuse_weight, reuse),
             ("queue", queue_weight, queue),

@@ -24,10 +24,6 @@ class AnchorRequest:
         """Tokens in block `i` (only the last block can be partial)."""
         return min(self.block_tokens, self.prompt_tokens - i * self.block_tokens)
 
-    @property
-    def full_blocks(self) -> int:
-        return self.prompt_tokens // self.block_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class AnchorWorker:
