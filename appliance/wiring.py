@@ -46,7 +46,7 @@ from appliance.services.cost_series import CostSeries
 from appliance.services.events import EventFeed
 from appliance.services.gpu_meter import GpuMeter
 from appliance.services.no_retention import NoRetention
-from appliance.services.placement import Placer
+from appliance.services.placement import Placer, RoutingRule
 from appliance.services.queue_book import QueueBook
 from appliance.services.reaper_loop import ReaperLoop
 from appliance.services.residency_inputs import LiveInputs
@@ -322,6 +322,28 @@ def admission_limits(settings: Settings) -> AdmissionLimits:
     return AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"}))
 
 
+def _placer(
+    settings: Settings,
+    engines: StartedEngines,
+    feed: KvIndexFeed,
+    sessions: SessionTable,
+    queues: QueueBook,
+    cost: LatencyModel,
+    secret: bytes,
+) -> Placer:
+    return Placer(
+        workers=engines.workers,
+        index=feed,
+        sessions=sessions,
+        queues=queues,
+        rule=RoutingRule(
+            default_profile(**settings.routing.model_dump()), cost, engines.served_name
+        ),
+        salt=TenantSalts(secret),
+        retention=engines.retention,
+    )
+
+
 def _turn_desk(
     settings: Settings,
     engines: StartedEngines,
@@ -345,16 +367,7 @@ def _turn_desk(
         on_turn=log_turns(tasks.add_turn),
         meter=GpuMeter(clock, cost, queues.slowdown, e.gpus_per_worker),
     )
-    placer = Placer(
-        workers=engines.workers,
-        index=feed,
-        sessions=sessions,
-        queues=queues,
-        cost=cost,
-        profile=default_profile(**settings.routing.model_dump()),
-        model=engines.served_name,
-        salt=TenantSalts(secret),
-    )
+    placer = _placer(settings, engines, feed, sessions, queues, cost, secret)
     admission = AdmissionService(
         limits=admission_limits(settings),
         tasks=tasks,

@@ -21,7 +21,7 @@ from appliance.policy.routing.core import default_profile
 from appliance.services.admission import AdmissionService, WorkerEstimator
 from appliance.services.attempt_spans import AttemptSpans
 from appliance.services.flights import Flights
-from appliance.services.placement import Placer
+from appliance.services.placement import Placer, RoutingRule
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import SessionTable
 from appliance.services.tasks import TaskBook
@@ -160,6 +160,7 @@ def wired_desk(
     slowdown: dict[str, float] | None = None,
     block_size: int = 16,
     admission: bool = False,
+    retention: Any = None,
 ) -> Wired:
     """The turn desk as the daemon wires it (queue book, turn records, placer, worker
     speeds), over fakes of the outside only: workers, the KV index, the ledger and the clock.
@@ -176,8 +177,8 @@ def wired_desk(
     sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size))
     placer = Placer(
         workers=lambda: workers, index=index, sessions=sessions, queues=queues,
-        cost=LinearCost(), profile=default_profile(), model="m",
-        salt=lambda t, c: f"salt-{t}",
+        rule=RoutingRule(default_profile(), LinearCost(), "m"), salt=lambda t, c: f"salt-{t}",
+        retention=retention,
     )  # fmt: skip
     tasks = TaskBook(ledger)
     estimator = WorkerEstimator(lambda: workers, queues.queue_s, LinearCost(), measured)

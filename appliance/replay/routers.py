@@ -198,6 +198,7 @@ class PolicyRouter:
                 queue_s=queues[v.index],
                 queued_share=queues[v.index] / total if total else 0.0,
                 kv_usage=v.kv_cache_usage,
+                kv_held=_held_share(v),
             )
             for v in views
         ]
@@ -294,3 +295,9 @@ class PolicyRouter:
                         del active[k]
                     else:
                         active[k] -= 1
+
+
+def _held_share(v: EngineView) -> float:
+    """The share of the engine's usable KV pool (the null block excluded) its pins hold."""
+    cache = v.engine.cache
+    return cache.num_pinned_blocks / max(cache.num_blocks - 1, 1)

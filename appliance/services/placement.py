@@ -7,6 +7,8 @@ how much prefill waits at each; the routing policy (appliance/policy/routing) pi
 forwarded before it is tokenised shares its session's last prompt, whose chain is already
 known, and appends text resident nowhere yet, so it is placed on that chain. `place` changes
 nothing: `commit` makes the placement the session's (its chain, its predicted residency).
+The idle sessions' holds on a worker (its retention connector's reports) are room the
+worker gives back on demand: the policy reads them beside the pool's usage.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from appliance.policy.routing import (
     WorkerView,
     route,
 )
-from appliance.ports import KvLookup, WorkerEndpoint
+from appliance.ports import KvLookup, KvRetention, WorkerEndpoint
 from appliance.services.chat_tokens import TokenIds, token_ids
 from appliance.services.queue_book import QueueBook
 from appliance.services.sessions import SessionState, SessionTable
@@ -46,6 +48,16 @@ class Placement:
     salt: str
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingRule:
+    """How turns are placed: the policy's scorers and weights, the prefill cost they weigh,
+    the model the workers serve."""
+
+    profile: RoutingProfile
+    cost: PrefillCost
+    model: str
+
+
 class Placer:
     def __init__(
         self,
@@ -54,19 +66,21 @@ class Placer:
         index: KvLookup,
         sessions: SessionTable,
         queues: QueueBook,
-        cost: PrefillCost,
-        profile: RoutingProfile,
-        model: str,
+        rule: RoutingRule,
         salt: Salt,
+        retention: KvRetention | None = None,
     ) -> None:
+        """`retention`: the workers' retention connectors, whose reports say what the idle
+        sessions' holds keep (None: the workers have none)."""
         self._workers = workers
         self._index = index
         self._sessions = sessions
         self._queues = queues
-        self._cost = cost
-        self._profile = profile
-        self._model = model
+        self._cost = rule.cost
+        self._profile = rule.profile
+        self._model = rule.model
         self.salt = salt
+        self._retention = retention
 
     def place(
         self,
@@ -100,6 +114,7 @@ class Placer:
                 queue_s=queues.get(w.id, 0.0),
                 queued_share=queues.get(w.id, 0.0) / total if total else 0.0,
                 kv_usage=w.load.kv_cache_usage_perc if w.load else 0.0,
+                kv_held=self._held_share(w),
                 recent_failures=self._queues.recent_failures(w.id),
                 slowdown=self._queues.slowdown(w.id),
             )
@@ -110,6 +125,13 @@ class Placer:
         if turn.route_note:
             decision = replace(decision, reason=f"{turn.route_note}; {decision.reason}")
         return Placement(decision, resident, chain, ids, salt)
+
+    def _held_share(self, w: WorkerEndpoint) -> float:
+        """The share of the worker's KV pool its holds keep (0 while its size is unknown)."""
+        pool = w.load.kv_capacity_tokens if w.load else None
+        if not pool or self._retention is None:
+            return 0.0
+        return sum(h.tokens for h in self._retention.retained(w.id).values()) / pool
 
     def generation(self, worker: WorkerId) -> int:
         """The worker's cache generation as the KV index knows it now."""

@@ -117,6 +117,13 @@ CASES = [
         "least estimated time to first token",
     ),
     (
+        "a pool full of holds is freer than one as full of running requests",
+        RouteRequest("m", 1000),
+        [w(A, kv_usage=0.95, kv_held=0.2), w(B, kv_usage=0.95, kv_held=0.8)],
+        B,
+        "least estimated time to first token",
+    ),
+    (
         "fewer recent failures break a tie between equal workers",
         RouteRequest("m", 1000),
         [w(A, recent_failures=1), w(B)],
@@ -252,6 +259,24 @@ SCORES = [
     ("a full KV cache scores 0", 1000, None, [w(A, kv_usage=1.0)], A, "kv_pressure", 0.0),
     ("an over-full KV reading clips to 0", 1000, None, [w(A, kv_usage=1.5)], A, "kv_pressure", 0.0),
     ("a negative KV reading clips to 1", 1000, None, [w(A, kv_usage=-0.5)], A, "kv_pressure", 1.0),
+    (
+        "held idle KV counts as free",
+        1000,
+        None,
+        [w(A, kv_usage=0.9, kv_held=0.6)],
+        A,
+        "kv_pressure",
+        0.7,
+    ),
+    (
+        "held KV past the usage reading clips to 1",
+        1000,
+        None,
+        [w(A, kv_usage=0.3, kv_held=0.5)],
+        A,
+        "kv_pressure",
+        1.0,
+    ),
     (
         "a queue scores against the cold prefill when that is longer",
         2000,

@@ -42,6 +42,10 @@ class WorkerView:
     queued_share: float = 0.0
     """This worker's share (0..1) of all queued work across workers."""
     kv_usage: float = 0.0
+    """Share of the worker's KV pool in use (vLLM's `kv_cache_usage_perc`)."""
+    kv_held: float = 0.0
+    """Of `kv_usage`, the share idle sessions' holds keep: the appliance gives it back as
+    soon as a request needs the room, so it is not load."""
     recent_failures: int = 0
     slowdown: float = 1.0
     """This worker's measured prefill seconds per second of the cost model's (1: as fast
@@ -135,7 +139,9 @@ def queue(ctx: Context, w: WorkerView) -> float:
 
 
 def kv_pressure(_: Context, w: WorkerView) -> float:
-    return _clip(1.0 - w.kv_usage)
+    """The pool's free share, counting held idle KV as free: with every pool full of holds,
+    usage alone would no longer tell a busy worker from an idle one."""
+    return _clip(1.0 - max(w.kv_usage - w.kv_held, 0.0))
 
 
 def failures(_: Context, w: WorkerView) -> float:
