@@ -111,8 +111,10 @@ def _own_executable() -> str:
     beside = Path(sys.executable).parent / "appliance"
     found = str(beside) if beside.is_file() else shutil.which("appliance")
     if found is None:
-        raise ConfigError("cannot find the `appliance` command of this installation; run "
-                          "it from the virtual environment install.sh made")  # fmt: skip
+        raise ConfigError(
+            "cannot find the `appliance` command of this installation; run "
+            "it from the virtual environment install.sh made"
+        )
     return os.path.abspath(found)
 
 

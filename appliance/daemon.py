@@ -1,7 +1,8 @@
 """`appliance up`: Settings -> engine workers -> index, ledger, router -> HTTP API, until a
 signal; then drain and stop in reverse order. Part of the composition root (with
-bootstrap.py, engine_start.py and wiring.py): it names the ledger and the probes, and
-appliance/engine_start.py starts the engines (sim, vllm or external).
+bootstrap.py, engine_start.py and wiring.py): it names the ledger, and
+appliance/engine_start.py starts the engines (sim, vllm or external) and picks the GPU
+probe that watches them.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from appliance.api.requests import MAX_BODY_BYTES
 from appliance.api.server import ApiServer
 from appliance.api.starting import starting_app
 from appliance.datadir import ensure_data_dir, lock_data_dir
-from appliance.domain.records import CostMode, Price, WorkerId
+from appliance.domain.records import CostMode, Price
 from appliance.domain.worker import can_serve
 from appliance.engine_start import (
     Engines,
     WorkerEventRelay,
+    gpu_probe,
     resolve_kind,
     runtime_identity,
     start_engines,
@@ -38,14 +40,12 @@ from appliance.engine_start import (
 from appliance.engines.port_plan import planned_ports
 from appliance.engines.workers import KvIndexFeed
 from appliance.eventloop import new_event_loop
-from appliance.gpu.nvml import NvmlProbe
-from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe, board_power
+from appliance.gpu.simulated import SimulatedGpuProbe
 from appliance.ledger import LedgerWriter
 from appliance.live_reload import LiveReload
 from appliance.oplog import start_logging
-from appliance.perf import kv_capacity
-from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
-from appliance.ports import GpuProbe, WorkerEndpoint
+from appliance.perf.profile import bundled_profile, load_profile
+from appliance.ports import GpuProbe
 from appliance.sdnotify import Notifier
 from appliance.served_kv import served_kv_bytes
 from appliance.services.reaper_runner import run_reaper
@@ -63,36 +63,6 @@ class WallClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
-
-
-def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
-    """The GPU each simulated worker stands for, split as the worker splits it: vLLM's
-    memory budget (utilisation x HBM) less the KV pool the worker sizes is weights and
-    runtime."""
-    utilization = kv_capacity.SIM_GPU_MEMORY_UTILIZATION
-    total_bytes = profile.memory_bytes or kv_capacity.FALLBACK_HBM_BYTES
-    blocks = kv_capacity.default_num_gpu_blocks(profile, block_size, utilization)
-    kv_bytes = blocks * block_size * profile.kv_bytes_per_token
-    baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)
-    idle_w, tdp_w = board_power(profile.gpu)
-    return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes, idle_w, tdp_w)
-
-
-def gpu_probe(
-    kind: EngineKind,
-    profile: GpuProfile,
-    block_size: int,
-    workers: Callable[[], Sequence[WorkerEndpoint]],
-    gpu_blocks: Callable[[WorkerId], int] | None = None,
-) -> GpuProbe:
-    """NVML; under the simulated engine, the model of the GPUs its workers stand for, their
-    KV what the KV index holds there (`gpu_blocks`, per worker id)."""
-    if kind == EngineKind.SIM:
-        resident = (lambda w: gpu_blocks(w) * block_size) if gpu_blocks is not None else None
-        return SimulatedGpuProbe(simulated_gpu(profile, block_size), workers,
-                                 resident_tokens=resident,
-                                 kv_bytes_per_token=profile.kv_bytes_per_token)  # fmt: skip
-    return NvmlProbe()
 
 
 def _secret(data_dir: Path) -> bytes:
@@ -153,8 +123,9 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
     relay = WorkerEventRelay()  # the workers' sleeps, stops and wakes, into the event feed
     try:
         async with start_engines(settings, kind, feed, log_dir, relay) as engines:
-            probe = gpu_probe(kind, profile, settings.engine.block_size,
-                              lambda: engines.workers, feed.gpu_blocks)  # fmt: skip
+            probe = gpu_probe(
+                kind, profile, settings.engine.block_size, lambda: engines.workers, feed.gpu_blocks
+            )
             kv = served_kv_bytes(settings.engine, kind, profile)
             log.info("KV bytes per token: %d (%s)", kv.bytes_per_token, kv.how)
             wired = wire(
@@ -194,8 +165,15 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
         ledger.close()
 
 
-async def _run_api(server: ApiServer, engines: Engines, wired: Wiring, ledger: LedgerWriter,
-                   clock: WallClock, control: Control, url: str) -> None:  # fmt: skip
+async def _run_api(
+    server: ApiServer,
+    engines: Engines,
+    wired: Wiring,
+    ledger: LedgerWriter,
+    clock: WallClock,
+    control: Control,
+    url: str,
+) -> None:
     """The API and the loops behind it, until the API stops (cancelled: after its drain).
     The wired app takes over from `starting` once the loops run and the workers' first
     readings (health, load, KV use) are in: no turn is decided on none."""
@@ -247,14 +225,24 @@ def gpu_plan(kind: EngineKind, workers: Sequence[Any]) -> str:
 
 def _log_plan(kind: EngineKind, engines: Engines, log_dir: Path) -> None:
     for w in engines.workers:
-        log.info("plan: worker %s (%s) at %s, GPUs %s", w.id, kind.value, w.url,
-                 ",".join(map(str, w.gpus)) or "none")  # fmt: skip
-    log.info("plan: model %s, max_model_len %d; worker logs in %s",
-             engines.served_name, engines.max_model_len, log_dir)  # fmt: skip
+        log.info(
+            "plan: worker %s (%s) at %s, GPUs %s",
+            w.id,
+            kind.value,
+            w.url,
+            ",".join(map(str, w.gpus)) or "none",
+        )
+    log.info(
+        "plan: model %s, max_model_len %d; worker logs in %s",
+        engines.served_name,
+        engines.max_model_len,
+        log_dir,
+    )
 
 
-def _reloads(live: LiveReload, key_file: keystore.KeyFile, ledger: LedgerWriter,
-             wired: Wiring) -> None:  # fmt: skip
+def _reloads(
+    live: LiveReload, key_file: keystore.KeyFile, ledger: LedgerWriter, wired: Wiring
+) -> None:
     """What a reload changes in the running appliance (appliance/live_reload.py)."""
     live.on_keys(key_file.refresh)
     live.on_change("log_level", _set_log_level)
@@ -274,15 +262,22 @@ async def _ready(engines: Engines, ledger: LedgerWriter, notifier: Notifier, url
     while ledger.failing is not None or not all(
         can_serve(w.state, w.draining) for w in engines.workers
     ):
-        await asyncio.sleep(0.1)  # fmt: skip
+        await asyncio.sleep(0.1)
     if notifier.ready(f"serving at {url} with {_plural(len(engines.workers), 'worker')}"):
         log.info("told systemd: ready")
 
 
 def _api_server(app: Any, settings: Settings) -> ApiServer:
     s = settings.server
-    return ApiServer(app, s.host, s.port, max_body=MAX_BODY_BYTES, grace_s=30,
-                     idle_s=s.idle_timeout_s, request_s=s.request_timeout_s)  # fmt: skip
+    return ApiServer(
+        app,
+        s.host,
+        s.port,
+        max_body=MAX_BODY_BYTES,
+        grace_s=30,
+        idle_s=s.idle_timeout_s,
+        request_s=s.request_timeout_s,
+    )
 
 
 def _open_ledger(settings: Settings) -> LedgerWriter:
@@ -316,13 +311,21 @@ async def _started(
         ready.set()
 
 
-async def _refresh(engines: Engines, wired: Wiring, clock: WallClock, ledger: LedgerWriter,
-                   refreshed: asyncio.Event) -> None:  # fmt: skip
+async def _refresh(
+    engines: Engines,
+    wired: Wiring,
+    clock: WallClock,
+    ledger: LedgerWriter,
+    refreshed: asyncio.Event,
+) -> None:
     """Twice a second: the workers' health and load, their measured speeds, restarts and
     outages into the event feed, one GPU reading, and while the ledger cannot write, a probe
     of whether it can again. `refreshed` is set after the first pass."""
-    watch = WorkerWatch(wired.events, restarts=lambda w: w.restarts,  # type: ignore[attr-defined]
-                        resting=lambda w: w.resting)  # type: ignore[attr-defined]  # fmt: skip
+    watch = WorkerWatch(
+        wired.events,
+        restarts=lambda w: w.restarts,  # type: ignore[attr-defined]
+        resting=lambda w: w.resting,  # type: ignore[attr-defined]
+    )
     while True:
         try:
             await engines.refresh()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerEvent
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_sim_workers, start_vllm_workers
@@ -39,7 +40,11 @@ from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN, sim_wake_seconds
 from appliance.engines.supervisor import Supervisor
 from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.gpu.nvml import NvmlProbe
+from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe, board_power
+from appliance.perf import kv_capacity
+from appliance.perf.profile import GpuProfile
 from appliance.policy.worker_power import ALL_STATES, CPU_VLLM_STATES, PowerState
+from appliance.ports import GpuProbe, WorkerEndpoint
 from appliance.settings import EngineKind, Settings
 
 log = logging.getLogger(__name__)
@@ -115,8 +120,10 @@ def served_name(settings: Settings) -> str:
 def runtime_identity(settings: Settings, kind: EngineKind) -> str:
     """What a cached prefix is valid against: engine, model, block size, hash and seed."""
     e = settings.engine
-    return (f"{kind.value}:{served_name(settings)}:bs{e.block_size}:{e.hash_algo}"
-            f":seed{e.python_hash_seed}")  # fmt: skip
+    return (
+        f"{kind.value}:{served_name(settings)}:bs{e.block_size}:{e.hash_algo}"
+        f":seed{e.python_hash_seed}"
+    )
 
 
 def start_engines(
@@ -155,8 +162,9 @@ async def _vllm_engines(
     )
     try:
         states = ALL_STATES if e.sleep_mode else CPU_VLLM_STATES
-        yield await _supervised(EngineKind.VLLM, supervisor, served_name(settings),
-                                e.max_model_len, states)  # fmt: skip
+        yield await _supervised(
+            EngineKind.VLLM, supervisor, served_name(settings), e.max_model_len, states
+        )
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
 
@@ -170,8 +178,9 @@ async def _sim_engines(
         e, log_dir=log_dir, on_event=on_event, on_kv_batch=feed.on_batch, on_kv_reset=feed.on_reset
     )
     try:
-        engines = await _supervised(EngineKind.SIM, supervisor, served_name(settings),
-                                    e.max_model_len, ALL_STATES)  # fmt: skip
+        engines = await _supervised(
+            EngineKind.SIM, supervisor, served_name(settings), e.max_model_len, ALL_STATES
+        )
         yield replace(engines, wake_s=sim_wake_seconds(e))
     finally:
         await supervisor.stop(drain_deadline_s=30.0)
@@ -191,8 +200,9 @@ async def _supervised(
         await asyncio.gather(*(w.refresh_load() for w in supervisor.workers if w.healthy))
 
     limit = await model_limit(supervisor.workers, name, configured_len)
-    return Engines(kind, supervisor.workers, name, limit, loads, supervisor.retention,
-                   supervisor.power, states)  # fmt: skip
+    return Engines(
+        kind, supervisor.workers, name, limit, loads, supervisor.retention, supervisor.power, states
+    )
 
 
 @contextlib.asynccontextmanager
@@ -222,7 +232,42 @@ async def model_limit(workers: Sequence[WorkerHandle], name: str, configured: in
     where no worker says (an external server not up yet), else the simulated engine's."""
     reported = await reported_model_len(workers, name)
     if reported is None:
-        log.warning("no worker reported its max_model_len; the API assumes %s",
-                    configured or SIM_MAX_MODEL_LEN)  # fmt: skip
+        log.warning(
+            "no worker reported its max_model_len; the API assumes %s",
+            configured or SIM_MAX_MODEL_LEN,
+        )
         return configured or SIM_MAX_MODEL_LEN
     return min(reported, configured or reported)
+
+
+def simulated_gpu(profile: GpuProfile, block_size: int) -> SimulatedGpu:
+    """The GPU each simulated worker stands for, split as the worker splits it: vLLM's
+    memory budget (utilisation x HBM) less the KV pool the worker sizes is weights and
+    runtime."""
+    utilization = kv_capacity.SIM_GPU_MEMORY_UTILIZATION
+    total_bytes = profile.memory_bytes or kv_capacity.FALLBACK_HBM_BYTES
+    blocks = kv_capacity.default_num_gpu_blocks(profile, block_size, utilization)
+    kv_bytes = blocks * block_size * profile.kv_bytes_per_token
+    baseline_bytes = max(int(total_bytes * utilization) - kv_bytes, 0)
+    idle_w, tdp_w = board_power(profile.gpu)
+    return SimulatedGpu(f"{profile.gpu} sim", total_bytes, baseline_bytes, kv_bytes, idle_w, tdp_w)
+
+
+def gpu_probe(
+    kind: EngineKind,
+    profile: GpuProfile,
+    block_size: int,
+    workers: Callable[[], Sequence[WorkerEndpoint]],
+    gpu_blocks: Callable[[WorkerId], int] | None = None,
+) -> GpuProbe:
+    """NVML; under the simulated engine, the model of the GPUs its workers stand for, their
+    KV what the KV index holds there (`gpu_blocks`, per worker id)."""
+    if kind == EngineKind.SIM:
+        resident = (lambda w: gpu_blocks(w) * block_size) if gpu_blocks is not None else None
+        return SimulatedGpuProbe(
+            simulated_gpu(profile, block_size),
+            workers,
+            resident_tokens=resident,
+            kv_bytes_per_token=profile.kv_bytes_per_token,
+        )
+    return NvmlProbe()

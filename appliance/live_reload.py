@@ -113,8 +113,9 @@ def _summary(answer: dict[str, Any]) -> str:
         parts.append(f"API keys read again ({answer['keys']})")
     parts.append("applied: " + (", ".join(answer.get("applied", ())) or "no change"))
     if answer.get("restart_needed"):
-        parts.append("changed but taking effect only after a restart: "
-                     + ", ".join(answer["restart_needed"]))  # fmt: skip
+        parts.append(
+            "changed but taking effect only after a restart: " + ", ".join(answer["restart_needed"])
+        )
     if answer.get("error"):
         parts.append(answer["error"])
     return "; ".join(parts)

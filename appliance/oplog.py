@@ -51,9 +51,12 @@ def start_logging(level: str, log_dir: Path | None) -> Callable[[], None]:
     handlers: list[logging.Handler] = [stderr]
     if log_dir is not None:
         file = logging.handlers.RotatingFileHandler(
-            log_dir / LOG_FILE, maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
-            encoding="utf-8", delay=True,
-        )  # fmt: skip
+            log_dir / LOG_FILE,
+            maxBytes=LOG_FILE_BYTES,
+            backupCount=LOG_FILE_BACKUPS,
+            encoding="utf-8",
+            delay=True,
+        )
         file.setFormatter(logging.Formatter(FORMAT))
         handlers.append(file)
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
@@ -94,11 +97,18 @@ def log_turns(
             requests_log.info(
                 "turn %s tenant=%s session=%s task=%s worker=%s status=%s prompt_tokens=%d "
                 "cached_tokens=%d output_tokens=%d ttft_s=%s latency_s=%.3f",
-                record.turn_id, record.tenant, record.session_id, record.task_id,
-                record.worker or f"outside:{record.endpoint}", record.outcome.value,
-                record.prompt_tokens, record.cached_tokens, record.output_tokens,
-                None if record.ttft_s is None else round(record.ttft_s, 4), record.e2e_s,
-            )  # fmt: skip
+                record.turn_id,
+                record.tenant,
+                record.session_id,
+                record.task_id,
+                record.worker or f"outside:{record.endpoint}",
+                record.outcome.value,
+                record.prompt_tokens,
+                record.cached_tokens,
+                record.output_tokens,
+                None if record.ttft_s is None else round(record.ttft_s, 4),
+                record.e2e_s,
+            )
         then(record, written)
 
     return on_turn
@@ -124,6 +134,12 @@ class LoggedEventFeed(EventFeed):
         event = super().record(at, kind, subject, detail, tenant=tenant)
         level = _EVENT_LEVELS.get(kind, logging.INFO)
         if events_log.isEnabledFor(level):
-            events_log.log(level, "%s %s%s: %s", kind.value, subject,
-                           f" (tenant {tenant})" if tenant else "", detail)  # fmt: skip
+            events_log.log(
+                level,
+                "%s %s%s: %s",
+                kind.value,
+                subject,
+                f" (tenant {tenant})" if tenant else "",
+                detail,
+            )
         return event

@@ -95,8 +95,10 @@ def remove_service(root: Path) -> list[str]:
 def describe_service(root: Path) -> tuple[list[str], bool]:
     """Which of the service's files are under `root`, and on this host what systemctl says;
     whether the unit is installed."""
-    out = [f"{'present' if (root / rel).exists() else 'missing'}  {root / rel}"
-           for rel in (UNIT, SYSUSERS, CONFIG, DATA_DIR)]  # fmt: skip
+    out = [
+        f"{'present' if (root / rel).exists() else 'missing'}  {root / rel}"
+        for rel in (UNIT, SYSUSERS, CONFIG, DATA_DIR)
+    ]
     for verb in ("is-enabled", "is-active"):
         said = _systemctl(root, verb)
         if said is not None:
@@ -108,8 +110,9 @@ def _systemctl(root: Path, verb: str) -> str | None:
     """What `systemctl VERB appliance` says, on this host (root /) where there is one."""
     if root != Path("/") or shutil.which("systemctl") is None:
         return None
-    r = subprocess.run(["systemctl", verb, NAME], capture_output=True, text=True, timeout=10,
-                       check=False)  # fmt: skip
+    r = subprocess.run(
+        ["systemctl", verb, NAME], capture_output=True, text=True, timeout=10, check=False
+    )
     return (r.stdout or r.stderr).strip() or f"exit {r.returncode}"
 
 

@@ -250,8 +250,9 @@ def _reaper_loop(
     )
     reaper = Reaper(priors=_wait_priors(), tuning=tuning)
     now = clock.now()
-    for gap in session_gaps(settings.ledger_path, since=now - RESTORE_WINDOW_S, now=now,
-                            limit=RESTORE_MAX):  # fmt: skip
+    for gap in session_gaps(
+        settings.ledger_path, since=now - RESTORE_WINDOW_S, now=now, limit=RESTORE_MAX
+    ):
         key = WaitKey(gap.tenant, None, gap.depth)
         if gap.returned:
             reaper.survival.observe_gap(key, gap.seconds)
@@ -312,8 +313,9 @@ def _worker_reaper(
         gpus_per_worker=settings.engine.gpus_per_worker,
     )
     rests = reaper.worker_rests if reaper is not None else None
-    return WorkerReaperLoop(engines.power, inputs, ledger=ledger, clock=clock, meter=meter,
-                        before_rest=rests)  # fmt: skip
+    return WorkerReaperLoop(
+        engines.power, inputs, ledger=ledger, clock=clock, meter=meter, before_rest=rests
+    )
 
 
 def admission_limits(settings: Settings) -> AdmissionLimits:

@@ -92,9 +92,19 @@ def durable_turn() -> Iterator[Callable[[], Any]]:
         def commit() -> Any:
             now = time.time()
             turn = TurnRecord(
-                TurnId(f"t{next(ids)}"), TenantId("bench"), None, None, WorkerId("w0"), "m",
-                8_200, 7_800, 16, TurnOutcome.OK, now, now,
-            )  # fmt: skip
+                TurnId(f"t{next(ids)}"),
+                TenantId("bench"),
+                None,
+                None,
+                WorkerId("w0"),
+                "m",
+                8_200,
+                7_800,
+                16,
+                TurnOutcome.OK,
+                now,
+                now,
+            )
             return ledger.record_turn(turn).result()
 
         yield commit
@@ -142,8 +152,10 @@ def table(figures: dict[str, dict[str, float]]) -> str:
     ]
     for name, row in figures.items():
         hot = row["hot"] or 1e-9
-        cells = [f"{row[label]:.1f}" + ("" if label == "hot" else f" (x{row[label] / hot:.1f})")
-                 for label in labels]  # fmt: skip
+        cells = [
+            f"{row[label]:.1f}" + ("" if label == "hot" else f" (x{row[label] / hot:.1f})")
+            for label in labels
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -143,9 +143,12 @@ def offline_table(trace: Trace, key: Callable[[Trace, int], object]) -> WaitTabl
 
 
 def by_session(
-    trace: Trace, blocks: int, score: Callable[[int, float], float], learn: WaitTable | None = None,
+    trace: Trace,
+    blocks: int,
+    score: Callable[[int, float], float],
+    learn: WaitTable | None = None,
     key: Callable[[Trace, int], object] = depth_key,
-) -> int:  # fmt: skip
+) -> int:
     """Blocks hit when whole idle sessions are dropped lowest `score(last request, now)`
     first; `learn`: a table fed as the trace goes (returns as they happen)."""
     owner: dict[int, str] = {}
@@ -182,9 +185,12 @@ def _prefix_hit(hash_ids: Sequence[int], cached: dict[int, str]) -> int:
 
 
 def _drop(
-    owner: dict[int, str], held: defaultdict[str, set[int]], current: str, blocks: int,
+    owner: dict[int, str],
+    held: defaultdict[str, set[int]],
+    current: str,
+    blocks: int,
     score: Callable[[str], float],
-) -> None:  # fmt: skip
+) -> None:
     size = len(owner)
     for o in sorted((o for o in held if held[o] and o != current), key=score):
         if size <= blocks:

@@ -118,9 +118,27 @@ BIN = Path(sys.executable).parent
 MODEL = "sim"
 TENANT = "bench"
 WORDS = [
-    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
-    "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon",
-]  # fmt: skip
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+]
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions")
 FORWARD_SERIES = tuple(f"appliance_forward_seconds_{s}" for s in ("bucket", "sum", "count"))
 _USER = re.compile(rb'"user"\s*:\s*"([^"]+)"')
@@ -261,9 +279,12 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
 
     def app_for(target: int) -> Any:
         pool = Http1Pool(
-            "127.0.0.1", target, connect_timeout_s=5, read_timeout_s=600,
+            "127.0.0.1",
+            target,
+            connect_timeout_s=5,
+            read_timeout_s=600,
             keepalive_s=WORKER_KEEPALIVE_S - 1,
-        )  # fmt: skip
+        )
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             body = (await receive())["body"]  # the server hands over the whole body
@@ -273,9 +294,12 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
             answer = await pool.request(scope["method"], scope["path"], body, headers)
             kind = dict(answer.headers).get(b"content-type", b"application/json")
             await send(
-                {"type": "http.response.start", "status": answer.status,
-                 "headers": [(b"content-type", kind)]}
-            )  # fmt: skip
+                {
+                    "type": "http.response.start",
+                    "status": answer.status,
+                    "headers": [(b"content-type", kind)],
+                }
+            )
             async for data in answer.chunks():
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -336,10 +360,15 @@ def serve_appliance_granian(granian_path: str, up_args: list[str]) -> None:
         def __init__(self, app: Any, host: str, port: int) -> None:
             self.started = False
             self._server = Server(
-                stamped(app), address=host, port=port, interface=Interfaces.ASGINL,
-                http=HTTPModes.http1, websockets=False, backlog=2048,
+                stamped(app),
+                address=host,
+                port=port,
+                interface=Interfaces.ASGINL,
+                http=HTTPModes.http1,
+                websockets=False,
+                backlog=2048,
                 log_level=LogLevels.warning,
-            )  # fmt: skip
+            )
             self._server.on_startup(lambda: setattr(self, "started", True))
 
         async def serve(self) -> None:
@@ -995,9 +1024,15 @@ async def run(
     for i, (port, kv) in enumerate(zip(w_ports, kv_ports, strict=True)):
         procs.start(
             f"worker{i}",
-            [sys.executable, str(Path(__file__).resolve()), "--serve-worker", str(port),
-             f"tcp://*:{kv}", str(max_len)],
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--serve-worker",
+                str(port),
+                f"tcp://*:{kv}",
+                str(max_len),
+            ],
+        )
     for url in worker_urls:
         wait_http(f"{url}/health", procs)
     data_dir = tmp / "data"
@@ -1031,10 +1066,22 @@ async def run(
             folded = args.out.with_suffix(".appliance.folded").resolve()
             procs.start(
                 "py-spy",
-                [args.py_spy, "record", "--nonblocking", "--gil", "--threads", "--format",
-                 "raw", "--rate", "250", "-o", str(folded),
-                 "-p", str(procs.procs["appliance"].pid)],
-            )  # fmt: skip
+                [
+                    args.py_spy,
+                    "record",
+                    "--nonblocking",
+                    "--gil",
+                    "--threads",
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "250",
+                    "-o",
+                    str(folded),
+                    "-p",
+                    str(procs.procs["appliance"].pid),
+                ],
+            )
     if "appliance-granian" in paths:
         granian_dir = tmp / "data-granian"  # a data dir is locked by the appliance using it
         granian_dir.mkdir()
@@ -1042,34 +1089,62 @@ async def run(
             shutil.copy2(data_dir / name, granian_dir / name)
         procs.start(
             "appliance-granian",
-            [sys.executable, str(Path(__file__).resolve()), "--granian", args.granian,
-             "--serve-appliance-granian", "--engine", "external", "--port", str(granian_port)],
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--granian",
+                args.granian,
+                "--serve-appliance-granian",
+                "--engine",
+                "external",
+                "--port",
+                str(granian_port),
+            ],
             env={**env, "APPLIANCE_DATA_DIR": str(granian_dir)},
             cpus=args.router_cpus,
-        )  # fmt: skip
+        )
         wait_http(f"http://127.0.0.1:{granian_port}/health", procs)
-    relays = (("tcp-relay", "--serve-relay", relay_ports),
-              ("http-relay", "--serve-http-relay", http_relay_ports))  # fmt: skip
+    relays = (
+        ("tcp-relay", "--serve-relay", relay_ports),
+        ("http-relay", "--serve-http-relay", http_relay_ports),
+    )
     for name, flag, ports in relays:
         if name not in paths:
             continue
         procs.start(
             name,
-            [sys.executable, str(Path(__file__).resolve()), flag,
-             *map(str, ports), *map(str, w_ports)],
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                flag,
+                *map(str, ports),
+                *map(str, w_ports),
+            ],
             cpus=args.router_cpus,
-        )  # fmt: skip
+        )
         for port in ports:
             wait_http(f"http://127.0.0.1:{port}/health", procs)
     vr_version = None
     if "vllm-router" in paths and vr_bin:
         procs.start(
             "vllm-router",
-            [vr_bin, "--worker-urls", *worker_urls, "--host", "127.0.0.1", "--port",
-             str(vr_port), "--prometheus-port", str(vr_prom), "--log-level", "warning",
-             "--policy", args.vllm_router_policy],
+            [
+                vr_bin,
+                "--worker-urls",
+                *worker_urls,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(vr_port),
+                "--prometheus-port",
+                str(vr_prom),
+                "--log-level",
+                "warning",
+                "--policy",
+                args.vllm_router_policy,
+            ],
             cpus=args.router_cpus,
-        )  # fmt: skip
+        )
         wait_http(f"http://127.0.0.1:{vr_port}/health", procs)
         vr_version = _vr_version(vr_bin)
     salt = tenant_salt(data_dir) if (data_dir / "secret.key").exists() else None

@@ -78,9 +78,27 @@ BIN = Path(sys.executable).parent
 STARTUP_S = 180.0
 WORKERS = 2
 WORDS = [
-    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
-    "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon",
-]  # fmt: skip
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+]
 _CONTENT = re.compile(rb'"content"\s*:\s*"[^"]')
 _ERROR_CODE = re.compile(rb'"code"\s*:\s*"([^"]+)"')
 _SESSIONS = re.compile(rb"^appliance_sessions (\S+)", re.M)
@@ -284,9 +302,13 @@ async def session(run: Run, i: int, tag: str) -> None:
     lo, hi = args.think_s
     rng = random.Random(f"soak-{i}")
     pool = Http1Pool(
-        "127.0.0.1", run.up.port, connect_timeout_s=10, read_timeout_s=args.turn_timeout_s,
-        keepalive_s=60, max_idle=1,
-    )  # fmt: skip
+        "127.0.0.1",
+        run.up.port,
+        connect_timeout_s=10,
+        read_timeout_s=args.turn_timeout_s,
+        keepalive_s=60,
+        max_idle=1,
+    )
     try:
         await asyncio.sleep(rng.uniform(0, 2 * hi))
         task = 0

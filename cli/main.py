@@ -138,8 +138,9 @@ KeyOpt = Annotated[
 ]
 
 
-def _view(view: str, url: str, key: str | None, data_dir: Path | None, as_json: bool,
-          **kw: bool) -> None:  # fmt: skip
+def _view(
+    view: str, url: str, key: str | None, data_dir: Path | None, as_json: bool, **kw: bool
+) -> None:
     from tui import client, tables  # the console's renderers; loaded only for these commands
 
     api_key, source = client.console_key(key, data_dir) or (None, None)
@@ -162,9 +163,11 @@ def _view(view: str, url: str, key: str | None, data_dir: Path | None, as_json: 
 
 @app.command()
 def status(
-    url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
-) -> None:  # fmt: skip
+) -> None:
     """Workers, sessions and tasks in a few lines; exit 1 if the appliance is not reachable."""
     _view("status", url, key, data_dir, as_json)
 
@@ -179,9 +182,11 @@ def top(url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = No
 
 @app.command()
 def sessions(
-    url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
-) -> None:  # fmt: skip
+) -> None:
     """Agent sessions of the running appliance."""
     _view("sessions", url, key, data_dir, as_json)
 
@@ -200,9 +205,11 @@ def tasks(
 
 @app.command()
 def events(
-    url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, data_dir: DataDirOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
-) -> None:  # fmt: skip
+) -> None:
     """Recent events of the running appliance (restarts, releases, cancellations), newest
     first."""
     _view("events", url, key, data_dir, as_json)

@@ -93,14 +93,17 @@ def check(scores: list[ModuleScore], limits: dict[str, float]) -> list[str]:
 def report(scores: list[ModuleScore]) -> str:
     lines = [f"{'module':58} {'killed':>7} {'survived':>8} {'not run':>7} {'score':>7}"]
     for s in scores:
-        lines.append(f"{s.module:58} {s.killed:7} {len(s.survived):8} "
-                     f"{len(s.not_reached):7} {s.score:6.2f}%")  # fmt: skip
+        lines.append(
+            f"{s.module:58} {s.killed:7} {len(s.survived):8} {len(s.not_reached):7} {s.score:6.2f}%"
+        )
     killed = sum(s.killed for s in scores)
     reached = sum(s.reached for s in scores)
     survived = sum(len(s.survived) for s in scores)
-    lines.append(f"{'total':58} {killed:7} {survived:8} "
-                 f"{sum(len(s.not_reached) for s in scores):7} "
-                 f"{100.0 * killed / max(reached, 1):6.2f}%")  # fmt: skip
+    lines.append(
+        f"{'total':58} {killed:7} {survived:8} "
+        f"{sum(len(s.not_reached) for s in scores):7} "
+        f"{100.0 * killed / max(reached, 1):6.2f}%"
+    )
     names = [n for s in scores for n in s.survived]
     if names:
         lines += ["", "surviving mutants (`mutmut show NAME` for the diff):", *names]
@@ -114,8 +117,13 @@ def run_mutmut() -> None:
     shutil.rmtree(MUTANTS, ignore_errors=True)
     mutmut = Path(sys.executable).parent / "mutmut"
     children = str(max(os.cpu_count() or 1, 1))
-    done = subprocess.run([str(mutmut), "run", "--max-children", children], cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    done = subprocess.run(
+        [str(mutmut), "run", "--max-children", children],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if done.returncode != 0:
         sys.exit(f"mutation: mutmut run failed ({done.returncode}):\n{done.stderr[-3000:]}")
 

@@ -93,8 +93,11 @@ class FakeNvmlLibrary:
         if index.value >= len(self.devices):
             return pynvml.NVML_ERROR_INVALID_ARGUMENT
         # An opaque handle, as the library's: here the device's position, plus one.
-        ctypes.memmove(ctypes.byref(device._obj), ctypes.byref(ctypes.c_void_p(index.value + 1)),
-                       ctypes.sizeof(ctypes.c_void_p))  # fmt: skip
+        ctypes.memmove(
+            ctypes.byref(device._obj),
+            ctypes.byref(ctypes.c_void_p(index.value + 1)),
+            ctypes.sizeof(ctypes.c_void_p),
+        )
         return pynvml.NVML_SUCCESS
 
     def _nvmlDeviceGetName(self, handle: Any, buf: Any, size: Any) -> int:

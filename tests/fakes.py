@@ -176,19 +176,29 @@ def wired_desk(
     queues = QueueBook(LinearCost(), clock, measured, spans)
     sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size))
     placer = Placer(
-        workers=lambda: workers, index=index, sessions=sessions, queues=queues,
-        rule=RoutingRule(default_profile(), LinearCost(), "m"), salt=lambda t, c: f"salt-{t}",
+        workers=lambda: workers,
+        index=index,
+        sessions=sessions,
+        queues=queues,
+        rule=RoutingRule(default_profile(), LinearCost(), "m"),
+        salt=lambda t, c: f"salt-{t}",
         retention=retention,
-    )  # fmt: skip
+    )
     tasks = TaskBook(ledger)
     estimator = WorkerEstimator(lambda: workers, queues.queue_s, LinearCost(), measured)
     judge = AdmissionService(
         limits=AdmissionLimits(), tasks=tasks, estimator=estimator, ledger=ledger, clock=clock
     )
     desk = TurnDesk(
-        sessions=sessions, placer=placer, queues=queues, records=TurnRecords(ledger, model="m"),
-        tasks=tasks, clock=clock, workers=lambda: workers, admission=judge if admission else None,
-    )  # fmt: skip
+        sessions=sessions,
+        placer=placer,
+        queues=queues,
+        records=TurnRecords(ledger, model="m"),
+        tasks=tasks,
+        clock=clock,
+        workers=lambda: workers,
+        admission=judge if admission else None,
+    )
     tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)
     desk.flights = Flights(clock.alarm)  # deadlines ring as the test moves the clock
     return Wired(desk, queues, index, ledger, clock, speeds, tasks)

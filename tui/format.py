@@ -111,9 +111,12 @@ def text(value: object) -> str:
 
 
 def worker_state(
-    state: str, healthy: bool, draining: bool, sleep_level: int | None,
+    state: str,
+    healthy: bool,
+    draining: bool,
+    sleep_level: int | None,
     lifecycle: str | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """A worker's state in a word: one awake by its health (awake, draining, or down when its
     /health fails), else its power state as the appliance says it (asleep with its level,
     stopped, waking). Asleep and stopped are the appliance's own choice, not an outage; a

@@ -152,10 +152,24 @@ def render_sessions(state: dict[str, Any] | AdminStateView) -> str:
         for x in ordered
     ]
     headers = [
-        "session", "tenant", "task", "worker", "gpu_tokens", "held_tokens", "held_until",
-        "host_tokens", "gone_tokens", "gpu_bytes", "host_bytes", "idle", "turns", "tool", "wait",
-        "decision", "reason",
-    ]  # fmt: skip
+        "session",
+        "tenant",
+        "task",
+        "worker",
+        "gpu_tokens",
+        "held_tokens",
+        "held_until",
+        "host_tokens",
+        "gone_tokens",
+        "gpu_bytes",
+        "host_bytes",
+        "idle",
+        "turns",
+        "tool",
+        "wait",
+        "decision",
+        "reason",
+    ]
     return table(headers, rows, right={4, 5, 7, 8, 9, 10, 11, 12, 14})
 
 
@@ -178,9 +192,19 @@ def _task_row(t: TaskStateView, now: float) -> list[str]:
 
 
 TASK_HEADERS = [
-    "tenant", "class", "status", "slack", "tokens", "cost", "children",
-    "kv_inherited", "kv_own", "kv_own_kept", "kv_reclaimed", "reclaimed_at",
-]  # fmt: skip
+    "tenant",
+    "class",
+    "status",
+    "slack",
+    "tokens",
+    "cost",
+    "children",
+    "kv_inherited",
+    "kv_own",
+    "kv_own_kept",
+    "kv_reclaimed",
+    "reclaimed_at",
+]
 """A task's KV: its sessions' now, shared with its parent or its own (of it, held or on a
 host tier); what its end reclaimed, when."""
 

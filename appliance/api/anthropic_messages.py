@@ -32,8 +32,13 @@ from appliance.api.errors import RequestRefused
 MESSAGES_PATH = "/v1/messages"
 CHAT_PATH = "/v1/chat/completions"
 BILLING_HEADER = "x-anthropic-billing-header"
-_PASSED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-           "stop_sequences": "stop", "cache_salt": "cache_salt"}  # fmt: skip
+_PASSED = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "stop_sequences": "stop",
+    "cache_salt": "cache_salt",
+}
 _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -66,8 +71,11 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(messages, list) or not messages:
         raise _refused("'messages' must be a non-empty list", "messages")
     history = [*_system(body.get("system")), *_messages(messages)]
-    chat: dict[str, Any] = {"model": body.get("model"), "max_tokens": max_tokens,
-                            "messages": history}  # fmt: skip
+    chat: dict[str, Any] = {
+        "model": body.get("model"),
+        "max_tokens": max_tokens,
+        "messages": history,
+    }
     for name, chat_name in _PASSED.items():
         if body.get(name) is not None:
             chat[chat_name] = body[name]

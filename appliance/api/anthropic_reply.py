@@ -60,15 +60,29 @@ def message_body(chat_answer: bytes) -> bytes:
         content.append({"type": "text", "text": msg["content"]})
     for call in calls:
         fn = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
-                        "input": _json_or_empty(fn.get("arguments"))})  # fmt: skip
-    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"),
-                                   bool(calls))  # fmt: skip
-    return orjson.dumps({
-        "id": chat.get("id"), "type": "message", "role": "assistant",
-        "content": content or [{"type": "text", "text": ""}], "model": chat.get("model"),
-        "stop_reason": reason, "stop_sequence": sequence, "usage": usage(chat.get("usage")),
-    })  # fmt: skip
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id"),
+                "name": fn.get("name"),
+                "input": _json_or_empty(fn.get("arguments")),
+            }
+        )
+    reason, sequence = stop_reason(
+        choice.get("finish_reason"), choice.get("stop_reason"), bool(calls)
+    )
+    return orjson.dumps(
+        {
+            "id": chat.get("id"),
+            "type": "message",
+            "role": "assistant",
+            "content": content or [{"type": "text", "text": ""}],
+            "model": chat.get("model"),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage(chat.get("usage")),
+        }
+    )
 
 
 def _json_or_empty(text: Any) -> Any:
@@ -127,8 +141,10 @@ class MessageEvents:
         chunk = orjson.loads(data)
         if "error" in chunk:  # the appliance's own: a worker broke off, the task was stopped
             err = chunk["error"] if isinstance(chunk["error"], dict) else {}
-            body = {"type": "error", "error": {"type": "api_error",
-                                               "message": err.get("message", "")}}  # fmt: skip
+            body = {
+                "type": "error",
+                "error": {"type": "api_error", "message": err.get("message", "")},
+            }
             return [_event("error", body)]
         out = [] if self._started else [self._start(chunk)]
         self._started = True
@@ -136,9 +152,14 @@ class MessageEvents:
         if not choices:  # the usage line, last
             reason, sequence = stop_reason(*self._finish, self._tool_used)
             delta = {"stop_reason": reason, "stop_sequence": sequence}
-            return [*out, *self._close(),
-                    _event("message_delta", {"type": "message_delta", "delta": delta,
-                                             "usage": usage(chunk.get("usage"))})]  # fmt: skip
+            return [
+                *out,
+                *self._close(),
+                _event(
+                    "message_delta",
+                    {"type": "message_delta", "delta": delta, "usage": usage(chunk.get("usage"))},
+                ),
+            ]
         choice = choices[0]
         if choice.get("finish_reason") is not None:
             self._finish = (choice["finish_reason"], choice.get("stop_reason"))
@@ -151,9 +172,16 @@ class MessageEvents:
         return out
 
     def _start(self, chunk: dict[str, Any]) -> bytes:
-        message = {"id": chunk.get("id"), "type": "message", "role": "assistant",
-                   "content": [], "model": chunk.get("model"), "stop_reason": None,
-                   "stop_sequence": None, "usage": usage(None)}  # fmt: skip
+        message = {
+            "id": chunk.get("id"),
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": chunk.get("model"),
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(None),
+        }
         return _event("message_start", {"type": "message_start", "message": message})
 
     def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
@@ -166,8 +194,7 @@ class MessageEvents:
             block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
             out += self._open("tool_use", block, force=True)
         if fn.get("arguments") and index in self._tool_ids:
-            out.append(self._delta({"type": "input_json_delta",
-                                    "partial_json": fn["arguments"]}))  # fmt: skip
+            out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
         return out
 
     def _open(self, kind: str, block: dict[str, Any], *, force: bool = False) -> list[bytes]:
@@ -187,5 +214,4 @@ class MessageEvents:
         if self._block is None:
             return []
         self._block = None
-        return [_event("content_block_stop", {"type": "content_block_stop",
-                                              "index": self._index})]  # fmt: skip
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self._index})]

@@ -80,8 +80,16 @@ class IdempotencyKeys:
                 self._answers.pop(key, None)
                 raise
             if 200 <= response.status_code < 300:
-                self._store(key, _Answer(fingerprint, self._clock(), response.status_code,
-                                         bytes(response.body), response.media_type))  # fmt: skip
+                self._store(
+                    key,
+                    _Answer(
+                        fingerprint,
+                        self._clock(),
+                        response.status_code,
+                        bytes(response.body),
+                        response.media_type,
+                    ),
+                )
             else:
                 self._answers.pop(key, None)
             return response

@@ -346,8 +346,9 @@ def _check_limits(body: dict[str, Any]) -> None:
                 400, f"'{name}' must be a count or a list", "invalid_type", param=name
             )
         if size > limit:
-            raise RequestRefused(400, f"'{name}' is {size}; the limit is {limit}", "limit_exceeded",
-                           param=name)  # fmt: skip
+            raise RequestRefused(
+                400, f"'{name}' is {size}; the limit is {limit}", "limit_exceeded", param=name
+            )
 
 
 def _check_messages(body: dict[str, Any]) -> None:

@@ -26,12 +26,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
-from urllib.parse import unquote
 
 import httptools
 
 from appliance.api.heap_trim import HeapTrim
 from appliance.api.http_answer import AnswerWriter, refusal_bytes
+from appliance.api.http_request import HttpRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +44,15 @@ MAX_QUEUED = 8
 """Requests of one connection read and waiting for their answer, at most (pipelining)."""
 
 
-class _HttpRequest:
-    __slots__ = ("body", "headers", "http_version", "keep_alive", "method", "path", "query",
-                 "raw_path", "received_at")  # fmt: skip
-
-    def __init__(self) -> None:
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-
-
 class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: ApiServer) -> None:
         self._server = server
         self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
-        self._request = _HttpRequest()
+        self._request = HttpRequest()
         self._body_size = 0
-        self._queue: deque[_HttpRequest] = deque()
+        self._queue: deque[HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self.closed = asyncio.get_running_loop().create_future()
@@ -138,7 +129,7 @@ class _ServerConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url = b""
-        self._request = _HttpRequest()
+        self._request = HttpRequest()
         self._body_size = 0
         self._head_size = 0
         self._fields_size = 0
@@ -169,20 +160,12 @@ class _ServerConnection(asyncio.Protocol):
         if len(self._url) + self._fields_size > MAX_HEAD_BYTES:
             self.reject(431, "head_too_large", HEAD_TOO_LARGE)
             return
-        if _declared_length(self._request.headers) > self._server.max_body:
+        if self._request.declared_length() > self._server.max_body:
             self.reject(413, "body_too_large", "request body too large")
             return
         request = self._request
-        url = httptools.parse_url(self._url)
-        parser = self._parser
-        assert parser is not None  # called back by it
-        request.method = parser.get_method().decode("ascii")
-        request.raw_path = url.path
-        path = url.path.decode("latin-1")
-        request.path = unquote(path) if "%" in path else path
-        request.query = url.query or b""
-        request.http_version = parser.get_http_version()
-        request.keep_alive = parser.should_keep_alive()
+        assert self._parser is not None  # called back by it
+        request.read_head(self._parser, self._url)
         if (b"expect", b"100-continue") in request.headers and self._transport is not None:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -249,7 +232,7 @@ class _ServerConnection(asyncio.Protocol):
         if self.idle:
             self.close()
 
-    async def _answer(self, request: _HttpRequest) -> bool:
+    async def _answer(self, request: HttpRequest) -> bool:
         """Runs the app for one request; whether the connection may serve another."""
         scope = {
             "type": "http",
@@ -389,11 +372,3 @@ class ApiServer:
                 break
         for conn in list(self.connections):
             conn.close()
-
-
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
-    """The Content-Length a head declares (the parser has checked it is a number), else 0."""
-    for name, value in headers:
-        if name == b"content-length":
-            return int(value) if value.strip().isdigit() else 0
-    return 0

@@ -46,14 +46,22 @@ class TaskRoutes:
         ):  # a client's retry after a timeout: the task it created, not a second one
             await _written(known.written)
             return JSONResponse(
-                {"task_id": new.client_id, "deadline_at": known.deadline_at,
-                 "status": known.status.value}, status_code=200,
-            )  # fmt: skip
+                {
+                    "task_id": new.client_id,
+                    "deadline_at": known.deadline_at,
+                    "status": known.status.value,
+                },
+                status_code=200,
+            )
         if known is not None:  # held, or only the ledger's (closed before a restart, say)
             raise RequestRefused(409, f"task {new.client_id} exists already", "task_exists")
         if new.parent_id is not None and self._ctx.tasks.get(who.tenant, new.parent_id) is None:
-            raise RequestRefused(404, f"parent task {new.parent_id} not found", "task_not_found",
-                           param="parent_task_id")  # fmt: skip
+            raise RequestRefused(
+                404,
+                f"parent task {new.parent_id} not found",
+                "task_not_found",
+                param="parent_task_id",
+            )
         self._ctx.tasks.check_parent(who.tenant, new.parent_id)  # before admission counts it
         key = self._ctx.tasks.key
         if self._ctx.admission is not None:
@@ -168,8 +176,9 @@ def new_task(body: dict[str, Any]) -> NewTask:
     parent = body.get("parent_task_id")
     parent_id = identifier(parent, "parent_task_id") if parent is not None else None
     if parent_id is not None and parent_id == client_id:
-        raise RequestRefused(400, "a task cannot be its own parent", "invalid_value",
-                       param="parent_task_id")  # fmt: skip
+        raise RequestRefused(
+            400, "a task cannot be its own parent", "invalid_value", param="parent_task_id"
+        )
     task_class = body.get("task_class")
     return NewTask(
         client_id=client_id or f"task-{uuid.uuid4().hex[:16]}",
@@ -206,13 +215,21 @@ def task_event(body: dict[str, Any]) -> TaskEventFields:
     if evidence is not None and (
         not isinstance(evidence, str) or len(evidence) > MAX_EVIDENCE_CHARS
     ):
-        raise RequestRefused(400, f"'evidence' must be a string of at most {MAX_EVIDENCE_CHARS} "
-                       "characters", "invalid_value", param="evidence")  # fmt: skip
+        raise RequestRefused(
+            400,
+            f"'evidence' must be a string of at most {MAX_EVIDENCE_CHARS} characters",
+            "invalid_value",
+            param="evidence",
+        )
     tool_class = body.get("tool_class")
     cost = _number(body, "cost", at_most=MAX_TOOL_COST) or 0.0
     if cost and kind != TaskEventType.TOOL_FINISHED:
-        raise RequestRefused(400, "'cost' is what a finished tool cost: only a tool_finished "
-                             "event carries it", "invalid_value", param="cost")  # fmt: skip
+        raise RequestRefused(
+            400,
+            "'cost' is what a finished tool cost: only a tool_finished event carries it",
+            "invalid_value",
+            param="cost",
+        )
     return TaskEventFields(
         kind=kind,
         verified=verified,
@@ -233,8 +250,9 @@ def _number(
     if bad or not math.isfinite(value) or value < 0 or (positive and value == 0) or value > at_most:
         what = "> 0" if positive else ">= 0"
         most = f" and <= {at_most:g}" if at_most < math.inf else ""
-        raise RequestRefused(400, f"'{name}' must be a finite number {what}{most}",
-                             "invalid_value", param=name)  # fmt: skip
+        raise RequestRefused(
+            400, f"'{name}' must be a finite number {what}{most}", "invalid_value", param=name
+        )
     return float(value)
 
 

@@ -294,11 +294,7 @@ def plan_workers(spec: LaunchSpec, base_env: Mapping[str, str]) -> tuple[WorkerL
     validate(spec)
     gpus = spec.needed_gpus()
     g = spec.gpus_per_worker
-    cpu_slices = (
-        split_cpus(spec.cpu_ids, spec.workers)
-        if spec.device == Device.CPU
-        else tuple(() for _ in range(spec.workers))
-    )
+    cpu_slices = split_cpus(spec.cpu_ids if spec.device == Device.CPU else (), spec.workers)
     plans = []
     for i in range(spec.workers):
         worker_gpus = gpus[i * g : (i + 1) * g]  # () on the CPU build
@@ -345,13 +341,15 @@ def spec_from_settings(
 ) -> LaunchSpec:
     """The launch spec the settings describe. The GPUs are `engine.gpus`, else those of the
     appliance's own CUDA_VISIBLE_DEVICES when it is a list of indices, else 0, 1, ... On the
-    CPU build
-    without a configured KV size, the workers share `free_memory_bytes` (host memory free)."""
+    CPU build without a configured KV size, the workers share `free_memory_bytes` (host
+    memory free)."""
     if not engine.model:
         raise ConfigError("engine.model is not set; pass --model PATH_OR_NAME")
     if engine.sleep_mode and device != Device.CUDA:
-        raise ConfigError("engine.sleep_mode: vLLM's CPU build has no sleep mode; set it to "
-                          "false (idle workers can still be stopped)")  # fmt: skip
+        raise ConfigError(
+            "engine.sleep_mode: vLLM's CPU build has no sleep mode; set it to "
+            "false (idle workers can still be stopped)"
+        )
     visible = (base_env or {}).get("CUDA_VISIBLE_DEVICES", "")
     parts = [p.strip() for p in visible.split(",") if p.strip()]
     gpu_ids = tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None

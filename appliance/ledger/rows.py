@@ -44,8 +44,16 @@ INSERT_TASK_EVENT = """INSERT INTO task_events (task_id, type, at, verified, evi
 
 
 def task_event_params(e: TaskEvent) -> tuple[Any, ...]:
-    return (e.task_id, e.type.value, e.at, e.verified, e.evidence, e.tool_class, e.expected_s,
-            e.cost)  # fmt: skip
+    return (
+        e.task_id,
+        e.type.value,
+        e.at,
+        e.verified,
+        e.evidence,
+        e.tool_class,
+        e.expected_s,
+        e.cost,
+    )
 
 
 CLOSE_TASK = """UPDATE tasks SET status = ?, verified = ?, evidence = ?, finished_at = ?
@@ -151,8 +159,17 @@ INSERT_WORKER_POWER = """INSERT INTO worker_power_events (at, worker, action, fr
 
 
 def worker_power_params(e: WorkerPowerEvent) -> tuple[Any, ...]:
-    return (e.at, e.worker, e.action, e.from_state, e.to_state, e.duration_s, e.state_s,
-            e.gpus, e.reason)  # fmt: skip
+    return (
+        e.at,
+        e.worker,
+        e.action,
+        e.from_state,
+        e.to_state,
+        e.duration_s,
+        e.state_s,
+        e.gpus,
+        e.reason,
+    )
 
 
 INSERT_ADMISSION = """INSERT INTO admission_events (at, tenant, task_id, decision, reason,

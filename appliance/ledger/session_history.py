@@ -23,9 +23,17 @@ _TURNS = """SELECT turn_id, started_at, worker, prompt_tokens, cached_tokens, ou
     ORDER BY started_at DESC, turn_id DESC
     LIMIT ?"""
 _COLUMNS = (
-    "turn_id", "started_at", "worker", "prompt_tokens", "cached_tokens", "output_tokens",
-    "ttft_s", "e2e_s", "cost", "outcome",
-)  # fmt: skip
+    "turn_id",
+    "started_at",
+    "worker",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "ttft_s",
+    "e2e_s",
+    "cost",
+    "outcome",
+)
 
 
 def session_turns(

@@ -62,6 +62,10 @@ class Flight:
     because its parent succeeded without it."""
     disarm: Disarm | None = None
 
+    def stopped_as(self) -> TurnOutcome | None:
+        """What its attempt is recorded as, once stopped; None while it is not."""
+        return self.outcome if self.stopped else None
+
 
 class Flights:
     def __init__(self, alarm: Alarm) -> None:
@@ -111,8 +115,11 @@ def stopped_error(client_task: str, flight: Flight) -> TaskError:
     if flight.missed:
         return TaskError(_missed(client_task, flight.share), code=DEADLINE_MISSED, http_status=504)
     if flight.outcome is TurnOutcome.DISCARDED:
-        return TaskError(f"task {client_task} was discarded: its parent succeeded without it",
-                         code="task_discarded", http_status=409)  # fmt: skip
+        return TaskError(
+            f"task {client_task} was discarded: its parent succeeded without it",
+            code="task_discarded",
+            http_status=409,
+        )
     return TaskError(f"task {client_task} was cancelled", code="task_cancelled", http_status=409)
 
 

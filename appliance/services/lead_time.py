@@ -214,9 +214,13 @@ class LeadTime:
         self._outbox.restore(w.worker, key, until_s, decision.value)
         tokens = need.gpu_tokens + need.host_tokens
         self._restores[key] = _Restore(decision, w.worker, tokens, now, until_s)
-        figures = {"trigger": trigger.trigger.value, "host_tokens": need.host_tokens,
-                   "kv_bytes": need.kv_bytes, "copy_s": round(need.copy_s, 6),
-                   "until_s": until_s}  # fmt: skip
+        figures = {
+            "trigger": trigger.trigger.value,
+            "host_tokens": need.host_tokens,
+            "kv_bytes": need.kv_bytes,
+            "copy_s": round(need.copy_s, 6),
+            "until_s": until_s,
+        }
         self._write(w, "restore", decision.reason, need.host_tokens, now, figures)
 
     def _need(self, w: WaitingSession) -> PrefetchNeed:
@@ -248,10 +252,24 @@ class LeadTime:
         )
         self._write(w, action, why, restore.tokens, now, {"lead_s": round(lead, 3)})
 
-    def _write(self, w: WaitingSession, action: str, reason: str, tokens: int, now: float,
-               figures: dict[str, object]) -> None:  # fmt: skip
-        row = ResidencyEvent(now, SessionId(w.idle.session_id), w.worker, action, reason,
-                             tokens, figures_json=orjson.dumps(figures).decode())  # fmt: skip
+    def _write(
+        self,
+        w: WaitingSession,
+        action: str,
+        reason: str,
+        tokens: int,
+        now: float,
+        figures: dict[str, object],
+    ) -> None:
+        row = ResidencyEvent(
+            now,
+            SessionId(w.idle.session_id),
+            w.worker,
+            action,
+            reason,
+            tokens,
+            figures_json=orjson.dumps(figures).decode(),
+        )
         self._ledger.record_residency_event(row).add_done_callback(rows.log_refusal)
 
 

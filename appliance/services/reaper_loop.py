@@ -48,7 +48,6 @@ from appliance.domain.retention import ReturnedKv
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     HeldSession,
-    HostTierReading,
     ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
@@ -60,10 +59,9 @@ from appliance.services.lead_time import LeadTime
 from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
-    host_reading,
     idle_session,
     kept_blocks,
-    kv_usage,
+    measured,
     prefix_tokens,
     resident_tokens,
     retention_key,
@@ -153,11 +151,10 @@ class ReaperLoop:
         seen = resident_tokens(self._inputs.index, session, worker)
         # Just computed there, whatever the index has heard so far.
         tokens = max(seen, prefix_tokens(session))
-        usage = kv_usage(self._inputs, self.retention, worker)
-        host = self._host(session, worker)
-        idle = idle_session(self._inputs, session, worker, tokens=tokens, finished_at_s=now,
-                            kv_usage_now=usage, wait=wait, host=host)  # fmt: skip
-        idle = replace(idle, hbm_value=self._hbm_value(worker, key, usage, now))
+        idle = idle_session(
+            self._inputs, self.retention, session, worker, tokens, finished_at_s=now, wait=wait
+        )
+        idle = replace(idle, hbm_value=self._hbm_value(worker, key, idle.kv_usage, now))
         waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen, wait=wait)
         self._waiting[key] = waiting
         self._waiting.move_to_end(key)
@@ -226,10 +223,6 @@ class ReaperLoop:
     def _kept(self, w: WaitingSession) -> tuple[int, int]:
         return kept_blocks(self._inputs.task_parent, w, self._waiting.values())
 
-    def _host(self, session: SessionState, worker: WorkerId) -> HostTierReading | None:
-        block = session.chain.block_size if session.chain is not None else 0
-        return host_reading(self._inputs, self.retention, worker, block)
-
     def _held_on(self, worker: WorkerId) -> list[tuple[str, WaitingSession]]:
         return [
             (k, w)
@@ -270,19 +263,11 @@ class ReaperLoop:
             self.lead_time.tick(now)
 
     def _revisit(self, key: str, w: WaitingSession, now: float) -> None:
-        usage = kv_usage(self._inputs, self.retention, w.worker)
         tokens = w.idle.resident_tokens
         if w.seen_tokens:  # the index has heard of its blocks: it says what is left
             tokens = resident_tokens(self._inputs.index, w.session, w.worker)
-        w.idle = replace(
-            w.idle,
-            resident_tokens=tokens,
-            kv_bytes=tokens * self._inputs.kv_bytes_per_token,
-            recompute_s=self._inputs.prefill_s(w.worker, tokens) if tokens else 0.0,
-            kv_usage=usage,
-            hbm_value=self._hbm_value(w.worker, key, usage, now),
-            host=self._host(w.session, w.worker),
-        )
+        idle = measured(self._inputs, self.retention, w.idle, w.session, w.worker, tokens)
+        w.idle = replace(idle, hbm_value=self._hbm_value(w.worker, key, idle.kv_usage, now))
         self._decide(key, w, now)
 
     def _expire(self, key: str, w: WaitingSession, now: float) -> None:
@@ -317,8 +302,9 @@ class ReaperLoop:
             tier = CacheTier.HOST if w.decision.action is ResidencyAction.DEMOTE else CacheTier.GPU
             w.decision = ResidencyDecision(ResidencyAction.EVICT, f"evicted ({cause})")
             self._held.pop(key, None)
-            row, mark = rows.eviction_records(self._inputs, w.session, w.worker, cause,
-                                              tokens_left=n, now=now, tier=tier)  # fmt: skip
+            row, mark = rows.eviction_records(
+                self._inputs, w.session, w.worker, cause, tokens_left=n, now=now, tier=tier
+            )
             self._write(row)
             if mark is not None:
                 self._mark(mark)
@@ -383,9 +369,15 @@ class ReaperLoop:
         return w.decision if w is not None and w.decision is not _NONE else None
 
     def status(self) -> dict[str, Any]:  # the loop at a glance (the state's "residency")
-        return {"reaper": True, "retention": self.retention.controls, "note": self.note,
-                "waiting": len(self._waiting), "held": len(self._held),
-                "decisions": dict(self.decisions), "unsent": self.outbox.unsent}  # fmt: skip
+        return {
+            "reaper": True,
+            "retention": self.retention.controls,
+            "note": self.note,
+            "waiting": len(self._waiting),
+            "held": len(self._held),
+            "decisions": dict(self.decisions),
+            "unsent": self.outbox.unsent,
+        }
 
 
 _NONE = ResidencyDecision(ResidencyAction.RELEASE, "not decided yet")

@@ -26,7 +26,7 @@ the appliance knows at that instant:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from appliance.domain.kv_events import Medium
@@ -104,18 +104,17 @@ def kv_usage(inputs: LiveInputs, retention: KvRetention, worker: WorkerId) -> fl
 
 def idle_session(
     inputs: LiveInputs,
+    retention: KvRetention,
     session: SessionState,
     worker: WorkerId,
-    *,
     tokens: int,
+    *,
     finished_at_s: float,
-    kv_usage_now: float,
     wait: TurnWait,
-    host: HostTierReading | None = None,
 ) -> IdleSession:
     """The policy's view of the session, waiting since `finished_at_s` on `worker` with
     `tokens` of its prefix resident there, on what `wait` says."""
-    return IdleSession(
+    idle = IdleSession(
         session_id=retention_key(session),
         resident_tokens=tokens,
         finished_at_s=finished_at_s,
@@ -123,11 +122,29 @@ def idle_session(
         tool_class=wait.tool_class,
         turns=session.turns,
         expected_wait_s=wait.expected_wait_s,
-        recompute_s=inputs.prefill_s(worker, tokens) if tokens else 0.0,
-        kv_usage=kv_usage_now,
         tenant=session.tenant,
+    )
+    return measured(inputs, retention, idle, session, worker, tokens)
+
+
+def measured(
+    inputs: LiveInputs,
+    retention: KvRetention,
+    idle: IdleSession,
+    session: SessionState,
+    worker: WorkerId,
+    tokens: int,
+) -> IdleSession:
+    """`idle` as the worker stands now: `tokens` of the session's prefix resident there
+    (their bytes and re-prefill seconds), the worker's HBM pressure and its host tier."""
+    block = session.chain.block_size if session.chain is not None else 0
+    return replace(
+        idle,
+        resident_tokens=tokens,
         kv_bytes=tokens * inputs.kv_bytes_per_token,
-        host=host,
+        recompute_s=inputs.prefill_s(worker, tokens) if tokens else 0.0,
+        kv_usage=kv_usage(inputs, retention, worker),
+        host=host_reading(inputs, retention, worker, block),
     )
 
 

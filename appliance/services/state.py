@@ -221,16 +221,24 @@ class _ApplianceCollector(Collector):
         for reason, n in sorted(records.routed_by_reason.items()):
             routed.add_metric([reason], n)
         yield routed
-        yield CounterMetricFamily("appliance_predicted_cached_tokens",
-                                  "Cached tokens the KV index predicted.",
-                                  records.predicted_cached_total)  # fmt: skip
-        yield CounterMetricFamily("appliance_cached_tokens", "Cached tokens the workers reported.",
-                                  records.actual_cached_total)  # fmt: skip
-        yield CounterMetricFamily("appliance_queue_seconds",
-                                  "Seconds turns waited for their first byte.",
-                                  records.first_byte_s_total)  # fmt: skip
-        yield GaugeMetricFamily("appliance_sessions", "Sessions the router holds.",
-                                len(src.desk.sessions))  # fmt: skip
+        yield CounterMetricFamily(
+            "appliance_predicted_cached_tokens",
+            "Cached tokens the KV index predicted.",
+            records.predicted_cached_total,
+        )
+        yield CounterMetricFamily(
+            "appliance_cached_tokens",
+            "Cached tokens the workers reported.",
+            records.actual_cached_total,
+        )
+        yield CounterMetricFamily(
+            "appliance_queue_seconds",
+            "Seconds turns waited for their first byte.",
+            records.first_byte_s_total,
+        )
+        yield GaugeMetricFamily(
+            "appliance_sessions", "Sessions the router holds.", len(src.desk.sessions)
+        )
         yield CounterMetricFamily(
             "appliance_process_cpu_seconds",
             "CPU seconds the appliance's process has used, every thread (the router's own "
@@ -253,8 +261,11 @@ class _ApplianceCollector(Collector):
             slowdown.add_metric([w.id], src.desk.queues.slowdown(w.id))
         yield slowdown
         yield from _gpu_time_families(src, workers)
-        yield GaugeMetricFamily("appliance_workers_healthy", "Workers that accept requests.",
-                                sum(1 for w in workers if w.healthy))  # fmt: skip
+        yield GaugeMetricFamily(
+            "appliance_workers_healthy",
+            "Workers that accept requests.",
+            sum(1 for w in workers if w.healthy),
+        )
         yield _power_family(workers)
         if src.wakes is not None:
             what = "Measured wakes of workers the worker reaper put to rest."

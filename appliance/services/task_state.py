@@ -10,13 +10,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.domain.errors import ApplianceError
-from appliance.domain.records import ArchivedTask, OpenTask, TaskId, TaskStatus, TenantId
+from appliance.domain.records import (
+    ArchivedTask,
+    OpenTask,
+    TaskId,
+    TaskRecord,
+    TaskStatus,
+    TenantId,
+)
 from appliance.services.task_load import Standing, TaskLoad
 
 
 class TaskError(ApplianceError):
     code = "task_error"
     http_status = 400
+
+
+class TaskClosed(TaskError):
+    """The task (or the parent named) is closed: it takes no such change."""
+
+    code = "task_closed"
+    http_status = 409
 
 
 @dataclass(eq=False)
@@ -56,11 +70,34 @@ class TaskState:
 
 def state_of(t: OpenTask | ArchivedTask) -> TaskState:
     """A task as the ledger keeps it, in the book's form (open; the book links it)."""
-    return TaskState(TaskId(t.task_id), _client_id(t.task_id), TenantId(t.tenant),
-                     t.created_at, TaskId(t.parent_task_id) if t.parent_task_id else None,
-                     t.task_class, t.deadline_at, turns=t.turns, prompt_tokens=t.prompt_tokens,
-                     cached_tokens=t.cached_tokens, output_tokens=t.output_tokens,
-                     cost=t.cost)  # fmt: skip
+    return TaskState(
+        TaskId(t.task_id),
+        _client_id(t.task_id),
+        TenantId(t.tenant),
+        t.created_at,
+        TaskId(t.parent_task_id) if t.parent_task_id else None,
+        t.task_class,
+        t.deadline_at,
+        turns=t.turns,
+        prompt_tokens=t.prompt_tokens,
+        cached_tokens=t.cached_tokens,
+        output_tokens=t.output_tokens,
+        cost=t.cost,
+    )
+
+
+def task_record(state: TaskState) -> TaskRecord:
+    """The ledger's row of the task as created."""
+    return TaskRecord(
+        state.key,
+        state.tenant,
+        state.created_at,
+        state.parent,
+        state.task_class,
+        state.deadline_at,
+        state.budget,
+        state.load.max_children,
+    )
 
 
 def undo_refused(

@@ -25,7 +25,6 @@ from appliance.domain.records import (
     TaskEvent,
     TaskEventType,
     TaskId,
-    TaskRecord,
     TaskStatus,
     TenantId,
     TurnRecord,
@@ -38,11 +37,13 @@ from appliance.services.events import EventFeed, EventKind
 from appliance.services.settled_tasks import SettledShelf, settled, tree_of
 from appliance.services.task_load import Loaded, Standing, TaskLoad, TaskLoads
 from appliance.services.task_state import (
+    TaskClosed,
     TaskError,
     TaskState,
     archived_document,
     state_of,
     task_document,
+    task_record,
     undo_refused,
 )
 
@@ -137,11 +138,7 @@ class TaskBook:
         self._loads.count(state, now)
         # Not awaited here: the writer keeps order, so the task row lands before its turns;
         # the API awaits `written` where a client is told the task exists.
-        state.written = self._ledger.record_task(
-            TaskRecord(
-                key, tenant, now, state.parent, task_class, state.deadline_at, budget, max_children
-            )
-        )
+        state.written = self._ledger.record_task(task_record(state))
         return state
 
     def check_parent(self, tenant: TenantId, parent_id: str | None) -> None:
@@ -150,8 +147,9 @@ class TaskBook:
         the book does not have passes (`create` opens it as a root)."""
         parent = self.get(tenant, parent_id) if parent_id else None
         if parent is not None and parent.status.is_terminal:
-            raise TaskError(f"parent task {parent_id} is {parent.status}; it takes no new "
-                            "children", code="task_closed", http_status=409)  # fmt: skip
+            raise TaskClosed(
+                f"parent task {parent_id} is {parent.status}; it takes no new children"
+            )
 
     def repeats(self, state: TaskState, *, parent_id: str | None, task_class: str | None) -> bool:
         """Whether a creation with these fields is a retry of the one that made `state`."""
@@ -218,11 +216,7 @@ class TaskBook:
         if new is not None and (state.status, state.verified) == (new, verified):
             return state  # a retry of the event that closed it: already recorded, once
         if new is not None and not can_transition(state.status, new):
-            raise TaskError(
-                f"task {client_id} is already {state.status}; it cannot become {new}",
-                code="task_closed",
-                http_status=409,
-            )
+            raise TaskClosed(f"task {client_id} is already {state.status}; it cannot become {new}")
         state.written = self._ledger.record_task_event(
             TaskEvent(state.key, kind, now, verified, evidence, tool_class, expected_s, cost)
         )
@@ -239,14 +233,8 @@ class TaskBook:
                 self.on_done(state.key)
             # A refused write takes the change back (the writer's thread: two assignments).
             state.written.add_done_callback(lambda f: undo_refused(f, state, before))
-        if kind == TaskEventType.CANCELLED and announce and self._events is not None:
-            self._events.record(
-                now,
-                EventKind.TASK_CANCELLED,
-                client_id,
-                "reported cancelled by its client",
-                tenant=tenant,
-            )
+        if kind == TaskEventType.CANCELLED and announce:
+            self._announce_cancel(state, "reported cancelled by its client", now)
         return state
 
     def cancel(self, tenant: TenantId, client_id: str, now: float) -> list[TaskState]:
@@ -262,7 +250,7 @@ class TaskBook:
                 detail = f"{kids} cancelled; the task itself was closed already"
             else:
                 detail = f"cancelled with {kids}" if more else "cancelled"
-            self._events.record(now, EventKind.TASK_CANCELLED, client_id, detail, tenant=tenant)
+            self._announce_cancel(root, detail, now)
         return cancelled
 
     def discard_branches(self, state: TaskState, now: float) -> list[TaskState]:
@@ -275,9 +263,14 @@ class TaskBook:
         if discarded and self._events is not None:
             n = len(discarded)
             detail = f"succeeded; {n} open branch{'' if n == 1 else 'es'} discarded"
-            self._events.record(now, EventKind.TASK_CANCELLED, state.client_id, detail,
-                                tenant=state.tenant)  # fmt: skip
+            self._announce_cancel(state, detail, now)
         return discarded
+
+    def _announce_cancel(self, task: TaskState, detail: str, now: float) -> None:
+        """A cancellation, told to the operator's event feed (where there is one)."""
+        if self._events is not None:
+            kind = EventKind.TASK_CANCELLED
+            self._events.record(now, kind, task.client_id, detail, tenant=task.tenant)
 
     def _close_open(
         self, root: TaskState, now: float, evidence: str | None = None
@@ -289,8 +282,14 @@ class TaskBook:
             task = stack.pop()
             stack.extend(self._tasks[c] for c in task.children if c in self._tasks)
             if task.status == TaskStatus.OPEN:
-                self.event(task.tenant, task.client_id, TaskEventType.CANCELLED, now,
-                           evidence=evidence, announce=False)  # fmt: skip
+                self.event(
+                    task.tenant,
+                    task.client_id,
+                    TaskEventType.CANCELLED,
+                    now,
+                    evidence=evidence,
+                    announce=False,
+                )
                 closed.append(task)
         return closed
 

@@ -334,9 +334,8 @@ class TurnDesk:
                 if turn.stream:
                     on_end = partial(self._stream_ended, session, tokenized, attempt)
                     reply = await self._forwarder.stream(
-                        turn, worker, attempt, body, on_end,
-                        stopped=lambda: flight.outcome if flight.stopped else None,
-                    )  # fmt: skip
+                        turn, worker, attempt, body, on_end, stopped=flight.stopped_as
+                    )
                     flight.relaying = True
                 else:
                     on_answer = tokenized.now if tokenized is not None else None

@@ -3,7 +3,7 @@ an open one, or none yet, whose parent (if it names one) exists and is open."""
 
 from __future__ import annotations
 
-from appliance.services.task_state import TaskError, TaskState
+from appliance.services.task_state import TaskClosed, TaskError, TaskState
 from appliance.services.tasks import TaskBook
 from appliance.services.turn import TurnInput
 
@@ -13,11 +13,7 @@ def known_task(tasks: TaskBook, t: TurnInput) -> TaskState | None:
     cancelled) takes no more turns, and a new task's parent must exist and be open."""
     known = tasks.get(t.tenant, t.task_id) if t.task_id else None
     if known is not None and known.status.is_terminal:
-        raise TaskError(
-            f"task {t.task_id} is {known.status}; it takes no more turns",
-            code="task_closed",
-            http_status=409,
-        )
+        raise TaskClosed(f"task {t.task_id} is {known.status}; it takes no more turns")
     if known is None and t.parent_task_id and not tasks.get(t.tenant, t.parent_task_id):
         raise TaskError(
             f"parent task {t.parent_task_id} not found", code="task_not_found", http_status=404

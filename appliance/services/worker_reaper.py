@@ -108,8 +108,9 @@ class WorkerReaperLoop:
             if began is not None and state is not PowerState.AWAKE:
                 left = max(0.0, self._in.table.wake_s(state) - (now - began))
             idle = now - self._busy_at.setdefault(w.id, self._started)
-            views.append(WorkerPower(w.id, self._in.model, state, idle, running, waiting, held,
-                                     left))  # fmt: skip
+            views.append(
+                WorkerPower(w.id, self._in.model, state, idle, running, waiting, held, left)
+            )
         return views
 
     def _state_of(self, w: WorkerStatus) -> PowerState | None:
@@ -155,8 +156,14 @@ class WorkerReaperLoop:
             else:
                 change = await self._switch.sleep(worker, level)
             self._resting[worker] = d.target
-            self._changed(worker, "stop" if level is None else "sleep", PowerState.AWAKE,
-                          d.target, change, d.reason)  # fmt: skip
+            self._changed(
+                worker,
+                "stop" if level is None else "sleep",
+                PowerState.AWAKE,
+                d.target,
+                change,
+                d.reason,
+            )
         finally:
             self._acting.discard(worker)
 
@@ -212,10 +219,26 @@ class WorkerReaperLoop:
         self._busy_at[worker] = now
         if self._meter is not None:
             self._meter.rests(worker, now_in is not PowerState.AWAKE, left_at)
-        log.info("worker reaper: %s %s (%s -> %s) in %.2f s: %s", action, worker, was,
-                 now_in, change.duration_s, reason)  # fmt: skip
-        row = WorkerPowerEvent(now, worker, action, was.value, now_in.value, change.duration_s,
-                               left_at - since, self._in.gpus_per_worker, reason)  # fmt: skip
+        log.info(
+            "worker reaper: %s %s (%s -> %s) in %.2f s: %s",
+            action,
+            worker,
+            was,
+            now_in,
+            change.duration_s,
+            reason,
+        )
+        row = WorkerPowerEvent(
+            now,
+            worker,
+            action,
+            was.value,
+            now_in.value,
+            change.duration_s,
+            left_at - since,
+            self._in.gpus_per_worker,
+            reason,
+        )
         self._ledger.record_worker_power(row).add_done_callback(_log_refusal)
 
     async def run(self) -> None:

@@ -325,8 +325,21 @@ def test_replay_prints_the_comparison_and_writes_the_report(tmp_path: Path) -> N
     from tests.paths import MOONCAKE
 
     out = tmp_path / "report.json"
-    r = run("replay", str(MOONCAKE), "--limit", "200", "--workers", "2", "--policy", "appliance",
-            "--policy", "round-robin", "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    r = run(
+        "replay",
+        str(MOONCAKE),
+        "--limit",
+        "200",
+        "--workers",
+        "2",
+        "--policy",
+        "appliance",
+        "--policy",
+        "round-robin",
+        "--report",
+        str(out),
+        data_dir=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "appliance" in r.stdout and "round-robin" in r.stdout
     import json
@@ -399,9 +412,18 @@ def test_a_taken_kv_event_port_under_sim_names_the_key_to_change(tmp_path: Path)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         kv = taken.getsockname()[1]
-        r = run("up", "--engine", "sim", "--workers", "1", "--port", str(free_port()),
-                data_dir=tmp_path, APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
-                APPLIANCE_ENGINE__BASE_PORT=str(free_port()))  # fmt: skip
+        r = run(
+            "up",
+            "--engine",
+            "sim",
+            "--workers",
+            "1",
+            "--port",
+            str(free_port()),
+            data_dir=tmp_path,
+            APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
+            APPLIANCE_ENGINE__BASE_PORT=str(free_port()),
+        )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "engine.kv_events_base_port" in r.stderr and "external" not in r.stderr
 

@@ -29,8 +29,9 @@ def test_version_and_gpus_as_given_with_the_mapping_printed(tmp_path: Path) -> N
     ports = (free_port(), free_port_block(2), free_port_block(2))
     retention = {"APPLIANCE_ENGINE__KV_RETENTION_BASE_PORT": str(free_port_block(2))}
     # No --workers: one worker per listed GPU (gpus_per_worker 1).
-    with appliance_process(tmp_path, workers=None, args=["--gpus", "3,5"], ports=ports,
-                           env=retention) as up:  # fmt: skip
+    with appliance_process(
+        tmp_path, workers=None, args=["--gpus", "3,5"], ports=ports, env=retention
+    ) as up:
         health = httpx.get(f"{up.url}/health").json()
         state = httpx.get(f"{up.url}/admin/v1/state", headers=_admin(tmp_path)).json()
     assert health == {"status": "ok", "version": __version__}
@@ -58,10 +59,19 @@ def test_stop_drains_a_turn_in_flight_and_lets_the_data_dir_go(tmp_path: Path) -
         started = threading.Event()
 
         def turn() -> None:
-            body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 64, "stream": True}  # fmt: skip
-            with httpx.stream("POST", f"{up.url}/v1/chat/completions", json=body, timeout=60,
-                              headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+            body = {
+                "model": "sim",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 64,
+                "stream": True,
+            }
+            with httpx.stream(
+                "POST",
+                f"{up.url}/v1/chat/completions",
+                json=body,
+                timeout=60,
+                headers={"Authorization": f"Bearer {key}"},
+            ) as r:
                 started.set()
                 answer["status"] = r.status_code
                 answer["text"] = "".join(r.iter_text())

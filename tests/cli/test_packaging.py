@@ -75,8 +75,9 @@ def test_service_install_lays_out_unit_user_config_and_data_dir(tmp_path: Path) 
 def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert run("service", "install", "--root", str(tmp_path)).returncode == 0
     unit = tmp_path / "etc/systemd/system/appliance.service"
-    r = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True,
-                       timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stderr == "" and r.stdout == "", r.stderr + r.stdout
 
 
@@ -92,9 +93,13 @@ def test_packaging_holds_the_unit_service_install_writes_for_opt_appliance() -> 
 def test_the_container_recipe_and_compose_file_pass_their_linters() -> None:
     for argv in (
         [str(BIN / "hadolint"), "--failure-threshold", "info", "packaging/Dockerfile"],
-        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
-         "packaging/compose.yaml"],
-    ):  # fmt: skip
+        [
+            str(BIN / "check-jsonschema"),
+            "--builtin-schema",
+            "vendor.compose-spec",
+            "packaging/compose.yaml",
+        ],
+    ):
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
 
@@ -106,8 +111,7 @@ def test_bash_completes_the_commands(tmp_path: Path) -> None:
         'printf "%s\\n" "${COMPREPLY[@]}"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("_")} | {"APP": str(APPLIANCE)}
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
-                       timeout=60)  # fmt: skip
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert set(r.stdout.split()) == {"status", "stop"}
 
@@ -156,10 +160,14 @@ def _environment(unit: Path, tmp_path: Path) -> dict[str, str]:
         f"kv_events_base_port: {free_port_block(1)}, "
         f"kv_retention_base_port: {free_port_block(1)}, sim_time_scale: 5}}\n"
     )
-    for key, where in (("APPLIANCE_CONFIG", config), ("APPLIANCE_DATA_DIR", tmp_path / "data"),
-                       ("APPLIANCE_LOG_DIR", tmp_path / "log"), ("HOME", tmp_path / "data"),
-                       ("XDG_CACHE_HOME", tmp_path / "cache"),
-                       ("HF_HOME", tmp_path / "cache/huggingface")):  # fmt: skip
+    for key, where in (
+        ("APPLIANCE_CONFIG", config),
+        ("APPLIANCE_DATA_DIR", tmp_path / "data"),
+        ("APPLIANCE_LOG_DIR", tmp_path / "log"),
+        ("HOME", tmp_path / "data"),
+        ("XDG_CACHE_HOME", tmp_path / "cache"),
+        ("HF_HOME", tmp_path / "cache/huggingface"),
+    ):
         env[key] = str(where)
     return env
 
@@ -174,8 +182,9 @@ def test_exec_start_as_written_is_ready_once_healthy_reloads_and_drains(tmp_path
     port = int(Path(env["APPLIANCE_CONFIG"]).read_text().split("port: ")[1].split("}")[0])
     url = f"http://127.0.0.1:{port}"
     with (tmp_path / "out.log").open("wb") as out:
-        proc = subprocess.Popen(shlex.split(service["ExecStart"][0]), env=env, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            shlex.split(service["ExecStart"][0]), env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         ready = notes.until("READY=1", 120)[-1]
         health = httpx.get(f"{url}/health", timeout=5)  # at READY=1: already ok
@@ -185,8 +194,13 @@ def test_exec_start_as_written_is_ready_once_healthy_reloads_and_drains(tmp_path
         notes.until("WATCHDOG=1", 3)
         notes.until("WATCHDOG=1", 3)  # every half of WATCHDOG_USEC
 
-        reload = subprocess.run(shlex.split(service["ExecReload"][0]), env=env, timeout=60,
-                                capture_output=True, text=True)  # fmt: skip
+        reload = subprocess.run(
+            shlex.split(service["ExecReload"][0]),
+            env=env,
+            timeout=60,
+            capture_output=True,
+            text=True,
+        )
         assert reload.returncode == 0, reload.stderr
         assert any(m.startswith("RELOADING=1\nMONOTONIC_USEC=") for m in notes.until("READY=1", 5))
 
@@ -214,10 +228,19 @@ def _turn_in_flight(url: str, data_dir: Path) -> dict[str, object]:
     started = threading.Event()
 
     def turn() -> None:
-        body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 64, "stream": True}  # fmt: skip
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+        body = {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 64,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={"Authorization": f"Bearer {key}"},
+        ) as r:
             started.set()
             answer["status"] = r.status_code
             answer["text"] = "".join(r.iter_text())

@@ -26,11 +26,21 @@ def run(*args: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def flags(**options: object) -> list[str]:
+    """Command-line flags in the order given: `hbm_gib=4` is `--hbm-gib 4`, a list repeats
+    its flag, True is the flag alone."""
+    argv = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        for v in value if isinstance(value, list) else [value]:
+            argv += [flag] if v is True else [flag, str(v)]
+    return argv
+
+
 def test_residency_baselines_are_rows_of_the_same_run(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    r = run("replay", str(MOONCAKE), "--limit", "150", "--workers", "2", "--policy",
-            "round-robin", "--residency", "lru", "--residency", "ttl-pin:30", "--report",
-            str(out), data_dir=tmp_path)  # fmt: skip
+    options = flags(limit=150, workers=2, policy="round-robin", residency=["lru", "ttl-pin:30"])
+    r = run("replay", str(MOONCAKE), *options, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "round-robin+ttl-pin:30" in r.stdout
     report = json.loads(out.read_text())
@@ -42,9 +52,8 @@ def test_residency_baselines_are_rows_of_the_same_run(tmp_path: Path) -> None:
 
 def test_host_gib_gives_each_worker_a_host_tier_and_adds_its_rows(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    r = run("replay", str(MOONCAKE), "--limit", "300", "--workers", "8", "--hbm-gib", "4",
-            "--host-gib", "16", "--policy", "session-hash", "--report", str(out),
-            data_dir=tmp_path)  # fmt: skip
+    options = flags(limit=300, workers=8, hbm_gib=4, host_gib=16, policy="session-hash")
+    r = run("replay", str(MOONCAKE), *options, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "host Mtok" in r.stdout and "session-hash+pooled-host" in r.stdout
     report = json.loads(out.read_text())
@@ -57,9 +66,8 @@ def test_workload_replays_closed_loop(tmp_path: Path) -> None:
     spec = tmp_path / "workload.yaml"
     spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
     out = tmp_path / "report.json"
-    r = run("replay", "--workload", str(spec), "--tasks", "4", "--workers", "1", "--policy",
-            "appliance", "--residency", "ttl-pin", "--report", str(out),
-            data_dir=tmp_path)  # fmt: skip
+    options = flags(tasks=4, workers=1, policy="appliance", residency="ttl-pin")
+    r = run("replay", "--workload", str(spec), *options, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "appliance+ttl-pin" in r.stdout and "goodput" in r.stdout
     m = json.loads(out.read_text())["policies"]["appliance+ttl-pin"]
@@ -75,9 +83,8 @@ def test_the_reaper_replays_a_workload_with_its_tool_classes_as_priors(tmp_path:
     spec = tmp_path / "workload.yaml"
     spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
     out = tmp_path / "report.json"
-    r = run("replay", "--workload", str(spec), "--tasks", "6", "--workers", "1", "--policy",
-            "appliance", "--residency", "reaper", "--report", str(out),
-            data_dir=tmp_path)  # fmt: skip
+    options = flags(tasks=6, workers=1, policy="appliance", residency="reaper")
+    r = run("replay", "--workload", str(spec), *options, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     m = json.loads(out.read_text())["policies"]["appliance+reaper"]
     assert set(m["residency_by_tool"]["(none)"]) == {"evict"}  # last steps: gone at once
@@ -88,9 +95,9 @@ def test_the_reaper_restores_on_lead_time_and_keeps_branches_local(tmp_path: Pat
     spec = tmp_path / "workload.yaml"
     spec.write_text("seed: 7\nroot_tasks_per_s: 2.0\n")
     out = tmp_path / "report.json"
-    r = run("replay", "--workload", str(spec), "--tasks", "6", "--seed", "3", "--workers", "1",
-            "--policy", "appliance", "--residency", "reaper+lead-time+branches", "--report",
-            str(out), data_dir=tmp_path)  # fmt: skip
+    residency = "reaper+lead-time+branches"
+    options = flags(tasks=6, seed=3, workers=1, policy="appliance", residency=residency)
+    r = run("replay", "--workload", str(spec), *options, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "appliance+reaper+lead-time+branches:" in r.stdout  # its prefetch line
     report = json.loads(out.read_text())
@@ -121,8 +128,8 @@ def test_a_workload_replay_reports_its_discarded_branches(tmp_path: Path) -> Non
     spec = tmp_path / "best-of-three.yaml"
     spec.write_text(BEST_OF_THREE)
     out = tmp_path / "report.json"
-    r = run("replay", "--workload", str(spec), "--tasks", "2", "--workers", "1", "--policy",
-            "appliance", "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    options = flags(tasks=2, workers=1, policy="appliance")
+    r = run("replay", "--workload", str(spec), *options, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     m = json.loads(out.read_text())["policies"]["appliance"]
     tasks = generate(load_spec(spec), root_tasks=2).tasks
@@ -156,16 +163,15 @@ def test_bad_input_is_one_line(args: list[str], needle: str, tmp_path: Path) -> 
 
 
 KVCT = ROOT / "tests" / "data" / "kvct"
-SMALL_BOX = ["--workers", "1", "--hbm-gib", "8", "--host-gib", "16", "--duration", "400",
-             "--warmup", "100"]  # fmt: skip
+SMALL_BOX = flags(workers=1, hbm_gib=8, host_gib=16, duration=400, warmup=100)
 
 
 def test_recorded_agent_sessions_replay_through_each_stack_at_a_fixed_count(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "sessions.json"
-    r = run("replay", str(KVCT), "--stack", "vllm", "--stack", "appliance", "--stack", "bound",
-            "--users", "2", *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    options = flags(stack=["vllm", "appliance", "bound"], users=2)
+    r = run("replay", str(KVCT), *options, *SMALL_BOX, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "3 sessions (337 requests)" in r.stdout
     report = json.loads(out.read_text())
@@ -180,8 +186,8 @@ def test_recorded_agent_sessions_replay_through_each_stack_at_a_fixed_count(
 
 def test_a_capacity_search_prints_each_step_and_reports_the_capacity(tmp_path: Path) -> None:
     out = tmp_path / "capacity.json"
-    r = run("replay", str(KVCT), "--stack", "vllm", "--capacity", "--slo-ttft-p95", "60",
-            *SMALL_BOX, "--report", str(out), data_dir=tmp_path)  # fmt: skip
+    options = flags(stack="vllm", capacity=True, slo_ttft_p95=60)
+    r = run("replay", str(KVCT), *options, *SMALL_BOX, "--report", str(out), data_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     row, bound = json.loads(out.read_text())["rows"]
     steps = row["steps"]

@@ -46,8 +46,9 @@ def test_an_agents_sdk_agent_runs_three_tool_round_trips(simulated: RunningAppli
 
     client = openai.AsyncOpenAI(base_url=f"{simulated.url}/v1", api_key=simulated.keys["bob"])
     model = OpenAIChatCompletionsModel(model=simulated.model, openai_client=client)
-    agent = Agent(name="weather", instructions="You are a weather agent.", tools=[forecast],
-                  model=model)  # fmt: skip
+    agent = Agent(
+        name="weather", instructions="You are a weather agent.", tools=[forecast], model=model
+    )
     history: list[Any] = []
     for city in ("Oslo", "Lima", "Pune"):
         asked = [*history, {"role": "user", "content": f"What is the forecast for {city}?"}]

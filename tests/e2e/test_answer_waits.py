@@ -39,10 +39,12 @@ SCHEMA = {
     "additionalProperties": False,
 }
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": n, "description": f"{n} in the repository",
-                                      "parameters": SCHEMA}}
+    {
+        "type": "function",
+        "function": {"name": n, "description": f"{n} in the repository", "parameters": SCHEMA},
+    }
     for n in NAMES
-]  # fmt: skip
+]
 SYSTEM = "You are a coding agent. Call the tool the user names, then report."
 
 
@@ -97,9 +99,14 @@ def chat_step(
 ) -> tuple[str, list[tuple[str, str]], str | None]:
     """One model turn: (content, [(call id, tool name)], finish reason)."""
     kw: dict[str, Any] = dict(
-        model=app.model, messages=messages, tools=TOOLS, max_tokens=128, temperature=0,
-        extra_headers={"X-Session-ID": session}, extra_body=forced(app, hermes_call(name)),
-    )  # fmt: skip
+        model=app.model,
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=128,
+        temperature=0,
+        extra_headers={"X-Session-ID": session},
+        extra_body=forced(app, hermes_call(name)),
+    )
     client = openai_client(app)
     if not stream:
         reply = client.chat.completions.create(**kw).choices[0]
@@ -128,10 +135,19 @@ def test_a_five_step_tool_loop_is_decided_on_each_tool_its_answers_call(
         text, calls, finish = chat_step(app, messages, session, name, stream=step % 2 == 1)
         assert ([n for _, n in calls], finish) == ([name], "tool_calls"), text
         call_id = calls[0][0]
-        messages.append({"role": "assistant", "content": text or None, "tool_calls": [
-            {"id": call_id, "type": "function",
-             "function": {"name": name, "arguments": '{"target": "src"}'}}
-        ]})  # fmt: skip
+        messages.append(
+            {
+                "role": "assistant",
+                "content": text or None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": '{"target": "src"}'},
+                    }
+                ],
+            }
+        )
         messages.append({"role": "tool", "tool_call_id": call_id, "content": "3 matches"})
         if step + 1 < len(NAMES):
             messages.append({"role": "user", "content": f"Now call {NAMES[step + 1]}."})
@@ -140,9 +156,14 @@ def test_a_five_step_tool_loop_is_decided_on_each_tool_its_answers_call(
     assert waits(app, session) == [f"tool {n}" for n in NAMES]
     # After the last result the model reports in text: the turn goes back to the person.
     reply = openai_client(app).chat.completions.create(
-        model=app.model, messages=messages, tools=TOOLS, max_tokens=16, temperature=0,
-        extra_headers={"X-Session-ID": session}, extra_body=forced(app, "All done."),
-    )  # fmt: skip
+        model=app.model,
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=16,
+        temperature=0,
+        extra_headers={"X-Session-ID": session},
+        extra_body=forced(app, "All done."),
+    )
     assert not reply.choices[0].message.tool_calls
     assert decided(app, session, len(NAMES) + 1)[-1] == "the person"
     actions = {a for a, _ in decisions(app, session)}
@@ -163,9 +184,13 @@ def test_an_anthropic_sdk_tool_loop_is_decided_on_each_tool_it_calls(
     history: list[Any] = [{"role": "user", "content": "Please call grep."}]
     for step, name in enumerate(["grep", "read_file"]):
         kw: Any = dict(
-            model=app.model, max_tokens=128, system=SYSTEM, tools=ANTHROPIC_TOOLS,
-            messages=history, extra_headers={"X-Session-ID": session},
-        )  # fmt: skip
+            model=app.model,
+            max_tokens=128,
+            system=SYSTEM,
+            tools=ANTHROPIC_TOOLS,
+            messages=history,
+            extra_headers={"X-Session-ID": session},
+        )
         if step == 0:
             message = client.messages.create(**kw)
         else:  # streamed: the forwarder reads the worker's chat stream behind the events
@@ -175,10 +200,15 @@ def test_an_anthropic_sdk_tool_loop_is_decided_on_each_tool_it_calls(
         [use] = [b for b in message.content if b.type == "tool_use"]
         assert use.name == name
         history.append({"role": "assistant", "content": [b.model_dump() for b in message.content]})
-        history.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": use.id, "content": "3 matches"},
-            {"type": "text", "text": "Now call read_file."},
-        ]})  # fmt: skip
+        history.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": "3 matches"},
+                    {"type": "text", "text": "Now call read_file."},
+                ],
+            }
+        )
         assert decided(app, session, step + 1)[step] == f"tool {name}"
     assert waits(app, session) == ["tool grep", "tool read_file"]
 

@@ -35,8 +35,9 @@ class App:
 
     def completion(self, prompt: list[int], max_tokens: int, **headers: str) -> httpx.Response:
         body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens}
-        return httpx.post(f"{self.url}/v1/completions", json=body,
-                          headers=self.auth | headers, timeout=60)  # fmt: skip
+        return httpx.post(
+            f"{self.url}/v1/completions", json=body, headers=self.auth | headers, timeout=60
+        )
 
     def queued(self) -> float:
         """Requests the (only) worker runs or holds waiting, from its own /metrics."""
@@ -78,25 +79,35 @@ def test_deadline_blind_admission_a_turn_queued_past_its_deadline_is_aborted(app
     their deadline (here about 1000 decode steps). They used to wait it out, and be served
     when their task no longer had use for the answer; now each is aborted at the worker at
     its deadline, the client told at once, the attempt recorded, and the worker goes on."""
-    body = {"model": "sim", "prompt": list(range(1000, 4000)), "max_tokens": 1000,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "sim",
+        "prompt": list(range(1000, 4000)),
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     blocker = {**app.auth, "X-Task-ID": "hog"}
-    with httpx.stream("POST", f"{app.url}/v1/completions", json=body, headers=blocker,
-                      timeout=60) as hog:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{app.url}/v1/completions", json=body, headers=blocker, timeout=60
+    ) as hog:
         lines = hog.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # it runs: cache full
-        r = httpx.post(f"{app.url}/v1/tasks", json={"task_id": "due", "deadline_s": 1.5},
-                       headers=app.auth)  # fmt: skip
+        r = httpx.post(
+            f"{app.url}/v1/tasks", json={"task_id": "due", "deadline_s": 1.5}, headers=app.auth
+        )
         assert r.status_code == 201, r.text
         due_at = r.json()["deadline_at"]
         stream = {"model": "sim", "prompt": [7] * 1200, "max_tokens": 4, "stream": True}
         with ThreadPoolExecutor(2) as pool:
             plain = pool.submit(app.completion, [5] * 1200, 4, **{"X-Task-ID": "due"})
             # A child opened by its first turn: under its parent's deadline.
-            streamed = pool.submit(httpx.post, f"{app.url}/v1/completions", json=stream,
-                                   headers=app.auth | {"X-Task-ID": "due-child",
-                                                       "X-Parent-Task-ID": "due"},
-                                   timeout=60)  # fmt: skip
+            streamed = pool.submit(
+                httpx.post,
+                f"{app.url}/v1/completions",
+                json=stream,
+                headers=app.auth | {"X-Task-ID": "due-child", "X-Parent-Task-ID": "due"},
+                timeout=60,
+            )
             assert _until(lambda: app.queued() == 3), "the two turns did not queue"
             answers = [plain.result(timeout=30), streamed.result(timeout=30)]
         answered_at = time.time()

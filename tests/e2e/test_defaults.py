@@ -71,8 +71,10 @@ def test_an_agent_session_runs_through_the_defaults(readme_up: tuple[Started, st
             body = answer.json()
             cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
             transcript.append({"role": "assistant", "content": f"run_tests step {step}"})
-            started = http.post("/v1/tasks/fix-it/events", json={"type": "tool_started",
-                                "tool_class": "pytest", "expected_s": 1})  # fmt: skip
+            started = http.post(
+                "/v1/tasks/fix-it/events",
+                json={"type": "tool_started", "tool_class": "pytest", "expected_s": 1},
+            )
             assert started.status_code == 200, started.text
             http.post("/v1/tasks/fix-it/events", json={"type": "tool_finished"})
             transcript.append({"role": "user", "content": f"tool output {step}: " + "ok " * 30})

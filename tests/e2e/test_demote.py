@@ -248,9 +248,11 @@ def test_a_demoted_session_whose_tool_is_announced_done_is_back_on_the_gpu_befor
         answer = streamed(app, "restored", messages, task="restored-task")
         ttfts.append(ttft_s(app, "restored", turn))
         hits.append(cached(answer))
-    print(f"restored {restored} tokens ({copy_s * 1e3:.1f} ms of copy) before the turn; its "
-          f"TTFT {ttfts[0] * 1e3:.1f} ms, the next turn's {ttfts[1] * 1e3:.1f} ms; "
-          f"{hits[0]} of {n_first} cached")  # fmt: skip
+    print(
+        f"restored {restored} tokens ({copy_s * 1e3:.1f} ms of copy) before the turn; its "
+        f"TTFT {ttfts[0] * 1e3:.1f} ms, the next turn's {ttfts[1] * 1e3:.1f} ms; "
+        f"{hits[0]} of {n_first} cached"
+    )
     assert restored >= 0.9 * n_first and copy_s > 0.05
     assert hits[0] >= 0.9 * n_first
     assert host_loaded_tokens(app) == loaded  # the turn found it on the GPU

@@ -35,8 +35,13 @@ def words(seed: int, n: int) -> str:
 
 
 def chat(model: str, content: str, max_tokens: int, **extra: object) -> dict[str, object]:
-    return {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "ignore_eos": True, **extra}  # fmt: skip
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def post_turn(url: str, key: str, session: str, body: dict[str, object]) -> httpx.Response:
@@ -77,19 +82,25 @@ def turn_rows(ledger: Path, session: str, expect: int) -> list[tuple[str, str, s
 
 
 def worker_state(app: RunningAppliance, worker: str) -> dict[str, object]:
-    state = httpx.get(f"{app.url}/admin/v1/state", timeout=10,
-                      headers={"Authorization": f"Bearer {app.keys['ops']}"}).json()  # fmt: skip
+    state = httpx.get(
+        f"{app.url}/admin/v1/state",
+        timeout=10,
+        headers={"Authorization": f"Bearer {app.keys['ops']}"},
+    ).json()
     found: dict[str, object] = next(w for w in state["workers"] if w["id"] == worker)
     return found
 
 
-def send_and_hang_up(app: RunningAppliance, session: str, body: dict[str, object],
-                     worker_url: str) -> None:  # fmt: skip
+def send_and_hang_up(
+    app: RunningAppliance, session: str, body: dict[str, object], worker_url: str
+) -> None:
     """A client that sends a turn, waits until the worker runs it, then hangs up."""
     raw = orjson.dumps(body)
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {app.keys['alice']}\r\nX-Session-ID: {session}\r\n"
-            f"Content-Length: {len(raw)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {app.keys['alice']}\r\nX-Session-ID: {session}\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n"
+    ).encode()
     port = int(app.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(head + raw)
@@ -124,8 +135,9 @@ def test_a_killed_worker_is_restarted_and_a_turn_whose_client_left_is_not_retrie
     rows = turn_rows(app.ledger, "left", expect=2)
     assert [(w, outcome) for w, outcome, _ in rows] == [(home, "ok"), (home, "cancelled")], rows
     deadline = time.monotonic() + (300 if app.engine == "vllm" else 60)
-    while not (worker_state(app, home)["restarts"] == restarts + 1
-               and worker_state(app, home)["healthy"]):  # fmt: skip
+    while not (
+        worker_state(app, home)["restarts"] == restarts + 1 and worker_state(app, home)["healthy"]
+    ):
         assert time.monotonic() < deadline, f"{home} was not restarted: {worker_state(app, home)}"
         time.sleep(0.5)
     later = chat(app.model, prompt + " " + words(3, app.words(20)), 4)
@@ -185,8 +197,9 @@ def test_a_read_only_data_dir_is_refused_with_one_line(tmp_path: Path) -> None:
     ro = f"mount --bind {tmp_path} {tmp_path} && mount -o remount,bind,ro {tmp_path}"
     script = f"{ro} && exec {up}"
     began = time.monotonic()
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
     assert time.monotonic() - began < 10
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     lines = (done.stdout + done.stderr).strip().splitlines()

@@ -77,8 +77,9 @@ def test_an_over_long_prompt_is_400_in_each_apis_own_shape(
         if path == "/v1/messages":
             error = answer.json()
             assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-            assert re.fullmatch(rf"prompt is too long: \d+ tokens > {LIMIT} maximum",
-                                error["error"]["message"])  # fmt: skip
+            assert re.fullmatch(
+                rf"prompt is too long: \d+ tokens > {LIMIT} maximum", error["error"]["message"]
+            )
             continue
         error = answer.json()["error"]
         assert (error["type"], error["code"]) == ("BadRequestError", "context_length_exceeded")
@@ -89,8 +90,9 @@ def test_an_over_long_prompt_is_400_in_each_apis_own_shape(
         )
     client = anthropic.Anthropic(base_url=up.url, api_key=key, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
-        client.messages.create(model="claude-sonnet-4-5", max_tokens=8,
-                               messages=[{"role": "user", "content": long}])  # fmt: skip
+        client.messages.create(
+            model="claude-sonnet-4-5", max_tokens=8, messages=[{"role": "user", "content": long}]
+        )
     assert turns_of(up.log.parent / "ledger.db", "too-long") == []  # refused before any worker
 
 
@@ -148,8 +150,12 @@ def test_without_keys_on_loopback_any_key_or_none_is_the_local_tenant(tmp_path: 
         )
         usage = [chunk.usage for chunk in stream if chunk.usage is not None]
         assert usage and usage[-1].completion_tokens == 5
-        bare = httpx.post(f"{up.url}/v1/chat/completions", json=HELLO,
-                          headers={"X-Session-ID": "kvct-2"}, timeout=30)  # fmt: skip
+        bare = httpx.post(
+            f"{up.url}/v1/chat/completions",
+            json=HELLO,
+            headers={"X-Session-ID": "kvct-2"},
+            timeout=30,
+        )
         assert bare.status_code == 200, bare.text
         state = httpx.get(f"{up.url}/admin/v1/state", timeout=10)
         assert state.status_code == 200  # the operator's routes too: loopback is the operator
@@ -160,8 +166,9 @@ def test_without_keys_on_loopback_any_key_or_none_is_the_local_tenant(tmp_path: 
 
 
 def test_without_keys_off_loopback_up_is_refused_in_one_line(tmp_path: Path) -> None:
-    r = run_up(tmp_path, "--host", "0.0.0.0", "--port", str(free_port()),
-               APPLIANCE_SERVER__AUTH="none")  # fmt: skip
+    r = run_up(
+        tmp_path, "--host", "0.0.0.0", "--port", str(free_port()), APPLIANCE_SERVER__AUTH="none"
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "server.auth='none' is invalid" in r.stderr and "'0.0.0.0'" in r.stderr
 
@@ -172,17 +179,20 @@ def test_a_second_appliance_needs_only_its_own_port(tmp_path: Path) -> None:
     keys = [add_key(first, "ops", "--admin"), add_key(second, "ops", "--admin")]
     with ExitStack() as stack:
         ups = [
-            stack.enter_context(appliance_process(first, workers=2, ports=(port, 0, 0),
-                                                  engine_ports=False)),
+            stack.enter_context(
+                appliance_process(first, workers=2, ports=(port, 0, 0), engine_ports=False)
+            ),
             # its followed ports are the first one's second worker's: chosen free instead
-            stack.enter_context(appliance_process(second, workers=1, ports=(port + 1, 0, 0),
-                                                  engine_ports=False)),
-        ]  # fmt: skip
+            stack.enter_context(
+                appliance_process(second, workers=1, ports=(port + 1, 0, 0), engine_ports=False)
+            ),
+        ]
         urls = []
         for up, key in zip(ups, keys, strict=True):
             auth = {"Authorization": f"Bearer {key}"}
-            answer = httpx.post(f"{up.url}/v1/chat/completions", headers=auth, json=HELLO,
-                                timeout=30)  # fmt: skip
+            answer = httpx.post(
+                f"{up.url}/v1/chat/completions", headers=auth, json=HELLO, timeout=30
+            )
             assert answer.status_code == 200, answer.text
             state = httpx.get(f"{up.url}/admin/v1/state", headers=auth, timeout=10).json()
             urls.append([w["url"] for w in state["workers"]])
@@ -197,9 +207,15 @@ def test_a_port_conflict_names_every_port_in_conflict_at_once(tmp_path: Path) ->
             sock = stack.enter_context(socket.socket())
             sock.bind(("127.0.0.1", port))
             sock.listen()
-        r = run_up(tmp_path, "--port", str(api), "--workers", "1",
-                   APPLIANCE_ENGINE__BASE_PORT=str(base),
-                   APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv))  # fmt: skip
+        r = run_up(
+            tmp_path,
+            "--port",
+            str(api),
+            "--workers",
+            "1",
+            APPLIANCE_ENGINE__BASE_PORT=str(base),
+            APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(kv),
+        )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "appliance: 3 ports are in use: " in r.stderr
     named = {api: "the API", base: "HTTP of worker w0", kv: "KV events of worker w0"}
@@ -221,5 +237,10 @@ def api_port_with_free_followers(workers: int) -> int:
 def run_up(data_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     base.update(APPLIANCE_DATA_DIR=str(data_dir), **env)
-    return subprocess.run([str(BIN / "appliance"), "up", "--engine", "sim", *args],
-                          capture_output=True, text=True, env=base, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [str(BIN / "appliance"), "up", "--engine", "sim", *args],
+        capture_output=True,
+        text=True,
+        env=base,
+        timeout=60,
+    )

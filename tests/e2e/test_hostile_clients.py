@@ -88,8 +88,11 @@ def _warm_up(t: Target) -> None:
     with httpx.Client(base_url=t.url, timeout=ANSWER_S) as c:
         assert c.post("/v1/tasks", json={"task_id": KNOWN_TASK}, headers=auth).status_code == 201
         for i in range(20):
-            body = {"model": "sim", "max_tokens": 4,
-                    "messages": [{"role": "user", "content": f"warm up {i}"}]}  # fmt: skip
+            body = {
+                "model": "sim",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"warm up {i}"}],
+            }
             headers = auth | {"X-Session-ID": KNOWN_SESSION if i == 0 else f"warm-{i}"}
             assert c.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
             prompt = {"model": "sim", "max_tokens": 4, "prompt": f"warm up {i}"}
@@ -287,9 +290,15 @@ completion_body = model_body(
 )
 block = st.fixed_dictionaries(
     {"type": field(st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking"]))},
-    optional={"text": field(st.text(max_size=40)), "input": json_values, "id": json_values,
-              "name": json_values, "content": json_values, "source": json_values},
-)  # fmt: skip
+    optional={
+        "text": field(st.text(max_size=40)),
+        "input": json_values,
+        "id": json_values,
+        "name": json_values,
+        "content": json_values,
+        "source": json_values,
+    },
+)
 anthropic_message = st.fixed_dictionaries(
     {"role": field(st.sampled_from(["user", "assistant", "system"]))},
     optional={"content": field(st.one_of(st.text(max_size=120), st.lists(block, max_size=3)))},
@@ -297,12 +306,17 @@ anthropic_message = st.fixed_dictionaries(
 messages_body = st.fixed_dictionaries(
     {"model": field(st.just("sim")), "messages": field(st.lists(anthropic_message, max_size=4))},
     optional={
-        "max_tokens": st.one_of(small, small, json_values), "system": json_values,
-        "stream": field(st.booleans()), "tools": json_values, "tool_choice": json_values,
-        "metadata": json_values, "stop_sequences": json_values, "temperature": json_values,
+        "max_tokens": st.one_of(small, small, json_values),
+        "system": json_values,
+        "stream": field(st.booleans()),
+        "tools": json_values,
+        "tool_choice": json_values,
+        "metadata": json_values,
+        "stop_sequences": json_values,
+        "temperature": json_values,
         "output_config": json_values,
     },
-)  # fmt: skip
+)
 responses_body = model_body(
     {
         "model": field(st.just("sim")),

@@ -38,8 +38,10 @@ def test_a_conversation_of_messages_stays_on_its_worker_and_reads_its_prefix(
     assert (first.type, first.role, first.content[0].type) == ("message", "assistant", "text")
     assert first.stop_reason == "max_tokens" and first.usage.output_tokens == 8
     worker = raw.headers["x-appliance-worker"]
-    history += [{"role": "assistant", "content": first.content[0].text},  # type: ignore[union-attr]
-                {"role": "user", "content": text(203, app.words(20))}]  # fmt: skip
+    history += [
+        {"role": "assistant", "content": first.content[0].text},  # type: ignore[union-attr]
+        {"role": "user", "content": text(203, app.words(20))},
+    ]
     with client.messages.stream(
         model=app.model, max_tokens=6, system=system, messages=history
     ) as stream:
@@ -76,10 +78,18 @@ def test_refusals_come_in_the_messages_apis_shape(appliance_up: RunningAppliance
     no_max = {"model": app.model, "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(url, json=no_max, headers=key, timeout=30)
     assert r.status_code == 400
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                        "message": "'max_tokens' is required: an integer >= 1"}}  # fmt: skip
+    assert r.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "'max_tokens' is required: an integer >= 1",
+        },
+    }
     r = httpx.post(url, json={**no_max, "max_tokens": 4}, headers={"x-api-key": "nope"})
     assert (r.status_code, r.json()["error"]["type"]) == (401, "authentication_error")
     with pytest.raises(anthropic.BadRequestError):
-        sdk(app).messages.create(model=app.model, max_tokens=4,
-                                 messages=[{"role": "robot", "content": "x"}])  # type: ignore[list-item]  # fmt: skip
+        sdk(app).messages.create(
+            model=app.model,
+            max_tokens=4,
+            messages=[{"role": "robot", "content": "x"}],  # type: ignore[list-item]
+        )

@@ -96,8 +96,14 @@ def ending(
     else:
         env["APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES"] = str(POOL_TOKENS * SIM_KV_BYTES_PER_TOKEN)
     with appliance_process(data_dir, engine=request.param, workers=1, env=env) as up:
-        app = Ending(up.url, key, ops, model_dir.name, f"http://127.0.0.1:{up.base_port}",
-                     data_dir / "ledger.db")  # fmt: skip
+        app = Ending(
+            up.url,
+            key,
+            ops,
+            model_dir.name,
+            f"http://127.0.0.1:{up.base_port}",
+            data_dir / "ledger.db",
+        )
         app.up, app.engine = up, request.param
         yield app
 
@@ -169,9 +175,10 @@ def worker_process(app: Ending) -> psutil.Process:
     """The worker's own process: the appliance's child serving the worker's port."""
     port = str(app.up.base_port)
     (proc,) = [
-        p for p in psutil.Process(app.up.proc.pid).children()
+        p
+        for p in psutil.Process(app.up.proc.pid).children()
         if "--port" in p.cmdline() and port in p.cmdline()
-    ]  # fmt: skip
+    ]
     return proc
 
 
@@ -202,8 +209,10 @@ def test_a_worker_killed_while_holding_comes_back_holding_nothing(ending: Ending
         timeout_s=180,
     )
     restarted = time.monotonic() - killed
-    print(f"{app.engine}: not held {shown:.2f}s after SIGKILL (one poll: {poll_s:g}s); "
-          f"back in {restarted:.1f}s")  # fmt: skip
+    print(
+        f"{app.engine}: not held {shown:.2f}s after SIGKILL (one poll: {poll_s:g}s); "
+        f"back in {restarted:.1f}s"
+    )
     assert shown <= poll_s
     assert back["workers"][0]["restarts"] == 1
     new = connectors(app)
@@ -222,8 +231,11 @@ def test_a_worker_killed_while_holding_comes_back_holding_nothing(ending: Ending
 
 
 def task(app: Ending, task_id: str, parent: str | None = None) -> None:
-    r = httpx.post(f"{app.url}/v1/tasks", json={"task_id": task_id, "parent_task_id": parent},
-                   headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
+    r = httpx.post(
+        f"{app.url}/v1/tasks",
+        json={"task_id": task_id, "parent_task_id": parent},
+        headers={"Authorization": f"Bearer {app.key}"},
+    )
     assert r.status_code == 201, r.text
 
 
@@ -254,8 +266,12 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         # A vLLM worker reports holds at its next scheduler step: a one-token request of no
         # session (which nothing holds, so the branches' holds stay under the pool's cap).
         nudge = {"model": app.model, "prompt": "nudge", "max_tokens": 1}
-        httpx.post(f"{app.url}/v1/completions", json=nudge, timeout=60,
-                   headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
+        httpx.post(
+            f"{app.url}/v1/completions",
+            json=nudge,
+            timeout=60,
+            headers={"Authorization": f"Bearer {app.key}"},
+        )
         return tasks_kv(app, "fan")
 
     shown = eventually(stepped, lambda t: all(t[k]["kv_own_kept_tokens"] > 0 for k in kids))
@@ -267,8 +283,11 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
     closed: dict[str, float] = {}
     for kid in kids:
         closed[kid] = time.time()
-        r = httpx.post(f"{app.url}/v1/tasks/{kid}/events", json={"type": "succeeded"},
-                       headers={"Authorization": f"Bearer {app.key}"})  # fmt: skip
+        r = httpx.post(
+            f"{app.url}/v1/tasks/{kid}/events",
+            json={"type": "succeeded"},
+            headers={"Authorization": f"Bearer {app.key}"},
+        )
         assert r.status_code == 200, r.text
     deadline = time.monotonic() + MAX_RESIDENCY_S - 1
     while time.monotonic() < deadline:
@@ -277,10 +296,12 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
             break
     else:
         pytest.fail(f"ended branches still keep their own KV: {after}")
-    ended = dict(app.rows(
-        "SELECT session_id, at FROM residency_events WHERE json_extract(figures, '$.kind')"
-        " = 'session_ended' AND session_id LIKE 'alice/fan-k%'"
-    ))  # fmt: skip
+    ended = dict(
+        app.rows(
+            "SELECT session_id, at FROM residency_events WHERE json_extract(figures, '$.kind')"
+            " = 'session_ended' AND session_id LIKE 'alice/fan-k%'"
+        )
+    )
     assert sorted(ended) == [f"alice/{k}" for k in kids]
     for kid in kids:
         at = ended[f"alice/{kid}"]
@@ -296,6 +317,10 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         assert own > 0 and inherited >= 0.8 * n
     lag = max(ended[f"alice/{k}"] - closed[k] for k in kids)
     print(f"{app.engine}: {len(kids)} branches ended; own KV reclaimed <= {lag:.2f}s after each")
-    again = app.turn("fan-root", [*context, {"role": "user", "content": text(60, 10)}],
-                     **{"X-Task-ID": "fan"}, **API_WAIT)  # fmt: skip
+    again = app.turn(
+        "fan-root",
+        [*context, {"role": "user", "content": text(60, 10)}],
+        **{"X-Task-ID": "fan"},
+        **API_WAIT,
+    )
     assert cached(again) >= 0.9 * (n // 32 * 32), (cached(again), n)

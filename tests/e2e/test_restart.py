@@ -25,20 +25,33 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
     key = add_key(tmp_path, "agent")
     ops = add_key(tmp_path, "ops", "--admin")
     auth = {"Authorization": f"Bearer {key}"}
-    body = {"model": "sim", "messages": [{"role": "user", "content": "hi " * 200}],
-            "max_tokens": 4}  # fmt: skip
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi " * 200}], "max_tokens": 4}
     with appliance_process(tmp_path, workers=1) as first:
-        assert httpx.post(f"{first.url}/v1/tasks", json={"task_id": "long"},
-                          headers=auth).status_code == 201  # fmt: skip
-        turn = httpx.post(f"{first.url}/v1/chat/completions", json=body, timeout=60,
-                          headers={**auth, "X-Task-ID": "long", "X-Session-ID": "s1"})  # fmt: skip
+        assert (
+            httpx.post(f"{first.url}/v1/tasks", json={"task_id": "long"}, headers=auth).status_code
+            == 201
+        )
+        turn = httpx.post(
+            f"{first.url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={**auth, "X-Task-ID": "long", "X-Session-ID": "s1"},
+        )
         assert turn.status_code == 200
-        done = httpx.post(f"{first.url}/v1/chat/completions", json=body, timeout=60,
-                          headers={**auth, "X-Task-ID": "done"})  # fmt: skip
+        done = httpx.post(
+            f"{first.url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={**auth, "X-Task-ID": "done"},
+        )
         assert done.status_code == 200
         closing_event = {"type": "succeeded", "verified": True}
-        assert httpx.post(f"{first.url}/v1/tasks/done/events", json=closing_event,
-                          headers=auth).status_code == 200  # fmt: skip
+        assert (
+            httpx.post(
+                f"{first.url}/v1/tasks/done/events", json=closing_event, headers=auth
+            ).status_code
+            == 200
+        )
         time.sleep(0.3)  # the turn's rows are committed within milliseconds of the answer
         answered, clients = under_load(first.url, auth, body)
         first.proc.send_signal(signal.SIGKILL)  # while the clients send
@@ -57,8 +70,10 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
         # after: on this 2-core machine two interpreters start in turn (the appliance,
         # ~0.5-1.0 s of imports, then its sim worker, ~0.5-0.8 s), so that bound is 4 s.
         restarted_s = time.monotonic() - began
-        print(f"port answered {second.first_answer_s:.2f} s, healthy {restarted_s:.2f} s "
-              f"after the start; /health said {second.health_seen}")  # fmt: skip
+        print(
+            f"port answered {second.first_answer_s:.2f} s, healthy {restarted_s:.2f} s "
+            f"after the start; /health said {second.health_seen}"
+        )
         assert second.first_answer_s < 2.0
         assert restarted_s < 4.0, restarted_s
         task = httpx.get(f"{second.url}/v1/tasks/long", headers=auth).json()
@@ -69,24 +84,33 @@ def test_open_tasks_and_sessions_come_back_after_a_kill(tmp_path: Path) -> None:
         other = {"task_id": "long", "task_class": "other"}
         clash = httpx.post(f"{second.url}/v1/tasks", json=other, headers=auth)
         assert clash.status_code == 409 and clash.json()["error"]["code"] == "task_exists"
-        state = httpx.get(f"{second.url}/admin/v1/state",
-                          headers={"Authorization": f"Bearer {ops}"}).json()  # fmt: skip
+        state = httpx.get(
+            f"{second.url}/admin/v1/state", headers={"Authorization": f"Bearer {ops}"}
+        ).json()
         session = next(s for s in state["sessions"] if s["id"] == "s1")
         assert (session["tenant"], session["worker"], session["task_id"]) == ("agent", "w0", "long")
         # A task closed before the kill is the ledger's: shown, and closed to turns and
         # to a creation of that name (a turn made it anew, then a 500: a UNIQUE clash).
         shown = httpx.get(f"{second.url}/v1/tasks/done", headers=auth).json()
         assert (shown["status"], shown["verified"], shown["turns"]) == ("succeeded", True, 1)
-        refused = httpx.post(f"{second.url}/v1/chat/completions", json=body, timeout=60,
-                             headers={**auth, "X-Task-ID": "done"})  # fmt: skip
+        refused = httpx.post(
+            f"{second.url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={**auth, "X-Task-ID": "done"},
+        )
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "task_closed"
         retried = httpx.post(f"{second.url}/v1/tasks", json={"task_id": "done"}, headers=auth)
         assert retried.status_code == 200 and retried.json()["status"] == "succeeded"
         remade = {"task_id": "done", "task_class": "other"}
         clashed = httpx.post(f"{second.url}/v1/tasks", json=remade, headers=auth)
         assert clashed.status_code == 409 and clashed.json()["error"]["code"] == "task_exists"
-        later = httpx.post(f"{second.url}/v1/chat/completions", json=body, timeout=60,
-                           headers={**auth, "X-Task-ID": "long", "X-Session-ID": "s1"})  # fmt: skip
+        later = httpx.post(
+            f"{second.url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={**auth, "X-Task-ID": "long", "X-Session-ID": "s1"},
+        )
         assert later.status_code == 200 and later.headers["x-appliance-worker"] == "w0"
 
 
@@ -102,8 +126,12 @@ def under_load(
         for i in range(10**6):
             session = f"load-{n}-{i}"
             try:
-                r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10,
-                               headers={**auth, "X-Session-ID": session})  # fmt: skip
+                r = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    timeout=10,
+                    headers={**auth, "X-Session-ID": session},
+                )
             except httpx.HTTPError:
                 return  # the appliance died under it
             if r.status_code == 200:

@@ -47,18 +47,25 @@ class Resting:
         sent = time.monotonic()
         r = httpx.post(
             f"{self.up.url}/v1/chat/completions",
-            json={"model": self.model, "max_tokens": 4, "ignore_eos": True,
-                  "messages": [{"role": "user", "content": f"hello from {session}"}]},
+            json={
+                "model": self.model,
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"hello from {session}"}],
+            },
             headers={"Authorization": f"Bearer {self.key}", "X-Session-ID": session},
             timeout=600,
-        )  # fmt: skip
+        )
         assert r.status_code == 200, r.text
         body: dict[str, Any] = r.json()
         return body | {"client_s": time.monotonic() - sent}
 
     def state(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.up.url}/admin/v1/state",
-                      headers={"Authorization": f"Bearer {self.ops}"}, timeout=30)  # fmt: skip
+        r = httpx.get(
+            f"{self.up.url}/admin/v1/state",
+            headers={"Authorization": f"Bearer {self.ops}"},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         state: dict[str, Any] = r.json()
         return state
@@ -133,11 +140,16 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     later = app.worker()
     assert later["gpu_busy_s"] + later["gpu_idle_s"] == pytest.approx(awake, abs=0.01)
     # A turn whose deadline is shorter than the wake is refused before any worker starts.
-    r = httpx.post(f"{app.up.url}/v1/chat/completions", timeout=60,
-                   json={"model": app.model, "max_tokens": 4,
-                         "messages": [{"role": "user", "content": "in a hurry"}]},
-                   headers={"Authorization": f"Bearer {app.key}",
-                            "X-Deadline-S": HURRY_S[app.rest]})  # fmt: skip
+    r = httpx.post(
+        f"{app.up.url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": app.model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "in a hurry"}],
+        },
+        headers={"Authorization": f"Bearer {app.key}", "X-Deadline-S": HURRY_S[app.rest]},
+    )
     assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible", r.text
     announced = re.search(r"\(wake (\d+\.\d+) s", r.json()["error"]["message"])
     assert announced is not None, r.text
@@ -166,6 +178,8 @@ def test_an_idle_worker_stops_and_the_next_turns_wake_it_once(resting: Resting) 
     seen = [t for (t,) in turns]
     assert len(seen) == 2 and min(seen) >= 0.9 * wake_s, (seen, wake_s)
     assert min(r["client_s"] for r in replies) >= 0.9 * wake_s
-    print(f"{app.engine}: {app.rest} {rested_after:.1f} s after its last turn; woken in "
-          f"{wake_s:.1f} s; the two turns' time to first token {sorted(seen)} s")  # fmt: skip
+    print(
+        f"{app.engine}: {app.rest} {rested_after:.1f} s after its last turn; woken in "
+        f"{wake_s:.1f} s; the two turns' time to first token {sorted(seen)} s"
+    )
     assert app.worker()["healthy"]

@@ -38,8 +38,14 @@ def agent_box(
         env["APPLIANCE_ENGINE__PYTHON"] = request.getfixturevalue("vllm_python")
         env["APPLIANCE_ENGINE__KV_CACHE_MEMORY_BYTES"] = str(64 * 2**20)
     with appliance_process(data_dir, engine=request.param, workers=1, env=env) as up:
-        yield Reaped(up.url, key, ops, model_dir.name, f"http://127.0.0.1:{up.base_port}",
-                     data_dir / "ledger.db")  # fmt: skip
+        yield Reaped(
+            up.url,
+            key,
+            ops,
+            model_dir.name,
+            f"http://127.0.0.1:{up.base_port}",
+            data_dir / "ledger.db",
+        )
 
 
 def task(app: Reaped, task_id: str, event: str | None = None) -> None:
@@ -55,8 +61,7 @@ def test_an_ended_sessions_system_prompt_stays_cached_for_the_next(agent_box: Re
     ask = {"role": "user", "content": text(71, 60)}
     user_tokens = prompt_tokens(app.turn("probe", [ask]))  # the user message, templated
     task(app, "agent-1")
-    first = app.turn("agent-1", [system, ask],
-                     **{"X-Task-ID": "agent-1"})  # fmt: skip
+    first = app.turn("agent-1", [system, ask], **{"X-Task-ID": "agent-1"})
     task(app, "agent-1", "succeeded")
     ended = eventually(
         lambda: app.rows(
@@ -69,8 +74,9 @@ def test_an_ended_sessions_system_prompt_stays_cached_for_the_next(agent_box: Re
     for seed in (72, 73):  # unrelated prompts, each about the size of the ended session's
         app.turn(f"other-{seed}", [{"role": "user", "content": text(seed, SYSTEM_WORDS // 2)}])
     task(app, "agent-2")
-    second = app.turn("agent-2", [system, {"role": "user", "content": text(74, 70)}],
-                      **{"X-Task-ID": "agent-2"})  # fmt: skip
+    second = app.turn(
+        "agent-2", [system, {"role": "user", "content": text(74, 70)}], **{"X-Task-ID": "agent-2"}
+    )
     system_tokens = prompt_tokens(first) - user_tokens  # give or take a template's marks
     print(f"next session: {cached(second)} of {prompt_tokens(second)} tokens cached")
     assert system_tokens > 1900

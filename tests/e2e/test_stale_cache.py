@@ -149,18 +149,26 @@ class Stale:
     def completion(self, prompt: list[int], **headers: str) -> httpx.Response:
         body = {"model": "sim", "prompt": prompt, "max_tokens": 4}
         auth = {"Authorization": f"Bearer {self.key}"}
-        return httpx.post(f"{self.url}/v1/completions", json=body, headers=auth | headers,
-                          timeout=60)  # fmt: skip
+        return httpx.post(
+            f"{self.url}/v1/completions", json=body, headers=auth | headers, timeout=60
+        )
 
     def serving(self) -> bool:
-        r = httpx.get(f"{self.url}/admin/v1/state", headers={"Authorization": f"Bearer {self.ops}"},
-                      timeout=10)  # fmt: skip
+        r = httpx.get(
+            f"{self.url}/admin/v1/state",
+            headers={"Authorization": f"Bearer {self.ops}"},
+            timeout=10,
+        )
         return all(w["healthy"] for w in r.json()["workers"])
 
     def index_gpu_tokens(self, session: str) -> int:
         """The session's last prompt as the KV index holds it on the worker's GPU now."""
-        r = httpx.get(f"{self.url}/admin/v1/sessions/{session}", params={"tenant": "alice"},
-                      headers={"Authorization": f"Bearer {self.ops}"}, timeout=10)  # fmt: skip
+        r = httpx.get(
+            f"{self.url}/admin/v1/sessions/{session}",
+            params={"tenant": "alice"},
+            headers={"Authorization": f"Bearer {self.ops}"},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         return sum(row["tokens"] for row in r.json()["residency"] if row["tier"] != "gone")
 
@@ -175,9 +183,20 @@ def stale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stale]:
     key, ops = add_key(data_dir, "alice"), add_key(data_dir, "ops", "--admin")
     port, inbound, outbound = free_port(), free_port(), free_port()
     relay = EventRelay(f"tcp://127.0.0.1:{inbound}", f"tcp://127.0.0.1:{outbound}")
-    argv = [str(BIN / "appliance"), "sim", "--port", str(port), "--block-size", str(BLOCK),
-            "--num-gpu-blocks-override", str(POOL_BLOCKS + 1), "--max-model-len", "4096",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{inbound}"]  # fmt: skip
+    argv = [
+        str(BIN / "appliance"),
+        "sim",
+        "--port",
+        str(port),
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks-override",
+        str(POOL_BLOCKS + 1),
+        "--max-model-len",
+        "4096",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{inbound}",
+    ]
     sim = Worker(argv, data_dir / "sim.log", f"http://127.0.0.1:{port}")
     env = {
         "APPLIANCE_ENGINE__EXTERNAL_URLS": json.dumps([f"http://127.0.0.1:{port}"]),
@@ -232,16 +251,20 @@ def cached(r: httpx.Response) -> int:
 
 def session_turns(app: Stale, n: int, session: str = "agent") -> list[tuple[Any, ...]]:
     """The session's first `n` turn rows (once written): id, prompt, predicted, cached."""
-    sql = ("SELECT turn_id, prompt_tokens, predicted_cached_tokens, cached_tokens FROM turns"
-           " WHERE tenant = 'alice' AND session_id = ? ORDER BY started_at")  # fmt: skip
+    sql = (
+        "SELECT turn_id, prompt_tokens, predicted_cached_tokens, cached_tokens FROM turns"
+        " WHERE tenant = 'alice' AND session_id = ? ORDER BY started_at"
+    )
     return eventually(lambda: app.rows(sql, session), lambda r: len(r) >= n)[:n]
 
 
 def session_receipts(app: Stale, n: int, session: str) -> list[tuple[Any, ...]]:
     """(token count, generation) of the receipts the session's turns left, in turn order."""
-    sql = ("SELECT r.token_count, r.generation FROM cache_receipts r JOIN turns t"
-           " ON r.worker = t.worker AND r.created_at = t.finished_at"
-           " WHERE t.session_id = ? ORDER BY t.started_at")  # fmt: skip
+    sql = (
+        "SELECT r.token_count, r.generation FROM cache_receipts r JOIN turns t"
+        " ON r.worker = t.worker AND r.created_at = t.finished_at"
+        " WHERE t.session_id = ? ORDER BY t.started_at"
+    )
     return eventually(lambda: app.rows(sql, session), lambda rows: len(rows) == n)
 
 
@@ -268,8 +291,10 @@ def test_stale_cache_directory_a_turn_placed_on_an_evicted_prefix_is_prefilled_a
     assert cached(r) == 0, r.json()  # the worker prefilled the whole prompt again
     assert r.json()["choices"][0]["text"]  # and answered
     turn_id, prompt, predicted, actual = session_turns(app, 2)[1]
-    print(f"turn placed on a stale claim: predicted {predicted} cached tokens of {prompt},"
-          f" the worker had {actual}; {received - sent} KV-event batches held")  # fmt: skip
+    print(
+        f"turn placed on a stale claim: predicted {predicted} cached tokens of {prompt},"
+        f" the worker had {actual}; {received - sent} KV-event batches held"
+    )
     assert (prompt, predicted, actual) == (len(second), claim, 0)  # the gap, in the ledger
     (candidates,) = eventually(
         lambda: app.rows("SELECT candidates FROM route_decisions WHERE turn_id = ?", turn_id),
@@ -318,8 +343,10 @@ def test_stale_cache_directory_a_restarted_worker_starts_a_new_generation(stale:
     second = first + tokens(8, 100)
     assert cached(app.completion(second, **{"X-Session-ID": "restarted"})) == 0
     _, prompt, predicted, actual = session_turns(app, 2, "restarted")[1]
-    print(f"turn placed on a restarted worker: predicted {predicted} cached tokens of"
-          f" {prompt}, the worker had {actual}")  # fmt: skip
+    print(
+        f"turn placed on a restarted worker: predicted {predicted} cached tokens of"
+        f" {prompt}, the worker had {actual}"
+    )
     assert (predicted, actual) == (claim, 0)
 
     again = (len(second) // BLOCK) * BLOCK

@@ -25,9 +25,21 @@ from tests.running import add_key, await_running
 
 pytestmark = pytest.mark.e2e
 WORDS = [
-    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta",
-    "theta", "iota", "kappa", "lambda", "mu", "nu", "xi",
-]  # fmt: skip
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+]
 
 
 def text(seed: int, n_words: int) -> str:
@@ -230,26 +242,40 @@ def test_bad_requests_are_refused_before_any_worker(appliance_up: RunningApplian
         ),
         (good, "x" * (10 * 2**20), 413, "body_too_large"),
         # Each of these answered 500 once (robustness fault 5) or passed unchecked (fault 9).
-        (good, {"model": app.model, "messages": msg, "stream": True, "stream_options": [1]},
-         400, "invalid_type"),
+        (
+            good,
+            {"model": app.model, "messages": msg, "stream": True, "stream_options": [1]},
+            400,
+            "invalid_type",
+        ),
         (good, {"model": app.model, "messages": msg, "x": _nested(600)}, 400, "invalid_json"),
-        (good, {"model": app.model, "messages": msg, "session_id": "s" * 10_000},
-         400, "invalid_value"),
+        (
+            good,
+            {"model": app.model, "messages": msg, "session_id": "s" * 10_000},
+            400,
+            "invalid_value",
+        ),
         (good, {"model": app.model, "messages": msg, "session_id": "a\nb"}, 400, "invalid_value"),
-        ({**good, "X-Task-ID": "me", "X-Parent-Task-ID": "me"},
-         {"model": app.model, "messages": msg}, 400, "invalid_header"),
-        ({**good, "X-Task-ID": "orphan", "X-Parent-Task-ID": "nobody"},
-         {"model": app.model, "messages": msg}, 404, "task_not_found"),
+        (
+            {**good, "X-Task-ID": "me", "X-Parent-Task-ID": "me"},
+            {"model": app.model, "messages": msg},
+            400,
+            "invalid_header",
+        ),
+        (
+            {**good, "X-Task-ID": "orphan", "X-Parent-Task-ID": "nobody"},
+            {"model": app.model, "messages": msg},
+            404,
+            "task_not_found",
+        ),
         # Sizes a client sets, bounded before a worker sees them (fault 1: n = 10^9 grew a
         # worker by 100 MB/s until it was killed).
         (good, {"model": app.model, "messages": msg, "n": 10**9}, 400, "limit_exceeded"),
         (good, {"model": app.model, "messages": msg, "best_of": 17}, 400, "limit_exceeded"),
         (good, {"model": app.model, "messages": msg, "stop": ["x"] * 17}, 400, "limit_exceeded"),
-        (good, {"model": app.model, "messages": msg, "top_logprobs": 21},
-         400, "limit_exceeded"),
-        (good, {"model": app.model, "messages": msg, "tools": [{}] * 129},
-         400, "limit_exceeded"),
-    ]  # fmt: skip
+        (good, {"model": app.model, "messages": msg, "top_logprobs": 21}, 400, "limit_exceeded"),
+        (good, {"model": app.model, "messages": msg, "tools": [{}] * 129}, 400, "limit_exceeded"),
+    ]
     completion = f"{app.url}/v1/completions"
     too_big = httpx.post(completion, json={"model": app.model, "prompt": [2**63]}, headers=good)
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "prompt"
@@ -318,8 +344,10 @@ def test_keys_added_and_revoked_take_effect_without_a_restart(
     assert _status_within(url, body, carol, 200) == 200
     revoked = subprocess.run(
         [str(BIN / "appliance"), "keys", "revoke", "carol", "--data-dir", str(app.data_dir)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert revoked.returncode == 0, revoked.stderr
     assert _status_within(url, body, carol, 401) == 401
     # Nobody else was dropped: the other tenant's session goes on, on the same process.
@@ -380,8 +408,12 @@ def test_cancelling_a_task_stops_its_turns_in_flight(appliance_up: RunningApplia
     """Cancel used to stop nothing: the task's requests kept running on the workers."""
     app = appliance_up
     auth = {"Authorization": f"Bearer {app.keys['alice']}"}
-    long = {"model": app.model, "max_tokens": 2000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": text(90, app.words(40))}]}  # fmt: skip
+    long = {
+        "model": app.model,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": text(90, app.words(40))}],
+    }
     url = f"{app.url}/v1/chat/completions"
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(
@@ -421,8 +453,13 @@ def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
     for task, parent in tree:
         r = httpx.post(tasks, json={"task_id": task, "parent_task_id": parent}, headers=auth)
         assert r.status_code == 201, r.text
-    body = {"model": app.model, "max_tokens": 2000, "ignore_eos": True, "stream": True,
-            "messages": [{"role": "user", "content": text(95, app.words(40))}]}  # fmt: skip
+    body = {
+        "model": app.model,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": text(95, app.words(40))}],
+    }
     headers = {**auth, "X-Task-ID": "gc-grandchild", "X-Session-ID": "gc-stream"}
     url = f"{app.url}/v1/chat/completions"
     with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
@@ -433,8 +470,9 @@ def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
         assert next(line for line in lines if line.startswith("data:"))
         await_running(worker)
         with ThreadPoolExecutor(1) as pool:  # read on while the cancel is sent
-            rest = pool.submit(lambda: ([ln for ln in lines if ln.startswith("data:")],
-                                        time.monotonic()))  # fmt: skip
+            rest = pool.submit(
+                lambda: ([ln for ln in lines if ln.startswith("data:")], time.monotonic())
+            )
             r = httpx.post(f"{tasks}/gc-root/cancel", headers=auth, timeout=30)
             answered = time.monotonic()
             data, ended = rest.result(timeout=60)
@@ -444,16 +482,24 @@ def test_cancelling_a_root_ends_a_grandchilds_stream_within_a_second(
     assert '"task_cancelled"' in data[-1], data[-3:]
     assert _until_running(worker, 0, timeout_s=10) == 0, "the worker still runs the turn"
     for task, _ in tree:
-        late = httpx.post(url, json={**body, "stream": False, "max_tokens": 4},
-                          headers={**auth, "X-Task-ID": task}, timeout=60)  # fmt: skip
+        late = httpx.post(
+            url,
+            json={**body, "stream": False, "max_tokens": 4},
+            headers={**auth, "X-Task-ID": task},
+            timeout=60,
+        )
         assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed"), task
         # Nor does the tree grow: a new child of any of them, made or opened by a turn.
-        r = httpx.post(tasks, json={"task_id": f"{task}-late", "parent_task_id": task},
-                       headers=auth)  # fmt: skip
+        r = httpx.post(
+            tasks, json={"task_id": f"{task}-late", "parent_task_id": task}, headers=auth
+        )
         assert (r.status_code, r.json()["error"]["code"]) == (409, "task_closed"), r.text
-        late = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=60,
-                          headers={**auth, "X-Task-ID": f"{task}-new",
-                                   "X-Parent-Task-ID": task})  # fmt: skip
+        late = httpx.post(
+            url,
+            json={**body, "stream": False, "max_tokens": 4},
+            timeout=60,
+            headers={**auth, "X-Task-ID": f"{task}-new", "X-Parent-Task-ID": task},
+        )
         assert (late.status_code, late.json()["error"]["code"]) == (409, "task_closed"), task
     assert _session_turns(app, "gc-stream", expect=1) == [(ANY_WORKER, "cancelled")]
     with closing(sqlite3.connect(app.ledger)) as db:
@@ -477,8 +523,13 @@ def test_a_roots_success_discards_its_open_branches_and_ends_their_turns(
         assert r.status_code == 201, r.text
     won = {"type": "succeeded", "verified": True}
     assert httpx.post(f"{tasks}/bo-won/events", json=won, headers=auth).status_code == 200
-    body = {"model": app.model, "max_tokens": 2000, "ignore_eos": True, "stream": True,
-            "messages": [{"role": "user", "content": text(96, app.words(40))}]}  # fmt: skip
+    body = {
+        "model": app.model,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": text(96, app.words(40))}],
+    }
     headers = {**auth, "X-Task-ID": "bo-lost", "X-Session-ID": "bo-stream"}
     url = f"{app.url}/v1/chat/completions"
     with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
@@ -496,9 +547,11 @@ def test_a_roots_success_discards_its_open_branches_and_ends_their_turns(
     with closing(sqlite3.connect(app.ledger)) as db:
         sql = "SELECT task_id, status, evidence FROM tasks WHERE task_id LIKE 'alice/bo-%'"
         rows = db.execute(f"{sql} ORDER BY task_id").fetchall()
-    assert rows == [("alice/bo-lost", "cancelled", "discarded: bo-root succeeded"),
-                    ("alice/bo-root", "succeeded", None),
-                    ("alice/bo-won", "succeeded", None)]  # fmt: skip
+    assert rows == [
+        ("alice/bo-lost", "cancelled", "discarded: bo-root succeeded"),
+        ("alice/bo-root", "succeeded", None),
+        ("alice/bo-won", "succeeded", None),
+    ]
 
 
 def test_deadline_blind_admission_a_child_past_its_parents_2_s_deadline_is_refused(
@@ -517,10 +570,17 @@ def test_deadline_blind_admission_a_child_past_its_parents_2_s_deadline_is_refus
     assert r.status_code == 201, r.text
     due_at = r.json()["deadline_at"]
     time.sleep(max(0.0, due_at - time.time()) + 0.1)
-    body = {"model": app.model, "max_tokens": 4,
-            "messages": [{"role": "user", "content": text(97, app.words(20))}]}  # fmt: skip
-    late = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=60,
-                      headers={**auth, "X-Task-ID": "dl-child"})  # fmt: skip
+    body = {
+        "model": app.model,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": text(97, app.words(20))}],
+    }
+    late = httpx.post(
+        f"{app.url}/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={**auth, "X-Task-ID": "dl-child"},
+    )
     assert (late.status_code, late.json()["error"]["code"]) == (429, "deadline_passed")
     with closing(sqlite3.connect(app.ledger)) as db:
         turns = db.execute("SELECT COUNT(*) FROM turns WHERE task_id = 'alice/dl-child'")
@@ -760,10 +820,12 @@ def test_the_state_shows_only_numbers_the_ledger_supports(appliance_up: RunningA
     for i in range(3):
         messages.append({"role": "user", "content": text(310 + i, app.words(40))})
         c.chat.completions.create(
-            model=app.model, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+            model=app.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=6,
             extra_headers={"X-Session-ID": "audited", "X-Task-ID": "audit"},
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         messages.append({"role": "assistant", "content": "ok"})
     _session_turns(app, "audited", expect=3)
     ops = {"Authorization": f"Bearer {app.keys['ops']}"}

@@ -83,8 +83,10 @@ def test_a_sleeping_worker_frees_its_gpu_and_wakes_to_the_same_answers(
 
     started = time.monotonic()
     awake, asleep, wake_s, before, after = asyncio.run(go())
-    print(f"level {level}: {awake / 2**30:.1f} GiB awake, {asleep / 2**30:.1f} GiB asleep, "
-          f"woken in {wake_s:.2f} s ({time.monotonic() - started:.0f} s in all)")  # fmt: skip
+    print(
+        f"level {level}: {awake / 2**30:.1f} GiB awake, {asleep / 2**30:.1f} GiB asleep, "
+        f"woken in {wake_s:.2f} s ({time.monotonic() - started:.0f} s in all)"
+    )
     assert asleep < awake / 2  # the KV cache (30 % of the GPU) and the weights are gone
     assert after == before  # greedy: the same weights give the same tokens
     kinds = [e.kind for e in events]

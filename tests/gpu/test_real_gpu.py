@@ -23,10 +23,15 @@ def nvidia_smi() -> list[dict[str, str]]:
     fields = ["index", "uuid", "name", "memory.total"]
     out = subprocess.run(
         ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-    return [dict(zip(fields, (v.strip() for v in row), strict=True))
-            for row in csv.reader(out.strip().splitlines())]  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [
+        dict(zip(fields, (v.strip() for v in row), strict=True))
+        for row in csv.reader(out.strip().splitlines())
+    ]
 
 
 def test_nvml_reads_every_device_nvidia_smi_lists() -> None:
@@ -56,10 +61,13 @@ def test_appliance_up_starts_a_cuda_worker_nvml_sees(
         answer = httpx.post(
             f"{up.url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {key}", "X-Session-ID": "gpu"},
-            json={"model": tiny_model_dir.name, "max_tokens": 4,
-                  "messages": [{"role": "user", "content": "hello"}]},
+            json={
+                "model": tiny_model_dir.name,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hello"}],
+            },
             timeout=120,
-        )  # fmt: skip
+        )
         assert answer.status_code == 200, answer.text
         family = {up.proc.pid} | {p.pid for p in psutil.Process(up.proc.pid).children(True)}
         probe = NvmlProbe()

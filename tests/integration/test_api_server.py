@@ -32,8 +32,14 @@ class Probe:
 def app(probe: Probe) -> Starlette:
     async def echo(request: Request) -> Response:
         body = await request.body()
-        return JSONResponse({"n": len(body), "path": request.url.path, "q": request.url.query,
-                             "head": body[:10].decode()})  # fmt: skip
+        return JSONResponse(
+            {
+                "n": len(body),
+                "path": request.url.path,
+                "q": request.url.query,
+                "head": body[:10].decode(),
+            }
+        )
 
     async def stream(request: Request) -> Response:
         async def pieces() -> AsyncIterator[bytes]:
@@ -59,8 +65,13 @@ def app(probe: Probe) -> Starlette:
     async def boom(request: Request) -> Response:
         raise RuntimeError("bug")
 
-    routes = [Route("/echo", echo, methods=["POST", "GET"]), Route("/stream", stream),
-              Route("/slow", slow), Route("/boom", boom), Route("/items/{name}", item)]  # fmt: skip
+    routes = [
+        Route("/echo", echo, methods=["POST", "GET"]),
+        Route("/stream", stream),
+        Route("/slow", slow),
+        Route("/boom", boom),
+        Route("/items/{name}", item),
+    ]
     return Starlette(routes=routes)
 
 

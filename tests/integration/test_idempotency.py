@@ -81,8 +81,9 @@ def test_a_closed_tree_takes_no_new_child_but_a_retried_creation_gets_its_answer
     assert http.post("/v1/tasks", json=kid, headers=A).status_code == 201
     assert http.post("/v1/tasks/root/cancel", headers=A).json() == {"cancelled": ["root", "kid"]}
     for parent in ("root", "kid"):
-        r = http.post("/v1/tasks", json={"task_id": f"{parent}-2", "parent_task_id": parent},
-                      headers=A)  # fmt: skip
+        r = http.post(
+            "/v1/tasks", json={"task_id": f"{parent}-2", "parent_task_id": parent}, headers=A
+        )
         assert (r.status_code, r.json()["error"]["code"]) == (409, "task_closed"), r.text
         assert f"parent task {parent} is cancelled" in r.json()["error"]["message"]
         turn = {"model": "m", "prompt": "hi", "max_tokens": 1}

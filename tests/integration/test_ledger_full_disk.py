@@ -14,8 +14,11 @@ HERE = Path(__file__).parent
 def test_a_full_disk_is_reported_until_a_probe_commits_again(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(HERE / "ledger_full_disk_proc.py"), str(tmp_path / "ledger.db")],
-        capture_output=True, text=True, timeout=120, cwd=HERE.parent.parent,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=HERE.parent.parent,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout)
     assert seen["before"] is None

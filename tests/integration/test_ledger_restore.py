@@ -39,8 +39,20 @@ T = TenantId("t")
 
 
 def turn(n: int, task: str, at: float) -> TurnRecord:
-    return TurnRecord(TurnId(f"u{n}"), T, TaskId(task), None, WorkerId("w0"), "m", 100, 40, 5,
-                      TurnOutcome.OK, at, at + 1)  # fmt: skip
+    return TurnRecord(
+        TurnId(f"u{n}"),
+        T,
+        TaskId(task),
+        None,
+        WorkerId("w0"),
+        "m",
+        100,
+        40,
+        5,
+        TurnOutcome.OK,
+        at,
+        at + 1,
+    )
 
 
 def test_open_named_tasks_and_recent_sessions_come_back(tmp_path: Path) -> None:
@@ -53,8 +65,9 @@ def test_open_named_tasks_and_recent_sessions_come_back(tmp_path: Path) -> None:
         ledger.record_turn(turn(1, "t/root", 20.0))
         ledger.record_turn(turn(2, "t/root", 30.0))
         for sid, at in [("t/s-new", 50.0), ("t/s-mid", 40.0), ("t/s-old", 2.0)]:
-            ledger.record_session(SessionRecord(SessionId(sid), T, at, TaskId("t/root"),
-                                                WorkerId("w1"), at))  # fmt: skip
+            ledger.record_session(
+                SessionRecord(SessionId(sid), T, at, TaskId("t/root"), WorkerId("w1"), at)
+            )
         ledger.flush()
     tasks = open_tasks(path, since=5.0, limit=10)
     assert [t.task_id for t in tasks] == ["t/root", "t/kid"]  # parents first; no done, old, turn-
@@ -72,9 +85,20 @@ def test_the_waits_between_sessions_turns_come_back_for_the_reaper(tmp_path: Pat
 
     def at(n: int, session: str | None, task: str, start: float, ok: bool = True) -> TurnRecord:
         outcome = TurnOutcome.OK if ok else TurnOutcome.FAILED
-        return TurnRecord(TurnId(f"g{n}"), T, TaskId(task), SessionId(session) if session
-                          else None, WorkerId("w0"), "m", 100, 40, 5, outcome, start,
-                          start + 1)  # fmt: skip
+        return TurnRecord(
+            TurnId(f"g{n}"),
+            T,
+            TaskId(task),
+            SessionId(session) if session else None,
+            WorkerId("w0"),
+            "m",
+            100,
+            40,
+            5,
+            outcome,
+            start,
+            start + 1,
+        )
 
     with LedgerWriter.open(path) as ledger:
         for task in ("t/a", "t/turn-x", "t/b"):

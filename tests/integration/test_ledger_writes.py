@@ -89,23 +89,52 @@ P2 = Price(CostMode.TOKENS, 1000.0, fresh_per_mtok=4.0, cached_per_mtok=1.0, out
 def test_a_turn_is_stored_with_its_price_and_cost(ledger: LedgerWriter, db: Path) -> None:
     price_id = ledger.set_price(P1).result()
     t = turn(
-        "u1", "A", 10.0, session_id=SessionId("s1"), reasoning_tokens=7, queue_s=0.5,
-        ttft_s=0.25, e2e_s=1.0, gpu_s=0.75, predicted_cached_tokens=512, tool_cost=0.5,
-        parent_task_id=TaskId("P"), outcome=TurnOutcome.DISCARDED,
-    )  # fmt: skip
+        "u1",
+        "A",
+        10.0,
+        session_id=SessionId("s1"),
+        reasoning_tokens=7,
+        queue_s=0.5,
+        ttft_s=0.25,
+        e2e_s=1.0,
+        gpu_s=0.75,
+        predicted_cached_tokens=512,
+        tool_cost=0.5,
+        parent_task_id=TaskId("P"),
+        outcome=TurnOutcome.DISCARDED,
+    )
     # 600 fresh*2 + 400 cached*0.5 + (100 out - 7 reasoning)*10 + 7 reasoning*0 (P1 has no
     # reasoning price) = 2330 / 1M = 0.00233, + tool 0.5 = 0.50233
     assert ledger.record_turn(t).result() == pytest.approx(0.50233)
     (row,) = rows(db, "SELECT * FROM turns")
     assert row == {
-        "turn_id": "u1", "tenant": "acme", "task_id": "A", "session_id": "s1",
-        "parent_task_id": "P", "worker": "w0", "model": "m", "prompt_tokens": 1000,
-        "cached_tokens": 400, "fresh_tokens": 600, "output_tokens": 100,
-        "reasoning_tokens": 7, "predicted_cached_tokens": 512, "queue_s": 0.5,
-        "ttft_s": 0.25, "e2e_s": 1.0, "gpu_s": 0.75, "outcome": "discarded", "error": None,
-        "started_at": 9.0, "finished_at": 10.0, "tool_cost": 0.5, "price_id": price_id,
-        "cost": pytest.approx(0.50233), "endpoint": None, "route_reason": None,
-    }  # fmt: skip
+        "turn_id": "u1",
+        "tenant": "acme",
+        "task_id": "A",
+        "session_id": "s1",
+        "parent_task_id": "P",
+        "worker": "w0",
+        "model": "m",
+        "prompt_tokens": 1000,
+        "cached_tokens": 400,
+        "fresh_tokens": 600,
+        "output_tokens": 100,
+        "reasoning_tokens": 7,
+        "predicted_cached_tokens": 512,
+        "queue_s": 0.5,
+        "ttft_s": 0.25,
+        "e2e_s": 1.0,
+        "gpu_s": 0.75,
+        "outcome": "discarded",
+        "error": None,
+        "started_at": 9.0,
+        "finished_at": 10.0,
+        "tool_cost": 0.5,
+        "price_id": price_id,
+        "cost": pytest.approx(0.50233),
+        "endpoint": None,
+        "route_reason": None,
+    }
 
 
 def test_a_turn_before_any_price_is_unpriced(ledger: LedgerWriter, db: Path) -> None:
@@ -135,14 +164,24 @@ def test_a_price_change_never_rewrites_history(ledger: LedgerWriter, db: Path) -
     # One verified success: 0.0024 + 0.0024 + 0.0048 = 0.0096 per success.
     assert cost_report(db) == [
         {
-            "task_class": "code", "tenant": "acme", "tasks": 1, "succeeded": 1,
-            "attempts": 3, "unpriced_attempts": 0, "gpu_s": 0.0,
-            "cost": pytest.approx(0.0096), "overhead": 0.0, "overhead_idle": 0.0,
-            "overhead_energy": 0.0, "overhead_box": 0.0, "total_cost": pytest.approx(0.0096),
+            "task_class": "code",
+            "tenant": "acme",
+            "tasks": 1,
+            "succeeded": 1,
+            "attempts": 3,
+            "unpriced_attempts": 0,
+            "gpu_s": 0.0,
+            "cost": pytest.approx(0.0096),
+            "overhead": 0.0,
+            "overhead_idle": 0.0,
+            "overhead_energy": 0.0,
+            "overhead_box": 0.0,
+            "total_cost": pytest.approx(0.0096),
             "cost_per_success": pytest.approx(0.0096),
-            "direct_cost_per_success": pytest.approx(0.0096), "currency": "USD",
+            "direct_cost_per_success": pytest.approx(0.0096),
+            "currency": "USD",
         }
-    ]  # fmt: skip
+    ]
 
 
 def test_cost_report_rolls_fan_out_into_the_root(ledger: LedgerWriter, db: Path) -> None:
@@ -198,8 +237,12 @@ def test_a_rejected_write_fails_alone(ledger: LedgerWriter, db: Path) -> None:
     ]
     outcomes = [f.exception(timeout=10) for f in futures]
     assert [type(e).__name__ if e else None for e in outcomes] == [
-        None, "LedgerError", None, "LedgerError", None,
-    ]  # fmt: skip
+        None,
+        "LedgerError",
+        None,
+        "LedgerError",
+        None,
+    ]
     assert "UNIQUE" in str(outcomes[1])
     assert [r["turn_id"] for r in rows(db, "SELECT turn_id FROM turns ORDER BY turn_id")] == [
         "a",
@@ -263,9 +306,16 @@ def test_sessions_receipts_and_decisions(ledger: LedgerWriter, db: Path) -> None
         )
     )
     receipt = CacheReceipt(
-        "ab12", 4096, "m", "vllm-0.11/bs16/sha256_cbor", "acme", WorkerId("w1"),
-        CacheTier.GPU, created_at=2.0, last_used_at=2.0,
-    )  # fmt: skip
+        "ab12",
+        4096,
+        "m",
+        "vllm-0.11/bs16/sha256_cbor",
+        "acme",
+        WorkerId("w1"),
+        CacheTier.GPU,
+        created_at=2.0,
+        last_used_at=2.0,
+    )
     ledger.record_cache_receipt(receipt)
     ledger.record_cache_receipt(CacheReceipt(**{**_fields(receipt), "last_used_at": 7.0}))
     ledger.record_cache_receipt(CacheReceipt(**{**_fields(receipt), "last_used_at": 3.0}))
@@ -280,9 +330,15 @@ def test_sessions_receipts_and_decisions(ledger: LedgerWriter, db: Path) -> None
     )
     ledger.flush()
     assert rows(db, "SELECT * FROM sessions") == [
-        {"session_id": "s1", "tenant": "acme", "task_id": "A", "worker": "w1",
-         "created_at": 1.0, "last_active_at": 5.0},
-    ]  # fmt: skip
+        {
+            "session_id": "s1",
+            "tenant": "acme",
+            "task_id": "A",
+            "worker": "w1",
+            "created_at": 1.0,
+            "last_active_at": 5.0,
+        },
+    ]
     got = rows(db, "SELECT tier, created_at, last_used_at FROM cache_receipts ORDER BY tier")
     assert got == [
         {"tier": "gpu", "created_at": 2.0, "last_used_at": 7.0},  # never moves back

@@ -37,8 +37,15 @@ def test_the_worker_gets_the_clipped_priority_negated_and_never_the_clients_own(
         desk = wired_desk([worker]).desk
         body = {"model": "m", "prompt": "x", "priority": -1000}  # the client asks to jump
         for i, priority in enumerate((3, 0, -2)):
-            turn = TurnRequest(TenantId("a"), "/v1/completions", body, list(range(40 + i)),
-                               TaskId("a/t"), SessionId("s"), priority=priority)  # fmt: skip
+            turn = TurnRequest(
+                TenantId("a"),
+                "/v1/completions",
+                body,
+                list(range(40 + i)),
+                TaskId("a/t"),
+                SessionId("s"),
+                priority=priority,
+            )
             await desk.handle(turn)
         await worker.client.aclose()
         server.close()

@@ -175,11 +175,28 @@ class SimProcess(Worker):
         super().__init__(loop, WorkerId("w0"))
         port, control = free_port_block(1), free_port_block(1)
         self.url = f"http://127.0.0.1:{port}"
-        self.argv = [sys.executable, "-m", "cli.main", "sim", "--workers", "1",
-                     "--port", str(port), "--served-model-name", "tiny",
-                     "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(POOL + 1),
-                     "--max-model-len", "4096", "--time-scale", str(SIM_TIME_SCALE),
-                     "--retention-endpoint", f"tcp://127.0.0.1:{control}"]  # fmt: skip
+        self.argv = [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "sim",
+            "--workers",
+            "1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--block-size",
+            str(BLOCK),
+            "--num-gpu-blocks-override",
+            str(POOL + 1),
+            "--max-model-len",
+            "4096",
+            "--time-scale",
+            str(SIM_TIME_SCALE),
+            "--retention-endpoint",
+            f"tcp://127.0.0.1:{control}",
+        ]
         self.log_dir = log_dir
         self._retention = RetentionClient({self.id: f"tcp://127.0.0.1:{control}"})
         loop.run(self._bind())

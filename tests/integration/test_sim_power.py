@@ -47,8 +47,13 @@ def _settings(tmp_path: Path) -> Settings:
     return Settings(data_dir=tmp_path, engine=engine)
 
 
-def _admin_events(settings: Settings, engines: StartedEngines, feed: KvIndexFeed,
-                  relay: WorkerEventRelay, ledger: LedgerWriter) -> TestClient:  # fmt: skip
+def _admin_events(
+    settings: Settings,
+    engines: StartedEngines,
+    feed: KvIndexFeed,
+    relay: WorkerEventRelay,
+    ledger: LedgerWriter,
+) -> TestClient:
     wired = wire(
         settings,
         engines=engines,
@@ -93,9 +98,13 @@ def test_a_sim_worker_is_stopped_woken_and_slept_by_engines_power(tmp_path: Path
         state = http.get("/admin/v1/state", headers={"Authorization": "Bearer ops"}).json()
         shown = [(e["kind"], e["detail"]) for e in reversed(state["events"])]
         assert [k for k, _ in shown] == [
-            "worker_stopped", "worker_waking", "worker_woken",
-            "worker_slept", "worker_waking", "worker_woken",
-        ]  # fmt: skip
+            "worker_stopped",
+            "worker_waking",
+            "worker_woken",
+            "worker_slept",
+            "worker_waking",
+            "worker_woken",
+        ]
         assert re.fullmatch(r"woke from stopped in \d+\.\d\d s", shown[2][1])
         assert re.fullmatch(r"woke from sleep level 2 in \d+\.\d\d s", shown[5][1])
     finally:

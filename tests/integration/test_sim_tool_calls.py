@@ -93,10 +93,18 @@ def test_none_and_a_tool_result_are_answered_in_text(client: openai.OpenAI) -> N
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
     result = [
         *ASK,
-        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]  # fmt: skip
+    ]
     after = client.chat.completions.create(model="sim", messages=result, tools=TOOLS)
     assert after.choices[0].finish_reason == "stop" and after.choices[0].message.content
     assert after.choices[0].message.tool_calls is None
@@ -206,8 +214,11 @@ def test_a_cut_tool_call_is_text_as_on_vllm(client: openai.OpenAI, tool_choice: 
 def test_a_completion_with_a_json_schema_validates(client: openai.OpenAI, stream: bool) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
     reply: Any = client.completions.create(
-        model="sim", prompt="Verdict:", max_tokens=100, stream=stream,
+        model="sim",
+        prompt="Verdict:",
+        max_tokens=100,
+        stream=stream,
         extra_body={"response_format": fmt},
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
     jsonschema.validate(json.loads(text), ANSWER)

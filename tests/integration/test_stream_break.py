@@ -60,14 +60,21 @@ def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_attem
         ]
         wired = wired_desk(workers)
         body = {"model": "m", "prompt": "x", "stream": True}
-        turn = TurnRequest(TenantId("a"), "/v1/completions", body, list(range(40)),
-                           TaskId("a/t"), SessionId("s"))  # fmt: skip
+        turn = TurnRequest(
+            TenantId("a"), "/v1/completions", body, list(range(40)), TaskId("a/t"), SessionId("s")
+        )
         reply = await wired.desk.handle(turn)  # w0: both workers alike, the first listed
         assert reply.chunks is not None and reply.headers["X-Appliance-Worker"] == "w0"
         relayed = [chunk async for chunk in reply.chunks]
         workers[0].healthy = False  # as the health check would see it next
-        next_turn = TurnRequest(TenantId("a"), "/v1/completions", {**body, "stream": False},
-                                list(range(48)), TaskId("a/t"), SessionId("s"))  # fmt: skip
+        next_turn = TurnRequest(
+            TenantId("a"),
+            "/v1/completions",
+            {**body, "stream": False},
+            list(range(48)),
+            TaskId("a/t"),
+            SessionId("s"),
+        )
         second = await wired.desk.handle(next_turn)
         await asyncio.sleep(0.01)  # the ledger records are written on the loop's next turn
         for w in workers:

@@ -124,8 +124,11 @@ def test_sleep_drops_the_kv_and_the_wake_serves_again(
 
     woken = loop.run(box.sup.power.wake(wid))
     assert (woken.before, woken.after, woken.level, woken.spawned) == (
-        WorkerState.ASLEEP, WorkerState.HEALTHY, level, False
-    )  # fmt: skip
+        WorkerState.ASLEEP,
+        WorkerState.HEALTHY,
+        level,
+        False,
+    )
     assert woken.duration_s >= WAKE_S[level - 1]
     assert (w0.state, w0.sleep_level, w0.last_wake_s) == (
         WorkerState.HEALTHY,
@@ -174,8 +177,11 @@ def test_concurrent_wakes_of_a_stopped_worker_start_it_once(box: Box, loop: Loop
     a, b, c = loop.run(three_wakes())
     assert a is b is c
     assert (a.before, a.after, a.spawned, a.level) == (
-        WorkerState.STOPPED, WorkerState.HEALTHY, True, None
-    )  # fmt: skip
+        WorkerState.STOPPED,
+        WorkerState.HEALTHY,
+        True,
+        None,
+    )
     assert a.duration_s >= STARTUP_S
     assert box.kinds(mark).count(WorkerEventKind.STARTED) == 1
     assert box.kinds(mark)[0] == WorkerEventKind.WAKE_STARTED
@@ -198,8 +204,10 @@ def test_what_cannot_be_done_is_refused(box: Box, loop: LoopThread, tmp_path: Pa
     wid, mark = box.w0.id, len(box.events)
     awake = loop.run(box.sup.power.wake(wid))
     assert (awake.before, awake.after, awake.duration_s) == (
-        WorkerState.HEALTHY, WorkerState.HEALTHY, 0.0
-    )  # fmt: skip
+        WorkerState.HEALTHY,
+        WorkerState.HEALTHY,
+        0.0,
+    )
     with pytest.raises(ValueError, match="sleep level"):
         loop.run(box.sup.power.sleep(wid, 3))
     assert box.kinds(mark) == []

@@ -39,8 +39,9 @@ def ledger(tmp_path: Path) -> Iterator[LedgerWriter]:
 
 
 def book_over(ledger: LedgerWriter, *, idle_s: float = 600.0) -> tuple[TaskBook, SessionTable]:
-    book = TaskBook(ledger, idle_s=idle_s, archive=TaskHistory(ledger.path),
-                    shelf=SettledShelf(KEEP))  # fmt: skip
+    book = TaskBook(
+        ledger, idle_s=idle_s, archive=TaskHistory(ledger.path), shelf=SettledShelf(KEEP)
+    )
     sessions = SessionTable(BlockHasher.for_engine("sha256", 16, None))
     book.on_done = sessions.forget_task
     return book, sessions
@@ -105,8 +106,22 @@ def test_an_open_tree_and_a_turn_in_flight_keep_their_tasks(ledger: LedgerWriter
 def test_a_forgotten_idle_task_is_taken_back_open_with_its_sums(ledger: LedgerWriter) -> None:
     book, sessions = book_over(ledger, idle_s=10.0)
     one_turn_done(book, sessions, "agent", 0.0)
-    ledger.record_turn(TurnRecord(TurnId("u1"), T, TaskId("t/agent"), None, WorkerId("w0"), "m",
-                                  100, 40, 5, TurnOutcome.OK, 0.0, 1.0))  # fmt: skip
+    ledger.record_turn(
+        TurnRecord(
+            TurnId("u1"),
+            T,
+            TaskId("t/agent"),
+            None,
+            WorkerId("w0"),
+            "m",
+            100,
+            40,
+            5,
+            TurnOutcome.OK,
+            0.0,
+            1.0,
+        )
+    )
     for n in range(KEEP + 1):  # each admission look lets go tasks idle for 10 s
         one_turn_done(book, sessions, f"job{n}", 100.0 + 20 * n)
         book.tenant_loads(115.0 + 20 * n)
@@ -125,8 +140,22 @@ def test_the_document_of_a_forgotten_tree_comes_from_the_ledger(ledger: LedgerWr
     root = book.create(T, "orchestrator", 0.0, task_class="plan")
     for kid in ("a", "b"):
         book.create(T, kid, 0.0, parent_id="orchestrator")
-    ledger.record_turn(TurnRecord(TurnId("u1"), T, TaskId("t/a"), None, WorkerId("w0"), "m",
-                                  100, 40, 5, TurnOutcome.OK, 0.0, 1.0))  # fmt: skip
+    ledger.record_turn(
+        TurnRecord(
+            TurnId("u1"),
+            T,
+            TaskId("t/a"),
+            None,
+            WorkerId("w0"),
+            "m",
+            100,
+            40,
+            5,
+            TurnOutcome.OK,
+            0.0,
+            1.0,
+        )
+    )
     book.event(T, "a", TaskEventType.SUCCEEDED, 1.0)
     book.event(T, "orchestrator", TaskEventType.SUCCEEDED, 2.0)  # b is discarded with it
     book.discard_branches(root, 2.0)

@@ -31,10 +31,15 @@ from tui.state import decode_state
 
 def handles(*states: WorkerState) -> list[WorkerHandle]:
     return [
-        WorkerHandle(WorkerId(f"w{i}"), "external", f"http://127.0.0.1:{9 + i}",
-                     VllmClient(f"http://127.0.0.1:{9 + i}"), state=state)
+        WorkerHandle(
+            WorkerId(f"w{i}"),
+            "external",
+            f"http://127.0.0.1:{9 + i}",
+            VllmClient(f"http://127.0.0.1:{9 + i}"),
+            state=state,
+        )
         for i, state in enumerate(states)
-    ]  # fmt: skip
+    ]
 
 
 @contextmanager

@@ -174,8 +174,16 @@ def rest_workers(state: dict[str, Any]) -> dict[str, Any]:
     turn, as the appliance shows them: not healthy, no load; the first woke once, in 3.2 s."""
     state["workers"][0]["last_wake_s"] = 3.2
     for w, (power, level) in zip(state["workers"][1:], RESTING, strict=False):
-        w.update(state=power, lifecycle=power, sleep_level=level, healthy=False, running=None,
-                 waiting=None, kv_usage=None, prefix_hit_rate=None)  # fmt: skip
+        w.update(
+            state=power,
+            lifecycle=power,
+            sleep_level=level,
+            healthy=False,
+            running=None,
+            waiting=None,
+            kv_usage=None,
+            prefix_hit_rate=None,
+        )
     return state
 
 

@@ -50,14 +50,24 @@ def _sources(with_gpu: bool) -> StateSources:
         prefix_cache_hits_tokens=40,
     )
     workers = [
-        WorkerStatus(WorkerId("w0"), "sim", "http://x", (), WorkerState.HEALTHY, False, 0,
-                     load=load),
+        WorkerStatus(
+            WorkerId("w0"), "sim", "http://x", (), WorkerState.HEALTHY, False, 0, load=load
+        ),
         WorkerStatus(WorkerId("w1"), "sim", "http://x", (), WorkerState.UNHEALTHY, True, 0),
-        WorkerStatus(WorkerId("w2"), "sim", "http://x", (), WorkerState.ASLEEP, False, 0,
-                     sleep_level=2, last_wake_s=1.23456),
+        WorkerStatus(
+            WorkerId("w2"),
+            "sim",
+            "http://x",
+            (),
+            WorkerState.ASLEEP,
+            False,
+            0,
+            sleep_level=2,
+            last_wake_s=1.23456,
+        ),
         WorkerStatus(WorkerId("w3"), "sim", "http://x", (), WorkerState.STOPPED, False, 0),
         WorkerStatus(WorkerId("w4"), "sim", "http://x", (), WorkerState.WAKING, False, 0),
-    ]  # fmt: skip
+    ]
     sessions = [
         SessionState(
             tenant=TenantId("alice"),

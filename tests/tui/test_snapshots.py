@@ -45,34 +45,79 @@ def snapshot_state() -> dict[str, object]:
     state["costs"] = {
         "currency": "USD",
         "groups": [
-            {"task_class": "code", "tenant": "alice", "tasks": 12, "succeeded": 9,
-             "attempts": 40, "cost": 2.7, "overhead": 0.9, "total_cost": 3.6,
-             "cost_per_success": 0.4},
-            {"task_class": "research", "tenant": "bob", "tasks": 5, "succeeded": 2,
-             "attempts": 17, "unpriced_attempts": 2, "cost": 1.1, "overhead": 0.3,
-             "total_cost": 1.4, "cost_per_success": 0.7},
+            {
+                "task_class": "code",
+                "tenant": "alice",
+                "tasks": 12,
+                "succeeded": 9,
+                "attempts": 40,
+                "cost": 2.7,
+                "overhead": 0.9,
+                "total_cost": 3.6,
+                "cost_per_success": 0.4,
+            },
+            {
+                "task_class": "research",
+                "tenant": "bob",
+                "tasks": 5,
+                "succeeded": 2,
+                "attempts": 17,
+                "unpriced_attempts": 2,
+                "cost": 1.1,
+                "overhead": 0.3,
+                "total_cost": 1.4,
+                "cost_per_success": 0.7,
+            },
         ],
-        "overhead": {"through": t - 20, "idle": 0.95, "energy": 0.05, "box": 0.2,
-                     "total": 1.2, "awake_gpu_s": 1500.0, "idle_gpu_s": 863.6,
-                     "energy_kwh": 0.2, "box_hours": 0.1},
+        "overhead": {
+            "through": t - 20,
+            "idle": 0.95,
+            "energy": 0.05,
+            "box": 0.2,
+            "total": 1.2,
+            "awake_gpu_s": 1500.0,
+            "idle_gpu_s": 863.6,
+            "energy_kwh": 0.2,
+            "box_hours": 0.1,
+        },
         "series": [
-            {"window_start": t - 60 * (12 - i), "cost_per_success": 0.2 + 0.03 * (i % 5),
-             "succeeded": 2 + i}
+            {
+                "window_start": t - 60 * (12 - i),
+                "cost_per_success": 0.2 + 0.03 * (i % 5),
+                "succeeded": 2 + i,
+            }
             for i in range(12)
         ],
-    }  # fmt: skip
+    }
     state["admission"] = {
-        "accepted": 120, "rejected": 7, "accept_rate_per_s": 2.5, "reject_rate_per_s": 0.1,
+        "accepted": 120,
+        "rejected": 7,
+        "accept_rate_per_s": 2.5,
+        "reject_rate_per_s": 0.1,
         "by_reason": {AdmitCode.DEADLINE_INFEASIBLE: 5, AdmitCode.OVERLOADED: 2},
-    }  # fmt: skip
+    }
     state["events"] = [
-        {"at": t - 3, "kind": EventKind.TASK_CANCELLED, "subject": "task-0007", "tenant": "bob",
-         "detail": "cancelled with 2 open descendants"},
-        {"at": t - 40, "kind": EventKind.RELEASE, "subject": "sess-00004", "tenant": "bob",
-         "detail": "released by operator: 5,120 tokens held on w1"},
-        {"at": t - 95, "kind": EventKind.WORKER_RESTART, "subject": "w1",
-         "detail": "restarted; 1 restarts since the appliance started"},
-    ]  # fmt: skip
+        {
+            "at": t - 3,
+            "kind": EventKind.TASK_CANCELLED,
+            "subject": "task-0007",
+            "tenant": "bob",
+            "detail": "cancelled with 2 open descendants",
+        },
+        {
+            "at": t - 40,
+            "kind": EventKind.RELEASE,
+            "subject": "sess-00004",
+            "tenant": "bob",
+            "detail": "released by operator: 5,120 tokens held on w1",
+        },
+        {
+            "at": t - 95,
+            "kind": EventKind.WORKER_RESTART,
+            "subject": "w1",
+            "detail": "restarted; 1 restarts since the appliance started",
+        },
+    ]
     return state
 
 
@@ -126,11 +171,20 @@ def test_overview_with_simulated_gpus(snap_compare, appliance: FakeAppliance) ->
 def test_session_detail(snap_compare, appliance: FakeAppliance, size: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
     t = float(appliance.state["time"])  # type: ignore[arg-type]
     turns = [
-        {"turn_id": f"{i:032x}", "started_at": t - 30 + 10 * i, "worker": "w1",
-         "prompt_tokens": 50_000 + 2_000 * i, "cached_tokens": 48_000 + 2_000 * i,
-         "output_tokens": 120, "ttft_s": 0.08, "e2e_s": 1.9, "cost": 0.0012, "outcome": "ok"}
+        {
+            "turn_id": f"{i:032x}",
+            "started_at": t - 30 + 10 * i,
+            "worker": "w1",
+            "prompt_tokens": 50_000 + 2_000 * i,
+            "cached_tokens": 48_000 + 2_000 * i,
+            "output_tokens": 120,
+            "ttft_s": 0.08,
+            "e2e_s": 1.9,
+            "cost": 0.0012,
+            "outcome": "ok",
+        }
         for i in range(3)
-    ]  # fmt: skip
+    ]
     detail = {
         "residency": [
             {"worker": "w1", "tier": "gpu", "tokens": 57_300, "bytes": 57_300 * 131072},

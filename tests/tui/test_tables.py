@@ -27,46 +27,131 @@ def small_state() -> dict[str, Any]:
     return {
         "time": T0,
         "workers": [
-            {"id": "w0", "engine": "vllm", "url": "http://127.0.0.1:8100", "gpus": [0],
-             "restarts": 2, "healthy": True, "draining": False, "running": 3, "waiting": 1,
-             "kv_usage": 0.5, "prefix_hit_rate": 0.25, "prefill_slowdown": 1.256},
-            {"id": "w1", "engine": "vllm", "url": "http://127.0.0.1:8101", "gpus": [1],
-             "restarts": 0, "healthy": False, "draining": False, "running": None,
-             "waiting": None, "kv_usage": None, "prefix_hit_rate": None},
+            {
+                "id": "w0",
+                "engine": "vllm",
+                "url": "http://127.0.0.1:8100",
+                "gpus": [0],
+                "restarts": 2,
+                "healthy": True,
+                "draining": False,
+                "running": 3,
+                "waiting": 1,
+                "kv_usage": 0.5,
+                "prefix_hit_rate": 0.25,
+                "prefill_slowdown": 1.256,
+            },
+            {
+                "id": "w1",
+                "engine": "vllm",
+                "url": "http://127.0.0.1:8101",
+                "gpus": [1],
+                "restarts": 0,
+                "healthy": False,
+                "draining": False,
+                "running": None,
+                "waiting": None,
+                "kv_usage": None,
+                "prefix_hit_rate": None,
+            },
         ],
         "gpus": [
-            {"index": 0, "name": "NVIDIA H200", "mem_total_bytes": 141 << 30,
-             "mem_used_bytes": 100 << 30, "util": 0.9, "temp_c": 60.0, "power_w": 500.0},
+            {
+                "index": 0,
+                "name": "NVIDIA H200",
+                "mem_total_bytes": 141 << 30,
+                "mem_used_bytes": 100 << 30,
+                "util": 0.9,
+                "temp_c": 60.0,
+                "power_w": 500.0,
+            },
         ],
         "sessions": [
-            {"id": "s-small", "tenant": "bob", "task_id": "kid", "worker": "w0",
-             "resident_tokens": {"gpu": 10, "host": 0}, "resident_bytes": {"gpu": 1280, "host": 0},
-             "idle_s": 1.25, "turns": 1, "tool_class": None, "expected_wait_s": None,
-             "decision": None, "reason": NO_DECISION_REASON},
-            {"id": "s-big", "tenant": "alice", "task_id": "root", "worker": "w0",
-             "resident_tokens": {"gpu": 2048, "host": 512, "gpu_held": 1024, "gone": 64},
-             "held_until": T0 + 30,
-             "resident_bytes": {"gpu": 2048 * 1024, "host": 512 * 1024}, "idle_s": 75.0,
-             "turns": 4, "tool_class": "shell", "expected_wait_s": 3.0, "decision": RELEASED,
-             "reason": RELEASE_REASON},
+            {
+                "id": "s-small",
+                "tenant": "bob",
+                "task_id": "kid",
+                "worker": "w0",
+                "resident_tokens": {"gpu": 10, "host": 0},
+                "resident_bytes": {"gpu": 1280, "host": 0},
+                "idle_s": 1.25,
+                "turns": 1,
+                "tool_class": None,
+                "expected_wait_s": None,
+                "decision": None,
+                "reason": NO_DECISION_REASON,
+            },
+            {
+                "id": "s-big",
+                "tenant": "alice",
+                "task_id": "root",
+                "worker": "w0",
+                "resident_tokens": {"gpu": 2048, "host": 512, "gpu_held": 1024, "gone": 64},
+                "held_until": T0 + 30,
+                "resident_bytes": {"gpu": 2048 * 1024, "host": 512 * 1024},
+                "idle_s": 75.0,
+                "turns": 4,
+                "tool_class": "shell",
+                "expected_wait_s": 3.0,
+                "decision": RELEASED,
+                "reason": RELEASE_REASON,
+            },
         ],
         "tasks": [
-            {"id": "root", "parent_id": None, "tenant": "alice", "task_class": "code",
-             "status": "open", "deadline_at": T0 + 30, "tokens": 500, "cost": None,
-             "children": ["kid", "kid2"], "kv_own_tokens": 4096, "kv_own_kept_tokens": 1024},
-            {"id": "kid", "parent_id": "root", "tenant": "alice", "task_class": None,
-             "status": "succeeded", "deadline_at": T0 - 2, "tokens": 40, "cost": 0.25,
-             "children": ["grandkid"], "kv_inherited_tokens": 4096, "kv_reclaimed_tokens": 640,
-             "kv_reclaimed_at": T0 - 1},
-            {"id": "grandkid", "parent_id": "kid", "tenant": "alice", "task_class": None,
-             "status": "failed", "deadline_at": None, "tokens": 1, "cost": None, "children": []},
-            {"id": "kid2", "parent_id": "root", "tenant": "alice", "task_class": None,
-             "status": "open", "deadline_at": None, "tokens": 2, "cost": None, "children": []},
+            {
+                "id": "root",
+                "parent_id": None,
+                "tenant": "alice",
+                "task_class": "code",
+                "status": "open",
+                "deadline_at": T0 + 30,
+                "tokens": 500,
+                "cost": None,
+                "children": ["kid", "kid2"],
+                "kv_own_tokens": 4096,
+                "kv_own_kept_tokens": 1024,
+            },
+            {
+                "id": "kid",
+                "parent_id": "root",
+                "tenant": "alice",
+                "task_class": None,
+                "status": "succeeded",
+                "deadline_at": T0 - 2,
+                "tokens": 40,
+                "cost": 0.25,
+                "children": ["grandkid"],
+                "kv_inherited_tokens": 4096,
+                "kv_reclaimed_tokens": 640,
+                "kv_reclaimed_at": T0 - 1,
+            },
+            {
+                "id": "grandkid",
+                "parent_id": "kid",
+                "tenant": "alice",
+                "task_class": None,
+                "status": "failed",
+                "deadline_at": None,
+                "tokens": 1,
+                "cost": None,
+                "children": [],
+            },
+            {
+                "id": "kid2",
+                "parent_id": "root",
+                "tenant": "alice",
+                "task_class": None,
+                "status": "open",
+                "deadline_at": None,
+                "tokens": 2,
+                "cost": None,
+                "children": [],
+            },
         ],
         "costs": {},
         "admission": {},
         "routing": {},
-    }  # fmt: skip
+    }
 
 
 def test_status() -> None:
@@ -131,14 +216,45 @@ def test_status_without_gpus_or_workers() -> None:
 def test_sessions_most_resident_first() -> None:
     lines = render_sessions(small_state()).splitlines()
     assert lines[0].split() == [
-        "session", "tenant", "task", "worker", "gpu_tokens", "held_tokens", "held_until",
-        "host_tokens", "gone_tokens", "gpu_bytes", "host_bytes", "idle", "turns", "tool", "wait",
-        "decision", "reason",
-    ]  # fmt: skip
+        "session",
+        "tenant",
+        "task",
+        "worker",
+        "gpu_tokens",
+        "held_tokens",
+        "held_until",
+        "host_tokens",
+        "gone_tokens",
+        "gpu_bytes",
+        "host_bytes",
+        "idle",
+        "turns",
+        "tool",
+        "wait",
+        "decision",
+        "reason",
+    ]
     assert lines[1].split() == [
-        "s-big", "alice", "root", "w0", "2048", "1024", "00:00:30Z", "512", "64", "2.0", "MiB",
-        "512.0", "KiB", "1m15s", "4", "shell", "3.0s", RELEASED, *RELEASE_REASON.split(),
-    ]  # fmt: skip
+        "s-big",
+        "alice",
+        "root",
+        "w0",
+        "2048",
+        "1024",
+        "00:00:30Z",
+        "512",
+        "64",
+        "2.0",
+        "MiB",
+        "512.0",
+        "KiB",
+        "1m15s",
+        "4",
+        "shell",
+        "3.0s",
+        RELEASED,
+        *RELEASE_REASON.split(),
+    ]
     assert lines[2].split()[0] == "s-small" and lines[2].endswith(NO_DECISION_REASON)
     assert render_sessions(small_state() | {"sessions": []}) == "no sessions"
 
@@ -184,10 +300,15 @@ def test_events_newest_first_as_the_appliance_sends_them() -> None:
     state["events"] = []
     assert render_events(state) == "no events"
     state["events"] = [
-        {"at": T0 - 1, "kind": EventKind.RELEASE, "subject": "s-big", "tenant": "alice",
-         "detail": "released by operator"},
+        {
+            "at": T0 - 1,
+            "kind": EventKind.RELEASE,
+            "subject": "s-big",
+            "tenant": "alice",
+            "detail": "released by operator",
+        },
         {"at": T0 - 60, "kind": EventKind.WORKER_RESTART, "subject": "w1", "detail": "restarted"},
-    ]  # fmt: skip
+    ]
     lines = render_events(state).splitlines()
     assert lines[0].split() == ["time", "kind", "subject", "tenant", "detail"]
     assert lines[1].split()[:4] == ["23:59:59Z", "release", "s-big", "alice"]
@@ -201,16 +322,41 @@ def test_costs_not_reported_and_reported() -> None:
     state["costs"] = {"currency": "EUR", "groups": []}
     assert render_costs(state) == "costs: no finished tasks yet"
     state["costs"]["groups"] = [
-        {"task_class": "code", "tenant": "alice", "tasks": 3, "succeeded": 2, "attempts": 9,
-         "cost": 1.5, "overhead": 0.5, "total_cost": 2.0, "cost_per_success": 1.0},
-        {"task_class": "old", "tenant": "bob", "tasks": 1, "succeeded": 1, "attempts": 1,
-         "cost": 0.5, "cost_per_success": 0.5},  # from a server that spreads no overhead
-    ]  # fmt: skip
+        {
+            "task_class": "code",
+            "tenant": "alice",
+            "tasks": 3,
+            "succeeded": 2,
+            "attempts": 9,
+            "cost": 1.5,
+            "overhead": 0.5,
+            "total_cost": 2.0,
+            "cost_per_success": 1.0,
+        },
+        {
+            "task_class": "old",
+            "tenant": "bob",
+            "tasks": 1,
+            "succeeded": 1,
+            "attempts": 1,
+            "cost": 0.5,
+            "cost_per_success": 0.5,
+        },  # from a server that spreads no overhead
+    ]
     lines = render_costs(state).splitlines()
     assert lines[0].split()[5:8] == ["cost", "overhead", "total"]
     assert lines[1].split() == [
-        "code", "alice", "3", "2", "9", "1.50", "0.5000", "2.00", "1.00", "EUR",
-    ]  # fmt: skip
+        "code",
+        "alice",
+        "3",
+        "2",
+        "9",
+        "1.50",
+        "0.5000",
+        "2.00",
+        "1.00",
+        "EUR",
+    ]
     assert lines[2].split()[5:9] == ["0.5000", "-", "-", "0.5000"]
 
 
@@ -247,7 +393,11 @@ def test_durations(value: float | None, text: str) -> None:
 
 def test_sizes_and_percentages() -> None:
     assert [fmt.size(v) for v in (None, 0, 1023, 1024, 3 << 30)] == [
-        "-", "0 B", "1023 B", "1.0 KiB", "3.0 GiB",
-    ]  # fmt: skip
+        "-",
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "3.0 GiB",
+    ]
     assert fmt.pct(None) == "-" and fmt.pct(0.416) == "42%"
     assert fmt.clock(T0 + 3661) == "01:01:01Z"

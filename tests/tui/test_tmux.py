@@ -91,8 +91,9 @@ class AgentLoad:
                 for kid in kids:
                     body = {"task_id": kid, "parent_task_id": root, "deadline_s": 600}
                     http.post("/v1/tasks", json=body).raise_for_status()
-                history = {kid: [{"role": "system", "content": f"agent {i} {kid} " * 40}]
-                           for kid in kids}  # fmt: skip
+                history = {
+                    kid: [{"role": "system", "content": f"agent {i} {kid} " * 40}] for kid in kids
+                }
                 turn = 0
                 while not self._stop.is_set():
                     kid = kids[turn % len(kids)]

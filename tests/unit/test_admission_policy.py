@@ -628,7 +628,9 @@ def test_a_wake_counts_against_the_deadline_and_is_named_in_the_refusal() -> Non
     fits = admit(AdmitRequest("a", Work.TURN, deadline_at=NOW + 41.0), box(resting), LIMITS, NOW)
     assert fits.code == "admitted"
     awake = admit(
-        AdmitRequest("a", Work.TURN, deadline_at=NOW + 0.1), box(WorkerEstimate(0.0, 0.5)),
-        LIMITS, NOW,
-    )  # fmt: skip
+        AdmitRequest("a", Work.TURN, deadline_at=NOW + 0.1),
+        box(WorkerEstimate(0.0, 0.5)),
+        LIMITS,
+        NOW,
+    )
     assert "wake" not in awake.reason and "(queue 0.000 s + prefill 0.500 s)" in awake.reason

@@ -91,20 +91,39 @@ class Box:
             tenant, key(tenant, name), parent=_k(tenant, parent), deadline_s=deadline_s
         )
         if decision is not None:
-            self.book.create(tenant, name, self.clock.now(), parent_id=parent,
-                             deadline_s=deadline_s, max_children=max_children)  # fmt: skip
+            self.book.create(
+                tenant,
+                name,
+                self.clock.now(),
+                parent_id=parent,
+                deadline_s=deadline_s,
+                max_children=max_children,
+            )
         return decision
 
     async def turn(
-        self, tenant: TenantId, name: str, *, parent: str | None = None, one_turn: bool = False,
-        deadline_s: float | None = None, **judged: Any,
-    ) -> End:  # fmt: skip
+        self,
+        tenant: TenantId,
+        name: str,
+        *,
+        parent: str | None = None,
+        one_turn: bool = False,
+        deadline_s: float | None = None,
+        **judged: Any,
+    ) -> End:
         """As the turn desk: admission judges the turn, then the book opens its task (on its
         first turn) and starts the turn."""
-        await self.service.admit_turn(tenant, key(tenant, name), parent=_k(tenant, parent),
-                                      deadline_s=deadline_s, **judged)  # fmt: skip
-        state = self.book.ensure(tenant, name, self.clock.now(), parent_id=parent,
-                                 deadline_s=deadline_s, one_turn=one_turn)  # fmt: skip
+        await self.service.admit_turn(
+            tenant, key(tenant, name), parent=_k(tenant, parent), deadline_s=deadline_s, **judged
+        )
+        state = self.book.ensure(
+            tenant,
+            name,
+            self.clock.now(),
+            parent_id=parent,
+            deadline_s=deadline_s,
+            one_turn=one_turn,
+        )
         self.book.turn_began(state, self.clock.now())
         return lambda: self.book.turn_ended(state, self.clock.now())
 
@@ -276,8 +295,20 @@ def test_a_child_inherits_its_parents_deadline(ledger: LedgerWriter) -> None:
 def priced_turn(box: Box, tenant: TenantId, name: str, cost: float) -> None:
     """One attempt of the task, priced by the ledger at `cost`."""
     done: Future[float | None] = Future()
-    turn = TurnRecord(TurnId(f"{name}-{cost}"), tenant, key(tenant, name), None, W0, "m",
-                      10, 0, 1, TurnOutcome.OK, 0.0, 0.0)  # fmt: skip
+    turn = TurnRecord(
+        TurnId(f"{name}-{cost}"),
+        tenant,
+        key(tenant, name),
+        None,
+        W0,
+        "m",
+        10,
+        0,
+        1,
+        TurnOutcome.OK,
+        0.0,
+        0.0,
+    )
     box.book.add_turn(turn, done)
     done.set_result(cost)
 
@@ -366,11 +397,13 @@ def test_tasks_taken_back_after_a_restart_count_again_once_a_turn_names_them(
     ledger: LedgerWriter,
 ) -> None:
     box = make_box(ledger, max_children_per_task=1)
-    box.book.restore([
-        OpenTask("a/p", "a", None, None, 990.0, None, 0, 0, 0, 0, 0.0),
-        OpenTask("a/c", "a", "a/p", None, 991.0, None, 2, 0, 0, 0, 0.0),
-        OpenTask("a/other", "a", None, None, 992.0, None, 0, 0, 0, 0, 0.0),
-    ])  # fmt: skip
+    box.book.restore(
+        [
+            OpenTask("a/p", "a", None, None, 990.0, None, 0, 0, 0, 0, 0.0),
+            OpenTask("a/c", "a", "a/p", None, 991.0, None, 2, 0, 0, 0, 0.0),
+            OpenTask("a/other", "a", None, None, 992.0, None, 0, 0, 0, 0, 0.0),
+        ]
+    )
     assert box.service.snapshot()["open_tasks"] == 0
     end = run(box.turn(A, "c"))  # judged as opening c, under its own parent
     snap = box.service.snapshot()

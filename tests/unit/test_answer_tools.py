@@ -26,14 +26,18 @@ def chat(finish: str | None, *names: str, content: str | None = None) -> dict[st
         for i, n in enumerate(names)
     ]
     message = {"role": "assistant", "content": content, "tool_calls": calls}
-    return {"object": "chat.completion", "choices": [
-        {"index": 0, "message": message, "finish_reason": finish}
-    ], "usage": {"prompt_tokens": 10, "completion_tokens": 5}}  # fmt: skip
+    return {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+    }
 
 
 def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-    body = {"object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    body = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
@@ -70,13 +74,15 @@ def scanned(stream: bytes, piece: int) -> AnswerEnd | None:
         (chat("length", content="Cut sh"), TO_PERSON),
         (chat("tool_calls"), AnswerEnd(True)),  # a call whose name is not said
         (chat(None, content="?"), None),
-        ({"object": "text_completion", "choices": [{"index": 0, "finish_reason": "length"}]},
-         TO_PERSON),
+        (
+            {"object": "text_completion", "choices": [{"index": 0, "finish_reason": "length"}]},
+            TO_PERSON,
+        ),
         ({"error": {"message": "boom"}}, None),
         ([1, 2], None),
         (None, None),
     ],
-)  # fmt: skip
+)
 def test_a_chat_answer_says_the_tools_it_called_or_the_person(answer: Any, end: Any) -> None:
     assert answer_end(answer) == end
 
@@ -103,14 +109,16 @@ def call_item(name: str) -> dict[str, Any]:
     ("answer", "end"),
     [
         (response("completed", call_item("shell")), AnswerEnd(True, ("shell",))),
-        (response("completed", MESSAGE, call_item("b"), call_item("a")),
-         AnswerEnd(True, ("a", "b"))),
+        (
+            response("completed", MESSAGE, call_item("b"), call_item("a")),
+            AnswerEnd(True, ("a", "b")),
+        ),
         (response("completed", MESSAGE), TO_PERSON),
         (response("incomplete", MESSAGE), TO_PERSON),
         (response("failed"), None),
         (response("in_progress"), None),
     ],
-)  # fmt: skip
+)
 def test_a_responses_answer_says_its_function_calls_or_the_person(answer: Any, end: Any) -> None:
     assert answer_end(answer) == end
 
@@ -144,8 +152,12 @@ def test_a_responses_stream_says_it_in_its_completed_event() -> None:
             f"event: {kind}\n".encode() + b"data: " + orjson.dumps({"type": kind, **body}) + b"\n\n"
         )
 
-    head = {"object": "response", "status": "in_progress", "output": [],
-            "tools": [{"type": "function", "name": "shell"}]}  # fmt: skip
+    head = {
+        "object": "response",
+        "status": "in_progress",
+        "output": [],
+        "tools": [{"type": "function", "name": "shell"}],
+    }
     stream = event("response.created", response=head)
     stream += event("response.output_item.added", output_index=0, item=call_item("shell"))
     assert scanned(stream, 9) is None  # a tool named in the head, a call begun: not whole yet

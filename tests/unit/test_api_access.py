@@ -16,8 +16,12 @@ from appliance.domain.records import TenantId
 from appliance.settings_load import load
 
 ALICE = Caller(TenantId("alice"), admin=False)
-HEADERS = [{}, {"authorization": "Bearer EMPTY"}, {"x-api-key": "anything"},
-           {"authorization": "Bearer sk-alice"}]  # fmt: skip
+HEADERS = [
+    {},
+    {"authorization": "Bearer EMPTY"},
+    {"x-api-key": "anything"},
+    {"authorization": "Bearer sk-alice"},
+]
 
 
 @pytest.mark.parametrize("headers", HEADERS)

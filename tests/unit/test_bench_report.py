@@ -51,12 +51,23 @@ def make_recorder() -> Recorder:
 
 
 def test_the_report_sums_only_successful_steps_and_finished_tasks() -> None:
-    run = {"url": "u", "model": "m", "concurrency": 2, "duration_s": 10.0, "time_scale": 0.1,
-           "run_tag": "bench-x"}  # fmt: skip
+    run = {
+        "url": "u",
+        "model": "m",
+        "concurrency": 2,
+        "duration_s": 10.0,
+        "time_scale": 0.1,
+        "run_tag": "bench-x",
+    }
     rep = build_report(make_recorder(), run, wall_s=20.0)
     assert rep["steps"] | {"by_worker": None} == {
-        "ok": 2, "failed": 1, "rejected": 1, "abandoned": 0, "per_s": 0.1, "by_worker": None,
-    }  # fmt: skip
+        "ok": 2,
+        "failed": 1,
+        "rejected": 1,
+        "abandoned": 0,
+        "per_s": 0.1,
+        "by_worker": None,
+    }
     assert rep["tokens"]["prompt"] == 2200 and rep["tokens"]["cached"] == 1700
     assert rep["tokens"]["cached_share"] == pytest.approx(1700 / 2200, abs=1e-4)
     assert rep["tasks"]["finished"] == 2 and rep["tasks"]["succeeded_verified"] == 1
@@ -71,12 +82,16 @@ def test_the_report_sums_only_successful_steps_and_finished_tasks() -> None:
     [
         ([], ["default"], "sk-given", {"default": "sk-given"}),
         ([("default", False), ("admin", True)], ["default"], None, {"default": "default"}),
-        ([("alice", False), ("bob", False)], ["alice", "bob"], None,
-         {"alice": "alice", "bob": "bob"}),
+        (
+            [("alice", False), ("bob", False)],
+            ["alice", "bob"],
+            None,
+            {"alice": "alice", "bob": "bob"},
+        ),
         ([("admin", True)], ["admin"], None, None),
         ([("alice", False)], ["alice", "bob"], None, None),
     ],
-)  # fmt: skip
+)
 def test_each_tenant_sends_with_its_own_key(
     tmp_path: Path,
     stored: list[tuple[str, bool]],
@@ -84,8 +99,9 @@ def test_each_tenant_sends_with_its_own_key(
     api_key: str | None,
     expected: dict[str, str] | None,
 ) -> None:
-    keys = {name: add_key(tmp_path / "api-keys.toml", name, admin=admin).key
-            for name, admin in stored}  # fmt: skip
+    keys = {
+        name: add_key(tmp_path / "api-keys.toml", name, admin=admin).key for name, admin in stored
+    }
     if expected is None:
         with pytest.raises(BadInput, match="no API key named"):
             resolve_keys(tenants, api_key=api_key, data_dir=tmp_path)

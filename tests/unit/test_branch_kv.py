@@ -27,9 +27,12 @@ def test_a_childs_kv_is_split_into_its_parents_prefix_and_its_own() -> None:
     kid = session(table, "k", KID, [*parent_prompt, *range(900, 900 + 3 * BLOCK)])
     orphan = session(table, "o", ORPHAN, [*parent_prompt, *range(700, 700 + BLOCK)])
     loose = session(table, "x", None, list(range(2 * BLOCK)))
-    tiers = {"r": {"gpu": 8 * BLOCK, "gpu_held": 8 * BLOCK},
-             "k": {"gpu": 11 * BLOCK, "gpu_held": 4 * BLOCK, "host": 10 * BLOCK},
-             "o": {"gpu": 9 * BLOCK, "gpu_held": 9 * BLOCK}, "x": {"gpu": 2 * BLOCK}}  # fmt: skip
+    tiers = {
+        "r": {"gpu": 8 * BLOCK, "gpu_held": 8 * BLOCK},
+        "k": {"gpu": 11 * BLOCK, "gpu_held": 4 * BLOCK, "host": 10 * BLOCK},
+        "o": {"gpu": 9 * BLOCK, "gpu_held": 9 * BLOCK},
+        "x": {"gpu": 2 * BLOCK},
+    }
     ends = BranchEnds()
     ends.ended(ORPHAN, 5.0, 64, 0)
     views = task_kv(

@@ -96,8 +96,10 @@ def test_an_over_long_prompt_is_400_in_each_apis_shape(path: str) -> None:
         return
     error = answer.json()["error"]
     assert (error["type"], error["code"], error["param"]) == (
-        "BadRequestError", "context_length_exceeded", "input_tokens"
-    )  # fmt: skip
+        "BadRequestError",
+        "context_length_exceeded",
+        "input_tokens",
+    )
     assert error["message"].startswith(
         "This model's maximum context length is 64 tokens. However, your prompt contains 100 "
         "input tokens, which exceeds this limit even without any output tokens."
@@ -110,12 +112,24 @@ def test_a_prompt_that_fits_with_too_long_an_answer_is_served_but_on_messages() 
     fits = "x" * 60  # 60 + 8 > 64
     desk = Desk()
     with app(desk) as http:
-        chat = http.post("/v1/chat/completions", headers=KEY, json={
-            "model": "served", "messages": [{"role": "user", "content": fits}], "max_tokens": 8,
-        })  # fmt: skip
-        messages = http.post("/v1/messages", headers=KEY, json={
-            "model": "served", "messages": [{"role": "user", "content": fits}], "max_tokens": 8,
-        }).json()  # fmt: skip
+        chat = http.post(
+            "/v1/chat/completions",
+            headers=KEY,
+            json={
+                "model": "served",
+                "messages": [{"role": "user", "content": fits}],
+                "max_tokens": 8,
+            },
+        )
+        messages = http.post(
+            "/v1/messages",
+            headers=KEY,
+            json={
+                "model": "served",
+                "messages": [{"role": "user", "content": fits}],
+                "max_tokens": 8,
+            },
+        ).json()
     assert chat.status_code == 200, chat.text
     assert [body["max_tokens"] for body in desk.sent] == [8]  # the worker shortens it
     assert messages["error"]["message"] == (
@@ -167,10 +181,15 @@ def test_star_maps_any_name_and_the_model_list_names_the_aliases() -> None:
     desk = Desk()
     aliases = {"claude-haiku-4-5": "served", "*": "served"}
     with app(desk, aliases) as http:
-        answer = http.post("/v1/messages", headers=KEY, json={
-            "model": "claude-opus-4-1", "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hi"}],
-        })  # fmt: skip
+        answer = http.post(
+            "/v1/messages",
+            headers=KEY,
+            json={
+                "model": "claude-opus-4-1",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
         models = http.get("/v1/models", headers=KEY).json()["data"]
     assert answer.status_code == 200 and answer.json()["model"] == "served"
     assert desk.sent[0]["model"] == "served"

@@ -19,9 +19,13 @@ def probe_on(monkeypatch: pytest.MonkeyPatch, *devices: FakeDevice) -> FakeNvmlL
 def test_readings_are_converted_from_nvmls_units(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVML answers in percent, milliwatts and bytes, through pynvml's own structures."""
     second = FakeDevice(
-        uuid=b"GPU-second", used=100 << 30, gpu_percent=87, power_mw=612_500, temp_c=71,
+        uuid=b"GPU-second",
+        used=100 << 30,
+        gpu_percent=87,
+        power_mw=612_500,
+        temp_c=71,
         processes=[(421, 33_812_381_696), (7, None)],
-    )  # fmt: skip
+    )
     probe_on(monkeypatch, FakeDevice(), second)
     snap = NvmlProbe().snapshot()
     assert snap.error is None and snap.driver == "580.159.04" and len(snap.gpus) == 2
@@ -41,8 +45,11 @@ def test_readings_are_converted_from_nvmls_units(monkeypatch: pytest.MonkeyPatch
 
 def test_a_failing_call_becomes_a_default_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     library = probe_on(monkeypatch, FakeDevice(processes=[(1, 1)]))
-    for call in ("nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature",
-                 "nvmlDeviceGetComputeRunningProcesses_v3"):  # fmt: skip
+    for call in (
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+    ):
         library.failing[call] = pynvml.NVML_ERROR_NOT_SUPPORTED
     (g,) = NvmlProbe().snapshot().gpus
     assert g.power_w is None and g.temp_c is None and g.processes == ()

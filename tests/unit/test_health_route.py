@@ -19,11 +19,14 @@ def never() -> Any:
     raise AssertionError("/health built the whole state")
 
 
-@pytest.mark.parametrize(("healthy", "failing", "status", "says"), [
-    (True, None, 200, {"status": "ok"}),
-    (False, None, 503, {"status": "no healthy worker"}),
-    (True, "disk full", 503, {"status": "degraded", "ledger": "disk full"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("healthy", "failing", "status", "says"),
+    [
+        (True, None, 200, {"status": "ok"}),
+        (False, None, 503, {"status": "no healthy worker"}),
+        (True, "disk full", 503, {"status": "degraded", "ledger": "disk full"}),
+    ],
+)
 def test_health_reads_only_the_workers_and_the_ledger(
     healthy: bool, failing: str | None, status: int, says: dict[str, str]
 ) -> None:

@@ -15,8 +15,9 @@ def exposed(h: PromHistogram, name: str) -> list[str]:
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(One())
-    return [line for line in generate_latest(registry).decode().splitlines()
-            if not line.startswith("#")]  # fmt: skip
+    return [
+        line for line in generate_latest(registry).decode().splitlines() if not line.startswith("#")
+    ]
 
 
 def test_buckets_are_cumulative_and_a_value_on_a_bound_counts_in_it() -> None:

@@ -35,8 +35,13 @@ def demoted(task: str = "acme/t1") -> tuple[Setup, LeadTime]:
     assert s.sent() == [("demote", W0, "acme/slow")]
     s.index.evict(W0, 0)
     s.index.host[W0] = PROMPT // BLOCK
-    lead = LeadTime(PrefetchPolicy(PrefetchTuning(prefill=False)), s.loop._inputs,
-                    s.loop.outbox, ledger=s.rows, waiting=s.loop.waiting_sessions)  # fmt: skip
+    lead = LeadTime(
+        PrefetchPolicy(PrefetchTuning(prefill=False)),
+        s.loop._inputs,
+        s.loop.outbox,
+        ledger=s.rows,
+        waiting=s.loop.waiting_sessions,
+    )
     s.loop.lead_time = lead
     return s, lead
 
@@ -84,8 +89,13 @@ def test_only_the_tasks_demoted_sessions_are_restored() -> None:
     lead.tool_finished("acme/other", "approval", 1010.0)  # type: ignore[arg-type]
     assert s.sent() == []
     held = build()
-    lead = LeadTime(PrefetchPolicy(), held.loop._inputs, held.loop.outbox, ledger=held.rows,
-                    waiting=held.loop.waiting_sessions)  # fmt: skip
+    lead = LeadTime(
+        PrefetchPolicy(),
+        held.loop._inputs,
+        held.loop.outbox,
+        ledger=held.rows,
+        waiting=held.loop.waiting_sessions,
+    )
     held.turn(held.session("quick", task="acme/t1"), tool="api", wait_s=0.5)
     assert [c[0] for c in held.sent()] == ["hold"]
     lead.tool_finished("acme/t1", "api", 1000.5)  # type: ignore[arg-type]

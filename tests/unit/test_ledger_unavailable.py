@@ -19,8 +19,14 @@ A = TenantId("a")
 
 
 def turn() -> TurnInput:
-    return TurnInput(A, "/v1/completions", {"model": "m"}, tokenize=lambda _: ([1] * 40, None),
-                     estimate=lambda _: None, session_id=SessionId("s"))  # fmt: skip
+    return TurnInput(
+        A,
+        "/v1/completions",
+        {"model": "m"},
+        tokenize=lambda _: ([1] * 40, None),
+        estimate=lambda _: None,
+        session_id=SessionId("s"),
+    )
 
 
 def test_no_turn_is_taken_while_the_ledger_cannot_write() -> None:

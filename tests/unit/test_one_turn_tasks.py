@@ -69,9 +69,15 @@ class Failing:
 
 
 def turn(session: str | None = None, task: str | None = None) -> TurnInput:
-    return TurnInput(A, "/v1/completions", {"model": "m"}, tokenize=lambda _: ([1] * 40, None),
-                     estimate=lambda _: None, task_id=task,
-                     session_id=SessionId(session) if session else None)  # fmt: skip
+    return TurnInput(
+        A,
+        "/v1/completions",
+        {"model": "m"},
+        tokenize=lambda _: ([1] * 40, None),
+        estimate=lambda _: None,
+        task_id=task,
+        session_id=SessionId(session) if session else None,
+    )
 
 
 def wired(client: Any, ledger: EventLedger | None = None) -> Wired:

@@ -26,11 +26,21 @@ from appliance.services.events import EventKind
 
 def _turn(**over: object) -> TurnRecord:
     fields: dict[str, object] = dict(
-        turn_id=TurnId("u1"), tenant=TenantId("acme"), task_id=TaskId("acme/t1"),
-        session_id=SessionId("s1"), worker=WorkerId("w1"), model="m", prompt_tokens=100,
-        cached_tokens=64, output_tokens=7, outcome=TurnOutcome.OK, started_at=10.0,
-        finished_at=10.25, ttft_s=0.05, e2e_s=0.25,
-    )  # fmt: skip
+        turn_id=TurnId("u1"),
+        tenant=TenantId("acme"),
+        task_id=TaskId("acme/t1"),
+        session_id=SessionId("s1"),
+        worker=WorkerId("w1"),
+        model="m",
+        prompt_tokens=100,
+        cached_tokens=64,
+        output_tokens=7,
+        outcome=TurnOutcome.OK,
+        started_at=10.0,
+        finished_at=10.25,
+        ttft_s=0.05,
+        e2e_s=0.25,
+    )
     return TurnRecord(**(fields | over))  # type: ignore[arg-type]
 
 

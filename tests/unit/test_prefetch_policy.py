@@ -37,45 +37,83 @@ from appliance.policy.return_due import (
 )
 from appliance.policy.survival import Outlook, WaitKey, WaitSurvival
 from appliance.policy.wait_curves import EDGES, LogNormal
+from tests.cases import case
 
 GIB = 1 << 30
 KEY = PrefetchKey("acme", "test", PrefetchTrigger.TOOL_FINISHED)
 IDLE = WorkerLoad(waiting=0, running=1)
 
 
-def need(tokens: int = 10_000, gpu: int = 2_000, host: int = 0, kv_bytes: int = GIB,
-         prefill_s: float = 0.3) -> PrefetchNeed:  # fmt: skip
+def need(
+    tokens: int = 10_000,
+    gpu: int = 2_000,
+    host: int = 0,
+    kv_bytes: int = GIB,
+    prefill_s: float = 0.3,
+) -> PrefetchNeed:
     return PrefetchNeed(tokens, gpu, host, kv_bytes, copy_s=0.02, prefill_s=prefill_s)
 
 
 A, K = PrefetchAction, PrefetchKind
 CASES = [
     # (what, need, worker, in flight, tuning, expected action, expected kind)
-    ("host part: promote", need(host=8_000), IDLE, False, {}, A.PROMOTE, K.HOST_COPY),
-    ("host part, requests wait", need(host=8_000), WorkerLoad(1, 8), False, {},
-     A.SKIP, K.BUSY),
-    ("host part, requests wait, as many as allowed", need(host=8_000), WorkerLoad(2, 8), False,
-     {"max_waiting": 2}, A.PROMOTE, K.HOST_COPY),
-    ("nothing cached past HBM, idle worker: prefill", need(), IDLE, False, {},
-     A.PREFILL, K.IDLE_PREFILL),
-    ("nothing cached past HBM, requests wait", need(), WorkerLoad(1, 1), False, {},
-     A.SKIP, K.BUSY),
-    ("nothing cached past HBM, prefill off", need(), IDLE, False, {"prefill": False},
-     A.SKIP, K.NO_PREFILL),
-    ("all in HBM", need(gpu=10_000), IDLE, False, {}, A.SKIP, K.RESIDENT),
-    ("no prefix known", need(tokens=0, gpu=0), IDLE, False, {}, A.SKIP, K.NOTHING),
-    ("one in flight", need(host=8_000), IDLE, True, {}, A.SKIP, K.IN_FLIGHT),
-    ("over the tenant's bytes", need(host=8_000, kv_bytes=9 * GIB), IDLE, False, {},
-     A.SKIP, K.BYTES_BUDGET),
-    ("over the tenant's prefill bucket", need(prefill_s=11.0), IDLE, False, {},
-     A.SKIP, K.PREFILL_BUDGET),
-    ("a signal that is not used", need(host=8_000), IDLE, False,
-     {"triggers": frozenset({PrefetchTrigger.HAZARD})}, A.SKIP, K.NOTHING),
-    ("prefill before any lead is seen", need(), IDLE, False, {"lead": None},
-     A.SKIP, K.LEAD_UNMEASURED),
-    ("promote before any lead is seen", need(host=8_000), IDLE, False, {"lead": None},
-     A.PROMOTE, K.HOST_COPY),
-]  # fmt: skip
+    case(("host part: promote", need(host=8_000), IDLE, False, {}), (A.PROMOTE, K.HOST_COPY)),
+    case(
+        ("host part, requests wait", need(host=8_000), WorkerLoad(1, 8), False, {}),
+        (A.SKIP, K.BUSY),
+    ),
+    case(
+        (
+            "host part, requests wait, as many as allowed",
+            need(host=8_000),
+            WorkerLoad(2, 8),
+            False,
+            {"max_waiting": 2},
+        ),
+        (A.PROMOTE, K.HOST_COPY),
+    ),
+    case(
+        ("nothing cached past HBM, idle worker: prefill", need(), IDLE, False, {}),
+        (A.PREFILL, K.IDLE_PREFILL),
+    ),
+    case(
+        ("nothing cached past HBM, requests wait", need(), WorkerLoad(1, 1), False, {}),
+        (A.SKIP, K.BUSY),
+    ),
+    case(
+        ("nothing cached past HBM, prefill off", need(), IDLE, False, {"prefill": False}),
+        (A.SKIP, K.NO_PREFILL),
+    ),
+    case(("all in HBM", need(gpu=10_000), IDLE, False, {}), (A.SKIP, K.RESIDENT)),
+    case(("no prefix known", need(tokens=0, gpu=0), IDLE, False, {}), (A.SKIP, K.NOTHING)),
+    case(("one in flight", need(host=8_000), IDLE, True, {}), (A.SKIP, K.IN_FLIGHT)),
+    case(
+        ("over the tenant's bytes", need(host=8_000, kv_bytes=9 * GIB), IDLE, False, {}),
+        (A.SKIP, K.BYTES_BUDGET),
+    ),
+    case(
+        ("over the tenant's prefill bucket", need(prefill_s=11.0), IDLE, False, {}),
+        (A.SKIP, K.PREFILL_BUDGET),
+    ),
+    case(
+        (
+            "a signal that is not used",
+            need(host=8_000),
+            IDLE,
+            False,
+            {"triggers": frozenset({PrefetchTrigger.HAZARD})},
+        ),
+        (A.SKIP, K.NOTHING),
+    ),
+    case(
+        ("prefill before any lead is seen", need(), IDLE, False, {"lead": None}),
+        (A.SKIP, K.LEAD_UNMEASURED),
+    ),
+    case(
+        ("promote before any lead is seen", need(host=8_000), IDLE, False, {"lead": None}),
+        (A.PROMOTE, K.HOST_COPY),
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -231,21 +269,32 @@ def test_a_restore_is_worth_its_accuracy_and_lead() -> None:
 # --- each decision's exact sentence and key (the ledger's and the console's words) ---
 
 REASONS = [
-    (need(host=8_000, kv_bytes=GIB, prefill_s=0.3), {}, IDLE, False,
-     "copy 8000 tokens from the host tier (20 ms)"),
-    (PrefetchNeed(10_000, 2_000, 8_000, GIB, copy_s=2.0), {}, IDLE, False,
-     "copy 8000 tokens from the host tier (2000 ms)"),
-    (need(), {}, IDLE, False, "prefill 8000 tokens while the worker is idle (0.30 s)"),
-    (need(), {}, WorkerLoad(3, 1), False, "skip: 3 requests wait there"),
-    (need(), {}, IDLE, True, "skip: one is running or done for this wait"),
-    (need(tokens=0, gpu=0), {}, IDLE, False, "skip: no stable prefix to restore"),
-    (need(gpu=10_000), {}, IDLE, False, "skip: the prefix is in HBM already"),
-    (need(kv_bytes=3 * GIB), {"budget_bytes": GIB}, IDLE, False,
-     "skip: 3072 MiB would pass the tenant's 1 GiB of speculative KV"),
-    (need(), {"prefill": False}, IDLE, False, "skip: nothing cached past HBM; prefill is off"),
-    (need(prefill_s=11.0), {}, IDLE, False,
-     "skip: 11.00 s of prefill, 10.00 s left in the tenant's bucket"),
-]  # fmt: skip
+    case(
+        (need(host=8_000, kv_bytes=GIB, prefill_s=0.3), {}, IDLE, False),
+        ("copy 8000 tokens from the host tier (20 ms)",),
+    ),
+    case(
+        (PrefetchNeed(10_000, 2_000, 8_000, GIB, copy_s=2.0), {}, IDLE, False),
+        ("copy 8000 tokens from the host tier (2000 ms)",),
+    ),
+    case((need(), {}, IDLE, False), ("prefill 8000 tokens while the worker is idle (0.30 s)",)),
+    case((need(), {}, WorkerLoad(3, 1), False), ("skip: 3 requests wait there",)),
+    case((need(), {}, IDLE, True), ("skip: one is running or done for this wait",)),
+    case((need(tokens=0, gpu=0), {}, IDLE, False), ("skip: no stable prefix to restore",)),
+    case((need(gpu=10_000), {}, IDLE, False), ("skip: the prefix is in HBM already",)),
+    case(
+        (need(kv_bytes=3 * GIB), {"budget_bytes": GIB}, IDLE, False),
+        ("skip: 3072 MiB would pass the tenant's 1 GiB of speculative KV",),
+    ),
+    case(
+        (need(), {"prefill": False}, IDLE, False),
+        ("skip: nothing cached past HBM; prefill is off",),
+    ),
+    case(
+        (need(prefill_s=11.0), {}, IDLE, False),
+        ("skip: 11.00 s of prefill, 10.00 s left in the tenant's bucket",),
+    ),
+]
 
 
 @pytest.mark.parametrize(("need_", "tuning", "worker", "in_flight", "reason"), REASONS)
@@ -337,10 +386,12 @@ def test_leads_are_a_decayed_mean() -> None:
 def test_settling_never_leaves_a_tenant_owing_or_with_bytes_it_never_had() -> None:
     policy = PrefetchPolicy()
     for kv_bytes in (0, GIB):  # tenants never charged: nothing owed, nothing left over
-        refunded = PrefetchDecision(A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="b"),
-                                    kv_bytes=kv_bytes)  # fmt: skip
-        settled = PrefetchDecision(A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="c"),
-                                   kv_bytes=kv_bytes)  # fmt: skip
+        refunded = PrefetchDecision(
+            A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="b"), kv_bytes=kv_bytes
+        )
+        settled = PrefetchDecision(
+            A.PROMOTE, K.HOST_COPY, "x", KEY._replace(tenant="c"), kv_bytes=kv_bytes
+        )
         policy.refund(refunded, 0.0)
         policy.settle(settled, used=True)
         assert policy.outstanding_bytes("b") == policy.outstanding_bytes("c") == 0
@@ -387,8 +438,14 @@ def test_bad_settings_are_refused(tuning: dict[str, object], needle: str) -> Non
 
 
 def test_the_edges_of_the_settings_are_allowed() -> None:
-    PrefetchTuning(budget_bytes=0, prefill_rate=0.0, prefill_burst_s=0.0, max_waiting=0,
-                   min_accuracy=0.0, min_lead_s=0.0)  # fmt: skip
+    PrefetchTuning(
+        budget_bytes=0,
+        prefill_rate=0.0,
+        prefill_burst_s=0.0,
+        max_waiting=0,
+        min_accuracy=0.0,
+        min_lead_s=0.0,
+    )
     PrefetchTuning(min_accuracy=1.0)
 
 
@@ -425,8 +482,10 @@ def test_the_first_idle_time_at_the_threshold_is_due() -> None:
     due = first_likely_return_s(model, WaitKey("a", "t"), hint_s=None, horizon_s=edge + 1e-9)
     assert due == edge
     assert Scripted({0.0: 0.6}).outlook(WaitKey("a", "t"), 0.0, 5.0).p_return == 0.6
-    assert first_likely_return_s(Scripted({0.0: 0.6}), WaitKey("a", "t"), hint_s=None,
-                                 horizon_s=10.0) == 0.0  # fmt: skip
+    assert (
+        first_likely_return_s(Scripted({0.0: 0.6}), WaitKey("a", "t"), hint_s=None, horizon_s=10.0)
+        == 0.0
+    )
 
 
 def test_the_window_is_a_bin_wide_past_the_minimum_and_no_longer_than_a_hold() -> None:

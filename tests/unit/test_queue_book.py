@@ -30,8 +30,14 @@ class Client:
 
 
 def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
-    return LoadSnapshot(time=at, running=0, waiting=waiting, kv_cache_usage_perc=0.0,
-                        prompt_tokens=mean_prompt * 4, ttft_count=4)  # fmt: skip
+    return LoadSnapshot(
+        time=at,
+        running=0,
+        waiting=waiting,
+        kv_cache_usage_perc=0.0,
+        prompt_tokens=mean_prompt * 4,
+        ttft_count=4,
+    )
 
 
 def setup(slowdown: dict[str, float] | None = None) -> tuple[Wired, list[RouterWorker]]:
@@ -41,8 +47,14 @@ def setup(slowdown: dict[str, float] | None = None) -> tuple[Wired, list[RouterW
 
 
 def turn() -> TurnRequest:
-    return TurnRequest(TenantId("a"), "/v1/completions", {"model": "m"}, list(range(100)),
-                       TaskId("a/t"), SessionId("s"))  # fmt: skip
+    return TurnRequest(
+        TenantId("a"),
+        "/v1/completions",
+        {"model": "m"},
+        list(range(100)),
+        TaskId("a/t"),
+        SessionId("s"),
+    )
 
 
 def queue_scores(wired: Wired) -> dict[str, float]:
@@ -183,8 +195,10 @@ def test_a_waiting_request_counts_at_the_workers_mean_fresh_prefill_once_one_fin
     clock.t = 102.0
     w0.load = dataclasses.replace(
         reading(102.0, waiting=2),
-        prefill_count=4, prefill_fresh_tokens=4 * 100, prefill_prompt_tokens=4 * 1000,
-    )  # fmt: skip
+        prefill_count=4,
+        prefill_fresh_tokens=4 * 100,
+        prefill_prompt_tokens=4 * 1000,
+    )
     # 2 x (100 fresh tokens x 1 ms + 900 cached x 0.1 ms)
     assert book.queue_s(w0) == pytest.approx(0.38)
 

@@ -152,16 +152,30 @@ class Setup:
     closed: set[str]
     workers: list[RouterWorker]
 
-    def session(self, sid: str, *, tool: str | None = None, wait_s: float | None = None,
-                task: str | None = None, worker: WorkerId = W0) -> SessionState:  # fmt: skip
+    def session(
+        self,
+        sid: str,
+        *,
+        tool: str | None = None,
+        wait_s: float | None = None,
+        task: str | None = None,
+        worker: WorkerId = W0,
+    ) -> SessionState:
         s = self.table.open(TenantId("acme"), SessionId(sid), self.clock.t)
         self.table.hash_prompt(s, list(range(100, 100 + PROMPT)), "salt")
         s.home, s.tool_class, s.expected_wait_s = worker, tool, wait_s
         s.task_id = TaskId(task) if task else None
         return s
 
-    def turn(self, s: SessionState, *, tool: str | None = None, wait_s: float | None = None,
-             worker: WorkerId = W0, said: AnswerEnd | None = None) -> None:  # fmt: skip
+    def turn(
+        self,
+        s: SessionState,
+        *,
+        tool: str | None = None,
+        wait_s: float | None = None,
+        worker: WorkerId = W0,
+        said: AnswerEnd | None = None,
+    ) -> None:
         """One turn of the session, ending now (`said`: how its answer ended)."""
         self.table.began(s, self.clock.t)
         s.home, s.tool_class, s.expected_wait_s = worker, tool, wait_s
@@ -434,8 +448,11 @@ def test_an_eviction_is_recorded_with_its_cause_and_marks_the_receipt(s: Setup) 
     assert session.chain is not None
     assert mark.prefix_digest == session.chain.hashes[-1].hex() and mark.cause == "lru"
     assert (mark.worker, mark.tenant_domain, mark.model, mark.runtime_identity) == (
-        W0, "acme", "m", "test:m",
-    )  # fmt: skip
+        W0,
+        "acme",
+        "m",
+        "test:m",
+    )
     s.index.evict(W0, 0)
     s.loop.tick(1005.0)
     assert len(s.rows.evictions) == 1  # once per idle period
@@ -701,8 +718,10 @@ def test_a_branch_that_ends_drops_its_own_blocks_everywhere_and_leaves_its_paren
     s.closed.update({"acme/kid", "acme/orphan"})
     s.loop.tick(1000.1)
     sent = sorted(s.sent())
-    assert sent == [("evict_first", W0, "acme/c", PROMPT // BLOCK, True),
-                    ("evict_first", W0, "acme/o", PROMPT // BLOCK + 3, True)]  # fmt: skip
+    assert sent == [
+        ("evict_first", W0, "acme/c", PROMPT // BLOCK, True),
+        ("evict_first", W0, "acme/o", PROMPT // BLOCK + 3, True),
+    ]
     ended = {r.session_id: json.loads(r.figures_json or "{}") for r in s.rows.residency[-2:]}
     assert ended["acme/c"]["inherited_tokens"] == PROMPT  # on the ledger: what stayed
     assert ended["acme/c"]["own_tokens"] == 3 * BLOCK

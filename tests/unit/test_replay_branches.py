@@ -18,8 +18,9 @@ BLOCK = 512
 KV_BYTES_PER_TOKEN = 131_072
 
 
-def t(appended: int, tool: str | None = None, wait_s: float = 0.0,
-      spawns: tuple[str, ...] = ()) -> AgentTurn:  # fmt: skip
+def t(
+    appended: int, tool: str | None = None, wait_s: float = 0.0, spawns: tuple[str, ...] = ()
+) -> AgentTurn:
     return AgentTurn(appended, 8, tool, wait_s, spawns, forks=bool(spawns))
 
 
@@ -29,15 +30,26 @@ def child(j: int, parent: str = "p") -> AgentTask:
     turns = [t(2 * BLOCK, "file", 0.5), t(BLOCK)]
     if j % 4 == 3:
         turns = [t(2 * BLOCK, "file", 0.5), t(BLOCK, "test", 5.0)]
-    return AgentTask(f"{parent}.{j}", parent, "acme", "fix", 0.0, None, True, True, "c", BLOCK,
-                     tuple(turns))  # fmt: skip
+    return AgentTask(
+        f"{parent}.{j}", parent, "acme", "fix", 0.0, None, True, True, "c", BLOCK, tuple(turns)
+    )
 
 
 def fan_out_of_16() -> list[AgentTask]:
     children = [child(j) for j in range(16)]
-    parent = AgentTask("p", None, "acme", "fix", 0.0, None, True, True, "p", BLOCK,
-                       (t(3 * BLOCK), t(100, "subagent", 0.0, tuple(c.task_id for c in children)),
-                        t(100)))  # fmt: skip
+    parent = AgentTask(
+        "p",
+        None,
+        "acme",
+        "fix",
+        0.0,
+        None,
+        True,
+        True,
+        "p",
+        BLOCK,
+        (t(3 * BLOCK), t(100, "subagent", 0.0, tuple(c.task_id for c in children)), t(100)),
+    )
     return [parent, *children]
 
 
@@ -72,20 +84,53 @@ def fan_out_storm() -> list[AgentTask]:
     finish and wait a minute on tests; at t=4 a 30-block prompt of a third tenant needs
     room in the 64-block pool."""
     children = [
-        AgentTask(f"p.{j}", "p", "acme", "fix", 0.0, None, True, True, f"c{j}", 512,
-                  (t(2 * BLOCK, "test", 60.0), t(100)))
+        AgentTask(
+            f"p.{j}",
+            "p",
+            "acme",
+            "fix",
+            0.0,
+            None,
+            True,
+            True,
+            f"c{j}",
+            512,
+            (t(2 * BLOCK, "test", 60.0), t(100)),
+        )
         for j in range(12)
-    ]  # fmt: skip
-    parent = AgentTask("p", None, "acme", "fix", 1.0, None, True, True, "p", 512,
-                       (AgentTurn(100, 8, "subagent", 0.0, tuple(c.task_id for c in children)),
-                        t(100)))  # fmt: skip
+    ]
+    parent = AgentTask(
+        "p",
+        None,
+        "acme",
+        "fix",
+        1.0,
+        None,
+        True,
+        True,
+        "p",
+        512,
+        (AgentTurn(100, 8, "subagent", 0.0, tuple(c.task_id for c in children)), t(100)),
+    )
     others = [
-        AgentTask(f"o{i}", None, "other", "fix", i * 0.05, None, True, True, f"o{i}", 512,
-                  (t(3 * BLOCK - 600, "search", 8.0), t(100)))
+        AgentTask(
+            f"o{i}",
+            None,
+            "other",
+            "fix",
+            i * 0.05,
+            None,
+            True,
+            True,
+            f"o{i}",
+            512,
+            (t(3 * BLOCK - 600, "search", 8.0), t(100)),
+        )
         for i in range(8)
-    ]  # fmt: skip
-    third = AgentTask("big", None, "third", "fix", 4.0, None, True, True, "big", 512,
-                      (t(30 * BLOCK),))  # fmt: skip
+    ]
+    third = AgentTask(
+        "big", None, "third", "fix", 4.0, None, True, True, "big", 512, (t(30 * BLOCK),)
+    )
     return [parent, *children, *others, third]
 
 
@@ -110,8 +155,13 @@ def test_a_fan_out_storm_under_branch_quotas_keeps_other_tenants_warm_sessions()
 def test_the_table_says_what_ended_branches_held_and_what_prefetches_did() -> None:
     from appliance.replay import render_table, run_workload
 
-    out = run_workload(fan_out_of_16(), policies=["appliance"], workers=2, hbm_gib=8.0,
-                       residencies=["reaper", "reaper+lead-time+branches"])  # fmt: skip
+    out = run_workload(
+        fan_out_of_16(),
+        policies=["appliance"],
+        workers=2,
+        hbm_gib=8.0,
+        residencies=["reaper", "reaper+lead-time+branches"],
+    )
     text = render_table(out)
     assert "appliance+reaper: 16 branches ended" in text
     assert (

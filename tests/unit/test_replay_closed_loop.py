@@ -16,15 +16,41 @@ from appliance.workload import AgentTask, AgentTurn
 BLOCK = 512
 
 
-def task(task_id: str, turns: list[AgentTurn], *, start: float = 0.0, tenant: str = "acme",
-         deadline: float | None = None, parent: str | None = None, succeeds: bool = True,
-         verified: bool = True, prefix: int = 1024) -> AgentTask:  # fmt: skip
-    return AgentTask(task_id, parent, tenant, "fix", start, deadline, succeeds, verified,
-                     "fix/0", prefix, tuple(turns))  # fmt: skip
+def task(
+    task_id: str,
+    turns: list[AgentTurn],
+    *,
+    start: float = 0.0,
+    tenant: str = "acme",
+    deadline: float | None = None,
+    parent: str | None = None,
+    succeeds: bool = True,
+    verified: bool = True,
+    prefix: int = 1024,
+) -> AgentTask:
+    return AgentTask(
+        task_id,
+        parent,
+        tenant,
+        "fix",
+        start,
+        deadline,
+        succeeds,
+        verified,
+        "fix/0",
+        prefix,
+        tuple(turns),
+    )
 
 
-def t(appended: int, output: int, tool: str | None = None, wait_s: float = 0.0,
-      spawns: tuple[str, ...] = (), discards: tuple[str, ...] = ()) -> AgentTurn:  # fmt: skip
+def t(
+    appended: int,
+    output: int,
+    tool: str | None = None,
+    wait_s: float = 0.0,
+    spawns: tuple[str, ...] = (),
+    discards: tuple[str, ...] = (),
+) -> AgentTurn:
     return AgentTurn(appended, output, tool, wait_s, spawns, discards=discards)
 
 
@@ -101,8 +127,14 @@ def test_the_parent_drops_the_children_it_discards_when_it_joins_them() -> None:
     assert seen.pop("p/1") == ["p.0", "p.0.0", "p.2"]
     assert len(seen) == 8 and not any(seen.values())
     outcomes = {o.task_id: o.discarded for o in loop.outcomes({})}
-    assert outcomes == {"p": False, "p.0": True, "p.0.0": True, "p.1": False, "p.2": True,
-                        "q": False}  # fmt: skip
+    assert outcomes == {
+        "p": False,
+        "p.0": True,
+        "p.0.0": True,
+        "p.1": False,
+        "p.2": True,
+        "q": False,
+    }
 
 
 def test_a_turn_may_discard_only_the_children_it_spawns() -> None:

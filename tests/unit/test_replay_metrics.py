@@ -78,11 +78,34 @@ def test_a_trace_has_no_task_figures(metrics: dict[str, object]) -> None:
     assert all(metrics[k] is None for k in TASK_KEYS)
 
 
-def outcome(task_id: str, *, start: float, finish: float | None, deadline: float | None,
-            gpu_s: float, done: int = 2, parent: str | None = None, succeeds: bool = True,
-            verified: bool = True, discarded: bool = False) -> TaskOutcome:  # fmt: skip
-    return TaskOutcome(task_id, parent, "acme", "fix", start, deadline, 2, done, finish,
-                       succeeds, verified, gpu_s, discarded=discarded)  # fmt: skip
+def outcome(
+    task_id: str,
+    *,
+    start: float,
+    finish: float | None,
+    deadline: float | None,
+    gpu_s: float,
+    done: int = 2,
+    parent: str | None = None,
+    succeeds: bool = True,
+    verified: bool = True,
+    discarded: bool = False,
+) -> TaskOutcome:
+    return TaskOutcome(
+        task_id,
+        parent,
+        "acme",
+        "fix",
+        start,
+        deadline,
+        2,
+        done,
+        finish,
+        succeeds,
+        verified,
+        gpu_s,
+        discarded=discarded,
+    )
 
 
 def test_deadline_goodput_and_cost_per_success() -> None:
@@ -107,12 +130,12 @@ def test_discarded_branches_and_their_share_of_the_attempted_cost() -> None:
     outcomes = [
         outcome("r", start=0.0, finish=9.0, deadline=None, gpu_s=2.0),
         outcome("r.0", start=1.0, finish=4.0, deadline=None, gpu_s=1.0, parent="r"),
-        outcome("r.1", start=1.0, finish=5.0, deadline=None, gpu_s=3.0, parent="r",
-                discarded=True),
-        outcome("r.1.0", start=2.0, finish=3.0, deadline=None, gpu_s=0.5, parent="r.1",
-                discarded=True),
+        outcome("r.1", start=1.0, finish=5.0, deadline=None, gpu_s=3.0, parent="r", discarded=True),
+        outcome(
+            "r.1.0", start=2.0, finish=3.0, deadline=None, gpu_s=0.5, parent="r.1", discarded=True
+        ),
         outcome("s", start=0.5, finish=2.0, deadline=None, gpu_s=1.5),
-    ]  # fmt: skip
+    ]
     for price in (0.5, 3.0):
         m = task_metrics(outcomes, gpu_second=price)
         assert (m["discarded_branches"], m["discarded_cost_share"]) == (2, 0.4375)

@@ -21,15 +21,28 @@ STOPPED_S, ASLEEP_2_S = WAKE.stopped.seconds, WAKE.asleep_2.seconds
 
 
 def task(task_id: str, start: float, *turns: AgentTurn) -> AgentTask:
-    return AgentTask(task_id, None, "acme", "fix", start, None, True, True, "fix/0", 1024,
-                     turns or (AgentTurn(256, 8, None, 0.0),))  # fmt: skip
+    return AgentTask(
+        task_id,
+        None,
+        "acme",
+        "fix",
+        start,
+        None,
+        True,
+        True,
+        "fix/0",
+        1024,
+        turns or (AgentTurn(256, 8, None, 0.0),),
+    )
 
 
-def run(tasks: list[AgentTask], setting: ReaperSetting, *, workers: int = 2,
-        residency: str = "lru") -> WorkloadRun:  # fmt: skip
+def run(
+    tasks: list[AgentTask], setting: ReaperSetting, *, workers: int = 2, residency: str = "lru"
+) -> WorkloadRun:
     setup, latency = make_setup(workers=workers, hbm_gib=4.0)
-    return replay_closed_loop(tasks, "appliance", setup, latency, residency=residency,
-                              reaper=setting)  # fmt: skip
+    return replay_closed_loop(
+        tasks, "appliance", setup, latency, residency=residency, reaper=setting
+    )
 
 
 def ttft(run_: WorkloadRun) -> dict[str, float]:
@@ -85,8 +98,9 @@ def test_the_wake_limit_picks_a_sleep_and_min_awake_keeps_one_up() -> None:
     asleep = run(tasks, ReaperSetting(60.0, max_wake_s=5.0))
     assert asleep.power is not None
     assert asleep.power.summary(asleep.result.end_s)["sleeps"] == {"asleep-2": 2}
-    assert ttft(asleep)["b/0"] == pytest.approx(ttft(run(tasks, ReaperSetting()))["b/0"]
-                                                + ASLEEP_2_S, abs=0.05)  # fmt: skip
+    assert ttft(asleep)["b/0"] == pytest.approx(
+        ttft(run(tasks, ReaperSetting()))["b/0"] + ASLEEP_2_S, abs=0.05
+    )
     kept = run(tasks, ReaperSetting(60.0, min_awake=1))
     assert kept.power is not None
     figures = kept.power.summary(kept.result.end_s)
@@ -107,8 +121,9 @@ def test_a_sleep_releases_the_sessions_a_worker_holds() -> None:
 
 def test_the_report_prices_awake_time_against_the_always_awake_row() -> None:
     tasks = [task("a", 0.0), task("b", 500.0)]
-    report = run_workload(tasks, policies=["appliance"], workers=2, hbm_gib=4.0,
-                          worker_reapers=["60", "60:5"])  # fmt: skip
+    report = run_workload(
+        tasks, policies=["appliance"], workers=2, hbm_gib=4.0, worker_reapers=["60", "60:5"]
+    )
     rows = report["policies"]
     assert list(rows) == ["appliance", "appliance+worker-reaper:60", "appliance+worker-reaper:60:5"]
     base, stop = rows["appliance"]["power"], rows["appliance+worker-reaper:60"]["power"]

@@ -34,12 +34,14 @@ BLOCK = 512
 
 
 def task(task_id: str, turns: list[AgentTurn], *, start: float = 0.0) -> AgentTask:
-    return AgentTask(task_id, None, "acme", "fix", start, None, True, True, task_id, BLOCK,
-                     tuple(turns))  # fmt: skip
+    return AgentTask(
+        task_id, None, "acme", "fix", start, None, True, True, task_id, BLOCK, tuple(turns)
+    )
 
 
-def t(appended: int, tool: str | None = None, wait_s: float = 0.0, lead_s: float = 0.0
-      ) -> AgentTurn:  # fmt: skip
+def t(
+    appended: int, tool: str | None = None, wait_s: float = 0.0, lead_s: float = 0.0
+) -> AgentTurn:
     return AgentTurn(appended, 8, tool, wait_s, announce_lead_s=lead_s)
 
 
@@ -55,8 +57,9 @@ def waits_then_a_filler(lead_s: float) -> list[AgentTask]:
     return big + fill
 
 
-def run(tasks: list[AgentTask], residency: str | ResidencyPlan, host_gib: float = 0.0
-        ) -> WorkloadRun:  # fmt: skip
+def run(
+    tasks: list[AgentTask], residency: str | ResidencyPlan, host_gib: float = 0.0
+) -> WorkloadRun:
     setup, latency = make_setup(workers=1, hbm_gib=4.0, host_gib=host_gib)
     return replay_closed_loop(tasks, "appliance", setup, latency, residency=residency)
 
@@ -130,8 +133,10 @@ class Demote:
 
 
 def test_an_announced_turn_finds_its_demoted_blocks_promoted() -> None:
-    tasks = [task("big0", [t(20 * BLOCK, "test", 20.0, 1.0), t(100)]),
-             task("big1", [t(20 * BLOCK, "test", 20.0, 1.0), t(100)], start=30.0)]  # fmt: skip
+    tasks = [
+        task("big0", [t(20 * BLOCK, "test", 20.0, 1.0), t(100)]),
+        task("big1", [t(20 * BLOCK, "test", 20.0, 1.0), t(100)], start=30.0),
+    ]
     plain = returns(run(tasks, Demote(), host_gib=8.0))  # type: ignore[arg-type]
     plan = ResidencyPlan(Demote(), prefetch=PrefetchPolicy())
     fetched_run = run(tasks, plan, host_gib=8.0)

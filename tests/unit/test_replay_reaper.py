@@ -147,14 +147,27 @@ def test_a_session_idle_past_the_maximum_residency_has_timed_out() -> None:
 # --- failure modes, closed loop ---
 
 
-def task(task_id: str, turns: list[AgentTurn], *, start: float = 0.0, tenant: str = "acme",
-         prefix: int = 512, prefix_id: str = "p") -> AgentTask:  # fmt: skip
-    return AgentTask(task_id, None, tenant, "fix", start, None, True, True, prefix_id, prefix,
-                     tuple(turns))  # fmt: skip
+def task(
+    task_id: str,
+    turns: list[AgentTurn],
+    *,
+    start: float = 0.0,
+    tenant: str = "acme",
+    prefix: int = 512,
+    prefix_id: str = "p",
+) -> AgentTask:
+    return AgentTask(
+        task_id, None, tenant, "fix", start, None, True, True, prefix_id, prefix, tuple(turns)
+    )
 
 
-def t(appended: int, output: int = 8, tool: str | None = None, wait_s: float = 0.0,
-      spawns: tuple[str, ...] = ()) -> AgentTurn:  # fmt: skip
+def t(
+    appended: int,
+    output: int = 8,
+    tool: str | None = None,
+    wait_s: float = 0.0,
+    spawns: tuple[str, ...] = (),
+) -> AgentTurn:
     return AgentTurn(appended, output, tool, wait_s, spawns)
 
 
@@ -266,8 +279,9 @@ def fan_out_storm() -> list[AgentTask]:
         )
         for j in range(12)
     ]
-    parent = task("p", [t(100, 8, "subagent", 0.0, tuple(c.task_id for c in children)),
-                        t(100)], start=1.0)  # fmt: skip
+    parent = task(
+        "p", [t(100, 8, "subagent", 0.0, tuple(c.task_id for c in children)), t(100)], start=1.0
+    )
     others = [
         task(
             f"o{i}",
@@ -307,9 +321,31 @@ def test_reuse_is_counted_by_the_tool_the_turn_waited_on() -> None:
 
 def test_an_abandoned_task_never_completes_nor_meets_its_deadline() -> None:
     setup, latency = make_setup(workers=1, hbm_gib=4.0)
-    gone = AgentTask("gone", None, "acme", "fix", 0.0, 600.0, False, False, "p", 512,
-                     (t(BLOCK, 8, "approval", 30.0),))  # fmt: skip
-    done = AgentTask("done", None, "acme", "fix", 0.0, 600.0, True, True, "q", 512,
-                     (t(BLOCK, 8, "file", 1.0), t(100)))  # fmt: skip
+    gone = AgentTask(
+        "gone",
+        None,
+        "acme",
+        "fix",
+        0.0,
+        600.0,
+        False,
+        False,
+        "p",
+        512,
+        (t(BLOCK, 8, "approval", 30.0),),
+    )
+    done = AgentTask(
+        "done",
+        None,
+        "acme",
+        "fix",
+        0.0,
+        600.0,
+        True,
+        True,
+        "q",
+        512,
+        (t(BLOCK, 8, "file", 1.0), t(100)),
+    )
     m = replay_workload([gone, done], "round-robin", setup, latency, residency="reaper")
     assert m["tasks"] == 2 and m["tasks_completed"] == 1 and m["deadline_goodput"] == 0.5

@@ -95,5 +95,4 @@ def test_unknown_residency_is_refused(tool_wait: Path) -> None:
     with pytest.raises(ValueError, match="unknown residency policy 'mru'"):
         run_replay(tool_wait, policies=["round-robin"], residencies=["mru"], workers=1)
     with pytest.raises(ValueError, match="named twice"):
-        run_replay(tool_wait, policies=["round-robin"], residencies=["lru", "lru"],
-                   workers=1)  # fmt: skip
+        run_replay(tool_wait, policies=["round-robin"], residencies=["lru", "lru"], workers=1)

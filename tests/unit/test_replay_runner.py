@@ -231,8 +231,15 @@ def test_replay_is_deterministic(small: Path) -> None:
 
 def test_unknown_policy_and_bad_sizes(small: Path) -> None:
     with pytest.raises(ValueError, match="unknown routing policy nope"):
-        run_replay(small, policies=["nope"], workers=2, gpu_profile=None, hbm_gib=1.0,
-                   report=None, progress=False)  # fmt: skip
+        run_replay(
+            small,
+            policies=["nope"],
+            workers=2,
+            gpu_profile=None,
+            hbm_gib=1.0,
+            report=None,
+            progress=False,
+        )
     with pytest.raises(ValueError, match="hbm-gib"):
         make_setup(workers=2, hbm_gib=-1.0)
     with pytest.raises(ValueError, match="at least one worker"):
@@ -249,8 +256,15 @@ def test_prompts_longer_than_the_cache_are_left_out(tmp_path: Path) -> None:
         )
         + "\n"
     )
-    out = run_replay(path, policies=["round-robin"], workers=1, gpu_profile=None,
-                     hbm_gib=0.5, report=None, progress=False)  # fmt: skip
+    out = run_replay(
+        path,
+        policies=["round-robin"],
+        workers=1,
+        gpu_profile=None,
+        hbm_gib=0.5,
+        report=None,
+        progress=False,
+    )
     assert out["setup"]["max_model_len"] == 8 * 512
     assert out["trace"]["requests"] == 1 and out["trace"]["skipped_requests"] == 1
     assert out["policies"]["round-robin"]["prompt_tokens"] == 600

@@ -177,14 +177,20 @@ def test_the_baselines_decisions_carry_a_fixed_kind(
         ("reaper", None, False),
         ("reaper+lead-time", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
         ("reaper+lead-time:tool_finished", frozenset({PrefetchTrigger.TOOL_FINISHED}), False),
-        ("reaper+lead-time:hazard,tool_due",
-         frozenset({PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE}), False),
+        (
+            "reaper+lead-time:hazard,tool_due",
+            frozenset({PrefetchTrigger.HAZARD, PrefetchTrigger.TOOL_DUE}),
+            False,
+        ),
         ("reaper+branches", None, True),
         ("reaper+lead-time+branches", frozenset({PrefetchTrigger.TOOL_FINISHED}), True),
-        ("reaper+lead-time:tool_finished,tool_due,hazard+branches", frozenset(PrefetchTrigger),
-         True),
+        (
+            "reaper+lead-time:tool_finished,tool_due,hazard+branches",
+            frozenset(PrefetchTrigger),
+            True,
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_reapers_options_by_name(
     name: str, triggers: frozenset[PrefetchTrigger] | None, branches: bool
 ) -> None:
@@ -213,8 +219,10 @@ def test_bad_options(name: str, needle: str) -> None:
 def test_the_reaper_of_every_name_takes_the_priors(name: str) -> None:
     priors = {"test": LogNormal(600.0, 0.05)}  # tests take ten minutes, always
     key = WaitKey(DEFAULT_TENANT, "test")
-    for policy in (residency_plan(name, priors=priors).policy,
-                   residency_policy(name, priors=priors)):  # fmt: skip
+    for policy in (
+        residency_plan(name, priors=priors).policy,
+        residency_policy(name, priors=priors),
+    ):
         assert isinstance(policy, Reaper)
         assert policy.survival.p_return_within(key, 0.0, 60.0) < 0.01
     assert residency_policy(name).survival.p_return_within(key, 0.0, 60.0) > 0.1  # type: ignore[attr-defined]

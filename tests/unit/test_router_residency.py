@@ -18,8 +18,14 @@ def placed_session() -> tuple[Wired, tuple[int, ...]]:
     full blocks of 16): the event hashes of its chain."""
     wired = wired_desk([RouterWorker(w, client=None) for w in (W0, W1)], index=KvIndex())
     session = wired.desk.sessions.open(TenantId("a"), SessionId("s"), 0.0)
-    turn = TurnRequest(TenantId("a"), "/v1/completions", {"model": "m"}, list(range(100)),
-                       TaskId("a/t"), SessionId("s"))  # fmt: skip
+    turn = TurnRequest(
+        TenantId("a"),
+        "/v1/completions",
+        {"model": "m"},
+        list(range(100)),
+        TaskId("a/t"),
+        SessionId("s"),
+    )
     placer = wired.desk.placer
     placer.commit(session, placer.place(turn, session))
     assert session.chain is not None

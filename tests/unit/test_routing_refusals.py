@@ -34,10 +34,14 @@ def test_an_unknown_path_is_a_404_in_the_error_json() -> None:
     with client() as http:
         answer = http.get("/v1/nowhere")
     assert answer.status_code == 404
-    assert answer.json() == {"error": {
-        "message": "GET /v1/nowhere: Not Found", "type": "not_found_error", "param": None,
-        "code": "not_found",
-    }}  # fmt: skip
+    assert answer.json() == {
+        "error": {
+            "message": "GET /v1/nowhere: Not Found",
+            "type": "not_found_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
 
 
 def test_a_method_the_route_does_not_take_is_a_405_in_the_error_json_with_allow() -> None:

@@ -26,8 +26,9 @@ from appliance.workload.agent_traces import (
 from tests.paths import DATA
 
 
-def req(n_in: int, ids: Iterable[int], *, think: float = 0.0, out: int = 10,
-        stop: str = "tool_use") -> TraceRequest:  # fmt: skip
+def req(
+    n_in: int, ids: Iterable[int], *, think: float = 0.0, out: int = 10, stop: str = "tool_use"
+) -> TraceRequest:
     return TraceRequest(0.0, n_in, out, tuple(ids), stop, think, None)
 
 
@@ -35,22 +36,43 @@ def trace(sid: str, *steps: TraceRequest | TraceSubagents, system: int = 0) -> A
     return AgentSessionTrace(sid, 64, "local", system, 0, steps)
 
 
-def loop(*sessions: AgentSessionTrace, users: int = 1, bs: int = 64, duration_s: float = 1e9,
-         warmup_s: float = 0.0) -> SessionLoop:  # fmt: skip
+def loop(
+    *sessions: AgentSessionTrace,
+    users: int = 1,
+    bs: int = 64,
+    duration_s: float = 1e9,
+    warmup_s: float = 0.0,
+) -> SessionLoop:
     hasher = BlockHasher(HashAlgo.SHA256, bs)
-    return SessionLoop(sessions, users=users, hasher=hasher, max_model_len=4096,
-                       window=RunWindow(duration_s, warmup_s))  # fmt: skip
+    return SessionLoop(
+        sessions,
+        users=users,
+        hasher=hasher,
+        max_model_len=4096,
+        window=RunWindow(duration_s, warmup_s),
+    )
 
 
 def finish(arrival: Arrival, at_s: float) -> RequestRecord:
     r = arrival.request
-    return RequestRecord(r.request_id, 0, arrival.time_s, len(r.prompt_token_ids),
-                         first_token_s=at_s, finish_s=at_s, output_tokens=r.max_tokens)  # fmt: skip
+    return RequestRecord(
+        r.request_id,
+        0,
+        arrival.time_s,
+        len(r.prompt_token_ids),
+        first_token_s=at_s,
+        finish_s=at_s,
+        output_tokens=r.max_tokens,
+    )
 
 
 def test_each_request_follows_the_previous_answer_by_its_think_time() -> None:
-    s = trace("a", req(200, [1, 2, 3]), req(300, [1, 2, 3, 4], think=7.5), stop_last := req(
-        330, [1, 2, 3, 4, 5], think=2.0, stop="end_turn"))  # fmt: skip
+    s = trace(
+        "a",
+        req(200, [1, 2, 3]),
+        req(300, [1, 2, 3, 4], think=7.5),
+        stop_last := req(330, [1, 2, 3, 4, 5], think=2.0, stop="end_turn"),
+    )
     lp = loop(s)
     [first] = list(lp.arrivals())
     assert first.time_s == 0.0 and len(first.request.prompt_token_ids) == 200
@@ -126,10 +148,12 @@ def test_only_the_warm_share_of_the_system_prompt_is_shared_between_sessions() -
 
 
 def test_sub_agents_run_beside_the_parent_which_waits_for_them() -> None:
-    agents = TraceSubagents((
-        SubagentTrace("x", "Explore", "completed", 30.0, 20.0, 0, 0, (req(128, [1, 2]),)),
-        SubagentTrace("y", "Explore", "async_launched", 10.0, None, 0, 0, (req(128, [5, 6]),)),
-    ))  # fmt: skip
+    agents = TraceSubagents(
+        (
+            SubagentTrace("x", "Explore", "completed", 30.0, 20.0, 0, 0, (req(128, [1, 2]),)),
+            SubagentTrace("y", "Explore", "async_launched", 10.0, None, 0, 0, (req(128, [5, 6]),)),
+        )
+    )
     s = trace("p", req(200, [1, 2, 3]), agents, req(300, [1, 2, 3, 4], think=25.0))
     lp = loop(s)
     [p0] = list(lp.arrivals())
@@ -143,8 +167,13 @@ def test_sub_agents_run_beside_the_parent_which_waits_for_them() -> None:
 
 
 def test_an_answers_stop_is_what_the_residency_policy_hears_and_no_more() -> None:
-    s = trace("a", req(200, [1, 2, 3]), req(300, [1, 2, 3, 4], stop="end_turn"),
-              req(330, [1, 2, 3, 4, 5], stop=""), req(400, range(1, 7)))  # fmt: skip
+    s = trace(
+        "a",
+        req(200, [1, 2, 3]),
+        req(300, [1, 2, 3, 4], stop="end_turn"),
+        req(330, [1, 2, 3, 4, 5], stop=""),
+        req(400, range(1, 7)),
+    )
     lp = loop(s)
     hints = []
     [a] = list(lp.arrivals())
@@ -153,13 +182,16 @@ def test_an_answers_stop_is_what_the_residency_policy_hears_and_no_more() -> Non
         follow = lp.on_finish(finish(a, at))
         a = follow[0] if follow else a
     got = [(h.ends_in_tool_call, h.tool_class, h.expected_wait_s) for h in hints if h]
-    assert got == [(True, None, None), (True, PERSON, None), (None, None, None),
-                   (True, None, None)]  # fmt: skip
+    assert got == [(True, None, None), (True, PERSON, None), (None, None, None), (True, None, None)]
 
 
 def test_the_clairvoyant_loop_tells_each_true_wait_and_the_last_request() -> None:
-    s = trace("a", req(200, [1, 2, 3]), req(9000, range(1, 141), think=3.0),
-              req(300, [1, 2, 3, 4], think=7.0))  # fmt: skip
+    s = trace(
+        "a",
+        req(200, [1, 2, 3]),
+        req(9000, range(1, 141), think=3.0),
+        req(300, [1, 2, 3, 4], think=7.0),
+    )
     hasher = BlockHasher(HashAlgo.SHA256, 64)
     lp = SessionLoop([s], users=1, hasher=hasher, max_model_len=4096, clairvoyant=True)
     [a] = list(lp.arrivals())
@@ -206,8 +238,9 @@ def test_every_stack_replays_the_real_sessions_and_counts_only_the_window() -> N
         assert 0.0 < row["hit_rate"] < 1.0  # type: ignore[operator]
         assert row["ttft_p95_s"] >= row["ttft_p50_s"] > 0  # type: ignore[operator]
     assert rows["vllm"]["demotions"] == 0 and rows["vllm"]["host_hit_tokens"] == 0
-    everything = replay_stack(SLICE, "vllm", setup, latency, users=3,
-                              window=RunWindow(duration_s=400.0, warmup_s=0.0))  # fmt: skip
+    everything = replay_stack(
+        SLICE, "vllm", setup, latency, users=3, window=RunWindow(duration_s=400.0, warmup_s=0.0)
+    )
     assert everything["requests"] > rows["vllm"]["requests"]  # type: ignore[operator]
 
 
@@ -292,13 +325,22 @@ def test_the_capacity_is_the_largest_count_within_the_slo() -> None:
 def test_the_ttft_floor_is_each_request_alone_with_its_previous_prompt_cached() -> None:
     _, latency = make_setup(workers=1, hbm_gib=8, block_size=64)
     ids = list(range(1, 101))
-    s = trace("a", req(6400, ids), req(6464, [*ids, 500], think=1.0),
-              req(6528, [*ids, 500, 501], think=1.0))  # fmt: skip
+    s = trace(
+        "a",
+        req(6400, ids),
+        req(6464, [*ids, 500], think=1.0),
+        req(6528, [*ids, 500, 501], think=1.0),
+    )
     floor = session_ttft_floor([s], latency, 16384)
     cold, warm = latency.prefill_s(6400, 0), latency.prefill_s(64, 6464)
     assert floor["p99_s"] == pytest.approx(cold, abs=1e-4)  # the first: nothing cached
     assert floor["p50_s"] == pytest.approx(warm, abs=1e-4)  # the rest: all but 64 tokens
-    real = replay_stack(SLICE, "vllm", *make_setup(workers=1, hbm_gib=8, block_size=64),
-                        users=1, window=RunWindow(400.0, 0.0))  # fmt: skip
+    real = replay_stack(
+        SLICE,
+        "vllm",
+        *make_setup(workers=1, hbm_gib=8, block_size=64),
+        users=1,
+        window=RunWindow(400.0, 0.0),
+    )
     alone = session_ttft_floor(SLICE, latency, 16384)
     assert alone["p50_s"] <= real["ttft_p50_s"]  # type: ignore[operator]

@@ -152,8 +152,11 @@ def test_a_turn_that_named_no_session_nor_task_leaves_no_session_behind() -> Non
     table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16))
     tenant = TenantId("t")
     kept = []
-    for sid, task in (("task:t/turn-1a", "t/turn-1a"), ("s-1", "t/turn-2b"),
-                      ("task:t/job", "t/job")):  # fmt: skip
+    for sid, task in (
+        ("task:t/turn-1a", "t/turn-1a"),
+        ("s-1", "t/turn-2b"),
+        ("task:t/job", "t/job"),
+    ):
         state = table.open(tenant, SessionId(sid), 0.0)
         state.task_id = TaskId(task)
         table.began(state, 0.0)
@@ -213,8 +216,9 @@ def test_a_chat_without_system_messages_or_tools_has_no_stem() -> None:
 def test_the_stem_goes_on_while_later_turns_keep_it_and_ends_when_it_is_rewritten() -> None:
     messages = _system_chat()
     path, limit = "/v1/chat/completions", 9000
-    _, first = prompt_tokens(path, {"model": "sim", "messages": messages}, TOK, model="sim",
-                             max_model_len=limit)  # fmt: skip
+    _, first = prompt_tokens(
+        path, {"model": "sim", "messages": messages}, TOK, model="sim", max_model_len=limit
+    )
     assert first is not None and first.stem > 0
     messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
     text = TOK.render_chat(messages, add_generation_prompt=True)

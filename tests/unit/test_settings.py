@@ -159,8 +159,10 @@ def test_keyless_auth_on_loopback_is_accepted(host: str) -> None:
 def test_engine_ports_left_unset_follow_the_api_port() -> None:
     engine = load().engine
     assert (engine.base_port, engine.kv_events_base_port, engine.kv_retention_base_port) == (
-        None, None, None,
-    )  # fmt: skip
+        None,
+        None,
+        None,
+    )
     assert [engine.port_base(k) for k in PORT_OFFSETS] == [8100, 5557, 5657]
     assert [engine.port_base(k, 9000) for k in PORT_OFFSETS] == [9020, 6477, 6577]
     set_one = load(engine={"base_port": 7000}).engine

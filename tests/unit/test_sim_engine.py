@@ -65,8 +65,13 @@ class Run:
         raise AssertionError(f"{rid} produced no first token")
 
     def tokens(self, rid: str) -> list[int]:
-        return [t for _, r in self.steps for o in r.outputs if o.request_id == rid
-                for t in o.new_token_ids]  # fmt: skip
+        return [
+            t
+            for _, r in self.steps
+            for o in r.outputs
+            if o.request_id == rid
+            for t in o.new_token_ids
+        ]
 
 
 def run(
@@ -436,45 +441,113 @@ def make_sched_workload(seed: int, **cfg: Any) -> dict[str, Any]:
         ]
         prompt = prompt[: rng.randrange(1, mml)]
         eos = rng.choice([None, None, rng.randrange(1, 10)])
-        reqs.append({
-            "id": f"r{i}", "step": rng.randrange(cfg["steps"]), "prompt": prompt,
-            "max_tokens": rng.randrange(1, 40), "eos_after": eos, "priority": rng.randrange(3),
-            "abort_step": rng.choice([None] * 6 + [rng.randrange(cfg["steps"] + 20)]),
-        })  # fmt: skip
+        reqs.append(
+            {
+                "id": f"r{i}",
+                "step": rng.randrange(cfg["steps"]),
+                "prompt": prompt,
+                "max_tokens": rng.randrange(1, 40),
+                "eos_after": eos,
+                "priority": rng.randrange(3),
+                "abort_step": rng.choice([None] * 6 + [rng.randrange(cfg["steps"] + 20)]),
+            }
+        )
     return {**cfg, "requests": reqs}
 
 
 SCHED_WORKLOADS = [
-    make_sched_workload(1, block_size=4, num_blocks=24, max_model_len=64, max_num_seqs=4,
-                        max_num_batched_tokens=16, policy="fcfs", steps=40, n_requests=30),
-    make_sched_workload(2, block_size=4, num_blocks=28, max_model_len=96, max_num_seqs=5,
-                        max_num_batched_tokens=32, policy="priority", steps=10, n_requests=30),
-    make_sched_workload(3, block_size=8, num_blocks=30, max_model_len=128, max_num_seqs=8,
-                        max_num_batched_tokens=40, policy="fcfs", steps=60, n_requests=40),
+    make_sched_workload(
+        1,
+        block_size=4,
+        num_blocks=24,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        policy="fcfs",
+        steps=40,
+        n_requests=30,
+    ),
+    make_sched_workload(
+        2,
+        block_size=4,
+        num_blocks=28,
+        max_model_len=96,
+        max_num_seqs=5,
+        max_num_batched_tokens=32,
+        policy="priority",
+        steps=10,
+        n_requests=30,
+    ),
+    make_sched_workload(
+        3,
+        block_size=8,
+        num_blocks=30,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=40,
+        policy="fcfs",
+        steps=60,
+        n_requests=40,
+    ),
     # Priority: the victim ("lo", admitted first) was already scheduled in the step in which
     # "hi" runs out of blocks, so its tokens go back to the budget.
-    {"block_size": 4, "num_blocks": 17, "max_model_len": 64, "max_num_seqs": 3,
-     "max_num_batched_tokens": 3, "policy": "priority", "steps": 3, "requests": [
-        {"id": "lo", "step": 0, "prompt": list(range(1, 21)), "max_tokens": 30,
-         "eos_after": None, "priority": 2, "abort_step": None},
-        {"id": "hi", "step": 1, "prompt": list(range(50, 73)), "max_tokens": 30,
-         "eos_after": None, "priority": 0, "abort_step": None},
-        {"id": "mid", "step": 2, "prompt": list(range(80, 84)), "max_tokens": 20,
-         "eos_after": None, "priority": 1, "abort_step": None}]},
-]  # fmt: skip
+    {
+        "block_size": 4,
+        "num_blocks": 17,
+        "max_model_len": 64,
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 3,
+        "policy": "priority",
+        "steps": 3,
+        "requests": [
+            {
+                "id": "lo",
+                "step": 0,
+                "prompt": list(range(1, 21)),
+                "max_tokens": 30,
+                "eos_after": None,
+                "priority": 2,
+                "abort_step": None,
+            },
+            {
+                "id": "hi",
+                "step": 1,
+                "prompt": list(range(50, 73)),
+                "max_tokens": 30,
+                "eos_after": None,
+                "priority": 0,
+                "abort_step": None,
+            },
+            {
+                "id": "mid",
+                "step": 2,
+                "prompt": list(range(80, 84)),
+                "max_tokens": 20,
+                "eos_after": None,
+                "priority": 1,
+                "abort_step": None,
+            },
+        ],
+    },
+]
 
 
 def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
     bs = w["block_size"]
     config = EngineConfig(
-        num_blocks=w["num_blocks"], block_size=bs, max_model_len=w["max_model_len"],
-        max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
+        num_blocks=w["num_blocks"],
+        block_size=bs,
+        max_model_len=w["max_model_len"],
+        max_num_seqs=w["max_num_seqs"],
+        max_num_batched_tokens=w["max_num_batched_tokens"],
         policy=w["policy"],
-    )  # fmt: skip
+    )
     engine = SimEngine(
-        config, hasher=BlockHasher(HashAlgo.SHA256, bs), latency=LAT,
+        config,
+        hasher=BlockHasher(HashAlgo.SHA256, bs),
+        latency=LAT,
         output_token_ids=lambda r, i: vllm_token(r.request_id, i),
-    )  # fmt: skip
+    )
     steps: list[dict[str, Any]] = []
     for k in range(w["steps"] + 2000):
         for r in w["requests"]:
@@ -494,17 +567,26 @@ def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
             break
         res = engine.step(float(k))
         s = engine.stats
-        steps.append({
-            "sched": [[rid, n] for rid, n in res.scheduled.items()],
-            "out": [[o.request_id, len(o.new_token_ids), o.finish_reason]
-                    for o in res.outputs if o.finish_reason != "abort"],
-            "cached": {o.request_id: o.num_cached_tokens for o in res.outputs if o.first_token},
-            "blocks": {r["id"]: list(engine.block_ids(r["id"])) for r in w["requests"]
-                       if engine.block_ids(r["id"])},
-            "counts": [s.num_running, s.num_waiting], "usage": s.kv_cache_usage,
-            "preempted": sorted(res.preempted),
-            "prefix": [s.prefix_cache_queries, s.prefix_cache_hits],
-        })  # fmt: skip
+        steps.append(
+            {
+                "sched": [[rid, n] for rid, n in res.scheduled.items()],
+                "out": [
+                    [o.request_id, len(o.new_token_ids), o.finish_reason]
+                    for o in res.outputs
+                    if o.finish_reason != "abort"
+                ],
+                "cached": {o.request_id: o.num_cached_tokens for o in res.outputs if o.first_token},
+                "blocks": {
+                    r["id"]: list(engine.block_ids(r["id"]))
+                    for r in w["requests"]
+                    if engine.block_ids(r["id"])
+                },
+                "counts": [s.num_running, s.num_waiting],
+                "usage": s.kv_cache_usage,
+                "preempted": sorted(res.preempted),
+                "prefix": [s.prefix_cache_queries, s.prefix_cache_hits],
+            }
+        )
     return steps
 
 

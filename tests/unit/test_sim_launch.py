@@ -22,14 +22,25 @@ PER_BLOCK = 32 * PROFILE.kv_bytes_per_token
 
 
 def _engine(**fields: object) -> Settings:
-    base = {"kind": "sim", "workers": 2, "base_port": 9100, "kv_events_base_port": 9200,
-            "kv_retention_base_port": 9300, "block_size": 32}  # fmt: skip
+    base = {
+        "kind": "sim",
+        "workers": 2,
+        "base_port": 9100,
+        "kv_events_base_port": 9200,
+        "kv_retention_base_port": 9300,
+        "block_size": 32,
+    }
     return Settings(engine={**base, **fields})
 
 
 def test_each_simulated_worker_reads_the_settings_from_vllms_command_line() -> None:
-    settings = _engine(kv_cache_memory_bytes=100 * PER_BLOCK, kv_host_bytes=800 * PER_BLOCK,
-                       gpus=[3, 4], sim_time_scale=0.5, enable_auto_tool_choice=True)  # fmt: skip
+    settings = _engine(
+        kv_cache_memory_bytes=100 * PER_BLOCK,
+        kv_host_bytes=800 * PER_BLOCK,
+        gpus=[3, 4],
+        sim_time_scale=0.5,
+        enable_auto_tool_choice=True,
+    )
     spec = sim_spec(settings.engine)
     assert (spec.device, spec.sleep_mode) == (Device.SIM, True)
     w1 = plan_workers(spec, {"CUDA_VISIBLE_DEVICES": "7"})[1]

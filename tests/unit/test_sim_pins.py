@@ -36,8 +36,15 @@ def admit(cache: PrefixCache, req: CacheRequest) -> tuple[int, ...] | None:
     return cache.allocate(req, req.num_tokens - hit.num_tokens, hit, full_sequence_must_fit=True)
 
 
-def served(cache: PrefixCache, rid: str, tokens: list[int], session: str, *,
-           until_s: float | None = None, now: float = 0.0) -> CacheRequest:  # fmt: skip
+def served(
+    cache: PrefixCache,
+    rid: str,
+    tokens: list[int],
+    session: str,
+    *,
+    until_s: float | None = None,
+    now: float = 0.0,
+) -> CacheRequest:
     """Prefill a request, pin its cached blocks (if `until_s`), free it."""
     req = make(rid, tokens, session)
     assert admit(cache, req) is not None
@@ -265,7 +272,11 @@ def test_a_hook_that_never_holds_changes_nothing() -> None:
             )
         a, b = plain.step(now), hooked.step(now)
         assert (a.duration_s, a.scheduled, a.preempted, a.events) == (
-            b.duration_s, b.scheduled, b.preempted, b.events)  # fmt: skip
+            b.duration_s,
+            b.scheduled,
+            b.preempted,
+            b.events,
+        )
         assert [(o.request_id, o.new_token_ids, o.num_cached_tokens) for o in a.outputs] == [
             (o.request_id, o.new_token_ids, o.num_cached_tokens) for o in b.outputs
         ]

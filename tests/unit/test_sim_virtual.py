@@ -197,8 +197,9 @@ def test_the_real_trace_replays_with_prefix_hits() -> None:
     records = load_mooncake(TRACE, limit=150)
     sessions = conversation_ids(records)
     bs = TRACE_BLOCK_TOKENS
-    fleet = engines(2, block_size=bs, num_blocks=2000, max_model_len=131072,
-                    max_num_batched_tokens=8192)  # fmt: skip
+    fleet = engines(
+        2, block_size=bs, num_blocks=2000, max_model_len=131072, max_num_batched_tokens=8192
+    )
     result = replay(fleet, trace_arrivals(records, BlockTokens(), sessions=sessions))
     assert len(result.records) == 150
     assert all(r.finish_s is not None for r in result.records)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from appliance.daemon import gpu_probe, simulated_gpu
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import LoadSnapshot
+from appliance.engine_start import gpu_probe, simulated_gpu
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import (
     DRIVER,

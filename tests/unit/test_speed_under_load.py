@@ -26,10 +26,17 @@ W0, W1 = WorkerId("w0"), WorkerId("w1")
 
 def reading(at: float, count: int, prefill_s: float, running: int = 0) -> LoadSnapshot:
     """`count` finished requests of the session's shape since the engine started."""
-    return LoadSnapshot(time=at, running=running, waiting=0, kv_cache_usage_perc=0.0,
-                        prompt_tokens=count * PROMPT, prefill_sum_s=prefill_s,
-                        prefill_count=count, prefill_fresh_tokens=count * (PROMPT - RESIDENT),
-                        prefill_prompt_tokens=count * PROMPT)  # fmt: skip
+    return LoadSnapshot(
+        time=at,
+        running=running,
+        waiting=0,
+        kv_cache_usage_perc=0.0,
+        prompt_tokens=count * PROMPT,
+        prefill_sum_s=prefill_s,
+        prefill_count=count,
+        prefill_fresh_tokens=count * (PROMPT - RESIDENT),
+        prefill_prompt_tokens=count * PROMPT,
+    )
 
 
 def setup() -> tuple[Wired, WorkerSpeeds, list[RouterWorker]]:
@@ -60,8 +67,14 @@ def place_next_turn(wired: Wired, at: float) -> tuple[WorkerId | None, RouteKind
     est = wired.queues.prefill_s(W1, PROMPT - RESIDENT, RESIDENT)  # as the desk sends it
     for i in range(4):
         wired.queues.sent(W1, TurnId(f"waiting-{i}"), est, at)
-    turn = TurnRequest(TenantId("a"), "/v1/chat/completions", {"model": "m"}, list(range(PROMPT)),
-                       TaskId("a/t"), SessionId("s"))  # fmt: skip
+    turn = TurnRequest(
+        TenantId("a"),
+        "/v1/chat/completions",
+        {"model": "m"},
+        list(range(PROMPT)),
+        TaskId("a/t"),
+        SessionId("s"),
+    )
     session = wired.desk.sessions.open(TenantId("a"), SessionId("s"), at)
     decision = wired.desk.placer.place(turn, session).decision
     return decision.worker, decision.kind

@@ -43,8 +43,10 @@ def scrape(
     out: dict[str, dict[tuple[str, str], float]] = {}
     for family in text_string_to_metric_families(metrics_text(src)):
         for sample in family.samples:
-            key = (sample.labels.get("worker", ""), sample.labels.get("state", "")
-                   or sample.labels.get("le", ""))  # fmt: skip
+            key = (
+                sample.labels.get("worker", ""),
+                sample.labels.get("state", "") or sample.labels.get("le", ""),
+            )
             out.setdefault(sample.name, {})[key] = sample.value
     return out
 

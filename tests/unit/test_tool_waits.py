@@ -9,8 +9,14 @@ from appliance.services.sessions import SessionState
 from appliance.services.tool_waits import NAMES_PER_TENANT, OTHER, ToolWaits, TurnWait
 
 
-def ended(tenant: str = "acme", sid: str = "s", *, said: AnswerEnd | None = None,
-          tool: str | None = None, wait_s: float | None = None) -> SessionState:  # fmt: skip
+def ended(
+    tenant: str = "acme",
+    sid: str = "s",
+    *,
+    said: AnswerEnd | None = None,
+    tool: str | None = None,
+    wait_s: float | None = None,
+) -> SessionState:
     s = SessionState(TenantId(tenant), SessionId(sid), created_at=0.0)
     s.said, s.tool_class, s.expected_wait_s = said, tool, wait_s
     return s
@@ -59,8 +65,12 @@ def test_a_headers_hints_win_and_the_answer_is_kept_beside_them() -> None:
     waits = ToolWaits(10)
     both = waits.wait_of(ended(said=calls("grep"), tool="search", wait_s=2.5), "k")
     assert (both.tool_class, both.expected_wait_s, both.answered) == ("search", 2.5, "grep")
-    assert both.figures() == {"answer_tools": "grep", "header_tool_class": "search",
-                              "header_wait_s": 2.5, "wait_from": "header"}  # fmt: skip
+    assert both.figures() == {
+        "answer_tools": "grep",
+        "header_tool_class": "search",
+        "header_wait_s": 2.5,
+        "wait_from": "header",
+    }
     only_wait = waits.wait_of(ended(said=calls("grep"), wait_s=2.5), "k")
     assert (only_wait.tool_class, only_wait.source) == ("grep", "header")
 

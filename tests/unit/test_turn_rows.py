@@ -41,8 +41,14 @@ class RowLog(AckLedger):
 
 
 def turn() -> TurnRequest:
-    return TurnRequest(TenantId("a"), "/v1/completions", {"model": "m"}, list(range(100)),
-                       TaskId("a/t"), SessionId("s"))  # fmt: skip
+    return TurnRequest(
+        TenantId("a"),
+        "/v1/completions",
+        {"model": "m"},
+        list(range(100)),
+        TaskId("a/t"),
+        SessionId("s"),
+    )
 
 
 def test_an_attempts_rows_go_together_once_its_answer_is_out() -> None:
@@ -84,8 +90,15 @@ def test_a_failed_attempts_decision_goes_with_its_failed_turn() -> None:
         await asyncio.sleep(0)
 
     asyncio.run(main())
-    assert ledger.seen == ["route_decision", "turn", "session",  # no receipt for a failure
-                           "route_decision", "turn", "cache_receipt", "session"]  # fmt: skip
+    assert ledger.seen == [
+        "route_decision",
+        "turn",
+        "session",  # no receipt for a failure
+        "route_decision",
+        "turn",
+        "cache_receipt",
+        "session",
+    ]
     assert [t.worker for t in ledger.turns] == ["w0", "w1"]
 
 
@@ -136,8 +149,10 @@ def test_a_turn_row_carries_its_wait_before_the_worker_and_its_reasoning_tokens(
 
     class Thinking:
         async def post(self, path: str, body: Any, headers: Any = None) -> bytes:
-            return (b'{"usage": {"prompt_tokens": 100, "completion_tokens": 40, '
-                    b'"completion_tokens_details": {"reasoning_tokens": 25}}}')  # fmt: skip
+            return (
+                b'{"usage": {"prompt_tokens": 100, "completion_tokens": 40, '
+                b'"completion_tokens_details": {"reasoning_tokens": 25}}}'
+            )
 
     wired = wired_desk([RouterWorker(WorkerId("w0"), Thinking())], ledger=ledger)
     waited = dataclasses.replace(turn(), received_at=time.monotonic() - 0.75)

@@ -31,9 +31,16 @@ CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"]
 
 def turn(task: str = "t", *, stream: bool = False, deadline_s: float | None = 2.0) -> TurnInput:
     body = {"model": "m", "stream": True} if stream else {"model": "m"}
-    return TurnInput(A, "/v1/completions", body, tokenize=lambda _: ([1] * 40, None),
-                     estimate=lambda _: None, task_id=task, session_id=SessionId(task),
-                     deadline_s=deadline_s)  # fmt: skip
+    return TurnInput(
+        A,
+        "/v1/completions",
+        body,
+        tokenize=lambda _: ([1] * 40, None),
+        estimate=lambda _: None,
+        task_id=task,
+        session_id=SessionId(task),
+        deadline_s=deadline_s,
+    )
 
 
 class Worker:

@@ -90,8 +90,15 @@ def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> 
         return second, None
 
     def turn(ids: list[int] | None, **kw: Any) -> TurnRequest:
-        return TurnRequest(TenantId("a"), "/v1/chat/completions", {"model": "m"}, ids,
-                           TaskId("a/t"), SessionId("s"), **kw)  # fmt: skip
+        return TurnRequest(
+            TenantId("a"),
+            "/v1/chat/completions",
+            {"model": "m"},
+            ids,
+            TaskId("a/t"),
+            SessionId("s"),
+            **kw,
+        )
 
     async def main() -> None:
         await wired.desk.handle(turn(first))
@@ -119,16 +126,29 @@ def test_a_turn_that_fails_to_tokenise_makes_the_next_one_tokenise_first(
         raise ValueError("template error")
 
     async def main() -> None:
-        first = TurnRequest(TenantId("a"), "/v1/chat/completions", {"model": "m"},
-                            list(range(100)), TaskId("a/t"), SessionId("s"),
-                            chat=encode_chat_text("x", lambda text: [1], ()),
-                            messages=[{"role": "user", "content": "x"}])  # fmt: skip
+        first = TurnRequest(
+            TenantId("a"),
+            "/v1/chat/completions",
+            {"model": "m"},
+            list(range(100)),
+            TaskId("a/t"),
+            SessionId("s"),
+            chat=encode_chat_text("x", lambda text: [1], ()),
+            messages=[{"role": "user", "content": "x"}],
+        )
         await wired.desk.handle(first)
         session = wired.desk.sessions.get(TenantId("a"), SessionId("s"))
         assert session is not None and session.messages is not None
-        untokenised = TurnRequest(TenantId("a"), "/v1/chat/completions", {"model": "m"}, None,
-                                  TaskId("a/t"), SessionId("s"), tokenize=broken,
-                                  estimated_tokens=120)  # fmt: skip
+        untokenised = TurnRequest(
+            TenantId("a"),
+            "/v1/chat/completions",
+            {"model": "m"},
+            None,
+            TaskId("a/t"),
+            SessionId("s"),
+            tokenize=broken,
+            estimated_tokens=120,
+        )
         await wired.desk.handle(untokenised)
         assert session.chat is None and session.messages is None
         assert resumable(session, [{"role": "user", "content": "x"}, {"role": "user"}]) is None

@@ -166,8 +166,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("spec", "index", "flags", "env"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("spec", "index", "flags", "env"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_launch_table(spec: LaunchSpec, index: int, flags: dict, env: dict) -> None:
     launch = plan_workers(spec, BASE_ENV)[index]
     assert launch.argv[:3] == (spec.python, "-m", "vllm.entrypoints.openai.api_server")
@@ -333,9 +334,12 @@ def test_the_cpu_build_sizes_its_kv_from_free_memory_unless_configured() -> None
     assert flag(argv, "--kv-cache-memory-bytes") == str(cpu_kv_cache_bytes(8 * GIB, 2))
     assert flag(argv, "--gpu-memory-utilization") is None
     configured = spec_from_settings(
-        engine, python="/p", device=Device.CPU, kv_cache_memory_bytes=5 << 20,
+        engine,
+        python="/p",
+        device=Device.CPU,
+        kv_cache_memory_bytes=5 << 20,
         free_memory_bytes=8 * GIB,
-    )  # fmt: skip
+    )
     assert configured.kv_cache_memory_bytes == 5 << 20
     gpu = spec_from_settings(engine, python="/p", device=Device.CUDA, free_memory_bytes=8 * GIB)
     assert gpu.kv_cache_memory_bytes is None

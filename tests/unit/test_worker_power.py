@@ -26,6 +26,7 @@ from appliance.policy.worker_power import (
     sleep_target,
     wake_delay_s,
 )
+from tests.cases import case
 
 A, S1, S2, ST = (
     PowerState.AWAKE,
@@ -54,46 +55,94 @@ def worker(
     ("w", "settings", "table", "target", "kind", "action", "reason"),
     [
         # the idle threshold, either side and exactly at it
-        (worker(idle_s=59.9), PowerSettings(60.0), TABLE, A, PowerKind.IDLE_TOO_SHORT,
-         PowerAction.STAY, "idle 59.9 s of 60 s"),
-        (worker(idle_s=60.0), PowerSettings(60.0), TABLE, ST, PowerKind.CHEAPEST_FIT,
-         PowerAction.STOP, "idle 60 s >= 60 s: stopped is the cheapest state that wakes "
-         "within inf s (60 s)"),
+        case(
+            (worker(idle_s=59.9), PowerSettings(60.0), TABLE),
+            (A, PowerKind.IDLE_TOO_SHORT, PowerAction.STAY, "idle 59.9 s of 60 s"),
+        ),
+        case(
+            (worker(idle_s=60.0), PowerSettings(60.0), TABLE),
+            (
+                ST,
+                PowerKind.CHEAPEST_FIT,
+                PowerAction.STOP,
+                "idle 60 s >= 60 s: stopped is the cheapest state that wakes within inf s (60 s)",
+            ),
+        ),
         # the wake limit: exactly a state's wake time fits it, a hair under does not
-        (worker(), PowerSettings(60.0, max_wake_s=60.0), TABLE, ST, PowerKind.CHEAPEST_FIT,
-         PowerAction.STOP, "within 60 s (60 s)"),
-        (worker(), PowerSettings(60.0, max_wake_s=59.9), TABLE, S2, PowerKind.CHEAPEST_FIT,
-         PowerAction.SLEEP, "asleep-2 is the cheapest state that wakes within 59.9 s (20 s)"),
-        (worker(), PowerSettings(60.0, max_wake_s=20.0), TABLE, S2, PowerKind.CHEAPEST_FIT,
-         PowerAction.SLEEP, "(20 s)"),
-        (worker(), PowerSettings(60.0, max_wake_s=19.0), TABLE, S1, PowerKind.CHEAPEST_FIT,
-         PowerAction.SLEEP, "asleep-1 is the cheapest state that wakes within 19 s (2 s)"),
-        (worker(), PowerSettings(60.0, max_wake_s=1.9), TABLE, A, PowerKind.NO_STATE_FITS,
-         PowerAction.STAY, "no supported state wakes within 1.9 s"),
+        case(
+            (worker(), PowerSettings(60.0, max_wake_s=60.0), TABLE),
+            (ST, PowerKind.CHEAPEST_FIT, PowerAction.STOP, "within 60 s (60 s)"),
+        ),
+        case(
+            (worker(), PowerSettings(60.0, max_wake_s=59.9), TABLE),
+            (
+                S2,
+                PowerKind.CHEAPEST_FIT,
+                PowerAction.SLEEP,
+                "asleep-2 is the cheapest state that wakes within 59.9 s (20 s)",
+            ),
+        ),
+        case(
+            (worker(), PowerSettings(60.0, max_wake_s=20.0), TABLE),
+            (S2, PowerKind.CHEAPEST_FIT, PowerAction.SLEEP, "(20 s)"),
+        ),
+        case(
+            (worker(), PowerSettings(60.0, max_wake_s=19.0), TABLE),
+            (
+                S1,
+                PowerKind.CHEAPEST_FIT,
+                PowerAction.SLEEP,
+                "asleep-1 is the cheapest state that wakes within 19 s (2 s)",
+            ),
+        ),
+        case(
+            (worker(), PowerSettings(60.0, max_wake_s=1.9), TABLE),
+            (A, PowerKind.NO_STATE_FITS, PowerAction.STAY, "no supported state wakes within 1.9 s"),
+        ),
         # unsupported states are never chosen: the CPU build only stops
-        (worker(), PowerSettings(60.0, max_wake_s=30.0), CPU, A, PowerKind.NO_STATE_FITS,
-         PowerAction.STAY, "within 30 s"),
-        (worker(), PowerSettings(60.0), CPU, ST, PowerKind.CHEAPEST_FIT, PowerAction.STOP,
-         "stopped"),
+        case(
+            (worker(), PowerSettings(60.0, max_wake_s=30.0), CPU),
+            (A, PowerKind.NO_STATE_FITS, PowerAction.STAY, "within 30 s"),
+        ),
+        case(
+            (worker(), PowerSettings(60.0), CPU),
+            (ST, PowerKind.CHEAPEST_FIT, PowerAction.STOP, "stopped"),
+        ),
         # a worker with work, or not awake, stays as it is
-        (worker(running=1), PowerSettings(0.0), TABLE, A, PowerKind.BUSY, PowerAction.STAY,
-         "busy: 1 running, 0 waiting, 0 held"),
-        (worker(waiting=2), PowerSettings(0.0), TABLE, A, PowerKind.BUSY, PowerAction.STAY,
-         "busy: 0 running, 2 waiting, 0 held"),
-        (worker(held=3), PowerSettings(0.0), TABLE, A, PowerKind.BUSY, PowerAction.STAY,
-         "busy: 0 running, 0 waiting, 3 held"),
-        (worker(state=S1), PowerSettings(0.0), TABLE, S1, PowerKind.NOT_AWAKE,
-         PowerAction.STAY, "asleep: nothing to decide"),
-        (worker(state=ST), PowerSettings(0.0), TABLE, ST, PowerKind.NOT_AWAKE,
-         PowerAction.STAY, "stopped: nothing to decide"),
-        (worker(state=S2, waking_left_s=3.0), PowerSettings(0.0), TABLE, S2,
-         PowerKind.NOT_AWAKE, PowerAction.STAY, "waking: nothing to decide"),
-        (worker(idle_s=1e9), PowerSettings(None), TABLE, A, PowerKind.DISABLED,
-         PowerAction.STAY, "no worker_idle_s: always awake"),
-        (worker(idle_s=0.0), PowerSettings(0.0), TABLE, ST, PowerKind.CHEAPEST_FIT,
-         PowerAction.STOP, "idle 0 s >= 0 s"),
+        case(
+            (worker(running=1), PowerSettings(0.0), TABLE),
+            (A, PowerKind.BUSY, PowerAction.STAY, "busy: 1 running, 0 waiting, 0 held"),
+        ),
+        case(
+            (worker(waiting=2), PowerSettings(0.0), TABLE),
+            (A, PowerKind.BUSY, PowerAction.STAY, "busy: 0 running, 2 waiting, 0 held"),
+        ),
+        case(
+            (worker(held=3), PowerSettings(0.0), TABLE),
+            (A, PowerKind.BUSY, PowerAction.STAY, "busy: 0 running, 0 waiting, 3 held"),
+        ),
+        case(
+            (worker(state=S1), PowerSettings(0.0), TABLE),
+            (S1, PowerKind.NOT_AWAKE, PowerAction.STAY, "asleep: nothing to decide"),
+        ),
+        case(
+            (worker(state=ST), PowerSettings(0.0), TABLE),
+            (ST, PowerKind.NOT_AWAKE, PowerAction.STAY, "stopped: nothing to decide"),
+        ),
+        case(
+            (worker(state=S2, waking_left_s=3.0), PowerSettings(0.0), TABLE),
+            (S2, PowerKind.NOT_AWAKE, PowerAction.STAY, "waking: nothing to decide"),
+        ),
+        case(
+            (worker(idle_s=1e9), PowerSettings(None), TABLE),
+            (A, PowerKind.DISABLED, PowerAction.STAY, "no worker_idle_s: always awake"),
+        ),
+        case(
+            (worker(idle_s=0.0), PowerSettings(0.0), TABLE),
+            (ST, PowerKind.CHEAPEST_FIT, PowerAction.STOP, "idle 0 s >= 0 s"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_one_worker(
     w: WorkerPower,
     settings: PowerSettings,
@@ -187,43 +236,78 @@ def test_sleep_target(
 @pytest.mark.parametrize(
     ("workers", "kind", "worker_id", "added_s", "from_state", "reason"),
     [
-        ([worker("a", state=A), worker("b", state=ST)], WakeKind.AWAKE, None, 0.0, None,
-         "a worker of m is awake"),
+        case(
+            [worker("a", state=A), worker("b", state=ST)],
+            (WakeKind.AWAKE, None, 0.0, None, "a worker of m is awake"),
+        ),
         # every awake worker saturated: the fastest resting one wakes, the turn does not wait
-        ([worker("a", state=A, waiting=1), worker("c", state=ST), worker("b", state=S2)],
-         WakeKind.MORE, "b", 0.0, S2,
-         "all 1 awake workers have turns waiting: wakes b from asleep-2 (20 s)"),
-        ([worker("a", state=A, waiting=1), worker("b", state=ST), worker("c", state=ST)],
-         WakeKind.MORE, "b", 0.0, ST, "wakes b from stopped (60 s)"),
+        case(
+            [worker("a", state=A, waiting=1), worker("c", state=ST), worker("b", state=S2)],
+            (
+                WakeKind.MORE,
+                "b",
+                0.0,
+                S2,
+                "all 1 awake workers have turns waiting: wakes b from asleep-2 (20 s)",
+            ),
+        ),
+        case(
+            [worker("a", state=A, waiting=1), worker("b", state=ST), worker("c", state=ST)],
+            (WakeKind.MORE, "b", 0.0, ST, "wakes b from stopped (60 s)"),
+        ),
         # ... unless one has room, one is waking already, or none rests
-        ([worker("a", state=A, waiting=1), worker("d", state=A), worker("b", state=ST)],
-         WakeKind.AWAKE, None, 0.0, None, "awake"),
-        ([worker("a", state=A, waiting=1), worker("b", state=ST, waking_left_s=5.0),
-          worker("c", state=ST)], WakeKind.AWAKE, None, 0.0, None, "awake"),
-        ([worker("a", state=A, waiting=1)], WakeKind.AWAKE, None, 0.0, None, "awake"),
+        case(
+            [worker("a", state=A, waiting=1), worker("d", state=A), worker("b", state=ST)],
+            (WakeKind.AWAKE, None, 0.0, None, "awake"),
+        ),
+        case(
+            [
+                worker("a", state=A, waiting=1),
+                worker("b", state=ST, waking_left_s=5.0),
+                worker("c", state=ST),
+            ],
+            (WakeKind.AWAKE, None, 0.0, None, "awake"),
+        ),
+        case([worker("a", state=A, waiting=1)], (WakeKind.AWAKE, None, 0.0, None, "awake")),
         # the fastest to wake, whatever the order given
-        ([worker("a", state=ST), worker("b", state=S1), worker("c", state=S2)], WakeKind.WAKE,
-         "b", 2.0, S1, "wakes b from asleep-1: 2 s"),
-        ([worker("a", state=S2), worker("b", state=ST)], WakeKind.WAKE, "a", 20.0, S2,
-         "wakes a from asleep-2: 20 s"),
+        case(
+            [worker("a", state=ST), worker("b", state=S1), worker("c", state=S2)],
+            (WakeKind.WAKE, "b", 2.0, S1, "wakes b from asleep-1: 2 s"),
+        ),
+        case(
+            [worker("a", state=S2), worker("b", state=ST)],
+            (WakeKind.WAKE, "a", 20.0, S2, "wakes a from asleep-2: 20 s"),
+        ),
         # ties by id
-        ([worker("b", state=S2), worker("a", state=S2)], WakeKind.WAKE, "a", 20.0, S2, "a"),
+        case([worker("b", state=S2), worker("a", state=S2)], (WakeKind.WAKE, "a", 20.0, S2, "a")),
         # one waking: the turn waits for it, even when another would wake faster
-        ([worker("a", state=S1), worker("b", state=ST, waking_left_s=30.0)], WakeKind.WAIT,
-         "b", 30.0, ST, "waits 30 s for b"),
-        ([worker("a", state=ST, waking_left_s=7.0), worker("b", state=S2, waking_left_s=4.0)],
-         WakeKind.WAIT, "b", 4.0, S2, "waits 4 s for b"),
-        ([worker("b", state=ST, waking_left_s=4.0), worker("a", state=ST, waking_left_s=4.0)],
-         WakeKind.WAIT, "a", 4.0, ST, "for a"),
+        case(
+            [worker("a", state=S1), worker("b", state=ST, waking_left_s=30.0)],
+            (WakeKind.WAIT, "b", 30.0, ST, "waits 30 s for b"),
+        ),
+        case(
+            [worker("a", state=ST, waking_left_s=7.0), worker("b", state=S2, waking_left_s=4.0)],
+            (WakeKind.WAIT, "b", 4.0, S2, "waits 4 s for b"),
+        ),
+        case(
+            [worker("b", state=ST, waking_left_s=4.0), worker("a", state=ST, waking_left_s=4.0)],
+            (WakeKind.WAIT, "a", 4.0, ST, "for a"),
+        ),
         # waking just now done (0 s left)
-        ([worker("a", state=ST, waking_left_s=0.0)], WakeKind.WAIT, "a", 0.0, ST, "waits 0 s"),
+        case(
+            [worker("a", state=ST, waking_left_s=0.0)], (WakeKind.WAIT, "a", 0.0, ST, "waits 0 s")
+        ),
         # workers of another model do not count
-        ([worker("a", state=A, model="x"), worker("b", state=ST)], WakeKind.WAKE, "b", 60.0,
-         ST, "wakes b"),
-        ([worker("a", state=A, model="x")], WakeKind.NO_WORKER, None, 0.0, None,
-         "no worker serves m"),
+        case(
+            [worker("a", state=A, model="x"), worker("b", state=ST)],
+            (WakeKind.WAKE, "b", 60.0, ST, "wakes b"),
+        ),
+        case(
+            [worker("a", state=A, model="x")],
+            (WakeKind.NO_WORKER, None, 0.0, None, "no worker serves m"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_choose_wake(
     workers: list[WorkerPower],
     kind: WakeKind,

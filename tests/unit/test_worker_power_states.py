@@ -52,9 +52,21 @@ def test_a_worker_at_rest_can_serve_a_crashed_or_shut_down_one_cannot() -> None:
 
 def test_the_sim_reads_vllms_command_line() -> None:
     events = '{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5","topic":"t"}'
-    argv = ["--model", "m", "--port", "9", "--block-size", "32", "--kv-events-config", events,
-            "--enable-sleep-mode", "--scheduling-policy", "priority",
-            "--sim-wake-s", "0.5,2"]  # fmt: skip
+    argv = [
+        "--model",
+        "m",
+        "--port",
+        "9",
+        "--block-size",
+        "32",
+        "--kv-events-config",
+        events,
+        "--enable-sleep-mode",
+        "--scheduling-policy",
+        "priority",
+        "--sim-wake-s",
+        "0.5,2",
+    ]
     config = worker_config(argv, {"VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "0"})
     assert (config.port, config.block_size, config.scheduling_policy) == (9, 32, "priority")
     assert (config.kv_events_endpoint, config.kv_events_topic) == ("tcp://127.0.0.1:5", "t")

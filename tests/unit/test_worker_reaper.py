@@ -43,8 +43,9 @@ class Switch:
             await asyncio.sleep(0.01)
             self._clock.advance(30.0)
             self.state = WorkerState.HEALTHY
-            self._wake.set_result(PowerChange(worker, WorkerState.STOPPED, WorkerState.HEALTHY,
-                                              30.0, spawned=True))  # fmt: skip
+            self._wake.set_result(
+                PowerChange(worker, WorkerState.STOPPED, WorkerState.HEALTHY, 30.0, spawned=True)
+            )
         return await self._wake
 
 
@@ -68,8 +69,13 @@ def setup(busy: int = 0) -> tuple[WorkerReaperLoop, Switch, Rows, ManualClock, l
         return [WorkerStatus(W0, "vllm", "http://w0", (0,), switch.state, False, 0, load=load)]
 
     inputs = PowerInputs(workers, lambda w: 0, "m", TABLE, PowerSettings(worker_idle_s=5.0))
-    loop = WorkerReaperLoop(switch, inputs, ledger=rows, clock=clock,  # type: ignore[arg-type]
-                            before_rest=rested.append)  # fmt: skip
+    loop = WorkerReaperLoop(
+        switch,
+        inputs,
+        ledger=rows,
+        clock=clock,  # type: ignore[arg-type]
+        before_rest=rested.append,
+    )
     return loop, switch, rows, clock, rested
 
 
@@ -82,7 +88,10 @@ def test_an_idle_worker_stops_and_a_turn_wakes_it_once_for_two() -> None:
     asyncio.run(loop.rest(decision))
     assert switch.calls == ["stop"] and rested == [W0]  # the idle reaper heard first
     assert (rows.power[0].action, rows.power[0].from_state, rows.power[0].to_state) == (
-        "stop", "awake", "stopped")  # fmt: skip
+        "stop",
+        "awake",
+        "stopped",
+    )
     assert rows.power[0].state_s == pytest.approx(5.1) and rows.power[0].duration_s == 0.2
     assert loop.wake_s(W0) == 30.0  # what admission adds to a turn's first token
     clock.advance(60.0)

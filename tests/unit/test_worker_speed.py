@@ -32,10 +32,18 @@ def reading(
 ) -> LoadSnapshot:
     """Counters since the engine started: `count` finished requests, their prefill seconds,
     computed (fresh) and prompt tokens."""
-    return LoadSnapshot(time=at, running=running, waiting=waiting, kv_cache_usage_perc=0.0,
-                        prefix_cache_queries_tokens=prompt, prompt_tokens=prompt,
-                        prefill_sum_s=prefill_s, prefill_count=count,
-                        prefill_fresh_tokens=fresh, prefill_prompt_tokens=prompt)  # fmt: skip
+    return LoadSnapshot(
+        time=at,
+        running=running,
+        waiting=waiting,
+        kv_cache_usage_perc=0.0,
+        prefix_cache_queries_tokens=prompt,
+        prompt_tokens=prompt,
+        prefill_sum_s=prefill_s,
+        prefill_count=count,
+        prefill_fresh_tokens=fresh,
+        prefill_prompt_tokens=prompt,
+    )
 
 
 def test_the_slowdown_is_the_mean_measured_prefill_over_the_models_for_the_mean_request() -> None:

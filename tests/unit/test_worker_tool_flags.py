@@ -13,14 +13,33 @@ from tests.unit.test_worker_launch import flag
 
 @pytest.mark.parametrize(
     ("fields", "parser", "auto", "structured"),
-    [({}, "hermes", "", '{"backend":"xgrammar","disable_any_whitespace":true}'),
-     ({"tool_call_parser": "llama3_json", "structured_outputs_backend": "guidance"},
-      "llama3_json", "", '{"backend":"guidance","disable_any_whitespace":true}'),
-     ({"enable_auto_tool_choice": False, "compact_json": False}, "hermes", None,
-      '{"backend":"xgrammar"}'),
-     ({"enable_auto_tool_choice": False, "tool_call_parser": None, "compact_json": False,
-       "structured_outputs_backend": "auto"}, None, None, None)],
-)  # fmt: skip
+    [
+        ({}, "hermes", "", '{"backend":"xgrammar","disable_any_whitespace":true}'),
+        (
+            {"tool_call_parser": "llama3_json", "structured_outputs_backend": "guidance"},
+            "llama3_json",
+            "",
+            '{"backend":"guidance","disable_any_whitespace":true}',
+        ),
+        (
+            {"enable_auto_tool_choice": False, "compact_json": False},
+            "hermes",
+            None,
+            '{"backend":"xgrammar"}',
+        ),
+        (
+            {
+                "enable_auto_tool_choice": False,
+                "tool_call_parser": None,
+                "compact_json": False,
+                "structured_outputs_backend": "auto",
+            },
+            None,
+            None,
+            None,
+        ),
+    ],
+)
 def test_workers_get_the_tool_and_json_flags(
     fields: dict, parser: str | None, auto: str | None, structured: str | None
 ) -> None:
@@ -32,9 +51,11 @@ def test_workers_get_the_tool_and_json_flags(
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [({"tool_call_parser": None}, "needs engine.tool_call_parser"),
-     ({"structured_outputs_backend": "outlines"}, "compact_json needs")],
-)  # fmt: skip
+    [
+        ({"tool_call_parser": None}, "needs engine.tool_call_parser"),
+        ({"structured_outputs_backend": "outlines"}, "compact_json needs"),
+    ],
+)
 def test_flags_vllm_would_refuse_together(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineSettings(**fields)

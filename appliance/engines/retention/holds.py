@@ -311,8 +311,10 @@ class HoldBook:
         room = self._cap - others
         if room >= want:
             return runs
-        return tuple(prefix_within(run, theirs, max(room, 0) * unheld_blocks(run, theirs) // want)
-                     for run in runs)  # fmt: skip
+        return tuple(
+            prefix_within(run, theirs, max(room, 0) * unheld_blocks(run, theirs) // want)
+            for run in runs
+        )
 
     def _load(
         self, key: str, runs: tuple[tuple[object, ...], ...]
