@@ -32,6 +32,11 @@ minimum. Overriding that: a last step (the turn ended without a tool call) and a
 unlikely to be back (P <= `p_gone`) are EVICTed, as is one past `max_residency_s` (an
 abandoned session cannot pin capacity); a hold that would take the tenant's held bytes
 past `tenant_cap_bytes` is not allowed, nor a demotion without a host tier or its room.
+A turn with no signal at all (how it ended unknown, no tool class, no hint) on a worker with
+a host tier is RELEASEd: there a release costs at most a copy back, and the waits learned
+per tenant and depth alone do not order sessions better than the engine's LRU (the Mooncake
+conversation trace, which carries no tool marks: TTFT p95 1.92 s held against 1.91 s
+released, docs/benchmarks.md); without a host tier they do, and the reaper weighs them.
 
 A HOLD lapses at the next revisit, when its idle time has doubled (`REVISIT_GROWTH`, at
 least `MIN_REVISIT_S` later, at most the maximum residency): the hazard of a wait changes
@@ -258,6 +263,12 @@ class Reaper:
                 " maximum residency",
                 kind=ResidencyKind.MAX_RESIDENCY,
             )
+        if _no_signal(session) and session.host is not None:
+            return ResidencyDecision(
+                ResidencyAction.RELEASE,
+                "no signal of the next turn: the engine's LRU and its host tier keep it",
+                kind=ResidencyKind.NO_SIGNAL,
+            )
         weighed = self._weigh(session, idle_s, standing)
         until_s = None
         if weighed.action is ResidencyAction.HOLD:
@@ -362,6 +373,15 @@ class Reaper:
         if session.promote_s is not None:
             return session.promote_s
         return kv_bytes / self.tuning.copy_bytes_per_s
+
+
+def _no_signal(session: IdleSession) -> bool:
+    """Nothing said how the turn ended or what the session waits on."""
+    return (
+        session.ends_in_tool_call is None
+        and session.tool_class is None
+        and session.expected_wait_s is None
+    )
 
 
 def _key(session: IdleSession) -> WaitKey:

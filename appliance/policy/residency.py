@@ -61,6 +61,9 @@ class ResidencyKind(StrEnum):
     LAST_STEP = "last_step"
     """The turn did not end in a tool call: the session is not coming back."""
     MAX_RESIDENCY = "max_residency"
+    NO_SIGNAL = "no_signal"
+    """Nothing said how the turn ended, nor what it waits on, and a host tier backs the
+    engine's LRU: released to them."""
     NOT_RETURNING = "not_returning"
     """Unlikely to be back before the maximum residency."""
     POOL_FREE = "pool_free"

@@ -61,11 +61,13 @@ def exact(p: float = 0.5, wait_s: float = 10.0, **kw: float) -> Reaper:
 
 
 def idle(**kw: object) -> IdleSession:
-    """1,000 bytes whose re-prefill takes 1 s, in a full HBM pool, its turn done at 0."""
+    """1,000 bytes whose re-prefill takes 1 s, in a full HBM pool, its turn done at 0 in a
+    tool call."""
     base: dict[str, object] = {
         "session_id": "s",
         "resident_tokens": 64,
         "finished_at_s": 0.0,
+        "ends_in_tool_call": True,
         "kv_bytes": KB,
         "recompute_s": 1.0,
         "kv_usage": 1.0,
@@ -546,7 +548,13 @@ def test_unstated_sizes_and_speeds_are_the_bundled_profiles() -> None:
     # 3,000 tokens of Llama-3-8B (128 KiB a token), prefilled at 30k tokens/s, copied at
     # 50 GB/s; P = 0.5, E[W] = 10 s, HBM full at 1e-12 s per byte-second, host free.
     session = IdleSession(
-        "s", 3000, 0.0, kv_usage=1.0, hbm_value=1e-12, host=HostTierReading(free_bytes=2**40)
+        "s",
+        3000,
+        0.0,
+        ends_in_tool_call=True,
+        kv_usage=1.0,
+        hbm_value=1e-12,
+        host=HostTierReading(free_bytes=2**40),
     )
     figures = exact().decide(session, now=0.0).figures
     assert figures is not None
@@ -619,3 +627,30 @@ def test_a_forced_eviction_says_why() -> None:
     old = reaper.decide(idle(session_id="b"), now=2000.0)
     assert last.reason == "last step: not coming back"
     assert old.reason == "idle 2000 s: past the 1800 s maximum residency"
+
+
+@pytest.mark.parametrize(
+    ("signal", "action", "kind"),
+    [
+        ({}, "release", "no_signal"),
+        ({"ends_in_tool_call": True}, "hold", "hold_cheapest"),
+        ({"tool_class": "test"}, "hold", "hold_cheapest"),
+        ({"expected_wait_s": 5.0}, "hold", "hold_cheapest"),
+    ],
+)
+def test_with_a_host_tier_a_turn_with_no_signal_is_left_to_the_engines_lru(
+    signal: dict[str, object], action: str, kind: str
+) -> None:
+    """P = 0.9, E[W] = 0.1 s, HBM worth its default: holding is cheapest (0.01 s against
+    0.9 s) once anything tells of the next turn; with nothing, the host tier and LRU keep it."""
+    session = idle(**{"ends_in_tool_call": None, "host": host(None), "promote_s": 0.2, **signal})
+    waits = Fixed({None: (0.9, 0.1), "test": (0.9, 0.1)})
+    reaper = Reaper(waits, tuning=ReaperTuning(hysteresis=0.0, min_gain_s=0.0))  # type: ignore[arg-type]
+    decision = reaper.decide(session, now=0.0)
+    assert (decision.action, decision.kind) == (action, kind)
+
+
+def test_without_a_host_tier_a_turn_with_no_signal_is_weighed() -> None:
+    session = idle(ends_in_tool_call=None)
+    decision = exact(p=0.9, wait_s=0.1).decide(session, now=0.0)
+    assert (decision.action, decision.kind) == ("hold", "hold_cheapest")
