@@ -310,10 +310,16 @@ class ResidencySettings(Section):
 
     reaper: bool = True
     """Run the idle reaper: decisions recorded, sent where workers have engine.kv_retention."""
+    policy: Literal["reaper", "lru", "ttl-pin", "mori"] = "reaper"
+    """The residency policy it runs: reaper (the appliance's own), or an anchor: lru (vLLM's
+    prefix cache as shipped), ttl-pin (Continuum's 60 s pin), mori (MORI's idleness ranks)."""
     max_residency_s: float = Field(1800.0, gt=0)
     """No hold past this many seconds idle: the session is evicted and counts as abandoned."""
     pressure_from: float = Field(0.8, ge=0, lt=1)
     """KV usage (0..1) under which a hold costs nothing; above, what it would push out."""
+    tenant_cap_bytes: int | None = Field(None, gt=0)
+    """The most KV bytes one tenant's waiting sessions may hold in a worker's HBM (the
+    reaper); None: no cap."""
     restore_ahead: bool = False
     """Restore a demoted session when the wait model says its turn is likely, not only on
     its client's tool_finished (off: no gain on recorded agent sessions, docs/benchmarks.md)."""

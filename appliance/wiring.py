@@ -21,17 +21,14 @@ from appliance.domain.worker import can_serve
 from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
-from appliance.ledger.restore import open_tasks, receipt_generations, recent_sessions, session_gaps
+from appliance.ledger.restore import open_tasks, receipt_generations, recent_sessions
 from appliance.ledger.session_history import session_turns
 from appliance.ledger.task_history import TaskHistory
 from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import GpuProfile
 from appliance.policy.admission import AdmissionLimits
-from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.routing.core import default_profile
-from appliance.policy.survival import PERSON, WaitKey
-from appliance.policy.wait_curves import LogNormal
 from appliance.policy.worker_power import (
     CPU_VLLM_STATES,
     PowerSettings,
@@ -64,7 +61,7 @@ from appliance.services.worker_speed import WorkerSpeeds
 from appliance.settings import Settings
 from appliance.tokenization.tokenizer import load_tokenizer
 from appliance.wiring_escalation import outside_escalation
-from appliance.workload.spec import WorkloadSpec
+from appliance.wiring_residency import live_residency_policy
 
 RESTORE_WINDOW_S = 24 * 3600.0
 RESTORE_MAX = 10_000
@@ -216,18 +213,6 @@ def _session_kv(
     return releases, SessionKv(desk.placer.residency, releases, reaper)
 
 
-def _wait_priors() -> dict[str, LogNormal]:
-    """The reaper's priors: the workload config's tool classes' waits, and for a person's
-    reply (an answer that called no tool) its human wait."""
-    priors = {
-        name: LogNormal.from_median_p95(c.median, c.p95)
-        for name, c in WorkloadSpec().tool_classes.items()
-    }
-    if "human" in priors:
-        priors.setdefault(PERSON, priors["human"])
-    return priors
-
-
 def _reaper_loop(
     settings: Settings,
     engines: StartedEngines,
@@ -238,26 +223,20 @@ def _reaper_loop(
     tasks: TaskBook,
     profile: GpuProfile,
 ) -> ReaperLoop | None:
-    """The idle reaper on live inputs, its survival model warmed with the waits between the
-    ledger's recent turns (RESTORE_WINDOW_S, RESTORE_MAX)."""
+    """The idle reaper on live inputs, running the policy `residency.policy` names (a wait
+    model warmed with the waits between the ledger's recent turns: RESTORE_WINDOW_S,
+    RESTORE_MAX)."""
     r = settings.residency
     if not r.reaper:
         return None
-    tuning = ReaperTuning(
-        max_residency_s=r.max_residency_s,
-        pressure_from=r.pressure_from,
-        kv_bytes_per_token=profile.kv_bytes_per_token,
-    )
-    reaper = Reaper(priors=_wait_priors(), tuning=tuning)
     now = clock.now()
-    for gap in session_gaps(
-        settings.ledger_path, since=now - RESTORE_WINDOW_S, now=now, limit=RESTORE_MAX
-    ):
-        key = WaitKey(gap.tenant, None, gap.depth)
-        if gap.returned:
-            reaper.survival.observe_gap(key, gap.seconds)
-        else:
-            reaper.survival.observe_censored(key, gap.seconds)
+    policy = live_residency_policy(
+        r,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        ledger_path=settings.ledger_path,
+        window=(now - RESTORE_WINDOW_S, now),
+        limit=RESTORE_MAX,
+    )
     inputs = LiveInputs(
         index=feed,
         workers=engines.workers,
@@ -277,7 +256,7 @@ def _reaper_loop(
         retention = NoRetention(note)
     else:
         note = "holds are sent to the workers' retention connectors"
-    loop = ReaperLoop(reaper, retention, inputs, ledger=ledger, clock=clock, note=note)
+    loop = ReaperLoop(policy, retention, inputs, ledger=ledger, clock=clock, note=note)
     desk.sessions.listener = loop  # hears of every turn's start and end
     loop.lead_time = restore_on_lead(loop, inputs, ledger, restore_ahead=r.restore_ahead)
     tasks.on_tool_event = reaper_hears(loop)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from appliance.policy.branches import BranchQuota
 from appliance.policy.mori import Mori
 from appliance.policy.prefetch import PrefetchPolicy, PrefetchTrigger, PrefetchTuning
-from appliance.policy.reaper import Reaper
+from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.residency import Lru, ResidencyPolicy, TtlPin
 from appliance.policy.wait_curves import LogNormal
 
@@ -34,17 +34,25 @@ class ResidencyPlan:
 
 
 def residency_policy(
-    name: str, *, priors: Mapping[str, LogNormal] | None = None
+    name: str,
+    *,
+    priors: Mapping[str, LogNormal] | None = None,
+    tuning: ReaperTuning | None = None,
 ) -> ResidencyPolicy:
     """The residency policy of a name (`residency_plan`), without its options."""
-    return residency_plan(name, priors=priors).policy
+    return residency_plan(name, priors=priors, tuning=tuning).policy
 
 
-def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) -> ResidencyPlan:
+def residency_plan(
+    name: str,
+    *,
+    priors: Mapping[str, LogNormal] | None = None,
+    tuning: ReaperTuning | None = None,
+) -> ResidencyPlan:
     """`lru`, `ttl-pin` (TTL `DEFAULT_PIN_TTL_S`), `ttl-pin:SECONDS`, `mori` or `reaper` (its
-    defaults; `priors`: tool class -> its wait, else the default wait prior), the reaper
-    with `+lead-time` (the default triggers, or `+lead-time:TRIGGER,...` those) and/or
-    `+branches`;
+    defaults, or `tuning`; `priors`: tool class -> its wait, else the default wait prior),
+    the reaper with `+lead-time` (the default triggers, or `+lead-time:TRIGGER,...` those)
+    and/or `+branches`;
     ValueError else."""
     base, *options = name.split("+")
     prefetch: PrefetchPolicy | None = None
@@ -52,8 +60,8 @@ def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) 
     for option in options:
         what, sep, arg = option.partition(":")
         if what == LEAD_TIME and prefetch is None:
-            tuning = PrefetchTuning(triggers=_triggers(arg)) if sep else PrefetchTuning()
-            prefetch = PrefetchPolicy(tuning)
+            ahead = PrefetchTuning(triggers=_triggers(arg)) if sep else PrefetchTuning()
+            prefetch = PrefetchPolicy(ahead)
         elif what == BRANCHES and branches is None and not sep:
             branches = BranchQuota()
         else:
@@ -61,18 +69,20 @@ def residency_plan(name: str, *, priors: Mapping[str, LogNormal] | None = None) 
     if options and base != "reaper":
         raise ValueError(f"{name!r}: only the reaper takes +lead-time or +branches")
     if options:
-        return ResidencyPlan(Reaper(priors=priors, name=name), prefetch, branches)
-    return ResidencyPlan(_base(base, priors))
+        return ResidencyPlan(Reaper(priors=priors, tuning=tuning, name=name), prefetch, branches)
+    return ResidencyPlan(_base(base, priors, tuning))
 
 
-def _base(name: str, priors: Mapping[str, LogNormal] | None) -> ResidencyPolicy:
+def _base(
+    name: str, priors: Mapping[str, LogNormal] | None, tuning: ReaperTuning | None
+) -> ResidencyPolicy:
     base, sep, arg = name.partition(":")
     if base == "lru" and not sep:
         return Lru()
     if base == "mori" and not sep:
         return Mori()
     if base == "reaper" and not sep:
-        return Reaper(priors=priors)
+        return Reaper(priors=priors, tuning=tuning)
     if base == "ttl-pin":
         if not sep:
             return TtlPin()

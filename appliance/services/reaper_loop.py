@@ -1,5 +1,7 @@
-"""The idle reaper, live: the residency policy (`appliance.policy.reaper`) run on the
-appliance's sessions, its decisions sent to the workers and recorded.
+"""The idle reaper, live: a residency policy (`appliance.policy.residency`: the reaper,
+`appliance.policy.reaper`, by default; `residency.policy` names it) run on the appliance's
+sessions, its decisions sent to the workers and recorded. The loop drives it through the
+protocol, and its optional parts only where it has them (`live_policy.py`).
 
 Model of the world: a session's turn ends on its worker, and its prompt's KV stays there,
 cached, until something needs the room. At every turn's end (`turn_ended`, once a session
@@ -20,6 +22,14 @@ means its KV was evicted: recorded with its cause, and its cache receipt marked.
 turn (`turn_began`) ends its idle period in a return (`observe_return`). Holds the workers
 give back on their own (pressure, the cap, a lapse) are recorded.
 
+The standing decision of a waiting session is the loop's (`WaitingSession.decision`, with
+the idle session it was taken on): a policy that keeps its own record of its last decisions
+(the reaper: its hysteresis, and the idle session a return or an abandonment teaches its
+wait model) keeps it only for the sessions the loop follows. The loop tells the policy how
+each one's idle period ends, a session it stops following included (the oldest, past
+`MAX_WAITING`: an abandonment, its wait censored there), and follows fewer sessions than
+the reaper keeps records of, so no record it revisits or learns from is dropped first.
+
 Directives go out in order (`retention_outbox.py`); with a retention that controls nothing
 (`NoRetention`) none is sent, and decisions are recorded all the same. An operator's
 `release` reaches every worker holding the session, which is not held again until its next
@@ -33,7 +43,6 @@ import logging
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -45,17 +54,18 @@ from appliance.domain.records import (
     WorkerId,
 )
 from appliance.domain.retention import ReturnedKv
-from appliance.policy.reaper import Reaper
 from appliance.policy.residency import (
     HeldSession,
     ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
+    ResidencyPolicy,
 )
 from appliance.ports import Clock, KvRetention, Ledger
 from appliance.services import residency_records as rows
 from appliance.services.branch_kv import BranchEnds
 from appliance.services.lead_time import LeadTime
+from appliance.services.live_policy import LiveHolds, LivePolicy
 from appliance.services.prefix_watch import PrefixWatch, WaitingSession
 from appliance.services.residency_inputs import (
     LiveInputs,
@@ -77,15 +87,18 @@ HOLD_GRACE_S = 5.0  # a hold outlives its revisit by this much: the revisit's la
 WATCH_S = 1.0  # how often the waiting sessions' prefixes are looked up in the KV index
 ORDER_S = 5.0
 """How often each worker's holds get their priorities now (they fall as waits go on)."""
-MAX_WAITING = 100_000
-"""Waiting sessions followed (the session table's bound); the oldest is dropped first."""
+MAX_WAITING = 60_000
+"""Waiting sessions followed; the oldest is dropped first (an abandonment). Under the
+reaper's 65,536 records (`appliance.policy.reaper.MAX_SESSIONS`), with room for the returns
+it hears of a loop turn late: it never drops the record of a session followed here."""
 OPERATOR_REASON = "released by operator"
+LAPSED = "its hold lapsed"
 
 
 class ReaperLoop:
     def __init__(
         self,
-        reaper: Reaper,
+        policy: ResidencyPolicy,
         retention: KvRetention,
         inputs: LiveInputs,
         *,
@@ -95,7 +108,8 @@ class ReaperLoop:
         note: str | None = None,
         defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
-        self.reaper = reaper
+        self.policy = policy
+        self.live = LivePolicy(policy)  # its optional parts
         self.retention = retention
         self.note = note or "holds are sent to the workers' retention connectors"
         """What the reaper's decisions do (the log, `/admin/v1/state`)."""
@@ -105,7 +119,8 @@ class ReaperLoop:
         self.tick_s = tick_s  # how often `reaper_runner` ticks it
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
-        self._held: dict[str, WorkerId] = {}  # key -> the worker last asked to hold it
+        self._holds = LiveHolds(self.live, self._waiting)
+        self._held = self._holds.on  # key -> the worker last asked to hold it
         self._tooled = ToolWaits(MAX_WAITING)  # what each session waits on, from its answer
         self.outbox = RetentionOutbox(retention)
         self._watched_at = self._ordered_at = -math.inf
@@ -122,7 +137,7 @@ class ReaperLoop:
         if self.lead_time is not None:
             self.lead_time.turn_began(key, now)
         if self._waiting.pop(key, None) is not None:  # the wait model learns after the send
-            self._defer(partial(self.reaper.observe_return, key, now))
+            self._defer(partial(self.live.observe_return, key, now))
 
     def turn_ended(self, session: SessionState, now: float) -> None:
         """The session has no turn in flight any more: where its KV waits is decided once
@@ -154,13 +169,20 @@ class ReaperLoop:
         idle = idle_session(
             self._inputs, self.retention, session, worker, tokens, finished_at_s=now, wait=wait
         )
-        idle = replace(idle, hbm_value=self._hbm_value(worker, key, idle.kv_usage, now))
+        idle = self._holds.seen_from(worker, key, idle, now)
         waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen, wait=wait)
         self._waiting[key] = waiting
         self._waiting.move_to_end(key)
         if len(self._waiting) > MAX_WAITING:
-            self._waiting.popitem(last=False)
+            self._stop_following(*self._waiting.popitem(last=False), now)
         self._decide(key, waiting, now)
+
+    def _stop_following(self, key: str, w: WaitingSession, now: float) -> None:
+        """The oldest waiting session, past `MAX_WAITING`: an idle period still open ends
+        unreturned for the policy (it waited this long at least)."""
+        self._held.pop(key, None)
+        if w.due_s < math.inf:
+            self.live.observe_abandoned(key, now)
 
     def tool_started(
         self, task: TaskId, tool_class: str | None, expected_s: float | None, now: float
@@ -178,13 +200,14 @@ class ReaperLoop:
     # --- deciding and sending ---------------------------------------------------------
 
     def _decide(self, key: str, w: WaitingSession, now: float) -> None:
-        decision = self.reaper.decide(w.idle, now)
+        decision = self.policy.decide(w.idle, now)
         priority = None
         if decision.action is ResidencyAction.HOLD:
             assert decision.until_s is not None
             held = HeldSession(key, w.idle.resident_tokens, w.idle.finished_at_s, decision.until_s)
-            priority = self.reaper.priority(held, now)
-            until_s = decision.until_s + HOLD_GRACE_S
+            priority = self.policy.priority(held, now)
+            # A revisit's extension lands first; a pin that is not revisited ends on time.
+            until_s = decision.until_s + (HOLD_GRACE_S if self.live.revisits else 0.0)
             self.outbox.hold(w.worker, key, until_s, priority)
             self._held[key] = w.worker
             w.due_s, w.ended_by = decision.until_s, None
@@ -197,7 +220,7 @@ class ReaperLoop:
             elif key in self._held:
                 self.outbox.release(w.worker, key)
             self._held.pop(key, None)
-            w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
+            w.due_s = w.idle.finished_at_s + self.live.max_idle_s
         w.decision = decision
         self.decisions[decision.action.value] += 1
         log.debug("idle reaper: %s %s on %s: %s", decision.action, key, w.worker, decision.reason)
@@ -207,32 +230,13 @@ class ReaperLoop:
 
     def _abandoned(self, key: str, w: WaitingSession, now: float) -> None:
         """Ended unreturned: a censored wait; the session is watched until its KV is gone."""
-        self.reaper.observe_abandoned(key, now)
+        self.live.observe_abandoned(key, now)
         w.due_s = math.inf
         if w.evicted:
             del self._waiting[key]
 
-    def _hbm_value(self, worker: WorkerId, key: str, usage: float, now: float) -> float | None:
-        """The value of the space a hold takes: the lowest priority among the worker's other
-        holds (None under the reaper's `pressure_from`, or with none)."""
-        if usage < self.reaper.tuning.pressure_from:
-            return None
-        values = [self._priority(k, w, now) for k, w in self._held_on(worker) if k != key]
-        return min(values) if values else None
-
     def _kept(self, w: WaitingSession) -> tuple[int, int]:
         return kept_blocks(self._inputs.task_parent, w, self._waiting.values())
-
-    def _held_on(self, worker: WorkerId) -> list[tuple[str, WaitingSession]]:
-        return [
-            (k, w)
-            for k, on in self._held.items()
-            if on == worker and (w := self._waiting.get(k)) is not None
-        ]
-
-    def _priority(self, key: str, w: WaitingSession, now: float) -> float:
-        held = HeldSession(key, w.idle.resident_tokens, w.idle.finished_at_s, w.due_s)
-        return self.reaper.priority(held, now)
 
     def _write(self, row: ResidencyEvent) -> None:
         self._ledger.record_residency_event(row).add_done_callback(rows.log_refusal)
@@ -263,16 +267,26 @@ class ReaperLoop:
             self.lead_time.tick(now)
 
     def _revisit(self, key: str, w: WaitingSession, now: float) -> None:
+        if w.decision.action is ResidencyAction.HOLD and not self.live.revisits:
+            self._held.pop(key, None)  # its pin lapsed on the worker: the engine's LRU now
+            w.decision = ResidencyDecision(ResidencyAction.RELEASE, LAPSED, kind=w.decision.kind)
+            w.due_s = w.idle.finished_at_s + self.live.max_idle_s
+            return
+        if not self.live.own_max_idle and now >= w.idle.finished_at_s + self.live.max_idle_s:
+            if self._held.pop(key, None) is not None:  # followed long enough: unreturned
+                self.outbox.release(w.worker, key)
+            self._abandoned(key, w, now)
+            return
         tokens = w.idle.resident_tokens
         if w.seen_tokens:  # the index has heard of its blocks: it says what is left
             tokens = resident_tokens(self._inputs.index, w.session, w.worker)
         idle = measured(self._inputs, self.retention, w.idle, w.session, w.worker, tokens)
-        w.idle = replace(idle, hbm_value=self._hbm_value(w.worker, key, idle.kv_usage, now))
+        w.idle = self._holds.seen_from(w.worker, key, idle, now)
         self._decide(key, w, now)
 
     def _expire(self, key: str, w: WaitingSession, now: float) -> None:
         """A session whose KV is gone (or first to go) ends unreturned at the max residency."""
-        end_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
+        end_s = w.idle.finished_at_s + self.live.max_idle_s
         if now < end_s:
             w.due_s = end_s
         else:
@@ -312,12 +326,7 @@ class ReaperLoop:
                 del self._waiting[key]
 
     def _send_order(self, now: float) -> None:
-        by_worker: dict[WorkerId, dict[str, float]] = {}
-        for key, worker in self._held.items():
-            w = self._waiting.get(key)
-            if w is not None:
-                by_worker.setdefault(worker, {})[key] = self._priority(key, w, now)
-        for worker, priorities in by_worker.items():
+        for worker, priorities in self._holds.priorities(now).items():
             if len(priorities) > 1:
                 self.outbox.order(worker, priorities)
 
@@ -350,7 +359,7 @@ class ReaperLoop:
             w.decision = ResidencyDecision(ResidencyAction.RELEASE, OPERATOR_REASON)
             w.ended_by = rows.OPERATOR
             if w.due_s < math.inf:  # no hold again before the maximum residency
-                w.due_s = w.idle.finished_at_s + self.reaper.tuning.max_residency_s
+                w.due_s = w.idle.finished_at_s + self.live.max_idle_s
         return sorted(holders)
 
     def worker_rests(self, worker: WorkerId) -> None:
@@ -371,6 +380,7 @@ class ReaperLoop:
     def status(self) -> dict[str, Any]:  # the loop at a glance (the state's "residency")
         return {
             "reaper": True,
+            "policy": self.policy.name,
             "retention": self.retention.controls,
             "note": self.note,
             "waiting": len(self._waiting),

@@ -1,15 +1,20 @@
 """What the idle reaper is told of a waiting session, read from the live appliance.
 
 Model of the world: a session's turn has just ended on its worker (or a hold of it has come
-due). The policy (`appliance.policy.reaper`) weighs the session's expected wait against the
-re-prefill its KV saves and what HBM is worth now; this builds its `IdleSession` from what
-the appliance knows at that instant:
+due). The policy (the reaper, `appliance.policy.reaper`, by default) weighs the session's
+expected wait against the re-prefill its KV saves and what HBM is worth now; this builds its
+`IdleSession` from what the appliance knows at that instant:
 
 - resident tokens: the leading tokens of the session's last prompt the KV index sees on the
   worker's GPU tier, and at a turn's end at least the prompt's full blocks the worker has
   just computed (its KV events may arrive a moment after the answer);
 - re-prefill seconds: those tokens at the worker's measured prefill speed (the GPU
   profile's, times its measured slowdown: `services/worker_speed.py`);
+- promotion seconds: those tokens' KV copied from host memory back to the GPU (the GPU
+  profile's host-to-device copy, `LiveInputs.copy_in_s`);
+- the tenant's held bytes on the worker (its other sessions' holds there, its own not
+  counted), added by the loop from the holds it has sent (`live_policy.LiveHolds`), where
+  the policy caps a tenant's holds;
 - HBM pressure: the share of the worker's KV pool that requests and holds take, from its
   retention connector's latest report when it has one, else vLLM's `kv_cache_usage_perc`
   (the same measure, polled); a GPU's NVML memory reading says nothing of it, since vLLM
@@ -136,13 +141,15 @@ def measured(
     tokens: int,
 ) -> IdleSession:
     """`idle` as the worker stands now: `tokens` of the session's prefix resident there
-    (their bytes and re-prefill seconds), the worker's HBM pressure and its host tier."""
+    (their bytes, re-prefill seconds and seconds to copy back from the host tier), the
+    worker's HBM pressure and its host tier."""
     block = session.chain.block_size if session.chain is not None else 0
     return replace(
         idle,
         resident_tokens=tokens,
         kv_bytes=tokens * inputs.kv_bytes_per_token,
         recompute_s=inputs.prefill_s(worker, tokens) if tokens else 0.0,
+        promote_s=inputs.copy_in_s(tokens) if tokens else 0.0,
         kv_usage=kv_usage(inputs, retention, worker),
         host=host_reading(inputs, retention, worker, block),
     )

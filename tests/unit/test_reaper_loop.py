@@ -30,6 +30,7 @@ from appliance.domain.records import (
 from appliance.domain.retention import HostTierSize, RetainedKv, ReturnedKv
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.reaper import Reaper
+from appliance.policy.residency import ResidencyPolicy
 from appliance.policy.survival import WaitKey, WaitSurvival
 from appliance.policy.wait_curves import LogNormal
 from appliance.services.answer_tools import TO_PERSON, AnswerEnd
@@ -193,7 +194,12 @@ def _at_once(call: Callable[[], None]) -> None:
 
 
 def build(
-    *, retention: Any = None, usage: float = 0.1, defer: Callable[..., None] | None = _at_once
+    *,
+    retention: Any = None,
+    usage: float = 0.1,
+    defer: Callable[..., None] | None = _at_once,
+    policy: ResidencyPolicy | None = None,
+    copy_in_s: Callable[[int], float] = lambda tokens: tokens * 1024 / 50e9,  # 50 GB/s
 ) -> Setup:
     clock = ManualClock(1000.0)
     fake = FakeRetention()
@@ -209,9 +215,10 @@ def build(
         kv_bytes_per_token=1024,
         model="m",
         runtime_identity="test:m",
+        copy_in_s=copy_in_s,
     )
     loop = ReaperLoop(
-        Reaper(priors=PRIORS),
+        policy if policy is not None else Reaper(priors=PRIORS),
         retention or fake,
         inputs,
         ledger=Rows(),
@@ -298,7 +305,7 @@ def test_a_turn_whose_answer_called_a_tool_waits_on_that_tool(s: Setup) -> None:
     assert (figures["wait_from"], figures["header_tool_class"]) == ("answer", None)
     s.clock.t += 2.0
     s.table.began(session, s.clock.t)  # back: the gap is learned under the tool's name
-    survival = s.loop.reaper.survival
+    survival = s.loop.policy.survival
     assert isinstance(survival, WaitSurvival)
     assert WaitKey("acme", "grep") in survival and WaitKey("acme", "grep", 1) in survival
 
@@ -344,7 +351,7 @@ def test_a_tool_started_event_decides_the_tasks_waiting_session_again_on_its_too
     assert [(c[0], c[2]) for c in s.sent()] == [("hold", "acme/quick")]
     s.clock.t += 0.5
     s.table.began(session, s.clock.t)  # back: the gap is learned under the event's tool
-    survival = s.loop.reaper.survival
+    survival = s.loop.policy.survival
     assert isinstance(survival, WaitSurvival) and WaitKey("acme", "api", 1) in survival
 
 
@@ -420,7 +427,7 @@ def test_the_next_turn_ends_the_idle_period_in_a_return(s: Setup) -> None:
     s.clock.t += 3.0
     s.table.began(session, s.clock.t)
     assert s.loop.decision_of(session) is None
-    assert len(s.loop.reaper.survival) > 0  # the 3 s gap was learned (WaitSurvival keys)
+    assert len(s.loop.policy.survival) > 0  # the 3 s gap was learned (WaitSurvival keys)
     s.loop.tick(1010.0)  # nothing waits: no revisit, no eviction
     assert len(s.rows.residency) == 1
 
@@ -694,7 +701,7 @@ def test_a_decision_that_fails_never_reaches_the_turn(s: Setup) -> None:
     session = s.session("a")
     session.home = WorkerId("nowhere")
     s.index.blocks.clear()
-    s.loop.reaper.decide = None  # type: ignore[assignment,method-assign]
+    s.loop.policy.decide = None  # type: ignore[assignment,method-assign]
     s.table.began(session, 1000.0)
     s.table.ended(session, 1000.0)  # logged, not raised
     assert session.in_flight == 0 and math.isfinite(s.clock.t)
