@@ -74,6 +74,8 @@ def cacheable_tokens(prompt_tokens: int, block_size: int) -> int:
 def shared_prefix(a: Sequence[object], b: Sequence[object]) -> int:
     """How many leading items `a` and `b` share (compared a slice at a time, in C)."""
     lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:  # the usual case: one is a prefix of the other
+        return hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[:mid] == b[:mid]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 from appliance.domain.kv_events import (
     AllBlocksCleared,
@@ -239,12 +240,7 @@ class KvIndex:
             # Equivalent mutants on the next line: lookup asks only holders, always keys of
             # `_by_worker`, so the default is never used.
             held = self._by_worker.get(worker, set())  # pragma: no mutate (equivalent)
-            if held.issuperset(chain):  # the usual answer at a session's home, in C
-                return len(chain)
-            for i, h in enumerate(chain):
-                if h not in held:
-                    return i
-            return len(chain)
+            return len(list(takewhile(held.__contains__, chain)))  # one set probe each, in C
         bit = 1 << self._slot(worker, medium)
         where = self._where
         for i, h in enumerate(chain):

@@ -327,12 +327,17 @@ def answer_hint(step: TraceRequest) -> TurnHint:
 
 
 def block_tokens(keys: Sequence[object], scope: str) -> list[int]:
-    """64 pseudo-random tokens per key, the same for the same key in the same scope."""
+    """64 pseudo-random tokens per key, the same for the same key in the same scope:
+    `(base + 7919 * i) % DEFAULT_VOCAB_SIZE` for i < 64, `base` the key's CRC-32."""
     out: list[int] = []
     for key in keys:
-        base = zlib.crc32(f"{scope}/{key}".encode())
-        out += [(base + step) % DEFAULT_VOCAB_SIZE for step in _TOKEN_STEPS]
+        at = zlib.crc32(f"{scope}/{key}".encode()) * _STRIDE_INVERSE % DEFAULT_VOCAB_SIZE
+        out += _STRIDE_WALK[at : at + TRACE_BLOCK_TOKENS]
     return out
 
 
-_TOKEN_STEPS = tuple(7919 * i for i in range(TRACE_BLOCK_TOKENS))
+# The stride is prime to the vocabulary, so base = 7919 * at (mod the vocabulary) for one
+# `at`, and a key's tokens are the 64 steps of the stride's walk from there: one slice.
+_STRIDE = 7919
+_STRIDE_INVERSE = pow(_STRIDE, -1, DEFAULT_VOCAB_SIZE)
+_STRIDE_WALK = [_STRIDE * k % DEFAULT_VOCAB_SIZE for k in range(DEFAULT_VOCAB_SIZE + 64)]

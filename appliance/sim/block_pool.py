@@ -162,8 +162,9 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot get {n} free blocks from the pool")
         blocks = self.free_queue.popleft_n(n)
+        caching = self.enable_caching
         for block in blocks:
-            if self.enable_caching:
+            if caching and block.block_hash is not None:
                 self._evict(block)
             assert block.ref_cnt == 0, block
             block.ref_cnt = 1
@@ -230,8 +231,12 @@ class BlockPool:
                 continue
             assert block.block_hash is None, f"{block} already cached under another hash"
             block.block_hash = block_hash
-            cached.setdefault(block_hash, {})[block.block_id] = block
-            first.setdefault(block_hash, block.block_id)
+            entry = cached.get(block_hash)
+            if entry is None:  # (a hash is in `_first` exactly while it is in `_cached`)
+                cached[block_hash] = {block.block_id: block}
+                first[block_hash] = block.block_id
+            else:
+                entry[block.block_id] = block
         if not self.enable_events:
             return
         parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None

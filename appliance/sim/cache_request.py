@@ -5,8 +5,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
-from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, RequestKeys
+from appliance.domain.block_hash import (
+    NO_KEYS,
+    BlockHash,
+    BlockHasher,
+    RequestKeys,
+    event_extra_keys,
+)
+
+
+class StoredFields(TypedDict):
+    """What a BlockStored says about the request besides hashes."""
+
+    block_size: int
+    token_ids: Sequence[int]
+    extra_keys: Sequence[tuple[str, ...] | None]
+    session_id: str | None
+    lora_id: int | None
+    lora_name: str | None
 
 
 class CacheRequest:
@@ -86,6 +104,20 @@ class CacheRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def stored_fields(self, first_block: int, end_block: int) -> StoredFields:
+        """The BlockStored fields besides hashes of its blocks [first_block, end_block)."""
+        lora = self.keys.lora
+        return {
+            "block_size": self.block_size,
+            "token_ids": self.all_token_ids,
+            "extra_keys": [
+                event_extra_keys(self.keys.for_block(b)) for b in range(first_block, end_block)
+            ],
+            "session_id": self.session_id,
+            "lora_id": self.lora_id if lora is not None else None,
+            "lora_name": lora.name if lora is not None else None,
+        }
 
     def append_output(self, token_ids: Sequence[int]) -> None:
         """Append generated tokens and hash the blocks they complete."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import count, islice, repeat
+from itertools import count, islice, repeat, takewhile
 
 from appliance.domain.block_hash import BlockHash, event_block_hash
 from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent, Medium
@@ -96,12 +96,7 @@ class HostTier:
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes of `block_hashes` the tier holds."""
-        n = 0
-        for h in block_hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self._blocks.__contains__, block_hashes)))
 
     def touch(self, block_hashes: Sequence[BlockHash], *, owner: str | None = None) -> None:
         """Make the held ones among `block_hashes` the most recently used, the first last."""

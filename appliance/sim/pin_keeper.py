@@ -8,7 +8,6 @@ them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from operator import attrgetter
 
 from appliance.domain.retention import HostTierSize
 from appliance.sim.engine_io import SimRequest
@@ -95,8 +94,7 @@ class PinKeeper:
         if self._residency is None:
             self.cache.free(creq)
             return
-        held = map(self.cache.pool.blocks.__getitem__, self.cache.block_ids(creq))
-        cached = len(list(filter(None, map(attrgetter("block_hash"), held))))  # cached ones
+        cached = self.cache.num_cached_held(creq)
         end = TurnEnd(
             entry.req,
             cached * self.cache.block_size,

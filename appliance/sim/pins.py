@@ -3,7 +3,8 @@ back under pressure, and the pin counters (`prefix_cache.py` says what a pin doe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -46,3 +47,27 @@ class PinStats:
     """Ended by `evict_pin`: its blocks went first in the eviction order."""
     demoted: int = 0
     """Ended by `demote_pin`: its blocks went to the host tier."""
+
+
+class PinnedBlocks:
+    """The distinct blocks the standing pins hold, kept as pins start and end (a block two
+    pins share counts once), so reading it costs nothing however many blocks are pinned.
+    Blocks are told apart by identity (the pool has one object per block id)."""
+
+    __slots__ = ("_holds",)
+
+    def __init__(self) -> None:
+        self._holds: Counter[object] = Counter()  # block -> pins holding it
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def add(self, blocks: Iterable[object]) -> None:
+        self._holds.update(blocks)  # counted in C
+
+    def drop(self, blocks: Iterable[object]) -> None:
+        holds = self._holds
+        for block in blocks:
+            n = holds.pop(block)
+            if n > 1:
+                holds[block] = n - 1

@@ -46,25 +46,13 @@ import heapq
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
-from typing import TypedDict
 
-from appliance.domain.block_hash import BlockHash, cacheable_blocks, event_extra_keys
+from appliance.domain.block_hash import BlockHash, cacheable_blocks
 from appliance.domain.kv_events import KvEvent
 from appliance.sim.block_pool import Block, BlockPool
 from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
 from appliance.sim.host_tier import HostTier
-from appliance.sim.pins import Pin, PinPriority, PinStats, latest_expiry_first
-
-
-class _EventFields(TypedDict):
-    """What a BlockStored says about the request besides hashes."""
-
-    block_size: int
-    token_ids: Sequence[int]
-    extra_keys: Sequence[tuple[str, ...] | None]
-    session_id: str | None
-    lora_id: int | None
-    lora_name: str | None
+from appliance.sim.pins import Pin, PinnedBlocks, PinPriority, PinStats, latest_expiry_first
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +106,7 @@ class PrefixCache:
         self._pin_seq = 0
         self._pin_stats = PinStats()
         self._pin_now = 0.0  # the latest `now` a caller gave (for `pin_priority`)
-        self._pinned_count = ((0, 0), 0)  # ((_pin_seq, pins), distinct pinned blocks)
+        self._pinned = PinnedBlocks()
         self.host = host
         self._host_events: list[KvEvent] = []
         self._host_offered: dict[str, int] = {}  # request -> prompt blocks offered so far
@@ -156,17 +144,17 @@ class PrefixCache:
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Distinct blocks some pin holds (a block two pins share counts once), counted
-        again only after the pins changed: a new pin raises `_pin_seq`, an end shrinks them."""
-        key = (self._pin_seq, len(self._pins))
-        if self._pinned_count[0] != key:
-            pinned = {b.block_id for _, blocks in self._pins.values() for b in blocks}
-            self._pinned_count = (key, len(pinned))
-        return self._pinned_count[1]
+        """Distinct blocks some pin holds (a block two pins share counts once)."""
+        return len(self._pinned)
 
     def block_ids(self, request: CacheRequest) -> tuple[int, ...]:
         """The blocks a request holds, in token order."""
         return tuple(map(attrgetter("block_id"), self._req_blocks.get(request.request_id, ())))
+
+    def num_cached_held(self, request: CacheRequest) -> int:
+        """How many of the blocks a request holds carry a hash (stay findable when freed)."""
+        held = self._req_blocks.get(request.request_id, ())
+        return len(held) - list(map(attrgetter("block_hash"), held)).count(None)
 
     def free_block_ids(self) -> tuple[int, ...]:
         """The free queue, first to be evicted first."""
@@ -194,7 +182,7 @@ class PrefixCache:
         hit = self.pool.cached_prefix(request.block_hashes[:max_blocks])
         if hit and request.report_cached_blocks:
             self.pool.emit_cached_block_events(
-                request.block_hashes[: len(hit)], **self._event_fields(request, 0, len(hit))
+                request.block_hashes[: len(hit)], **request.stored_fields(0, len(hit))
             )
         on_host = 0
         if self.host is not None:
@@ -324,7 +312,7 @@ class PrefixCache:
     def evict_pin(self, owner: str) -> int:
         """End `owner`'s pin with its blocks first in the eviction order; returns how many
         went there (0: no pin, or every block is held by someone else too)."""
-        entry = self._pins.pop(owner, None)
+        entry = self._pop_pin(owner)
         if entry is None:
             return 0
         before = self.num_free_blocks
@@ -336,7 +324,7 @@ class PrefixCache:
         """End `owner`'s pin by copying its blocks to the host tier and forgetting on the
         GPU those nobody else holds; returns the blocks copied (0: no pin)."""
         self._require_host()
-        entry = self._pins.pop(owner, None)
+        entry = self._pop_pin(owner)
         if entry is None:
             return 0
         self._bump(demoted=1)
@@ -345,7 +333,7 @@ class PrefixCache:
     def end_pin(self, owner: str, *, forget: Collection[BlockHash] = ()) -> int:
         """End `owner`'s pin as `unpin` does (not counted as a return), then forget on the
         GPU the blocks of `forget` nobody holds; returns how many were forgotten."""
-        entry = self._pins.pop(owner, None)
+        entry = self._pop_pin(owner)
         self.pool.free_blocks(reversed(entry[1] if entry is not None else []))
         gone = [b for h in forget if (b := self.pool.get_cached_block(h)) is not None]
         return self.pool.evict_cached(gone)
@@ -364,11 +352,12 @@ class PrefixCache:
         self._pin_now = now_s
         held = self._req_blocks.get(request.request_id, [])
         blocks = [b for b in held if b.block_hash is not None and not b.is_null]
-        old = self._pins.pop(owner, None)
+        old = self._pop_pin(owner)
         if blocks:
             self.pool.touch(blocks)
             self._pin_seq += 1
             self._pins[owner] = (Pin(owner, len(blocks), now_s, until_s, self._pin_seq), blocks)
+            self._pinned.add(blocks)
             heapq.heappush(self._expiry, (until_s, self._pin_seq, owner))
             self._bump(pinned=1)
         if old is not None:
@@ -497,8 +486,14 @@ class PrefixCache:
         if stored:
             self.host.touch(hashes[:end], owner=request.session_id)
 
-    def _release(self, owner: str) -> bool:
+    def _pop_pin(self, owner: str) -> tuple[Pin, list[Block]] | None:
         entry = self._pins.pop(owner, None)
+        if entry is not None:
+            self._pinned.drop(entry[1])
+        return entry
+
+    def _release(self, owner: str) -> bool:
+        entry = self._pop_pin(owner)
         if entry is None:
             return False
         self.pool.free_blocks(reversed(entry[1]))  # tail block first, as a request's free
@@ -581,24 +576,9 @@ class PrefixCache:
             request.block_hashes,
             num_cached,
             num_full,
-            **self._event_fields(request, num_cached, num_full),
+            **request.stored_fields(num_cached, num_full),
         )
         self._num_cached_blocks[request.request_id] = num_full
-
-    def _event_fields(
-        self, request: CacheRequest, first_block: int, end_block: int
-    ) -> _EventFields:
-        lora = request.keys.lora
-        return {
-            "block_size": self.block_size,
-            "token_ids": request.all_token_ids,
-            "extra_keys": [
-                event_extra_keys(request.keys.for_block(b)) for b in range(first_block, end_block)
-            ],
-            "session_id": request.session_id,
-            "lora_id": request.lora_id if lora is not None else None,
-            "lora_name": lora.name if lora is not None else None,
-        }
 
     def _record(self, request: CacheRequest, num_hits: int) -> None:
         s = self._stats
