@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from appliance.domain.records import TurnRecord
-from appliance.services.events import Event, EventFeed, EventKind
+from appliance.services.operator.events import Event, EventFeed, EventKind
 
 LOG_FILE = "appliance.log"
 LOG_FILE_BYTES = 10 * 2**20

@@ -109,9 +109,9 @@ import cold_path  # benchmarks/cold_path.py, beside this script
 import httpx
 import psutil
 
+from appliance.config.keystore import KEYS_FILE
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.metrics import parse as parse_metrics
-from appliance.keystore import KEYS_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -329,7 +329,7 @@ def serve_appliance_granian(granian_path: str, up_args: list[str]) -> None:
     from granian.log import LogLevels
     from granian.server.embed import Server
 
-    from appliance import daemon
+    from appliance.start import daemon
 
     def stamped(app: Any) -> Any:
         """The appliance's own server tells the app when the whole request had arrived
@@ -499,7 +499,7 @@ def appliance_key(data_dir: Path) -> str:
 
 def tenant_salt(data_dir: Path) -> str:
     """The cache_salt the appliance gives this tenant's requests (tenancy.TenantSalts)."""
-    from appliance.services.tenancy import TenantSalts
+    from appliance.services.sessions.tenancy import TenantSalts
 
     secret = bytes.fromhex((data_dir / "secret.key").read_text().strip())
     return TenantSalts(secret)(TENANT)

@@ -70,8 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance import eventloop  # noqa: E402
+from appliance.config.keystore import add_key, keys_path  # noqa: E402
 from appliance.engines.http1 import Http1Error, Http1Pool  # noqa: E402
-from appliance.keystore import add_key, keys_path  # noqa: E402
 from tests.ports import free_port, free_port_block  # noqa: E402
 
 BIN = Path(sys.executable).parent

@@ -16,8 +16,9 @@ from typing import Annotated
 
 import typer
 
-from appliance import __version__, bootstrap
+from appliance import __version__
 from appliance.domain.errors import ApplianceError
+from appliance.start import bootstrap
 
 
 class SimScheduling(StrEnum):

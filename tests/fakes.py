@@ -18,16 +18,16 @@ from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
-from appliance.services.admission import AdmissionService, WorkerEstimator
-from appliance.services.attempt_spans import AttemptSpans
-from appliance.services.flights import Flights
-from appliance.services.placement import Placer, RoutingRule
-from appliance.services.queue_book import QueueBook
-from appliance.services.sessions import SessionTable
-from appliance.services.tasks import TaskBook
-from appliance.services.turn_desk import TurnDesk
-from appliance.services.turn_records import TurnRecords
-from appliance.services.worker_speed import WorkerSpeeds
+from appliance.services.sessions.sessions import SessionTable
+from appliance.services.tasks.admission import AdmissionService, WorkerEstimator
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.attempt_spans import AttemptSpans
+from appliance.services.turns.flights import Flights
+from appliance.services.turns.placement import Placer, RoutingRule
+from appliance.services.turns.queue_book import QueueBook
+from appliance.services.turns.turn_desk import TurnDesk
+from appliance.services.turns.turn_records import TurnRecords
+from appliance.services.workers.worker_speed import WorkerSpeeds
 
 
 class ManualClock:

@@ -18,10 +18,10 @@ PENDING: dict[str, frozenset[str]] = {
     name: frozenset({home, "tui/state.py"})
     for name, home in {
         "CostGroup": "appliance/policy/costs.py",
-        "CostPoint": "appliance/services/cost_series.py",
-        "Event": "appliance/services/events.py",
-        "SessionState": "appliance/services/sessions.py",
-        "TaskState": "appliance/services/task_state.py",
+        "CostPoint": "appliance/services/operator/cost_series.py",
+        "Event": "appliance/services/operator/events.py",
+        "SessionState": "appliance/services/sessions/sessions.py",
+        "TaskState": "appliance/services/tasks/task_state.py",
         "WorkerState": "appliance/domain/worker.py",
     }.items()
 }

@@ -3,10 +3,10 @@
 `GET /admin/v1/sessions/{id}?tenant=T[&turns=N]`: the session as the state shows it, its
 residency per worker and tier (`gpu_held` until T, `gpu` not held, `host`, `gone`: the KV
 index's view of its prefix there now and the worker's retention connector's holds,
-appliance/services/session_kv.py) and its newest N turns (default 50, at most 500), oldest
+appliance/services/residency/session_kv.py) and its newest N turns (default 50, at most 500), oldest
 first, read from the ledger in a thread so the event loop never waits on the disk.
 `POST /admin/v1/sessions/{id}/release?tenant=T`: releases the session's KV in every worker
-that holds it (appliance/services/session_admin.py); answered once its ledger row has
+that holds it (appliance/services/operator/session_admin.py); answered once its ledger row has
 committed, with the tokens it had on a GPU: the state's `resident_tokens.gpu` of it.
 
 Session ids are chosen by each tenant, so `tenant` names whose session it is; it may be left
@@ -29,9 +29,9 @@ from starlette.routing import Route
 from appliance.api.errors import RequestRefused
 from appliance.api.state_document import session_document
 from appliance.ports import Clock
-from appliance.services.session_admin import RELEASE_REASON, RELEASED, SessionReleases
-from appliance.services.session_kv import SessionKv, SessionKvNow
-from appliance.services.state import session_view
+from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED, SessionReleases
+from appliance.services.operator.state import session_view
+from appliance.services.residency.session_kv import SessionKv, SessionKvNow
 
 DEFAULT_TURNS = 50
 MAX_TURNS = 500

@@ -93,7 +93,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 def user_session(body: dict[str, Any]) -> str | None:
     """A session for a Messages client that names none: its `metadata.user_id` (Claude
     Code's carries its session), hashed to a bounded id; None without one (the desk then
-    finds the session by the conversation's prefix: services/session_finder.py)."""
+    finds the session by the conversation's prefix: services/sessions/session_finder.py)."""
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if isinstance(user, str) and user:

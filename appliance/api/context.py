@@ -12,10 +12,10 @@ from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.auth import Keys
 from appliance.api.requests import Tokenizer
 from appliance.ports import Clock, WorkerEndpoint
-from appliance.services.admission import AdmissionService
-from appliance.services.state import StateSnapshot
-from appliance.services.tasks import TaskBook
-from appliance.services.turn_desk import TurnDesk
+from appliance.services.operator.state import StateSnapshot
+from appliance.services.tasks.admission import AdmissionService
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.turn_desk import TurnDesk
 
 Handler = Callable[[Request], Any]
 Guard = Callable[[Handler], Handler]

@@ -17,7 +17,7 @@ import orjson
 
 from appliance.api.context_limit import check_context
 from appliance.api.errors import RequestRefused
-from appliance.services.chat_tokens import ChatEncoder, ChatTokens, with_stem
+from appliance.services.sessions.chat_tokens import ChatEncoder, ChatTokens, with_stem
 
 MAX_BODY_BYTES = 8 * 2**20
 MAX_JSON_DEPTH = 100

@@ -21,7 +21,7 @@ worker restarted since, or gone, has lost it: the request is refused 404
 The turn's session: the one it names (X-Session-ID or the body's `session_id`, the
 harness's own id, `prompt_cache_key`: api/requests.py `client_session`), else the previous
 response's (a chain is one session), else its `conversation`'s id, else the one whose last
-prompt its messages extend (the desk's prefix chain: services/session_finder.py); the
+prompt its messages extend (the desk's prefix chain: services/sessions/session_finder.py); the
 route decision's reason says which.
 """
 
@@ -54,8 +54,8 @@ from appliance.api.requests import (
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
 from appliance.domain.responses_tools import chat_tools
-from appliance.services.chat_tokens import ChatTokens
-from appliance.services.turn import TurnInput
+from appliance.services.sessions.chat_tokens import ChatTokens
+from appliance.services.turns.turn import TurnInput
 
 RESPONSES_PATH = "/v1/responses"
 _CHAT_PATH = "/v1/chat/completions"

@@ -1,9 +1,9 @@
 """The admin API's payloads as pydantic models, shared by the server and the console.
 
 `AdminStateView` is the document `GET /admin/v1/state` publishes: one snapshot of the
-appliance (appliance/services/state.py gathers it, appliance/api/state_document.py builds
+appliance (appliance/services/operator/state.py gathers it, appliance/api/state_document.py builds
 this model). Its parts are named `...View` too: the API's view of what the services hold
-under the plain name (`services.sessions.SessionState` is shown as `SessionStateView`).
+under the plain name (`services.sessions.sessions.SessionState` is shown as `SessionStateView`).
 
 Every number here is one the appliance read from a source of truth; a reading it does not
 have is `None`, never a guess, and the console shows it as "-". Sections the server does not
@@ -76,7 +76,7 @@ class WorkerStateView(_Model):
     """Fraction 0..1 of prompt tokens served from the prefix cache."""
     prefill_slowdown: float = 1.0
     """The worker's measured prefill seconds per second of the GPU profile's (1 until
-    measured; see appliance/services/worker_speed.py)."""
+    measured; see appliance/services/workers/worker_speed.py)."""
     gpu_busy_s: float | None = None
     """GPU-seconds since the appliance started with a turn in flight here: what the turns'
     `gpu_s` add up to (None: not metered)."""
@@ -223,7 +223,7 @@ class AdmissionView(_Model):
 class EventView(_Model):
     """Something an operator should know happened: a worker restart, outage, sleep, stop or
     wake, a rejection, an eviction, a release, a cancelled task
-    (appliance/services/events.py)."""
+    (appliance/services/operator/events.py)."""
 
     at: float
     kind: str
@@ -236,7 +236,7 @@ class EventView(_Model):
 
 
 class ResidencyStateView(_Model):
-    """The idle reaper (appliance/services/reaper_loop.py): whether it runs, whether its
+    """The idle reaper (appliance/services/residency/reaper_loop.py): whether it runs, whether its
     decisions reach the workers (a retention channel), and what it has decided."""
 
     reaper: bool = False

@@ -12,10 +12,10 @@ from appliance import __version__
 from appliance.api import schemas
 from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
-from appliance.services.branch_kv import TaskKv
-from appliance.services.gpu_meter import GpuTime
-from appliance.services.state import CostView, SessionView, StateSnapshot
-from appliance.services.task_state import TaskState
+from appliance.services.operator.state import CostView, SessionView, StateSnapshot
+from appliance.services.residency.branch_kv import TaskKv
+from appliance.services.tasks.task_state import TaskState
+from appliance.services.workers.gpu_meter import GpuTime
 
 
 def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:

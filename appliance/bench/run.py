@@ -31,7 +31,7 @@ from appliance.bench.session_run import (
     write_bench_report,
 )
 from appliance.bench.sessions import SessionRunPlan
-from appliance.keystore import KEYS_FILE, load_keys
+from appliance.config.keystore import KEYS_FILE, load_keys
 from appliance.workload import TaskTree, WorkloadSpec, iter_trees, load_spec
 from appliance.workload.trace import load_trace_workload
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from appliance.config.settings import EngineSettings
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.worker import WorkerEvent
 from appliance.engines.external import ExternalEngine, connect_external
@@ -26,7 +27,6 @@ from appliance.engines.preflight import check_vllm_version, kv_cache_dtype_args,
 from appliance.engines.sim_launch import sim_spec
 from appliance.engines.supervisor import Supervisor, SupervisorTimings
 from appliance.engines.workers import KvBatchSink, KvResetSink
-from appliance.settings import EngineSettings
 
 
 def free_memory_bytes() -> int:

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePath
 
+from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.retention.plugin import RetentionLaunch
-from appliance.settings import EngineSettings
 
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
 CPU_BLOCK_MULTIPLE = 32

@@ -16,9 +16,9 @@ import logging
 import random
 from pathlib import Path
 
+from appliance.config.settings import PORT_OFFSETS, EngineKind, Settings
 from appliance.engines.errors import PortInUse
 from appliance.engines.preflight import PortBlock, bind_error, check_blocks
-from appliance.settings import PORT_OFFSETS, EngineKind, Settings
 
 log = logging.getLogger(__name__)
 _WHAT = {

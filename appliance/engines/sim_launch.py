@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import sys
 
+from appliance.config.settings import EngineSettings
 from appliance.engines.launch import Device, LaunchSpec, default_served_name
 from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
-from appliance.settings import EngineSettings
 
 SIM_ENTRYPOINT = ("-m", "appliance.sim.vllm_entry")
 SIM_MAX_MODEL_LEN = 32768

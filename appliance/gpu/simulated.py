@@ -63,7 +63,7 @@ class AwakeBusySeconds(Protocol):
 
 
 class BusyMeter(Protocol):
-    """The router's GPU meter (services/gpu_meter.py): a worker's awake and busy seconds
+    """The router's GPU meter (services/workers/gpu_meter.py): a worker's awake and busy seconds
     since the appliance started."""
 
     def reading(self, worker: WorkerId) -> AwakeBusySeconds: ...

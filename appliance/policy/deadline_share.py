@@ -5,7 +5,7 @@ Model of the world. A task with a deadline runs a turn, then its tools (and chil
 agent's own work), then its next turn, and so on until it closes. A turn allowed all the time
 left to the deadline leaves its task none for what must come after it: a turn stuck in a
 queue is waited on until the whole task is lost, and its client hears of it when nothing can
-be done any more. So a turn's timeout (when it must have its first byte: services/flights.py)
+be done any more. So a turn's timeout (when it must have its first byte: services/turns/flights.py)
 is the deadline less the task's *reserve*, what its class's history says is still to come.
 
 History. A class's history is its tasks that closed `succeeded` (`TaskRun`): the turns each

@@ -5,7 +5,7 @@ and the engines' gauges (waiting queue, KV usage), and keeps what a real router 
 index of resident blocks fed by the engines' KV events (applied when a step's outputs
 become visible, as vLLM publishes them after the step), and its own account of the work it
 routed: requests in flight, prefill not yet started (tokens for Dynamo; for the appliance
-the live router's own queue book, `appliance.services.queue_book`, on the replay's virtual
+the live router's own queue book, `appliance.services.turns.queue_book`, on the replay's virtual
 clock, so the replay judges the policy with the inputs it has live) and the blocks of
 active sequences. First tokens and finishes reach it through `on_step`. The appliance's
 book reads each engine's gauges at the arrival as a worker reading (its waiting requests,
@@ -38,7 +38,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
-from appliance.services.queue_book import QueueBook
+from appliance.services.turns.queue_book import QueueBook
 from appliance.sim.clock import VirtualClock
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.engine_views import EngineView

@@ -86,7 +86,7 @@ def test_stop_drains_a_turn_in_flight_and_lets_the_data_dir_go(tmp_path: Path) -
         assert up.proc.wait(5) == 0  # stop returned after the process had gone
     assert answer["status"] == 200 and str(answer["text"]).rstrip().endswith("data: [DONE]")
     log = up.log.read_text()
-    assert "SIGTERM: draining" in log and log.rstrip().endswith("appliance.daemon: stopped")
+    assert "SIGTERM: draining" in log and log.rstrip().endswith("appliance.start.daemon: stopped")
     again = run("stop", data_dir=tmp_path)
     assert again.returncode == 1 and again.stderr.count("\n") == 1
     assert f"no appliance is running on data dir {tmp_path}" in again.stderr
@@ -121,7 +121,7 @@ def test_reload_makes_a_new_key_work_at_once_and_applies_live_settings(tmp_path:
     with sqlite3.connect(tmp_path / "ledger.db") as db:
         prices = [row[0] for row in db.execute("SELECT fresh_per_mtok FROM prices ORDER BY 1")]
     assert prices == [3.0, 5.0]  # a new price version from the reload on
-    assert "DEBUG appliance.daemon: log level now DEBUG" in up.log.read_text()
+    assert "DEBUG appliance.start.daemon: log level now DEBUG" in up.log.read_text()
 
 
 def test_a_turn_leaves_its_request_line_in_the_log_file(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_a_turn_leaves_its_request_line_in_the_log_file(tmp_path: Path) -> None:
             assert f" {field} " in line, line
         assert re.search(r" ttft_s=\d\S* latency_s=\d+\.\d{3}$", line), line
     assert " cached_tokens=0 " in lines[0] and f" cached_tokens={cached} " in lines[1]
-    assert "appliance.daemon: plan: worker w0 (sim) at http://127.0.0.1:" in log
+    assert "appliance.start.daemon: plan: worker w0 (sim) at http://127.0.0.1:" in log
     for said in ("SIGTERM: draining", "the API has drained", "workers stopped"):
         assert said in log, said
-    assert log.rstrip().endswith("appliance.daemon: stopped")
+    assert log.rstrip().endswith("appliance.start.daemon: stopped")

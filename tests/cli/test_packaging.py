@@ -25,8 +25,8 @@ import httpx
 import psutil
 import pytest
 
-from appliance.service_files import unit_text
-from appliance.settings_yaml import documented_yaml
+from appliance.config.settings_yaml import documented_yaml
+from appliance.start.service_files import unit_text
 from tests.cli.test_cli import APPLIANCE, ROOT, run
 from tests.ports import free_port, free_port_block
 from tests.running import BIN
@@ -216,7 +216,7 @@ def test_exec_start_as_written_is_ready_once_healthy_reloads_and_drains(tmp_path
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     log = (tmp_path / "log/appliance.log").read_text()
-    assert "SIGTERM: draining" in log and log.rstrip().endswith("appliance.daemon: stopped")
+    assert "SIGTERM: draining" in log and log.rstrip().endswith("appliance.start.daemon: stopped")
 
 
 def _turn_in_flight(url: str, data_dir: Path) -> dict[str, object]:

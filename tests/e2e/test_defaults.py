@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.engine_start import SIM_MAX_MODEL_LEN
+from appliance.start.engine_start import SIM_MAX_MODEL_LEN
 from tests.running import Started, add_key, appliance_process
 
 pytestmark = pytest.mark.e2e

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from appliance.settings import PORT_OFFSETS
+from appliance.config.settings import PORT_OFFSETS
 from tests.e2e.conftest import BIN
 from tests.e2e.test_up import text
 from tests.ports import free_port, free_port_block, port_is_free

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from appliance.engines.supervisor import SupervisorTimings
-from appliance.services.reaper_loop import TICK_S
+from appliance.services.residency.reaper_loop import TICK_S
 from tests.e2e.test_reaper import (
     KV_BYTES,
     POOL_TOKENS,

@@ -9,13 +9,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from appliance.api.auth import Caller
+from appliance.config.settings import Settings
 from appliance.domain.records import TenantId
 from appliance.engines.workers import KvIndexFeed
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile
-from appliance.settings import Settings
-from appliance.wiring import StartedEngines, wire
+from appliance.start.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
 
 

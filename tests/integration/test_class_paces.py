@@ -1,5 +1,5 @@
 """What a restarted appliance reads back of its task classes' paces from a real ledger file
-(appliance/class_paces.py): the newest succeeded tasks of each tenant's class, as runs of
+(appliance/start/class_paces.py): the newest succeeded tasks of each tenant's class, as runs of
 turns, time between them and time to the close; not failed, cancelled or classless tasks,
 nor those created before the window; failed attempts are no turns."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.class_paces import finished_runs
 from appliance.domain.records import (
     TaskEvent,
     TaskEventType,
@@ -21,6 +20,7 @@ from appliance.domain.records import (
 )
 from appliance.ledger import LedgerWriter
 from appliance.policy.deadline_share import TaskRun
+from appliance.start.class_paces import finished_runs
 
 
 def _task(

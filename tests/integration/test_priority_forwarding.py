@@ -11,7 +11,7 @@ import orjson
 
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.engines.vllm_client import VllmClient
-from appliance.services.turn import TurnRequest
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, read_request_body, wired_desk
 
 

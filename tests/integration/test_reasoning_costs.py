@@ -31,10 +31,10 @@ from appliance.domain.records import (
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.policy.routing import RouteDecision, RouteKind
-from appliance.services.forwarder import UsageScanner, usage_in
-from appliance.services.gpu_meter import GpuMeter
-from appliance.services.turn import Attempt, TurnRequest
-from appliance.services.turn_records import TurnRecords
+from appliance.services.turns.forwarder import UsageScanner, usage_in
+from appliance.services.turns.turn import Attempt, TurnRequest
+from appliance.services.turns.turn_records import TurnRecords
+from appliance.services.workers.gpu_meter import GpuMeter
 from tests.fakes import ManualClock
 
 CHAT = {

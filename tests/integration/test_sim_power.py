@@ -15,17 +15,17 @@ from pathlib import Path
 from starlette.testclient import TestClient
 
 from appliance.api.auth import Caller
+from appliance.config.settings import EngineKind, Settings
 from appliance.domain.records import TenantId, WorkerId
 from appliance.domain.worker import WorkerState
-from appliance.engine_start import WorkerEventRelay, runtime_identity, start_engines
 from appliance.engines.sim_launch import SIM_PROCESS_START_S
 from appliance.engines.workers import KvIndexFeed
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile
-from appliance.services.worker_watch import record_power_event
-from appliance.settings import EngineKind, Settings
-from appliance.wiring import StartedEngines, wire
+from appliance.services.workers.worker_watch import record_power_event
+from appliance.start.engine_start import WorkerEventRelay, runtime_identity, start_engines
+from appliance.start.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
 from tests.loop_thread import LoopThread
 from tests.ports import free_port_block

@@ -28,7 +28,7 @@ from appliance.engines.kv_events import KvEventSubscriber
 from appliance.engines.metrics import load_snapshot, parse
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.services.worker_speed import measured_slowdown
+from appliance.services.workers.worker_speed import measured_slowdown
 from appliance.sim.serving import ThreadedWorker, serve_workers
 from appliance.sim.worker import WorkerConfig, free_port
 from tests.ports import free_port_block

@@ -10,7 +10,7 @@ import orjson
 
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.engines.vllm_client import VllmClient
-from appliance.services.turn import TurnRequest
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, Wired, read_request_body, wired_desk
 
 EVENTS = [

@@ -211,8 +211,8 @@ def test_build_detection(probe: dict, device: str) -> None:
 
 
 def test_factory_without_vllm_says_so_and_spawns_nothing(tmp_path: Path, model_dir: Path) -> None:
+    from appliance.config.settings import EngineSettings
     from appliance.engines.factory import start_vllm_workers
-    from appliance.settings import EngineSettings
 
     python = python_without_site_packages(tmp_path)
     before = {p.pid for p in psutil.Process().children(recursive=True)}

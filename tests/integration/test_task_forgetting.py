@@ -23,10 +23,10 @@ from appliance.domain.records import (
 )
 from appliance.ledger import LedgerWriter
 from appliance.ledger.task_history import TaskHistory
-from appliance.services.sessions import SessionTable
-from appliance.services.settled_tasks import SettledShelf
-from appliance.services.task_state import TaskError
-from appliance.services.tasks import TaskBook
+from appliance.services.sessions.sessions import SessionTable
+from appliance.services.tasks.settled_tasks import SettledShelf
+from appliance.services.tasks.task_state import TaskError
+from appliance.services.tasks.tasks import TaskBook
 
 T = TenantId("t")
 KEEP = 4

@@ -102,7 +102,7 @@ def test_probes_and_reads() -> None:
 
 def test_a_reading_is_stamped_when_it_was_asked_for() -> None:
     """The gauges are as of the worker's last step, before a slow scrape's answer left: a
-    request that ended meanwhile must not count as waiting (services/queue_book.py)."""
+    request that ended meanwhile must not count as waiting (services/turns/queue_book.py)."""
 
     async def slow_metrics(request: web.Request) -> web.Response:
         await asyncio.sleep(0.3)

@@ -103,8 +103,8 @@ def test_without_kv_endpoints_nothing_is_subscribed(server_url: str) -> None:
 
 
 def test_factory_from_settings(server_url: str) -> None:
+    from appliance.config.settings import EngineSettings
     from appliance.engines.factory import start_external
-    from appliance.settings import EngineSettings
 
     settings = EngineSettings(kind="external", model="org/tiny", external_urls=[server_url])
 

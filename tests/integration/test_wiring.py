@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 from appliance import __version__
 from appliance.api.auth import Caller
 from appliance.api.schemas import AdminStateView
+from appliance.config.settings import Settings
 from appliance.domain.gpu import GpuReading
 from appliance.domain.records import TenantId, WorkerId
 from appliance.domain.worker import WorkerState, power_state
@@ -23,8 +24,7 @@ from appliance.engines.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile
-from appliance.settings import Settings
-from appliance.wiring import StartedEngines, wire
+from appliance.start.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
 from tui.state import decode_state
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from appliance.gpu.simulated import SimulatedGpu
 from appliance.policy.routing import RouteKind
-from appliance.services.session_kv import NO_DECISION_REASON
+from appliance.services.residency.session_kv import NO_DECISION_REASON
 
 ADMIN_KEY = "sk-admin-test"
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: snapshots show UTC times, so looks are stable

@@ -9,8 +9,8 @@ import pytest
 
 from appliance.api.schemas import AdminStateView
 from appliance.policy.admission import AdmitCode
-from appliance.services.events import EventKind
-from appliance.services.session_kv import NO_DECISION_REASON
+from appliance.services.operator.events import EventKind
+from appliance.services.residency.session_kv import NO_DECISION_REASON
 from tests.tui.conftest import console, screen_text, until_text, wait_until
 from tests.tui.fakes import FakeAppliance, json_reply, make_state, rest_workers
 from tui import format as fmt

@@ -25,10 +25,10 @@ from appliance.engines.metrics import load_snapshot
 from appliance.gpu.simulated import SimulatedGpuProbe
 from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_gpu_blocks
 from appliance.perf.profile import bundled_profile
-from appliance.services.gpu_meter import GpuTime
-from appliance.services.session_kv import SessionKv
-from appliance.services.sessions import SessionState, SessionTable
-from appliance.services.state import session_view
+from appliance.services.operator.state import session_view
+from appliance.services.residency.session_kv import SessionKv
+from appliance.services.sessions.sessions import SessionState, SessionTable
+from appliance.services.workers.gpu_meter import GpuTime
 from appliance.sim.engine_stats import EngineStats
 from appliance.sim.metrics import SimMetrics, cache_config_labels
 from tests.tui.conftest import FAST_S, console, screen_text, until_text, wait_until

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from appliance.api.schemas import AdminStateView
 from appliance.policy.routing import RouteKind
-from appliance.services.session_admin import RELEASE_REASON, RELEASED
-from appliance.services.session_kv import NO_DECISION_REASON
+from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED
+from appliance.services.residency.session_kv import NO_DECISION_REASON
 from tests.tui.fakes import make_state
 
 

@@ -24,13 +24,13 @@ from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot, WorkerState, WorkerStatus
 from appliance.policy.overhead import Overhead
 from appliance.policy.routing import RouteKind
-from appliance.services.box_usage import RecordedUsage
-from appliance.services.cost_series import CostSeries
-from appliance.services.events import EventFeed, EventKind
-from appliance.services.gpu_meter import GpuTime
-from appliance.services.sessions import SessionState
-from appliance.services.state import StateSnapshot, StateSources, snapshot
-from appliance.services.tasks import TaskBook
+from appliance.services.operator.cost_series import CostSeries
+from appliance.services.operator.events import EventFeed, EventKind
+from appliance.services.operator.state import StateSnapshot, StateSources, snapshot
+from appliance.services.sessions.sessions import SessionState
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.workers.box_usage import RecordedUsage
+from appliance.services.workers.gpu_meter import GpuTime
 from tests.fakes import AckLedger
 from tui.state import MIRRORS, convert_state, decode_state
 

@@ -14,7 +14,7 @@ import pytest
 from textual.pilot import Pilot
 
 from appliance.policy.admission import AdmitCode
-from appliance.services.events import EventKind
+from appliance.services.operator.events import EventKind
 from tests.tui.conftest import screen_text, wait_until
 from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state, rest_workers
 from tui.app import ConsoleApp

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from appliance.services.events import EventKind
-from appliance.services.session_admin import RELEASE_REASON, RELEASED
-from appliance.services.session_kv import NO_DECISION_REASON
+from appliance.services.operator.events import EventKind
+from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED
+from appliance.services.residency.session_kv import NO_DECISION_REASON
 from tests.tui.fakes import SIM_DRIVER, T0, make_state
 from tui import format as fmt
 from tui.tables import (

@@ -34,16 +34,16 @@ from appliance.domain.records import (
 )
 from appliance.ledger import LedgerWriter
 from appliance.policy.admission import AdmissionLimits, AdmitDecision
-from appliance.services.admission import (
+from appliance.services.operator.events import EventFeed
+from appliance.services.sessions.sessions import SessionState
+from appliance.services.tasks.admission import (
     AdmissionRefused,
     AdmissionService,
     WorkerEstimator,
     resident_hint,
 )
-from appliance.services.events import EventFeed
-from appliance.services.sessions import SessionState
-from appliance.services.task_state import TaskError
-from appliance.services.tasks import TaskBook
+from appliance.services.tasks.task_state import TaskError
+from appliance.services.tasks.tasks import TaskBook
 from tests.fakes import AckLedger, LinearCost, ManualClock
 
 A, B = TenantId("a"), TenantId("b")
@@ -587,7 +587,7 @@ def test_decisions_are_logged_admissions_at_debug_refusals_at_info(
     ledger: LedgerWriter, caplog: pytest.LogCaptureFixture
 ) -> None:
     box = make_box(ledger)
-    with caplog.at_level(logging.DEBUG, logger="appliance.services.admission"):
+    with caplog.at_level(logging.DEBUG, logger="appliance.services.tasks.admission"):
         run(box.task(A, "p", max_children=1))
         run(box.task(A, "c1", parent="p"))
         refused(box.task(A, "c2", parent="p"))
@@ -595,6 +595,6 @@ def test_decisions_are_logged_admissions_at_debug_refusals_at_info(
     assert (logging.DEBUG, "admission admitted a/c1 of tenant a") in lines
     assert any(level == logging.INFO and "refused a/c2" in text for level, text in lines)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="appliance.services.admission"):
+    with caplog.at_level(logging.INFO, logger="appliance.services.tasks.admission"):
         run(box.task(A, "q"))
     assert caplog.records == []

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config.settings import AdmissionSettings
+from appliance.config.settings_load import load
 from appliance.domain.errors import ConfigError
 from appliance.policy.admission import AdmissionLimits
-from appliance.settings import AdmissionSettings
-from appliance.settings_load import load
 
 
 @pytest.fixture(autouse=True)

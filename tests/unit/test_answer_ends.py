@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
-from appliance.services.answer_tools import TO_PERSON, AnswerEnd
-from appliance.services.sessions import SessionState
-from appliance.services.turn import TurnRequest
+from appliance.services.sessions.answer_tools import TO_PERSON, AnswerEnd
+from appliance.services.sessions.sessions import SessionState
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, wired_desk
 from tests.unit.test_answer_tools import chat, chat_stream, response
 

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from appliance.services.answer_tools import (
+from appliance.services.sessions.answer_tools import (
     MAX_CALLS,
     TO_PERSON,
     TOOL_NAME_CHARS,

@@ -91,7 +91,8 @@ def test_what_the_messages_api_refuses_is_refused_naming_the_field(
 
 def test_metadata_user_id_names_the_session_and_nothing_else_does() -> None:
     """Claude Code's `metadata.user_id` carries its session; without one the route names no
-    session (the desk finds it by the conversation's prefix: services/session_finder.py)."""
+    session (the desk finds it by the conversation's prefix:
+    services/sessions/session_finder.py)."""
     first = {"system": "s", "messages": [{"role": "user", "content": "a"}]}
     assert user_session(first) is None
     assert user_session({**first, "metadata": {"user_id": ""}}) is None

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from appliance.access import access_note, check_aliases
 from appliance.api.auth import LOCAL, Caller, Keys
 from appliance.api.errors import RequestRefused
+from appliance.config.settings_load import load
 from appliance.domain.errors import ConfigError
 from appliance.domain.records import TenantId
-from appliance.settings_load import load
+from appliance.start.access import access_note, check_aliases
 
 ALICE = Caller(TenantId("alice"), admin=False)
 HEADERS = [

@@ -4,7 +4,7 @@ time, and whether they ran one at a time over an interval."""
 from __future__ import annotations
 
 from appliance.domain.records import TurnId, WorkerId
-from appliance.services.attempt_spans import SPAN_MEMORY_S, AttemptSpans
+from appliance.services.turns.attempt_spans import SPAN_MEMORY_S, AttemptSpans
 from tests.fakes import ManualClock
 
 W = WorkerId("w0")

@@ -11,7 +11,7 @@ from appliance.bench.client import BadInput
 from appliance.bench.report import AgentStepResult, Recorder, TaskResult, build_report, percentiles
 from appliance.bench.report import render as render_report
 from appliance.bench.run import resolve_keys
-from appliance.keystore import add_key
+from appliance.config.keystore import add_key
 from appliance.workload.text import words
 
 

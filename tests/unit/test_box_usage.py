@@ -1,4 +1,4 @@
-"""The box's usage periods (services/box_usage.py): the GPUs' energy by worker, and periods
+"""The box's usage periods (services/workers/box_usage.py): the GPUs' energy by worker, and periods
 written from the last acknowledged boundary, never overlapping, never counted before the
 ledger acknowledged them."""
 
@@ -13,8 +13,8 @@ import pytest
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import WorkerId
 from appliance.domain.usage import PeriodCost, UsagePeriod
-from appliance.services.box_usage import BoxUsage, EnergyMeter, GpuTick, gpu_owners
-from appliance.services.gpu_meter import GpuTime
+from appliance.services.workers.box_usage import BoxUsage, EnergyMeter, GpuTick, gpu_owners
+from appliance.services.workers.gpu_meter import GpuTime
 from tests.fakes import ManualClock
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")

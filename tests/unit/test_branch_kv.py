@@ -1,12 +1,12 @@
 """Per task, what its sessions' KV inherited from its parent, what is its own, and what its
-end reclaimed: `services/branch_kv.py` on real sessions and block chains."""
+end reclaimed: `services/residency/branch_kv.py` on real sessions and block chains."""
 
 from __future__ import annotations
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TaskId, TenantId
-from appliance.services.branch_kv import BranchEnds, TaskKv, task_kv, task_kv_of
-from appliance.services.sessions import SessionState, SessionTable
+from appliance.services.residency.branch_kv import BranchEnds, TaskKv, task_kv, task_kv_of
+from appliance.services.sessions.sessions import SessionState, SessionTable
 
 BLOCK = 16
 ROOT, KID, ORPHAN = TaskId("acme/root"), TaskId("acme/kid"), TaskId("acme/orphan")

@@ -18,8 +18,8 @@ from appliance.api.context import ApiContext
 from appliance.api.context_limit import ContextTooLong, check_context
 from appliance.api.errors import error_body
 from appliance.api.requests import served_model
-from appliance.services.turn import Reply
-from appliance.services.turn_desk import TurnInput
+from appliance.services.turns.turn import Reply
+from appliance.services.turns.turn_desk import TurnInput
 
 LIMIT = 64
 KEY = {"Authorization": "Bearer k"}

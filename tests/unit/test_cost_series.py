@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.services.cost_series import CostSeries, overall
+from appliance.services.operator.cost_series import CostSeries, overall
 
 
 def test_one_point_per_window_holding_its_last_observation() -> None:

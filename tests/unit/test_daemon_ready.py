@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from appliance.daemon import _ready
 from appliance.domain.worker import WorkerState
-from appliance.sdnotify import Notifier
+from appliance.start.daemon import _ready
+from appliance.start.sdnotify import Notifier
 
 
 def ready_within(timeout_s: float, *states: WorkerState) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from appliance.config.settings import Settings
 from appliance.policy.escalation import (
     OutsidePrices,
     Side,
@@ -15,7 +16,6 @@ from appliance.policy.escalation import (
     outside_cost,
     spill_side,
 )
-from appliance.settings import Settings
 
 RULES = SideRules(frozenset({"frontier", "cheap"}), {"planning": "frontier"})
 

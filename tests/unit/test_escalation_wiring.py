@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config.settings_escalation import EscalationSettings
 from appliance.domain.errors import ConfigError
 from appliance.ledger import LedgerWriter
 from appliance.services.escalation.outside_body import outside_body
-from appliance.services.turn_records import TurnRecords
-from appliance.settings_escalation import EscalationSettings
-from appliance.wiring_escalation import outside_escalation
+from appliance.services.turns.turn_records import TurnRecords
+from appliance.start.wiring_escalation import outside_escalation
 from tests.fakes import ManualClock
 
 SETTINGS = EscalationSettings.model_validate(

@@ -1,6 +1,6 @@
 import json
 
-from appliance.services.events import EventFeed, EventKind
+from appliance.services.operator.events import EventFeed, EventKind
 
 
 def test_feed_keeps_the_newest_events_first_and_counts_every_kind() -> None:

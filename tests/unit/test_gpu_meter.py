@@ -10,8 +10,8 @@ import pytest
 from appliance.domain.records import TurnId, WorkerId
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.services.gpu_meter import GpuMeter
-from appliance.services.turn import Attempt
+from appliance.services.turns.turn import Attempt
+from appliance.services.workers.gpu_meter import GpuMeter
 from tests.fakes import ManualClock
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from appliance.services.chat_tokens import encode_chat_text
+from appliance.services.sessions.chat_tokens import encode_chat_text
 from appliance.tokenization.tokenizer import HfTokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]

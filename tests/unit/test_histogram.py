@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from appliance.services.histogram import PromHistogram
+from appliance.services.operator.histogram import PromHistogram
 
 
 def exposed(h: PromHistogram, name: str) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.keystore import ApiKeyError, KeyFile, add_key, find_key, revoke_key
+from appliance.config.keystore import ApiKeyError, KeyFile, add_key, find_key, revoke_key
 from tests.fakes import ManualClock
 
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from appliance.config.settings import EngineKind, EngineSettings
 from appliance.domain.errors import ConfigError
 from appliance.perf.kv_bytes import find_model_config, kv_bytes_from_config, model_kv_bytes
 from appliance.perf.profile import bundled_profile
-from appliance.served_kv import served_kv_bytes
-from appliance.settings import EngineKind, EngineSettings
+from appliance.start.served_kv import served_kv_bytes
 
 TINY = {  # what tests/fixtures/tiny_model.py writes
     "architectures": ["LlamaForCausalLM"],

@@ -21,7 +21,7 @@ from appliance.policy.prefetch import (
 )
 from appliance.policy.survival import Outlook, WaitKey
 from appliance.policy.wait_curves import EDGES
-from appliance.services.lead_time import RESTORE_HOLD_S, LeadTime
+from appliance.services.residency.lead_time import RESTORE_HOLD_S, LeadTime
 from tests.unit.test_reaper_loop import BLOCK, PROMPT, W0, Setup, build
 
 KEY = PrefetchKey("acme", "approval", PrefetchTrigger.TOOL_FINISHED)

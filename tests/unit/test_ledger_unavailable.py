@@ -11,8 +11,8 @@ import pytest
 
 from appliance.domain.errors import LedgerUnavailable
 from appliance.domain.records import SessionId, TaskEventType, TaskStatus, TenantId, WorkerId
-from appliance.services.tasks import TaskBook
-from appliance.services.turn_desk import TurnInput
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.turn_desk import TurnInput
 from tests.fakes import AckLedger, RouterWorker, wired_desk
 
 A = TenantId("a")

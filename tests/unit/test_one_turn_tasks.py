@@ -23,10 +23,10 @@ from appliance.domain.records import (
     TenantId,
     WorkerId,
 )
-from appliance.services.sessions import SessionTable
-from appliance.services.task_state import TaskError, TaskState
-from appliance.services.tasks import TaskBook
-from appliance.services.turn import NoWorker, TurnInput
+from appliance.services.sessions.sessions import SessionTable
+from appliance.services.tasks.task_state import TaskError, TaskState
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.turn import NoWorker, TurnInput
 from tests.fakes import AckLedger, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")

@@ -21,7 +21,7 @@ from appliance.domain.records import (
     WorkerId,
 )
 from appliance.oplog import LOG_FILE, LoggedEventFeed, log_turns, start_logging
-from appliance.services.events import EventKind
+from appliance.services.operator.events import EventKind
 
 
 def _turn(**over: object) -> TurnRecord:

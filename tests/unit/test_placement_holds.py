@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.domain.retention import RetainedKv
 from appliance.domain.worker import LoadSnapshot
-from appliance.services.turn import TurnRequest
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, wired_desk
 
 BUSY, HOLDING = WorkerId("w-busy"), WorkerId("w-holding")

@@ -10,10 +10,10 @@ from contextlib import ExitStack, contextmanager
 
 import pytest
 
+from appliance.config.settings import PORT_OFFSETS, Settings
+from appliance.config.settings_load import load
 from appliance.engines.errors import PortInUse
 from appliance.engines.port_plan import planned_ports
-from appliance.settings import PORT_OFFSETS, Settings
-from appliance.settings_load import load
 from tests.ports import free_port, free_port_block, port_is_free
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
 from appliance.domain.worker import LoadSnapshot
-from appliance.services.queue_book import QueueBook
-from appliance.services.turn import TurnRequest
+from appliance.services.turns.queue_book import QueueBook
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import LinearCost, ManualClock, RouterWorker, Wired, wired_desk
 
 

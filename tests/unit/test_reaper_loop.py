@@ -33,15 +33,15 @@ from appliance.policy.reaper import Reaper
 from appliance.policy.residency import ResidencyPolicy
 from appliance.policy.survival import WaitKey, WaitSurvival
 from appliance.policy.wait_curves import LogNormal
-from appliance.services.answer_tools import TO_PERSON, AnswerEnd
-from appliance.services.events import EventFeed
-from appliance.services.no_retention import NoRetention
-from appliance.services.reaper_loop import HOLD_GRACE_S, ReaperLoop
-from appliance.services.reaper_runner import run_reaper
-from appliance.services.residency_inputs import LiveInputs
-from appliance.services.session_admin import SessionReleases
-from appliance.services.sessions import SessionState, SessionTable
-from appliance.services.tool_events import reaper_hears
+from appliance.services.operator.events import EventFeed
+from appliance.services.operator.session_admin import SessionReleases
+from appliance.services.residency.no_retention import NoRetention
+from appliance.services.residency.reaper_loop import HOLD_GRACE_S, ReaperLoop
+from appliance.services.residency.reaper_runner import run_reaper
+from appliance.services.residency.residency_inputs import LiveInputs
+from appliance.services.residency.tool_events import reaper_hears
+from appliance.services.sessions.answer_tools import TO_PERSON, AnswerEnd
+from appliance.services.sessions.sessions import SessionState, SessionTable
 from tests.fakes import FixedIndex, ManualClock, RouterWorker
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
@@ -251,7 +251,7 @@ def test_a_short_expected_wait_is_held_until_its_revisit(s: Setup) -> None:
 
 
 def test_each_decision_is_logged_at_debug(s: Setup, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="appliance.services.reaper_loop"):
+    with caplog.at_level(logging.DEBUG, logger="appliance.services.residency.reaper_loop"):
         s.turn(s.session("a"), tool="api", wait_s=1.0)
     [record] = caplog.records
     assert record.levelno == logging.DEBUG

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.config.settings import ResidencySettings
 from appliance.ledger.connections import open_writer_connection
 from appliance.policy import reaper as reaper_policy
 from appliance.policy.mori import Mori
@@ -21,9 +22,8 @@ from appliance.policy.residency import (
     ResidencyDecision,
     TtlPin,
 )
-from appliance.services import reaper_loop
-from appliance.settings import ResidencySettings
-from appliance.wiring_residency import live_residency_policy
+from appliance.services.residency import reaper_loop
+from appliance.start.wiring_residency import live_residency_policy
 from tests.unit.test_reaper_loop import PRIORS, PROMPT, W0, build
 
 

@@ -19,7 +19,7 @@ from appliance.api.responses_route import ResponseBook, ResponsesRoute, StoredRe
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages
 from appliance.domain.responses_tools import chat_tools
-from appliance.services.forwarder import UsageScanner
+from appliance.services.turns.forwarder import UsageScanner
 
 USAGE = {
     "input_tokens": 30,

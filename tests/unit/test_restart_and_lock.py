@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.datadir import lock_data_dir
+from appliance.config.datadir import lock_data_dir
 from appliance.domain.errors import DataDirError
 from appliance.engines.preflight import bind_error
 

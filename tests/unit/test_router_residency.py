@@ -7,7 +7,7 @@ from __future__ import annotations
 from appliance.domain.kv_events import BlockRemoved, BlockStored, Medium
 from appliance.domain.kv_index import KvIndex
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
-from appliance.services.turn import TurnRequest
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, Wired, wired_desk
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")

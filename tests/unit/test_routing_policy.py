@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from appliance.config.settings import RoutingSettings
 from appliance.domain.records import WorkerId
 from appliance.policy.routing import RouteKind, RouteRequest, WorkerView, route
 from appliance.policy.routing.core import RoutingProfile, default_profile
-from appliance.settings import RoutingSettings
 from tests.fakes import LinearCost
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")

@@ -1,4 +1,4 @@
-"""sd_notify over a plain AF_UNIX datagram socket (appliance/sdnotify.py)."""
+"""sd_notify over a plain AF_UNIX datagram socket (appliance/start/sdnotify.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.sdnotify import Notifier
+from appliance.start.sdnotify import Notifier
 
 
 @pytest.fixture

@@ -24,12 +24,12 @@ from appliance.domain.records import (
     TenantId,
     WorkerId,
 )
-from appliance.services.events import EventFeed
-from appliance.services.session_admin import SessionReleases
-from appliance.services.session_kv import SessionKv
-from appliance.services.sessions import SessionState, SessionTable
-from appliance.services.state import session_view
-from appliance.services.tasks import TaskBook
+from appliance.services.operator.events import EventFeed
+from appliance.services.operator.session_admin import SessionReleases
+from appliance.services.operator.state import session_view
+from appliance.services.residency.session_kv import SessionKv
+from appliance.services.sessions.sessions import SessionState, SessionTable
+from appliance.services.tasks.tasks import TaskBook
 
 KV_BYTES_PER_TOKEN = 1000
 OPS = {"Authorization": "Bearer ops"}

@@ -1,5 +1,5 @@
-"""The session of a turn that names none (services/session_finder.py), and the order in which
-a turn's own ids name it (api/requests.py `client_session`).
+"""The session of a turn that names none (services/sessions/session_finder.py), and the order
+in which a turn's own ids name it (api/requests.py `client_session`).
 
 A chat turn whose messages extend an idle session's last prompt is that session's next
 turn; a busy one is forked (a new session), two identical starts are two sessions, the
@@ -18,15 +18,15 @@ from appliance.api.errors import RequestRefused
 from appliance.api.requests import agent_headers, client_session
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import RouteDecisionRecord, SessionId, TenantId, WorkerId
-from appliance.services.session_finder import (
+from appliance.services.sessions.session_finder import (
     MAX_CHAIN_MESSAGES,
     FoundSession,
     find_session,
     let_go,
     prompt_chain,
 )
-from appliance.services.sessions import SessionTable
-from appliance.services.turn import Reply, TurnInput
+from appliance.services.sessions.sessions import SessionTable
+from appliance.services.turns.turn import Reply, TurnInput
 from tests.fakes import AckLedger, ManualClock, RouterWorker, Wired, wired_desk
 
 A, B = TenantId("alice"), TenantId("bob")

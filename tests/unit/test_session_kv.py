@@ -9,7 +9,7 @@ import pytest
 from appliance.api.admin_sessions import residency_rows
 from appliance.domain.records import SessionId, TenantId
 from appliance.domain.retention import RetainedKv
-from appliance.services.session_kv import (
+from appliance.services.residency.session_kv import (
     IN_FLIGHT_REASON,
     NO_DECISION_REASON,
     REAPER_OFF_REASON,

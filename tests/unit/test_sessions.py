@@ -11,8 +11,8 @@ from pytest import MonkeyPatch
 from appliance.api.requests import prompt_tokens
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId
-from appliance.services.chat_tokens import ChatEncoder, encode_chat_text
-from appliance.services.sessions import SessionTable
+from appliance.services.sessions.chat_tokens import ChatEncoder, encode_chat_text
+from appliance.services.sessions.sessions import SessionTable
 from appliance.tokenization.tokenizer import FallbackTokenizer
 
 TOK = FallbackTokenizer()

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appliance.config.settings import PORT_OFFSETS, Settings
+from appliance.config.settings_load import load
+from appliance.config.settings_yaml import documented_yaml
 from appliance.domain.errors import ConfigError
-from appliance.settings import PORT_OFFSETS, Settings
-from appliance.settings_load import load
-from appliance.settings_yaml import documented_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def test_the_old_worker_reaper_key_is_read_with_one_warning(
 ) -> None:
     cfg = tmp_path / "old.yaml"
     cfg.write_text("reaper: {worker_idle_s: 5}\nresidency: {reaper: false}\n")
-    with caplog.at_level("WARNING", logger="appliance.settings_load"):
+    with caplog.at_level("WARNING", logger="appliance.config.settings_load"):
         s = load(cfg)
     assert (s.worker_reaper.worker_idle_s, s.residency.reaper) == (5.0, False)
     assert [r.getMessage() for r in caplog.records] == [

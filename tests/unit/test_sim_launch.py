@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from appliance.config.settings import Settings
 from appliance.engines.launch import Device, plan_workers
 from appliance.engines.sim_launch import (
     SIM_MAX_MODEL_LEN,
@@ -14,7 +15,6 @@ from appliance.engines.sim_launch import (
     sim_wake_seconds,
 )
 from appliance.perf.profile import bundled_profile
-from appliance.settings import Settings
 from appliance.sim.vllm_entry import retention_tuning, worker_config
 
 PROFILE = bundled_profile()

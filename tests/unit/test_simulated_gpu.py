@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from appliance.config.settings import EngineKind
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import LoadSnapshot
-from appliance.engine_start import gpu_probe, simulated_gpu
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import (
     DRIVER,
@@ -19,8 +19,8 @@ from appliance.gpu.simulated import (
     SimulatedGpuProbe,
 )
 from appliance.perf.profile import bundled_profile
-from appliance.services.gpu_meter import GpuTime
-from appliance.settings import EngineKind
+from appliance.services.workers.gpu_meter import GpuTime
+from appliance.start.engine_start import gpu_probe, simulated_gpu
 
 GPU = SimulatedGpu(
     "NVIDIA H200 sim", mem_total_bytes=1000, baseline_bytes=200, kv_capacity_bytes=600

@@ -14,8 +14,8 @@ from __future__ import annotations
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.routing import RouteKind
-from appliance.services.turn import TurnRequest
-from appliance.services.worker_speed import WorkerSpeeds
+from appliance.services.turns.turn import TurnRequest
+from appliance.services.workers.worker_speed import WorkerSpeeds
 from tests.fakes import FixedIndex, LinearCost, ManualClock, RouterWorker, Wired, wired_desk
 
 COST = LinearCost()  # 1 ms per fresh token, 0.1 ms per reused one

@@ -10,11 +10,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerPowerState, WorkerState, WorkerStatus
-from appliance.services.gpu_meter import GpuTime
-from appliance.services.histogram import PromHistogram
-from appliance.services.state import StateSources, metrics_text
-from appliance.services.tasks import TaskBook
-from appliance.services.turn_records import TurnRecords
+from appliance.services.operator.histogram import PromHistogram
+from appliance.services.operator.state import StateSources, metrics_text
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.turn_records import TurnRecords
+from appliance.services.workers.gpu_meter import GpuTime
 from tests.fakes import AckLedger
 
 

@@ -4,9 +4,9 @@ the bound on the tool names a tenant's waits are learned under."""
 from __future__ import annotations
 
 from appliance.domain.records import SessionId, TenantId
-from appliance.services.answer_tools import TO_PERSON, AnswerEnd
-from appliance.services.sessions import SessionState
-from appliance.services.tool_waits import NAMES_PER_TENANT, OTHER, ToolWaits, TurnWait
+from appliance.services.residency.tool_waits import NAMES_PER_TENANT, OTHER, ToolWaits, TurnWait
+from appliance.services.sessions.answer_tools import TO_PERSON, AnswerEnd
+from appliance.services.sessions.sessions import SessionState
 
 
 def ended(

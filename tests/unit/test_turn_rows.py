@@ -14,7 +14,7 @@ from typing import Any
 
 from appliance.domain.errors import EngineUnavailable
 from appliance.domain.records import CacheReceipt, SessionId, TaskId, TenantId, WorkerId
-from appliance.services.turn import TurnRequest, new_turn_id
+from appliance.services.turns.turn import TurnRequest, new_turn_id
 from tests.fakes import AckLedger, FixedIndex, RouterWorker, wired_desk
 
 

@@ -26,11 +26,11 @@ from appliance.domain.records import (
     WorkerId,
 )
 from appliance.policy.deadline_share import Reserve, TaskRun
-from appliance.services.admission import AdmissionRefused
-from appliance.services.task_paces import TaskPaces, run_of
-from appliance.services.task_state import TaskError, TaskState
-from appliance.services.turn import Reply
-from appliance.services.turn_desk import TurnInput
+from appliance.services.tasks.admission import AdmissionRefused
+from appliance.services.tasks.task_paces import TaskPaces, run_of
+from appliance.services.tasks.task_state import TaskError, TaskState
+from appliance.services.turns.turn import Reply
+from appliance.services.turns.turn_desk import TurnInput
 from tests.fakes import FixedIndex, ManualClock, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
-from appliance.services.flights import loop_alarm
-from appliance.services.task_state import TaskError
-from appliance.services.turn import Reply
-from appliance.services.turn_desk import TurnInput
+from appliance.services.tasks.task_state import TaskError
+from appliance.services.turns.flights import loop_alarm
+from appliance.services.turns.turn import Reply
+from appliance.services.turns.turn_desk import TurnInput
 from tests.fakes import ManualClock, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from appliance.services.forwarder import UsageScanner
+from appliance.services.turns.forwarder import UsageScanner
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}
 STREAM = (

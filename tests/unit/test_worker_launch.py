@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
 from appliance.engines.launch import (
     Device,
@@ -22,7 +23,6 @@ from appliance.engines.launch import (
     split_cpus,
 )
 from appliance.engines.retention.plugin import RetentionLaunch
-from appliance.settings import EngineSettings
 
 BASE_ENV = {
     "PATH": "/usr/bin",

@@ -12,8 +12,8 @@ import pytest
 from appliance.domain.records import WorkerId, WorkerPowerEvent
 from appliance.domain.worker import LoadSnapshot, PowerChange, WorkerState, WorkerStatus
 from appliance.policy.worker_power import CPU_VLLM_STATES, PowerSettings, power_table
-from appliance.services.turn import NoWorker
-from appliance.services.worker_reaper import PowerInputs, WorkerReaperLoop
+from appliance.services.turns.turn import NoWorker
+from appliance.services.workers.worker_reaper import PowerInputs, WorkerReaperLoop
 from tests.fakes import ManualClock
 
 W0 = WorkerId("w0")

@@ -10,7 +10,7 @@ import pytest
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import LoadSnapshot
-from appliance.services.worker_speed import (
+from appliance.services.workers.worker_speed import (
     MIN_PREFILLS,
     SMOOTHING,
     WorkerSpeeds,

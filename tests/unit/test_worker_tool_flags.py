@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from appliance.config.settings import EngineSettings
 from appliance.engines.launch import Device, plan_workers, spec_from_settings
-from appliance.settings import EngineSettings
 from tests.unit.test_worker_launch import flag
 
 

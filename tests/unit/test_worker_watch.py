@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerEvent, WorkerEventKind, WorkerState
-from appliance.services.events import EventFeed
-from appliance.services.worker_watch import WorkerWatch, record_power_event
+from appliance.services.operator.events import EventFeed
+from appliance.services.workers.worker_watch import WorkerWatch, record_power_event
 
 
 @dataclass

@@ -11,7 +11,7 @@ endpoint that fails before its first byte (unreachable, an error status, silent 
 turn back to the local box. One that breaks midway ends the stream with an error event and a
 failed attempt. Every attempt is one `turns` row (endpoint, route reason, tokens as the
 endpoint reports them, cost at its prices), and the client hears the turn is done only once
-that row is committed, as for a local turn (services/forwarder.py).
+that row is committed, as for a local turn (services/turns/forwarder.py).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from appliance.domain.errors import EngineError, LedgerError
 from appliance.domain.records import TurnOutcome, TurnRecord
 from appliance.policy.escalation import OutsidePrices, outside_cost
 from appliance.ports import Clock, EngineClient
-from appliance.services.answer_tools import ToolCallScanner
 from appliance.services.escalation.anthropic_back import chat_answer, chat_stream
 from appliance.services.escalation.anthropic_out import messages_body
 from appliance.services.escalation.outside_body import outside_body
-from appliance.services.forwarder import SSE_DONE, UsageScanner, usage_in
-from appliance.services.turn import Reply, TurnRequest, cached_tokens, new_turn_id
-from appliance.services.turn_records import TurnRecords
+from appliance.services.sessions.answer_tools import ToolCallScanner
+from appliance.services.turns.forwarder import SSE_DONE, UsageScanner, usage_in
+from appliance.services.turns.turn import Reply, TurnRequest, cached_tokens, new_turn_id
+from appliance.services.turns.turn_records import TurnRecords
 
 CHAT_PATH = "/v1/chat/completions"
 MESSAGES_PATH = "/v1/messages"

@@ -17,10 +17,10 @@ from dataclasses import replace
 from appliance.domain.errors import EngineError
 from appliance.policy.escalation import Side, SideRules, spill_side
 from appliance.ports import Clock
-from appliance.services.admission import AdmissionRefused
 from appliance.services.escalation.relay import OutsideRelay
 from appliance.services.escalation.sides import TaskSides
-from appliance.services.turn import Reply, TurnRequest
+from appliance.services.tasks.admission import AdmissionRefused
+from appliance.services.turns.turn import Reply, TurnRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,75 @@
+"""Which waiting sessions' prefixes lost blocks on their worker, read from the KV index.
+
+Model of the world: a session's turn ended on its worker; the index hears its prompt's
+blocks stored (possibly a moment after the answer) and, later, removed when the worker
+evicts them. A session whose prefix the index shows fewer tokens of than it has shown
+since its turn ended, and fewer than the prompt's full blocks, lost KV. With thousands of
+sessions waiting, a lookup of each one's chain every watch would cost milliseconds of the
+event loop; so a session whose whole prefix the index has shown is looked up again only
+after its worker's `KvLookup.losses` count moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from appliance.domain.kv_events import Medium
+from appliance.domain.records import WorkerId
+from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDecision
+from appliance.ports import KvLookup
+from appliance.services.residency.residency_inputs import prefix_tokens, resident_tokens
+from appliance.services.residency.tool_waits import UNKNOWN, TurnWait
+from appliance.services.sessions.sessions import SessionState
+
+
+@dataclass(slots=True)
+class WaitingSession:
+    """A session between its turns, as the reaper loop follows it."""
+
+    session: SessionState
+    worker: WorkerId
+    idle: IdleSession
+    """The policy's view at its last decision."""
+    decision: ResidencyDecision
+    due_s: float
+    """When to decide again: a hold's revisit, else the maximum residency; inf: never."""
+    seen_tokens: int = 0
+    """Most of its prefix the KV index has shown on its worker since its turn ended."""
+    ended_by: str | None = None
+    """What ended its hold other than the reaper: a give-back's reason, or an operator."""
+    evicted: bool = False
+    wait: TurnWait = UNKNOWN
+    """What it waits on (the tools its last answer called, a person), as its turn ended."""
+
+
+class PrefixWatch:
+    def __init__(self, index: KvLookup) -> None:
+        self._index = index
+        self._losses_seen: dict[WorkerId, int] = {}
+        """Each worker's `losses` count at the last scan."""
+
+    def shrunk(self, waiting: Iterable[tuple[str, WaitingSession]]) -> list[tuple[str, int]]:
+        """(key, tokens left) of each session not yet known evicted whose prefix lost
+        blocks; raises each one's `seen_tokens` to what the index shows now."""
+        counts: dict[WorkerId, int] = {}
+
+        def lost(worker: WorkerId) -> bool:
+            if worker not in counts:  # read before the lookups: a loss after it shows next time
+                counts[worker] = self._index.losses(worker)
+            return counts[worker] != self._losses_seen.get(worker)
+
+        out = []
+        for key, w in waiting:
+            if w.evicted or (not lost(w.worker) and w.seen_tokens >= prefix_tokens(w.session)):
+                continue
+            # A demoted session's host copy is what is watched.
+            demoted = w.decision.action is ResidencyAction.DEMOTE
+            medium = Medium.CPU if demoted else Medium.GPU
+            n = resident_tokens(self._index, w.session, w.worker, medium)
+            if n >= w.seen_tokens:
+                w.seen_tokens = n
+            elif n < prefix_tokens(w.session):
+                out.append((key, n))
+        self._losses_seen.update(counts)
+        return out

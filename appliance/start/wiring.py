@@ -1,0 +1,378 @@
+"""The appliance wired: engines, ledger and probes in, the API app and the services that
+run behind it out. Part of the composition root (with bootstrap.py and daemon.py); it starts
+nothing and runs nothing, so a test can build the whole house around workers of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from appliance.api.admin_sessions import SessionAdmin
+from appliance.api.app import ApiApp, create_api_app
+from appliance.api.auth import LOCAL, Caller, Keys
+from appliance.api.context import ApiContext
+from appliance.config.settings import Settings
+from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.worker import can_serve
+from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.ledger import LedgerWriter
+from appliance.ledger.reports import cost_report
+from appliance.ledger.restore import open_tasks, receipt_generations, recent_sessions
+from appliance.ledger.session_history import session_turns
+from appliance.ledger.task_history import TaskHistory
+from appliance.oplog import LoggedEventFeed, log_turns
+from appliance.perf.latency import CopyDirection, LatencyModel
+from appliance.perf.profile import GpuProfile
+from appliance.policy.admission import AdmissionLimits
+from appliance.policy.routing.core import default_profile
+from appliance.policy.worker_power import (
+    CPU_VLLM_STATES,
+    PowerSettings,
+    PowerState,
+    power_table,
+)
+from appliance.ports import Clock, GpuProbe, KvRetention, WorkerPowerSwitch
+from appliance.services.operator.cost_series import CostSeries
+from appliance.services.operator.events import EventFeed
+from appliance.services.operator.session_admin import SessionReleases
+from appliance.services.operator.state import StateSources, metrics_text, snapshot
+from appliance.services.residency.no_retention import NoRetention
+from appliance.services.residency.reaper_loop import ReaperLoop
+from appliance.services.residency.residency_inputs import LiveInputs
+from appliance.services.residency.session_kv import SessionKv
+from appliance.services.residency.tool_events import reaper_hears, restore_on_lead
+from appliance.services.sessions.sessions import SessionTable
+from appliance.services.sessions.tenancy import TenantSalts
+from appliance.services.tasks.admission import AdmissionService, WorkerEstimator
+from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.attempt_spans import AttemptSpans
+from appliance.services.turns.placement import Placer, RoutingRule
+from appliance.services.turns.queue_book import QueueBook
+from appliance.services.turns.turn_desk import TurnDesk
+from appliance.services.turns.turn_records import TurnRecords
+from appliance.services.workers.box_usage import BoxUsage, EnergyMeter, GpuTick
+from appliance.services.workers.gpu_meter import GpuMeter
+from appliance.services.workers.worker_reaper import PowerInputs, WorkerReaperLoop
+from appliance.services.workers.worker_speed import WorkerSpeeds
+from appliance.start.class_paces import finished_runs
+from appliance.start.wiring_escalation import outside_escalation
+from appliance.start.wiring_residency import live_residency_policy
+from appliance.tokenization.tokenizer import load_tokenizer
+
+RESTORE_WINDOW_S = 24 * 3600.0
+RESTORE_MAX = 10_000
+"""A restart takes back the open tasks and the sessions active in the last day, the newest
+10,000 of each (appliance/ledger/restore.py)."""
+
+
+@dataclass
+class StartedEngines:
+    """What the wiring needs of the started engines."""
+
+    workers: Callable[[], Sequence[WorkerHandle]]
+    served_name: str
+    max_model_len: int
+    runtime_identity: str
+    retention: KvRetention | None = None
+    """The workers' retention channels; None: they have none (`no_retention`)."""
+    no_retention: str = "the workers have no retention channel"
+    """Why there is none, when there is none."""
+    power: WorkerPowerSwitch | None = None
+    """Sleep, stop and wake of the workers (None: the appliance did not start them)."""
+    power_states: frozenset[PowerState] = CPU_VLLM_STATES
+    """The states the workers can be put to (sleep mode: all)."""
+    wake_s: tuple[float, float, float] | None = None
+    """Seconds the workers take to wake from asleep-1, asleep-2 and stopped, when not the
+    GPU profile's (simulated workers: stretched by their time scale)."""
+
+
+@dataclass
+class Wiring:
+    app: ApiApp
+    desk: TurnDesk
+    speeds: WorkerSpeeds
+    events: EventFeed
+    gpu: GpuTick
+    reaper: ReaperLoop | None
+    """The idle reaper's loop (None: `residency.reaper` is off); the daemon runs it."""
+    worker_reaper: WorkerReaperLoop | None
+    """The worker reaper (None: `worker_reaper.worker_idle_s` unset, or no power switch)."""
+    admission: AdmissionService
+    """Its `limits` are replaced on a reload (`admission_limits`)."""
+    usage: BoxUsage
+    """The box's usage periods (the daemon runs it)."""
+
+
+def wire(
+    settings: Settings,
+    *,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
+    feed: KvIndexFeed,
+    clock: Clock,
+    probe: GpuProbe,
+    profile: GpuProfile,
+    keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
+    secret: bytes,
+) -> Wiring:
+    events, gpu = LoggedEventFeed(), GpuTick(probe, EnergyMeter(engines.workers))
+    speeds, queues = _measured_queues(cost := LatencyModel.from_profile(profile), clock)
+    desk, admission, sessions, tasks = _turn_desk(
+        settings, engines, ledger, feed, clock, cost, queues, events, secret
+    )
+    _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
+    desk.paces.warm(finished_runs(settings.ledger_path, since=clock.now() - RESTORE_WINDOW_S))
+    reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
+    desk.worker_reaper = _worker_reaper(settings, engines, ledger, clock, desk, reaper, profile)
+    releases, kv = _session_kv(desk, ledger, events, profile, reaper)
+    usage = BoxUsage(desk.records.meter, gpu.energy, ledger, clock, settings.ledger.usage_period_s)
+    sources = StateSources(
+        workers=lambda: [w.status() for w in engines.workers()],
+        desk=desk,
+        tasks=tasks,
+        gpus=lambda: gpu.reading,
+        clock_now=clock.now,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        currency=settings.costs.currency,
+        events=events,
+        kv=kv,
+        cost_series=CostSeries(),
+        admission=admission,
+        wakes=desk.worker_reaper.wake_seconds if desk.worker_reaper is not None else None,
+        kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
+        usage=usage,
+    )
+    app = create_api_app(
+        ApiContext(
+            desk=desk,
+            tasks=tasks,
+            tokenizer=load_tokenizer(settings.engine.model),
+            keys=Keys(keys, anyone=LOCAL if settings.server.auth == "none" else None),
+            clock=clock,
+            model=engines.served_name,
+            model_aliases=settings.api.model_aliases,
+            max_model_len=engines.max_model_len,
+            state=lambda: snapshot(sources),
+            healthy=lambda: any(can_serve(w.state, w.draining) for w in engines.workers()),
+            ledger_failing=lambda: ledger.failing,
+            metrics=lambda: metrics_text(sources),
+            costs=lambda: cost_report(settings.ledger_path),
+            admission=admission,
+            workers=engines.workers,
+            sessions_admin=_session_admin(settings.ledger_path, releases, kv),
+        )
+    )
+    return Wiring(app, desk, speeds, events, gpu, reaper, desk.worker_reaper, admission, usage)
+
+
+def _session_admin(ledger_path: Path, releases: SessionReleases, kv: SessionKv) -> SessionAdmin:
+    """One session's detail (its turns read from the ledger) and its release."""
+    return SessionAdmin(
+        releases, lambda tenant, sid, n: session_turns(ledger_path, tenant, sid, limit=n), kv
+    )
+
+
+def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:
+    """The worker speeds and the queue book over one record of the router's own attempts:
+    the book writes it, the speeds take a sample only where it shows one request at a time."""
+    spans = AttemptSpans(clock)
+    speeds = WorkerSpeeds(cost, spans)
+    return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
+
+
+def _restore(
+    ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable, feed: KvIndexFeed
+) -> None:
+    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX), and the
+    workers' cache generations the new KV index continues after."""
+    since = now - RESTORE_WINDOW_S
+    tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
+    sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
+    feed.start_generations(receipt_generations(ledger_path))
+
+
+def _session_kv(
+    desk: TurnDesk,
+    ledger: LedgerWriter,
+    events: EventFeed,
+    profile: GpuProfile,
+    reaper: ReaperLoop | None,
+) -> tuple[SessionReleases, SessionKv]:
+    """Operators' releases, and what the state and the operators see of sessions' KV."""
+    releases = SessionReleases(
+        desk.sessions,
+        ledger,
+        events,
+        profile.kv_bytes_per_token,
+        kv_release=reaper.release if reaper is not None else None,
+    )
+    return releases, SessionKv(desk.placer.residency, releases, reaper)
+
+
+def _reaper_loop(
+    settings: Settings,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
+    feed: KvIndexFeed,
+    clock: Clock,
+    desk: TurnDesk,
+    tasks: TaskBook,
+    profile: GpuProfile,
+) -> ReaperLoop | None:
+    """The idle reaper on live inputs, running the policy `residency.policy` names (a wait
+    model warmed with the waits between the ledger's recent turns: RESTORE_WINDOW_S,
+    RESTORE_MAX)."""
+    r = settings.residency
+    if not r.reaper:
+        return None
+    now = clock.now()
+    policy = live_residency_policy(
+        r,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        ledger_path=settings.ledger_path,
+        window=(now - RESTORE_WINDOW_S, now),
+        limit=RESTORE_MAX,
+    )
+    inputs = LiveInputs(
+        index=feed,
+        workers=engines.workers,
+        prefill_s=lambda worker, n: desk.queues.prefill_s(worker, n, 0),
+        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.ends_sessions,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        model=engines.served_name,
+        runtime_identity=engines.runtime_identity,
+        copy_in_s=partial(
+            LatencyModel.from_profile(profile).kv_copy_s, direction=CopyDirection.H2D
+        ),
+        task_parent=lambda key: t.parent if (t := tasks.find(key)) is not None else None,
+    )
+    retention = engines.retention
+    if retention is None:
+        note = f"{engines.no_retention}: decisions are recorded, none is sent"
+        retention = NoRetention(note)
+    else:
+        note = "holds are sent to the workers' retention connectors"
+    loop = ReaperLoop(policy, retention, inputs, ledger=ledger, clock=clock, note=note)
+    desk.sessions.listener = loop  # hears of every turn's start and end
+    loop.lead_time = restore_on_lead(loop, inputs, ledger, restore_ahead=r.restore_ahead)
+    tasks.on_tool_event = reaper_hears(loop)
+    return loop
+
+
+def _worker_reaper(
+    settings: Settings,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
+    clock: Clock,
+    desk: TurnDesk,
+    reaper: ReaperLoop | None,
+    profile: GpuProfile,
+) -> WorkerReaperLoop | None:
+    """Idle workers sleep or stop, and a turn wakes one (`worker_reaper.worker_idle_s` set, and
+    workers the appliance started)."""
+    r = settings.worker_reaper
+    if r.worker_idle_s is None or engines.power is None:
+        return None
+    meter = desk.records.meter
+    wake = profile.wake
+    assert wake is not None  # parse_profile fills it in
+    seconds = engines.wake_s or (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds)
+    kv = settings.engine.kv_cache_memory_bytes or 0
+    table = power_table(seconds, wake.weights_bytes, kv, engines.power_states)
+    inputs = PowerInputs(
+        workers=lambda: [w.status() for w in engines.workers()],
+        in_flight=meter.in_flight if meter is not None else lambda worker: 0,
+        model=engines.served_name,
+        table=table,
+        settings=PowerSettings(r.worker_idle_s, r.max_wake_s or math.inf, r.min_awake),
+        gpus_per_worker=settings.engine.gpus_per_worker,
+    )
+    rests = reaper.worker_rests if reaper is not None else None
+    return WorkerReaperLoop(
+        engines.power, inputs, ledger=ledger, clock=clock, meter=meter, before_rest=rests
+    )
+
+
+def admission_limits(settings: Settings) -> AdmissionLimits:
+    """The admission policy's limits: every `admission.*` key but `task_idle_s`, which the
+    task book reads once."""
+    return AdmissionLimits(**settings.admission.model_dump(exclude={"task_idle_s"}))
+
+
+def _placer(
+    settings: Settings,
+    engines: StartedEngines,
+    feed: KvIndexFeed,
+    sessions: SessionTable,
+    queues: QueueBook,
+    cost: LatencyModel,
+    secret: bytes,
+) -> Placer:
+    return Placer(
+        workers=engines.workers,
+        index=feed,
+        sessions=sessions,
+        queues=queues,
+        rule=RoutingRule(
+            default_profile(**settings.routing.model_dump()), cost, engines.served_name
+        ),
+        salt=TenantSalts(secret),
+        retention=engines.retention,
+    )
+
+
+def _turn_desk(
+    settings: Settings,
+    engines: StartedEngines,
+    ledger: LedgerWriter,
+    feed: KvIndexFeed,
+    clock: Clock,
+    cost: LatencyModel,
+    queues: QueueBook,
+    events: EventFeed,
+    secret: bytes,
+) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
+    e = settings.engine
+    hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
+    archive = TaskHistory(settings.ledger_path)
+    tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s, archive=archive)
+    sessions = SessionTable(hasher)
+    records = TurnRecords(
+        ledger,
+        model=engines.served_name,
+        runtime_identity=engines.runtime_identity,
+        on_turn=log_turns(tasks.add_turn),
+        meter=GpuMeter(clock, cost, queues.slowdown, e.gpus_per_worker),
+    )
+    placer = _placer(settings, engines, feed, sessions, queues, cost, secret)
+    admission = AdmissionService(
+        limits=admission_limits(settings),
+        tasks=tasks,
+        estimator=WorkerEstimator(  # queue_s: the queued prefill ahead of new work
+            engines.workers,
+            queues.queue_s,
+            cost,
+            queues.slowdown,
+            wake_s=lambda w: r.wake_s(w) if (r := desk.worker_reaper) is not None else None,
+        ),
+        ledger=ledger,
+        clock=clock,
+        events=events,
+    )
+    desk = TurnDesk(
+        sessions=sessions,
+        placer=placer,
+        queues=queues,
+        records=records,
+        tasks=tasks,
+        clock=clock,
+        workers=engines.workers,
+        admission=admission,
+    )
+    tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)  # learns, ends sessions
+    desk.escalation = outside_escalation(settings.escalation, records, clock)
+    return desk, admission, sessions, tasks
