@@ -141,7 +141,7 @@ def queue(ctx: Context, w: WorkerView) -> float:
 def kv_pressure(_: Context, w: WorkerView) -> float:
     """The pool's free share, counting held idle KV as free: with every pool full of holds,
     usage alone would no longer tell a busy worker from an idle one."""
-    return _clip(1.0 - max(w.kv_usage - w.kv_held, 0.0))
+    return _clip(1.0 - (w.kv_usage - w.kv_held))
 
 
 def failures(_: Context, w: WorkerView) -> float:
