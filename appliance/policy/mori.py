@@ -135,15 +135,15 @@ class Mori:
             return NOT_ACTIVE - age_s / (1.0 + age_s)  # pragma: no mutate (equivalent: order only)
         return -x
 
-    def observe_return(self, session_id: str, now: float) -> None:
+    def observe_return(self, session: IdleSession, now: float) -> None:
         """The program's next turn arrived: its wait ended, its busy time begins."""
-        p = self._programs.get(session_id)
+        p = self._programs.get(session.session_id)
         if p is not None and p.returned_at_s is None:
             p.returned_at_s = max(now, p.finished_at_s)
 
-    def observe_abandoned(self, session_id: str, now: float) -> None:
+    def observe_abandoned(self, session: IdleSession, now: float) -> None:
         """The program ended without a next turn: no longer ranked."""
-        self._programs.pop(session_id, None)
+        self._programs.pop(session.session_id, None)
 
     def _record_turn(self, session: IdleSession) -> None:
         """Add the turn that just ended to its program's times (nothing on a revisit)."""

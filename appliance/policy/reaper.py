@@ -48,16 +48,16 @@ The eviction order, `priority`: value density, P x saved / (M x E[W]), the expec
 saved per byte per second of holding, lowest given back first: Belady's rule (evict what is
 needed furthest in the future) with predicted next use, weighted by what a return saves.
 
-Pure: no clock (times are arguments), no I/O, no randomness. State: the wait model and the
-last decision of each session (at most `MAX_SESSIONS`, least recently decided dropped).
+Pure: no clock (times are arguments), no I/O, no randomness. State: the wait model only; the
+standing decision of a session is its caller's (`IdleSession.standing`, `HeldSession.idle`:
+`appliance.services.residency.residency_driver` keeps it for the replay and the live box).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from appliance.policy.residency import (
     HeldSession,
@@ -101,8 +101,6 @@ MIN_REVISIT_S = 1.0
 REVISIT_GROWTH = 2.0
 """A hold is reconsidered each time its idle time doubles (from 1 s: 12 times in 30 min);
 the survival model's bins are 1.33x wide, so its answers move little in between."""
-MAX_SESSIONS = 65_536
-"""Sessions whose last decision is kept (a few hundred bytes each)."""
 
 
 class WaitModel(Protocol):
@@ -131,13 +129,6 @@ _SAYS = {
     ResidencyKind.TENANT_CAP: "a hold would pass the tenant's cap",
     ResidencyKind.WITHIN_MARGIN: "a change would gain less than the margin",
 }
-
-
-class _Record(NamedTuple):
-    session: IdleSession
-    action: ResidencyAction
-    key: WaitKey
-    """The session's key in the wait model (`priority` asks it of every held session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,30 +190,21 @@ class Reaper:
         self.survival: WaitModel = survival if survival is not None else WaitSurvival(priors)
         self.tuning = tuning if tuning is not None else ReaperTuning()
         self.name = name
-        self._sessions: OrderedDict[str, _Record] = OrderedDict()
 
     def decide(self, session: IdleSession, now: float) -> ResidencyDecision:
-        """The decision for a session idle since `finished_at_s`. Called again for the same
-        idle period (the same `finished_at_s`, the pool as it is now), it revisits the last
-        decision, which stands unless another is better by the margin."""
-        record = self._sessions.pop(session.session_id, None)
-        same_period = record is not None and record.session.finished_at_s == session.finished_at_s
-        standing = record.action if record is not None and same_period else None
-        decision = self._decide(session, max(0.0, now - session.finished_at_s), standing)
-        self._sessions[session.session_id] = _Record(session, decision.action, _key(session))
-        if len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
-        return decision
+        """The decision for a session idle since `finished_at_s`. Asked again about the same
+        idle period (the pool as it is now), it revisits the standing decision
+        (`session.standing`), which stands unless another is better by the margin."""
+        return self._decide(session, max(0.0, now - session.finished_at_s), session.standing)
 
     def priority(self, held: HeldSession, now: float) -> float:
         """Value density now (`value_density`): the lowest is given back first. A session
-        this policy has not decided on counts as a new one of the tenant `default`."""
-        record = self._sessions.get(held.session_id)
-        if record is not None:
-            session, key = record.session, record.key
-        else:
+        without the idle session it was decided on counts as a new one of the tenant
+        `default`."""
+        session = held.idle
+        if session is None:
             session = IdleSession(held.session_id, held.resident_tokens, held.held_since_s)
-            key = _key(session)
+        key = _key(session)
         idle_s = max(0.0, now - session.finished_at_s)
         if session.ends_in_tool_call is False or idle_s >= self.tuning.max_residency_s:
             return 0.0
@@ -233,21 +215,15 @@ class Reaper:
             saved_s = min(saved_s, self.tuning.second_value * self._promote_s(session, kv_bytes))
         return value_density(p, wait_s, saved_s, kv_bytes)
 
-    def observe_return(self, session_id: str, now: float) -> None:
+    def observe_return(self, session: IdleSession, now: float) -> None:
         """The session's next turn arrived at `now`: its gap teaches the wait model."""
-        record = self._sessions.pop(session_id, None)
-        if record is not None:
-            s = record.session
-            gap_s = max(0.0, now - s.finished_at_s)
-            self.survival.observe_gap(_key(s), gap_s, s.expected_wait_s)
+        gap_s = max(0.0, now - session.finished_at_s)
+        self.survival.observe_gap(_key(session), gap_s, session.expected_wait_s)
 
-    def observe_abandoned(self, session_id: str, now: float) -> None:
+    def observe_abandoned(self, session: IdleSession, now: float) -> None:
         """The session ended at `now` without a next turn (closed, timed out, its task
         done or cancelled): it waited at least this long, a censored wait."""
-        record = self._sessions.pop(session_id, None)
-        if record is not None:
-            s = record.session
-            self.survival.observe_censored(_key(s), max(0.0, now - s.finished_at_s))
+        self.survival.observe_censored(_key(session), max(0.0, now - session.finished_at_s))
 
     def _decide(
         self, session: IdleSession, idle_s: float, standing: ResidencyAction | None

@@ -132,6 +132,10 @@ class IdleSession:
     promote_s: float | None = None
     """Seconds to copy its KV from the host tier back to HBM at the measured bandwidth;
     None: `kv_bytes` at the policy's default bandwidth."""
+    standing: ResidencyAction | None = None
+    """The decision standing for this idle period, when the policy is asked again about it
+    (the caller keeps it: `appliance.services.residency.residency_driver`); None: a new
+    period."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,8 @@ class HeldSession:
     held_since_s: float
     until_s: float
     """When the hold lapses on its own."""
+    idle: IdleSession | None = None
+    """The session as the policy last decided on it (None: unknown, a new one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +191,11 @@ class ResidencyDecision:
 
 
 class ResidencyPolicy(Protocol):
-    """A residency policy: one decision per finished turn, one priority per held session."""
+    """A residency policy: one decision per finished turn, one priority per held session.
+    A policy keeps no record of its decisions: the caller passes the standing one back
+    (`IdleSession.standing`, `HeldSession.idle`). One that learns from how idle periods end
+    has `observe_return(session, now)` and `observe_abandoned(session, now)`, told once per
+    period with the session as last decided on."""
 
     @property
     def name(self) -> str: ...

@@ -13,15 +13,17 @@ EVICT frees them to the head of the GPU's eviction order. Decisions are counted 
 (`reasons`), by kind (`kinds`), by action (`actions`), and by tool class and action
 (`by_tool`).
 
-A policy that learns from its sessions (the reaper: `observe_return`, `observe_abandoned`)
-is told of each idle period's end exactly once: its session's next turn arriving at an
-engine (`turn_arrived`), or the session ending without one: the workload's task ending
-(`TurnHint.session_ends`: at the turn's end plus its tool wait, when the client gives up),
-or an idle time past the policy's `tuning.max_residency_s` (a session timed out). A policy that
-revisits its holds (`revisits_holds`) is asked again about each pin as it comes due, with the
-worker as it is then, and the engine extends, demotes, evicts or lets it lapse as it says.
-The host tier is a cache that makes room by evicting, so a session's room there is its
-capacity and its pressure the share in use.
+The policy is driven by the residency driver the live box drives it with
+(`appliance.services.residency.residency_driver`): it keeps each session's standing decision
+and tells a policy that learns from its sessions (the reaper: `observe_return`,
+`observe_abandoned`) of each idle period's end exactly once: its session's next turn
+arriving at an engine (`turn_arrived`), or the session ending without one: the workload's
+task ending (`TurnHint.session_ends`: at the turn's end plus its tool wait, when the client
+gives up), or an idle time past the policy's `tuning.max_residency_s` (a session timed
+out). A policy that revisits its holds (`revisits_holds`) is asked again about each pin as
+it comes due, with the worker as it is then, and the engine extends, demotes, evicts or
+lets it lapse as it says. The host tier is a cache that makes room by evicting, so a
+session's room there is its capacity and its pressure the share in use.
 
 Two optional companions: a `watch` told of every turn end (with the idle session as the
 policy saw it and the hint) and every arrival, which may rank a pin above the policy's
@@ -40,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,23 +51,18 @@ from appliance.domain.retention import HostTierSize
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.policy.residency import (
     DEFAULT_TENANT,
-    HeldSession,
     HostTierReading,
     IdleSession,
     ResidencyAction,
-    ResidencyDecision,
     ResidencyPolicy,
 )
 from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.wait_curves import LogNormal
+from appliance.services.residency.residency_driver import DecisionBound, ResidencyDriver
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.host_tier import HostPriority, HostSession
 from appliance.sim.pins import Pin
 from appliance.sim.residency_hook import AfterTurn, PinDue, TurnEnd
-
-_NUMBERS = re.compile(r"\d[\d.,]*")
-NO_TOOL = "(none)"
-"""`by_tool`'s class for a turn without a hint of one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +80,6 @@ class TurnHint:
 
 Hints = Callable[[str], TurnHint | None]
 """Request id -> its hint, if the workload has one."""
-Bound = Callable[[IdleSession, ResidencyDecision], ResidencyDecision]
-"""The last word on a decision (e.g. a branch's quota)."""
 
 
 class ResidencyWatch(Protocol):
@@ -113,7 +107,8 @@ def wait_priors(tool_classes: Mapping[str, WaitDistribution]) -> dict[str, LogNo
 
 
 class PolicyResidency:
-    """The engines' residency hook (`appliance.sim.residency_hook.ResidencyHook`) for one policy."""
+    """The engines' residency hook (`appliance.sim.residency_hook.ResidencyHook`) for one
+    policy, driven as the live box drives it (`ResidencyDriver`)."""
 
     def __init__(
         self,
@@ -123,28 +118,22 @@ class PolicyResidency:
         block_size: int,
         hints: Hints | None = None,
         watch: ResidencyWatch | None = None,
-        bound: Bound | None = None,
+        bound: DecisionBound | None = None,
     ) -> None:
-        self.policy = residency_policy(policy) if isinstance(policy, str) else policy
+        policy = residency_policy(policy) if isinstance(policy, str) else policy
+        self.driver = ResidencyDriver(policy, bound=bound)
+        self.policy = policy
         self.latency = latency
         self.block_size = block_size
         self.hints = hints
         self.watch = watch
-        self.bound = bound
-        self.reasons: Counter[str] = Counter()
-        self.actions: Counter[str] = Counter()
-        self.kinds: Counter[str] = Counter()
-        self.by_tool: Counter[tuple[str, str]] = Counter()
-        """(tool class, action) -> decisions, revisits included."""
-        self._idle: dict[str, IdleSession] = {}
+        self.reasons = self.driver.reasons
+        self.actions = self.driver.actions
+        self.kinds = self.driver.kinds
+        self.by_tool = self.driver.by_tool
         self._turns: Counter[str] = Counter()
         """Session -> turns finished so far: the reaper learns waits per session depth."""
         self._ends: list[tuple[float, str, float]] = []  # (at_s, session, finished_at_s)
-        tuning = getattr(self.policy, "tuning", None)
-        self._max_idle_s: float | None = getattr(tuning, "max_residency_s", None)
-        self._revisits = bool(getattr(self.policy, "revisits_holds", False))
-        self._capped = getattr(tuning, "tenant_cap_bytes", None) is not None
-        self._pressure_from: float = getattr(tuning, "pressure_from", 0.0)
         self._ranks: dict[tuple[str, int], float] = {}  # pin -> priority, at `_ranks_at`
         self._ranks_at = -math.inf
 
@@ -155,15 +144,15 @@ class PolicyResidency:
     @property
     def host_priority(self) -> HostPriority | None:
         """The policy's order for the host tier, if it has one (else the tier is LRU)."""
-        rank = getattr(self.policy, "host_priority", None)
-        if rank is None:
+        driver = self.driver
+        if not driver.host_ranked:
             return None
         bs = self.block_size
 
         def priority(s: HostSession, now: float) -> float:
             owner = s.owner if s.owner is not None else ""
-            held = HeldSession(owner, s.num_blocks * bs, s.last_used_s, math.inf)
-            return float(rank(held, now))
+            held = driver.held(owner, s.num_blocks * bs, s.last_used_s, math.inf)
+            return driver.host_priority(held, now)
 
         return priority
 
@@ -173,7 +162,6 @@ class PolicyResidency:
         self._turns[_session_id(req)] += 1
         hint = self.hints(req.request_id) if self.hints is not None else None
         session = self._idle_session(req, hint, end)
-        self._idle[session.session_id] = session
         self._schedule_end(session, hint)
         if self.watch is not None:
             self.watch.turn_ended(end, hint, session)
@@ -183,9 +171,14 @@ class PolicyResidency:
         """A held session's pin is due: decide again for the same idle period, the worker
         as it is now (a session already back, or ended, lets its pin lapse)."""
         self._report_ends(due.now_s)
-        session = self._idle.get(due.pin.owner)
-        if not self._revisits or session is None or session.finished_at_s != due.pin.pinned_at_s:
+        standing = self.driver.standing(due.pin.owner)
+        if (
+            not self.driver.revisits
+            or standing is None
+            or standing.idle.finished_at_s != due.pin.pinned_at_s
+        ):
             return AfterTurn("release")
+        session = standing.idle
         now_session = dataclasses.replace(
             session,
             kv_usage=due.kv_usage,
@@ -200,12 +193,8 @@ class PolicyResidency:
         self._report_ends(now)
         if self.watch is not None:
             self.watch.turn_arrived(req, now)
-        sid = _session_id(req)
-        if self._idle.pop(sid, None) is not None:
-            observe = getattr(self.policy, "observe_return", None)
-            if observe is not None:
-                observe(sid, now)
-                self._ranks.clear()
+        if self.driver.returned(_session_id(req), now):
+            self._ranks.clear()
 
     def pin_priority(self, pin: Pin, now: float) -> float:
         """The policy's priority of a held session, asked once per pin and instant (the
@@ -217,22 +206,18 @@ class PolicyResidency:
         key = (pin.owner, pin.seq)
         rank = self._ranks.get(key)
         if rank is None:
-            held = HeldSession(
-                pin.owner, pin.num_blocks * self.block_size, pin.pinned_at_s, pin.until_s
-            )
-            rank = self.policy.priority(held, now)
+            bs = self.block_size
+            held = self.driver.held(pin.owner, pin.num_blocks * bs, pin.pinned_at_s, pin.until_s)
+            rank = self.driver.priority(held, now)
             if self.watch is not None and (value := self.watch.held_value(pin.owner)):
                 rank = max(rank, value)  # a prefetched session, about to be back
             self._ranks[key] = rank
         return rank
 
     def _decide(self, session: IdleSession, now: float) -> AfterTurn:
-        decision = self.policy.decide(session, now)
-        if self.bound is not None:
-            decision = self.bound(session, decision)
+        decision = self.driver.decide(session, now).decision
         for key in [k for k in self._ranks if k[0] == session.session_id]:
             del self._ranks[key]
-        self._count(session, decision)
         if decision.action is ResidencyAction.HOLD:
             return AfterTurn("hold", decision.until_s)
         if decision.action is ResidencyAction.DEMOTE:
@@ -240,12 +225,6 @@ class PolicyResidency:
         if decision.action is ResidencyAction.EVICT:
             return AfterTurn("evict")
         return AfterTurn("release")
-
-    def _count(self, session: IdleSession, decision: ResidencyDecision) -> None:
-        self.reasons[_NUMBERS.sub("N", decision.reason)] += 1
-        self.actions[decision.action.value] += 1
-        self.kinds[decision.kind.value if decision.kind else "unknown"] += 1
-        self.by_tool[(session.tool_class or NO_TOOL, decision.action.value)] += 1
 
     def _idle_session(self, req: SimRequest, hint: TurnHint | None, end: TurnEnd) -> IdleSession:
         n = end.resident_tokens
@@ -274,30 +253,17 @@ class PolicyResidency:
     def _hbm_value(
         self, session_id: str, kv_usage: float, pins: tuple[Pin, ...], now: float
     ) -> float | None:
-        """What the space a hold takes is worth: the lowest `priority` among the worker's
-        other holds, the first a hold would push out (None: no other holds, a pool under
-        the policy's `pressure_from`, where space costs nothing, or a policy that does not
-        revisit and so does not weigh it)."""
-        if not self._revisits or kv_usage < self._pressure_from:
-            return None
-        values = [self.pin_priority(p, now) for p in pins if p.owner != session_id]
-        return min(values) if values else None
+        """The lowest priority among the worker's other holds (`ResidencyDriver.hbm_value`)."""
+        return self.driver.hbm_value(
+            kv_usage, lambda: (self.pin_priority(p, now) for p in pins if p.owner != session_id)
+        )
 
     def _tenant_held_bytes(self, session: IdleSession, pins: tuple[Pin, ...]) -> int:
-        """Bytes the session's tenant holds on this worker, its own pin not counted (0
-        unless the policy caps tenants: the sum costs a pass over the pins)."""
-        if not self._capped:
-            return 0
-        tokens = sum(
-            p.num_blocks * self.block_size
-            for p in pins
-            if p.owner != session.session_id and self._tenant_of(p.owner) == session.tenant
+        """Bytes the session's tenant holds on this worker, its own pin not counted."""
+        bs, kv_bytes = self.block_size, self.latency.kv_bytes
+        return self.driver.tenant_held_bytes(
+            session, lambda: ((p.owner, kv_bytes(p.num_blocks * bs)) for p in pins)
         )
-        return self.latency.kv_bytes(tokens)
-
-    def _tenant_of(self, session_id: str) -> str | None:
-        session = self._idle.get(session_id)
-        return session.tenant if session is not None else None
 
     def _host(self, kv_bytes: int, tier: HostTierSize | None) -> HostTierReading | None:
         """The host tier as the policy sees it: room for the whole session (it is a cache
@@ -312,8 +278,8 @@ class PolicyResidency:
         """When the idle period ends without a return: the task's end, or the time-out."""
         if hint is not None and hint.session_ends:
             at_s = session.finished_at_s + (hint.expected_wait_s or 0.0)
-        elif self._max_idle_s is not None:
-            at_s = session.finished_at_s + self._max_idle_s
+        elif self.driver.max_idle_s is not None:
+            at_s = session.finished_at_s + self.driver.max_idle_s
         else:
             return
         heapq.heappush(self._ends, (at_s, session.session_id, session.finished_at_s))
@@ -323,14 +289,11 @@ class PolicyResidency:
         ends = self._ends
         while ends and ends[0][0] <= now:
             at_s, sid, finished_at_s = heapq.heappop(ends)
-            session = self._idle.get(sid)
-            if session is None or session.finished_at_s != finished_at_s:
+            standing = self.driver.standing(sid)
+            if standing is None or standing.idle.finished_at_s != finished_at_s:
                 continue  # it came back, or a later period of it is under way
-            del self._idle[sid]
-            observe = getattr(self.policy, "observe_abandoned", None)
-            if observe is not None:
-                observe(sid, at_s)
-                self._ranks.clear()
+            self.driver.abandoned(sid, at_s)
+            self._ranks.clear()
 
 
 def _session_id(req: SimRequest) -> str:

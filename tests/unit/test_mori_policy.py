@@ -45,7 +45,7 @@ def run(m: Mori, sid: str, turns: list[tuple[float, float]]) -> None:
     """Turns of a program, each (arrival, end); the first's arrival is not reported."""
     for i, (arrival, end) in enumerate(turns):
         if i:
-            m.observe_return(sid, arrival)
+            m.observe_return(idle(sid, 0.0), arrival)
         m.decide(idle(sid, end), end)
 
 
@@ -65,7 +65,7 @@ def test_idleness_is_the_share_of_the_programs_life_spent_waiting_on_tools() -> 
     m.decide(idle("p", 10.0, recompute_s=2.0), 10.0)  # first turn: arrived at 8 (its prefill)
     assert m.idleness("p", 10.0) == 0.0
     assert m.idleness("p", 14.0) == pytest.approx(4 / 6)  # the wait under way counts
-    m.observe_return("p", 20.0)
+    m.observe_return(idle("p", 0.0), 20.0)
     assert m.idleness("p", 22.0) == pytest.approx(10 / 14)  # back: busy again
     m.decide(idle("p", 25.0), 25.0)
     assert m.idleness("p", 25.0) == pytest.approx(10 / 17)
@@ -95,7 +95,7 @@ def test_a_programs_rank_moves_with_its_idleness() -> None:
     assert at_40 == pytest.approx([-1 / 4, -38 / 40])
     assert at_40[0] > at_40[1]  # the idle one goes first
     # "busy" waits on while "idle" is back at work from 41: by t = 200 they have swapped.
-    m.observe_return("idle", 41.0)
+    m.observe_return(idle("idle", 0.0), 41.0)
     assert m.priority(held("busy"), 200.0) == pytest.approx(-161 / 164)
     assert m.priority(held("idle"), 200.0) == pytest.approx(-39 / 200)
     assert m.priority(held("busy"), 200.0) < m.priority(held("idle"), 200.0)
@@ -194,7 +194,7 @@ def test_a_revisit_under_pressure_moves_the_hold_gone_idlest_down() -> None:
     m = Mori()
     busy_and_idle(m)
     assert m.decide(idle("busy", BUSY_END, host=host()), 40.0).action is ResidencyAction.HOLD
-    m.observe_return("idle", 41.0)  # "idle" at work again; "busy" waits on
+    m.observe_return(idle("idle", 0.0), 41.0)  # "idle" at work again; "busy" waits on
     m.decide(idle("idle", 50.0), 50.0)  # "idle" done again and held too
     now = 120.0  # "busy": 81 s waited of 84 (0.96); "idle": 39 + 70 of 120 (0.91)
     other = m.priority(held("idle"), now)
@@ -207,7 +207,7 @@ def test_a_revisit_under_pressure_moves_the_hold_gone_idlest_down() -> None:
 def test_a_last_step_ends_the_program_and_is_released_however_much_room() -> None:
     m = Mori()
     busy_and_idle(m)
-    m.observe_return("busy", 41.0)
+    m.observe_return(idle("busy", 0.0), 41.0)
     d = m.decide(idle("busy", 60.0, ends_in_tool_call=False), 60.0)
     assert (d.action, d.kind) == (ResidencyAction.RELEASE, ResidencyKind.LAST_STEP)
     assert m.idleness("busy", 60.0) is None
@@ -222,7 +222,7 @@ def test_an_unknown_last_step_keeps_the_program_active() -> None:
 def test_an_abandoned_program_is_no_longer_ranked() -> None:
     m = Mori()
     busy_and_idle(m)
-    m.observe_abandoned("idle", 100.0)
+    m.observe_abandoned(idle("idle", 0.0), 100.0)
     assert m.idleness("idle", 100.0) is None and m.idleness("busy", 100.0) is not None
 
 
@@ -310,7 +310,7 @@ def test_a_program_younger_than_a_second_has_its_idleness_measured() -> None:
 def test_idleness_never_exceeds_1_even_before_a_reported_return() -> None:
     m = Mori()
     m.decide(idle("p", 10.0), 10.0)  # arrived at 9
-    m.observe_return("p", 30.0)
+    m.observe_return(idle("p", 0.0), 30.0)
     assert m.idleness("p", 20.0) == 1.0  # 20 s of wait reported against 11 s of life
 
 
@@ -362,16 +362,16 @@ def test_a_last_step_says_the_program_is_done_even_one_never_seen() -> None:
 
 def test_news_of_a_program_never_seen_is_ignored() -> None:
     m = Mori()
-    m.observe_return("stranger", 5.0)
-    m.observe_abandoned("stranger", 6.0)
+    m.observe_return(idle("stranger", 0.0), 5.0)
+    m.observe_abandoned(idle("stranger", 0.0), 6.0)
     assert m.idleness("stranger", 7.0) is None
 
 
 def test_a_second_report_of_the_same_return_keeps_the_first() -> None:
     m = Mori()
     m.decide(idle("p", 10.0, recompute_s=2.0), 10.0)  # arrived at 8
-    m.observe_return("p", 20.0)
-    m.observe_return("p", 25.0)
+    m.observe_return(idle("p", 0.0), 20.0)
+    m.observe_return(idle("p", 0.0), 25.0)
     assert m.idleness("p", 30.0) == pytest.approx(10 / 22)
 
 

@@ -270,7 +270,8 @@ def test_a_standing_hold_is_dropped_only_when_releasing_is_cheaper_by_the_margin
     # Standing hold: dropped when C_release < 0.75 x C_hold, i.e. C_hold > 1.33 x C_release.
     reaper = exact(hysteresis=0.25)
     assert reaper.decide(idle(kv_usage=0.0), now=0.0).action == "hold"
-    decision = reaper.decide(idle(hbm_value=5e-5 * hold_over_release), now=5.0)
+    again = idle(hbm_value=5e-5 * hold_over_release, standing=ResidencyAction.HOLD)
+    decision = reaper.decide(again, now=5.0)
     assert (decision.action, decision.kind) == (action, kind)
 
 
@@ -287,9 +288,12 @@ def test_a_hold_does_not_flap_while_pressure_jitters_around_break_even(
     jitter: list[float],
 ) -> None:
     reaper = Reaper(Fixed({None: (0.5, 10.0)}))  # default margins
-    assert reaper.decide(idle(hbm_value=5e-5 * 0.7), now=0.0).action == "hold"
+    standing = reaper.decide(idle(hbm_value=5e-5 * 0.7), now=0.0).action
+    assert standing == "hold"
     for k, factor in enumerate(jitter, start=1):
-        assert reaper.decide(idle(hbm_value=5e-5 * factor), now=float(k)).action == "hold"
+        again = idle(hbm_value=5e-5 * factor, standing=standing)
+        standing = reaper.decide(again, now=float(k)).action
+        assert standing == "hold"
 
 
 def test_a_new_idle_period_starts_without_the_last_ones_decision() -> None:
@@ -387,7 +391,7 @@ def test_a_hold_never_takes_the_tenant_past_its_cap(
 def test_a_held_session_over_a_lowered_cap_is_let_go_whatever_the_margin() -> None:
     reaper = exact(hysteresis=0.9, tenant_cap_bytes=10 * KB)
     assert reaper.decide(idle(kv_usage=0.0), now=0.0).action == "hold"
-    over = idle(hbm_value=1e-5, tenant_held_bytes=9 * KB + 1)
+    over = idle(hbm_value=1e-5, tenant_held_bytes=9 * KB + 1, standing=ResidencyAction.HOLD)
     assert reaper.decide(over, now=1.0).action == "release"
 
 
@@ -397,9 +401,7 @@ def test_a_held_session_over_a_lowered_cap_is_let_go_whatever_the_margin() -> No
 def test_a_return_teaches_the_gap_and_the_hint_under_the_sessions_key() -> None:
     model = Fixed({"test": (0.5, 10.0)})
     reaper = Reaper(model)
-    reaper.decide(idle(tenant="acme", tool_class="test", expected_wait_s=30.0), now=0.0)
-    reaper.observe_return("s", now=0.25)
-    reaper.observe_return("s", now=50.0)  # reported twice: learnt once
+    reaper.observe_return(idle(tenant="acme", tool_class="test", expected_wait_s=30.0), 0.25)
     assert model.gaps == [(WaitKey("acme", "test"), 0.25, 30.0)]
     assert model.censored == []
 
@@ -407,9 +409,7 @@ def test_a_return_teaches_the_gap_and_the_hint_under_the_sessions_key() -> None:
 def test_an_abandonment_teaches_a_censored_wait() -> None:
     model = Fixed({"test": (0.5, 10.0)})
     reaper = Reaper(model)
-    reaper.decide(idle(tenant="acme", tool_class="test", finished_at_s=100.0), now=100.0)
-    reaper.observe_abandoned("s", now=100.5)
-    reaper.observe_abandoned("unknown", now=1000.0)
+    reaper.observe_abandoned(idle(tenant="acme", tool_class="test", finished_at_s=100.0), 100.5)
     assert model.censored == [(WaitKey("acme", "test"), 0.5)]
     assert model.gaps == []
 
@@ -421,7 +421,7 @@ def test_a_class_seen_coming_back_quickly_earns_its_holds_under_pressure() -> No
     for k in range(200):
         turn = idle(session_id=f"t{k}", tool_class="probe", finished_at_s=10.0 * k)
         reaper.decide(turn, now=10.0 * k)
-        reaper.observe_return(f"t{k}", now=10.0 * k + 0.5)
+        reaper.observe_return(turn, now=10.0 * k + 0.5)
     assert reaper.decide(session, now=0.0).action == "hold"
 
 
@@ -443,8 +443,9 @@ def test_a_sooner_surer_return_is_worth_more_per_byte(
     )
 
 
-def held(session_id: str, tokens: int = 64) -> HeldSession:
-    return HeldSession(session_id, tokens, held_since_s=0.0, until_s=60.0)
+def held(session_id: str, tokens: int = 64, decided: IdleSession | None = None) -> HeldSession:
+    """A hold, with the session as it was decided on (None: one the reaper never saw)."""
+    return HeldSession(session_id, tokens, held_since_s=0.0, until_s=60.0, idle=decided)
 
 
 @given(probabilities, probabilities, waits, waits, sizes, prefills, st.floats(0, MAX_S))
@@ -453,10 +454,11 @@ def test_a_session_sure_to_return_sooner_is_never_given_back_before_one_that_is_
 ) -> None:
     (p_soon, p_late), (w_soon, w_late) = sorted((p1, p2), reverse=True), sorted((w1, w2))
     reaper = Reaper(Fixed({"soon": (p_soon, w_soon), "late": (p_late, w_late)}))
-    for name in ("soon", "late"):
-        session = idle(session_id=name, tool_class=name, kv_bytes=kv_bytes, recompute_s=recompute_s)
-        reaper.decide(session, now=0.0)
-    assert reaper.priority(held("soon"), now) >= reaper.priority(held("late"), now)
+    soon, late = (
+        held(name, decided=idle(tool_class=name, kv_bytes=kv_bytes, recompute_s=recompute_s))
+        for name in ("soon", "late")
+    )
+    assert reaper.priority(soon, now) >= reaper.priority(late, now)
 
 
 @given(probabilities, waits, sizes, sizes, prefills)
@@ -465,9 +467,11 @@ def test_of_two_sessions_alike_but_in_size_the_larger_is_given_back_first(
 ) -> None:
     small, large = sorted((b1, b2))
     reaper = Reaper(Fixed({None: (p, wait_s)}))
-    for name, kv_bytes in (("small", small), ("large", large)):
-        reaper.decide(idle(session_id=name, kv_bytes=kv_bytes, recompute_s=recompute_s), 0.0)
-    assert reaper.priority(held("large"), 1.0) <= reaper.priority(held("small"), 1.0)
+    h_small, h_large = (
+        held("s", decided=idle(kv_bytes=kv_bytes, recompute_s=recompute_s))
+        for kv_bytes in (small, large)
+    )
+    assert reaper.priority(h_large, 1.0) <= reaper.priority(h_small, 1.0)
 
 
 @given(st.floats(0.01, 100), st.floats(100, 1000), st.floats(0, 0.005))
@@ -480,24 +484,23 @@ def test_by_class_priors_a_tool_that_ends_sooner_is_kept_longer(
         "slow": LogNormal.from_median_p95(median_s * ratio, 1.05 * median_s * ratio),
     }
     reaper = Reaper(priors=priors)
-    for name in ("fast", "slow"):
-        reaper.decide(idle(session_id=name, tool_class=name, kv_usage=0.0), now=0.0)
-    assert reaper.priority(held("fast"), idle_s) >= reaper.priority(held("slow"), idle_s)
+    fast, slow = (held(name, decided=idle(tool_class=name)) for name in ("fast", "slow"))
+    assert reaper.priority(fast, idle_s) >= reaper.priority(slow, idle_s)
 
 
 def test_a_session_past_the_maximum_residency_or_done_is_worth_nothing() -> None:
     reaper = exact(p=1.0, wait_s=1.0)
-    reaper.decide(idle(session_id="done", ends_in_tool_call=False), now=0.0)
-    reaper.decide(idle(session_id="old", finished_at_s=1000.0), now=1000.0)
-    assert reaper.priority(held("done"), now=1.0) == 0.0
-    assert reaper.priority(held("old"), now=1000.0 + MAX_S) == 0.0
-    assert reaper.priority(held("old"), now=1000.0 + MAX_S - 1) > 0.0
+    done = held("done", decided=idle(ends_in_tool_call=False))
+    old = held("old", decided=idle(finished_at_s=1000.0))
+    assert reaper.priority(done, now=1.0) == 0.0
+    assert reaper.priority(old, now=1000.0 + MAX_S) == 0.0
+    assert reaper.priority(old, now=1000.0 + MAX_S - 1) > 0.0
 
 
 def test_a_session_the_reaper_never_saw_ranks_as_a_new_one_of_its_size() -> None:
     reaper = Reaper()
-    reaper.decide(IdleSession("twin", 640, finished_at_s=0.0), now=0.0)
-    assert reaper.priority(held("stranger", 640), 5.0) == reaper.priority(held("twin", 640), 5.0)
+    twin = held("twin", 640, decided=IdleSession("twin", 640, finished_at_s=0.0))
+    assert reaper.priority(held("stranger", 640), 5.0) == reaper.priority(twin, 5.0)
 
 
 # What existing callers send still gets an answer.
@@ -536,12 +539,14 @@ def test_settings_out_of_range_are_refused(setting: str, value: float) -> None:
 
 def test_a_session_the_host_tier_takes_back_cheaply_is_given_back_before_one_it_cannot() -> None:
     reaper = exact(p=1.0, wait_s=1.0)
-    reaper.decide(idle(session_id="promotable", host=host(free_bytes=KB)), 0.0)  # 20 ns
-    reaper.decide(idle(session_id="no room", host=host(free_bytes=0), promote_s=0.1), 0.0)
-    reaper.decide(idle(session_id="no tier"), 0.0)
-    order = sorted(["no tier", "promotable", "no room"], key=lambda s: reaper.priority(held(s), 1))
+    holds = {
+        "promotable": held("p", decided=idle(host=host(free_bytes=KB))),  # 20 ns
+        "no room": held("r", decided=idle(host=host(free_bytes=0), promote_s=0.1)),
+        "no tier": held("t", decided=idle()),
+    }
+    order = sorted(holds, key=lambda s: reaper.priority(holds[s], 1.0))
     assert order[0] == "promotable"
-    assert reaper.priority(held("no room"), 1.0) == reaper.priority(held("no tier"), 1.0)
+    assert reaper.priority(holds["no room"], 1.0) == reaper.priority(holds["no tier"], 1.0)
 
 
 def test_unstated_sizes_and_speeds_are_the_bundled_profiles() -> None:
@@ -568,21 +573,6 @@ def test_the_reason_without_a_host_tier_leaves_demotion_out() -> None:
     assert reason == (
         "hold: HBM has room; P 0.25 back within 1800 s, E[W] 2.5 s; hold 0, release 0.25 s"
     )
-
-
-def test_past_its_limit_the_reaper_forgets_the_least_recently_decided_session(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr("appliance.policy.reaper.MAX_SESSIONS", 2)
-    model = Fixed({None: (0.5, 10.0)})
-    reaper = Reaper(model)
-    for name in ("a", "b", "a", "c"):  # "a" decided again: "b" is the oldest
-        reaper.decide(idle(session_id=name), now=0.0)
-    reaper.observe_return("b", now=5.0)
-    assert model.gaps == []
-    reaper.observe_return("a", now=5.0)
-    reaper.observe_return("c", now=5.0)
-    assert len(model.gaps) == 2
 
 
 def test_settings_at_the_edges_of_their_ranges_are_accepted() -> None:

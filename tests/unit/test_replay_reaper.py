@@ -51,11 +51,11 @@ class Recorder:
     def priority(self, held: HeldSession, now: float) -> float:
         return 0.0
 
-    def observe_return(self, session_id: str, now: float) -> None:
-        self.returns.append((session_id, now))
+    def observe_return(self, session: IdleSession, now: float) -> None:
+        self.returns.append((session.session_id, now))
 
-    def observe_abandoned(self, session_id: str, now: float) -> None:
-        self.abandoned.append((session_id, now))
+    def observe_abandoned(self, session: IdleSession, now: float) -> None:
+        self.abandoned.append((session.session_id, now))
 
 
 def adapter(policy: Recorder, hints: dict[str, TurnHint] | None = None) -> PolicyResidency:

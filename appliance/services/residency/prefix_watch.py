@@ -18,6 +18,7 @@ from appliance.domain.kv_events import Medium
 from appliance.domain.records import WorkerId
 from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDecision
 from appliance.ports import KvLookup
+from appliance.services.residency.residency_driver import StandingDecision
 from appliance.services.residency.residency_inputs import prefix_tokens, resident_tokens
 from appliance.services.residency.tool_waits import UNKNOWN, TurnWait
 from appliance.services.sessions.sessions import SessionState
@@ -29,9 +30,10 @@ class WaitingSession:
 
     session: SessionState
     worker: WorkerId
-    idle: IdleSession
-    """The policy's view at its last decision."""
-    decision: ResidencyDecision
+    standing: StandingDecision
+    """Its standing decision and the policy's view it was taken on: the residency driver's
+    record itself (`residency_driver.py`), which the loop keeps watching after the driver
+    lets it go (an idle period ended unreturned, its KV not yet gone)."""
     due_s: float
     """When to decide again: a hold's revisit, else the maximum residency; inf: never."""
     seen_tokens: int = 0
@@ -41,6 +43,23 @@ class WaitingSession:
     evicted: bool = False
     wait: TurnWait = UNKNOWN
     """What it waits on (the tools its last answer called, a person), as its turn ended."""
+
+    @property
+    def idle(self) -> IdleSession:
+        """The policy's view at its last decision."""
+        return self.standing.idle
+
+    @idle.setter
+    def idle(self, idle: IdleSession) -> None:
+        self.standing.idle = idle
+
+    @property
+    def decision(self) -> ResidencyDecision:
+        return self.standing.decision
+
+    @decision.setter
+    def decision(self, decision: ResidencyDecision) -> None:
+        self.standing.decision = decision
 
 
 class PrefixWatch:

@@ -1,7 +1,7 @@
 """The idle reaper, live: a residency policy (`appliance.policy.residency`: the reaper,
 `appliance.policy.reaper`, by default; `residency.policy` names it) run on the appliance's
 sessions, its decisions sent to the workers and recorded. The loop drives it through the
-protocol, and its optional parts only where it has them (`live_policy.py`).
+protocol, by the residency driver the replay drives it with too (`residency_driver.py`).
 
 Model of the world: a session's turn ends on its worker, and its prompt's KV stays there,
 cached, until something needs the room. At every turn's end (`turn_ended`, once a session
@@ -22,13 +22,9 @@ means its KV was evicted: recorded with its cause, and its cache receipt marked.
 turn (`turn_began`) ends its idle period in a return (`observe_return`). Holds the workers
 give back on their own (pressure, the cap, a lapse) are recorded.
 
-The standing decision of a waiting session is the loop's (`WaitingSession.decision`, with
-the idle session it was taken on): a policy that keeps its own record of its last decisions
-(the reaper: its hysteresis, and the idle session a return or an abandonment teaches its
-wait model) keeps it only for the sessions the loop follows. The loop tells the policy how
-each one's idle period ends, a session it stops following included (the oldest, past
-`MAX_WAITING`: an abandonment, its wait censored there), and follows fewer sessions than
-the reaper keeps records of, so no record it revisits or learns from is dropped first.
+The driver keeps each waiting session's standing decision (`WaitingSession.standing`), and
+the loop tells it how each idle period ends, a session it stops following included (the
+oldest, past `MAX_WAITING`: an abandonment, its wait censored there).
 
 Directives go out in order (`retention_outbox.py`); with a retention that controls nothing
 (`NoRetention`) none is sent, and decisions are recorded all the same. An operator's
@@ -55,7 +51,6 @@ from appliance.domain.records import (
 )
 from appliance.domain.retention import ReturnedKv
 from appliance.policy.residency import (
-    HeldSession,
     ResidencyAction,
     ResidencyDecision,
     ResidencyKind,
@@ -65,8 +60,9 @@ from appliance.ports import Clock, KvRetention, Ledger
 from appliance.services.residency import residency_records as rows
 from appliance.services.residency.branch_kv import BranchEnds
 from appliance.services.residency.lead_time import LeadTime
-from appliance.services.residency.live_policy import LiveHolds, LivePolicy
+from appliance.services.residency.live_holds import LiveHolds
 from appliance.services.residency.prefix_watch import PrefixWatch, WaitingSession
+from appliance.services.residency.residency_driver import ResidencyDriver, StandingDecision
 from appliance.services.residency.residency_inputs import (
     LiveInputs,
     idle_session,
@@ -87,10 +83,12 @@ HOLD_GRACE_S = 5.0  # a hold outlives its revisit by this much: the revisit's la
 WATCH_S = 1.0  # how often the waiting sessions' prefixes are looked up in the KV index
 ORDER_S = 5.0
 """How often each worker's holds get their priorities now (they fall as waits go on)."""
-MAX_WAITING = 60_000
-"""Waiting sessions followed; the oldest is dropped first (an abandonment). Under the
-reaper's 65,536 records (`appliance.policy.reaper.MAX_SESSIONS`), with room for the returns
-it hears of a loop turn late: it never drops the record of a session followed here."""
+MAX_WAITING = 100_000
+"""Waiting sessions followed (a few hundred bytes each); the oldest is dropped first (an
+abandonment)."""
+FOLLOW_S = 1800.0
+"""Seconds a session is followed idle under a policy with no maximum residency of its own
+(`residency.max_residency_s`'s default)."""
 OPERATOR_REASON = "released by operator"
 LAPSED = "its hold lapsed"
 
@@ -109,7 +107,9 @@ class ReaperLoop:
         defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self.policy = policy
-        self.live = LivePolicy(policy)  # its optional parts
+        self.driver = ResidencyDriver(policy)
+        self.max_idle_s = self.driver.max_idle_s or FOLLOW_S
+        """How long a waiting session is followed: the policy's maximum residency, if any."""
         self.retention = retention
         self.note = note or "holds are sent to the workers' retention connectors"
         """What the reaper's decisions do (the log, `/admin/v1/state`)."""
@@ -119,7 +119,7 @@ class ReaperLoop:
         self.tick_s = tick_s  # how often `reaper_runner` ticks it
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
-        self._holds = LiveHolds(self.live, self._waiting)
+        self._holds = LiveHolds(self.driver, self._waiting)
         self._held = self._holds.on  # key -> the worker last asked to hold it
         self._tooled = ToolWaits(MAX_WAITING)  # what each session waits on, from its answer
         self.outbox = RetentionOutbox(retention)
@@ -137,7 +137,7 @@ class ReaperLoop:
         if self.lead_time is not None:
             self.lead_time.turn_began(key, now)
         if self._waiting.pop(key, None) is not None:  # the wait model learns after the send
-            self._defer(partial(self.live.observe_return, key, now))
+            self._defer(partial(self.driver.returned, key, now))
 
     def turn_ended(self, session: SessionState, now: float) -> None:
         """The session has no turn in flight any more: where its KV waits is decided once
@@ -170,7 +170,8 @@ class ReaperLoop:
             self._inputs, self.retention, session, worker, tokens, finished_at_s=now, wait=wait
         )
         idle = self._holds.seen_from(worker, key, idle, now)
-        waiting = WaitingSession(session, worker, idle, _NONE, math.inf, seen, wait=wait)
+        standing = StandingDecision(idle, _NONE)
+        waiting = WaitingSession(session, worker, standing, math.inf, seen, wait=wait)
         self._waiting[key] = waiting
         self._waiting.move_to_end(key)
         if len(self._waiting) > MAX_WAITING:
@@ -181,8 +182,7 @@ class ReaperLoop:
         """The oldest waiting session, past `MAX_WAITING`: an idle period still open ends
         unreturned for the policy (it waited this long at least)."""
         self._held.pop(key, None)
-        if w.due_s < math.inf:
-            self.live.observe_abandoned(key, now)
+        self.driver.abandoned(key, now)
 
     def tool_started(
         self, task: TaskId, tool_class: str | None, expected_s: float | None, now: float
@@ -200,14 +200,16 @@ class ReaperLoop:
     # --- deciding and sending ---------------------------------------------------------
 
     def _decide(self, key: str, w: WaitingSession, now: float) -> None:
-        decision = self.policy.decide(w.idle, now)
+        w.standing = self.driver.decide(w.idle, now)
+        decision = w.decision
         priority = None
         if decision.action is ResidencyAction.HOLD:
             assert decision.until_s is not None
-            held = HeldSession(key, w.idle.resident_tokens, w.idle.finished_at_s, decision.until_s)
-            priority = self.policy.priority(held, now)
+            idle = w.idle
+            held = self.driver.held(key, idle.resident_tokens, idle.finished_at_s, decision.until_s)
+            priority = self.driver.priority(held, now)
             # A revisit's extension lands first; a pin that is not revisited ends on time.
-            until_s = decision.until_s + (HOLD_GRACE_S if self.live.revisits else 0.0)
+            until_s = decision.until_s + (HOLD_GRACE_S if self.driver.revisits else 0.0)
             self.outbox.hold(w.worker, key, until_s, priority)
             self._held[key] = w.worker
             w.due_s, w.ended_by = decision.until_s, None
@@ -220,8 +222,7 @@ class ReaperLoop:
             elif key in self._held:
                 self.outbox.release(w.worker, key)
             self._held.pop(key, None)
-            w.due_s = w.idle.finished_at_s + self.live.max_idle_s
-        w.decision = decision
+            w.due_s = w.idle.finished_at_s + self.max_idle_s
         self.decisions[decision.action.value] += 1
         log.debug("idle reaper: %s %s on %s: %s", decision.action, key, w.worker, decision.reason)
         self._write(rows.decision_row(w.idle, w.worker, decision, now, priority, w.wait))
@@ -230,7 +231,7 @@ class ReaperLoop:
 
     def _abandoned(self, key: str, w: WaitingSession, now: float) -> None:
         """Ended unreturned: a censored wait; the session is watched until its KV is gone."""
-        self.live.observe_abandoned(key, now)
+        self.driver.abandoned(key, now)
         w.due_s = math.inf
         if w.evicted:
             del self._waiting[key]
@@ -267,12 +268,13 @@ class ReaperLoop:
             self.lead_time.tick(now)
 
     def _revisit(self, key: str, w: WaitingSession, now: float) -> None:
-        if w.decision.action is ResidencyAction.HOLD and not self.live.revisits:
+        if w.decision.action is ResidencyAction.HOLD and not self.driver.revisits:
             self._held.pop(key, None)  # its pin lapsed on the worker: the engine's LRU now
             w.decision = ResidencyDecision(ResidencyAction.RELEASE, LAPSED, kind=w.decision.kind)
-            w.due_s = w.idle.finished_at_s + self.live.max_idle_s
+            w.due_s = w.idle.finished_at_s + self.max_idle_s
             return
-        if not self.live.own_max_idle and now >= w.idle.finished_at_s + self.live.max_idle_s:
+        own_max_idle = self.driver.max_idle_s is not None  # else the loop ends it unasked
+        if not own_max_idle and now >= w.idle.finished_at_s + self.max_idle_s:
             if self._held.pop(key, None) is not None:  # followed long enough: unreturned
                 self.outbox.release(w.worker, key)
             self._abandoned(key, w, now)
@@ -286,7 +288,7 @@ class ReaperLoop:
 
     def _expire(self, key: str, w: WaitingSession, now: float) -> None:
         """A session whose KV is gone (or first to go) ends unreturned at the max residency."""
-        end_s = w.idle.finished_at_s + self.live.max_idle_s
+        end_s = w.idle.finished_at_s + self.max_idle_s
         if now < end_s:
             w.due_s = end_s
         else:
@@ -359,7 +361,7 @@ class ReaperLoop:
             w.decision = ResidencyDecision(ResidencyAction.RELEASE, OPERATOR_REASON)
             w.ended_by = rows.OPERATOR
             if w.due_s < math.inf:  # no hold again before the maximum residency
-                w.due_s = w.idle.finished_at_s + self.live.max_idle_s
+                w.due_s = w.idle.finished_at_s + self.max_idle_s
         return sorted(holders)
 
     def worker_rests(self, worker: WorkerId) -> None:

@@ -13,7 +13,7 @@ expected wait against the re-prefill its KV saves and what HBM is worth now; thi
 - promotion seconds: those tokens' KV copied from host memory back to the GPU (the GPU
   profile's host-to-device copy, `LiveInputs.copy_in_s`);
 - the tenant's held bytes on the worker (its other sessions' holds there, its own not
-  counted), added by the loop from the holds it has sent (`live_policy.LiveHolds`), where
+  counted), added by the loop from the holds it has sent (`live_holds.LiveHolds`), where
   the policy caps a tenant's holds;
 - HBM pressure: the share of the worker's KV pool that requests and holds take, from its
   retention connector's latest report when it has one, else vLLM's `kv_cache_usage_perc`

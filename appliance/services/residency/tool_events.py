@@ -52,6 +52,6 @@ def restore_on_lead(
     prefetch = PrefetchPolicy(PrefetchTuning(prefill=False, triggers=triggers))
     waiting = loop.waiting_sessions
     lead = LeadTime(prefetch, inputs, loop.outbox, ledger=ledger, waiting=waiting)
-    lead.survival = loop.live.survival  # the policy's wait model, where it has one
-    lead.horizon_s = loop.live.max_idle_s  # its due times
+    lead.survival = loop.driver.survival  # the policy's wait model, where it has one
+    lead.horizon_s = loop.max_idle_s  # its due times
     return lead
