@@ -1,6 +1,6 @@
 """A residency policy (`appliance.policy.residency`) as the live loop (`reaper_loop.py`) drives
 it: through the protocol (`decide`, `priority`), and the optional parts only where the policy
-has them, as the replay does (`appliance.replay.residency`):
+has them, as the replay does (`appliance.replay.kv_residency.residency`):
 
 - `revisits_holds`: a HOLD's `until_s` is when to decide again (the reaper, mori), not when
   the hold ends (ttl-pin: its pin lapses then, and the loop sends it until then exactly);
