@@ -248,9 +248,10 @@ class KvRetention(Protocol):
 
 
 class WorkerPowerSwitch(Protocol):
-    """Sleep, stop and wake of the workers the appliance started (engines/power_control.py).
-    Each call returns the change as it happened, its duration measured; concurrent wakes of
-    one worker share one wake. Refused (WorkerPowerRefused) from a state it cannot leave."""
+    """Sleep, stop and wake of the workers the appliance started
+    (engines/supervision/power_control.py). Each call returns the change as it happened, its
+    duration measured; concurrent wakes of one worker share one wake. Refused (WorkerPowerRefused)
+    from a state it cannot leave."""
 
     async def sleep(self, worker: WorkerId, level: int = 1) -> PowerChange: ...
 

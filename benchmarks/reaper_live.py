@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.config.keystore import add_key, keys_path  # noqa: E402
-from appliance.engines.metrics import cache_config, load_snapshot  # noqa: E402
+from appliance.engines.clients.metrics import cache_config, load_snapshot  # noqa: E402
 from appliance.workload import load_spec  # noqa: E402
 from tests.ports import free_port, free_port_block  # noqa: E402
 from tests.vllm_server import ensure_tiny_model, resolve_vllm_python  # noqa: E402

@@ -111,7 +111,7 @@ import psutil
 
 from appliance.config.keystore import KEYS_FILE
 from appliance.domain.worker import WORKER_KEEPALIVE_S
-from appliance.engines.metrics import parse as parse_metrics
+from appliance.engines.clients.metrics import parse as parse_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -275,7 +275,7 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
 
     from appliance import eventloop
     from appliance.api.server import ApiServer
-    from appliance.engines.http1 import Http1Pool
+    from appliance.engines.clients.http1 import Http1Pool
 
     def app_for(target: int) -> Any:
         pool = Http1Pool(

@@ -16,7 +16,7 @@ re-sending the whole chat so far plus a new tool output (`--tool-words`) and ask
 `--max-tokens` tokens, with a uniform `--think-s` pause (the tool running) between turns;
 then a `succeeded` event closes the task and the next one begins. Sessions start spread
 over the first `2 x think` seconds. Each session has its own kept-alive connection, as
-separate agents have, on the appliance's own HTTP/1.1 client (appliance/engines/http1.py:
+separate agents have, on the appliance's own HTTP/1.1 client (appliance/engines/clients/http1.py:
 the lightest client here; this machine's 2 cores run the client, the appliance and both
 simulated workers). After `--duration` no new turn starts; turns in flight finish (at most
 `--drain` seconds).
@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 
 from appliance import eventloop  # noqa: E402
 from appliance.config.keystore import add_key, keys_path  # noqa: E402
-from appliance.engines.http1 import Http1Error, Http1Pool  # noqa: E402
+from appliance.engines.clients.http1 import Http1Error, Http1Pool  # noqa: E402
 from tests.ports import free_port, free_port_block  # noqa: E402
 
 BIN = Path(sys.executable).parent

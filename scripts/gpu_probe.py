@@ -21,8 +21,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.domain.errors import ApplianceError
-from appliance.engines.launch import Device, LaunchSpec
-from appliance.engines.preflight import check_gpus, probe_vllm
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.preflight import check_gpus, probe_vllm
 from appliance.gpu.nvml import NvmlProbe
 
 _TORCH = (

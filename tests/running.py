@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from appliance.engines.metrics import parse as parse_metrics
+from appliance.engines.clients.metrics import parse as parse_metrics
 from tests.ports import free_port, free_port_block
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """Launch one real vLLM (CPU build) OpenAI server as a subprocess for tests, and listen to its
 KV events. Its command line and environment are the appliance's own plan for a worker
-(`appliance.engines.launch.plan_workers`), so the tests of real vLLM run the flags the
+(`appliance.engines.supervision.launch.plan_workers`), so the tests of real vLLM run the flags the
 appliance runs.
 
 The server runs in its own process group so that stopping it leaves no orphans. Its output goes
@@ -30,7 +30,7 @@ import msgspec
 import psutil
 import zmq
 
-from appliance.engines.launch import Device, LaunchSpec, WorkerLaunch, plan_workers
+from appliance.engines.supervision.launch import Device, LaunchSpec, WorkerLaunch, plan_workers
 from tests.ports import free_port
 
 VLLM_PYTHON_ENV = "APPLIANCE_VLLM_PYTHON"
@@ -176,7 +176,7 @@ class VllmServer:
 
     def launch(self) -> WorkerLaunch:
         """The server's command and environment, planned exactly as `appliance up` plans a
-        worker's (appliance/engines/launch.py), so every test of real vLLM also runs the
+        worker's (appliance/engines/supervision/launch.py), so every test of real vLLM also runs the
         appliance's own flags."""
         c = self.config
         spec = LaunchSpec(

@@ -139,7 +139,7 @@ class EngineSettings(Section):
 
     def port_base(self, key: str, api_port: int = 8080) -> int:
         """The engine port `key` as set, else where it follows `api_port` (`appliance up`
-        sets each before a worker starts: appliance/engines/port_plan.py)."""
+        sets each before a worker starts: appliance/engines/supervision/port_plan.py)."""
         value: int | None = getattr(self, key)
         return value if value is not None else api_port + PORT_OFFSETS[key]
 

@@ -23,10 +23,10 @@ from appliance.domain.errors import ConfigError
 from appliance.domain.kv_events import KvEventBatch
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import UVICORN_KEEPALIVE_S, WorkerState
+from appliance.engines.clients.kv_events import KvEventSubscriber
+from appliance.engines.clients.vllm_client import READ_TIMEOUT_S, VllmClient
+from appliance.engines.clients.workers import KvBatchSink, KvResetSink, WorkerHandle
 from appliance.engines.errors import PortInUse
-from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.vllm_client import READ_TIMEOUT_S, VllmClient
-from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,16 @@ import psutil
 from appliance.config.settings import EngineSettings
 from appliance.domain.gpu import GpuSnapshot
 from appliance.domain.worker import WorkerEvent
+from appliance.engines.clients.workers import KvBatchSink, KvResetSink
 from appliance.engines.external import ExternalEngine, connect_external
-from appliance.engines.launch import default_served_name, spec_from_settings
-from appliance.engines.preflight import check_vllm_version, kv_cache_dtype_args, probe_vllm
-from appliance.engines.sim_launch import sim_spec
-from appliance.engines.supervisor import Supervisor, SupervisorTimings
-from appliance.engines.workers import KvBatchSink, KvResetSink
+from appliance.engines.supervision.launch import default_served_name, spec_from_settings
+from appliance.engines.supervision.preflight import (
+    check_vllm_version,
+    kv_cache_dtype_args,
+    probe_vllm,
+)
+from appliance.engines.supervision.sim_launch import sim_spec
+from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
 
 
 def free_memory_bytes() -> int:

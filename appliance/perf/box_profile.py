@@ -1,6 +1,6 @@
 """A profile of this box: what `appliance profile` measured, as a GPU profile document.
 
-Model of the world: the measuring run (appliance/engines/box_measure.py, inside the
+Model of the world: the measuring run (appliance/engines/profiling/box_measure.py, inside the
 interpreter that has vLLM) times full prefills at a few lengths, prefills of fresh tokens
 on a cached context, decode steps at a few batch sizes and contexts, and copies of a few
 sizes between host memory and the worker's device, all through vLLM on the worker's own

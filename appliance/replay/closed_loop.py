@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from appliance.replay.residency import TurnHint
+from appliance.replay.kv_residency.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest, StepResult, default_output_token
 from appliance.sim.prefetch_lane import PREFETCH_ID
 from appliance.sim.virtual import Arrival, RequestRecord, Timer

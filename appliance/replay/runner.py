@@ -42,10 +42,10 @@ from appliance.perf.kv_capacity import default_num_gpu_blocks
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import GpuProfile, WakeTimes, bundled_profile, load_profile
 from appliance.policy.residency import ResidencyPolicy
+from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.replay.metrics import policy_metrics
 from appliance.replay.power import ReaperSetting, SleepyEngine, WorkerReaper, sim_power_table
 from appliance.replay.progress import ProgressBar
-from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
 from appliance.sim.engine import EngineConfig, SimEngine

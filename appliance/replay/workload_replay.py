@@ -26,12 +26,12 @@ from appliance.perf.latency import LatencyModel
 from appliance.policy.residency import ResidencyPolicy
 from appliance.policy.residency_by_name import ResidencyPlan, residency_plan
 from appliance.policy.wait_curves import LogNormal
-from appliance.replay.branches import BranchKeeper
 from appliance.replay.closed_loop import AgentTaskLike, ClosedLoop, GpuSeconds
+from appliance.replay.kv_residency.branches import BranchKeeper
+from appliance.replay.kv_residency.prefetch import PrefetchDriver
+from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.replay.metrics import policy_metrics, task_metrics
 from appliance.replay.power import ReaperSetting, WorkerReaper, awake_cost_per_success
-from appliance.replay.prefetch import PrefetchDriver
-from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import (
     DEFAULT_GPU_SECOND,

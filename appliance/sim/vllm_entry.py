@@ -1,7 +1,7 @@
 """A simulated worker started the way vLLM is: `python -m appliance.sim.vllm_entry` takes
-`vllm.entrypoints.openai.api_server`'s command line (the flags appliance/engines/launch.py
-writes) and environment, so the supervisor can start, watch, sleep, stop and wake a
-simulated worker exactly as it does a vLLM one (`LaunchSpec.entrypoint`).
+`vllm.entrypoints.openai.api_server`'s command line (the flags
+appliance/engines/supervision/launch.py writes) and environment, so the supervisor can start, watch,
+sleep, stop and wake a simulated worker exactly as it does a vLLM one (`LaunchSpec.entrypoint`).
 
 Read from vLLM's flags: --model (a directory: its tokenizer; else only a name),
 --served-model-name, --host, --port, --block-size, --prefix-caching-hash-algo,
@@ -15,7 +15,8 @@ PYTHONHASHSEED. Every other vLLM flag is accepted and ignored (--enable-sleep-mo
 included: the routes come with dev mode, as in vLLM). The simulator's own knobs follow
 with a `--sim-` prefix: --sim-time-scale, --sim-wake-s L1,L2 (seconds, see sleep_mode.py),
 --sim-startup-s (the model load before /health answers), --sim-gpu-profile.
-`appliance up --engine sim` starts its workers this way (appliance/engines/sim_launch.py).
+`appliance up --engine sim` starts its workers this way
+(appliance/engines/supervision/sim_launch.py).
 """
 
 from __future__ import annotations

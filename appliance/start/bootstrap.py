@@ -134,8 +134,8 @@ def is_session_trace(path: Path) -> bool:
 
 def session_table(path: Path, *, duration_s: float | None, warmup_s: float, **options: Any) -> str:
     """`appliance replay DIR`: recorded agent sessions through each stack, closed loop."""
-    from appliance.replay.session_loop import RunWindow
-    from appliance.replay.session_report import render_session_report, run_sessions
+    from appliance.replay.sessions.session_loop import RunWindow
+    from appliance.replay.sessions.session_report import render_session_report, run_sessions
 
     if not path.exists():
         raise ConfigError(f"replay: {path} does not exist")
@@ -164,7 +164,7 @@ def replay_table(
         raise ConfigError("replay: give a TRACE or --workload FILE, one of the two")
     try:
         if workload is not None:
-            from appliance.replay.residency import wait_priors
+            from appliance.replay.kv_residency.residency import wait_priors
             from appliance.workload import generate, load_spec
 
             if options.pop("limit", None) is not None:
@@ -197,7 +197,7 @@ def write_box_profile(model: str, *, out: Path | None, config: Path | None) -> s
     """`appliance profile`: measures this box with `model` through engine.python's vLLM at
     engine.kv_cache_dtype and engine.block_size, writes the profile (default:
     ./profile-MODEL.json) and returns what to tell the user."""
-    from appliance.engines.box_profile import profile_box
+    from appliance.engines.profiling.box_profile import profile_box
 
     e = load_settings(config).engine
     out = out or Path(f"profile-{Path(model).expanduser().resolve().name}.json")

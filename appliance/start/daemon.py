@@ -30,8 +30,8 @@ from appliance.config.datadir import ensure_data_dir, lock_data_dir
 from appliance.config.settings import EngineKind, Settings
 from appliance.domain.records import CostMode, Price
 from appliance.domain.worker import can_serve
-from appliance.engines.port_plan import planned_ports
-from appliance.engines.workers import KvIndexFeed
+from appliance.engines.clients.workers import KvIndexFeed
+from appliance.engines.supervision.port_plan import planned_ports
 from appliance.eventloop import new_event_loop
 from appliance.gpu.simulated import SimulatedGpuProbe
 from appliance.ledger import LedgerWriter

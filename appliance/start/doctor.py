@@ -14,7 +14,7 @@ import httpx
 from appliance.config.datadir import ensure_data_dir
 from appliance.config.settings import Settings
 from appliance.domain.errors import ApplianceError
-from appliance.engines.preflight import bind_error
+from appliance.engines.supervision.preflight import bind_error
 from appliance.gpu.nvml import NvmlProbe
 
 GIB = 1 << 30

@@ -4,8 +4,8 @@ concrete engines.
 
 `vllm` has the supervisor start `vllm serve` workers; `sim` has the same supervisor start
 the simulated workers, one `python -m appliance.sim.vllm_entry` process each started from
-vLLM's own command line (appliance/engines/sim_launch.py), so both are kept running alike
-(an exit forgets the worker's KV and holds at once, and it is started again after a
+vLLM's own command line (appliance/engines/supervision/sim_launch.py), so both are kept running
+alike (an exit forgets the worker's KV and holds at once, and it is started again after a
 backoff) and both can be slept, stopped and woken (`Engines.power`); `external` connects to
 servers started elsewhere. Every kind ends up as the same worker handles behind the same
 client, KV-event subscribers and index, so the router cannot tell them apart. With
@@ -31,15 +31,15 @@ from typing import Any
 from appliance.config.settings import EngineKind, Settings
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerEvent
+from appliance.engines.clients.workers import KvIndexFeed, WorkerHandle, reported_model_len
 from appliance.engines.external import connect_external
 from appliance.engines.factory import start_sim_workers, start_vllm_workers
-from appliance.engines.launch import default_served_name
 from appliance.engines.offload.support import check_host_tier
-from appliance.engines.power_control import PowerControl
 from appliance.engines.retention.client import RetentionClient
-from appliance.engines.sim_launch import SIM_MAX_MODEL_LEN, sim_wake_seconds
-from appliance.engines.supervisor import Supervisor
-from appliance.engines.workers import KvIndexFeed, WorkerHandle, reported_model_len
+from appliance.engines.supervision.launch import default_served_name
+from appliance.engines.supervision.power_control import PowerControl
+from appliance.engines.supervision.sim_launch import SIM_MAX_MODEL_LEN, sim_wake_seconds
+from appliance.engines.supervision.supervisor import Supervisor
 from appliance.gpu.nvml import NvmlProbe
 from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe, board_power
 from appliance.perf import kv_capacity
@@ -67,8 +67,8 @@ class Engines:
     power: PowerControl | None = None
     """Sleep, stop and wake of single workers (`await power.sleep(worker_id, level)`,
     `power.stop(worker_id)`, `power.wake(worker_id)`, each a measured `PowerChange`;
-    appliance/engines/power_control.py): the supervisor's, for vLLM and simulated workers.
-    None for external workers, which the appliance never sleeps or stops. Which workers can
+    appliance/engines/supervision/power_control.py): the supervisor's, for vLLM and simulated
+    workers. None for external workers, which the appliance never sleeps or stops. Which workers can
     sleep (not only stop) says each handle's `can_sleep`."""
     power_states: frozenset[PowerState] = CPU_VLLM_STATES
     """The states they can be put to (all, with sleep mode: vLLM's `engine.sleep_mode`, and

@@ -18,7 +18,7 @@ from appliance.api.context import ApiContext
 from appliance.config.settings import Settings
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.worker import can_serve
-from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.engines.clients.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, receipt_generations, recent_sessions

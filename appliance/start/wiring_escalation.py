@@ -1,5 +1,5 @@
 """Escalation's part of the composition root: each configured outside endpoint becomes a
-relay over its HTTP client (engines/outside_http.py), with its key read from its environment
+relay over its HTTP client (engines/clients/outside_http.py), with its key read from its environment
 variable here, once, at start (a variable that is not set stops the start with its name)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from appliance.config.settings_escalation import EscalationSettings, OutsideEndpoint
 from appliance.domain.errors import ConfigError
-from appliance.engines.outside_http import OutsideHttp
+from appliance.engines.clients.outside_http import OutsideHttp
 from appliance.policy.escalation import OutsidePrices, SideRules
 from appliance.ports import Clock
 from appliance.services.escalation.relay import OutsideLink, OutsideRelay

@@ -1,7 +1,7 @@
 """Recorded agent sessions (`agent_traces.py`) as the chat requests a live benchmark sends:
 each request's messages, its answer's length and whether the answer calls a tool.
 
-Model of the world (the replay's, `replay/session_loop.py`, which this must match): a
+Model of the world (the replay's, `replay/sessions/session_loop.py`, which this must match): a
 request's `hash_ids` name its 64-token blocks, equal ids equal blocks, scoped to a run of a
 session and its sub-agents (`scope`: two runs of the same recording share nothing). Here a
 block is 64 words of text (`block_words`): one token each for the simulated engine's

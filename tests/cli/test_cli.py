@@ -432,7 +432,7 @@ def test_up_logs_at_its_level_and_says_when_it_drains_and_stops(tmp_path: Path) 
     with appliance_process(tmp_path, workers=1, env={"APPLIANCE_LOG_LEVEL": "INFO"}) as up:
         pass  # stopped with SIGTERM, as Ctrl-C would
     log = up.log.read_text()
-    assert "INFO appliance.engines.supervised_worker: worker w0 healthy" in log
+    assert "INFO appliance.engines.supervision.supervised_worker: worker w0 healthy" in log
     assert "SIGTERM: draining" in log and log.rstrip().endswith("appliance.start.daemon: stopped")
     with appliance_process(tmp_path, workers=1, env={"APPLIANCE_LOG_LEVEL": "ERROR"}) as up:
         pass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from appliance.engines.preflight import SUPPORTED_VLLM
+from appliance.engines.supervision.preflight import SUPPORTED_VLLM
 from tests.cli.test_cli import run
 from tests.ports import free_port, free_port_block
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.engines.metrics import parse as parse_metrics
+from appliance.engines.clients.metrics import parse as parse_metrics
 from tests.running import add_key, appliance_process
 
 pytestmark = pytest.mark.e2e

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.engines.metrics import load_snapshot
+from appliance.engines.clients.metrics import load_snapshot
 from tests.e2e.test_reaper import (
     POOL_TOKENS,
     SIM_KV_BYTES_PER_TOKEN,

@@ -21,7 +21,7 @@ import orjson
 import psutil
 import pytest
 
-from appliance.engines.metrics import parse as parse_metrics
+from appliance.engines.clients.metrics import parse as parse_metrics
 from tests.e2e.conftest import BIN, RunningAppliance
 from tests.ports import free_port
 from tests.running import add_key, appliance_process, await_running

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from appliance.engines.metrics import load_snapshot
+from appliance.engines.clients.metrics import load_snapshot
 from tests.running import add_key, appliance_process, eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -29,7 +29,7 @@ import httpx
 import psutil
 import pytest
 
-from appliance.engines.supervisor import SupervisorTimings
+from appliance.engines.supervision.supervisor import SupervisorTimings
 from appliance.services.residency.reaper_loop import TICK_S
 from tests.e2e.test_reaper import (
     KV_BYTES,

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from appliance.engines.metrics import parse as parse_metrics
+from appliance.engines.clients.metrics import parse as parse_metrics
 from appliance.policy.routing import RouteKind
 from tests.e2e.conftest import BIN, RunningAppliance
 from tests.running import add_key, await_running

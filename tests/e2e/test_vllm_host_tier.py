@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.engines.metrics import load_snapshot
+from appliance.engines.clients.metrics import load_snapshot
 from tests.e2e.test_reaper import Reaped, flood, text
 from tests.running import add_key, appliance_process, eventually
 

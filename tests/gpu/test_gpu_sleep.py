@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.worker import WorkerEvent, WorkerEventKind, WorkerState
-from appliance.engines.launch import Device, LaunchSpec
-from appliance.engines.preflight import probe_vllm
-from appliance.engines.supervisor import Supervisor, SupervisorTimings
-from appliance.engines.workers import KvIndexFeed
+from appliance.engines.clients.workers import KvIndexFeed
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.preflight import probe_vllm
+from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
 from appliance.gpu.nvml import NvmlProbe
 from tests.ports import free_port_block
 

@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 from appliance.api.auth import Caller
 from appliance.config.settings import Settings
 from appliance.domain.records import TenantId
-from appliance.engines.workers import KvIndexFeed
+from appliance.engines.clients.workers import KvIndexFeed
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile

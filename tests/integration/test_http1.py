@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from appliance.engines.http1 import HIGH_WATER, Http1Error, Http1Pool
+from appliance.engines.clients.http1 import HIGH_WATER, Http1Error, Http1Pool
 from appliance.eventloop import run
 
 Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]

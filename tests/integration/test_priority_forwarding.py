@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
-from appliance.engines.vllm_client import VllmClient
+from appliance.engines.clients.vllm_client import VllmClient
 from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, read_request_body, wired_desk
 

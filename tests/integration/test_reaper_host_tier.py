@@ -24,7 +24,7 @@ from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.wait_curves import LogNormal
-from appliance.replay.residency import PolicyResidency, TurnHint
+from appliance.replay.kv_residency.residency import PolicyResidency, TurnHint
 from appliance.sim.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.host_tier import HostTier

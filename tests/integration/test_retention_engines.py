@@ -31,12 +31,12 @@ import pytest
 
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import WorkerState
-from appliance.engines.launch import Device, LaunchSpec
+from appliance.engines.clients.vllm_client import VllmClient
 from appliance.engines.retention.client import RetentionClient, WorkerRetention
 from appliance.engines.retention.plugin import RetentionLaunch, RetentionTuning
 from appliance.engines.retention.protocol import GiveBackReason, GivenBack, RetentionReport
-from appliance.engines.supervisor import Supervisor, SupervisorTimings
-from appliance.engines.vllm_client import VllmClient
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
 from tests.loop_thread import LoopThread
 from tests.ports import free_port_block
 

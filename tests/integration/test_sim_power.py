@@ -18,8 +18,8 @@ from appliance.api.auth import Caller
 from appliance.config.settings import EngineKind, Settings
 from appliance.domain.records import TenantId, WorkerId
 from appliance.domain.worker import WorkerState
-from appliance.engines.sim_launch import SIM_PROCESS_START_S
-from appliance.engines.workers import KvIndexFeed
+from appliance.engines.clients.workers import KvIndexFeed
+from appliance.engines.supervision.sim_launch import SIM_PROCESS_START_S
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile

@@ -24,8 +24,8 @@ import pytest
 
 from appliance.domain import kv_events as ev
 from appliance.domain.block_hash import BlockHasher, RequestKeys
-from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.metrics import load_snapshot, parse
+from appliance.engines.clients.kv_events import KvEventSubscriber
+from appliance.engines.clients.metrics import load_snapshot, parse
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.services.workers.worker_speed import measured_slowdown

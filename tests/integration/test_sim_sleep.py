@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from appliance.domain import kv_events as ev
-from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.metrics import parse
+from appliance.engines.clients.kv_events import KvEventSubscriber
+from appliance.engines.clients.metrics import parse
 from appliance.sim.serving import ThreadedWorker
 from appliance.sim.worker import WorkerConfig, free_port
 

@@ -9,7 +9,7 @@ import asyncio
 import orjson
 
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
-from appliance.engines.vllm_client import VllmClient
+from appliance.engines.clients.vllm_client import VllmClient
 from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, Wired, read_request_body, wired_desk
 

@@ -19,10 +19,10 @@ import pytest
 from appliance.domain.errors import ApplianceError, ConfigError
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.engines.errors import GpuNotFound, ModelNotFound, PortInUse, VllmNotInstalled
-from appliance.engines.launch import Device, LaunchSpec
-from appliance.engines.preflight import check_model, parse_probe, probe_vllm
 from appliance.engines.retention.plugin import RetentionLaunch
-from appliance.engines.supervisor import Supervisor
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.preflight import check_model, parse_probe, probe_vllm
+from appliance.engines.supervision.supervisor import Supervisor
 from tests.ports import free_port, free_port_block
 
 

@@ -27,9 +27,9 @@ import pytest
 
 from appliance.domain.worker import WorkerEvent, WorkerEventKind, WorkerState
 from appliance.engines.errors import WorkerStartFailed
-from appliance.engines.launch import Device, LaunchSpec
-from appliance.engines.supervisor import Supervisor, SupervisorTimings
-from appliance.engines.worker_process import group_alive, process_running
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
+from appliance.engines.supervision.worker_process import group_alive, process_running
 from tests.ports import free_port_block
 from tests.processes import live_children_since
 
@@ -337,8 +337,8 @@ def test_unresponsive_worker_is_marked_then_restarted(spec, tmp_path) -> None:
 APPLIANCE = """
 import asyncio, json, sys
 from pathlib import Path
-from appliance.engines.launch import LaunchSpec, Device
-from appliance.engines.supervisor import Supervisor
+from appliance.engines.supervision.launch import LaunchSpec, Device
+from appliance.engines.supervision.supervisor import Supervisor
 
 async def main():
     spec = LaunchSpec(**json.loads(sys.argv[1]))

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.worker import PowerChange, WorkerEvent, WorkerEventKind, WorkerState
+from appliance.engines.clients.workers import KvIndexFeed, WorkerHandle
 from appliance.engines.errors import WorkerPowerRefused
-from appliance.engines.launch import Device, LaunchSpec
-from appliance.engines.supervisor import Supervisor, SupervisorTimings
-from appliance.engines.worker_process import group_alive
-from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
+from appliance.engines.supervision.worker_process import group_alive
 from tests.loop_thread import LoopThread
 from tests.ports import free_port_block
 

@@ -23,13 +23,13 @@ import pytest
 
 from appliance.domain.block_hash import BlockHasher
 from appliance.domain.worker import PowerChange, WorkerEvent, WorkerEventKind, WorkerState
+from appliance.engines.clients.workers import KvIndexFeed, WorkerHandle
 from appliance.engines.errors import WorkerPowerRefused
 from appliance.engines.external import connect_external
-from appliance.engines.launch import Device, LaunchSpec
-from appliance.engines.preflight import probe_vllm
-from appliance.engines.supervisor import Supervisor, SupervisorTimings
-from appliance.engines.worker_process import group_alive
-from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.supervision.preflight import probe_vllm
+from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
+from appliance.engines.supervision.worker_process import group_alive
 from tests.loop_thread import LoopThread
 from tests.ports import free_port_block
 from tests.processes import live_children_since

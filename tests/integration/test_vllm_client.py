@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from appliance.engines.clients.vllm_client import VllmClient, parse_sse_line
 from appliance.engines.errors import EngineRequestError, EngineUnavailable
-from appliance.engines.vllm_client import VllmClient, parse_sse_line
 
 METRICS = (Path(__file__).parents[1] / "unit" / "data" / "vllm_metrics.txt").read_text()
 CHUNKS = [

@@ -17,8 +17,8 @@ import pytest
 from appliance.domain import kv_events as ev
 from appliance.domain.errors import ConfigError
 from appliance.domain.worker import WorkerState
+from appliance.engines.clients.workers import KvIndexFeed
 from appliance.engines.external import connect_external
-from appliance.engines.workers import KvIndexFeed
 from appliance.sim.kv_publisher import KvEventPublisher
 from tests.ports import free_port
 

@@ -19,8 +19,8 @@ from appliance.config.settings import Settings
 from appliance.domain.gpu import GpuReading
 from appliance.domain.records import TenantId, WorkerId
 from appliance.domain.worker import WorkerState, power_state
-from appliance.engines.vllm_client import VllmClient
-from appliance.engines.workers import KvIndexFeed, WorkerHandle
+from appliance.engines.clients.vllm_client import VllmClient
+from appliance.engines.clients.workers import KvIndexFeed, WorkerHandle
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.perf.profile import bundled_profile

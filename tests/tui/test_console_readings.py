@@ -21,7 +21,7 @@ from appliance.api.state_document import gpu_document, session_document, worker_
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import WorkerState, WorkerStatus
-from appliance.engines.metrics import load_snapshot
+from appliance.engines.clients.metrics import load_snapshot
 from appliance.gpu.simulated import SimulatedGpuProbe
 from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_gpu_blocks
 from appliance.perf.profile import bundled_profile

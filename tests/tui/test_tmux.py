@@ -126,9 +126,9 @@ class AgentLoad:
 def console_command(url: str) -> list[str]:
     """`appliance top --url URL`; until the CLI is wired to `run_console`, `python -m tui`,
     which runs the same console."""
-    from cli import main as cli_main
+    from cli import console
 
-    if "_later(" in inspect.getsource(cli_main.top):
+    if "_later(" in inspect.getsource(console.top):
         return [sys.executable, "-m", "tui", "--url", url]
     return [str(BIN / "appliance"), "top", "--url", url]
 

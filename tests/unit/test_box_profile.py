@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.errors import ConfigError
-from appliance.engines.box_profile import POINTS, measure_plan, weights_params
-from appliance.engines.launch import Device
+from appliance.engines.profiling.box_profile import POINTS, measure_plan, weights_params
+from appliance.engines.supervision.launch import Device
 from appliance.perf.box_profile import profile_document
 from appliance.perf.kv_bytes import KvBytes
 from appliance.perf.latency import CopyDirection, LatencyModel

@@ -12,9 +12,9 @@ import pytest
 
 from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
-from appliance.engines.launch import Device, plan_workers, spec_from_settings
 from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.offload.support import NEEDED, check_host_tier, missing_host_tier_support
+from appliance.engines.supervision.launch import Device, plan_workers, spec_from_settings
 
 HOST = 64 * 2**20
 

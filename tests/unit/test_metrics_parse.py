@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.domain.worker import LoadSnapshot
-from appliance.engines.metrics import LOAD_FAMILIES, cache_config, load_snapshot, parse
+from appliance.engines.clients.metrics import LOAD_FAMILIES, cache_config, load_snapshot, parse
 from appliance.sim.engine_stats import EngineStats
 from appliance.sim.metrics import SimMetrics, cache_config_labels
 

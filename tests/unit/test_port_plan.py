@@ -13,7 +13,7 @@ import pytest
 from appliance.config.settings import PORT_OFFSETS, Settings
 from appliance.config.settings_load import load
 from appliance.engines.errors import PortInUse
-from appliance.engines.port_plan import planned_ports
+from appliance.engines.supervision.port_plan import planned_ports
 from tests.ports import free_port, free_port_block, port_is_free
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from appliance.policy.branches import BranchQuota
 from appliance.policy.reaper import Reaper
 from appliance.policy.residency_by_name import ResidencyPlan
-from appliance.replay.branches import TICK_S
-from appliance.replay.residency import wait_priors
+from appliance.replay.kv_residency.branches import TICK_S
+from appliance.replay.kv_residency.residency import wait_priors
 from appliance.replay.runner import make_setup
 from appliance.replay.workload_replay import replay_closed_loop, replay_workload
 from appliance.workload import AgentTask, AgentTurn, WorkloadSpec

@@ -15,7 +15,7 @@ from appliance.perf.profile import bundled_profile
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction, ResidencyDecision
 from appliance.replay import render_table, run_replay
 from appliance.replay.bounds import block_keys, compute_bounds, optimal
-from appliance.replay.residency import PolicyResidency
+from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.replay.runner import make_setup, replay_policy
 from appliance.replay.traces import load_trace
 from appliance.sim.host_tier import HostSession

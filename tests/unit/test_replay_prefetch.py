@@ -21,8 +21,8 @@ from appliance.policy.residency_by_name import ResidencyPlan
 from appliance.policy.return_due import ONCE, RESTORE_AHEAD, DueRule
 from appliance.policy.survival import Outlook, WaitKey
 from appliance.policy.wait_curves import EDGES
-from appliance.replay.prefetch import PrefetchDriver
-from appliance.replay.residency import TurnHint
+from appliance.replay.kv_residency.prefetch import PrefetchDriver
+from appliance.replay.kv_residency.residency import TurnHint
 from appliance.replay.runner import make_setup
 from appliance.replay.workload_replay import WorkloadRun, replay_closed_loop, replay_workload
 from appliance.sim.engine_io import SimRequest

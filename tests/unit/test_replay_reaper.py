@@ -19,7 +19,7 @@ from appliance.policy.residency import (
 )
 from appliance.policy.residency_by_name import residency_policy
 from appliance.replay.closed_loop import ClosedLoop
-from appliance.replay.residency import PolicyResidency, TurnHint, wait_priors
+from appliance.replay.kv_residency.residency import PolicyResidency, TurnHint, wait_priors
 from appliance.replay.runner import make_engines, make_setup
 from appliance.replay.workload_replay import replay_workload
 from appliance.sim.engine_io import SimRequest

@@ -15,7 +15,7 @@ from appliance.policy.residency import (
     ResidencyDecision,
     ResidencyKind,
 )
-from appliance.replay.residency import PolicyResidency
+from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.services.residency.residency_driver import ResidencyDriver
 from tests.unit.test_reaper_loop import build
 from tests.unit.test_replay_reaper import make_setup

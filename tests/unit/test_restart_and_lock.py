@@ -9,7 +9,7 @@ import pytest
 
 from appliance.config.datadir import lock_data_dir
 from appliance.domain.errors import DataDirError
-from appliance.engines.preflight import bind_error
+from appliance.engines.supervision.preflight import bind_error
 
 
 def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_a_server() -> None:

@@ -1,5 +1,5 @@
-"""Recorded agent sessions closed loop (`replay/session_loop.py`) and through a stack
-(`replay/session_replay.py`), on the vendored real sessions (tests/data/kvct) and on
+"""Recorded agent sessions closed loop (`replay/sessions/session_loop.py`) and through a stack
+(`replay/sessions/session_replay.py`), on the vendored real sessions (tests/data/kvct) and on
 hand-made ones: think times after answers, sub-agents beside their parent, users recycled,
 prompts' blocks hashed as the engines hash them, the window and the capacity search."""
 
@@ -12,9 +12,13 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
 from appliance.replay.runner import make_setup
-from appliance.replay.session_bound import ClairvoyantResidency, free_restores, session_ttft_floor
-from appliance.replay.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
-from appliance.replay.session_replay import STACKS, capacity, replay_stack
+from appliance.replay.sessions.session_bound import (
+    ClairvoyantResidency,
+    free_restores,
+    session_ttft_floor,
+)
+from appliance.replay.sessions.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
+from appliance.replay.sessions.session_replay import STACKS, capacity, replay_stack
 from appliance.sim.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (
     AgentSessionTrace,

@@ -15,10 +15,10 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.replay import session_replay
 from appliance.replay.runner import make_setup
-from appliance.replay.session_loop import RunWindow
-from appliance.replay.session_replay import BOUND, STACKS, replay_stack
+from appliance.replay.sessions import session_replay
+from appliance.replay.sessions.session_loop import RunWindow
+from appliance.replay.sessions.session_replay import BOUND, STACKS, replay_stack
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_config import EngineConfig
 from appliance.sim.engine_io import SimRequest, StepResult

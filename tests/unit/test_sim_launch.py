@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from appliance.config.settings import Settings
-from appliance.engines.launch import Device, plan_workers
-from appliance.engines.sim_launch import (
+from appliance.engines.supervision.launch import Device, plan_workers
+from appliance.engines.supervision.sim_launch import (
     SIM_MAX_MODEL_LEN,
     SIM_PROCESS_START_S,
     sim_spec,

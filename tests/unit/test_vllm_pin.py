@@ -11,8 +11,8 @@ import pytest
 
 from appliance.domain.errors import ConfigError
 from appliance.engines.errors import VllmUnsupported
-from appliance.engines.launch import Device
-from appliance.engines.preflight import (
+from appliance.engines.supervision.launch import Device
+from appliance.engines.supervision.preflight import (
     SUPPORTED_VLLM,
     VllmInstall,
     check_vllm_version,

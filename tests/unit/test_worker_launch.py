@@ -12,7 +12,8 @@ import pytest
 
 from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
-from appliance.engines.launch import (
+from appliance.engines.retention.plugin import RetentionLaunch
+from appliance.engines.supervision.launch import (
     Device,
     LaunchSpec,
     WorkerLaunch,
@@ -22,7 +23,6 @@ from appliance.engines.launch import (
     spec_from_settings,
     split_cpus,
 )
-from appliance.engines.retention.plugin import RetentionLaunch
 
 BASE_ENV = {
     "PATH": "/usr/bin",

@@ -1,5 +1,5 @@
 """The worker reaper's loop over a switch that changes states as the supervisor's does
-(engines/power_control.py: a stop ends the process, concurrent wakes share one wake)."""
+(engines/supervision/power_control.py: a stop ends the process, concurrent wakes share one wake)."""
 
 from __future__ import annotations
 

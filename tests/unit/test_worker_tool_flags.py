@@ -7,7 +7,7 @@ import re
 import pytest
 
 from appliance.config.settings import EngineSettings
-from appliance.engines.launch import Device, plan_workers, spec_from_settings
+from appliance.engines.supervision.launch import Device, plan_workers, spec_from_settings
 from tests.unit.test_worker_launch import flag
 
 

@@ -19,7 +19,7 @@ restores go unused) is asked with what the KV index shows of the prefix on its w
 HBM and on the host tier; a PROMOTE sends the worker a restore (the host part copied back to
 HBM, kept there until the turn is likely past) and is a `residency_events` row (action
 `restore`, with its trigger, tokens and bytes). The agent-session replay runs the same
-policy and due times (`appliance.replay.session_replay`, stack `appliance-restore`). The
+policy and due times (`appliance.replay.sessions.session_replay`, stack `appliance-restore`). The
 session's next turn settles it: used when its worker's HBM then holds at least what was
 restored (a `restore_used` row, with the lead), else unused (`restore_unused`); the policy
 learns both. A restore whose session never comes back is settled unused at its hold's end.

@@ -1,5 +1,5 @@
 """One residency policy driven through its protocol: the same code in the replay
-(`appliance.replay.residency`, over the simulated engines' pins) and on the live box
+(`appliance.replay.kv_residency.residency`, over the simulated engines' pins) and on the live box
 (`reaper_loop.py`, over the workers' retention connectors).
 
 What the driver owns, and nothing else does:

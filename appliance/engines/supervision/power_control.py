@@ -1,5 +1,5 @@
 """Sleep, stop and wake of the workers one supervisor started: the mechanisms the worker
-reaper calls (appliance/engines/supervisor.py holds one as `Supervisor.power`).
+reaper calls (appliance/engines/supervision/supervisor.py holds one as `Supervisor.power`).
 
 Model of the world: a HEALTHY worker started with sleep mode (`WorkerHandle.can_sleep`:
 vLLM's `--enable-sleep-mode` and its dev endpoints, the CUDA build) can be put ASLEEP at
@@ -29,8 +29,8 @@ from appliance.domain.errors import EngineError
 from appliance.domain.records import WorkerId
 from appliance.domain.worker import PowerChange, WorkerEventKind, WorkerState
 from appliance.engines.errors import WorkerPowerRefused, WorkerStartFailed
-from appliance.engines.supervised_worker import SupervisedWorker, SupervisorTimings
-from appliance.engines.worker_process import signal_group
+from appliance.engines.supervision.supervised_worker import SupervisedWorker, SupervisorTimings
+from appliance.engines.supervision.worker_process import signal_group
 
 log = logging.getLogger(__name__)
 SLEEP_LEVELS = (1, 2)

@@ -50,14 +50,18 @@ from appliance.perf.latency import LatencyModel
 from appliance.policy.prefetch import RESTORE_AHEAD_TRIGGERS, PrefetchPolicy, PrefetchTuning
 from appliance.policy.residency_by_name import residency_plan
 from appliance.policy.return_due import RESTORE_AHEAD
+from appliance.replay.kv_residency.prefetch import PrefetchDriver
+from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.replay.metrics import policy_metrics
-from appliance.replay.prefetch import PrefetchDriver
-from appliance.replay.residency import PolicyResidency
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import ReplaySetup, make_engines, with_decision_counts
-from appliance.replay.session_bound import BOUND_ROUTING, ClairvoyantResidency, free_restores
-from appliance.replay.session_loop import RunWindow, SessionLoop
-from appliance.replay.session_usage import SessionUsage
+from appliance.replay.sessions.session_bound import (
+    BOUND_ROUTING,
+    ClairvoyantResidency,
+    free_restores,
+)
+from appliance.replay.sessions.session_loop import RunWindow, SessionLoop
+from appliance.replay.sessions.session_usage import SessionUsage
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import StepResult
 from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay

@@ -1,6 +1,6 @@
 """One vLLM worker under the supervisor: its process group, its handle's state, and the
-events that say what happened to it. appliance/engines/supervisor.py decides when to start,
-restart and stop it; this does each step and keeps the worker's own record."""
+events that say what happened to it. appliance/engines/supervision/supervisor.py decides when to
+start, restart and stop it; this does each step and keeps the worker's own record."""
 
 from __future__ import annotations
 
@@ -20,18 +20,18 @@ from appliance.domain.worker import (
     WorkerState,
     can_move,
 )
+from appliance.engines.clients.kv_events import KvEventSubscriber
+from appliance.engines.clients.vllm_client import READ_TIMEOUT_S
+from appliance.engines.clients.workers import WorkerHandle
 from appliance.engines.errors import WorkerStartFailed
-from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.launch import WorkerLaunch
-from appliance.engines.vllm_client import READ_TIMEOUT_S
-from appliance.engines.worker_process import (
+from appliance.engines.supervision.launch import WorkerLaunch
+from appliance.engines.supervision.worker_process import (
     log_cause,
     process_running,
     signal_group,
     spawn,
     terminate_group,
 )
-from appliance.engines.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance.engines.errors import ModelNotFound, WorkerStartFailed
-from appliance.engines.launch import Device
-from appliance.engines.preflight import (
+from appliance.engines.supervision.launch import Device
+from appliance.engines.supervision.preflight import (
     check_vllm_version,
     kv_cache_dtype_args,
     probe_vllm,

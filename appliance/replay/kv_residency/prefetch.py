@@ -50,7 +50,7 @@ from appliance.policy.prefetch import (
 )
 from appliance.policy.residency import IdleSession
 from appliance.policy.return_due import ONCE, DueRule, ReturnModel, signal_due_s
-from appliance.replay.residency import TurnHint
+from appliance.replay.kv_residency.residency import TurnHint
 from appliance.sim.engine import SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest, StepResult
 from appliance.sim.engine_views import EngineView, engine_views

@@ -25,7 +25,7 @@ from appliance.policy.residency import (
     ResidencyAction,
     ResidencyDecision,
 )
-from appliance.replay.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE
+from appliance.replay.sessions.session_loop import TRACE_BLOCK_TOKENS, WARM_PREFIX_SHARE
 from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 
 BOUND_ROUTING = "appliance"

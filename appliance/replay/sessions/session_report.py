@@ -25,9 +25,9 @@ from typing import Any
 
 from appliance.perf.latency import LatencyModel
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
-from appliance.replay.session_bound import session_ttft_floor
-from appliance.replay.session_loop import RunWindow
-from appliance.replay.session_replay import (
+from appliance.replay.sessions.session_bound import session_ttft_floor
+from appliance.replay.sessions.session_loop import RunWindow
+from appliance.replay.sessions.session_replay import (
     BOUND,
     DEFAULT_WINDOW,
     STACKS,

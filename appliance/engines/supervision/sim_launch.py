@@ -24,8 +24,8 @@ from __future__ import annotations
 import sys
 
 from appliance.config.settings import EngineSettings
-from appliance.engines.launch import Device, LaunchSpec, default_served_name
 from appliance.engines.retention.plugin import RetentionLaunch
+from appliance.engines.supervision.launch import Device, LaunchSpec, default_served_name
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 
 SIM_ENTRYPOINT = ("-m", "appliance.sim.vllm_entry")

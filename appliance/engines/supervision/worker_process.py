@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from appliance.engines.launch import WorkerLaunch
+from appliance.engines.supervision.launch import WorkerLaunch
 
 _CAUSE = re.compile(r"(\b\w*(Error|Exception)\b:|\bERROR\b)")
 

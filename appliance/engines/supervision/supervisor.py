@@ -21,9 +21,9 @@ start, an exception or a cancelled task stops everything, an atexit hook SIGKILL
 groups, and each worker asks the kernel to SIGTERM it should the appliance die.
 
 Each worker's own steps (spawn, wait for /health, terminate, its state and events) are
-appliance/engines/supervised_worker.py's; this decides when to take them. `power` sleeps,
-stops and wakes workers on request (appliance/engines/power_control.py): a worker stopped
-that way is STOPPED, not a crash, and nothing restarts it until it is woken.
+appliance/engines/supervision/supervised_worker.py's; this decides when to take them. `power`
+sleeps, stops and wakes workers on request (appliance/engines/supervision/power_control.py): a
+worker stopped that way is STOPPED, not a crash, and nothing restarts it until it is woken.
 """
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ from appliance.domain.worker import (
     WorkerState,
     restart_backoff_s,
 )
+from appliance.engines.clients.kv_events import KvEventSubscriber
+from appliance.engines.clients.vllm_client import VllmClient
+from appliance.engines.clients.workers import KvBatchSink, KvResetSink, WorkerHandle
 from appliance.engines.errors import PortInUse, WorkerStartFailed
-from appliance.engines.kv_events import KvEventSubscriber
-from appliance.engines.launch import Device, LaunchSpec, plan_workers
-from appliance.engines.power_control import PowerControl
-from appliance.engines.preflight import preflight
 from appliance.engines.retention.client import RetentionClient
 from appliance.engines.retention.plugin import plugin_path
-from appliance.engines.supervised_worker import SupervisedWorker, SupervisorTimings
-from appliance.engines.vllm_client import VllmClient
-from appliance.engines.worker_process import reap_group, signal_group
-from appliance.engines.workers import KvBatchSink, KvResetSink, WorkerHandle
+from appliance.engines.supervision.launch import Device, LaunchSpec, plan_workers
+from appliance.engines.supervision.power_control import PowerControl
+from appliance.engines.supervision.preflight import preflight
+from appliance.engines.supervision.supervised_worker import SupervisedWorker, SupervisorTimings
+from appliance.engines.supervision.worker_process import reap_group, signal_group
 
 log = logging.getLogger(__name__)
 __all__ = ["Supervisor", "SupervisorTimings"]

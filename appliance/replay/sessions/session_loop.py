@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys, shared_prefix
-from appliance.replay.residency import TurnHint
+from appliance.replay.kv_residency.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents

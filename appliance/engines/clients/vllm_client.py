@@ -31,9 +31,9 @@ import aiohttp
 import orjson
 
 from appliance.domain.worker import UVICORN_KEEPALIVE_S, LoadSnapshot
+from appliance.engines.clients.http1 import Http1Error, Http1Pool, Http1Response, Http1Timeout
+from appliance.engines.clients.metrics import load_snapshot
 from appliance.engines.errors import EngineRequestError, EngineTimedOut, EngineUnavailable
-from appliance.engines.http1 import Http1Error, Http1Pool, Http1Response, Http1Timeout
-from appliance.engines.metrics import load_snapshot
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from appliance.config.settings import PORT_OFFSETS, EngineKind, Settings
 from appliance.engines.errors import PortInUse
-from appliance.engines.preflight import PortBlock, bind_error, check_blocks
+from appliance.engines.supervision.preflight import PortBlock, bind_error, check_blocks
 
 log = logging.getLogger(__name__)
 _WHAT = {

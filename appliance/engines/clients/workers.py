@@ -31,8 +31,8 @@ from appliance.domain.worker import (
     accepts_requests,
     power_state,
 )
+from appliance.engines.clients.vllm_client import VllmClient
 from appliance.engines.errors import EngineError
-from appliance.engines.vllm_client import VllmClient
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
