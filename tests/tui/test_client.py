@@ -286,7 +286,8 @@ def test_the_console_imports_only_schemas_of_the_appliance_and_the_client_no_tex
         )
     assert {n.split(".")[0] for n in _imports(ROOT / "appliance/api/schemas.py")} <= {
         "__future__",
-        "pydantic",
+        "typing",
+        "msgspec",
     }
 
 
