@@ -2,12 +2,13 @@
 and the console decodes (it imports this module and nothing else of the appliance).
 
 `AdminStateView` is the document `GET /admin/v1/state` publishes: one snapshot of the
-appliance (appliance/services/operator/state.py gathers it, appliance/api/state_document.py builds
-this struct). Its parts are named `...View` too: the API's view of what the services hold
-under the plain name (`services.sessions.sessions.SessionState` is shown as `SessionStateView`).
-msgspec decodes and checks 10,000 sessions in under 20 ms, so the console reads the document
-twice a second with these very types. Each struct is frozen and names its fields
-(`kw_only`), so required ones may follow defaulted ones and the JSON keeps their order.
+appliance (appliance/services/operator/state.py gathers it,
+appliance/api/state_document.py builds this struct). Its parts are named `...View` too: the
+API's view of what the services hold under the plain name
+(`services.sessions.sessions.SessionState` is shown as `SessionStateView`). msgspec decodes
+and checks 10,000 sessions in under 20 ms, so the console reads the document twice a second
+with these very types. Each struct is frozen and names its fields (`kw_only`), so required
+ones may follow defaulted ones and the JSON keeps their order.
 
 Every number here is one the appliance read from a source of truth; a reading it does not
 have is `None`, never a guess, and the console shows it as "-". Sections the server does not
