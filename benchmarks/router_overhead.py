@@ -22,7 +22,7 @@ package: `pip install --target /tmp/granian-pkgs granian`; never a dependency of
 product), an `appliance-granian`: a second `appliance up --engine external` in front of the
 same workers, the same code and settings, its API (the same ASGI app) served by granian's
 embedded Rust HTTP/1.1 server on the appliance's event loop instead of the appliance's own
-server (appliance/api/server.py); both appliances share a secret, so tenant salts and
+server (appliance/api/http_server/server.py); both appliances share a secret, so tenant salts and
 block hashes are the same. Then, for each concurrency and mode, the same
 traffic goes (a) straight to the workers, each session to the worker that holds its context,
 (b) through each relay, (c) through the appliance (and appliance-granian) and (d) through
@@ -256,7 +256,7 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
     import orjson
 
     from appliance import eventloop
-    from appliance.api.server import ApiServer
+    from appliance.api.http_server.server import ApiServer
     from appliance.engines.http1 import Http1Pool
 
     def app_for(target: int) -> Any:

@@ -22,7 +22,7 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.reactive import reactive
 
-from appliance.api.schemas import AdminStateView
+from appliance.api.admin.schemas import AdminStateView
 from tui.client import ConsoleError, Lost, Poller, StateClient, console_key, default_data_dir
 from tui.messages import ConnectionLost, ConnectionRestored, ReleaseFinished, StateUpdated
 from tui.screens.base import StateScreen

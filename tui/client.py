@@ -26,7 +26,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from appliance.api.schemas import (
+from appliance.api.admin.schemas import (
     AdminStateView,
     ErrorBody,
     ReleaseResult,

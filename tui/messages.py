@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from appliance.api.schemas import AdminStateView
+from appliance.api.admin.schemas import AdminStateView
 from tui.client import Lost
 
 

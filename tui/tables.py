@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from appliance.api.schemas import AdminStateView, CostsView, TaskStateView, convert_state
+from appliance.api.admin.schemas import AdminStateView, CostsView, TaskStateView, convert_state
 from tui import format as fmt
 
 View = Literal["status", "sessions", "tasks", "costs", "events"]

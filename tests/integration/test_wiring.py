@@ -13,8 +13,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from appliance import __version__
+from appliance.api.admin.schemas import decode_state
 from appliance.api.auth import Caller
-from appliance.api.schemas import decode_state
 from appliance.config.settings import Settings
 from appliance.domain.gpu import GpuReading
 from appliance.domain.records import TenantId, WorkerId

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from appliance.api.schemas import convert_state
+from appliance.api.admin.schemas import convert_state
 from appliance.policy.admission import AdmitCode
 from appliance.services.operator.events import EventKind
 from appliance.services.residency.session_kv import NO_DECISION_REASON

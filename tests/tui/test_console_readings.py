@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from appliance.api.schemas import plain
-from appliance.api.state_document import gpu_document, session_document, worker_document
+from appliance.api.admin.schemas import plain
+from appliance.api.admin.state_document import gpu_document, session_document, worker_document
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import WorkerState, WorkerStatus

@@ -3,7 +3,7 @@ reasons of the fake state are the product's own, and the state fits the API's sc
 
 from __future__ import annotations
 
-from appliance.api.schemas import convert_state
+from appliance.api.admin.schemas import convert_state
 from appliance.policy.routing import RouteKind
 from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED
 from appliance.services.residency.session_kv import NO_DECISION_REASON

@@ -1,6 +1,6 @@
 """The console's schema is the server's: the document `/admin/v1/state` publishes is the
-`AdminStateView` of appliance/api/schemas.py built from a services snapshot
-(appliance/api/state_document.py), the very structs the console decodes; every key of the
+`AdminStateView` of appliance/api/admin/schemas.py built from a services snapshot
+(appliance/api/admin/state_document.py), the very structs the console decodes; every key of the
 rows it converts from its sources is a field the schema knows (nothing silently dropped)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from appliance.api import schemas
-from appliance.api.schemas import AdminStateView, convert_state, decode_state, encode
-from appliance.api.state_document import admin_state
+from appliance.api.admin import schemas
+from appliance.api.admin.schemas import AdminStateView, convert_state, decode_state, encode
+from appliance.api.admin.state_document import admin_state
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot, WorkerState, WorkerStatus

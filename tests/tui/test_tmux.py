@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.api.schemas import AdminStateView, convert_state
+from appliance.api.admin.schemas import AdminStateView, convert_state
 from appliance.ledger import open_reader
 from tests.running import BIN, add_key, appliance_process, eventually
 from tests.tui.test_schemas import unknown_keys

@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from appliance.api.schemas import AdminStateView
+from appliance.api.admin.schemas import AdminStateView
 from tui.client import StateClient
 from tui.widgets.chrome import Banner, TopBar
 

@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.api.schemas import AdminStateView, CostsView, OverheadView, WorkerStateView
+from appliance.api.admin.schemas import AdminStateView, CostsView, OverheadView, WorkerStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.widgets.chart import CostChart

@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from appliance.api.schemas import AdminStateView, EventView
+from appliance.api.admin.schemas import AdminStateView, EventView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.widgets.grid import Column, Grid

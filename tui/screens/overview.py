@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.api.schemas import AdminStateView
+from appliance.api.admin.schemas import AdminStateView
 from tui.screens.base import StateScreen
 from tui.widgets.panels import GpuPanel, SummaryPanel, WorkersPanel
 

@@ -4,7 +4,7 @@ KV index's), the one the appliance's answer reports too."""
 
 from __future__ import annotations
 
-from appliance.api.schemas import SessionStateView
+from appliance.api.admin.schemas import SessionStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.screens.dialogs import ConfirmScreen

@@ -21,7 +21,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.api.schemas import (
+from appliance.api.admin.schemas import (
     AdminStateView,
     SessionDetail,
     SessionResidency,

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.widgets import Input, Static
 
-from appliance.api.schemas import AdminStateView, SessionStateView
+from appliance.api.admin.schemas import AdminStateView, SessionStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.screens.release import confirm_release

@@ -18,7 +18,7 @@ from textual.binding import Binding, BindingType
 from textual.widgets import Static, Tree
 from textual.widgets.tree import TreeNode
 
-from appliance.api.schemas import AdminStateView, TaskStateView
+from appliance.api.admin.schemas import AdminStateView, TaskStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 

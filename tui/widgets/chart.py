@@ -18,7 +18,7 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual.widget import Widget
 
-from appliance.api.schemas import CostPointView
+from appliance.api.admin.schemas import CostPointView
 from tui import format as fmt
 
 LEVELS = " ▁▂▃▄▅▆▇█"

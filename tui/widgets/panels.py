@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual.widget import Widget
 
-from appliance.api.schemas import AdminStateView, GpuStateView, WorkerStateView
+from appliance.api.admin.schemas import AdminStateView, GpuStateView, WorkerStateView
 from tui import format as fmt
 from tui.widgets.bars import FREE, FULL, PART, fill_bar, hbm_bar
 

@@ -26,9 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from appliance.api import schemas
+from appliance.api.admin import schemas
+from appliance.api.admin.state_document import session_document
 from appliance.api.errors import RequestRefused
-from appliance.api.state_document import session_document
 from appliance.ports import Clock
 from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED, SessionReleases
 from appliance.services.operator.state import session_view

@@ -1,5 +1,5 @@
 """The state as the API publishes it: a services `StateSnapshot` as the `AdminStateView` of
-appliance/api/schemas.py, the structs the console decodes (`GET /admin/v1/state`).
+appliance/api/admin/schemas.py, the structs the console decodes (`GET /admin/v1/state`).
 
 Only names and shapes change here: every number is the snapshot's. Ids the ledger keys by
 tenant ("tenant/id") are shown as the tenant's own; sections whose source already keeps
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from appliance import __version__
-from appliance.api import schemas
+from appliance.api.admin import schemas
 from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
 from appliance.services.operator.state import CostView, SessionView, StateSnapshot

@@ -10,9 +10,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from appliance import __version__
-from appliance.api import schemas
+from appliance.api.admin import schemas
+from appliance.api.admin.state_document import admin_state
 from appliance.api.context import ApiContext, Guard
-from appliance.api.state_document import admin_state
 
 
 class AdminRoutes:
