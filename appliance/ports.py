@@ -2,7 +2,7 @@
 appliance.ledger, appliance.engines, appliance.gpu and appliance.sim; only the composition
 root (appliance.start.bootstrap, daemon, wiring) names them. The models shared with the simulator
 (appliance.perf, appliance.tokenization) reach the services the same way, through protocols
-of their callers (`policy.routing.PrefillCost`, `api.requests.Tokenizer`). This module
+of their callers (`policy.routing.PrefillCost`, `api.turns.requests.Tokenizer`). This module
 imports appliance.domain only.
 """
 

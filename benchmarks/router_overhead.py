@@ -22,8 +22,8 @@ package: `pip install --target /tmp/granian-pkgs granian`; never a dependency of
 product), an `appliance-granian`: a second `appliance up --engine external` in front of the
 same workers, the same code and settings, its API (the same ASGI app) served by granian's
 embedded Rust HTTP/1.1 server on the appliance's event loop instead of the appliance's own
-server (appliance/api/server.py); both appliances share a secret, so tenant salts and block
-hashes are the same. Then, for each concurrency and mode, the same
+server (appliance/api/http_server/server.py); both appliances share a secret, so tenant salts and
+block hashes are the same. Then, for each concurrency and mode, the same
 traffic goes (a) straight to the workers, each session to the worker that holds its context,
 (b) through each relay, (c) through the appliance (and appliance-granian) and (d) through
 vllm-router.
@@ -109,36 +109,18 @@ import cold_path  # benchmarks/cold_path.py, beside this script
 import httpx
 import psutil
 
-from appliance.config.keystore import KEYS_FILE
-from appliance.domain.worker import WORKER_KEEPALIVE_S
-from appliance.engines.clients.metrics import parse as parse_metrics
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests/: the word list and `appliance keys add`, shared
+
+from appliance.config.keystore import KEYS_FILE  # noqa: E402
+from appliance.domain.worker import WORKER_KEEPALIVE_S  # noqa: E402
+from appliance.engines.clients.metrics import parse as parse_metrics  # noqa: E402
+from tests.running import add_key  # noqa: E402
+from tests.words import numbered_words as words  # noqa: E402
+
 BIN = Path(sys.executable).parent
 MODEL = "sim"
 TENANT = "bench"
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-    "nu",
-    "xi",
-    "omicron",
-    "pi",
-    "rho",
-    "sigma",
-    "tau",
-    "upsilon",
-]
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions")
 FORWARD_SERIES = tuple(f"appliance_forward_seconds_{s}" for s in ("bucket", "sum", "count"))
 _USER = re.compile(rb'"user"\s*:\s*"([^"]+)"')
@@ -274,7 +256,7 @@ def serve_http_relay(listen_ports: list[int], target_ports: list[int]) -> None:
     import orjson
 
     from appliance import eventloop
-    from appliance.api.server import ApiServer
+    from appliance.api.http_server.server import ApiServer
     from appliance.engines.clients.http1 import Http1Pool
 
     def app_for(target: int) -> Any:
@@ -487,16 +469,6 @@ def wait_http(url: str, procs: Procs, timeout_s: float = 90) -> None:
     raise SystemExit(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
-def appliance_key(data_dir: Path) -> str:
-    out = subprocess.run(
-        [str(BIN / "appliance"), "keys", "add", TENANT, "--data-dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
-
-
 def tenant_salt(data_dir: Path) -> str:
     """The cache_salt the appliance gives this tenant's requests (tenancy.TenantSalts)."""
     from appliance.services.sessions.tenancy import TenantSalts
@@ -506,10 +478,6 @@ def tenant_salt(data_dir: Path) -> str:
 
 
 # --- traffic --------------------------------------------------------------------------------
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"{rng.choice(WORDS)}{rng.randrange(10000)}" for _ in range(n))
 
 
 @dataclass
@@ -1037,7 +1005,7 @@ async def run(
         wait_http(f"{url}/health", procs)
     data_dir = tmp / "data"
     data_dir.mkdir()
-    key = appliance_key(data_dir)
+    key = add_key(data_dir, TENANT)
     # One secret for both appliances (own server, granian): the same tenant salt, so the
     # workers see the same block hashes from either, and the direct path's as well.
     (data_dir / "secret.key").write_text(os.urandom(32).hex())

@@ -63,7 +63,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,33 +71,11 @@ sys.path.insert(0, str(ROOT))
 from appliance import eventloop  # noqa: E402
 from appliance.config.keystore import add_key, keys_path  # noqa: E402
 from appliance.engines.clients.http1 import Http1Error, Http1Pool  # noqa: E402
-from tests.ports import free_port, free_port_block  # noqa: E402
+from tests.running import appliance_process  # noqa: E402
+from tests.words import numbered_words as words  # noqa: E402
 
-BIN = Path(sys.executable).parent
 STARTUP_S = 180.0
 WORKERS = 2
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-    "nu",
-    "xi",
-    "omicron",
-    "pi",
-    "rho",
-    "sigma",
-    "tau",
-    "upsilon",
-]
 _CONTENT = re.compile(rb'"content"\s*:\s*"[^"]')
 _ERROR_CODE = re.compile(rb'"code"\s*:\s*"([^"]+)"')
 _SESSIONS = re.compile(rb"^appliance_sessions (\S+)", re.M)
@@ -132,49 +109,15 @@ class Up:
 def appliance_up(data_dir: Path, trace: Path | None = None) -> Iterator[Up]:
     """`appliance up --engine sim --workers 2` until the block ends (SIGTERM, as Ctrl-C)."""
     key = add_key(keys_path(data_dir), "soak").key
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env.update(
-        APPLIANCE_DATA_DIR=str(data_dir),
-        APPLIANCE_ENGINE__BASE_PORT=str(free_port_block(WORKERS)),
-        APPLIANCE_ENGINE__KV_EVENTS_BASE_PORT=str(free_port_block(WORKERS)),
-        APPLIANCE_ENGINE__KV_RETENTION_BASE_PORT=str(free_port_block(WORKERS)),
-    )
-    port = free_port()
-    argv = [str(BIN / "appliance"), "up", "--engine", "sim", "--workers", str(WORKERS)]
+    program: list[str] = []
+    env: dict[str, str] = {}
     if trace is not None:  # 5 frames a trace: enough to tell whose allocation it is
-        argv = [sys.executable, "-X", "tracemalloc=5", "-c", TRACE_BOOT, *argv[1:]]
+        program = [sys.executable, "-X", "tracemalloc=5", "-c", TRACE_BOOT]
         env["SOAK_TRACE"] = str(trace)
-    with (data_dir / "up.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [*argv, "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    try:
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (data_dir / "up.log").read_text()[-3000:]
-                raise SystemExit(f"appliance up did not become healthy:\n{tail}")
-            time.sleep(0.3)
-        yield Up(url, port, key, data_dir, proc)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"{rng.choice(WORDS)}{rng.randrange(10000)}" for _ in range(n))
+    with appliance_process(
+        data_dir, workers=WORKERS, env=env, startup_s=STARTUP_S, program=program, stop_s=90
+    ) as up:
+        yield Up(up.url, up.ports[0], key, data_dir, up.proc)
 
 
 # --- the load -------------------------------------------------------------------------------

@@ -61,12 +61,15 @@ def appliance_process(
     startup_s: float = 180,
     ports: tuple[int, int, int] | None = None,
     engine_ports: bool = True,
+    program: Sequence[str] = (),
+    stop_s: float = 60,
 ) -> Iterator[Started]:
     """Runs `appliance up`; on exit stops it and fails if any of its processes is left.
     `workers` None leaves the flag out (the configured default); `args` are more flags;
     `ports`: (API, worker base, KV-event base), to start again where a stopped one ran;
     `engine_ports` False sets only the API's port (the engine's follow it, or are chosen
-    free: `base_port` is then 0)."""
+    free: `base_port` is then 0); `program` runs the CLI instead of its script beside this
+    Python (the soak's, under tracemalloc); `stop_s` is how long it may take to stop."""
     blocks = workers or 1
     port, base, kv = ports or (free_port(), free_port_block(blocks), free_port_block(blocks))
     full = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
@@ -80,7 +83,7 @@ def appliance_process(
     else:
         base = kv = 0
     full.update(env or {})  # the test's own win, the ports too
-    argv = [str(BIN / "appliance"), "up", "--engine", engine, "--port", str(port)]
+    argv = [*(program or [str(BIN / "appliance")]), "up", "--engine", engine, "--port", str(port)]
     if workers is not None:
         argv += ["--workers", str(workers)]
     argv += args
@@ -112,10 +115,10 @@ def appliance_process(
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=stop_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            pytest.fail("appliance up did not stop within 60 s of SIGTERM")
+            pytest.fail(f"appliance up did not stop within {stop_s:.0f} s of SIGTERM")
     time.sleep(0.5)
     left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left after stop: {left}"

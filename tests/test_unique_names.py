@@ -14,20 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("appliance", "tui", "cli")
 Named = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
 
-PENDING: dict[str, frozenset[str]] = {
-    name: frozenset({home, "tui/state.py"})
-    for name, home in {
-        "CostGroup": "appliance/policy/costs.py",
-        "CostPoint": "appliance/services/operator/cost_series.py",
-        "Event": "appliance/services/operator/events.py",
-        "SessionState": "appliance/services/sessions/sessions.py",
-        "TaskState": "appliance/services/tasks/task_state.py",
-        "WorkerState": "appliance/domain/worker.py",
-    }.items()
-}
-"""Known repeats, each with exactly the modules that repeat it. The console's msgspec twin
-(tui/state.py) still has the names the admin API's models had before they became `...View`;
-it is being reworked elsewhere, and renaming its structs there empties this."""
+PENDING: dict[str, frozenset[str]] = {}
+"""Known repeats, each with exactly the modules that repeat it (none now: the console decodes
+the admin API's own `...View` structs)."""
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.reactive import reactive
 
+from appliance.api.admin.schemas import AdminStateView
 from tui.client import ConsoleError, Lost, Poller, StateClient, console_key, default_data_dir
 from tui.messages import ConnectionLost, ConnectionRestored, ReleaseFinished, StateUpdated
 from tui.screens.base import StateScreen
@@ -31,7 +32,6 @@ from tui.screens.events import EventsScreen
 from tui.screens.overview import OverviewScreen
 from tui.screens.sessions import SessionsScreen
 from tui.screens.tasks import TasksScreen
-from tui.state import AdminState
 
 REFRESH_S = 0.5
 
@@ -74,7 +74,7 @@ class ConsoleApp(App[None]):
         self.url = client.url
         self.label = label if label is not None else client.url.split("://", 1)[-1]
         self.poller = poller or Poller(client, interval_s=interval_s)
-        self.state: AdminState | None = None
+        self.state: AdminStateView | None = None
         self.updates = 0
 
     def on_mount(self) -> None:

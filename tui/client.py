@@ -25,10 +25,15 @@ from urllib.parse import quote
 
 import httpx
 import msgspec
-from pydantic import ValidationError
 
-from appliance.api.schemas import AdminStateView, ErrorBody, ReleaseResult, SessionDetail
-from tui.state import AdminState, decode_state
+from appliance.api.admin.schemas import (
+    AdminStateView,
+    ErrorBody,
+    ReleaseResult,
+    SessionDetail,
+    convert_state,
+    decode_state,
+)
 
 STATE_PATH = "/admin/v1/state"
 DATA_DIR_ENV = "APPLIANCE_DATA_DIR"
@@ -133,8 +138,8 @@ def error_text(response: httpx.Response) -> str:
     """`404 Not Found: <the server's message>` from an OpenAI-style error body, else its text."""
     head = f"{response.status_code} {response.reason_phrase}".strip()
     try:
-        message = ErrorBody.model_validate_json(response.content).error.message
-    except ValidationError:
+        message = msgspec.json.decode(response.content, type=ErrorBody).error.message
+    except msgspec.DecodeError:
         message = response.text.strip().splitlines()[0] if response.text.strip() else ""
     message = message[:300]
     if not message or message.lower() == response.reason_phrase.lower():
@@ -189,7 +194,7 @@ class StateClient:
             raise refusal(self.url, response, self.key_source)
         return response
 
-    async def state(self) -> AdminState:
+    async def state(self) -> AdminStateView:
         response = await self._request("GET", STATE_PATH)
         try:
             return decode_state(response.content)
@@ -204,8 +209,8 @@ class StateClient:
         path = f"/admin/v1/sessions/{quote(session_id, safe='')}/release"
         response = await self._request("POST", path, _tenant(tenant))
         try:
-            return ReleaseResult.model_validate_json(response.content or b"{}")
-        except ValidationError:
+            return msgspec.json.decode(response.content or b"{}", type=ReleaseResult)
+        except msgspec.DecodeError:
             return ReleaseResult(session_id=session_id, tenant=tenant)
 
     async def session_detail(
@@ -219,11 +224,9 @@ class StateClient:
             params["turns"] = str(turns)
         response = await self._request("GET", path, params or None)
         try:
-            return SessionDetail.model_validate_json(response.content)
-        except ValidationError as exc:
-            raise BadPayload(
-                f"{self.url}{path}: unexpected reply ({exc.error_count()} errors)"
-            ) from None
+            return msgspec.json.decode(response.content, type=SessionDetail)
+        except msgspec.DecodeError as exc:
+            raise BadPayload(f"{self.url}{path}: unexpected reply ({exc})") from None
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -304,7 +307,7 @@ class Poller:
 
     async def run(
         self,
-        on_state: Callable[[AdminState], object],
+        on_state: Callable[[AdminStateView], object],
         on_lost: Callable[[Lost], object],
         on_restored: Callable[[], object],
     ) -> None:
@@ -348,8 +351,8 @@ def fetch_state(
         raise refusal(base, response, key_source)
     try:
         data: dict[str, Any] = response.json()
-        AdminStateView.model_validate(data)
-    except (ValueError, ValidationError) as exc:
+        convert_state(data)
+    except (ValueError, msgspec.ValidationError) as exc:
         raise BadPayload(f"{base}{STATE_PATH} sent an unexpected snapshot: {exc}") from None
     return data
 

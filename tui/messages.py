@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from appliance.api.admin.schemas import AdminStateView
 from tui.client import Lost
-from tui.state import AdminState
 
 
 class StateUpdated(Message):
     """A fresh snapshot of the appliance."""
 
-    def __init__(self, state: AdminState) -> None:
+    def __init__(self, state: AdminStateView) -> None:
         super().__init__()
         self.state = state
 

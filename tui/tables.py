@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from appliance.api.schemas import AdminStateView, CostsView, TaskStateView
+from appliance.api.admin.schemas import AdminStateView, CostsView, TaskStateView, convert_state
 from tui import format as fmt
 
 View = Literal["status", "sessions", "tasks", "costs", "events"]
@@ -40,7 +40,7 @@ def table(
 
 
 def _state(state: dict[str, Any] | AdminStateView) -> AdminStateView:
-    return state if isinstance(state, AdminStateView) else AdminStateView.model_validate(state)
+    return state if isinstance(state, AdminStateView) else convert_state(state)
 
 
 def render_status(state: dict[str, Any] | AdminStateView) -> str:

@@ -21,15 +21,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from appliance.api.admin_routes import AdminRoutes
-from appliance.api.admin_sessions import session_routes
-from appliance.api.anthropic_messages import MESSAGES_PATH
-from appliance.api.anthropic_reply import anthropic_error
+from appliance.api.admin.admin_routes import AdminRoutes
+from appliance.api.admin.admin_sessions import session_routes
 from appliance.api.context import ApiContext, Handler
 from appliance.api.errors import error_response, from_exception
-from appliance.api.model_route import MODEL_PATHS, ModelRoute
-from appliance.api.responses_route import RESPONSES_PATH, ResponsesRoute
-from appliance.api.task_routes import TaskRoutes
+from appliance.api.tasks.task_routes import TaskRoutes
+from appliance.api.turns.anthropic_messages import MESSAGES_PATH
+from appliance.api.turns.anthropic_reply import anthropic_error
+from appliance.api.turns.model_route import MODEL_PATHS, ModelRoute
+from appliance.api.turns.responses_route import RESPONSES_PATH, ResponsesRoute
 from appliance.domain.errors import ApplianceError
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from appliance.api.admin_sessions import SessionAdmin
+from appliance.api.admin.admin_sessions import SessionAdmin
 from appliance.api.auth import Keys
-from appliance.api.requests import Tokenizer
+from appliance.api.turns.requests import Tokenizer
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.operator.state import StateSnapshot
 from appliance.services.tasks.admission import AdmissionService
@@ -33,7 +33,7 @@ class ApiContext:
     model: str
     max_model_len: int
     state: Callable[[], StateSnapshot]
-    """The facts `/admin/v1/state` publishes (appliance/api/state_document.py)."""
+    """The facts `/admin/v1/state` publishes (appliance/api/admin/state_document.py)."""
     healthy: Callable[[], bool]
     """Whether any worker serves, or rests on purpose and can be woken (`/health`: constant
     time, not the whole state; appliance.domain.worker.can_serve)."""

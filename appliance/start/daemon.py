@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__
-from appliance.api.requests import MAX_BODY_BYTES
-from appliance.api.server import ApiServer
+from appliance.api.http_server.server import ApiServer
 from appliance.api.starting import starting_app
+from appliance.api.turns.requests import MAX_BODY_BYTES
 from appliance.config import keystore
 from appliance.config.datadir import ensure_data_dir, lock_data_dir
 from appliance.config.settings import EngineKind, Settings

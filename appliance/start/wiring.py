@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from appliance.api.admin_sessions import SessionAdmin
+from appliance.api.admin.admin_sessions import SessionAdmin
 from appliance.api.app import ApiApp, create_api_app
 from appliance.api.auth import LOCAL, Caller, Keys
 from appliance.api.context import ApiContext

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from appliance.api.requests import MAX_BODY_BYTES
+from appliance.api.turns.requests import MAX_BODY_BYTES
 from tests.running import add_key, appliance_process
 
 pytestmark = pytest.mark.e2e

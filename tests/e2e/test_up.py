@@ -22,30 +22,14 @@ from appliance.engines.clients.metrics import parse as parse_metrics
 from appliance.policy.routing import RouteKind
 from tests.e2e.conftest import BIN, RunningAppliance
 from tests.running import add_key, await_running
+from tests.words import GREEK, numbered_words
 
 pytestmark = pytest.mark.e2e
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-    "nu",
-    "xi",
-]
 
 
 def text(seed: int, n_words: int) -> str:
     """Words no other seed shares a prefix with, so every test controls its own cache hits."""
-    rng = random.Random(seed)
-    return " ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(n_words))
+    return numbered_words(random.Random(seed), n_words, letters=GREEK[:14], numbers=1000)
 
 
 def client(app: RunningAppliance, who: str = "alice") -> openai.OpenAI:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from appliance.api.server import MAX_QUEUED, ApiServer, _ServerConnection
+from appliance.api.http_server.server import MAX_QUEUED, ApiServer, _ServerConnection
 from appliance.eventloop import run
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from appliance.api.anthropic_reply import usage as anthropic_usage
+from appliance.api.turns.anthropic_reply import usage as anthropic_usage
 from appliance.domain.records import (
     CostMode,
     Price,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from appliance.api.schemas import AdminStateView
+from appliance.api.admin.schemas import convert_state
 from appliance.policy.admission import AdmitCode
 from appliance.services.operator.events import EventKind
 from appliance.services.residency.session_kv import NO_DECISION_REASON
@@ -550,7 +550,7 @@ async def test_queued_snapshots_coalesce_to_the_newest(fake: FakeAppliance) -> N
     async with app.run_test(size=(100, 30)) as pilot:
         await started(app, pilot)
         before = app.updates
-        states = [AdminStateView.model_validate(make_state(tick=i)) for i in range(1, 41)]
+        states = [convert_state(make_state(tick=i)) for i in range(1, 41)]
         for state in states:  # all queued before the app gets to any of them
             app.post_message(StateUpdated(state))
         await pilot.pause(0.2)

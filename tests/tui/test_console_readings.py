@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from appliance.api.state_document import gpu_document, session_document, worker_document
+from appliance.api.admin.schemas import plain
+from appliance.api.admin.state_document import gpu_document, session_document, worker_document
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import WorkerState, WorkerStatus
@@ -83,7 +84,7 @@ def sim_worker(worker: str, kv_tokens: int) -> dict[str, Any]:
         0,
         load=load_snapshot(text, now=0.0),
     )
-    return worker_document(status, 1.0, kv_tokens, None).model_dump(mode="json")
+    return plain(worker_document(status, 1.0, kv_tokens, None))
 
 
 async def test_a_workers_kv_use_counts_its_cached_kv_not_only_running_requests(
@@ -132,7 +133,7 @@ async def test_simulated_gpus_heat_and_draw_power_with_their_load(fake: FakeAppl
             while meter.now < until_s:
                 meter.now += 0.5
                 readings = probe.snapshot().gpus
-            state["gpus"] = [gpu_document(g).model_dump(mode="json") for g in readings]
+            state["gpus"] = [plain(gpu_document(g)) for g in readings]
             state["time"] = T0 + until_s
             fake.set_state(json.loads(json.dumps(state)))
             await until_text(pilot, fmt.clock(T0 + until_s))
@@ -170,7 +171,7 @@ async def test_a_session_under_one_block_says_why_it_has_no_decision(fake: FakeA
     kv = SessionKv(lambda x: {"gpu": {WorkerId("w0"): 0}, "host": {}}, None, Reaper())  # type: ignore[arg-type]
     row = session_document(session_view(short, 1200.0, 131072, kv.now(short)))
     state = make_state(n_sessions=2)
-    state["sessions"].append(row.model_dump(mode="json"))
+    state["sessions"].append(plain(row))
     fake.set_state(state)
     app = console(fake.url)
     async with app.run_test(size=(160, 40)) as pilot:

@@ -3,7 +3,7 @@ reasons of the fake state are the product's own, and the state fits the API's sc
 
 from __future__ import annotations
 
-from appliance.api.schemas import AdminStateView
+from appliance.api.admin.schemas import convert_state
 from appliance.policy.routing import RouteKind
 from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED
 from appliance.services.residency.session_kv import NO_DECISION_REASON
@@ -13,7 +13,7 @@ from tests.tui.fakes import make_state
 def test_the_fake_state_says_only_what_the_product_says() -> None:
     for simulated in (False, True):
         state = make_state(n_sessions=40, tick=3, simulated=simulated)
-        AdminStateView.model_validate(state)  # the schema the API publishes
+        convert_state(state)  # the schema the API publishes
         assert state["routing"] and set(state["routing"]) <= {k.value for k in RouteKind}
         shown = {(s["decision"], s["reason"]) for s in state["sessions"]}
         assert shown <= {(None, NO_DECISION_REASON), (RELEASED, RELEASE_REASON)}

@@ -1,24 +1,19 @@
 """The console's schema is the server's: the document `/admin/v1/state` publishes is the
-pydantic `AdminStateView` built from a services snapshot (appliance/api/state_document.py), every
-key of the rows it validates from its sources is a field the schema knows (nothing silently
-dropped), and the console's fast msgspec structs (tui/state.py) are the published models'
-exact twins, field by field and in their JSON schemas."""
+`AdminStateView` of appliance/api/admin/schemas.py built from a services snapshot
+(appliance/api/admin/state_document.py), the very structs the console decodes; every key of the
+rows it converts from its sources is a field the schema knows (nothing silently dropped)."""
 
 from __future__ import annotations
 
 import json
-import types
-import typing
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
-import pytest
-from pydantic import BaseModel
 
-from appliance.api import schemas
-from appliance.api.schemas import AdminStateView
-from appliance.api.state_document import admin_state
+from appliance.api.admin import schemas
+from appliance.api.admin.schemas import AdminStateView, convert_state, decode_state, encode
+from appliance.api.admin.state_document import admin_state
 from appliance.domain.gpu import GpuReading, GpuSnapshot
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.worker import LoadSnapshot, WorkerState, WorkerStatus
@@ -32,7 +27,6 @@ from appliance.services.tasks.tasks import TaskBook
 from appliance.services.workers.box_usage import RecordedUsage
 from appliance.services.workers.gpu_meter import GpuTime
 from tests.fakes import AckLedger
-from tui.state import MIRRORS, convert_state, decode_state
 
 
 class _Ledger(AckLedger):
@@ -151,29 +145,30 @@ RECORDED = RecordedUsage(
 
 def published(snap: StateSnapshot) -> dict[str, Any]:
     """The document as `/admin/v1/state` sends it, parsed back."""
-    parsed: dict[str, Any] = json.loads(admin_state(snap).model_dump_json())
+    parsed: dict[str, Any] = json.loads(encode(admin_state(snap)))
     return parsed
 
 
-def validated_rows(snap: StateSnapshot) -> list[tuple[type[BaseModel], Any]]:
-    """The rows the document validates from its sources as they keep them (extra keys there
+def validated_rows(snap: StateSnapshot) -> list[tuple[type[msgspec.Struct], Any]]:
+    """The rows the document converts from its sources as they keep them (extra keys there
     would be dropped without a word), each with the model it becomes."""
-    rows: list[tuple[type[BaseModel], Any]] = [(schemas.AdmissionView, snap.admission)]
+    rows: list[tuple[type[msgspec.Struct], Any]] = [(schemas.AdmissionView, snap.admission)]
     rows += [(schemas.CostGroupView, g) for g in snap.costs.groups]
     rows += [(schemas.CostPointView, p) for p in snap.costs.series or ()]
     rows += [(schemas.EventView, e) for e in snap.events or ()]
     return rows
 
 
-def unknown_keys(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
-    """Keys of `data` the model has no field for, recursively through nested models."""
+def unknown_keys(model: type[msgspec.Struct], data: Any, where: str = "") -> list[str]:
+    """Keys of `data` the struct has no field for, recursively through nested structs."""
+    fields = {f.encode_name: f for f in msgspec.structs.fields(model)}
     out = []
     for key, value in data.items():
-        field = model.model_fields.get(key)
+        field = fields.get(key)
         if field is None:
             out.append(f"{where}{key}")
             continue
-        nested = _model_of(field.annotation)
+        nested = _model_of(field.type)
         if nested is None:
             continue
         items = value if isinstance(value, list) else [value]
@@ -183,8 +178,8 @@ def unknown_keys(model: type[BaseModel], data: Any, where: str = "") -> list[str
     return out
 
 
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+def _model_of(annotation: Any) -> type[msgspec.Struct] | None:
+    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
         return annotation
     for arg in getattr(annotation, "__args__", ()):
         found = _model_of(arg)
@@ -199,7 +194,7 @@ def test_the_servers_snapshot_is_the_schemas() -> None:
         for model, row in validated_rows(snap):
             assert unknown_keys(model, row) == [], model.__name__
         payload = published(snap)
-        state = AdminStateView.model_validate(payload)
+        state = convert_state(payload)
         assert unknown_keys(AdminStateView, payload) == []
         assert state.admission == schemas.AdmissionView()
         assert len(state.gpus) == (2 if with_gpu else 0)
@@ -250,101 +245,14 @@ def test_the_unknown_key_check_can_fail() -> None:
     assert unknown_keys(AdminStateView, payload) == ["sessions[0].pinned", "spare"]
 
 
-# -- the console's fast structs are the schema's twins -------------------------------------
-_MIRRORED = {struct: name for name, struct in MIRRORS.items()}
-
-
-def _norm(tp: Any) -> Any:
-    """A type with every model class replaced by its name and every struct by the name of
-    the model it mirrors (the names differ), so both sides compare."""
-    if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return tp.__name__
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return _MIRRORED[tp]
-    args = typing.get_args(tp)
-    if not args:
-        return tp
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        return ("union", frozenset(_norm(a) for a in args))
-    return (origin, tuple(_norm(a) for a in args))
-
-
-@pytest.mark.parametrize("name", sorted(MIRRORS))
-def test_the_consoles_structs_mirror_the_schema(name: str) -> None:
-    model: type[BaseModel] = getattr(schemas, name)
-    struct = MIRRORS[name]
-    fields = {f.name: f for f in msgspec.structs.fields(struct)}
-    assert set(fields) == set(model.model_fields), "the same field names"
-    for field_name, info in model.model_fields.items():
-        mirror = fields[field_name]
-        assert _norm(mirror.type) == _norm(info.annotation), field_name
-        assert mirror.required == info.is_required(), field_name
-        if not info.is_required():
-            default = (
-                mirror.default
-                if mirror.default is not msgspec.NODEFAULT
-                else mirror.default_factory()
-            )
-            expected = info.get_default(call_default_factory=True)
-            if isinstance(expected, BaseModel):
-                expected = expected.model_dump()
-            assert msgspec.to_builtins(default) == expected, field_name
-
-
-def _shape(schema: Any) -> Any:
-    """A JSON schema without what only documents it (titles, descriptions, defaults: the
-    field test above compares the defaults)."""
-    if isinstance(schema, dict):
-        return {
-            k: _shape(v) for k, v in schema.items() if k not in ("title", "description", "default")
-        }
-    if isinstance(schema, list):
-        return [_shape(v) for v in schema]
-    return schema
-
-
-def _named_as_published(schema: dict[str, Any]) -> Any:
-    """The twin's schema with each struct's definition named as the model it mirrors."""
-    text = json.dumps(schema)
-    for model_name, struct in MIRRORS.items():
-        text = text.replace(f'"#/$defs/{struct.__name__}"', f'"#/$defs/{model_name}"')
-    named = json.loads(text)
-    by_struct = {struct.__name__: name for name, struct in MIRRORS.items()}
-    named["$defs"] = {by_struct.get(k, k): v for k, v in named["$defs"].items()}
-    return named
-
-
-def test_the_consoles_json_schema_is_the_published_ones() -> None:
-    published = AdminStateView.model_json_schema(mode="serialization")
-    twin = _named_as_published(msgspec.json.schema(MIRRORS["AdminStateView"]))
-    defs = {**published.pop("$defs"), "AdminStateView": published}
-    assert twin["$ref"] == "#/$defs/AdminStateView"
-    assert set(twin["$defs"]) == set(defs)
-    for name, schema in defs.items():
-        mine = twin["$defs"][name]
-        assert _shape(mine["properties"]) == _shape(schema["properties"]), name
-        assert set(mine.get("required", ())) == set(schema.get("required", ())), name
-
-
-def test_both_read_a_full_snapshot_the_same() -> None:
+def test_the_console_reads_what_the_server_sends() -> None:
     from tests.tui.test_snapshots import snapshot_state
 
     body = json.dumps(snapshot_state()).encode()
-    fast = msgspec.to_builtins(decode_state(body))
-    checked = schemas.AdminStateView.model_validate_json(body).model_dump(mode="json")
-    assert fast == checked
-    server = published(snapshot(_sources(True)))
-    assert msgspec.to_builtins(convert_state(server)) == schemas.AdminStateView.model_validate(
-        server
-    ).model_dump(mode="json")
-
-
-def test_the_drift_check_can_fail() -> None:
-    class Wrong(msgspec.Struct):
-        gpu: float = 0.0
-        host: int = 0
-
-    assert _norm(msgspec.structs.fields(Wrong)[0].type) != _norm(
-        schemas.TiersView.model_fields["gpu"].annotation
-    )
+    read = decode_state(body)
+    assert read == convert_state(json.loads(body))
+    assert decode_state(encode(read)) == read
+    for with_gpu in (True, False):
+        snap = snapshot(_sources(with_gpu))
+        sent = encode(admin_state(snap))
+        assert decode_state(sent) == admin_state(snap)

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from msgspec import ValidationError
 
 from appliance.services.operator.events import EventKind
 from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.api.model_route import RelayedStream
+from appliance.api.turns.model_route import RelayedStream
 from appliance.domain.block_hash import BlockHashChain
 from appliance.domain.records import (
     OpenTask,

@@ -9,9 +9,9 @@ from collections.abc import AsyncGenerator
 import orjson
 import pytest
 
-from appliance.api.anthropic_messages import chat_request, user_session
-from appliance.api.anthropic_reply import MessageEvents, message_body, usage
 from appliance.api.errors import RequestRefused
+from appliance.api.turns.anthropic_messages import chat_request, user_session
+from appliance.api.turns.anthropic_reply import MessageEvents, message_body, usage
 
 
 def test_system_blocks_tools_and_their_results_become_the_chat_vllm_makes() -> None:

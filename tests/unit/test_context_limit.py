@@ -15,9 +15,9 @@ from starlette.testclient import TestClient
 from appliance.api.app import create_api_app
 from appliance.api.auth import Keys
 from appliance.api.context import ApiContext
-from appliance.api.context_limit import ContextTooLong, check_context
 from appliance.api.errors import error_body
-from appliance.api.requests import served_model
+from appliance.api.turns.context_limit import ContextTooLong, check_context
+from appliance.api.turns.requests import served_model
 from appliance.services.turns.turn import Reply
 from appliance.services.turns.turn_desk import TurnInput
 

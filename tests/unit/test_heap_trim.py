@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from appliance.api.heap_trim import LARGE_BODY, HeapTrim
+from appliance.api.http_server.heap_trim import LARGE_BODY, HeapTrim
 from appliance.eventloop import run
 
 

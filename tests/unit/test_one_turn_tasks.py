@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from appliance.api.errors import RequestRefused
-from appliance.api.task_routes import task_event
+from appliance.api.tasks.task_routes import task_event
 from appliance.domain.block_hash import BlockHasher
 from appliance.domain.errors import EngineRequestError, EngineUnavailable, LedgerUnavailable
 from appliance.domain.records import (

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from appliance.api.errors import RequestRefused
-from appliance.api.requests import MAX_JSON_DEPTH, parse_json_body
+from appliance.api.turns.requests import MAX_JSON_DEPTH, parse_json_body
 
 
 def nested(levels: int) -> Any:

@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 from appliance.api.errors import RequestRefused
-from appliance.api.responses_route import ResponseBook, ResponsesRoute, StoredResponse, _learning
+from appliance.api.turns.responses_route import (
+    ResponseBook,
+    ResponsesRoute,
+    StoredResponse,
+    _learning,
+)
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages
 from appliance.domain.responses_tools import chat_tools

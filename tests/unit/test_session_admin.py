@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from appliance.api.admin_sessions import SessionAdmin
+from appliance.api.admin.admin_sessions import SessionAdmin
 from appliance.api.app import create_api_app
 from appliance.api.auth import Caller, Keys
 from appliance.api.context import ApiContext

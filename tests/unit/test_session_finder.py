@@ -1,5 +1,5 @@
 """The session of a turn that names none (services/sessions/session_finder.py), and the order
-in which a turn's own ids name it (api/requests.py `client_session`).
+in which a turn's own ids name it (api/turns/requests.py `client_session`).
 
 A chat turn whose messages extend an idle session's last prompt is that session's next
 turn; a busy one is forked (a new session), two identical starts are two sessions, the
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from appliance.api.errors import RequestRefused
-from appliance.api.requests import agent_headers, client_session
+from appliance.api.turns.requests import agent_headers, client_session
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import RouteDecisionRecord, SessionId, TenantId, WorkerId
 from appliance.services.sessions.session_finder import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.api.admin_sessions import residency_rows
+from appliance.api.admin.admin_sessions import residency_rows
 from appliance.domain.records import SessionId, TenantId
 from appliance.domain.retention import RetainedKv
 from appliance.services.residency.session_kv import (

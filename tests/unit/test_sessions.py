@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pytest import MonkeyPatch
 
-from appliance.api.requests import prompt_tokens
+from appliance.api.turns.requests import prompt_tokens
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId
 from appliance.services.sessions.chat_tokens import ChatEncoder, encode_chat_text

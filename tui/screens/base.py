@@ -10,8 +10,8 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from appliance.api.admin.schemas import AdminStateView
 from tui.client import StateClient
-from tui.state import AdminState
 from tui.widgets.chrome import Banner, TopBar
 
 
@@ -22,7 +22,7 @@ class Console(Protocol):
     client: StateClient
     url: str
     label: str
-    state: AdminState | None
+    state: AdminStateView | None
 
     def release_session(self, session_id: str, tenant: str | None = None) -> Awaitable[None]: ...
 
@@ -61,14 +61,14 @@ class StateScreen(Screen[None]):
         if state is not None and state is not self._shown:
             self.show_state(state)
 
-    _shown: AdminState | None = None
+    _shown: AdminStateView | None = None
 
-    def show_state(self, state: AdminState) -> None:
+    def show_state(self, state: AdminStateView) -> None:
         self._shown = state
         self.query_one(TopBar).set_time(state.time, state.version)
         self.update_body(state)
 
-    def update_body(self, state: AdminState) -> None:
+    def update_body(self, state: AdminStateView) -> None:
         """Draw `state`; subclasses fill their widgets."""
 
     def session_released(self, session_id: str) -> None:

@@ -10,9 +10,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from appliance.api.admin.schemas import AdminStateView, CostsView, OverheadView, WorkerStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
-from tui.state import AdminState, CostOverhead, Costs, WorkerState
 from tui.widgets.chart import CostChart
 
 NOT_REPORTED = (
@@ -21,7 +21,7 @@ NOT_REPORTED = (
 )
 
 
-def cost_table(costs: Costs) -> Table | Text:
+def cost_table(costs: CostsView) -> Table | Text:
     if costs.groups is None:
         return Text(NOT_REPORTED, style="dim")
     if not costs.groups:
@@ -53,7 +53,7 @@ def cost_table(costs: Costs) -> Table | Text:
     return table
 
 
-def gpu_time_line(workers: list[WorkerState]) -> Text:
+def gpu_time_line(workers: list[WorkerStateView]) -> Text:
     """The workers' GPU-seconds now: busy (what the turns' gpu_s add up to) and idle (the
     overhead the tasks share, as the ledger records it period by period)."""
     metered = [w for w in workers if w.gpu_busy_s is not None and w.gpu_idle_s is not None]
@@ -65,7 +65,7 @@ def gpu_time_line(workers: list[WorkerState]) -> Text:
     return Text(f"busy {busy:,.1f} · idle {idle:,.1f}{share}")
 
 
-def overhead_line(overhead: CostOverhead | None, currency: str | None) -> Text:
+def overhead_line(overhead: OverheadView | None, currency: str | None) -> Text:
     """The overhead the table's groups share: what the ledger recorded so far, in parts."""
     if overhead is None:
         return Text("not reported", style="dim")
@@ -95,7 +95,7 @@ class CostsScreen(StateScreen):
             yield Static(id="cost-chart-caption", classes="status")
             yield CostChart(id="cost-chart")
 
-    def update_body(self, state: AdminState) -> None:
+    def update_body(self, state: AdminStateView) -> None:
         costs = state.costs
         self.query_one("#cost-table", Static).update(cost_table(costs))
         self.query_one("#gpu-time", Static).update(gpu_time_line(state.workers))

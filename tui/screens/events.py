@@ -6,23 +6,23 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.widgets import Static
 
+from appliance.api.admin.schemas import AdminStateView, EventView
 from tui import format as fmt
 from tui.screens.base import StateScreen
-from tui.state import AdminState, Event
 from tui.widgets.grid import Column, Grid
 
 NOT_REPORTED = "this appliance does not report events in its state yet"
 
 
-def _event_key(e: Event) -> str:
+def _event_key(e: EventView) -> str:
     return f"{e.at}/{e.kind}/{e.subject}/{e.tenant}"
 
 
-def _event_text(e: Event) -> str:
+def _event_text(e: EventView) -> str:
     return " ".join((e.kind, e.subject, e.tenant or "", e.detail)).lower()
 
 
-EVENT_COLUMNS: list[Column[Event]] = [
+EVENT_COLUMNS: list[Column[EventView]] = [
     Column("time", "time", 9, lambda e: fmt.clock(e.at), lambda e: e.at, priority=100),
     Column("kind", "kind", 14, lambda e: e.kind, lambda e: e.kind, priority=90),
     Column("subject", "subject", 16, lambda e: e.subject, lambda e: e.subject, priority=70),
@@ -51,8 +51,8 @@ class EventsScreen(StateScreen):
     def on_mount(self) -> None:
         self.query_one(Grid).focus()
 
-    def update_body(self, state: AdminState) -> None:
-        grid: Grid[Event] = self.query_one(Grid)
+    def update_body(self, state: AdminStateView) -> None:
+        grid: Grid[EventView] = self.query_one(Grid)
         status = self.query_one("#events-status", Static)
         if state.events is None:
             grid.empty_text = NOT_REPORTED

@@ -6,8 +6,8 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from appliance.api.admin.schemas import AdminStateView
 from tui.screens.base import StateScreen
-from tui.state import AdminState
 from tui.widgets.panels import GpuPanel, SummaryPanel, WorkersPanel
 
 
@@ -23,6 +23,6 @@ class OverviewScreen(StateScreen):
             yield Static("Appliance", classes="section")
             yield SummaryPanel(id="summary")
 
-    def update_body(self, state: AdminState) -> None:
+    def update_body(self, state: AdminStateView) -> None:
         for panel in (GpuPanel, WorkersPanel, SummaryPanel):
             self.query_one(panel).update_state(state)

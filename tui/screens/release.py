@@ -4,13 +4,13 @@ KV index's), the one the appliance's answer reports too."""
 
 from __future__ import annotations
 
+from appliance.api.admin.schemas import SessionStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.screens.dialogs import ConfirmScreen
-from tui.state import SessionState
 
 
-def confirm_release(screen: StateScreen, session: SessionState) -> None:
+def confirm_release(screen: StateScreen, session: SessionStateView) -> None:
     """Ask, then release: the app sends the request and shows the appliance's answer."""
     tiers = session.resident_tokens
     held = (

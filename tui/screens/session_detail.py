@@ -21,15 +21,20 @@ from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from appliance.api.schemas import SessionDetail, SessionResidency
+from appliance.api.admin.schemas import (
+    AdminStateView,
+    SessionDetail,
+    SessionResidency,
+    SessionStateView,
+    TiersView,
+)
 from tui import format as fmt
 from tui.client import ConsoleError
 from tui.screens.base import StateScreen
 from tui.screens.release import confirm_release
-from tui.state import AdminState, SessionState, Tiers
 
 
-def session_fields(s: SessionState, tasks: dict[str, str]) -> Table:
+def session_fields(s: SessionStateView, tasks: dict[str, str]) -> Table:
     table = Table(box=None, show_header=False, padding=(0, 2))
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
@@ -124,8 +129,8 @@ class SessionDetailScreen(StateScreen):
         self.session_id = session_id
         self.tenant = tenant
         """None: the one tenant that has a session of this id."""
-        self.session: SessionState | None = None
-        self._read_at: Tiers | None = None
+        self.session: SessionStateView | None = None
+        self._read_at: TiersView | None = None
         """The session's figures the residency table was read with."""
 
     def compose_body(self) -> ComposeResult:
@@ -140,7 +145,7 @@ class SessionDetailScreen(StateScreen):
     def on_mount(self) -> None:
         self.load_turns()
 
-    def update_body(self, state: AdminState) -> None:
+    def update_body(self, state: AdminStateView) -> None:
         found = next(
             (
                 s
@@ -169,9 +174,9 @@ class SessionDetailScreen(StateScreen):
     def _read(self, detail: SessionDetail | None) -> None:
         """The residency was read (None: could not be): with the figures it says, else
         with the snapshot's."""
-        shown = self.session.resident_tokens if self.session is not None else Tiers()
+        shown = self.session.resident_tokens if self.session is not None else TiersView()
         said = detail.session if detail is not None else None
-        self._read_at = Tiers(**said.resident_tokens.model_dump()) if said else shown
+        self._read_at = said.resident_tokens if said else shown
 
     @work(exclusive=True, group="residency")
     async def load_residency(self) -> None:

@@ -11,26 +11,26 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.widgets import Input, Static
 
+from appliance.api.admin.schemas import AdminStateView, SessionStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.screens.release import confirm_release
 from tui.screens.session_detail import SessionDetailScreen
-from tui.state import AdminState, SessionState
 from tui.widgets.grid import Column, Grid
 
 
-def _search_text(s: SessionState) -> str:
+def _search_text(s: SessionStateView) -> str:
     return " ".join(
         (s.id, s.tenant, s.task_id or "", s.worker or "", s.tool_class or "", s.decision or "")
     ).lower()
 
 
-def session_key(s: SessionState) -> str:
+def session_key(s: SessionStateView) -> str:
     """Session ids are per tenant: the row key is tenant/id (unique)."""
     return f"{s.tenant}/{s.id}"
 
 
-SESSION_COLUMNS: list[Column[SessionState]] = [
+SESSION_COLUMNS: list[Column[SessionStateView]] = [
     Column("id", "session", 14, lambda s: s.id, lambda s: s.id, priority=100),
     Column("tenant", "tenant", 8, lambda s: s.tenant, lambda s: s.tenant, priority=90),
     Column(
@@ -132,7 +132,7 @@ SESSION_COLUMNS: list[Column[SessionState]] = [
 ]
 
 
-class SessionGrid(Grid[SessionState]):
+class SessionGrid(Grid[SessionStateView]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "select", "Detail"),
     ]
@@ -169,11 +169,11 @@ class SessionsScreen(StateScreen):
     def grid(self) -> SessionGrid:
         return self.query_one(SessionGrid)
 
-    def update_body(self, state: AdminState) -> None:
+    def update_body(self, state: AdminStateView) -> None:
         self.grid.set_rows(state.sessions)
         self._status(state)
 
-    def _status(self, state: AdminState | None = None) -> None:
+    def _status(self, state: AdminStateView | None = None) -> None:
         grid = self.grid
         parts = [f"{grid.total:,} sessions"]
         if grid.filter_text:

@@ -18,9 +18,9 @@ from textual.binding import Binding, BindingType
 from textual.widgets import Static, Tree
 from textual.widgets.tree import TreeNode
 
+from appliance.api.admin.schemas import AdminStateView, TaskStateView
 from tui import format as fmt
 from tui.screens.base import StateScreen
-from tui.state import AdminState, TaskState
 
 TOGGLE_STYLE = Style.from_meta({"toggle": True})
 """What Tree reads to make a click on the ▼/▶ icon toggle the node."""
@@ -34,7 +34,7 @@ STATUS_STYLE = {
 }
 
 
-def task_label(t: TaskState, now: float) -> Text:
+def task_label(t: TaskStateView, now: float) -> Text:
     label = Text(no_wrap=True, overflow="ellipsis")
     label.append(t.id, style="bold")
     if t.task_class:
@@ -59,7 +59,9 @@ def task_label(t: TaskState, now: float) -> Text:
     return label
 
 
-def roots_and_children(tasks: list[TaskState]) -> tuple[list[TaskState], dict[str, list[str]]]:
+def roots_and_children(
+    tasks: list[TaskStateView],
+) -> tuple[list[TaskStateView], dict[str, list[str]]]:
     """Roots (no parent, or a parent not in the snapshot) and each task's present children,
     in the server's order; a task is placed once even if the data loops."""
     ids = {t.id for t in tasks}
@@ -78,10 +80,10 @@ class TaskTreeWidget(Tree[str]):
 
     def __init__(self, label: str, *, id: str | None = None) -> None:
         super().__init__(label, id=id)
-        self.tasks: dict[str, TaskState] = {}
+        self.tasks: dict[str, TaskStateView] = {}
         self.now = 0.0
 
-    def show(self, tasks: dict[str, TaskState], now: float) -> None:
+    def show(self, tasks: dict[str, TaskStateView], now: float) -> None:
         self.tasks, self.now = tasks, now
         self._updates += 1  # part of Tree's line-cache key: redraw the visible lines
         self.refresh()
@@ -123,7 +125,7 @@ class TasksScreen(StateScreen):
     def task_tree(self) -> TaskTreeWidget:
         return self.query_one(TaskTreeWidget)
 
-    def update_body(self, state: AdminState) -> None:
+    def update_body(self, state: AdminStateView) -> None:
         statuses = Counter(t.status for t in state.tasks)
         roots, children = roots_and_children(state.tasks)
         summary = f"{len(state.tasks):,} tasks · {len(roots):,} roots" + "".join(
@@ -139,9 +141,9 @@ class TasksScreen(StateScreen):
 
     def _rebuild(
         self,
-        roots: list[TaskState],
+        roots: list[TaskStateView],
         children: dict[str, list[str]],
-        by_id: dict[str, TaskState],
+        by_id: dict[str, TaskStateView],
     ) -> None:
         tree = self.task_tree
         cursor = tree.cursor_node.data if tree.cursor_node is not None else None
@@ -154,7 +156,7 @@ class TasksScreen(StateScreen):
         self._task_nodes = {}
         placed: set[str] = set()
 
-        def add(parent: TreeNode[str], task: TaskState) -> None:
+        def add(parent: TreeNode[str], task: TaskStateView) -> None:
             placed.add(task.id)
             kids = [by_id[c] for c in children[task.id] if c not in placed]
             if kids:

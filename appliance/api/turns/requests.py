@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from appliance.api.context_limit import check_context
 from appliance.api.errors import RequestRefused
+from appliance.api.turns.context_limit import check_context
 from appliance.services.sessions.chat_tokens import ChatEncoder, ChatTokens, with_stem
 
 MAX_BODY_BYTES = 8 * 2**20

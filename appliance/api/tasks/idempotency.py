@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appliance.api.errors import RequestRefused
-from appliance.api.requests import identifier
+from appliance.api.turns.requests import identifier
 
 HEADER = "idempotency-key"
 TTL_S = 24 * 3600.0

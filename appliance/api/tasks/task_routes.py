@@ -16,8 +16,8 @@ from starlette.routing import Route
 
 from appliance.api.context import ApiContext, Guard
 from appliance.api.errors import RequestRefused
-from appliance.api.idempotency import IdempotencyKeys
-from appliance.api.requests import agent_headers, identifier, parse_json_body
+from appliance.api.tasks.idempotency import IdempotencyKeys
+from appliance.api.turns.requests import agent_headers, identifier, parse_json_body
 from appliance.domain.errors import LedgerError
 from appliance.domain.records import TaskEventType, TurnOutcome
 

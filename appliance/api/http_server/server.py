@@ -29,9 +29,9 @@ from typing import Any, cast
 
 import httptools
 
-from appliance.api.heap_trim import HeapTrim
-from appliance.api.http_answer import AnswerWriter, refusal_bytes
-from appliance.api.http_request import HttpRequest
+from appliance.api.http_server.heap_trim import HeapTrim
+from appliance.api.http_server.http_answer import AnswerWriter, refusal_bytes
+from appliance.api.http_server.http_request import HttpRequest
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from appliance.api.admin import schemas
+from appliance.api.admin.state_document import session_document
 from appliance.api.errors import RequestRefused
-from appliance.api.state_document import session_document
 from appliance.ports import Clock
 from appliance.services.operator.session_admin import RELEASE_REASON, RELEASED, SessionReleases
 from appliance.services.operator.state import session_view
@@ -72,7 +73,7 @@ def session_routes(
         per_token = releases.kv_bytes_per_token
         kv = admin.kv.now(session)
         view = session_view(session, clock.now(), per_token, kv)
-        row = session_document(view).model_dump(mode="json")
+        row = schemas.plain(session_document(view))
         residency = residency_rows(kv, per_token)
         return JSONResponse({"session": row, "residency": residency, "turns": turns})
 

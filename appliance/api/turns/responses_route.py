@@ -19,7 +19,7 @@ worker restarted since, or gone, has lost it: the request is refused 404
 `previous_response_lost`, naming the restart. An id the router never saw is vLLM's 404.
 
 The turn's session: the one it names (X-Session-ID or the body's `session_id`, the
-harness's own id, `prompt_cache_key`: api/requests.py `client_session`), else the previous
+harness's own id, `prompt_cache_key`: api/turns/requests.py `client_session`), else the previous
 response's (a chain is one session), else its `conversation`'s id, else the one whose last
 prompt its messages extend (the desk's prefix chain: services/sessions/session_finder.py); the
 route decision's reason says which.
@@ -38,10 +38,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appliance.api.context import ApiContext
-from appliance.api.context_limit import ContextTooLong
 from appliance.api.errors import RequestRefused
-from appliance.api.model_route import RelayedStream
-from appliance.api.requests import (
+from appliance.api.turns.context_limit import ContextTooLong
+from appliance.api.turns.model_route import RelayedStream
+from appliance.api.turns.requests import (
     Tokenizer,
     agent_headers,
     chat_encoder,

@@ -12,12 +12,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from appliance.api.anthropic_messages import CHAT_PATH, MESSAGES_PATH, chat_request, user_session
-from appliance.api.anthropic_reply import MessageEvents, message_body
 from appliance.api.context import ApiContext
-from appliance.api.context_limit import ContextTooLong
 from appliance.api.errors import RequestRefused
-from appliance.api.requests import (
+from appliance.api.turns.anthropic_messages import (
+    CHAT_PATH,
+    MESSAGES_PATH,
+    chat_request,
+    user_session,
+)
+from appliance.api.turns.anthropic_reply import MessageEvents, message_body
+from appliance.api.turns.context_limit import ContextTooLong
+from appliance.api.turns.requests import (
     agent_headers,
     chat_encoder,
     check_model_request,

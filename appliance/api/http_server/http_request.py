@@ -1,5 +1,6 @@
-"""One HTTP/1.1 request as the API server's parser collects it (appliance/api/server.py):
-its head's fields once the head is whole, its body in the pieces it arrived in."""
+"""One HTTP/1.1 request as the API server's parser collects it
+(appliance/api/http_server/server.py): its head's fields once the head is whole, its body in the
+pieces it arrived in."""
 
 from __future__ import annotations
 

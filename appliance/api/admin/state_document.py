@@ -1,15 +1,20 @@
-"""The state as the API publishes it: a services `StateSnapshot` as the pydantic `AdminState`
-of appliance/api/schemas.py, the contract the console reads (`GET /admin/v1/state`).
+"""The state as the API publishes it: a services `StateSnapshot` as the `AdminStateView` of
+appliance/api/admin/schemas.py, the structs the console decodes (`GET /admin/v1/state`).
 
 Only names and shapes change here: every number is the snapshot's. Ids the ledger keys by
 tenant ("tenant/id") are shown as the tenant's own; sections whose source already keeps
-JSON-ready rows (costs, events, admission) are validated into their models.
+JSON-ready rows (costs, events, admission) are converted into their structs, checked as the
+console checks them.
 """
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
+import msgspec
+
 from appliance import __version__
-from appliance.api import schemas
+from appliance.api.admin import schemas
 from appliance.domain.gpu import GpuReading
 from appliance.domain.worker import WorkerStatus
 from appliance.services.operator.state import CostView, SessionView, StateSnapshot
@@ -38,12 +43,10 @@ def admin_state(snap: StateSnapshot) -> schemas.AdminStateView:
         sessions=[session_document(v) for v in snap.sessions],
         tasks=[_task(t, snap.task_kv.get(t.key)) for t in snap.tasks],
         costs=_costs(snap.costs),
-        admission=schemas.AdmissionView.model_validate(snap.admission),
+        admission=_rows(schemas.AdmissionView, snap.admission),
         routing=snap.routing,
-        events=None
-        if snap.events is None
-        else [schemas.EventView.model_validate(e) for e in snap.events],
-        residency=schemas.ResidencyStateView.model_validate(fleet.residency),
+        events=None if snap.events is None else [_rows(schemas.EventView, e) for e in snap.events],
+        residency=_rows(schemas.ResidencyStateView, fleet.residency),
     )
 
 
@@ -137,12 +140,18 @@ def _task(t: TaskState, kv: TaskKv | None) -> schemas.TaskStateView:
 def _costs(c: CostView) -> schemas.CostsView:
     return schemas.CostsView(
         currency=c.currency,
-        groups=[schemas.CostGroupView.model_validate(g) for g in c.groups],
-        series=None
-        if c.series is None
-        else [schemas.CostPointView.model_validate(p) for p in c.series],
-        overhead=None if c.overhead is None else schemas.OverheadView.model_validate(c.overhead),
+        groups=[_rows(schemas.CostGroupView, g) for g in c.groups],
+        series=None if c.series is None else [_rows(schemas.CostPointView, p) for p in c.series],
+        overhead=None if c.overhead is None else _rows(schemas.OverheadView, c.overhead),
     )
+
+
+_View = TypeVar("_View", bound=msgspec.Struct)
+
+
+def _rows(view: type[_View], row: Any) -> _View:
+    """A JSON-ready row as its struct, numbers coerced to the field's type (3 -> 3.0)."""
+    return msgspec.convert(row, view, strict=False)
 
 
 def _own_id(key: str) -> str:

@@ -10,8 +10,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from appliance import __version__
+from appliance.api.admin import schemas
+from appliance.api.admin.state_document import admin_state
 from appliance.api.context import ApiContext, Guard
-from appliance.api.state_document import admin_state
 
 
 class AdminRoutes:
@@ -48,12 +49,12 @@ class AdminRoutes:
     async def admin_state(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)
         document = admin_state(self._ctx.state())
-        return Response(document.model_dump_json(), media_type="application/json")
+        return Response(schemas.encode(document), media_type="application/json")
 
     async def admin_sessions(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)
         sessions = admin_state(self._ctx.state()).sessions
-        return JSONResponse({"sessions": [s.model_dump(mode="json") for s in sessions]})
+        return JSONResponse({"sessions": [schemas.plain(s) for s in sessions]})
 
     async def admin_costs(self, request: Request) -> Response:
         self._ctx.keys.caller(request.headers, admin=True)

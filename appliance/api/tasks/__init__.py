@@ -1,0 +1,1 @@
+"""The task routes and the Idempotency-Key replay that guards their changes."""
