@@ -32,6 +32,11 @@ outputs may still name the aborted request (ignore them). `tests/unit/test_sim_e
 compares every step: scheduled tokens, outputs, finish reasons, cached tokens, block ids,
 preemptions and prefix-cache counters.
 
+Where it lives: `SimEngine` here holds the requests and runs the step; mixed into it,
+`engine_batch.py` chooses a step's batch, `engine_sessions.py` does a session's part between
+turns (`demote`, `evict`, `restore`, `release_branch`), `engine_fast_path.py` runs plain
+decode steps without scheduling.
+
 Public API (the server builds on these names; everything else is private):
 - `SimRequest`: what to run (`eos_after` stands in for an EOS when not `ignore_eos`;
   `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
@@ -68,19 +73,8 @@ Public API (the server builds on these names; everything else is private):
   request_success_total by finish reason, aborts included; pin counters with a residency).
 
 Host tier (`host=`, a `HostTier`, default none; vLLM's `--kv-offloading-size`, native
-OffloadingConnector, LRU: its blocks of pinned host memory, a tier possibly shared by
-several engines, its own priority ordering its evictions). Prompt blocks are copied there as they
-are cached, and a waiting request's lookup continues past its GPU hit into the host tier
-(`PrefixCache`). A request with a host hit is admitted like vLLM's request that waits for
-remote KV: GPU blocks are allocated for the hit (it must fit whole, as any admission),
-nothing is scheduled for it, and the copy host -> GPU (`latency.kv_copy_s` of the hit's
-bytes, one batched copy) runs on the engine's one host-to-device channel, after any copy
-queued before it; from the first step at or after the copy's end the blocks are cached and
-the request waits again, at the head of the queue, to compute the rest. So the promotion
-time lands in that request's TTFT, not in other requests' steps. Its host tokens count as
-cached (`num_cached_tokens`) and, apart, as `host_hit_tokens_total`
-(`vllm:prompt_tokens_cached_by_source{source="host"}`). A step with nothing to schedule
-but loads in flight lasts until the first load completes (`idle_until_s`).
+OffloadingConnector): how a waiting request's hit that continues there is loaded,
+`engine_batch.py`.
 
 Residency (`residency=`) and retention (`retention=`): when the engine calls each and what
 it does with the answers, `residency_hook.py`.
@@ -101,14 +95,16 @@ taken.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from appliance.domain.block_hash import NO_KEYS, BlockHash, BlockHasher, RequestKeys
-from appliance.perf.latency import CopyDirection, LatencyModel
-from appliance.sim.cache_request import NO_HIT, CacheHit, CacheRequest
+from appliance.domain.block_hash import NO_KEYS, BlockHasher, RequestKeys
+from appliance.perf.latency import LatencyModel
+from appliance.sim.cache_request import CacheRequest
 from appliance.sim.copy_channel import CopyChannel
 from appliance.sim.decode_run import DecodeRun
+from appliance.sim.engine_batch import EngineBatching
 from appliance.sim.engine_config import EngineConfig
+from appliance.sim.engine_fast_path import EngineFastPath
 from appliance.sim.engine_io import (
     FinishReason,
     RequestOutput,
@@ -116,9 +112,10 @@ from appliance.sim.engine_io import (
     StepResult,
     default_output_token,
 )
+from appliance.sim.engine_sessions import EngineSessions
 from appliance.sim.engine_stats import EngineCounters, EngineStats, engine_stats
 from appliance.sim.host_tier import HostTier
-from appliance.sim.pin_keeper import PinKeeper, pin_owner
+from appliance.sim.pin_keeper import PinKeeper
 from appliance.sim.prefetch_lane import PrefetchLane
 from appliance.sim.prefix_cache import PrefixCache
 from appliance.sim.residency_hook import ResidencyHook, RetentionHook
@@ -129,11 +126,8 @@ from appliance.sim.waiting_queue import (
     request_output,
 )
 
-LAST_PROMPTS = 4096
-"""Sessions whose newest finished prompt a live engine keeps for `restore` (oldest dropped)."""
 
-
-class SimEngine:
+class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
     """One simulated vLLM engine: a scheduler, a prefix cache and a latency model."""
 
     def __init__(
@@ -326,263 +320,6 @@ class SimEngine:
             result.idle_until_s = min(ready)
             result.duration_s = result.idle_until_s - now
         return result
-
-    def decode_step(self, now: float) -> float | None:
-        """The virtual driver's fast path (`decode_run.py`): if the next step is a plain
-        decode step, run it now as `step` would, hold its outputs back for `take_decoded`
-        and return its duration; else None, nothing done (call `step`)."""
-        run = self._plain_run(now)
-        duration = None if run is None else run.advance()
-        if duration is not None:
-            self._clock_to(now)
-        return duration
-
-    def decode_stretch(self, now: float) -> list[float]:
-        """The durations of the plain decode steps from `now` on that touch no block and
-        start before any pin falls due, `decode_step` after `decode_step`; nothing is run
-        (`run_stretch` runs the first of them)."""
-        run = self._plain_run(now)
-        return [] if run is None else run.quiet_durations(now, self._pin_due())
-
-    def run_stretch(self, durations: list[float], last_start: float) -> None:
-        """Run the first `len(durations)` steps of `decode_stretch`, the last at `last_start`."""
-        self._decode.run_quiet(durations)
-        self._clock_to(last_start)
-
-    def _plain_run(self, now: float) -> DecodeRun | None:
-        """The decode run if the next step is a plain decode step, planned; else None."""
-        if self._retention is not None or self._pending or self._waiting or self._loading:
-            return None
-        if self.prefetches.busy:
-            return None  # (its `schedule` would take what the step leaves)
-        due = self._pin_due()
-        if due is not None and due <= now:
-            return None
-        run = self._decode
-        if run.left <= 0 and not run.plan(self._running, self.max_num_batched_tokens):
-            return None
-        return run
-
-    def _pin_due(self) -> float | None:
-        """When the next pin falls due, where a step would look (None: never)."""
-        if self._residency is not None or self.prefetches.started:
-            return self.cache.next_pin_expiry_s()
-        return None
-
-    def _clock_to(self, now: float) -> None:
-        self._now = now
-        if self.host is not None:
-            self.host.now_s = now
-
-    def take_decoded(self, steps: int) -> StepResult:
-        """The outputs of the `steps` oldest steps `decode_step` ran, as one step's."""
-        return self._decode.take(steps)
-
-    def _queue_first(self, entries: list[RequestState]) -> None:
-        """Requests that waited for their session's prefetch go to the head of the queue."""
-        for entry in reversed(entries):
-            self._waiting.prepend(entry)
-
-    def _room(self, creq: CacheRequest, n: int, hit: CacheHit = NO_HIT, full: bool = False) -> None:
-        """Cancel prefetches in flight while a real allocation would be short (before any
-        pin gives way: speculation goes first)."""
-        lane = self.prefetches
-        while lane.busy and not self.cache.can_allocate(creq, n, hit, full_sequence_must_fit=full):
-            released = lane.cancel_one(self._now)
-            if released is None:
-                return
-            self._queue_first(released)
-
-    def _finish_loads(self, now: float) -> None:
-        """Requests whose host blocks have arrived cache them and wait again, in front."""
-        done = [e for e in self._loading if e.ready_s <= now]
-        if not done:
-            return
-        self._loading = [e for e in self._loading if e.ready_s > now]
-        for entry in reversed(done):
-            self.cache.complete_load(entry.cache)
-            self._waiting.prepend(entry)
-
-    def _start_load(self, entry: RequestState, hit: CacheHit, now: float) -> bool:
-        """Admit the waiting request at the head with a hit that continues in the host
-        tier: GPU blocks for the whole hit, and its host part's copy queued on the host ->
-        GPU channel. False (nothing changed) when the sequence does not fit."""
-        n = hit.num_host_tokens
-        self._room(entry.cache, n, hit, full=True)
-        new_blocks = self.cache.allocate(
-            entry.cache, n, hit, full_sequence_must_fit=True, delay_cache_blocks=True
-        )
-        if new_blocks is None:
-            return False
-        self._waiting.pop()
-        copy_s = self.latency.kv_copy_s(n, CopyDirection.H2D)
-        entry.ready_s = self._h2d.reserve(now, copy_s)
-        self._n.host_load_s += copy_s
-        self._loading.append(entry)
-        return True
-
-    def _schedule_running(
-        self, scheduled: list[tuple[RequestState, int, int]], preempted: list[str]
-    ) -> int:
-        """Schedule running requests (preempting as needed); returns the budget left."""
-        budget = self.max_num_batched_tokens
-        running = self._running
-        bs = self.block_size
-        fast = self._fast_decode
-        i = 0
-        while i < len(running) and budget > 0:
-            entry = running[i]
-            creq = entry.cache
-            c = creq.num_computed_tokens
-            n = min(len(creq.all_token_ids) - c, budget, self.max_model_len - c - 1)
-            if n <= 0:
-                i += 1
-                continue
-            if fast and n == 1 and c % bs and (c + 1) % bs:
-                # The token lands in the request's last, partly filled block and does not
-                # fill it: exactly what allocate() would do, without its bookkeeping.
-                creq.num_computed_tokens = c + 1
-                ok = True
-            else:
-                self._room(creq, n)
-                while not (ok := self.cache.allocate(creq, n) is not None):
-                    if self._retention is not None and self._retention.relieve():
-                        break  # holds given back: retried next step, nobody preempted
-                    victim = self._victim()
-                    vi = running.index(victim)
-                    del running[vi]
-                    if vi < i:  # priority policy: it was scheduled earlier in this step
-                        i -= 1
-                        for k, (e, vn, _) in enumerate(scheduled):
-                            if e is victim:
-                                budget += vn
-                                del scheduled[k]
-                                break
-                    self._preempt(victim)
-                    preempted.append(victim.req.request_id)
-                    if victim is entry:
-                        break
-            if not ok:
-                break
-            scheduled.append((entry, n, c))
-            budget -= n
-            i += 1
-        return budget
-
-    def _victim(self) -> RequestState:
-        if self.policy == "priority":
-            return max(self._running, key=lambda e: (e.req.priority, e.arrival_s))
-        return self._running[-1]
-
-    def _preempt(self, entry: RequestState) -> None:
-        self.cache.preempt(entry.cache)
-        self._n.preemptions += 1
-        self._waiting.prepend(entry)
-
-    def _schedule_waiting(
-        self, scheduled: list[tuple[RequestState, int, int]], budget: int, now: float
-    ) -> int:
-        """Admit waiting requests in queue order; returns the budget left."""
-        waiting, cache = self._waiting, self.cache
-        while budget > 0 and waiting and len(self._running) < self.max_num_seqs:
-            entry = waiting.peek()
-            creq = entry.cache
-            hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
-            retention, fresh = self._retention, creq.num_computed_tokens == 0
-            if retention is not None and fresh and not retention.admitting(creq, hit):
-                break  # holds were given back for a running request: its room first
-            if hit.num_host_tokens:
-                if not self._start_load(entry, hit, now):
-                    break
-            else:
-                n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
-                self._room(creq, n, hit, full=True)
-                if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
-                    if self._unblock(entry):
-                        continue
-                    break
-                waiting.pop()
-                self._running.append(entry)
-                scheduled.append((entry, n, creq.num_computed_tokens - n))
-                budget -= n
-            if self._residency is not None or self.prefetches.started:
-                cache.unpin(pin_owner(entry.req))
-            if entry.first_scheduled_s is None:
-                entry.num_cached_tokens = hit.num_tokens + hit.num_host_tokens
-                entry.num_host_cached_tokens = hit.num_host_tokens
-                entry.first_scheduled_s = now
-        return budget
-
-    def _unblock(self, head: RequestState) -> bool:
-        """Nothing runs or loads and the head does not fit: the other waiting requests give
-        back the host blocks they had loaded (preempted, to load again), so that loaded
-        requests cannot hold each other up forever. Whether any did."""
-        if self._running or self._loading:
-            return False
-        loaded = [e for e in self._waiting if e is not head and e.cache.num_computed_tokens]
-        for e in loaded:
-            self.cache.preempt(e.cache)
-            self._n.preemptions += 1
-        return bool(loaded)
-
-    def _duration(self, scheduled: list[tuple[RequestState, int, int]]) -> float:
-        latency = self.latency
-        prefill_s = 0.0
-        chunks = batch = context = 0
-        for entry, n, c in scheduled:
-            if n == 1 and c >= entry.cache.num_prompt_tokens:
-                batch += 1
-                context += c + 1
-            else:
-                chunks += 1
-                prefill_s += latency.prefill_s(n, c)
-        if chunks > 1:
-            prefill_s -= (chunks - 1) * latency.prefill.overhead_s
-        return prefill_s + (latency.decode_step_s(batch, context) if batch else 0.0)
-
-    def demote(self, session_id: str) -> int:
-        """Copy a held session's pinned blocks to the host tier and free them on the GPU
-        (forgotten there unless someone else holds them); returns the blocks copied (0:
-        the session holds none). ValueError without a host tier."""
-        return self._pins.demote(session_id)
-
-    def evict(self, session_id: str) -> int:
-        """Put a held session's pinned blocks first in the GPU eviction order (still
-        findable until reused); returns how many went there."""
-        return self._pins.evict(session_id)
-
-    def restore_blocks(self, session_id: str) -> int:
-        """GPU blocks a `restore` of the session would take (0: nothing to copy)."""
-        req = self._last_prompts.get(session_id)
-        host = self.prefetches.probe(req)[1] if req is not None else 0
-        return -(-host // self.block_size) if host else 0
-
-    def restore(self, session_id: str, now: float, hold_s: float) -> bool:
-        """Bring the session's newest finished prompt back into HBM from the host tier (a
-        prefetch without prefill), pinned `hold_s` once there; False when there is nothing
-        of it to copy, no room, or no such session."""
-        req = self._last_prompts.get(session_id)
-        if req is None:
-            return False
-        return self.prefetches.start(req, now, prefill=False, hold_s=hold_s) is not None
-
-    def _finished(self, entry: RequestState) -> None:
-        if self._retention is not None:
-            self._retention.finished(entry.cache, self.cache.block_ids(entry.cache))
-            sid = entry.req.session_id
-            if sid is not None:
-                self._last_prompts[sid] = entry.req
-                self._last_prompts.move_to_end(sid)
-                if len(self._last_prompts) > LAST_PROMPTS:
-                    self._last_prompts.popitem(last=False)
-
-    def release_branch(self, session_id: str, own: Sequence[BlockHash], now: float) -> None:
-        """A branch (a child task's session) ended: its prefetch stops, its pin ends, and
-        its own blocks (`own`; its parent's are not among them) go on every tier."""
-        self._queue_first(self.prefetches.cancel_one(now, session_id) or [])
-        self.cache.end_pin(session_id, forget=own)
-        if self.host is not None:
-            self.host.discard(own)
 
     def _sample(self, entry: RequestState, now: float) -> RequestOutput:
         """Append one generated token to a request whose sequence is all computed."""
