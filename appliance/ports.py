@@ -187,7 +187,7 @@ class KvLookup(Protocol):
 
 class KvRetention(Protocol):
     """Holds on waiting sessions' KV inside the workers (`engine.kv_retention`: the retention
-    connector each vLLM worker loads, its twin in each simulated worker, sim/retention.py).
+    connector each vLLM worker loads, its twin in each simulated worker, sim/kv/retention.py).
     Keys are `"{tenant}/{session}"`. A directive goes out at once and takes effect at the
     worker's next scheduler step; each returns False when it was not sent (no connector of
     that worker is connected). `controls` False: a retention that sends nothing (workers

@@ -34,7 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, conversation_ids, load_mooncake
+from appliance.sim.runtime.trace import (
+    TRACE_BLOCK_TOKENS,
+    TraceRecord,
+    conversation_ids,
+    load_mooncake,
+)
 
 HORIZON_S = 1800.0
 """The reaper's maximum residency: a session not back within it counts as gone."""

@@ -186,8 +186,8 @@ class StampedApp:
 def serve_worker(port: int, kv_endpoint: str, max_model_len: int) -> None:
     """One simulated worker as `appliance up --engine sim` starts it, behind StampedApp."""
     from appliance import eventloop
-    from appliance.sim.server import create_app, make_server
-    from appliance.sim.worker import SimWorker, WorkerConfig
+    from appliance.sim.entrypoints.server import create_app, make_server
+    from appliance.sim.runtime.worker import SimWorker, WorkerConfig
 
     config = WorkerConfig(
         served_model_name=MODEL,

@@ -23,15 +23,15 @@ from pathlib import Path
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import EngineConfig, SimEngine
-from appliance.sim.engine_views import round_robin, session_hash
-from appliance.sim.trace import (
+from appliance.sim.core.engine import EngineConfig, SimEngine
+from appliance.sim.runtime.engine_views import round_robin, session_hash
+from appliance.sim.runtime.trace import (
     BlockTokens,
     conversation_ids,
     load_mooncake,
     trace_arrivals,
 )
-from appliance.sim.virtual import ReplayResult, replay
+from appliance.sim.runtime.virtual import ReplayResult, replay
 
 TRACE = (
     Path(__file__).resolve().parents[2] / "shared/traces/mooncake_fast25/conversation_trace.jsonl"

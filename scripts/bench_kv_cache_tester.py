@@ -371,7 +371,7 @@ def sim_workers(procs: Procs, n: int, timeout_s: float = 60) -> list[dict[str, A
         for child in root.children(recursive=True):
             try:
                 argv = child.cmdline()
-                if "appliance.sim.vllm_entry" in argv:
+                if "appliance.sim.entrypoints.vllm_entry" in argv:
                     port = int(argv[argv.index("--port") + 1])
                     found.append(
                         {

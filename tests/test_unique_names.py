@@ -64,5 +64,5 @@ def test_the_known_repeats_are_still_repeats() -> None:
 
 
 def test_a_repeat_is_found() -> None:
-    where = {"Clock": {"appliance/ports.py", "appliance/sim/clock.py"}, "Only": {"a.py"}}
-    assert _repeated(where) == {"Clock": ["appliance/ports.py", "appliance/sim/clock.py"]}
+    where = {"Clock": {"appliance/ports.py", "appliance/sim/runtime/clock.py"}, "Only": {"a.py"}}
+    assert _repeated(where) == {"Clock": ["appliance/ports.py", "appliance/sim/runtime/clock.py"]}

@@ -46,7 +46,7 @@ from appliance.domain.block_hash import cacheable_blocks
 from appliance.perf.latency import LatencyModel
 from appliance.replay.metrics import percentile
 from appliance.replay.traces import Trace
-from appliance.sim.trace import TRACE_BLOCK_TOKENS, BlockTokens
+from appliance.sim.runtime.trace import TRACE_BLOCK_TOKENS, BlockTokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,8 @@ from typing import Protocol
 
 from appliance.replay.kv_residency.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest, StepResult, default_output_token
-from appliance.sim.prefetch_lane import PREFETCH_ID
-from appliance.sim.virtual import Arrival, RequestRecord, Timer
+from appliance.sim.kv.prefetch_lane import PREFETCH_ID
+from appliance.sim.runtime.virtual import Arrival, RequestRecord, Timer
 
 Event = Arrival | Timer
 

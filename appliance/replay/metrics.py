@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from appliance.domain.records import CostMode, Price, TaskStatus
 from appliance.policy.costs import AttemptRow, TaskRow, attempt_cost, cost_per_success
 from appliance.replay.closed_loop import TaskOutcome
-from appliance.sim.engine_stats import EngineStats
-from appliance.sim.virtual import ReplayResult, RequestRecord
+from appliance.sim.core.engine_stats import EngineStats
+from appliance.sim.runtime.virtual import ReplayResult, RequestRecord
 
 TASK_KEYS = (
     "tasks",

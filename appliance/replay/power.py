@@ -43,9 +43,9 @@ from appliance.policy.worker_power import (
     power_table,
 )
 from appliance.replay.closed_loop import TaskOutcome
-from appliance.sim.engine import SimEngine
+from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
-from appliance.sim.engine_views import EngineView, Route
+from appliance.sim.runtime.engine_views import EngineView, Route
 
 MODEL = "replay"
 GIB = 1 << 30

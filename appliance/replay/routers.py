@@ -39,9 +39,9 @@ from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
 from appliance.services.turns.queue_book import QueueBook
-from appliance.sim.clock import VirtualClock
 from appliance.sim.engine_io import SimRequest, StepResult
-from appliance.sim.engine_views import EngineView
+from appliance.sim.runtime.clock import VirtualClock
+from appliance.sim.runtime.engine_views import EngineView
 
 _NUMBERS = re.compile(r"\d[\d.,]*")
 APPLIANCE = "appliance"

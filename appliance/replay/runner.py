@@ -3,7 +3,7 @@
 Model of the world: N identical GPUs, each a `SimEngine` (vLLM's scheduler and prefix cache,
 timed by the latency model fitted to one GPU profile) with a KV cache of `hbm_gib` per
 worker (default: what vLLM would leave at gpu_memory_utilization 0.9 after bf16 weights).
-The trace's arrivals come at their recorded times, in virtual time (`sim.virtual.replay`);
+The trace's arrivals come at their recorded times, in virtual time (`sim.runtime.virtual.replay`);
 each one asks the policy under test which worker takes it (`routers.PolicyRouter`), and
 every policy sees the same arrivals, the same prompts (block id -> fixed tokens), the same
 engines and the same session ids. Engines run at block size 512, the trace's own block
@@ -14,7 +14,7 @@ with the workers' caches pooled; a policy's `vs_optimal` is its fresh prefill ov
 optimal bound's. Nothing reads a wall clock but the progress bar and `wall_s`.
 
 Host tier (`host_gib` per worker, default 0: none): each engine gets that much pinned host
-memory for KV blocks, vLLM's native CPU offloading (`sim/host_tier.py`): prompt blocks are
+memory for KV blocks, vLLM's native CPU offloading (`sim/kv/host_tier.py`): prompt blocks are
 copied there as they are computed, a GPU miss continues in it, a host hit is loaded back
 at the profile's host-to-device speed within that request's TTFT. A `pooled_host` row
 gives the box one host tier of all workers' host memory together, shared by every engine
@@ -48,11 +48,11 @@ from appliance.replay.power import ReaperSetting, SleepyEngine, WorkerReaper, si
 from appliance.replay.progress import ProgressBar
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import StepResult
-from appliance.sim.host_tier import HostTier
-from appliance.sim.trace import BlockTokens, trace_arrivals
-from appliance.sim.virtual import replay
+from appliance.sim.kv.host_tier import HostTier
+from appliance.sim.runtime.trace import BlockTokens, trace_arrivals
+from appliance.sim.runtime.virtual import replay
 
 GIB = 1 << 30
 DEFAULT_BLOCK_SIZE = 512

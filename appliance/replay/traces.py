@@ -5,11 +5,11 @@ arrival (`timestamp`, ms), `input_length`, `output_length` and `hash_ids`, one i
 512-token block, the same id the same tokens. An Azure line has `TIMESTAMP`,
 `ContextTokens` and `GeneratedTokens` and no prefix information: each request gets block
 ids no other request uses, so nothing is shared. Block ids become tokens through
-`appliance.sim.trace.BlockTokens`.
+`appliance.sim.runtime.trace.BlockTokens`.
 
 Sessions come from an explicit field when a line has one (`session_id`, `conversation_id`,
 `chat_id`; Azure: a `SessionId` column), else from prefix chains
-(`appliance.sim.trace.conversation_ids`, which says how).
+(`appliance.sim.runtime.trace.conversation_ids`, which says how).
 Records keep the file's order, which must be the arrival order.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from appliance.sim.trace import (
+from appliance.sim.runtime.trace import (
     TRACE_BLOCK_TOKENS,
     TraceRecord,
     conversation_ids,

@@ -42,7 +42,7 @@ from appliance.replay.runner import (
     worker_reaper,
 )
 from appliance.sim.engine_io import StepResult
-from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
+from appliance.sim.runtime.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
 
 
 class _Listeners:

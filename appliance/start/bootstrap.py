@@ -120,7 +120,7 @@ def _own_executable() -> str:
 
 
 def run_sim(*, workers: int, port: int, **config: Any) -> None:
-    from appliance.sim.serving import run_workers
+    from appliance.sim.entrypoints.serving import run_workers
 
     if config.get("gpu_profile") is not None:
         config["gpu_profile"] = str(config["gpu_profile"])

@@ -3,8 +3,8 @@ Part of the composition root (with bootstrap.py, daemon.py and wiring.py): it na
 concrete engines.
 
 `vllm` has the supervisor start `vllm serve` workers; `sim` has the same supervisor start
-the simulated workers, one `python -m appliance.sim.vllm_entry` process each started from
-vLLM's own command line (appliance/engines/supervision/sim_launch.py), so both are kept running
+the simulated workers, one `python -m appliance.sim.entrypoints.vllm_entry` process each started
+from vLLM's own command line (appliance/engines/supervision/sim_launch.py), so both are kept running
 alike (an exit forgets the worker's KV and holds at once, and it is started again after a
 backoff) and both can be slept, stopped and woken (`Engines.power`); `external` connects to
 servers started elsewhere. Every kind ends up as the same worker handles behind the same

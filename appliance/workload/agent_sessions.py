@@ -26,7 +26,7 @@ plus those; blocks and their sharing are the trace's.
 
 Answers: the trace's `out` tokens. A request that ended in a tool call (`stop` "tool_use")
 offers one tool whose only argument is a constant of `out - TOOL_CALL_TOKENS` words, so the
-simulated engine's answer calls it (`sim/tool_calls.py`: with tools and `tool_choice`
+simulated engine's answer calls it (`sim/entrypoints/tool_calls.py`: with tools and `tool_choice`
 auto it calls the tool) in exactly `out` tokens (at least `TOOL_CALL_TOKENS + 1`), and the
 router reads a tool call from the answer, as the replay tells its residency policy; any
 other request asks for `out` tokens of text (`ignore_eos`), which the router reads as a

@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from appliance.domain.block_hash import BlockHasher, RequestKeys, event_block_hash
-from appliance.sim.serving import ThreadedWorker
-from appliance.sim.worker import WorkerConfig
+from appliance.sim.entrypoints.serving import ThreadedWorker
+from appliance.sim.runtime.worker import WorkerConfig
 from tests.conftest import SESSION_KV_CACHE_BYTES, fail_without_traceback
 from tests.vllm_server import KvEventSubscriber, RunningVllm, VllmServerError, running_vllm
 

@@ -11,7 +11,7 @@ import pytest
 
 from appliance.domain import kv_events as ev
 from appliance.engines.clients.kv_events import KvEventSubscriber, decode_batch, decode_event
-from appliance.sim.kv_publisher import KvEventPublisher, encode_batch
+from appliance.sim.kv.kv_publisher import KvEventPublisher, encode_batch
 from tests.ports import free_port
 
 STORED = ev.BlockStored(

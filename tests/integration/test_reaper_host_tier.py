@@ -25,10 +25,10 @@ from appliance.perf.profile import bundled_profile
 from appliance.policy.reaper import Reaper, ReaperTuning
 from appliance.policy.wait_curves import LogNormal
 from appliance.replay.kv_residency.residency import PolicyResidency, TurnHint
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.host_tier import HostTier
-from appliance.sim.virtual import Arrival, RequestRecord, replay
+from appliance.sim.kv.host_tier import HostTier
+from appliance.sim.runtime.virtual import Arrival, RequestRecord, replay
 
 BS = 16
 POOL_BLOCKS = 512

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from appliance.sim.serving import ThreadedWorker
-from appliance.sim.worker import WorkerConfig
+from appliance.sim.entrypoints.serving import ThreadedWorker
+from appliance.sim.runtime.worker import WorkerConfig
 
 MODEL = "sim-model"
 

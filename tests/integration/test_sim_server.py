@@ -29,8 +29,8 @@ from appliance.engines.clients.metrics import load_snapshot, parse
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.services.workers.worker_speed import measured_slowdown
-from appliance.sim.serving import ThreadedWorker, serve_workers
-from appliance.sim.worker import WorkerConfig, free_port
+from appliance.sim.entrypoints.serving import ThreadedWorker, serve_workers
+from appliance.sim.runtime.worker import WorkerConfig, free_port
 from tests.ports import free_port_block
 
 BLOCK = 16

@@ -2,7 +2,7 @@
 client: vLLM's shapes (message.tool_calls, finish_reason, streamed tool-call deltas), JSON
 arguments and documents valid for their schemas (checked by `jsonschema`), usage that counts
 the generated text's tokens. The worker runs as `--enable-auto-tool-choice
---tool-call-parser hermes` would (`appliance/sim/tool_calls.py` states its rule)."""
+--tool-call-parser hermes` would (`appliance/sim/entrypoints/tool_calls.py` states its rule)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import jsonschema
 import openai
 import pytest
 
-from appliance.sim.serving import ThreadedWorker
-from appliance.sim.worker import WorkerConfig
+from appliance.sim.entrypoints.serving import ThreadedWorker
+from appliance.sim.runtime.worker import WorkerConfig
 from appliance.tokenization.tokenizer import FallbackTokenizer
 
 WEATHER = {

@@ -1,5 +1,5 @@
 """The supervisor's sleep, stop and wake against a real simulated worker process, started
-as vLLM is (same argv and environment, `python -m appliance.sim.vllm_entry` in vLLM's
+as vLLM is (same argv and environment, `python -m appliance.sim.entrypoints.vllm_entry` in vLLM's
 place): the sim answers vLLM's sleep-mode endpoints and models the wake and the start.
 
 One supervisor serves the module; the tests run in file order and the last shuts it down.
@@ -41,7 +41,7 @@ def sim_spec(tmp_path: Path, *, sleep_mode: bool = True) -> LaunchSpec:
         base_port=free_port_block(1),
         kv_events_base_port=free_port_block(1),
         block_size=32,
-        entrypoint=("-m", "appliance.sim.vllm_entry"),
+        entrypoint=("-m", "appliance.sim.entrypoints.vllm_entry"),
         extra_args=SIM,
         sleep_mode=sleep_mode,
         extra_env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},

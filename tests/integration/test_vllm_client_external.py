@@ -19,7 +19,7 @@ from appliance.domain.errors import ConfigError
 from appliance.domain.worker import WorkerState
 from appliance.engines.clients.workers import KvIndexFeed
 from appliance.engines.external import connect_external
-from appliance.sim.kv_publisher import KvEventPublisher
+from appliance.sim.kv.kv_publisher import KvEventPublisher
 from tests.ports import free_port
 
 METRICS = (Path(__file__).parents[1] / "unit" / "data" / "vllm_metrics.txt").read_bytes()

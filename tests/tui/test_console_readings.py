@@ -30,8 +30,8 @@ from appliance.services.operator.state import session_view
 from appliance.services.residency.session_kv import SessionKv
 from appliance.services.sessions.sessions import SessionState, SessionTable
 from appliance.services.workers.gpu_meter import GpuTime
-from appliance.sim.engine_stats import EngineStats
-from appliance.sim.metrics import SimMetrics, cache_config_labels
+from appliance.sim.core.engine_stats import EngineStats
+from appliance.sim.entrypoints.metrics import SimMetrics, cache_config_labels
 from tests.tui.conftest import FAST_S, console, screen_text, until_text, wait_until
 from tests.tui.fakes import SIM_GPU, T0, FakeAppliance, json_reply, make_state
 from tui import format as fmt

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from appliance.sim.tool_calls import plan_reply
+from appliance.sim.entrypoints.tool_calls import plan_reply
 from appliance.tokenization.tokenizer import FallbackTokenizer
 from appliance.workload.agent_sessions import (
     BLOCK_TOKENS,

@@ -13,8 +13,8 @@ import pytest
 
 from appliance.domain.worker import LoadSnapshot
 from appliance.engines.clients.metrics import LOAD_FAMILIES, cache_config, load_snapshot, parse
-from appliance.sim.engine_stats import EngineStats
-from appliance.sim.metrics import SimMetrics, cache_config_labels
+from appliance.sim.core.engine_stats import EngineStats
+from appliance.sim.entrypoints.metrics import SimMetrics, cache_config_labels
 
 REAL = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 

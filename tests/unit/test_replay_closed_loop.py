@@ -10,7 +10,7 @@ from appliance.replay import run_workload
 from appliance.replay.closed_loop import ClosedLoop
 from appliance.replay.runner import make_engines, make_setup
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.virtual import Arrival, RequestRecord, replay
+from appliance.sim.runtime.virtual import Arrival, RequestRecord, replay
 from appliance.workload import AgentTask, AgentTurn
 
 BLOCK = 512

@@ -18,7 +18,7 @@ from appliance.replay.bounds import block_keys, compute_bounds, optimal
 from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.replay.runner import make_setup, replay_policy
 from appliance.replay.traces import load_trace
-from appliance.sim.host_tier import HostSession
+from appliance.sim.kv.host_tier import HostSession
 from tests.paths import MOONCAKE
 
 BLOCK = 512

@@ -9,9 +9,9 @@ import pytest
 from appliance.replay.closed_loop import GpuSeconds, TaskOutcome
 from appliance.replay.metrics import TASK_KEYS, policy_metrics, task_metrics
 from appliance.replay.report import render_table
+from appliance.sim.core.engine_stats import EngineStats
 from appliance.sim.engine_io import StepResult
-from appliance.sim.engine_stats import EngineStats
-from appliance.sim.virtual import ReplayResult, RequestRecord
+from appliance.sim.runtime.virtual import ReplayResult, RequestRecord
 
 
 def stats(busy_s: float, preemptions: int, **kw: int) -> EngineStats:

@@ -26,8 +26,8 @@ from appliance.replay.kv_residency.residency import TurnHint
 from appliance.replay.runner import make_setup
 from appliance.replay.workload_replay import WorkloadRun, replay_closed_loop, replay_workload
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.residency_hook import TurnEnd
-from appliance.sim.virtual import RequestRecord, Timer
+from appliance.sim.kv.residency_hook import TurnEnd
+from appliance.sim.runtime.virtual import RequestRecord, Timer
 from appliance.workload import AgentTask, AgentTurn
 
 BLOCK = 512

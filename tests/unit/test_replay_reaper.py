@@ -23,10 +23,10 @@ from appliance.replay.kv_residency.residency import PolicyResidency, TurnHint, w
 from appliance.replay.runner import make_engines, make_setup
 from appliance.replay.workload_replay import replay_workload
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.pins import Pin
-from appliance.sim.residency_hook import PinDue, TurnEnd
-from appliance.sim.virtual import RequestRecord
-from appliance.sim.virtual import replay as run_virtual
+from appliance.sim.kv.pins import Pin
+from appliance.sim.kv.residency_hook import PinDue, TurnEnd
+from appliance.sim.runtime.virtual import RequestRecord
+from appliance.sim.runtime.virtual import replay as run_virtual
 from appliance.workload import AgentTask, AgentTurn, WorkloadSpec
 
 BLOCK = 512

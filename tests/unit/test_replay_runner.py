@@ -27,9 +27,9 @@ from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import fitting, make_engines, make_setup, replay_policy
 from appliance.replay.traces import load_trace
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.engine_views import EngineView
-from appliance.sim.trace import BlockTokens, trace_arrivals
-from appliance.sim.virtual import replay
+from appliance.sim.runtime.engine_views import EngineView
+from appliance.sim.runtime.trace import BlockTokens, trace_arrivals
+from appliance.sim.runtime.virtual import replay
 from tests.paths import MOONCAKE
 
 ROOT = Path(__file__).resolve().parents[2]

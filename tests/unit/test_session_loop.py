@@ -19,7 +19,7 @@ from appliance.replay.sessions.session_bound import (
 )
 from appliance.replay.sessions.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
 from appliance.replay.sessions.session_replay import STACKS, capacity, replay_stack
-from appliance.sim.virtual import Arrival, RequestRecord
+from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (
     AgentSessionTrace,
     SubagentTrace,

@@ -1,4 +1,4 @@
-"""Plain decode steps run with their outputs held (`sim/decode_run.py`, the virtual driver's
+"""Plain decode steps run with their outputs held (`sim/core/decode_run.py`, the virtual driver's
 fast path): a replay with it ends exactly as one that steps each alone, on scripted
 workloads (small blocks, stops, the model's length, both policies, a host tier, pins) and
 on the vendored recorded sessions through every stack and the bound."""
@@ -19,14 +19,14 @@ from appliance.replay.runner import make_setup
 from appliance.replay.sessions import session_replay
 from appliance.replay.sessions.session_loop import RunWindow
 from appliance.replay.sessions.session_replay import BOUND, STACKS, replay_stack
-from appliance.sim.engine import SimEngine
-from appliance.sim.engine_config import EngineConfig
+from appliance.sim.core.engine import SimEngine
+from appliance.sim.core.engine_config import EngineConfig
 from appliance.sim.engine_io import SimRequest, StepResult
-from appliance.sim.engine_views import session_hash
-from appliance.sim.host_tier import HostTier
-from appliance.sim.pins import Pin
-from appliance.sim.residency_hook import AfterTurn, PinDue, TurnEnd
-from appliance.sim.virtual import Arrival, ReplayResult, replay
+from appliance.sim.kv.host_tier import HostTier
+from appliance.sim.kv.pins import Pin
+from appliance.sim.kv.residency_hook import AfterTurn, PinDue, TurnEnd
+from appliance.sim.runtime.engine_views import session_hash
+from appliance.sim.runtime.virtual import Arrival, ReplayResult, replay
 from appliance.workload.agent_traces import read_agent_sessions
 from tests.paths import DATA
 

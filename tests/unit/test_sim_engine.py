@@ -18,9 +18,9 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.clock import RealClock, VirtualClock, run_engine_loop
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
+from appliance.sim.runtime.clock import RealClock, VirtualClock, run_engine_loop
 
 LAT = LatencyModel.from_profile(bundled_profile())
 BS = 4

@@ -14,14 +14,14 @@ from appliance.domain.block_hash import BlockHasher, HashAlgo, event_block_hash
 from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.cache_request import CacheRequest
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.host_tier import HostSession, HostTier
-from appliance.sim.pins import Pin
-from appliance.sim.prefix_cache import PrefixCache
-from appliance.sim.residency_hook import AfterTurn, TurnEnd
-from appliance.sim.virtual import Arrival, replay
+from appliance.sim.kv.cache_request import CacheRequest
+from appliance.sim.kv.host_tier import HostSession, HostTier
+from appliance.sim.kv.pins import Pin
+from appliance.sim.kv.prefix_cache import PrefixCache
+from appliance.sim.kv.residency_hook import AfterTurn, TurnEnd
+from appliance.sim.runtime.virtual import Arrival, replay
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)

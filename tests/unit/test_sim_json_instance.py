@@ -9,7 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from appliance.sim.json_instance import SchemaError, instance
+from appliance.sim.entrypoints.json_instance import SchemaError, instance
 
 PERSON = {
     "$defs": {

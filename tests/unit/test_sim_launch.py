@@ -15,7 +15,7 @@ from appliance.engines.supervision.sim_launch import (
     sim_wake_seconds,
 )
 from appliance.perf.profile import bundled_profile
-from appliance.sim.vllm_entry import retention_tuning, worker_config
+from appliance.sim.entrypoints.vllm_entry import retention_tuning, worker_config
 
 PROFILE = bundled_profile()
 PER_BLOCK = 32 * PROFILE.kv_bytes_per_token

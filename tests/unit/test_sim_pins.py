@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.cache_request import CacheRequest
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.pins import Pin
-from appliance.sim.prefix_cache import PrefixCache
-from appliance.sim.residency_hook import AfterTurn, TurnEnd
+from appliance.sim.kv.cache_request import CacheRequest
+from appliance.sim.kv.pins import Pin
+from appliance.sim.kv.prefix_cache import PrefixCache
+from appliance.sim.kv.residency_hook import AfterTurn, TurnEnd
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)

@@ -12,11 +12,11 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.host_tier import HostTier
-from appliance.sim.pins import Pin
-from appliance.sim.residency_hook import AfterTurn, TurnEnd
+from appliance.sim.kv.host_tier import HostTier
+from appliance.sim.kv.pins import Pin
+from appliance.sim.kv.residency_hook import AfterTurn, TurnEnd
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)

@@ -16,8 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys, event_block_hash
 from appliance.domain.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from appliance.sim.cache_request import CacheRequest
-from appliance.sim.prefix_cache import PrefixCache
+from appliance.sim.kv.cache_request import CacheRequest
+from appliance.sim.kv.prefix_cache import PrefixCache
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)

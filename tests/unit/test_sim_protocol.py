@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from appliance.sim import protocol as P
-from appliance.sim.api_errors import ApiError, model_not_found, request_validation_error
-from appliance.sim.detokenizer import IncrementalDecoder
-from appliance.sim.engine_stats import EngineStats
-from appliance.sim.metric_families import FAMILIES, token_buckets
-from appliance.sim.metrics import FinishedRequest, Histogram, SimMetrics, go_float
-from appliance.sim.responses import final_usage_chunk, prompt_details, usage_info
+from appliance.sim.core.engine_stats import EngineStats
+from appliance.sim.entrypoints import protocol as P
+from appliance.sim.entrypoints.api_errors import ApiError, model_not_found, request_validation_error
+from appliance.sim.entrypoints.detokenizer import IncrementalDecoder
+from appliance.sim.entrypoints.metric_families import FAMILIES, token_buckets
+from appliance.sim.entrypoints.metrics import FinishedRequest, Histogram, SimMetrics, go_float
+from appliance.sim.entrypoints.responses import final_usage_chunk, prompt_details, usage_info
 from appliance.tokenization.chat_template import ChatTemplateError
 from appliance.tokenization.tokenizer import FallbackTokenizer, ModelTokenizer
 

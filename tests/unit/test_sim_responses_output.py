@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from appliance.sim.responses_events import ResponsesStream, whole_output
-from appliance.sim.tool_calls import Plan, plan_reply
+from appliance.sim.entrypoints.responses_events import ResponsesStream, whole_output
+from appliance.sim.entrypoints.tool_calls import Plan, plan_reply
 
 SCHEMA = {"type": "object", "properties": {"target": {"enum": ["src"]}}, "required": ["target"]}
 TOOLS = [

@@ -1,4 +1,4 @@
-"""The retention connector's twin in the simulated engine (`appliance/sim/retention.py`):
+"""The retention connector's twin in the simulated engine (`appliance/sim/kv/retention.py`):
 directives applied at the next step, holds over the sim's block pool, given back before an
 admission would wait or a running request be preempted (never the admitted request's own
 session's, lowest priority first), capped, and reported. A stand-in takes the control
@@ -27,11 +27,11 @@ from appliance.engines.retention.protocol import (
 )
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.cache_request import NO_HIT, CacheRequest
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest
-from appliance.sim.host_tier import HostTier
-from appliance.sim.retention import SimRetention
+from appliance.sim.kv.cache_request import NO_HIT, CacheRequest
+from appliance.sim.kv.host_tier import HostTier
+from appliance.sim.kv.retention import SimRetention
 
 BS = 32
 POOL = 64  # usable blocks

@@ -13,10 +13,10 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.sim.engine import EngineConfig, SimEngine
+from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
-from appliance.sim.engine_views import EngineView, round_robin, session_hash
-from appliance.sim.trace import (
+from appliance.sim.runtime.engine_views import EngineView, round_robin, session_hash
+from appliance.sim.runtime.trace import (
     TRACE_BLOCK_TOKENS,
     BlockTokens,
     TraceRecord,
@@ -24,7 +24,7 @@ from appliance.sim.trace import (
     load_mooncake,
     trace_arrivals,
 )
-from appliance.sim.virtual import Arrival, replay
+from appliance.sim.runtime.virtual import Arrival, replay
 from tests.paths import MOONCAKE as TRACE
 
 LAT = LatencyModel.from_profile(bundled_profile())

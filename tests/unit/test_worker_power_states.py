@@ -12,7 +12,7 @@ from appliance.domain.worker import (
     can_serve,
     power_state,
 )
-from appliance.sim.vllm_entry import worker_config
+from appliance.sim.entrypoints.vllm_entry import worker_config
 
 
 def test_every_state_has_its_moves_and_a_power_view() -> None:

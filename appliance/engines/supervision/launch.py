@@ -61,8 +61,8 @@ class Device(StrEnum):
     CUDA = "cuda"
     CPU = "cpu"
     SIM = "sim"
-    """The simulated engine started as vLLM is (`appliance.sim.vllm_entry`): it carries the
-    GPU ids it was given, but no CUDA environment, tensor parallelism or core slices."""
+    """The simulated engine started as vLLM is (`appliance.sim.entrypoints.vllm_entry`): it carries
+    the GPU ids it was given, but no CUDA environment, tensor parallelism or core slices."""
 
 
 @dataclass(frozen=True, slots=True)

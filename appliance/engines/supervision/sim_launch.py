@@ -1,6 +1,6 @@
 """How the simulated workers are started: the engine settings as a LaunchSpec whose workers
-run `python -m appliance.sim.vllm_entry` in vLLM's place (pure), so the supervisor starts,
-watches, restarts, sleeps, stops and wakes them as it does vLLM's.
+run `python -m appliance.sim.entrypoints.vllm_entry` in vLLM's place (pure), so the supervisor
+starts, watches, restarts, sleeps, stops and wakes them as it does vLLM's.
 
 Model of the world: a simulated worker takes vLLM's own command line (launch.py writes it:
 ports, block size, hash, KV events, the retention connector's --kv-transfer-config, the KV
@@ -28,7 +28,7 @@ from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.engines.supervision.launch import Device, LaunchSpec, default_served_name
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 
-SIM_ENTRYPOINT = ("-m", "appliance.sim.vllm_entry")
+SIM_ENTRYPOINT = ("-m", "appliance.sim.entrypoints.vllm_entry")
 SIM_MAX_MODEL_LEN = 32768
 """A simulated worker's context limit when `engine.max_model_len` is unset."""
 SIM_PROCESS_START_S = 1.5
@@ -85,8 +85,8 @@ def sim_profile(engine: EngineSettings) -> GpuProfile:
 
 
 def sim_spec(engine: EngineSettings) -> LaunchSpec:
-    """The simulated workers' launch spec: one `appliance.sim.vllm_entry` process each, on
-    consecutive ports, with the settings `appliance up --engine sim` runs them under."""
+    """The simulated workers' launch spec: one `appliance.sim.entrypoints.vllm_entry` process each,
+    on consecutive ports, with the settings `appliance up --engine sim` runs them under."""
     profile = sim_profile(engine)
     retention = None
     if engine.kv_retention:

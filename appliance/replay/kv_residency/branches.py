@@ -25,8 +25,8 @@ from appliance.policy.branches import Branch, BranchQuota
 from appliance.policy.reaper import MIN_REVISIT_S
 from appliance.policy.residency import IdleSession, ResidencyDecision
 from appliance.replay.closed_loop import ClosedLoop
-from appliance.sim.engine import SimEngine
-from appliance.sim.virtual import Timer
+from appliance.sim.core.engine import SimEngine
+from appliance.sim.runtime.virtual import Timer
 
 TICK_S = MIN_REVISIT_S
 """The reaper's tick: its shortest revisit of a held session."""

@@ -51,12 +51,12 @@ from appliance.policy.prefetch import (
 from appliance.policy.residency import IdleSession
 from appliance.policy.return_due import ONCE, DueRule, ReturnModel, signal_due_s
 from appliance.replay.kv_residency.residency import TurnHint
-from appliance.sim.engine import SimEngine
+from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import RequestOutput, SimRequest, StepResult
-from appliance.sim.engine_views import EngineView, engine_views
-from appliance.sim.prefetch_lane import PrefetchDone, PrefetchStart
-from appliance.sim.residency_hook import TurnEnd
-from appliance.sim.virtual import RequestRecord, Timer
+from appliance.sim.kv.prefetch_lane import PrefetchDone, PrefetchStart
+from appliance.sim.kv.residency_hook import TurnEnd
+from appliance.sim.runtime.engine_views import EngineView, engine_views
+from appliance.sim.runtime.virtual import RequestRecord, Timer
 
 Predict = Callable[[SimRequest, Sequence[EngineView], Sequence[BlockHash]], int | None]
 """(the session's stable prefix, the engines, its block hashes) -> the worker its next turn

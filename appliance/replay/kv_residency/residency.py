@@ -60,9 +60,9 @@ from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.wait_curves import LogNormal
 from appliance.services.residency.residency_driver import DecisionBound, ResidencyDriver
 from appliance.sim.engine_io import SimRequest
-from appliance.sim.host_tier import HostPriority, HostSession
-from appliance.sim.pins import Pin
-from appliance.sim.residency_hook import AfterTurn, PinDue, TurnEnd
+from appliance.sim.kv.host_tier import HostPriority, HostSession
+from appliance.sim.kv.pins import Pin
+from appliance.sim.kv.residency_hook import AfterTurn, PinDue, TurnEnd
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ def wait_priors(tool_classes: Mapping[str, WaitDistribution]) -> dict[str, LogNo
 
 
 class PolicyResidency:
-    """The engines' residency hook (`appliance.sim.residency_hook.ResidencyHook`) for one
+    """The engines' residency hook (`appliance.sim.kv.residency_hook.ResidencyHook`) for one
     policy, driven as the live box drives it (`ResidencyDriver`)."""
 
     def __init__(

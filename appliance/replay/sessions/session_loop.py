@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys, shared_prefix
 from appliance.replay.kv_residency.residency import TurnHint
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
-from appliance.sim.virtual import Arrival, RequestRecord
+from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
 
 TRACE_BLOCK_TOKENS = 64

@@ -62,9 +62,9 @@ from appliance.replay.sessions.session_bound import (
 )
 from appliance.replay.sessions.session_loop import RunWindow, SessionLoop
 from appliance.replay.sessions.session_usage import SessionUsage
-from appliance.sim.engine import SimEngine
+from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import StepResult
-from appliance.sim.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
+from appliance.sim.runtime.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
 from appliance.workload.agent_traces import AgentSessionTrace
 
 

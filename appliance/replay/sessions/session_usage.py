@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from appliance.sim.engine import SimEngine
+from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import StepResult
 
 USAGE_EVERY_S = 60.0
