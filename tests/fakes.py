@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +18,12 @@ from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
-from appliance.services.sessions.sessions import SessionTable
+from appliance.services.sessions.sessions import SessionTable, TurnSubscriber
 from appliance.services.tasks.admission import AdmissionService, WorkerEstimator
+from appliance.services.tasks.task_paces import TaskPaces
 from appliance.services.tasks.tasks import TaskBook
 from appliance.services.turns.attempt_spans import AttemptSpans
+from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.flights import Flights
 from appliance.services.turns.placement import Placer, RoutingRule
 from appliance.services.turns.queue_book import QueueBook
@@ -161,6 +163,7 @@ def wired_desk(
     block_size: int = 16,
     admission: bool = False,
     retention: Any = None,
+    subscribers: Sequence[TurnSubscriber] = (),
 ) -> Wired:
     """The turn desk as the daemon wires it (queue book, turn records, placer, worker
     speeds), over fakes of the outside only: workers, the KV index, the ledger and the clock.
@@ -174,7 +177,7 @@ def wired_desk(
     fixed = slowdown
     measured = speeds.slowdown if fixed is None else lambda w: fixed.get(w, 1.0)
     queues = QueueBook(LinearCost(), clock, measured, spans)
-    sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size))
+    sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size), subscribers=subscribers)
     placer = Placer(
         workers=lambda: workers,
         index=index,
@@ -184,7 +187,8 @@ def wired_desk(
         salt=lambda t, c: f"salt-{t}",
         retention=retention,
     )
-    tasks = TaskBook(ledger)
+    paces = TaskPaces(clock)
+    tasks = TaskBook(ledger, on_close=paces.hearing(sessions.forget_task))
     estimator = WorkerEstimator(lambda: workers, queues.queue_s, LinearCost(), measured)
     judge = AdmissionService(
         limits=AdmissionLimits(), tasks=tasks, estimator=estimator, ledger=ledger, clock=clock
@@ -197,10 +201,12 @@ def wired_desk(
         tasks=tasks,
         clock=clock,
         workers=lambda: workers,
-        admission=judge if admission else None,
+        aides=TurnDeskAides(
+            admission=judge if admission else None,
+            paces=paces,
+            flights=Flights(clock.alarm),  # deadlines ring as the test moves the clock
+        ),
     )
-    tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)
-    desk.flights = Flights(clock.alarm)  # deadlines ring as the test moves the clock
     return Wired(desk, queues, index, ledger, clock, speeds, tasks)
 
 

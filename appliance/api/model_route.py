@@ -26,8 +26,9 @@ from appliance.api.requests import (
     tokenize_checked,
 )
 from appliance.domain.records import SessionId
+from appliance.services.sessions.appended_text import resumable
 from appliance.services.sessions.chat_tokens import ChatTokens
-from appliance.services.sessions.sessions import SessionState, resumable
+from appliance.services.sessions.sessions import SessionState
 from appliance.services.turns.turn import TurnInput
 
 MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_PATH})

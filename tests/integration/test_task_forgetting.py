@@ -39,11 +39,14 @@ def ledger(tmp_path: Path) -> Iterator[LedgerWriter]:
 
 
 def book_over(ledger: LedgerWriter, *, idle_s: float = 600.0) -> tuple[TaskBook, SessionTable]:
-    book = TaskBook(
-        ledger, idle_s=idle_s, archive=TaskHistory(ledger.path), shelf=SettledShelf(KEEP)
-    )
     sessions = SessionTable(BlockHasher.for_engine("sha256", 16, None))
-    book.on_done = sessions.forget_task
+    book = TaskBook(
+        ledger,
+        idle_s=idle_s,
+        archive=TaskHistory(ledger.path),
+        shelf=SettledShelf(KEEP),
+        on_close=lambda task: sessions.forget_task(task.key),
+    )
     return book, sessions
 
 

@@ -172,9 +172,8 @@ def test_a_done_task_takes_no_more_turns_and_no_client_reports_done() -> None:
 
 
 def book_and_sessions(ledger: EventLedger) -> tuple[TaskBook, SessionTable]:
-    book = TaskBook(ledger)
     sessions = SessionTable(BlockHasher.for_engine("sha256", 16, None))
-    book.on_done = sessions.forget_task
+    book = TaskBook(ledger, on_close=lambda task: sessions.forget_task(task.key))
     return book, sessions
 
 

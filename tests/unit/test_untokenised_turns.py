@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.services.sessions.appended_text import appended, resumable
 from appliance.services.sessions.chat_tokens import encode_chat_text
-from appliance.services.sessions.sessions import SessionState, appended, resumable
+from appliance.services.sessions.sessions import SessionState
 from appliance.services.turns.turn import TurnRequest
 from appliance.tokenization.tokenizer import FallbackTokenizer, HfTokenizer
 from tests.unit.test_hf_tokenizer_split import _byte_level, _model_dir

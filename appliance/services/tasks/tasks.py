@@ -60,19 +60,23 @@ class TaskBook:
         idle_s: float = 600.0,
         archive: TaskArchive | None = None,
         shelf: SettledShelf | None = None,
+        states: dict[TaskId, TaskState] | None = None,
+        on_close: Callable[[TaskState], None] | None = None,
+        on_tool_event: ToolEventHook | None = None,
     ) -> None:
         """`archive`: the ledger's tasks, read back for an id the book does not hold (None:
-        such an id is unknown)."""
+        such an id is unknown). `states`: where the book keeps its tasks, an empty dict
+        that others built before it may read (only the book changes it). `on_close`: told
+        of a task closed (not `done`): its sessions end (SessionTable.forget_task).
+        `on_tool_event`: told of each `tool_started` and `tool_finished` (the idle reaper)."""
         self._ledger = ledger
         self._events = events
         self._archive = archive
-        self._tasks: dict[TaskId, TaskState] = {}
+        self._tasks: dict[TaskId, TaskState] = states if states is not None else {}
         self._loads = TaskLoads(self._tasks.get, idle_s, on_let_go=self._settle)
         self._shelf = shelf if shelf is not None else SettledShelf()
-        self.on_tool_event: ToolEventHook | None = None  # the idle reaper hears tool events
-        """Told of each `tool_finished` (task, tool class, when): the reaper's lead time."""
-        self.on_done: Callable[[TaskId], None] | None = None
-        """Told of a task closed (not `done`): its sessions end (SessionTable.forget_task)."""
+        self._on_tool_event = on_tool_event
+        self._on_close = on_close
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
@@ -222,15 +226,15 @@ class TaskBook:
         )
         if cost:
             self._spent(state, state.written, cost)
-        if kind.is_tool_event and self.on_tool_event is not None:
-            self.on_tool_event(state.key, kind, tool_class, expected_s, now)
+        if kind.is_tool_event and self._on_tool_event is not None:
+            self._on_tool_event(state.key, kind, tool_class, expected_s, now)
         if new is not None:
             before = (state.status, state.verified)
             state.status = new
             state.verified = verified
             self._loads.let_go(state)  # for good: a refused write leaves it uncounted
-            if self.on_done is not None and new.ends_sessions:
-                self.on_done(state.key)
+            if self._on_close is not None and new.ends_sessions:
+                self._on_close(state)
             # A refused write takes the change back (the writer's thread: two assignments).
             state.written.add_done_callback(lambda f: undo_refused(f, state, before))
         if kind == TaskEventType.CANCELLED and announce:

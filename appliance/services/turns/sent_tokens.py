@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from appliance.services.sessions.sessions import SessionState, SessionTable, keep_chat
+from appliance.services.sessions.sessions import SessionState, SessionTable
 from appliance.services.turns.turn import Attempt, TurnRequest
 
 log = logging.getLogger(__name__)
@@ -21,9 +21,9 @@ def tokenize_sent(
         ids, chat = turn.tokenize()
     except Exception as exc:  # the worker judges the request itself; the next turn
         log.info("turn of session %s not tokenised: %s", session.session_id, exc)
-        session.chat = session.messages = None  # ... is tokenised before it is placed
+        sessions.untokenised(session)  # ... is tokenised before it is placed
         return
-    keep_chat(session, chat)
+    sessions.keep_chat(session, chat)
     chain = sessions.hash_prompt(session, ids, salt)
     if chain.hashes and attempt.first_byte_at is None:
         attempt.prefix_digest = chain.hashes[-1].hex()

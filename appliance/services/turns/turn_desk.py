@@ -50,11 +50,12 @@ from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.escalation.service import Escalation
 from appliance.services.sessions.chat_tokens import ChatTokens
 from appliance.services.sessions.session_finder import find_session, let_go
-from appliance.services.sessions.sessions import SessionState, SessionTable, keep_chat
-from appliance.services.tasks.admission import AdmissionRefused, AdmissionService, resident_hint
+from appliance.services.sessions.sessions import SessionState, SessionTable, TurnHints
+from appliance.services.tasks.admission import AdmissionRefused, resident_hint
 from appliance.services.tasks.task_paces import TaskPaces, share_headers
 from appliance.services.tasks.task_state import TaskState
 from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.flights import (
     DEADLINE_MISSED,
     Flight,
@@ -79,7 +80,6 @@ from appliance.services.turns.turn import (
 from appliance.services.turns.turn_records import TurnRecords
 from appliance.services.turns.turn_task import known_task
 from appliance.services.turns.worker_body import worker_body
-from appliance.services.workers.worker_reaper import WorkerReaperLoop
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class TurnDesk:
         tasks: TaskBook,
         clock: Clock,
         workers: Callable[[], Sequence[WorkerEndpoint]],
-        admission: AdmissionService | None = None,
+        aides: TurnDeskAides | None = None,
     ) -> None:
         self.sessions = sessions
         self.placer = placer
@@ -104,12 +104,13 @@ class TurnDesk:
         self._tasks = tasks
         self._clock = clock
         self._workers = workers
-        self._admission = admission
+        aides = aides or TurnDeskAides()
+        self._admission = aides.admission
         self._forwarder = Forwarder(clock, queues, records)
-        self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
-        self.worker_reaper: WorkerReaperLoop | None = None  # wakes a worker when none is awake
-        self.paces = TaskPaces(clock)  # each turn's share of its task's deadline
-        self.escalation = Escalation({})  # outside endpoints (none: every turn is local)
+        self.flights = aides.flights or Flights(loop_alarm(clock))
+        self.worker_reaper = aides.worker_reaper
+        self.paces = aides.paces or TaskPaces(clock)
+        self.escalation = aides.escalation or Escalation({})
 
     async def run(self, t: TurnInput) -> Reply:
         """The whole turn (the module docstring's order)."""
@@ -291,18 +292,15 @@ class TurnDesk:
 
     def _session(self, turn: TurnRequest, now: float) -> SessionState:
         sid = turn.session_id or SessionId(f"task:{turn.task_id}")
-        state = self.sessions.open(turn.tenant, sid, now)
-        self.sessions.bind_task(state, turn.task_id)
-        state.tool_class = turn.tool_class
-        state.expected_wait_s = turn.expected_wait_s
-        # Kept only from a chat tokenised incrementally (or about to be): anything else makes
-        # the next turn tokenise before it is placed.
-        incremental = turn.chat is not None or turn.tokenize is not None
-        keep_chat(state, turn.chat if incremental else None)
-        state.messages = turn.messages if incremental else None
-        if turn.prompt_tip is not None:
-            self.sessions.tip(state, turn.prompt_tip)
-        return state
+        hints = TurnHints(
+            turn.tool_class,
+            turn.expected_wait_s,
+            turn.chat,
+            turn.messages,
+            incremental=turn.chat is not None or turn.tokenize is not None,
+            prompt_tip=turn.prompt_tip,
+        )
+        return self.sessions.take_turn(turn.tenant, sid, turn.task_id, now, hints)
 
     def _release(self, session: SessionState) -> None:
         self.sessions.ended(session, self._clock.now())
@@ -360,8 +358,7 @@ class TurnDesk:
                 tried.add(worker.id)
                 last_error = exc
                 continue
-            session.home = worker.id
-            session.said = attempt.said  # a stream's: once it has ended (`_stream_ended`)
+            self.sessions.served(session, worker.id, attempt.said)  # a stream's: at its end
             return reply
         if last_error is not None:
             raise NoWorker(f"no worker could serve the request: {last_error.message}")
@@ -391,5 +388,5 @@ class TurnDesk:
     ) -> None:
         if tokenized is not None:
             tokenized.now()
-        session.said = attempt.said  # how its answer ended, for the reaper at the turn's end
+        self.sessions.heard(session, attempt.said)  # how its answer ended, for the turn's end
         self._release(session)
