@@ -9,12 +9,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 
 from appliance.api.admin_sessions import SessionAdmin
 from appliance.api.app import ApiApp, create_api_app
 from appliance.api.auth import LOCAL, Caller, Keys
 from appliance.api.context import ApiContext
+from appliance.api.requests import Tokenizer
+from appliance.api.turn_prompts import ApiTurnTokenizer
 from appliance.config.settings import Settings
 from appliance.domain.block_hash import BlockHasher, HashAlgo
 from appliance.domain.records import TaskId
@@ -124,15 +125,15 @@ def wire(
     speeds, queues = _measured_queues(cost := LatencyModel.from_profile(profile), clock)
     task_states: dict[TaskId, TaskState] = {}  # the task book's; the idle reaper reads them
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, queues, task_states, profile)
-    sessions, tasks, paces = _books(settings, ledger, events, reaper, task_states, clock)
+    sessions, tasks, paces = _books(settings, ledger, events, reaper, task_states, clock, feed)
     meter = GpuMeter(clock, cost, queues.slowdown, settings.engine.gpus_per_worker)
     worker_reaper = _worker_reaper(settings, engines, ledger, clock, meter, reaper, profile)
-    aides, parts = TurnDeskAides(worker_reaper=worker_reaper, paces=paces), (cost, queues, meter)
+    prompts = ApiTurnTokenizer(load_tokenizer(settings.engine.model), engines.max_model_len)
+    aides = TurnDeskAides(worker_reaper=worker_reaper, paces=paces, tokenizer=prompts)
+    parts = (cost, queues, meter)
     desk, admission = _turn_desk(
         settings, engines, ledger, feed, clock, parts, (sessions, tasks, events), aides, secret
     )
-    _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
-    paces.warm(finished_runs(settings.ledger_path, since=clock.now() - RESTORE_WINDOW_S))
     admin, kv = sessions_kv(
         desk, ledger, events, profile.kv_bytes_per_token, reaper, settings.ledger_path
     )
@@ -154,7 +155,7 @@ def wire(
         usage=usage,
     )
     api = (desk, tasks, admission, admin)
-    app = _api_app(settings, engines, api, sources, keys, clock, ledger)
+    app = _api_app(settings, engines, api, sources, keys, clock, ledger, prompts.tokenizer)
     return Wiring(app, desk, speeds, events, gpu, reaper, worker_reaper, admission, usage)
 
 
@@ -166,6 +167,7 @@ def _api_app(
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     clock: Clock,
     ledger: LedgerWriter,
+    tokenizer: Tokenizer,
 ) -> ApiApp:
     """The HTTP API over the services; the state and /metrics read `sources`."""
     desk, tasks, admission, admin = services
@@ -173,7 +175,7 @@ def _api_app(
         ApiContext(
             desk=desk,
             tasks=tasks,
-            tokenizer=load_tokenizer(settings.engine.model),
+            tokenizer=tokenizer,
             keys=Keys(keys, anyone=LOCAL if settings.server.auth == "none" else None),
             clock=clock,
             model=engines.served_name,
@@ -197,17 +199,6 @@ def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, Qu
     spans = AttemptSpans(clock)
     speeds = WorkerSpeeds(cost, spans)
     return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
-
-
-def _restore(
-    ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable, feed: KvIndexFeed
-) -> None:
-    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX), and the
-    workers' cache generations the new KV index continues after."""
-    since = now - RESTORE_WINDOW_S
-    tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
-    sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
-    feed.start_generations(receipt_generations(ledger_path))
 
 
 def _reaper_loop(
@@ -329,9 +320,13 @@ def _books(
     reaper: ReaperLoop | None,
     task_states: dict[TaskId, TaskState],
     clock: Clock,
+    feed: KvIndexFeed,
 ) -> tuple[SessionTable, TaskBook, TaskPaces]:
     """The session table (the idle reaper hears its turns begin and end), and the task book
-    (a task's close teaches the paces and ends its sessions; the reaper hears its tools)."""
+    (a task's close teaches the paces and ends its sessions; the reaper hears its tools),
+    with what a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX): open
+    tasks, recent sessions, the paces of finished tasks, and the workers' cache generations
+    the new KV index continues after."""
     e = settings.engine
     hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
     sessions = SessionTable(hasher, subscribers=(reaper,) if reaper is not None else ())
@@ -345,6 +340,11 @@ def _books(
         on_close=paces.hearing(sessions.forget_task),  # learns, ends its sessions
         on_tool_event=reaper_hears(reaper) if reaper is not None else None,
     )
+    path, since = settings.ledger_path, clock.now() - RESTORE_WINDOW_S
+    tasks.restore(open_tasks(path, since=since, limit=RESTORE_MAX))
+    sessions.restore(recent_sessions(path, since=since, limit=RESTORE_MAX))
+    feed.start_generations(receipt_generations(path))
+    paces.warm(finished_runs(path, since=since))
     return sessions, tasks, paces
 
 

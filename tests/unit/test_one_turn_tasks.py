@@ -26,7 +26,7 @@ from appliance.domain.records import (
 from appliance.services.sessions.sessions import SessionTable
 from appliance.services.tasks.task_state import TaskError, TaskState
 from appliance.services.tasks.tasks import TaskBook
-from appliance.services.turns.turn import NoWorker, TurnInput
+from appliance.services.turns.turn import NoWorker, TurnRequest
 from tests.fakes import AckLedger, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")
@@ -68,14 +68,12 @@ class Failing:
         raise self.exc
 
 
-def turn(session: str | None = None, task: str | None = None) -> TurnInput:
-    return TurnInput(
+def turn(session: str | None = None, task: str | None = None) -> TurnRequest:
+    return TurnRequest(
         A,
         "/v1/completions",
         {"model": "m"},
-        tokenize=lambda _: ([1] * 40, None),
-        estimate=lambda _: None,
-        task_id=task,
+        client_task_id=task,
         session_id=SessionId(session) if session else None,
     )
 

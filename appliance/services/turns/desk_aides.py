@@ -1,5 +1,6 @@
 """What the turn desk consults beside its books (admission, the worker reaper's wake,
-escalation, deadline shares, turns in flight), built before the desk and handed to it whole."""
+escalation, deadline shares, its tokenizer port, turns in flight), built before the desk and
+handed to it whole."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from appliance.services.escalation.service import Escalation
 from appliance.services.tasks.admission import AdmissionService
 from appliance.services.tasks.task_paces import TaskPaces
 from appliance.services.turns.flights import Flights
+from appliance.services.turns.turn import TurnTokenizer
 from appliance.services.workers.worker_reaper import WorkerReaperLoop
 
 
@@ -25,5 +27,7 @@ class TurnDeskAides:
     """Outside endpoints (None: none, every turn is local)."""
     paces: TaskPaces | None = None
     """Each turn's share of its task's deadline (None: one of the desk's own)."""
+    tokenizer: TurnTokenizer | None = None
+    """Tokenises its turns (the API's adapter; None: turns come tokenised, `prompt_ids` set)."""
     flights: Flights | None = None
     """Turns in flight, their cancellation and deadlines (None: on the event loop's timers)."""

@@ -6,10 +6,11 @@
     task  ->  its share of the deadline  ->  forward (one retry elsewhere)  ->  record  ->
     release
 
-The API hands over a checked, authenticated turn (`TurnInput`) and gets a `Reply`; nothing
-else of a turn's life is in the HTTP layer. A session's next chat turn that only appends
-text may be placed and forwarded before it is tokenised (`TurnInput.estimate` says how long
-it likely is): what it shares with the last turn is that turn's prompt, whose chain is
+The API hands over a checked, authenticated turn (`TurnRequest`) and gets a `Reply`; nothing
+else of a turn's life is in the HTTP layer. The desk tokenises the turn through its port
+(`TurnTokenizer`, the API's adapter). A session's next chat turn that only appends text may
+be placed and forwarded before it is tokenised (the port's `estimate` says how long it
+likely is): what it shares with the last turn is that turn's prompt, whose chain is
 known, and it is tokenised and hashed while the worker prefills, ready for the turn after
 it. Placement comes first, so that admission judges the turn's deadline on the worker it
 will go to (its first attempt goes there, unless a worker must wake for it first).
@@ -48,7 +49,6 @@ from appliance.domain.errors import (
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.escalation.service import Escalation
-from appliance.services.sessions.chat_tokens import ChatTokens
 from appliance.services.sessions.session_finder import find_session, let_go
 from appliance.services.sessions.sessions import SessionState, SessionTable, TurnHints
 from appliance.services.tasks.admission import AdmissionRefused, resident_hint
@@ -66,16 +66,14 @@ from appliance.services.turns.flights import (
 from appliance.services.turns.forwarder import Forwarder, error_reply
 from appliance.services.turns.placement import Placement, Placer
 from appliance.services.turns.queue_book import QueueBook
-from appliance.services.turns.sent_tokens import tokenize_sent
+from appliance.services.turns.sent_tokens import tokenize_sent, with_prompt
 from appliance.services.turns.turn import (
     Attempt,
     NoWorker,
     Reply,
     Soon,
-    TurnInput,
     TurnRequest,
     new_turn_id,
-    turn_request,
 )
 from appliance.services.turns.turn_records import TurnRecords
 from appliance.services.turns.turn_task import known_task
@@ -106,19 +104,20 @@ class TurnDesk:
         self._workers = workers
         aides = aides or TurnDeskAides()
         self._admission = aides.admission
+        self._tokenizer = aides.tokenizer
         self._forwarder = Forwarder(clock, queues, records)
         self.flights = aides.flights or Flights(loop_alarm(clock))
         self.worker_reaper = aides.worker_reaper
         self.paces = aides.paces or TaskPaces(clock)
         self.escalation = aides.escalation or Escalation({})
 
-    async def run(self, t: TurnInput) -> Reply:
+    async def run(self, t: TurnRequest) -> Reply:
         """The whole turn (the module docstring's order)."""
         failing = self.records.ledger_failing()
         if failing is not None:
             raise LedgerUnavailable(f"the ledger cannot record the turn ({failing}); retry later")
         found = None
-        if t.session_id is None and t.task_id is None and t.conversation:
+        if t.session_id is None and t.client_task_id is None and t.conversation:
             found = find_session(self.sessions, t.tenant, str(t.body.get("model")), t.conversation)
         if found is not None:  # named by none: the prefix chain's
             note = "; ".join(n for n in (found.note, t.route_note) if n)
@@ -128,26 +127,19 @@ class TurnDesk:
         finally:
             let_go(found)
 
-    async def _run(self, t: TurnInput) -> Reply:
+    async def _run(self, t: TurnRequest) -> Reply:
         known = known_task(self._tasks, t)
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
-        tokenize = partial(t.tokenize, session.chat if session else None)
-        ids: Sequence[int] | None = None
-        chat: ChatTokens | None = None
-        n_prompt = t.estimate(session)
-        if n_prompt is None:
-            ids, chat = tokenize()
-            n_prompt = len(ids)
-        client_task = t.task_id or f"turn-{uuid.uuid4().hex[:16]}"
-        lazy = tokenize if ids is None else None
-        turn = turn_request(t, self._tasks.key(t.tenant, client_task), ids, chat, lazy, n_prompt)
+        client_task = t.client_task_id or f"turn-{uuid.uuid4().hex[:16]}"
+        t = replace(t, task_id=self._tasks.key(t.tenant, client_task))
+        turn = with_prompt(self._tokenizer, t, session)
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
         side = self.escalation.side(turn, t.escalate, known.task_class if known else None)
         placed, priority, need_s = None, 0, 0.0
         if side.endpoint is None:  # admission judges the worker placement chose
             placed = self._preview(turn, queues)
             try:
-                priority, need_s = await self._admit(t, turn, session, queues, placed)
+                priority, need_s = await self._admit(turn, session, queues, placed)
             except AdmissionRefused as refused:  # outside instead, where spill-over allows
                 deadline_at = known.deadline_at if known else None
                 side, placed = self.escalation.spill(refused, t.deadline_s, deadline_at), None
@@ -160,9 +152,9 @@ class TurnDesk:
                 t.tenant,
                 client_task,
                 now,
-                parent_id=t.parent_task_id,
+                parent_id=t.client_parent_id,
                 deadline_s=t.deadline_s,
-                one_turn=t.task_id is None,
+                one_turn=t.client_task_id is None,
             )
             self._tasks.turn_began(task, now)
             reason = side.reason if self.escalation.active else None
@@ -170,7 +162,7 @@ class TurnDesk:
             share = self.paces.share(task, now, t.deadline_s, need_s)
             flight = self.flights.take_off(task.key, share)
             try:
-                local = partial(self._local, t, session, queues, flight, placed)
+                local = partial(self._local, session, queues, flight, placed)
                 reply = await self.escalation.serve(turn, side, local)
                 flight.relaying = reply.chunks is not None  # a stream runs on past the deadline
             except asyncio.CancelledError:
@@ -190,7 +182,6 @@ class TurnDesk:
 
     async def _local(
         self,
-        t: TurnInput,
         session: SessionState | None,
         queues: dict[WorkerId, float],
         flight: Flight,
@@ -202,7 +193,7 @@ class TurnDesk:
         could not take it, so the box's admission judges it first (and may refuse it)."""
         if admit:
             placed = self._preview(turn, queues)
-            priority, _ = await self._admit(t, turn, session, queues, placed)
+            priority, _ = await self._admit(turn, session, queues, placed)
             turn = replace(turn, priority=priority)
         return await self.handle(turn, queues, flight, placed)
 
@@ -236,7 +227,6 @@ class TurnDesk:
 
     async def _admit(
         self,
-        t: TurnInput,
         turn: TurnRequest,
         session: SessionState | None,
         queues: dict[WorkerId, float],
@@ -248,7 +238,8 @@ class TurnDesk:
         need_s = placed.decision.candidates[0].ttft_estimate_s if placed is not None else 0.0
         if self._admission is None:
             return 0, need_s
-        parent = self._tasks.key(t.tenant, t.parent_task_id) if t.parent_task_id else None
+        t = turn
+        parent = self._tasks.key(t.tenant, t.client_parent_id) if t.client_parent_id else None
         n_prompt = turn.prompt_len
         resident = placed.resident if placed is not None else resident_hint(session, n_prompt)
         decision = await self._admission.admit_turn(
@@ -256,7 +247,7 @@ class TurnDesk:
             turn.task_id,
             parent=parent,
             deadline_s=t.deadline_s,
-            priority=t.priority,
+            priority=t.asked_priority,
             prompt_tokens=n_prompt,
             resident_tokens=resident,
             queues=queues,
@@ -297,7 +288,7 @@ class TurnDesk:
             turn.expected_wait_s,
             turn.chat,
             turn.messages,
-            incremental=turn.chat is not None or turn.tokenize is not None,
+            incremental=turn.chat is not None or turn.prompt_ids is None,
             prompt_tip=turn.prompt_tip,
         )
         return self.sessions.take_turn(turn.tenant, sid, turn.task_id, now, hints)
@@ -327,10 +318,12 @@ class TurnDesk:
             worker = next(w for w in self._workers() if w.id == worker_id)
             attempt = self._begin(turn, session, placement, worker_id)
             body = worker_body(turn, session, placement.salt)
-            if turn.tokenize is not None and tokenized is None:  # once the request is sent
+            if turn.prompt_ids is None and tokenized is None:  # once the request is sent
                 salt = self.placer.salt(turn.tenant, turn.client_salt)
+                assert self._tokenizer is not None  # its estimate came from it
+                prompt = partial(self._tokenizer.tokenize, turn, turn.previous_chat)
                 tokenized = Soon(
-                    partial(tokenize_sent, self.sessions, salt, turn, session, attempt)
+                    partial(tokenize_sent, self.sessions, salt, prompt, session, attempt)
                 )
             if turn.received_at is not None and not tried:
                 self.records.forward_s.observe(time.monotonic() - turn.received_at)
