@@ -62,7 +62,7 @@ def take(sessions: SessionTable, messages: list[Any], tenant: TenantId = A) -> F
     state = sessions.open(tenant, found.session_id, 0.0)
     sessions.tip(state, found.tip)
     sessions.began(state, 0.0)
-    let_go(found)
+    let_go(sessions, found)
     return found
 
 
@@ -121,7 +121,7 @@ def test_a_claimed_session_is_nobody_elses_until_its_turn_lets_it_go() -> None:
     assert claim is not None and claim.session_id == first.session_id
     other = find_session(sessions, A, "m", grown(START, 2))  # before the first began
     assert other is not None and other.session_id != first.session_id
-    let_go(claim)  # the claiming turn failed before it began (refused, say)
+    let_go(sessions, claim)  # the claiming turn failed before it began (refused, say)
     again = find_session(sessions, A, "m", grown(START, 2))
     assert again is not None and again.session_id == first.session_id
 

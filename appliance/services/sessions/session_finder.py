@@ -84,7 +84,7 @@ def find_session(
         if not state.in_flight and state.claimed is None:
             note = f"session from prefix chain (extends its last prompt's {n} messages)"
             found = FoundSession(state.session_id, note, tips[-1], state)
-            state.claimed = found
+            sessions.claim(state, found)
             return found
         busy = busy or state
     if busy is not None:
@@ -94,8 +94,8 @@ def find_session(
     return FoundSession(SessionId(f"chain-{uuid.uuid4().hex[:16]}"), note, tips[-1], None)
 
 
-def let_go(found: FoundSession | None) -> None:
+def let_go(sessions: SessionTable, found: FoundSession | None) -> None:
     """The turn that claimed a session has begun (its session is busy), or failed first:
     other turns may find that session again (once it is idle)."""
-    if found is not None and found.claimed is not None and found.claimed.claimed is found:
-        found.claimed.claimed = None
+    if found is not None and found.claimed is not None:
+        sessions.unclaim(found.claimed, found)

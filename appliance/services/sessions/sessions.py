@@ -203,6 +203,16 @@ class SessionTable:
                 return n, reversed(holders)
         return 0, iter(())
 
+    def claim(self, state: SessionState, by: object) -> None:
+        """A turn (`by`, its finding) took the session by its tip: no other turn takes it
+        until `unclaim`."""
+        state.claimed = by
+
+    def unclaim(self, state: SessionState, by: object) -> None:
+        """The turn that claimed the session (`by`) has begun, or failed first."""
+        if state.claimed is by:
+            state.claimed = None
+
     def _untip(self, state: SessionState) -> None:
         if state.prompt_tip is not None:
             key = (state.tenant, state.prompt_tip)

@@ -125,7 +125,7 @@ class TurnDesk:
         try:
             return await self._run(t)
         finally:
-            let_go(found)
+            let_go(self.sessions, found)
 
     async def _run(self, t: TurnRequest) -> Reply:
         known = known_task(self._tasks, t)
@@ -238,16 +238,16 @@ class TurnDesk:
         need_s = placed.decision.candidates[0].ttft_estimate_s if placed is not None else 0.0
         if self._admission is None:
             return 0, need_s
-        t = turn
-        parent = self._tasks.key(t.tenant, t.client_parent_id) if t.client_parent_id else None
+        asked_parent = turn.client_parent_id
+        parent = self._tasks.key(turn.tenant, asked_parent) if asked_parent else None
         n_prompt = turn.prompt_len
         resident = placed.resident if placed is not None else resident_hint(session, n_prompt)
         decision = await self._admission.admit_turn(
-            t.tenant,
+            turn.tenant,
             turn.task_id,
             parent=parent,
-            deadline_s=t.deadline_s,
-            priority=t.asked_priority,
+            deadline_s=turn.deadline_s,
+            priority=turn.asked_priority,
             prompt_tokens=n_prompt,
             resident_tokens=resident,
             queues=queues,
