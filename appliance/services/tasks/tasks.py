@@ -40,15 +40,15 @@ from appliance.services.tasks.task_state import (
     TaskClosed,
     TaskError,
     TaskState,
+    TaskTurnBegan,
+    TaskTurnEnded,
+    ToolEventHook,
     archived_document,
     state_of,
     task_document,
     task_record,
     undo_refused,
 )
-
-ToolEventHook = Callable[[TaskId, TaskEventType, str | None, float | None, float], None]
-"""Told of each `tool_started` and `tool_finished`: task, kind, tool class, expected s, now."""
 
 
 class TaskBook:
@@ -65,10 +65,9 @@ class TaskBook:
         on_tool_event: ToolEventHook | None = None,
     ) -> None:
         """`archive`: the ledger's tasks, read back for an id the book does not hold (None:
-        such an id is unknown). `states`: where the book keeps its tasks, an empty dict
-        that others built before it may read (only the book changes it). `on_close`: told
-        of a task closed (not `done`): its sessions end (SessionTable.forget_task).
-        `on_tool_event`: told of each `tool_started` and `tool_finished` (the idle reaper)."""
+        such an id is unknown). `states`: an empty dict the book keeps its tasks in, which
+        others may read. `on_close`: told of a task closed (not `done`): its sessions end
+        (SessionTable.forget_task). `on_tool_event`: told of each tool event (the reaper)."""
         self._ledger = ledger
         self._events = events
         self._archive = archive
@@ -334,14 +333,15 @@ class TaskBook:
 
     # --- turns, and what admission reads (its TaskView) --------------------------------
 
-    def turn_began(self, state: TaskState, now: float) -> None:
+    def turn_began(self, event: TaskTurnBegan) -> None:
         """A model turn of the task was admitted and starts now."""
-        state.turns += 1
-        self._loads.turn_began(state, now)
+        event.task.turns += 1
+        self._loads.turn_began(event.task, event.at)
 
-    def turn_ended(self, state: TaskState, now: float) -> None:
+    def turn_ended(self, event: TaskTurnEnded) -> None:
         """The turn's answer (or its stream) has ended, however it ended. A one-turn task
         closes with its turn: `done`, its outcome unknown (a refused write reopens it)."""
+        state, now = event.task, event.at
         if state.load.one_turn and state.load.in_flight == 1 and state.status is TaskStatus.OPEN:
             self.event(state.tenant, state.client_id, TaskEventType.DONE, now)
         self._loads.turn_ended(state, now)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from appliance.services.escalation.service import Escalation
 from appliance.services.tasks.admission import AdmissionService
 from appliance.services.tasks.task_paces import TaskPaces
+from appliance.services.tasks.task_state import TaskTurnSubscriber
 from appliance.services.turns.flights import Flights
 from appliance.services.turns.turn import TurnTokenizer
 from appliance.services.workers.worker_reaper import WorkerReaperLoop
@@ -29,5 +30,7 @@ class TurnDeskAides:
     """Each turn's share of its task's deadline (None: one of the desk's own)."""
     tokenizer: TurnTokenizer | None = None
     """Tokenises its turns (the API's adapter; None: turns come tokenised, `prompt_ids` set)."""
+    subscribers: tuple[TaskTurnSubscriber, ...] = ()
+    """Hear of each turn's beginning and end after the task book (which always does)."""
     flights: Flights | None = None
     """Turns in flight, their cancellation and deadlines (None: on the event loop's timers)."""

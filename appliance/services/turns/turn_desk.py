@@ -53,7 +53,7 @@ from appliance.services.sessions.session_finder import find_session, let_go
 from appliance.services.sessions.sessions import SessionState, SessionTable, TurnHints
 from appliance.services.tasks.admission import AdmissionRefused, resident_hint
 from appliance.services.tasks.task_paces import TaskPaces, share_headers
-from appliance.services.tasks.task_state import TaskState
+from appliance.services.tasks.task_state import TaskState, TaskTurnBegan, TaskTurnEnded
 from appliance.services.tasks.tasks import TaskBook
 from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.flights import (
@@ -105,6 +105,7 @@ class TurnDesk:
         aides = aides or TurnDeskAides()
         self._admission = aides.admission
         self._tokenizer = aides.tokenizer
+        self._turn_subscribers = (tasks, *aides.subscribers)  # the task book hears first
         self._forwarder = Forwarder(clock, queues, records)
         self.flights = aides.flights or Flights(loop_alarm(clock))
         self.worker_reaper = aides.worker_reaper
@@ -156,7 +157,9 @@ class TurnDesk:
                 deadline_s=t.deadline_s,
                 one_turn=t.client_task_id is None,
             )
-            self._tasks.turn_began(task, now)
+            began = TaskTurnBegan(task, now)
+            for subscriber in self._turn_subscribers:
+                subscriber.turn_began(began)
             reason = side.reason if self.escalation.active else None
             turn = replace(turn, parent_task_id=task.parent, priority=priority, side_reason=reason)
             share = self.paces.share(task, now, t.deadline_s, need_s)
@@ -199,7 +202,9 @@ class TurnDesk:
 
     def _ended(self, task: TaskState | None, flight: Flight | None) -> None:
         if task is not None:
-            self._tasks.turn_ended(task, self._clock.now())
+            ended = TaskTurnEnded(task, self._clock.now())
+            for subscriber in self._turn_subscribers:
+                subscriber.turn_ended(ended)
             if flight is not None:
                 self.flights.land(task.key, flight)
 
