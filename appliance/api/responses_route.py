@@ -3,11 +3,11 @@
 A Responses request is a chat turn in other clothes: vLLM renders its instructions, its
 chained history and its input (function calls and their outputs too) as chat messages
 (domain/responses_input.py) and templates them with its function tools in chat's shape
-(domain/responses_tools.py), so the router tokenises and hashes the same messages and tools
-and hands the turn to the desk like any chat (tenant, session and task headers, the
-tenant's salt, admission, placement by the KV index, the ledger, receipts). The body goes
-to the worker unchanged but for the fields the desk sets; the answer, streamed or not, goes
-back in the API's own shape.
+(domain/responses_tools.py), so the router tokenises (the desk, through api/turn_prompts.py)
+and hashes the same messages and tools, and hands the turn to the desk like any chat
+(tenant, session and task headers, the tenant's salt, admission, placement by the KV index,
+the ledger, receipts). The body goes to the worker unchanged but for the fields the desk
+sets; the answer, streamed or not, goes back in the API's own shape.
 
 Chaining: vLLM keeps a stored response (and the messages behind it) in the memory of the
 worker that produced it. The route learns each answer (the body, or the stream's
