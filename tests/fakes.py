@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,13 +18,17 @@ from appliance.domain.records import TurnRecord, WorkerId
 from appliance.domain.worker import LoadSnapshot
 from appliance.policy.admission import AdmissionLimits
 from appliance.policy.routing.core import default_profile
-from appliance.services.sessions.sessions import SessionTable
+from appliance.services.sessions.chat_tokens import ChatTokens
+from appliance.services.sessions.sessions import SessionState, SessionTable, TurnSubscriber
 from appliance.services.tasks.admission import AdmissionService, WorkerEstimator
+from appliance.services.tasks.task_paces import TaskPaces
 from appliance.services.tasks.tasks import TaskBook
 from appliance.services.turns.attempt_spans import AttemptSpans
+from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.flights import Flights
 from appliance.services.turns.placement import Placer, RoutingRule
 from appliance.services.turns.queue_book import QueueBook
+from appliance.services.turns.turn import TurnRequest
 from appliance.services.turns.turn_desk import TurnDesk
 from appliance.services.turns.turn_records import TurnRecords
 from appliance.services.workers.worker_speed import WorkerSpeeds
@@ -151,6 +155,33 @@ class Wired:
     """The desk's task book (its closed tasks end their sessions, as the daemon wires it)."""
 
 
+class FakeTurnTokenizer:
+    """The desk's tokenizer port over a function of the turn: `ids` gives its prompt's ids
+    (by default a completion's token-id `prompt`, else 40 ones), or raises; `estimate`
+    (None by default: every turn is tokenised first)."""
+
+    def __init__(
+        self,
+        ids: Callable[[TurnRequest], Sequence[int]] | None = None,
+        estimate: Callable[[TurnRequest, SessionState | None], int | None] | None = None,
+    ) -> None:
+        self.ids = ids or _listed_prompt
+        self._estimate = estimate
+
+    def tokenize(
+        self, turn: TurnRequest, previous: ChatTokens | None
+    ) -> tuple[Sequence[int], ChatTokens | None]:
+        return self.ids(turn), None
+
+    def estimate(self, turn: TurnRequest, session: SessionState | None) -> int | None:
+        return self._estimate(turn, session) if self._estimate is not None else None
+
+
+def _listed_prompt(turn: TurnRequest) -> Sequence[int]:
+    prompt = turn.body.get("prompt")
+    return prompt if isinstance(prompt, list) else [1] * 40
+
+
 def wired_desk(
     workers: list[RouterWorker],
     *,
@@ -161,6 +192,8 @@ def wired_desk(
     block_size: int = 16,
     admission: bool = False,
     retention: Any = None,
+    subscribers: Sequence[TurnSubscriber] = (),
+    tokenizer: FakeTurnTokenizer | None = None,
 ) -> Wired:
     """The turn desk as the daemon wires it (queue book, turn records, placer, worker
     speeds), over fakes of the outside only: workers, the KV index, the ledger and the clock.
@@ -174,7 +207,7 @@ def wired_desk(
     fixed = slowdown
     measured = speeds.slowdown if fixed is None else lambda w: fixed.get(w, 1.0)
     queues = QueueBook(LinearCost(), clock, measured, spans)
-    sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size))
+    sessions = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, block_size), subscribers=subscribers)
     placer = Placer(
         workers=lambda: workers,
         index=index,
@@ -184,7 +217,8 @@ def wired_desk(
         salt=lambda t, c: f"salt-{t}",
         retention=retention,
     )
-    tasks = TaskBook(ledger)
+    paces = TaskPaces(clock)
+    tasks = TaskBook(ledger, on_close=paces.hearing(sessions.forget_task))
     estimator = WorkerEstimator(lambda: workers, queues.queue_s, LinearCost(), measured)
     judge = AdmissionService(
         limits=AdmissionLimits(), tasks=tasks, estimator=estimator, ledger=ledger, clock=clock
@@ -197,10 +231,13 @@ def wired_desk(
         tasks=tasks,
         clock=clock,
         workers=lambda: workers,
-        admission=judge if admission else None,
+        aides=TurnDeskAides(
+            admission=judge if admission else None,
+            paces=paces,
+            tokenizer=tokenizer or FakeTurnTokenizer(),
+            flights=Flights(clock.alarm),  # deadlines ring as the test moves the clock
+        ),
     )
-    tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)
-    desk.flights = Flights(clock.alarm)  # deadlines ring as the test moves the clock
     return Wired(desk, queues, index, ledger, clock, speeds, tasks)
 
 

@@ -7,22 +7,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 
 from appliance.api.admin.admin_sessions import SessionAdmin
 from appliance.api.app import ApiApp, create_api_app
 from appliance.api.auth import LOCAL, Caller, Keys
 from appliance.api.context import ApiContext
+from appliance.api.turns.requests import Tokenizer
+from appliance.api.turns.turn_prompts import ApiTurnTokenizer
 from appliance.config.settings import Settings
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.records import TaskId
 from appliance.domain.worker import can_serve
 from appliance.engines.clients.workers import KvIndexFeed, WorkerHandle
 from appliance.ledger import LedgerWriter
 from appliance.ledger.reports import cost_report
 from appliance.ledger.restore import open_tasks, receipt_generations, recent_sessions
-from appliance.ledger.session_history import session_turns
 from appliance.ledger.task_history import TaskHistory
 from appliance.oplog import LoggedEventFeed, log_turns
 from appliance.perf.latency import CopyDirection, LatencyModel
@@ -38,18 +39,19 @@ from appliance.policy.worker_power import (
 from appliance.ports import Clock, GpuProbe, KvRetention, WorkerPowerSwitch
 from appliance.services.operator.cost_series import CostSeries
 from appliance.services.operator.events import EventFeed
-from appliance.services.operator.session_admin import SessionReleases
 from appliance.services.operator.state import StateSources, metrics_text, snapshot
 from appliance.services.residency.no_retention import NoRetention
 from appliance.services.residency.reaper_loop import ReaperLoop
 from appliance.services.residency.residency_inputs import LiveInputs
-from appliance.services.residency.session_kv import SessionKv
 from appliance.services.residency.tool_events import reaper_hears, restore_on_lead
 from appliance.services.sessions.sessions import SessionTable
 from appliance.services.sessions.tenancy import TenantSalts
 from appliance.services.tasks.admission import AdmissionService, WorkerEstimator
+from appliance.services.tasks.task_paces import TaskPaces
+from appliance.services.tasks.task_state import TaskState
 from appliance.services.tasks.tasks import TaskBook
 from appliance.services.turns.attempt_spans import AttemptSpans
+from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.placement import Placer, RoutingRule
 from appliance.services.turns.queue_book import QueueBook
 from appliance.services.turns.turn_desk import TurnDesk
@@ -60,7 +62,7 @@ from appliance.services.workers.worker_reaper import PowerInputs, WorkerReaperLo
 from appliance.services.workers.worker_speed import WorkerSpeeds
 from appliance.start.class_paces import finished_runs
 from appliance.start.wiring_escalation import outside_escalation
-from appliance.start.wiring_residency import live_residency_policy
+from appliance.start.wiring_residency import live_residency_policy, sessions_kv
 from appliance.tokenization.tokenizer import load_tokenizer
 
 RESTORE_WINDOW_S = 24 * 3600.0
@@ -121,15 +123,21 @@ def wire(
 ) -> Wiring:
     events, gpu = LoggedEventFeed(), GpuTick(probe, EnergyMeter(engines.workers))
     speeds, queues = _measured_queues(cost := LatencyModel.from_profile(profile), clock)
-    desk, admission, sessions, tasks = _turn_desk(
-        settings, engines, ledger, feed, clock, cost, queues, events, secret
+    task_states: dict[TaskId, TaskState] = {}  # the task book's; the idle reaper reads them
+    reaper = _reaper_loop(settings, engines, ledger, feed, clock, queues, task_states, profile)
+    sessions, tasks, paces = _books(settings, ledger, events, reaper, task_states, clock, feed)
+    meter = GpuMeter(clock, cost, queues.slowdown, settings.engine.gpus_per_worker)
+    worker_reaper = _worker_reaper(settings, engines, ledger, clock, meter, reaper, profile)
+    prompts = ApiTurnTokenizer(load_tokenizer(settings.engine.model), engines.max_model_len)
+    aides = TurnDeskAides(worker_reaper=worker_reaper, paces=paces, tokenizer=prompts)
+    parts = (cost, queues, meter)
+    desk, admission = _turn_desk(
+        settings, engines, ledger, feed, clock, parts, (sessions, tasks, events), aides, secret
     )
-    _restore(settings.ledger_path, clock.now(), tasks, sessions, feed)
-    desk.paces.warm(finished_runs(settings.ledger_path, since=clock.now() - RESTORE_WINDOW_S))
-    reaper = _reaper_loop(settings, engines, ledger, feed, clock, desk, tasks, profile)
-    desk.worker_reaper = _worker_reaper(settings, engines, ledger, clock, desk, reaper, profile)
-    releases, kv = _session_kv(desk, ledger, events, profile, reaper)
-    usage = BoxUsage(desk.records.meter, gpu.energy, ledger, clock, settings.ledger.usage_period_s)
+    admin, kv = sessions_kv(
+        desk, ledger, events, profile.kv_bytes_per_token, reaper, settings.ledger_path
+    )
+    usage = BoxUsage(meter, gpu.energy, ledger, clock, settings.ledger.usage_period_s)
     sources = StateSources(
         workers=lambda: [w.status() for w in engines.workers()],
         desk=desk,
@@ -142,15 +150,32 @@ def wire(
         kv=kv,
         cost_series=CostSeries(),
         admission=admission,
-        wakes=desk.worker_reaper.wake_seconds if desk.worker_reaper is not None else None,
+        wakes=worker_reaper.wake_seconds if worker_reaper is not None else None,
         kv_tokens=lambda w: feed.gpu_blocks(w) * settings.engine.block_size,
         usage=usage,
     )
-    app = create_api_app(
+    api = (desk, tasks, admission, admin)
+    app = _api_app(settings, engines, api, sources, keys, clock, ledger, prompts.tokenizer)
+    return Wiring(app, desk, speeds, events, gpu, reaper, worker_reaper, admission, usage)
+
+
+def _api_app(
+    settings: Settings,
+    engines: StartedEngines,
+    services: tuple[TurnDesk, TaskBook, AdmissionService, SessionAdmin],
+    sources: StateSources,
+    keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
+    clock: Clock,
+    ledger: LedgerWriter,
+    tokenizer: Tokenizer,
+) -> ApiApp:
+    """The HTTP API over the services; the state and /metrics read `sources`."""
+    desk, tasks, admission, admin = services
+    return create_api_app(
         ApiContext(
             desk=desk,
             tasks=tasks,
-            tokenizer=load_tokenizer(settings.engine.model),
+            tokenizer=tokenizer,
             keys=Keys(keys, anyone=LOCAL if settings.server.auth == "none" else None),
             clock=clock,
             model=engines.served_name,
@@ -163,16 +188,8 @@ def wire(
             costs=lambda: cost_report(settings.ledger_path),
             admission=admission,
             workers=engines.workers,
-            sessions_admin=_session_admin(settings.ledger_path, releases, kv),
+            sessions_admin=admin,
         )
-    )
-    return Wiring(app, desk, speeds, events, gpu, reaper, desk.worker_reaper, admission, usage)
-
-
-def _session_admin(ledger_path: Path, releases: SessionReleases, kv: SessionKv) -> SessionAdmin:
-    """One session's detail (its turns read from the ledger) and its release."""
-    return SessionAdmin(
-        releases, lambda tenant, sid, n: session_turns(ledger_path, tenant, sid, limit=n), kv
     )
 
 
@@ -184,48 +201,19 @@ def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, Qu
     return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
 
 
-def _restore(
-    ledger_path: Path, now: float, tasks: TaskBook, sessions: SessionTable, feed: KvIndexFeed
-) -> None:
-    """What a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX), and the
-    workers' cache generations the new KV index continues after."""
-    since = now - RESTORE_WINDOW_S
-    tasks.restore(open_tasks(ledger_path, since=since, limit=RESTORE_MAX))
-    sessions.restore(recent_sessions(ledger_path, since=since, limit=RESTORE_MAX))
-    feed.start_generations(receipt_generations(ledger_path))
-
-
-def _session_kv(
-    desk: TurnDesk,
-    ledger: LedgerWriter,
-    events: EventFeed,
-    profile: GpuProfile,
-    reaper: ReaperLoop | None,
-) -> tuple[SessionReleases, SessionKv]:
-    """Operators' releases, and what the state and the operators see of sessions' KV."""
-    releases = SessionReleases(
-        desk.sessions,
-        ledger,
-        events,
-        profile.kv_bytes_per_token,
-        kv_release=reaper.release if reaper is not None else None,
-    )
-    return releases, SessionKv(desk.placer.residency, releases, reaper)
-
-
 def _reaper_loop(
     settings: Settings,
     engines: StartedEngines,
     ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
-    desk: TurnDesk,
-    tasks: TaskBook,
+    queues: QueueBook,
+    tasks: Mapping[TaskId, TaskState],
     profile: GpuProfile,
 ) -> ReaperLoop | None:
     """The idle reaper on live inputs, running the policy `residency.policy` names (a wait
     model warmed with the waits between the ledger's recent turns: RESTORE_WINDOW_S,
-    RESTORE_MAX)."""
+    RESTORE_MAX); `tasks`: the task book's tasks, as it keeps them."""
     r = settings.residency
     if not r.reaper:
         return None
@@ -240,15 +228,15 @@ def _reaper_loop(
     inputs = LiveInputs(
         index=feed,
         workers=engines.workers,
-        prefill_s=lambda worker, n: desk.queues.prefill_s(worker, n, 0),
-        task_closed=lambda key: (t := tasks.find(key)) is not None and t.status.ends_sessions,
+        prefill_s=lambda worker, n: queues.prefill_s(worker, n, 0),
+        task_closed=lambda key: (t := tasks.get(key)) is not None and t.status.ends_sessions,
         kv_bytes_per_token=profile.kv_bytes_per_token,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
         copy_in_s=partial(
             LatencyModel.from_profile(profile).kv_copy_s, direction=CopyDirection.H2D
         ),
-        task_parent=lambda key: t.parent if (t := tasks.find(key)) is not None else None,
+        task_parent=lambda key: t.parent if (t := tasks.get(key)) is not None else None,
     )
     retention = engines.retention
     if retention is None:
@@ -256,11 +244,12 @@ def _reaper_loop(
         retention = NoRetention(note)
     else:
         note = "holds are sent to the workers' retention connectors"
-    loop = ReaperLoop(policy, retention, inputs, ledger=ledger, clock=clock, note=note)
-    desk.sessions.listener = loop  # hears of every turn's start and end
-    loop.lead_time = restore_on_lead(loop, inputs, ledger, restore_ahead=r.restore_ahead)
-    tasks.on_tool_event = reaper_hears(loop)
-    return loop
+    lead_time = partial(
+        restore_on_lead, inputs=inputs, ledger=ledger, restore_ahead=r.restore_ahead
+    )
+    return ReaperLoop(
+        policy, retention, inputs, ledger=ledger, clock=clock, note=note, lead_time=lead_time
+    )
 
 
 def _worker_reaper(
@@ -268,7 +257,7 @@ def _worker_reaper(
     engines: StartedEngines,
     ledger: LedgerWriter,
     clock: Clock,
-    desk: TurnDesk,
+    meter: GpuMeter,
     reaper: ReaperLoop | None,
     profile: GpuProfile,
 ) -> WorkerReaperLoop | None:
@@ -277,7 +266,6 @@ def _worker_reaper(
     r = settings.worker_reaper
     if r.worker_idle_s is None or engines.power is None:
         return None
-    meter = desk.records.meter
     wake = profile.wake
     assert wake is not None  # parse_profile fills it in
     seconds = engines.wake_s or (wake.asleep_1.seconds, wake.asleep_2.seconds, wake.stopped.seconds)
@@ -285,7 +273,7 @@ def _worker_reaper(
     table = power_table(seconds, wake.weights_bytes, kv, engines.power_states)
     inputs = PowerInputs(
         workers=lambda: [w.status() for w in engines.workers()],
-        in_flight=meter.in_flight if meter is not None else lambda worker: 0,
+        in_flight=meter.in_flight,
         model=engines.served_name,
         table=table,
         settings=PowerSettings(r.worker_idle_s, r.max_wake_s or math.inf, r.min_awake),
@@ -325,30 +313,65 @@ def _placer(
     )
 
 
+def _books(
+    settings: Settings,
+    ledger: LedgerWriter,
+    events: EventFeed,
+    reaper: ReaperLoop | None,
+    task_states: dict[TaskId, TaskState],
+    clock: Clock,
+    feed: KvIndexFeed,
+) -> tuple[SessionTable, TaskBook, TaskPaces]:
+    """The session table (the idle reaper hears its turns begin and end), and the task book
+    (a task's close teaches the paces and ends its sessions; the reaper hears its tools),
+    with what a restart takes back from the ledger (RESTORE_WINDOW_S, RESTORE_MAX): open
+    tasks, recent sessions, the paces of finished tasks, and the workers' cache generations
+    the new KV index continues after."""
+    e = settings.engine
+    hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
+    sessions = SessionTable(hasher, subscribers=(reaper,) if reaper is not None else ())
+    paces = TaskPaces(clock)  # each turn's share of its task's deadline
+    tasks = TaskBook(
+        ledger,
+        events,
+        idle_s=settings.admission.task_idle_s,
+        archive=TaskHistory(settings.ledger_path),
+        states=task_states,
+        on_close=paces.hearing(sessions.forget_task),  # learns, ends its sessions
+        on_tool_event=reaper_hears(reaper) if reaper is not None else None,
+    )
+    path, since = settings.ledger_path, clock.now() - RESTORE_WINDOW_S
+    tasks.restore(open_tasks(path, since=since, limit=RESTORE_MAX))
+    sessions.restore(recent_sessions(path, since=since, limit=RESTORE_MAX))
+    feed.start_generations(receipt_generations(path))
+    paces.warm(finished_runs(path, since=since))
+    return sessions, tasks, paces
+
+
 def _turn_desk(
     settings: Settings,
     engines: StartedEngines,
     ledger: LedgerWriter,
     feed: KvIndexFeed,
     clock: Clock,
-    cost: LatencyModel,
-    queues: QueueBook,
-    events: EventFeed,
+    parts: tuple[LatencyModel, QueueBook, GpuMeter],
+    books: tuple[SessionTable, TaskBook, EventFeed],
+    aides: TurnDeskAides,
     secret: bytes,
-) -> tuple[TurnDesk, AdmissionService, SessionTable, TaskBook]:
-    e = settings.engine
-    hasher = BlockHasher.for_engine(HashAlgo(e.hash_algo), e.block_size, e.python_hash_seed)
-    archive = TaskHistory(settings.ledger_path)
-    tasks = TaskBook(ledger, events, idle_s=settings.admission.task_idle_s, archive=archive)
-    sessions = SessionTable(hasher)
+) -> tuple[TurnDesk, AdmissionService]:
+    """The turn desk over the books, with its records, placer, admission and escalation;
+    `aides`: what is built already of what it consults (the worker reaper, the paces)."""
+    cost, queues, meter = parts
+    sessions, tasks, events = books
     records = TurnRecords(
         ledger,
         model=engines.served_name,
         runtime_identity=engines.runtime_identity,
         on_turn=log_turns(tasks.add_turn),
-        meter=GpuMeter(clock, cost, queues.slowdown, e.gpus_per_worker),
+        meter=meter,
     )
     placer = _placer(settings, engines, feed, sessions, queues, cost, secret)
+    rests = aides.worker_reaper
     admission = AdmissionService(
         limits=admission_limits(settings),
         tasks=tasks,
@@ -357,12 +380,13 @@ def _turn_desk(
             queues.queue_s,
             cost,
             queues.slowdown,
-            wake_s=lambda w: r.wake_s(w) if (r := desk.worker_reaper) is not None else None,
+            wake_s=rests.wake_s if rests is not None else lambda w: None,
         ),
         ledger=ledger,
         clock=clock,
         events=events,
     )
+    escalation = outside_escalation(settings.escalation, records, clock)
     desk = TurnDesk(
         sessions=sessions,
         placer=placer,
@@ -371,8 +395,6 @@ def _turn_desk(
         tasks=tasks,
         clock=clock,
         workers=engines.workers,
-        admission=admission,
+        aides=replace(aides, admission=admission, escalation=escalation),
     )
-    tasks.on_done = desk.paces.hearing(tasks.find, sessions.forget_task)  # learns, ends sessions
-    desk.escalation = outside_escalation(settings.escalation, records, clock)
-    return desk, admission, sessions, tasks
+    return desk, admission

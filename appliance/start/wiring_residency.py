@@ -2,19 +2,30 @@
 live loop runs (`appliance.policy.residency_by_name`: the reaper by default, or an anchor:
 lru, ttl-pin, mori), the reaper with the `residency` settings; and a policy that learns waits
 (one with a wait model, `survival`: the reaper) has it warmed from the waits between the
-ledger's recent turns, those that ended in a return and those that did not."""
+ledger's recent turns, those that ended in a return and those that did not. Beside it, what
+the state and the operators see of sessions' KV, and an operator's release of it."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Any
 
+from appliance.api.admin.admin_sessions import SessionAdmin
 from appliance.config.settings import ResidencySettings
+from appliance.ledger import LedgerWriter
 from appliance.ledger.restore import session_gaps
+from appliance.ledger.session_history import session_turns
 from appliance.policy.reaper import ReaperTuning
 from appliance.policy.residency import ResidencyPolicy
 from appliance.policy.residency_by_name import residency_policy
 from appliance.policy.survival import PERSON, WaitKey
 from appliance.policy.wait_curves import LogNormal
+from appliance.services.operator.events import EventFeed
+from appliance.services.operator.session_admin import SessionReleases
+from appliance.services.residency.reaper_loop import ReaperLoop
+from appliance.services.residency.session_kv import SessionKv
+from appliance.services.turns.turn_desk import TurnDesk
 from appliance.workload.spec import WorkloadSpec
 
 
@@ -58,3 +69,29 @@ def _live_wait_priors() -> dict[str, LogNormal]:
     if "human" in priors:
         priors.setdefault(PERSON, priors["human"])
     return priors
+
+
+def sessions_kv(
+    desk: TurnDesk,
+    ledger: LedgerWriter,
+    events: EventFeed,
+    kv_bytes_per_token: int,
+    reaper: ReaperLoop | None,
+    ledger_path: Path,
+) -> tuple[SessionAdmin, SessionKv]:
+    """What the state and the operators see of sessions' KV, and the operators' session
+    routes: one session's detail (its turns read from the ledger) and its release."""
+    releases = SessionReleases(
+        desk.sessions,
+        ledger,
+        events,
+        kv_bytes_per_token,
+        kv_release=reaper.release if reaper is not None else None,
+    )
+    kv = SessionKv(desk.placer.residency, releases, reaper)
+    turns = partial(_session_turns, ledger_path)
+    return SessionAdmin(releases, turns, kv), kv
+
+
+def _session_turns(ledger_path: Path, tenant: str, session_id: str, n: int) -> list[dict[str, Any]]:
+    return session_turns(ledger_path, tenant, session_id, limit=n)

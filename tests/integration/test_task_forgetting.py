@@ -25,7 +25,7 @@ from appliance.ledger import LedgerWriter
 from appliance.ledger.task_history import TaskHistory
 from appliance.services.sessions.sessions import SessionTable
 from appliance.services.tasks.settled_tasks import SettledShelf
-from appliance.services.tasks.task_state import TaskError
+from appliance.services.tasks.task_state import TaskError, TaskTurnBegan, TaskTurnEnded
 from appliance.services.tasks.tasks import TaskBook
 
 T = TenantId("t")
@@ -39,11 +39,14 @@ def ledger(tmp_path: Path) -> Iterator[LedgerWriter]:
 
 
 def book_over(ledger: LedgerWriter, *, idle_s: float = 600.0) -> tuple[TaskBook, SessionTable]:
-    book = TaskBook(
-        ledger, idle_s=idle_s, archive=TaskHistory(ledger.path), shelf=SettledShelf(KEEP)
-    )
     sessions = SessionTable(BlockHasher.for_engine("sha256", 16, None))
-    book.on_done = sessions.forget_task
+    book = TaskBook(
+        ledger,
+        idle_s=idle_s,
+        archive=TaskHistory(ledger.path),
+        shelf=SettledShelf(KEEP),
+        on_close=lambda task: sessions.forget_task(task.key),
+    )
     return book, sessions
 
 
@@ -53,8 +56,8 @@ def one_turn_done(book: TaskBook, sessions: SessionTable, task: str, now: float)
     session = sessions.open(T, SessionId(f"s-{task}"), now)
     sessions.bind_task(session, state.key)
     sessions.began(session, now)
-    book.turn_began(state, now)
-    book.turn_ended(state, now + 1)
+    book.turn_began(TaskTurnBegan(state, now))
+    book.turn_ended(TaskTurnEnded(state, now + 1))
     sessions.ended(session, now + 1)
 
 
@@ -88,13 +91,13 @@ def test_an_open_tree_and_a_turn_in_flight_keep_their_tasks(ledger: LedgerWriter
     book.create(T, "kid", 0.0, parent_id="root")
     book.event(T, "kid", TaskEventType.SUCCEEDED, 1.0)  # its root is open: not settled
     busy = book.create(T, "busy", 0.0)
-    book.turn_began(busy, 1.0)
+    book.turn_began(TaskTurnBegan(busy, 1.0))
     book.event(T, "busy", TaskEventType.FAILED, 2.0)  # closed with a turn in flight
     for n in range(KEEP + 2):
         one_turn_done(book, sessions, f"job{n}", 3.0 + n)
         book.event(T, f"job{n}", TaskEventType.SUCCEEDED, 4.0 + n)
     assert {"root", "kid", "busy"} <= {t.client_id for t in book}
-    book.turn_ended(busy, 20.0)  # now it settles, the newest of all
+    book.turn_ended(TaskTurnEnded(busy, 20.0))  # now it settles, the newest of all
     for n in range(KEEP):
         one_turn_done(book, sessions, f"more{n}", 30.0 + n)
         book.event(T, f"more{n}", TaskEventType.SUCCEEDED, 31.0 + n)

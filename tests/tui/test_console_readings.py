@@ -28,7 +28,7 @@ from appliance.perf.kv_capacity import SIM_GPU_MEMORY_UTILIZATION, default_num_g
 from appliance.perf.profile import bundled_profile
 from appliance.services.operator.state import session_view
 from appliance.services.residency.session_kv import SessionKv
-from appliance.services.sessions.sessions import SessionState, SessionTable
+from appliance.services.sessions.sessions import SessionState, SessionTable, TurnBegan, TurnEnded
 from appliance.services.workers.gpu_meter import GpuTime
 from appliance.sim.core.engine_stats import EngineStats
 from appliance.sim.entrypoints.metrics import SimMetrics, cache_config_labels
@@ -151,10 +151,10 @@ class Reaper:
 
     retention = None
 
-    def turn_began(self, session: SessionState, now: float) -> None:
+    def turn_began(self, event: TurnBegan) -> None:
         pass
 
-    def turn_ended(self, session: SessionState, now: float) -> None:
+    def turn_ended(self, event: TurnEnded) -> None:
         pass
 
     def decision_of(self, session: SessionState) -> None:
@@ -162,7 +162,7 @@ class Reaper:
 
 
 async def test_a_session_under_one_block_says_why_it_has_no_decision(fake: FakeAppliance) -> None:
-    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16), listener=Reaper())
+    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, 16), subscribers=(Reaper(),))
     short = table.open(TenantId("alice"), SessionId("sess-short"), 1000.0)
     table.hash_prompt(short, list(range(100, 109)), "salt")  # 9 tokens of a 16-token block
     table.began(short, 1000.0)

@@ -42,7 +42,7 @@ from appliance.services.tasks.admission import (
     WorkerEstimator,
     resident_hint,
 )
-from appliance.services.tasks.task_state import TaskError
+from appliance.services.tasks.task_state import TaskError, TaskTurnBegan, TaskTurnEnded
 from appliance.services.tasks.tasks import TaskBook
 from tests.fakes import AckLedger, LinearCost, ManualClock
 
@@ -124,8 +124,8 @@ class Box:
             deadline_s=deadline_s,
             one_turn=one_turn,
         )
-        self.book.turn_began(state, self.clock.now())
-        return lambda: self.book.turn_ended(state, self.clock.now())
+        self.book.turn_began(TaskTurnBegan(state, self.clock.now()))
+        return lambda: self.book.turn_ended(TaskTurnEnded(state, self.clock.now()))
 
     def close(self, tenant: TenantId, name: str) -> None:
         """The task's terminal event."""

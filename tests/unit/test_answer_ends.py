@@ -14,7 +14,7 @@ import pytest
 
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.services.sessions.answer_tools import TO_PERSON, AnswerEnd
-from appliance.services.sessions.sessions import SessionState
+from appliance.services.sessions.sessions import TurnBegan, TurnEnded
 from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, wired_desk
 from tests.unit.test_answer_tools import chat, chat_stream, response
@@ -42,24 +42,23 @@ class Answers:
 
 
 class Ends:
-    """The session table's listener: what each session's answer said as its turn ended."""
+    """The session table's subscriber: what each session's answer said as its turn ended."""
 
     def __init__(self) -> None:
         self.said: list[AnswerEnd | None] = []
         self.began = 0
 
-    def turn_began(self, session: SessionState, now: float) -> None:
+    def turn_began(self, event: TurnBegan) -> None:
         self.began += 1
-        assert session.said is None  # a new turn: the last answer's end is history
+        assert event.session.said is None  # a new turn: the last answer's end is history
 
-    def turn_ended(self, session: SessionState, now: float) -> None:
-        self.said.append(session.said)
+    def turn_ended(self, event: TurnEnded) -> None:
+        self.said.append(event.session.said)
 
 
 def run_turn(answer: bytes, *, stream: bool, path: str = "/v1/chat/completions") -> Ends:
-    wired = wired_desk([RouterWorker(WorkerId("w0"), Answers(answer))])
     ends = Ends()
-    wired.desk.sessions.listener = ends
+    wired = wired_desk([RouterWorker(WorkerId("w0"), Answers(answer))], subscribers=(ends,))
     body = {"model": "m", "stream": stream}
     turn = TurnRequest(TenantId("a"), path, body, list(range(40)), TaskId("a/t"), SessionId("s"))
 

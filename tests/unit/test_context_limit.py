@@ -18,8 +18,8 @@ from appliance.api.context import ApiContext
 from appliance.api.errors import error_body
 from appliance.api.turns.context_limit import ContextTooLong, check_context
 from appliance.api.turns.requests import served_model
-from appliance.services.turns.turn import Reply
-from appliance.services.turns.turn_desk import TurnInput
+from appliance.api.turns.turn_prompts import ApiTurnTokenizer
+from appliance.services.turns.turn import Reply, TurnRequest
 
 LIMIT = 64
 KEY = {"Authorization": "Bearer k"}
@@ -42,13 +42,15 @@ class Chars:
 
 
 class Desk:
-    """Tokenises each turn as the turn desk does first, and keeps the body it would send."""
+    """Tokenises each turn as the turn desk does first (through the API's adapter), and
+    keeps the body it would send."""
 
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
+        self.tokenizer = ApiTurnTokenizer(Chars(), LIMIT)
 
-    async def run(self, t: TurnInput) -> Reply:
-        t.tokenize(None)
+    async def run(self, t: TurnRequest) -> Reply:
+        self.tokenizer.tokenize(t, None)
         self.sent.append(t.body)
         return Reply(200, {}, orjson.dumps(CHAT_ANSWER))
 

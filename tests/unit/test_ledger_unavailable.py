@@ -12,19 +12,17 @@ import pytest
 from appliance.domain.errors import LedgerUnavailable
 from appliance.domain.records import SessionId, TaskEventType, TaskStatus, TenantId, WorkerId
 from appliance.services.tasks.tasks import TaskBook
-from appliance.services.turns.turn_desk import TurnInput
+from appliance.services.turns.turn import TurnRequest
 from tests.fakes import AckLedger, RouterWorker, wired_desk
 
 A = TenantId("a")
 
 
-def turn() -> TurnInput:
-    return TurnInput(
+def turn() -> TurnRequest:
+    return TurnRequest(
         A,
         "/v1/completions",
         {"model": "m"},
-        tokenize=lambda _: ([1] * 40, None),
-        estimate=lambda _: None,
         session_id=SessionId("s"),
     )
 

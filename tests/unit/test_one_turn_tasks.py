@@ -24,9 +24,9 @@ from appliance.domain.records import (
     WorkerId,
 )
 from appliance.services.sessions.sessions import SessionTable
-from appliance.services.tasks.task_state import TaskError, TaskState
+from appliance.services.tasks.task_state import TaskError, TaskState, TaskTurnBegan, TaskTurnEnded
 from appliance.services.tasks.tasks import TaskBook
-from appliance.services.turns.turn import NoWorker, TurnInput
+from appliance.services.turns.turn import NoWorker, TurnRequest
 from tests.fakes import AckLedger, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")
@@ -68,14 +68,12 @@ class Failing:
         raise self.exc
 
 
-def turn(session: str | None = None, task: str | None = None) -> TurnInput:
-    return TurnInput(
+def turn(session: str | None = None, task: str | None = None) -> TurnRequest:
+    return TurnRequest(
         A,
         "/v1/completions",
         {"model": "m"},
-        tokenize=lambda _: ([1] * 40, None),
-        estimate=lambda _: None,
-        task_id=task,
+        client_task_id=task,
         session_id=SessionId(session) if session else None,
     )
 
@@ -172,9 +170,8 @@ def test_a_done_task_takes_no_more_turns_and_no_client_reports_done() -> None:
 
 
 def book_and_sessions(ledger: EventLedger) -> tuple[TaskBook, SessionTable]:
-    book = TaskBook(ledger)
     sessions = SessionTable(BlockHasher.for_engine("sha256", 16, None))
-    book.on_done = sessions.forget_task
+    book = TaskBook(ledger, on_close=lambda task: sessions.forget_task(task.key))
     return book, sessions
 
 
@@ -184,8 +181,8 @@ def test_done_ends_no_session_while_a_closing_event_does() -> None:
         state = book.ensure(A, name, 0.0, one_turn=one_turn)
         session = sessions.open(A, SessionId(f"s-{name}"), 0.0)
         sessions.bind_task(session, state.key)
-        book.turn_began(state, 0.0)
-        book.turn_ended(state, 1.0)
+        book.turn_began(TaskTurnBegan(state, 0.0))
+        book.turn_ended(TaskTurnEnded(state, 1.0))
     assert book.get(A, "turn-1").status is TaskStatus.DONE  # type: ignore[union-attr]
     assert book.get(A, "job").status is TaskStatus.OPEN  # type: ignore[union-attr]
     book.event(A, "job", TaskEventType.FAILED, 2.0)
@@ -197,11 +194,11 @@ def test_a_one_turn_task_closes_with_its_last_turn_in_flight() -> None:
     ledger = EventLedger()
     book, _ = book_and_sessions(ledger)
     state = book.ensure(A, "turn-2", 0.0, one_turn=True)
-    book.turn_began(state, 0.0)
-    book.turn_began(state, 0.5)  # a client named it while its stream ran
-    book.turn_ended(state, 1.0)
+    book.turn_began(TaskTurnBegan(state, 0.0))
+    book.turn_began(TaskTurnBegan(state, 0.5))  # a client named it while its stream ran
+    book.turn_ended(TaskTurnEnded(state, 1.0))
     assert state.status is TaskStatus.OPEN
-    book.turn_ended(state, 2.0)
+    book.turn_ended(TaskTurnEnded(state, 2.0))
     assert state.status is TaskStatus.DONE
     assert [(e.type, e.at) for e in ledger.events] == [(TaskEventType.DONE, 2.0)]
 
@@ -211,9 +208,9 @@ def test_a_one_turn_task_cancelled_during_its_turn_stays_cancelled() -> None:
     book, _ = book_and_sessions(ledger)
     parent = book.create(A, "root", 0.0)
     state = book.ensure(A, "turn-3", 0.0, parent_id="root", one_turn=True)
-    book.turn_began(state, 0.0)
+    book.turn_began(TaskTurnBegan(state, 0.0))
     book.cancel(A, "root", 0.5)
-    book.turn_ended(state, 1.0)
+    book.turn_ended(TaskTurnEnded(state, 1.0))
     assert (parent.status, state.status) == (TaskStatus.CANCELLED, TaskStatus.CANCELLED)
     assert TaskEventType.DONE not in [e.type for e in ledger.events]
 
@@ -221,8 +218,8 @@ def test_a_one_turn_task_cancelled_during_its_turn_stays_cancelled() -> None:
 def test_a_refused_done_leaves_the_task_open_and_uncounted() -> None:
     book, _ = book_and_sessions(RefusingLedger())
     state = book.ensure(A, "turn-4", 0.0, one_turn=True)
-    book.turn_began(state, 0.0)
-    book.turn_ended(state, 1.0)
+    book.turn_began(TaskTurnBegan(state, 0.0))
+    book.turn_ended(TaskTurnEnded(state, 1.0))
     assert state.written is not None and state.written.exception() is not None
     assert state.status is TaskStatus.OPEN  # memory never runs ahead of the ledger
     assert book.tenant_loads(1.0) == {}  # but admission counts it no more

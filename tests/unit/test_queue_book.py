@@ -17,7 +17,7 @@ from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, Worker
 from appliance.domain.worker import LoadSnapshot
 from appliance.services.turns.queue_book import QueueBook
 from appliance.services.turns.turn import TurnRequest
-from tests.fakes import LinearCost, ManualClock, RouterWorker, Wired, wired_desk
+from tests.fakes import FakeTurnTokenizer, LinearCost, ManualClock, RouterWorker, Wired, wired_desk
 
 
 @dataclass
@@ -40,10 +40,12 @@ def reading(at: float, waiting: int, mean_prompt: int = 1000) -> LoadSnapshot:
     )
 
 
-def setup(slowdown: dict[str, float] | None = None) -> tuple[Wired, list[RouterWorker]]:
+def setup(
+    slowdown: dict[str, float] | None = None, tokenizer: FakeTurnTokenizer | None = None
+) -> tuple[Wired, list[RouterWorker]]:
     clock = ManualClock(100.0)
     workers = [RouterWorker(WorkerId(w), Client(clock)) for w in ("w0", "w1")]
-    return wired_desk(workers, clock=clock, slowdown=slowdown), workers
+    return wired_desk(workers, clock=clock, slowdown=slowdown, tokenizer=tokenizer), workers
 
 
 def turn() -> TurnRequest:

@@ -226,7 +226,7 @@ def build(
         defer=defer,
     )
     rows = loop._ledger  # the Rows given above
-    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, BLOCK), listener=loop)
+    table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, BLOCK), subscribers=(loop,))
     return Setup(loop, table, fake, rows, index, clock, closed, workers)  # type: ignore[arg-type]
 
 

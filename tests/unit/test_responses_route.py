@@ -21,10 +21,12 @@ from appliance.api.turns.responses_route import (
     StoredResponse,
     _learning,
 )
+from appliance.api.turns.turn_prompts import RESPONSES_PATH, ApiTurnTokenizer, special_lead
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages
 from appliance.domain.responses_tools import chat_tools
 from appliance.services.turns.forwarder import UsageScanner
+from appliance.services.turns.turn import TurnRequest
 
 USAGE = {
     "input_tokens": 30,
@@ -144,7 +146,7 @@ def test_a_chain_is_pinned_to_its_worker_and_keeps_its_session() -> None:
     assert chained.previous is not None and chained.previous.worker == "w0"
     assert chained.session == "chain" and "pinned to w0" in (chained.note or "")
     assert chained.note.startswith("session from previous_response_id resp_1")  # type: ignore[union-attr]
-    assert route.lead == [1]  # the tokenizer's BOS, which vLLM's Responses route adds
+    assert special_lead(_Tokenizer()) == [1]  # its BOS, which vLLM's Responses route adds
     # A session the turn names wins over the chain's; the turn stays pinned.
     named = route._chained(alice, chain, "hdr", "session from X-Session-ID")
     assert (named.session, named.previous) == ("hdr", chained.previous)
@@ -185,7 +187,6 @@ class _ChatTokenizer(_Tokenizer):
 
 def test_the_prompt_is_tokenised_with_the_function_tools_as_the_worker_renders_it() -> None:
     tok = _ChatTokenizer()
-    ctx: Any = SimpleNamespace(tokenizer=tok, workers=lambda: [], max_model_len=100)
     grep = {"type": "function", "name": "grep", "parameters": {"type": "object"}}
     body = {
         "input": [
@@ -196,7 +197,10 @@ def test_the_prompt_is_tokenised_with_the_function_tools_as_the_worker_renders_i
         "tools": [grep, {"type": "web_search"}],
     }
     messages = input_messages(body)
-    ids, _ = ResponsesRoute(ctx)._tokenize(messages, chat_tools(body), None, None)
+    turn = TurnRequest(
+        TenantId("alice"), RESPONSES_PATH, body, conversation=messages, tools=chat_tools(body)
+    )
+    ids, _ = ApiTurnTokenizer(tok, 100).tokenize(turn, None)
     assert list(ids) == [1, 7, 7, 7, 9]  # the lead (BOS), three messages, one function tool
     function = {"name": "grep", "description": None, "parameters": {"type": "object"}}
     assert tok.tools == [[{"type": "function", "function": function}]]

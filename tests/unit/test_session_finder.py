@@ -26,8 +26,8 @@ from appliance.services.sessions.session_finder import (
     prompt_chain,
 )
 from appliance.services.sessions.sessions import SessionTable
-from appliance.services.turns.turn import Reply, TurnInput
-from tests.fakes import AckLedger, ManualClock, RouterWorker, Wired, wired_desk
+from appliance.services.turns.turn import Reply, TurnRequest
+from tests.fakes import AckLedger, FakeTurnTokenizer, ManualClock, RouterWorker, Wired, wired_desk
 
 A, B = TenantId("alice"), TenantId("bob")
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -62,7 +62,7 @@ def take(sessions: SessionTable, messages: list[Any], tenant: TenantId = A) -> F
     state = sessions.open(tenant, found.session_id, 0.0)
     sessions.tip(state, found.tip)
     sessions.began(state, 0.0)
-    let_go(found)
+    let_go(sessions, found)
     return found
 
 
@@ -121,7 +121,7 @@ def test_a_claimed_session_is_nobody_elses_until_its_turn_lets_it_go() -> None:
     assert claim is not None and claim.session_id == first.session_id
     other = find_session(sessions, A, "m", grown(START, 2))  # before the first began
     assert other is not None and other.session_id != first.session_id
-    let_go(claim)  # the claiming turn failed before it began (refused, say)
+    let_go(sessions, claim)  # the claiming turn failed before it began (refused, say)
     again = find_session(sessions, A, "m", grown(START, 2))
     assert again is not None and again.session_id == first.session_id
 
@@ -190,27 +190,24 @@ class Gate:
         return ANSWER
 
 
-def chat(messages: list[Any], *, bad: bool = False, **kw: Any) -> TurnInput:
-    def tokenize(_: Any) -> tuple[list[int], None]:
-        if bad:
-            raise RequestRefused(400, "bad", "invalid_value")
-        return [1] * (40 + 8 * len(messages)), None
+def chat(messages: list[Any], *, bad: bool = False, **kw: Any) -> TurnRequest:
+    body = {"model": "m", "messages": messages, **({"bad": True} if bad else {})}
+    return TurnRequest(A, "/v1/chat/completions", body, conversation=messages, **kw)
 
-    body = {"model": "m", "messages": messages}
-    return TurnInput(
-        A,
-        "/v1/chat/completions",
-        body,
-        tokenize=tokenize,
-        estimate=lambda _: None,
-        conversation=messages,
-        **kw,
-    )
+
+def prompt_ids(turn: TurnRequest) -> list[int]:
+    """A chat's ids as the tests' tokenizer makes them; a `bad` one cannot be tokenised."""
+    if turn.body.get("bad"):
+        raise RequestRefused(400, "bad", "invalid_value")
+    return [1] * (40 + 8 * len(turn.body["messages"]))
 
 
 def desk(gate: Gate) -> Wired:
     return wired_desk(
-        [RouterWorker(WorkerId("w0"), gate)], clock=ManualClock(100.0), ledger=Decisions()
+        [RouterWorker(WorkerId("w0"), gate)],
+        clock=ManualClock(100.0),
+        ledger=Decisions(),
+        tokenizer=FakeTurnTokenizer(prompt_ids),
     )
 
 
@@ -240,7 +237,7 @@ def test_turns_that_name_their_session_or_task_are_not_chained() -> None:
     async def two() -> list[Reply]:
         wired = desk(Gate())
         named = await wired.desk.run(chat(START, session_id=SessionId("mine")))
-        tasked = await wired.desk.run(chat(grown(START, 1), task_id="job"))
+        tasked = await wired.desk.run(chat(grown(START, 1), client_task_id="job"))
         return [named, tasked]
 
     named, tasked = asyncio.run(two())

@@ -29,8 +29,7 @@ from appliance.policy.deadline_share import Reserve, TaskRun
 from appliance.services.tasks.admission import AdmissionRefused
 from appliance.services.tasks.task_paces import TaskPaces, run_of
 from appliance.services.tasks.task_state import TaskError, TaskState
-from appliance.services.turns.turn import Reply
-from appliance.services.turns.turn_desk import TurnInput
+from appliance.services.turns.turn import Reply, TurnRequest
 from tests.fakes import FixedIndex, ManualClock, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")
@@ -61,15 +60,13 @@ class Worker:
         return ANSWER
 
 
-def turn(task: str, deadline_s: float | None = None, prompt: int = 40) -> TurnInput:
+def turn(task: str, deadline_s: float | None = None, prompt: int = 40) -> TurnRequest:
     ids = list(range(prompt))
-    return TurnInput(
+    return TurnRequest(
         A,
         "/v1/completions",
-        {"model": "m"},
-        tokenize=lambda _: (ids, None),
-        estimate=lambda _: None,
-        task_id=task,
+        {"model": "m", "prompt": ids},
+        client_task_id=task,
         session_id=SessionId(task),
         deadline_s=deadline_s,
     )
@@ -252,10 +249,9 @@ def test_overlapping_turns_count_once_and_the_book_tells_who_closed() -> None:
     told: list[TaskId] = []
     paces = TaskPaces(ManualClock(20.0), min_runs=1)
     task.status = TaskStatus.SUCCEEDED
-    done = paces.hearing(lambda key: task if key == task.key else None, told.append)
-    done(task.key)
-    done(TaskId("a/gone"))
-    assert told == [task.key, "a/gone"]
+    done = paces.hearing(told.append)
+    done(task)
+    assert told == [task.key]
     assert paces.reserve(task) == Reserve(7.0, 0.0, 1.5, 0.0, 7.0, 1)
 
 

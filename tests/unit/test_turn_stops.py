@@ -19,8 +19,7 @@ import pytest
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.services.tasks.task_state import TaskError
 from appliance.services.turns.flights import loop_alarm
-from appliance.services.turns.turn import Reply
-from appliance.services.turns.turn_desk import TurnInput
+from appliance.services.turns.turn import Reply, TurnRequest
 from tests.fakes import ManualClock, RouterWorker, Wired, wired_desk
 
 A = TenantId("a")
@@ -29,15 +28,13 @@ ANSWER = b'{"usage": {"prompt_tokens": 40, "completion_tokens": 1}}'
 CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"]
 
 
-def turn(task: str = "t", *, stream: bool = False, deadline_s: float | None = 2.0) -> TurnInput:
+def turn(task: str = "t", *, stream: bool = False, deadline_s: float | None = 2.0) -> TurnRequest:
     body = {"model": "m", "stream": True} if stream else {"model": "m"}
-    return TurnInput(
+    return TurnRequest(
         A,
         "/v1/completions",
         body,
-        tokenize=lambda _: ([1] * 40, None),
-        estimate=lambda _: None,
-        task_id=task,
+        client_task_id=task,
         session_id=SessionId(task),
         deadline_s=deadline_s,
     )

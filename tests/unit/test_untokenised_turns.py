@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
+from appliance.services.sessions.appended_text import appended, resumable
 from appliance.services.sessions.chat_tokens import encode_chat_text
-from appliance.services.sessions.sessions import SessionState, appended, resumable
+from appliance.services.sessions.sessions import SessionState
 from appliance.services.turns.turn import TurnRequest
 from appliance.tokenization.tokenizer import FallbackTokenizer, HfTokenizer
+from tests.fakes import FakeTurnTokenizer
 from tests.unit.test_hf_tokenizer_split import _byte_level, _model_dir
 from tests.unit.test_queue_book import setup
 
@@ -79,15 +81,18 @@ def test_the_bound_is_never_below_the_turns_real_length(tokenizers: list[Any], s
 
 
 def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> None:
-    wired, workers = setup()
+    tokenizer = FakeTurnTokenizer()
+    wired, workers = setup(tokenizer=tokenizer)
     hasher = BlockHasher(HashAlgo.SHA256_CBOR, 16)
     first, second = list(range(100)), [*range(100), *range(1000, 1040)]
     sent_before_tokenised: list[bool] = []
 
-    def tokenize() -> tuple[list[int], None]:
+    def tokenize(turn: TurnRequest) -> list[int]:
         # The request is on its way: the queue book counts its prefill at a worker.
         sent_before_tokenised.append(any(wired.queues.routed_s(w.id, 100.0) for w in workers))
-        return second, None
+        return second
+
+    tokenizer.ids = tokenize  # the first turn comes tokenised: only the second asks
 
     def turn(ids: list[int] | None, **kw: Any) -> TurnRequest:
         return TurnRequest(
@@ -106,7 +111,7 @@ def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> 
         assert session is not None and session.home is not None
         home = session.home
         wired.index.blocks = {home: 6}  # the first prompt
-        reply = await wired.desk.handle(turn(None, tokenize=tokenize, estimated_tokens=140))
+        reply = await wired.desk.handle(turn(None, estimated_tokens=140))
         assert reply.headers["X-Appliance-Worker"] == home
         salted = RequestKeys(cache_salt="salt-a")
         assert session.chain == hasher.chain(second, keys=salted)
@@ -120,10 +125,10 @@ def test_an_untokenised_turn_is_placed_at_home_and_hashed_after_it_is_sent() -> 
 def test_a_turn_that_fails_to_tokenise_makes_the_next_one_tokenise_first(
     tmp_path: Path,
 ) -> None:
-    wired, _ = setup()
-
-    def broken() -> tuple[list[int], None]:
+    def broken(turn: TurnRequest) -> list[int]:
         raise ValueError("template error")
+
+    wired, _ = setup(tokenizer=FakeTurnTokenizer(broken))
 
     async def main() -> None:
         first = TurnRequest(
@@ -146,7 +151,6 @@ def test_a_turn_that_fails_to_tokenise_makes_the_next_one_tokenise_first(
             None,
             TaskId("a/t"),
             SessionId("s"),
-            tokenize=broken,
             estimated_tokens=120,
         )
         await wired.desk.handle(untokenised)

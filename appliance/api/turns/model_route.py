@@ -1,12 +1,12 @@
 """The model routes (`POST /v1/chat/completions`, `/v1/completions`, and the Anthropic
 Messages API's `/v1/messages`, made a chat turn: anthropic_messages.py): HTTP in, a checked
-`TurnInput` to the turn desk, its reply out (a stream relayed chunk by chunk)."""
+`TurnRequest` to the turn desk, its reply out (a stream relayed chunk by chunk). The desk
+tokenises the turn through its port (api/turns/turn_prompts.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -21,19 +21,15 @@ from appliance.api.turns.anthropic_messages import (
     user_session,
 )
 from appliance.api.turns.anthropic_reply import MessageEvents, message_body
-from appliance.api.turns.context_limit import ContextTooLong
 from appliance.api.turns.requests import (
     agent_headers,
     chat_encoder,
     check_model_request,
     parse_json_body,
     served_model,
-    tokenize_checked,
 )
 from appliance.domain.records import SessionId
-from appliance.services.sessions.chat_tokens import ChatTokens
-from appliance.services.sessions.sessions import SessionState, resumable
-from appliance.services.turns.turn import TurnInput
+from appliance.services.turns.turn import TurnRequest
 
 MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_PATH})
 
@@ -41,7 +37,7 @@ MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_PAT
 class ModelRoute:
     def __init__(self, ctx: ApiContext) -> None:
         self._ctx = ctx
-        self._encoder = chat_encoder(ctx.tokenizer)  # one per app: it remembers long prompts
+        self._incremental = chat_encoder(ctx.tokenizer) is not None  # renders chats itself
 
     async def __call__(self, request: Request) -> Response | RelayedStream:
         headers = _headers_of(request.scope)
@@ -65,27 +61,23 @@ class ModelRoute:
             )
         plain = (
             path.endswith("chat/completions")
-            and self._encoder is not None
+            and self._incremental
             and body.get("add_generation_prompt", True) is True
         )
         reply = await self._ctx.desk.run(
-            TurnInput(
+            TurnRequest(
                 tenant=who.tenant,
                 path=path,
                 body=body,
-                tokenize=partial(self._tokenize, path, body, max_tokens, messages_api),
-                estimate=lambda session: (
-                    self._untokenised_estimate(session, body, max_tokens if messages_api else None)
-                    if plain
-                    else None
-                ),
+                max_tokens=max_tokens,
+                messages_api=messages_api,
                 messages=body["messages"] if plain else None,
                 conversation=body["messages"] if path.endswith("chat/completions") else None,
-                task_id=hdr.task_id,
+                client_task_id=hdr.task_id,
                 session_id=SessionId(hdr.session_id) if hdr.session_id else None,
-                parent_task_id=hdr.parent_task_id,
+                client_parent_id=hdr.parent_task_id,
                 deadline_s=hdr.deadline_s,
-                priority=hdr.priority,
+                asked_priority=hdr.priority,
                 tool_class=hdr.tool_class,
                 expected_wait_s=hdr.expected_wait_s,
                 client_salt=salt,
@@ -99,44 +91,6 @@ class ModelRoute:
             return RelayedStream(chunks, reply.headers, on_end=reply.on_end)
         answer = message_body(reply.body) if messages_api and reply.status == 200 else reply.body
         return Response(answer, reply.status, reply.headers, "application/json")
-
-    def _tokenize(
-        self,
-        path: str,
-        body: dict[str, Any],
-        max_tokens: int | None,
-        messages_api: bool,
-        previous: ChatTokens | None,
-    ) -> tuple[Sequence[int], ChatTokens | None]:
-        """The prompt's ids (`tokenize_checked`); too long for the model: refused in the
-        words of the route's API."""
-        try:
-            return tokenize_checked(
-                path,
-                body,
-                self._ctx.tokenizer,
-                max_tokens=max_tokens,
-                max_model_len=self._ctx.max_model_len,
-                previous=previous,
-                encoder=self._encoder,
-                answer_counts=messages_api,
-            )
-        except ContextTooLong as exc:
-            if messages_api:
-                raise exc.in_anthropic_words() from None
-            raise
-
-    def _untokenised_estimate(
-        self, session: SessionState | None, body: dict[str, Any], max_tokens: int | None
-    ) -> int | None:
-        """The likely prompt length of a turn that may be forwarded before it is tokenised
-        (it only appends text to its session's last turn, and cannot exceed the model's
-        length with `max_tokens`, or one token when None); None: tokenise it first."""
-        appended = resumable(session, body["messages"])
-        if appended is None or session is None or session.chat is None:
-            return None
-        bound = appended.token_bound(len(session.token_ids)) + (max_tokens or 1)
-        return appended.token_estimate(session.chat) if bound <= self._ctx.max_model_len else None
 
 
 def _headers_of(scope: Mapping[str, Any]) -> dict[str, str]:

@@ -238,7 +238,7 @@ def tokenize_checked(
     answer_counts: bool = False,
 ) -> tuple[Sequence[int], ChatTokens | None]:
     """`prompt_tokens` for a body `check_model_request` already passed (giving `max_tokens`);
-    `answer_counts`: the answer it asks for must fit the window too (api/context_limit.py)."""
+    `answer_counts`: the answer it asks for must fit the window too (api/turns/context_limit.py)."""
     chat = None
     if path.endswith("chat/completions"):
         ids, chat = _chat_ids(body, tokenizer, previous, encoder or chat_encoder(tokenizer))

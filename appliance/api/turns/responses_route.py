@@ -3,11 +3,11 @@
 A Responses request is a chat turn in other clothes: vLLM renders its instructions, its
 chained history and its input (function calls and their outputs too) as chat messages
 (domain/responses_input.py) and templates them with its function tools in chat's shape
-(domain/responses_tools.py), so the router tokenises and hashes the same messages and tools
-and hands the turn to the desk like any chat (tenant, session and task headers, the
-tenant's salt, admission, placement by the KV index, the ledger, receipts). The body goes
-to the worker unchanged but for the fields the desk sets; the answer, streamed or not, goes
-back in the API's own shape.
+(domain/responses_tools.py), so the router tokenises (the desk, through api/turns/turn_prompts.py)
+and hashes the same messages and tools, and hands the turn to the desk like any chat
+(tenant, session and task headers, the tenant's salt, admission, placement by the KV index,
+the ledger, receipts). The body goes to the worker unchanged but for the fields the desk
+sets; the answer, streamed or not, goes back in the API's own shape.
 
 Chaining: vLLM keeps a stored response (and the messages behind it) in the memory of the
 worker that produced it. The route learns each answer (the body, or the stream's
@@ -28,9 +28,8 @@ route decision's reason says which.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from functools import cached_property, partial
 from typing import Any
 
 import orjson
@@ -39,25 +38,20 @@ from starlette.responses import Response
 
 from appliance.api.context import ApiContext
 from appliance.api.errors import RequestRefused
-from appliance.api.turns.context_limit import ContextTooLong
 from appliance.api.turns.model_route import RelayedStream
 from appliance.api.turns.requests import (
-    Tokenizer,
     agent_headers,
-    chat_encoder,
     check_model_request,
     identifier,
     parse_json_body,
     served_model,
-    tokenize_checked,
 )
+from appliance.api.turns.turn_prompts import RESPONSES_PATH
 from appliance.domain.records import SessionId, TenantId, WorkerId
 from appliance.domain.responses_input import ResponsesInputError, input_messages, output_texts
 from appliance.domain.responses_tools import chat_tools
-from appliance.services.sessions.chat_tokens import ChatTokens
-from appliance.services.turns.turn import TurnInput
+from appliance.services.turns.turn import TurnRequest
 
-RESPONSES_PATH = "/v1/responses"
 _CHAT_PATH = "/v1/chat/completions"
 BOOK_LIMIT = 50_000
 """Responses the router remembers (all tenants); the oldest are forgotten first."""
@@ -103,14 +97,7 @@ class _Chained:
 class ResponsesRoute:
     def __init__(self, ctx: ApiContext, book: ResponseBook | None = None) -> None:
         self._ctx = ctx
-        self._encoder = chat_encoder(ctx.tokenizer)
         self.book = book or ResponseBook()
-
-    @cached_property
-    def lead(self) -> list[int] | None:
-        """The ids the tokenizer's special tokens put before a text (vLLM's Responses route
-        adds them), or None when they put any elsewhere too. Asked on the first turn."""
-        return _special_lead(self._ctx.tokenizer)
 
     async def __call__(self, request: Request) -> Response | RelayedStream:
         ctx = self._ctx
@@ -130,17 +117,17 @@ class ResponsesRoute:
             raise RequestRefused(400, str(exc), "invalid_value", param=exc.param) from None
         check_model_request(_CHAT_PATH, {"model": ctx.model, "messages": messages}, ctx.model)
         reply = await ctx.desk.run(
-            TurnInput(
+            TurnRequest(
                 tenant=who.tenant,
                 path=RESPONSES_PATH,
                 body=body,
-                tokenize=partial(self._tokenize, messages, tools, max_tokens),
-                estimate=lambda session: None,
-                task_id=hdr.task_id,
+                max_tokens=max_tokens,
+                tools=tools,
+                client_task_id=hdr.task_id,
                 session_id=chained.session,
-                parent_task_id=hdr.parent_task_id,
+                client_parent_id=hdr.parent_task_id,
                 deadline_s=hdr.deadline_s,
-                priority=hdr.priority,
+                asked_priority=hdr.priority,
                 tool_class=hdr.tool_class,
                 expected_wait_s=hdr.expected_wait_s,
                 client_salt=_salt(body),
@@ -160,41 +147,6 @@ class ResponsesRoute:
         if reply.status == 200:
             learn(reply.body)
         return Response(reply.body, reply.status, reply.headers, "application/json")
-
-    def _tokenize(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        max_tokens: int | None,
-        last: ChatTokens | None,
-    ) -> tuple[Sequence[int], ChatTokens | None]:
-        """The prompt's ids as vLLM's Responses route makes them: the rendered chat (with the
-        function tools, in chat's shape, as its template renders them) tokenised with the
-        tokenizer's special tokens (chat's route adds none), so a template that writes its
-        own BOS gets a second one there too."""
-        chat: dict[str, Any] = {"messages": messages}
-        if tools:
-            chat["tools"] = tools
-        lead, tok, limit = self.lead, self._ctx.tokenizer, self._ctx.max_model_len
-        if lead is None:  # the specials are not only leading: the whole chat tokenised again
-            tokenize_checked(_CHAT_PATH, chat, tok, max_tokens=max_tokens, max_model_len=limit)
-            kw: dict[str, Any] = {"tools": tools} if tools else {}
-            return tok.encode_chat(
-                messages, add_generation_prompt=True, add_special_tokens=True, **kw
-            ), None
-        try:
-            ids, rendered = tokenize_checked(
-                _CHAT_PATH,
-                chat,
-                tok,
-                max_tokens=max_tokens,
-                max_model_len=limit - len(lead),
-                previous=last,
-                encoder=self._encoder,
-            )
-        except ContextTooLong as exc:  # counted with the lead, as vLLM counts the prompt
-            raise exc.shifted(len(lead)) from None
-        return [*lead, *ids], rendered
 
     def _chained(
         self, tenant: TenantId, body: dict[str, Any], named: str | None, note: str | None
@@ -315,13 +267,6 @@ def _learn_event(data: bytes, learn: Callable[[dict[str, Any]], None]) -> None:
         return
     if isinstance(event, dict) and isinstance(event.get("response"), dict):
         learn(event["response"])
-
-
-def _special_lead(tokenizer: Tokenizer) -> list[int] | None:
-    plain = tokenizer.encode("hello", add_special_tokens=False)
-    full = tokenizer.encode("hello", add_special_tokens=True)
-    n = len(full) - len(plain)
-    return list(full[:n]) if n >= 0 and list(full[n:]) == list(plain) else None
 
 
 def _restarts(worker: Any) -> int:

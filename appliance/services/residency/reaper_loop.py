@@ -74,7 +74,7 @@ from appliance.services.residency.residency_inputs import (
 )
 from appliance.services.residency.retention_outbox import RetentionOutbox
 from appliance.services.residency.tool_waits import ToolWaits
-from appliance.services.sessions.sessions import SessionState, one_turn
+from appliance.services.sessions.sessions import SessionState, TurnBegan, TurnEnded, one_turn
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
@@ -102,10 +102,11 @@ class ReaperLoop:
         *,
         ledger: Ledger,
         clock: Clock,
-        tick_s: float = TICK_S,
         note: str | None = None,
         defer: Callable[[Callable[[], None]], None] | None = None,
+        lead_time: Callable[[ReaperLoop], LeadTime] | None = None,
     ) -> None:
+        """`lead_time`: builds the loop's restore on lead time from it (None: none)."""
         self.policy = policy
         self.driver = ResidencyDriver(policy)
         self.max_idle_s = self.driver.max_idle_s or FOLLOW_S
@@ -116,7 +117,7 @@ class ReaperLoop:
         self._inputs = inputs
         self._ledger = ledger
         self.clock = clock
-        self.tick_s = tick_s  # how often `reaper_runner` ticks it
+        self.tick_s = TICK_S  # how often `reaper_runner` ticks it
         self._defer = defer or _on_the_next_loop_turn
         self._waiting: OrderedDict[str, WaitingSession] = OrderedDict()
         self._holds = LiveHolds(self.driver, self._waiting)
@@ -126,24 +127,24 @@ class ReaperLoop:
         self._watched_at = self._ordered_at = -math.inf
         self._prefixes = PrefixWatch(inputs.index)
         self.decisions: Counter[str] = Counter()  # by action since start
-        self.lead_time: LeadTime | None = None
         self.branch_ends = BranchEnds()  # what each ended task's sessions reclaimed
+        self.lead_time = lead_time(self) if lead_time is not None else None
 
-    # --- the turn desk's hooks (through the session table) -----------------------------
+    # --- the session table's turn events (the loop subscribes when the table is built) ---
 
-    def turn_began(self, session: SessionState, now: float) -> None:
+    def turn_began(self, event: TurnBegan) -> None:
         """The session's next turn: its idle period ends in a return."""
-        key = retention_key(session)
+        key, now = retention_key(event.session), event.at
         if self.lead_time is not None:
             self.lead_time.turn_began(key, now)
         if self._waiting.pop(key, None) is not None:  # the wait model learns after the send
             self._defer(partial(self.driver.returned, key, now))
 
-    def turn_ended(self, session: SessionState, now: float) -> None:
+    def turn_ended(self, event: TurnEnded) -> None:
         """The session has no turn in flight any more: where its KV waits is decided once
         its answer is out (`defer`: the event loop's next turn), unless its next turn has
         begun by then; no answer waits for the decision's few tenths of a millisecond."""
-        self._defer(partial(self._decide_ended, session, now))
+        self._defer(partial(self._decide_ended, event.session, event.at))
 
     def _decide_ended(self, session: SessionState, now: float) -> None:
         if session.in_flight:

@@ -21,7 +21,7 @@ from appliance.ports import Ledger
 from appliance.services.residency.lead_time import LeadTime
 from appliance.services.residency.reaper_loop import ReaperLoop
 from appliance.services.residency.residency_inputs import LiveInputs
-from appliance.services.tasks.tasks import ToolEventHook
+from appliance.services.tasks.task_state import ToolEventHook
 
 
 def reaper_hears(loop: ReaperLoop) -> ToolEventHook:

@@ -1,7 +1,7 @@
 """The session of a turn that names none: the prefix chain.
 
 A harness that sends no session id (no `X-Session-ID`, no id of its own, no Responses
-chain: api/requests.py `client_session`, the routes) still re-sends its whole conversation
+chain: api/turns/requests.py `client_session`, the routes) still re-sends its whole conversation
 every turn, and its next turn's messages begin with its last turn's. So a chat turn is the
 next turn of the session whose last prompt its messages extend, if that session has no
 turn in flight; else (no such session, or it is busy: a fork, or a second run of the same
@@ -84,7 +84,7 @@ def find_session(
         if not state.in_flight and state.claimed is None:
             note = f"session from prefix chain (extends its last prompt's {n} messages)"
             found = FoundSession(state.session_id, note, tips[-1], state)
-            state.claimed = found
+            sessions.claim(state, found)
             return found
         busy = busy or state
     if busy is not None:
@@ -94,8 +94,8 @@ def find_session(
     return FoundSession(SessionId(f"chain-{uuid.uuid4().hex[:16]}"), note, tips[-1], None)
 
 
-def let_go(found: FoundSession | None) -> None:
+def let_go(sessions: SessionTable, found: FoundSession | None) -> None:
     """The turn that claimed a session has begun (its session is busy), or failed first:
     other turns may find that session again (once it is idle)."""
-    if found is not None and found.claimed is not None and found.claimed.claimed is found:
-        found.claimed.claimed = None
+    if found is not None and found.claimed is not None:
+        sessions.unclaim(found.claimed, found)

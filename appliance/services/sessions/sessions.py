@@ -10,6 +10,11 @@ session's first turn starts from the latest chain of the same salt whose first b
 same (sessions sharing a system prompt or context). Either way the hashes are exactly
 vLLM's for these token ids and this tenant's salt.
 
+The table is the one owner of a session's state: the turn desk, placement and the tokeniser
+ask it to change one (`take_turn`, `placed`, `served`, `keep_chat`, ...); the others read it,
+or hear of a turn's beginning and end as frozen events (`TurnBegan`, `TurnEnded`) sent to the
+subscribers named when the table is built (the idle reaper).
+
 A chat turn's ids come from services/sessions/chat_tokens.py, which tokenises only what it appended.
 A session ends with its task (`forget_task`; not with a one-turn task's `done`: a session
 the client named binds a one-turn task per turn); the table is bounded besides. A session the
@@ -69,19 +74,43 @@ class SessionState:
     begun, or failed first): no other turn takes it meanwhile."""
 
 
-def keep_chat(state: SessionState, chat: ChatTokens | None) -> None:
-    """The session's last turn was rendered as `chat` (None: not incrementally)."""
-    state.chat = chat
-    if chat is not None and chat.stem:
-        state.stem_tokens = chat.stem
+@dataclass(frozen=True, slots=True)
+class TurnBegan:
+    """A turn of `session` starts `at`. The session is the table's: to read, never to change."""
+
+    session: SessionState
+    at: float
 
 
-class TurnListener(Protocol):
-    """Told when a session's turn starts, and when it has no turn left in flight."""
+@dataclass(frozen=True, slots=True)
+class TurnEnded:
+    """`session` has no turn in flight any more since `at`: its last answer (or stream) has
+    ended, however it ended (`session.said`: how, when the answer said)."""
 
-    def turn_began(self, session: SessionState, now: float) -> None: ...
+    session: SessionState
+    at: float
 
-    def turn_ended(self, session: SessionState, now: float) -> None: ...
+
+class TurnSubscriber(Protocol):
+    """Hears of each session's turn starting, and of a session left with no turn in flight."""
+
+    def turn_began(self, event: TurnBegan) -> None: ...
+
+    def turn_ended(self, event: TurnEnded) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TurnHints:
+    """What a turn says of its session (`SessionTable.take_turn`)."""
+
+    tool_class: str | None = None
+    expected_wait_s: float | None = None
+    chat: ChatTokens | None = None
+    messages: list[Any] | None = None
+    incremental: bool = False
+    """Its chat is tokenised incrementally (or is about to be): `chat` and `messages` are
+    kept for the next turn."""
+    prompt_tip: bytes | None = None
 
 
 def one_turn(session: SessionState) -> bool:
@@ -92,7 +121,7 @@ def one_turn(session: SessionState) -> bool:
 
 class SessionTable:
     """Sessions by (tenant, id), least recently used first; bounded so memory stays flat.
-    `listener` (the idle reaper) hears of every turn's start and end."""
+    `subscribers` (the idle reaper) hear of every turn's start and end, in their order."""
 
     def __init__(
         self,
@@ -100,10 +129,10 @@ class SessionTable:
         *,
         max_sessions: int = 100_000,
         max_donors: int = 256,
-        listener: TurnListener | None = None,
+        subscribers: Sequence[TurnSubscriber] = (),
     ) -> None:
         self._hasher = hasher
-        self.listener = listener
+        self._subscribers = tuple(subscribers)
         self._max = max_sessions
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
         self._donors: OrderedDict[tuple[str, tuple[int, ...]], tuple[TokenIds, BlockHashChain]]
@@ -174,6 +203,16 @@ class SessionTable:
                 return n, reversed(holders)
         return 0, iter(())
 
+    def claim(self, state: SessionState, by: object) -> None:
+        """A turn (`by`, its finding) took the session by its tip: no other turn takes it
+        until `unclaim`."""
+        state.claimed = by
+
+    def unclaim(self, state: SessionState, by: object) -> None:
+        """The turn that claimed the session (`by`) has begun, or failed first."""
+        if state.claimed is by:
+            state.claimed = None
+
     def _untip(self, state: SessionState) -> None:
         if state.prompt_tip is not None:
             key = (state.tenant, state.prompt_tip)
@@ -183,14 +222,67 @@ class SessionTable:
                 self._tips.pop(key, None)
             state.prompt_tip = None
 
+    def take_turn(
+        self,
+        tenant: TenantId,
+        session_id: SessionId,
+        task: TaskId | None,
+        now: float,
+        hints: TurnHints,
+    ) -> SessionState:
+        """The session a turn of `task` is of (opened if new), with what the turn says of
+        it: its agent's hints, its chat when tokenised incrementally (or about to be:
+        anything else makes the next turn tokenise before it is placed), its tip."""
+        state = self.open(tenant, session_id, now)
+        self.bind_task(state, task)
+        state.tool_class = hints.tool_class
+        state.expected_wait_s = hints.expected_wait_s
+        self.keep_chat(state, hints.chat if hints.incremental else None)
+        state.messages = hints.messages if hints.incremental else None
+        if hints.prompt_tip is not None:
+            self.tip(state, hints.prompt_tip)
+        return state
+
+    def keep_chat(self, state: SessionState, chat: ChatTokens | None) -> None:
+        """The session's last turn was rendered as `chat` (None: not incrementally)."""
+        state.chat = chat
+        if chat is not None and chat.stem:
+            state.stem_tokens = chat.stem
+
+    def untokenised(self, state: SessionState) -> None:
+        """Its last turn could not be tokenised: the next one is tokenised before it is placed."""
+        state.chat = state.messages = None
+
+    def placed(
+        self,
+        state: SessionState,
+        prompt: tuple[TokenIds, BlockHashChain, str] | None,
+        resident: dict[WorkerId, int],
+    ) -> None:
+        """A turn of the session goes where `resident` was predicted; `prompt`: its ids,
+        chain and salt, when it was tokenised (None: placed on the last prompt's chain)."""
+        if prompt is not None:
+            self.adopt(state, *prompt)
+        state.resident_tokens = dict(resident)
+
+    def served(self, state: SessionState, worker: WorkerId, said: AnswerEnd | None) -> None:
+        """`worker` answered the session's turn (`said`: how its answer ended, when known)."""
+        state.home = worker
+        state.said = said
+
     def began(self, state: SessionState, now: float) -> None:
         """A turn of the session starts now."""
         state.in_flight += 1
         state.turns += 1
         state.last_active_at = now
         state.said = None  # the last answer's end is history
-        if self.listener is not None:
-            self.listener.turn_began(state, now)
+        event = TurnBegan(state, now)
+        for subscriber in self._subscribers:
+            subscriber.turn_began(event)
+
+    def heard(self, state: SessionState, said: AnswerEnd | None) -> None:
+        """How the answer of the session's stream ended, once it has (None: it did not say)."""
+        state.said = said
 
     def ended(self, state: SessionState, now: float) -> None:
         """A turn of the session has ended (its answer, or its stream), however it ended.
@@ -198,8 +290,10 @@ class SessionTable:
         back to it (kept, every plain request would hold its prompt until the cap)."""
         state.in_flight -= 1
         state.last_active_at = now
-        if not state.in_flight and self.listener is not None:
-            self.listener.turn_ended(state, now)
+        if not state.in_flight:
+            event = TurnEnded(state, now)
+            for subscriber in self._subscribers:
+                subscriber.turn_ended(event)
         if not state.in_flight and (one_turn(state) or state.task_done):
             self._drop((state.tenant, state.session_id))
 
@@ -274,66 +368,6 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
-
-
-TEMPLATE_MARGIN_TOKENS = 64
-"""Tokens a chat template may add around one message (role markers, separators, special
-tokens) or at the end (the generation prompt): a generous bound, not a measurement."""
-
-
-@dataclass(frozen=True, slots=True)
-class Appended:
-    """What a chat turn adds to its session's last turn: `messages` messages of plain text,
-    `text_bytes` bytes of it (UTF-8)."""
-
-    messages: int
-    text_bytes: int
-
-    def token_bound(self, previous_tokens: int) -> int:
-        """At most this many tokens in the new turn, after a last turn of `previous_tokens`.
-
-        Why it bounds: a token covers at least one byte of text (byte-level BPE,
-        SentencePiece with byte fallback, the simulator's words), so the appended text adds
-        at most its UTF-8 length, and the template at most a margin per message and one for
-        the generation prompt."""
-        return previous_tokens + self.text_bytes + TEMPLATE_MARGIN_TOKENS * (self.messages + 1)
-
-    def token_estimate(self, previous: ChatTokens) -> int:
-        """The likely token count: the appended text at the last turn's tokens per byte."""
-        per_byte = len(previous.ids) / max(1, len(previous.text))  # ASCII-heavy: chars ~ bytes
-        return len(previous.ids) + round(self.text_bytes * per_byte) + 4 * self.messages
-
-
-def resumable(session: SessionState | None, messages: Sequence[Any]) -> Appended | None:
-    """What a chat turn appends to its session's last turn, when the turn may be placed and
-    forwarded before it is tokenised: the session has no turn in flight, its last turn was
-    tokenised incrementally (so it has `chat`, `messages` and a chain) and this turn only
-    appends plain text to it. None: tokenise first."""
-    if session is None or session.in_flight or session.chain is None:
-        return None
-    if session.chat is None or session.messages is None:
-        return None
-    return appended(session.messages, messages)
-
-
-def appended(previous: Sequence[Any], messages: Sequence[Any]) -> Appended | None:
-    """What `messages` append to `previous`, when they repeat it and append only messages
-    of plain text fields; None otherwise (a rewritten history, parts, tool calls), and the
-    turn must be tokenised before anything is decided."""
-    n = len(previous)
-    if len(messages) <= n or messages[:n] != previous:
-        return None
-    text_bytes = 0
-    for message in messages[n:]:
-        if not isinstance(message, dict):
-            return None
-        for value in message.values():
-            if value is None:
-                continue
-            if not isinstance(value, str):
-                return None  # parts, tool calls: rendered in ways a byte count cannot bound
-            text_bytes += len(value.encode())
-    return Appended(len(messages) - n, text_bytes)
 
 
 def _shared_blocks(old: TokenIds, new: TokenIds, block_size: int, limit: int) -> int:

@@ -92,16 +92,12 @@ class TaskPaces:
         if run is not None and task.task_class is not None:
             self.observe(task.tenant, task.task_class, run)
 
-    def hearing(
-        self, find: Callable[[TaskId], TaskState | None], then: Callable[[TaskId], None]
-    ) -> Callable[[TaskId], None]:
-        """The task book's `on_done`: learns from the closed task, then tells `then`."""
+    def hearing(self, then: Callable[[TaskId], None]) -> Callable[[TaskState], None]:
+        """The task book's `on_close`: learns from the closed task, then tells `then`."""
 
-        def done(key: TaskId) -> None:
-            task = find(key)
-            if task is not None:
-                self.closed(task)
-            then(key)
+        def done(task: TaskState) -> None:
+            self.closed(task)
+            then(task.key)
 
         return done
 

@@ -1,4 +1,5 @@
-"""A task as the task book (services/tasks/tasks.py) holds it, its refusals, and its document
+"""A task as the task book (services/tasks/tasks.py) holds it, its turns' events (published by
+the turn desk), its refusals, and its document
 (`GET /v1/tasks/{id}`) from the book or, for a task the book no longer holds, from the
 ledger's rows (ledger/task_history.py) in the same shape."""
 
@@ -7,18 +8,49 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import (
     ArchivedTask,
     OpenTask,
+    TaskEventType,
     TaskId,
     TaskRecord,
     TaskStatus,
     TenantId,
 )
 from appliance.services.tasks.task_load import Standing, TaskLoad
+
+
+@dataclass(frozen=True, slots=True)
+class TaskTurnBegan:
+    """A turn of `task` starts `at` at the turn desk: admitted, going to the box or outside.
+    The task is the task book's: to read, never to change."""
+
+    task: TaskState
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TaskTurnEnded:
+    """A turn of `task` has ended `at` (its answer, or its stream), however it ended."""
+
+    task: TaskState
+    at: float
+
+
+ToolEventHook = Callable[[TaskId, TaskEventType, str | None, float | None, float], None]
+"""Told of each `tool_started` and `tool_finished`: task, kind, tool class, expected s, now."""
+
+
+class TaskTurnSubscriber(Protocol):
+    """Hears of each turn the turn desk begins and ends (the task book, and whoever the
+    desk is built with)."""
+
+    def turn_began(self, event: TaskTurnBegan) -> None: ...
+
+    def turn_ended(self, event: TaskTurnEnded) -> None: ...
 
 
 class TaskError(ApplianceError):

@@ -40,15 +40,15 @@ from appliance.services.tasks.task_state import (
     TaskClosed,
     TaskError,
     TaskState,
+    TaskTurnBegan,
+    TaskTurnEnded,
+    ToolEventHook,
     archived_document,
     state_of,
     task_document,
     task_record,
     undo_refused,
 )
-
-ToolEventHook = Callable[[TaskId, TaskEventType, str | None, float | None, float], None]
-"""Told of each `tool_started` and `tool_finished`: task, kind, tool class, expected s, now."""
 
 
 class TaskBook:
@@ -60,19 +60,22 @@ class TaskBook:
         idle_s: float = 600.0,
         archive: TaskArchive | None = None,
         shelf: SettledShelf | None = None,
+        states: dict[TaskId, TaskState] | None = None,
+        on_close: Callable[[TaskState], None] | None = None,
+        on_tool_event: ToolEventHook | None = None,
     ) -> None:
         """`archive`: the ledger's tasks, read back for an id the book does not hold (None:
-        such an id is unknown)."""
+        such an id is unknown). `states`: an empty dict the book keeps its tasks in, which
+        others may read. `on_close`: told of a task closed (not `done`): its sessions end
+        (SessionTable.forget_task). `on_tool_event`: told of each tool event (the reaper)."""
         self._ledger = ledger
         self._events = events
         self._archive = archive
-        self._tasks: dict[TaskId, TaskState] = {}
+        self._tasks: dict[TaskId, TaskState] = states if states is not None else {}
         self._loads = TaskLoads(self._tasks.get, idle_s, on_let_go=self._settle)
         self._shelf = shelf if shelf is not None else SettledShelf()
-        self.on_tool_event: ToolEventHook | None = None  # the idle reaper hears tool events
-        """Told of each `tool_finished` (task, tool class, when): the reaper's lead time."""
-        self.on_done: Callable[[TaskId], None] | None = None
-        """Told of a task closed (not `done`): its sessions end (SessionTable.forget_task)."""
+        self._on_tool_event = on_tool_event
+        self._on_close = on_close
 
     @staticmethod
     def key(tenant: TenantId, client_id: str) -> TaskId:
@@ -222,15 +225,15 @@ class TaskBook:
         )
         if cost:
             self._spent(state, state.written, cost)
-        if kind.is_tool_event and self.on_tool_event is not None:
-            self.on_tool_event(state.key, kind, tool_class, expected_s, now)
+        if kind.is_tool_event and self._on_tool_event is not None:
+            self._on_tool_event(state.key, kind, tool_class, expected_s, now)
         if new is not None:
             before = (state.status, state.verified)
             state.status = new
             state.verified = verified
             self._loads.let_go(state)  # for good: a refused write leaves it uncounted
-            if self.on_done is not None and new.ends_sessions:
-                self.on_done(state.key)
+            if self._on_close is not None and new.ends_sessions:
+                self._on_close(state)
             # A refused write takes the change back (the writer's thread: two assignments).
             state.written.add_done_callback(lambda f: undo_refused(f, state, before))
         if kind == TaskEventType.CANCELLED and announce:
@@ -330,14 +333,15 @@ class TaskBook:
 
     # --- turns, and what admission reads (its TaskView) --------------------------------
 
-    def turn_began(self, state: TaskState, now: float) -> None:
+    def turn_began(self, event: TaskTurnBegan) -> None:
         """A model turn of the task was admitted and starts now."""
-        state.turns += 1
-        self._loads.turn_began(state, now)
+        event.task.turns += 1
+        self._loads.turn_began(event.task, event.at)
 
-    def turn_ended(self, state: TaskState, now: float) -> None:
+    def turn_ended(self, event: TaskTurnEnded) -> None:
         """The turn's answer (or its stream) has ended, however it ended. A one-turn task
         closes with its turn: `done`, its outcome unknown (a refused write reopens it)."""
+        state, now = event.task, event.at
         if state.load.one_turn and state.load.in_flight == 1 and state.status is TaskStatus.OPEN:
             self.event(state.tenant, state.client_id, TaskEventType.DONE, now)
         self._loads.turn_ended(state, now)

@@ -138,9 +138,10 @@ class Placer:
         return self._index.generation(worker)
 
     def commit(self, session: SessionState, placement: Placement) -> None:
-        if placement.ids is not None:
-            self._sessions.adopt(session, placement.ids, placement.chain, placement.salt)
-        session.resident_tokens = dict(placement.resident)
+        """Makes the placement the session's (the session table changes it)."""
+        ids = placement.ids
+        prompt = (ids, placement.chain, placement.salt) if ids is not None else None
+        self._sessions.placed(session, prompt, placement.resident)
 
     def residency(self, session: SessionState) -> dict[str, dict[WorkerId, int]]:
         """The session's last prompt as the KV index holds it now (not as predicted at its

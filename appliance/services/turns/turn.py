@@ -1,6 +1,6 @@
-"""The values of one model turn's life: the request as the API hands it over (`TurnInput`),
-as the desk places it (`TurnRequest`), each attempt at a worker, and the reply the API sends
-back."""
+"""The values of one model turn's life: the request (`TurnRequest`, from the API's hand-over
+to its records), the port the desk tokenises it through (`TurnTokenizer`), each attempt at a
+worker, and the reply the API sends back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.domain.errors import ApplianceError
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnId, WorkerId
@@ -35,61 +35,74 @@ class NoWorker(ApplianceError):
     http_status = 503
 
 
-Tokenize = Callable[[ChatTokens | None], tuple[Sequence[int], ChatTokens | None]]
-"""The session's last chat (or None) -> the turn's ids and its rendered chat."""
+NO_TASK = TaskId("")
+"""A turn's task key before the desk has opened its task."""
 
 
-@dataclass(frozen=True, slots=True)
-class TurnInput:
-    """A model turn as the API hands it over: authenticated, its body and headers checked."""
+class TurnTokenizer(Protocol):
+    """The port through which the desk tokenises a turn (the API's adapter fills it: it
+    knows each API's prompt and words)."""
 
-    tenant: TenantId
-    path: str
-    body: dict[str, Any]
-    tokenize: Tokenize
-    estimate: Callable[[SessionState | None], int | None]
-    """The likely prompt length when the turn may go before it is tokenised, else None."""
-    messages: list[Any] | None = None  # a plain chat's (the next turn's base)
-    task_id: str | None = None  # X-Task-ID; None: a one-turn task of its own
-    session_id: SessionId | None = None
-    parent_task_id: str | None = None
-    deadline_s: float | None = None
-    priority: int | None = None
-    tool_class: str | None = None
-    expected_wait_s: float | None = None
-    client_salt: str | None = None
-    received_at: float | None = None  # when the whole request had arrived (monotonic)
-    pinned: WorkerId | None = None  # see TurnRequest
-    route_note: str | None = None
-    conversation: Sequence[Any] | None = None
-    """A chat's messages, to find its session by their prefix when it names none
-    (services/sessions/session_finder.py)."""
-    prompt_tip: bytes | None = None  # see TurnRequest
-    escalate: str | None = None
-    """X-Escalate: an outside endpoint's name, or `local` (services/escalation/)."""
+    def tokenize(
+        self, turn: TurnRequest, previous: ChatTokens | None
+    ) -> tuple[Sequence[int], ChatTokens | None]:
+        """The turn's prompt ids and its rendered chat (None: not incremental), past
+        `previous`, the session's last chat; raises when the request cannot be served."""
+        ...
+
+    def estimate(self, turn: TurnRequest, session: SessionState | None) -> int | None:
+        """The prompt's likely length when the turn may go before it is tokenised (it only
+        appends text to `session`'s last turn), else None."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class TurnRequest:
+    """A model turn, from the API's hand-over (authenticated, its body and headers checked)
+    to its records. The desk fills in what it learns: its task's key, its prompt's ids
+    (`TurnTokenizer`), the priority admission grants it, its side."""
+
     tenant: TenantId
     path: str
-    """/v1/chat/completions or /v1/completions."""
+    """/v1/chat/completions, /v1/completions or /v1/responses."""
     body: dict[str, Any]
-    prompt_ids: Sequence[int] | None
-    """None when the turn is forwarded before it is tokenised (`tokenize` is then set)."""
-    task_id: TaskId
+    prompt_ids: Sequence[int] | None = None
+    """None until tokenised; a turn forwarded before it is tokenised stays None."""
+    task_id: TaskId = NO_TASK
+    """Its task's key (tenant/id), once the desk has it."""
     session_id: SessionId | None = None
     parent_task_id: TaskId | None = None
-    client_salt: str | None = None
+    """Its task's parent's key, once the task is open."""
+    client_task_id: str | None = None
+    """X-Task-ID; None: a one-turn task of its own."""
+    client_parent_id: str | None = None
+    """X-Parent-Task-ID."""
+    deadline_s: float | None = None
+    asked_priority: int | None = None
+    """X-Priority as sent (`priority`: what admission grants)."""
     tool_class: str | None = None
     expected_wait_s: float | None = None
+    client_salt: str | None = None
+    max_tokens: int | None = None
+    """The answer's `max_tokens` (None: not given)."""
+    messages_api: bool = False
+    """A Messages API turn made a chat turn: its answer must fit the model's window too,
+    and a prompt too long is refused in its words."""
+    tools: list[dict[str, Any]] | None = None
+    """A Responses turn's function tools, in chat's shape (its prompt renders them)."""
+    messages: list[Any] | None = None
+    """A plain chat's messages, kept with `chat` so the next turn can go untokenised."""
+    conversation: Sequence[Any] | None = None
+    """A chat's messages, to find its session by their prefix when it names none
+    (services/sessions/session_finder.py); a Responses turn's, rendered as its prompt."""
+    escalate: str | None = None
+    """X-Escalate: an outside endpoint's name, or `local` (services/escalation/)."""
     chat: ChatTokens | None = None
     """The rendered chat behind `prompt_ids`, kept so the session's next turn tokenises only
     what it appends."""
-    messages: list[Any] | None = None
-    """A chat's messages, kept with `chat` so the next turn can be forwarded untokenised."""
-    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None = None
-    """For a turn forwarded untokenised: its ids and chat, computed after it was sent."""
+    previous_chat: ChatTokens | None = None
+    """The session's last chat when the turn arrived: what a turn forwarded untokenised is
+    tokenised after (services/turns/sent_tokens.py)."""
     estimated_tokens: int = 0
     """The prompt's likely length while `prompt_ids` is None."""
     received_at: float | None = None
@@ -156,37 +169,6 @@ class Reply:
     """A stream's: runs once it has ended, however it ended."""
     session_id: SessionId | None = None
     """The session the turn was of (named, or found), when it had one."""
-
-
-def turn_request(
-    t: TurnInput,
-    task_id: TaskId,
-    ids: Sequence[int] | None,
-    chat: ChatTokens | None,
-    tokenize: Callable[[], tuple[Sequence[int], ChatTokens | None]] | None,
-    n_prompt: int,
-) -> TurnRequest:
-    """The turn as the desk places it, of the task `task_id` (its parent and the priority
-    admission gives it are set once the task is opened)."""
-    return TurnRequest(
-        tenant=t.tenant,
-        path=t.path,
-        body=t.body,
-        prompt_ids=ids,
-        task_id=task_id,
-        session_id=t.session_id,
-        client_salt=t.client_salt,
-        tool_class=t.tool_class,
-        expected_wait_s=t.expected_wait_s,
-        chat=chat,
-        messages=t.messages,
-        tokenize=tokenize,
-        estimated_tokens=n_prompt,
-        received_at=t.received_at,
-        pinned=t.pinned,
-        route_note=t.route_note,
-        prompt_tip=t.prompt_tip,
-    )
 
 
 def cached_tokens(usage: dict[str, Any]) -> int | None:

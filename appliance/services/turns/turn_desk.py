@@ -6,10 +6,11 @@
     task  ->  its share of the deadline  ->  forward (one retry elsewhere)  ->  record  ->
     release
 
-The API hands over a checked, authenticated turn (`TurnInput`) and gets a `Reply`; nothing
-else of a turn's life is in the HTTP layer. A session's next chat turn that only appends
-text may be placed and forwarded before it is tokenised (`TurnInput.estimate` says how long
-it likely is): what it shares with the last turn is that turn's prompt, whose chain is
+The API hands over a checked, authenticated turn (`TurnRequest`) and gets a `Reply`; nothing
+else of a turn's life is in the HTTP layer. The desk tokenises the turn through its port
+(`TurnTokenizer`, the API's adapter). A session's next chat turn that only appends text may
+be placed and forwarded before it is tokenised (the port's `estimate` says how long it
+likely is): what it shares with the last turn is that turn's prompt, whose chain is
 known, and it is tokenised and hashed while the worker prefills, ready for the turn after
 it. Placement comes first, so that admission judges the turn's deadline on the worker it
 will go to (its first attempt goes there, unless a worker must wake for it first).
@@ -48,13 +49,13 @@ from appliance.domain.errors import (
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
 from appliance.services.escalation.service import Escalation
-from appliance.services.sessions.chat_tokens import ChatTokens
 from appliance.services.sessions.session_finder import find_session, let_go
-from appliance.services.sessions.sessions import SessionState, SessionTable, keep_chat
-from appliance.services.tasks.admission import AdmissionRefused, AdmissionService, resident_hint
+from appliance.services.sessions.sessions import SessionState, SessionTable, TurnHints
+from appliance.services.tasks.admission import AdmissionRefused, resident_hint
 from appliance.services.tasks.task_paces import TaskPaces, share_headers
-from appliance.services.tasks.task_state import TaskState
+from appliance.services.tasks.task_state import TaskState, TaskTurnBegan, TaskTurnEnded
 from appliance.services.tasks.tasks import TaskBook
+from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.flights import (
     DEADLINE_MISSED,
     Flight,
@@ -65,21 +66,18 @@ from appliance.services.turns.flights import (
 from appliance.services.turns.forwarder import Forwarder, error_reply
 from appliance.services.turns.placement import Placement, Placer
 from appliance.services.turns.queue_book import QueueBook
-from appliance.services.turns.sent_tokens import tokenize_sent
+from appliance.services.turns.sent_tokens import tokenize_sent, with_prompt
 from appliance.services.turns.turn import (
     Attempt,
     NoWorker,
     Reply,
     Soon,
-    TurnInput,
     TurnRequest,
     new_turn_id,
-    turn_request,
 )
 from appliance.services.turns.turn_records import TurnRecords
 from appliance.services.turns.turn_task import known_task
 from appliance.services.turns.worker_body import worker_body
-from appliance.services.workers.worker_reaper import WorkerReaperLoop
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +93,7 @@ class TurnDesk:
         tasks: TaskBook,
         clock: Clock,
         workers: Callable[[], Sequence[WorkerEndpoint]],
-        admission: AdmissionService | None = None,
+        aides: TurnDeskAides | None = None,
     ) -> None:
         self.sessions = sessions
         self.placer = placer
@@ -104,20 +102,23 @@ class TurnDesk:
         self._tasks = tasks
         self._clock = clock
         self._workers = workers
-        self._admission = admission
+        aides = aides or TurnDeskAides()
+        self._admission = aides.admission
+        self._tokenizer = aides.tokenizer
+        self._turn_subscribers = (tasks, *aides.subscribers)  # the task book hears first
         self._forwarder = Forwarder(clock, queues, records)
-        self.flights = Flights(loop_alarm(clock))  # turns in flight: cancellation, deadlines
-        self.worker_reaper: WorkerReaperLoop | None = None  # wakes a worker when none is awake
-        self.paces = TaskPaces(clock)  # each turn's share of its task's deadline
-        self.escalation = Escalation({})  # outside endpoints (none: every turn is local)
+        self.flights = aides.flights or Flights(loop_alarm(clock))
+        self.worker_reaper = aides.worker_reaper
+        self.paces = aides.paces or TaskPaces(clock)
+        self.escalation = aides.escalation or Escalation({})
 
-    async def run(self, t: TurnInput) -> Reply:
+    async def run(self, t: TurnRequest) -> Reply:
         """The whole turn (the module docstring's order)."""
         failing = self.records.ledger_failing()
         if failing is not None:
             raise LedgerUnavailable(f"the ledger cannot record the turn ({failing}); retry later")
         found = None
-        if t.session_id is None and t.task_id is None and t.conversation:
+        if t.session_id is None and t.client_task_id is None and t.conversation:
             found = find_session(self.sessions, t.tenant, str(t.body.get("model")), t.conversation)
         if found is not None:  # named by none: the prefix chain's
             note = "; ".join(n for n in (found.note, t.route_note) if n)
@@ -125,28 +126,21 @@ class TurnDesk:
         try:
             return await self._run(t)
         finally:
-            let_go(found)
+            let_go(self.sessions, found)
 
-    async def _run(self, t: TurnInput) -> Reply:
+    async def _run(self, t: TurnRequest) -> Reply:
         known = known_task(self._tasks, t)
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
-        tokenize = partial(t.tokenize, session.chat if session else None)
-        ids: Sequence[int] | None = None
-        chat: ChatTokens | None = None
-        n_prompt = t.estimate(session)
-        if n_prompt is None:
-            ids, chat = tokenize()
-            n_prompt = len(ids)
-        client_task = t.task_id or f"turn-{uuid.uuid4().hex[:16]}"
-        lazy = tokenize if ids is None else None
-        turn = turn_request(t, self._tasks.key(t.tenant, client_task), ids, chat, lazy, n_prompt)
+        client_task = t.client_task_id or f"turn-{uuid.uuid4().hex[:16]}"
+        t = replace(t, task_id=self._tasks.key(t.tenant, client_task))
+        turn = with_prompt(self._tokenizer, t, session)
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
         side = self.escalation.side(turn, t.escalate, known.task_class if known else None)
         placed, priority, need_s = None, 0, 0.0
         if side.endpoint is None:  # admission judges the worker placement chose
             placed = self._preview(turn, queues)
             try:
-                priority, need_s = await self._admit(t, turn, session, queues, placed)
+                priority, need_s = await self._admit(turn, session, queues, placed)
             except AdmissionRefused as refused:  # outside instead, where spill-over allows
                 deadline_at = known.deadline_at if known else None
                 side, placed = self.escalation.spill(refused, t.deadline_s, deadline_at), None
@@ -159,17 +153,19 @@ class TurnDesk:
                 t.tenant,
                 client_task,
                 now,
-                parent_id=t.parent_task_id,
+                parent_id=t.client_parent_id,
                 deadline_s=t.deadline_s,
-                one_turn=t.task_id is None,
+                one_turn=t.client_task_id is None,
             )
-            self._tasks.turn_began(task, now)
+            began = TaskTurnBegan(task, now)
+            for subscriber in self._turn_subscribers:
+                subscriber.turn_began(began)
             reason = side.reason if self.escalation.active else None
             turn = replace(turn, parent_task_id=task.parent, priority=priority, side_reason=reason)
             share = self.paces.share(task, now, t.deadline_s, need_s)
             flight = self.flights.take_off(task.key, share)
             try:
-                local = partial(self._local, t, session, queues, flight, placed)
+                local = partial(self._local, session, queues, flight, placed)
                 reply = await self.escalation.serve(turn, side, local)
                 flight.relaying = reply.chunks is not None  # a stream runs on past the deadline
             except asyncio.CancelledError:
@@ -189,7 +185,6 @@ class TurnDesk:
 
     async def _local(
         self,
-        t: TurnInput,
         session: SessionState | None,
         queues: dict[WorkerId, float],
         flight: Flight,
@@ -201,13 +196,15 @@ class TurnDesk:
         could not take it, so the box's admission judges it first (and may refuse it)."""
         if admit:
             placed = self._preview(turn, queues)
-            priority, _ = await self._admit(t, turn, session, queues, placed)
+            priority, _ = await self._admit(turn, session, queues, placed)
             turn = replace(turn, priority=priority)
         return await self.handle(turn, queues, flight, placed)
 
     def _ended(self, task: TaskState | None, flight: Flight | None) -> None:
         if task is not None:
-            self._tasks.turn_ended(task, self._clock.now())
+            ended = TaskTurnEnded(task, self._clock.now())
+            for subscriber in self._turn_subscribers:
+                subscriber.turn_ended(ended)
             if flight is not None:
                 self.flights.land(task.key, flight)
 
@@ -235,7 +232,6 @@ class TurnDesk:
 
     async def _admit(
         self,
-        t: TurnInput,
         turn: TurnRequest,
         session: SessionState | None,
         queues: dict[WorkerId, float],
@@ -247,15 +243,16 @@ class TurnDesk:
         need_s = placed.decision.candidates[0].ttft_estimate_s if placed is not None else 0.0
         if self._admission is None:
             return 0, need_s
-        parent = self._tasks.key(t.tenant, t.parent_task_id) if t.parent_task_id else None
+        asked_parent = turn.client_parent_id
+        parent = self._tasks.key(turn.tenant, asked_parent) if asked_parent else None
         n_prompt = turn.prompt_len
         resident = placed.resident if placed is not None else resident_hint(session, n_prompt)
         decision = await self._admission.admit_turn(
-            t.tenant,
+            turn.tenant,
             turn.task_id,
             parent=parent,
-            deadline_s=t.deadline_s,
-            priority=t.priority,
+            deadline_s=turn.deadline_s,
+            priority=turn.asked_priority,
             prompt_tokens=n_prompt,
             resident_tokens=resident,
             queues=queues,
@@ -291,18 +288,15 @@ class TurnDesk:
 
     def _session(self, turn: TurnRequest, now: float) -> SessionState:
         sid = turn.session_id or SessionId(f"task:{turn.task_id}")
-        state = self.sessions.open(turn.tenant, sid, now)
-        self.sessions.bind_task(state, turn.task_id)
-        state.tool_class = turn.tool_class
-        state.expected_wait_s = turn.expected_wait_s
-        # Kept only from a chat tokenised incrementally (or about to be): anything else makes
-        # the next turn tokenise before it is placed.
-        incremental = turn.chat is not None or turn.tokenize is not None
-        keep_chat(state, turn.chat if incremental else None)
-        state.messages = turn.messages if incremental else None
-        if turn.prompt_tip is not None:
-            self.sessions.tip(state, turn.prompt_tip)
-        return state
+        hints = TurnHints(
+            turn.tool_class,
+            turn.expected_wait_s,
+            turn.chat,
+            turn.messages,
+            incremental=turn.chat is not None or turn.prompt_ids is None,
+            prompt_tip=turn.prompt_tip,
+        )
+        return self.sessions.take_turn(turn.tenant, sid, turn.task_id, now, hints)
 
     def _release(self, session: SessionState) -> None:
         self.sessions.ended(session, self._clock.now())
@@ -329,10 +323,12 @@ class TurnDesk:
             worker = next(w for w in self._workers() if w.id == worker_id)
             attempt = self._begin(turn, session, placement, worker_id)
             body = worker_body(turn, session, placement.salt)
-            if turn.tokenize is not None and tokenized is None:  # once the request is sent
+            if turn.prompt_ids is None and tokenized is None:  # once the request is sent
                 salt = self.placer.salt(turn.tenant, turn.client_salt)
+                assert self._tokenizer is not None  # its estimate came from it
+                prompt = partial(self._tokenizer.tokenize, turn, turn.previous_chat)
                 tokenized = Soon(
-                    partial(tokenize_sent, self.sessions, salt, turn, session, attempt)
+                    partial(tokenize_sent, self.sessions, salt, prompt, session, attempt)
                 )
             if turn.received_at is not None and not tried:
                 self.records.forward_s.observe(time.monotonic() - turn.received_at)
@@ -360,8 +356,7 @@ class TurnDesk:
                 tried.add(worker.id)
                 last_error = exc
                 continue
-            session.home = worker.id
-            session.said = attempt.said  # a stream's: once it has ended (`_stream_ended`)
+            self.sessions.served(session, worker.id, attempt.said)  # a stream's: at its end
             return reply
         if last_error is not None:
             raise NoWorker(f"no worker could serve the request: {last_error.message}")
@@ -391,5 +386,5 @@ class TurnDesk:
     ) -> None:
         if tokenized is not None:
             tokenized.now()
-        session.said = attempt.said  # how its answer ended, for the reaper at the turn's end
+        self.sessions.heard(session, attempt.said)  # how its answer ended, for the turn's end
         self._release(session)
