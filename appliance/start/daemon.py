@@ -17,7 +17,6 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from appliance.oplog import LoggedEventFeed, start_logging
 from appliance.perf.profile import bundled_profile, load_profile
 from appliance.ports import GpuProbe
 from appliance.services.residency.reaper_runner import run_reaper
-from appliance.services.workers.worker_watch import WorkerWatch, record_power_event
+from appliance.services.workers.worker_watch import WorkerWatch, power_event_sink
 from appliance.start.access import access_note, check_aliases, key_callers
 from appliance.start.engine_start import (
     Engines,
@@ -120,9 +119,10 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
     feed = KvIndexFeed()
     events = LoggedEventFeed()  # the workers' sleeps, stops and wakes go here from their start
     probe: GpuProbe | None = None
-    power_events = partial(record_power_event, events)
     try:
-        async with start_engines(settings, kind, feed, log_dir, power_events) as engines:
+        async with start_engines(
+            settings, kind, feed, log_dir, power_event_sink(events)
+        ) as engines:
             served_profile, measures = served_measures(settings, kind, profile, clock)
             probe = gpu_probe(
                 kind,

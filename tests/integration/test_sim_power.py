@@ -10,7 +10,6 @@ checked as lower bounds only (a wake never ends before its modelled time).
 from __future__ import annotations
 
 import re
-from functools import partial
 from pathlib import Path
 
 from starlette.testclient import TestClient
@@ -25,7 +24,7 @@ from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
 from appliance.oplog import LoggedEventFeed
 from appliance.perf.profile import bundled_profile
-from appliance.services.workers.worker_watch import record_power_event
+from appliance.services.workers.worker_watch import power_event_sink
 from appliance.start.engine_start import runtime_identity, start_engines
 from appliance.start.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
@@ -75,7 +74,7 @@ def test_a_sim_worker_is_stopped_woken_and_slept_by_engines_power(tmp_path: Path
     settings, feed, events = _settings(tmp_path), KvIndexFeed(), LoggedEventFeed()
     loop, ledger = LoopThread(), LedgerWriter.open(tmp_path / "ledger.db")
     started = start_engines(
-        settings, EngineKind.SIM, feed, tmp_path / "logs", partial(record_power_event, events)
+        settings, EngineKind.SIM, feed, tmp_path / "logs", power_event_sink(events)
     )
     try:
         engines = loop.run(started.__aenter__())
