@@ -3,139 +3,75 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
 import typer
 
 from appliance.start import bootstrap
+from cli.replay_options import (
+    CapacityOpt,
+    DurationOpt,
+    GpuProfileOpt,
+    HbmGibOpt,
+    HostGibOpt,
+    JobsOpt,
+    LimitOpt,
+    PolicyOpt,
+    ReportOpt,
+    ResidencyOpt,
+    SeedOpt,
+    SloTtftP95Opt,
+    StackOpt,
+    TasksOpt,
+    TraceArg,
+    UsersOpt,
+    WarmupOpt,
+    WorkerReaperOpt,
+    WorkersOpt,
+    WorkloadOpt,
+)
 
 
 def replay_command(
-    trace: Annotated[
-        Path | None,
-        typer.Argument(
-            help=(
-                "Trace file (Mooncake jsonl or Azure csv), or recorded agent sessions: a "
-                "folder of kv-cache-tester session files (*.json, *.json.gz) or one."
-            )
-        ),
-    ] = None,
-    workload: Annotated[
-        Path | None,
-        typer.Option(help="Replay a closed-loop agent workload from this spec (YAML) instead."),
-    ] = None,
-    tasks: Annotated[int, typer.Option(help="Root tasks generated from --workload.")] = 100,
-    seed: Annotated[
-        int | None, typer.Option(help="Seed of the --workload draw (default: the file's).")
-    ] = None,
-    policy: Annotated[
-        list[str] | None,
-        typer.Option("--policy", help="Routing policy to replay (repeat; default: all)."),
-    ] = None,
-    residency: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--residency",
-            help=(
-                "Residency policy: lru, ttl-pin, ttl-pin:SECONDS, mori, reaper, or the reaper with "
-                "restore on lead time and/or branch-local state (--workload only): "
-                "reaper+lead-time[:TRIGGER,...], reaper+branches, reaper+lead-time+branches "
-                "(triggers: tool_finished, tool_due, hazard; default tool_finished). "
-                "Repeat; default: lru."
-            ),
-        ),
-    ] = None,
-    workers: Annotated[int, typer.Option(help="Simulated workers.")] = 8,
-    gpu_profile: Annotated[
-        Path | None, typer.Option(help="GPU profile JSON (default: the bundled H200).")
-    ] = None,
-    hbm_gib: Annotated[
-        float | None, typer.Option(help="KV cache capacity per worker in GiB.")
-    ] = None,
-    host_gib: Annotated[
-        float,
-        typer.Option(help="Pinned host memory for KV per worker in GiB (0: no host tier).", min=0),
-    ] = 0.0,
-    report: Annotated[
-        Path | None, typer.Option(help="Write the JSON report (and a PNG beside it) here.")
-    ] = None,
-    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
-    jobs: Annotated[int, typer.Option(help="Policies replayed at once (processes).")] = 1,
-    stack: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--stack",
-            help=(
-                "Agent sessions: a stack to replay (repeat; default all): vllm, vllm-offload, "
-                "llm-d, dynamo, sglang, cachettl, mori, appliance."
-            ),
-        ),
-    ] = None,
-    users: Annotated[
-        int | None, typer.Option(help="Agent sessions: sessions at once (recycled).", min=1)
-    ] = None,
-    capacity: Annotated[
-        bool,
-        typer.Option(
-            "--capacity", help="Agent sessions: find each stack's capacity (--slo-ttft-p95)."
-        ),
-    ] = False,
-    slo_ttft_p95: Annotated[
-        float | None,
-        typer.Option("--slo-ttft-p95", help="The capacity's SLO: TTFT p95 in seconds.", min=0),
-    ] = None,
-    duration: Annotated[
-        float | None,
-        typer.Option(
-            help="Agent sessions: virtual seconds of the run (default: until every session "
-            "has started once).",
-            min=1,
-        ),
-    ] = None,
-    warmup: Annotated[
-        float,
-        typer.Option(help="Agent sessions: virtual seconds not counted at the start.", min=0),
-    ] = 600.0,
-    worker_reaper: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--worker-reaper",
-            help=(
-                "Idle workers sleep or stop: IDLE_S[:MAX_WAKE_S[:MIN_AWAKE]] adds a row of the "
-                "first policy whose workers go, after IDLE_S idle, to the cheapest state that "
-                "wakes within MAX_WAKE_S, keeping MIN_AWAKE awake; every other row is the "
-                "always-awake baseline. Repeat."
-            ),
-        ),
-    ] = None,
+    trace: TraceArg = None,
+    workload: WorkloadOpt = None,
+    tasks: TasksOpt = 100,
+    seed: SeedOpt = None,
+    policy: PolicyOpt = None,
+    residency: ResidencyOpt = None,
+    workers: WorkersOpt = 8,
+    gpu_profile: GpuProfileOpt = None,
+    hbm_gib: HbmGibOpt = None,
+    host_gib: HostGibOpt = 0.0,
+    report: ReportOpt = None,
+    limit: LimitOpt = None,
+    jobs: JobsOpt = 1,
+    stack: StackOpt = None,
+    users: UsersOpt = None,
+    capacity: CapacityOpt = False,
+    slo_ttft_p95: SloTtftP95Opt = None,
+    duration: DurationOpt = None,
+    warmup: WarmupOpt = 600.0,
+    worker_reaper: WorkerReaperOpt = None,
 ) -> None:
     """Replay a trace (or an agent workload) through every routing policy in virtual time;
     recorded agent sessions through every stack, closed loop."""
+    machine = _simulated_machine(workers, gpu_profile, hbm_gib, host_gib, jobs, report)
     if trace is not None and bootstrap.is_session_trace(trace):
-        if capacity != (slo_ttft_p95 is not None):
-            raise typer.BadParameter("--capacity goes with --slo-ttft-p95 S")
+        _check_capacity_options(capacity, slo_ttft_p95)
         typer.echo(
             bootstrap.session_table(
                 trace,
                 stacks=stack,
                 users=users,
                 slo_ttft_p95_s=slo_ttft_p95,
-                workers=workers,
-                gpu_profile=gpu_profile,
-                hbm_gib=hbm_gib,
-                host_gib=host_gib,
                 duration_s=duration,
                 warmup_s=warmup,
-                jobs=jobs,
-                report=report,
+                **machine,
             )
         )
         return
-    if stack or users is not None or capacity:
-        raise typer.BadParameter(
-            "--stack, --users and --capacity replay agent sessions: "
-            "give a folder of session files (or one .json/.json.gz)"
-        )
+    _refuse_session_options(stack, users, capacity)
     typer.echo(
         bootstrap.replay_table(
             trace,
@@ -144,13 +80,42 @@ def replay_command(
             seed=seed,
             policies=policy,
             residencies=residency,
-            workers=workers,
-            gpu_profile=gpu_profile,
-            hbm_gib=hbm_gib,
-            host_gib=host_gib,
-            report=report,
             limit=limit,
-            jobs=jobs,
             worker_reapers=worker_reaper,
+            **machine,
         )
     )
+
+
+def _simulated_machine(
+    workers: int,
+    gpu_profile: Path | None,
+    hbm_gib: float | None,
+    host_gib: float,
+    jobs: int,
+    report: Path | None,
+) -> dict[str, Any]:
+    """The options both kinds of replay share: the simulated workers, and where the run goes."""
+    return {
+        "workers": workers,
+        "gpu_profile": gpu_profile,
+        "hbm_gib": hbm_gib,
+        "host_gib": host_gib,
+        "jobs": jobs,
+        "report": report,
+    }
+
+
+def _check_capacity_options(capacity: bool, slo_ttft_p95: float | None) -> None:
+    """A capacity search needs its SLO, and an SLO is only for a capacity search."""
+    if capacity != (slo_ttft_p95 is not None):
+        raise typer.BadParameter("--capacity goes with --slo-ttft-p95 S")
+
+
+def _refuse_session_options(stack: list[str] | None, users: int | None, capacity: bool) -> None:
+    """--stack, --users and --capacity mean nothing to a trace or a workload."""
+    if stack or users is not None or capacity:
+        raise typer.BadParameter(
+            "--stack, --users and --capacity replay agent sessions: "
+            "give a folder of session files (or one .json/.json.gz)"
+        )

@@ -49,77 +49,92 @@ def render_status(state: dict[str, Any] | AdminStateView) -> str:
     GPUs, sessions and tasks in a few lines."""
     s = _state(state)
     out = [f"appliance state at {fmt.clock(s.time)}"]
-    if s.workers:
-        rows = [
+    out += _worker_lines(s)
+    out += _gpu_lines(s)
+    out += _session_and_task_lines(s)
+    return "\n".join(out)
+
+
+def _worker_lines(s: AdminStateView) -> list[str]:
+    """The workers' table, after a blank line; or that there are none."""
+    if not s.workers:
+        return ["", "workers: none"]
+    rows = [
+        [
+            w.id,
+            fmt.text(w.engine),
+            ",".join(map(str, w.gpus)) or "-",
+            fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level, w.lifecycle),
+            fmt.num(w.running),
+            fmt.num(w.waiting),
+            fmt.fine_pct(fmt.kv_fill(w.kv_usage, w.kv_tokens, w.kv_capacity_tokens)),
+            fmt.pct(w.prefix_hit_rate),
+            fmt.times(w.prefill_slowdown),
+            str(w.restarts),
+            fmt.seconds(w.last_wake_s),
+        ]
+        for w in s.workers
+    ]
+    return [
+        "",
+        table(
             [
-                w.id,
-                fmt.text(w.engine),
-                ",".join(map(str, w.gpus)) or "-",
-                fmt.worker_state(w.state, w.healthy, w.draining, w.sleep_level, w.lifecycle),
-                fmt.num(w.running),
-                fmt.num(w.waiting),
-                fmt.fine_pct(fmt.kv_fill(w.kv_usage, w.kv_tokens, w.kv_capacity_tokens)),
-                fmt.pct(w.prefix_hit_rate),
-                fmt.times(w.prefill_slowdown),
-                str(w.restarts),
-                fmt.seconds(w.last_wake_s),
-            ]
-            for w in s.workers
+                "worker",
+                "engine",
+                "gpus",
+                "state",
+                "running",
+                "waiting",
+                "kv",
+                "prefix",
+                "prefill",
+                "restarts",
+                "wake",
+            ],
+            rows,
+            right={4, 5, 6, 7, 8, 9, 10},
+        ),
+    ]
+
+
+def _gpu_lines(s: AdminStateView) -> list[str]:
+    """The GPUs' table, after a blank line, and the driver when it is simulated; or that NVML
+    reports none."""
+    if not s.gpus:
+        return ["", "gpus: none reported (NVML sees no NVIDIA GPU on the appliance's host)"]
+    rows = [
+        [
+            str(g.index),
+            g.name,
+            f"{fmt.gib(g.mem_used_bytes)}/{fmt.gib(g.mem_total_bytes)} GiB",
+            fmt.gib(g.kv_bytes),
+            fmt.pct(g.util),
+            "-" if g.temp_c is None else f"{g.temp_c:.0f}C",
+            "-" if g.power_w is None else f"{g.power_w:.0f}W",
         ]
-        out += [
-            "",
-            table(
-                [
-                    "worker",
-                    "engine",
-                    "gpus",
-                    "state",
-                    "running",
-                    "waiting",
-                    "kv",
-                    "prefix",
-                    "prefill",
-                    "restarts",
-                    "wake",
-                ],
-                rows,
-                right={4, 5, 6, 7, 8, 9, 10},
-            ),
-        ]
-    else:
-        out += ["", "workers: none"]
-    if s.gpus:
-        rows = [
-            [
-                str(g.index),
-                g.name,
-                f"{fmt.gib(g.mem_used_bytes)}/{fmt.gib(g.mem_total_bytes)} GiB",
-                fmt.gib(g.kv_bytes),
-                fmt.pct(g.util),
-                "-" if g.temp_c is None else f"{g.temp_c:.0f}C",
-                "-" if g.power_w is None else f"{g.power_w:.0f}W",
-            ]
-            for g in s.gpus
-        ]
-        out += [
-            "",
-            table(["gpu", "name", "hbm used", "kv GiB", "util", "temp", "power"], rows, {4, 5, 6}),
-        ]
-        if s.gpu_driver is not None and s.gpu_driver.startswith("simulated"):
-            out.append(f"gpus: {s.gpu_driver}")
-    else:
-        out += ["", "gpus: none reported (NVML sees no NVIDIA GPU on the appliance's host)"]
+        for g in s.gpus
+    ]
+    out = [
+        "",
+        table(["gpu", "name", "hbm used", "kv GiB", "util", "temp", "power"], rows, {4, 5, 6}),
+    ]
+    if s.gpu_driver is not None and s.gpu_driver.startswith("simulated"):
+        out.append(f"gpus: {s.gpu_driver}")
+    return out
+
+
+def _session_and_task_lines(s: AdminStateView) -> list[str]:
+    """After a blank line: the sessions and what they hold on GPU, the tasks by status."""
     gpu_tokens = sum(x.resident_tokens.gpu for x in s.sessions)
     gpu_bytes = sum(x.resident_bytes.gpu for x in s.sessions)
     statuses = Counter(t.status for t in s.tasks)
-    out += [
+    return [
         "",
         f"sessions: {len(s.sessions):,}, resident on GPU {gpu_tokens:,} tokens "
         f"({fmt.size(gpu_bytes)})",
         f"tasks: {len(s.tasks):,}"
         + "".join(f", {n:,} {status}" for status, n in sorted(statuses.items())),
     ]
-    return "\n".join(out)
 
 
 def render_sessions(state: dict[str, Any] | AdminStateView) -> str:

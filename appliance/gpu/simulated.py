@@ -120,7 +120,8 @@ class _Heat:
 class SimulatedGpuProbe:
     """One reading per simulated worker, in the workers' order: GPU i is worker i, or the
     first GPU id the worker was given (`engine.gpus`). `clock` (seconds) paces the lag of
-    the temperature; `meter` may be attached once the router's GPU meter exists."""
+    the temperature; `meter`, the router's GPU meter, gives the utilisation as its busy share
+    (None: the share of requests running)."""
 
     def __init__(
         self,

@@ -17,7 +17,6 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +32,15 @@ from appliance.domain.worker import can_serve
 from appliance.engines.clients.workers import KvIndexFeed
 from appliance.engines.supervision.port_plan import planned_ports
 from appliance.eventloop import new_event_loop
-from appliance.gpu.simulated import SimulatedGpuProbe
 from appliance.ledger import LedgerWriter
-from appliance.oplog import start_logging
+from appliance.oplog import LoggedEventFeed, start_logging
 from appliance.perf.profile import bundled_profile, load_profile
 from appliance.ports import GpuProbe
 from appliance.services.residency.reaper_runner import run_reaper
-from appliance.services.workers.worker_watch import WorkerWatch, record_power_event
+from appliance.services.workers.worker_watch import WorkerWatch, power_event_sink
 from appliance.start.access import access_note, check_aliases, key_callers
 from appliance.start.engine_start import (
     Engines,
-    WorkerEventRelay,
     gpu_probe,
     resolve_kind,
     runtime_identity,
@@ -51,8 +48,8 @@ from appliance.start.engine_start import (
 )
 from appliance.start.live_reload import LiveReload
 from appliance.start.sdnotify import Notifier
-from appliance.start.served_kv import served_kv_bytes
 from appliance.start.wiring import StartedEngines, Wiring, admission_limits, wire
+from appliance.start.wiring_measures import served_measures
 
 log = logging.getLogger(__name__)
 REFRESH_S = 0.5
@@ -120,15 +117,21 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
     profile = load_profile(gpu_profile) if gpu_profile else bundled_profile()
     clock = WallClock()
     feed = KvIndexFeed()
+    events = LoggedEventFeed()  # the workers' sleeps, stops and wakes go here from their start
     probe: GpuProbe | None = None
-    relay = WorkerEventRelay()  # the workers' sleeps, stops and wakes, into the event feed
     try:
-        async with start_engines(settings, kind, feed, log_dir, relay) as engines:
+        async with start_engines(
+            settings, kind, feed, log_dir, power_event_sink(events)
+        ) as engines:
+            served_profile, measures = served_measures(settings, kind, profile, clock)
             probe = gpu_probe(
-                kind, profile, settings.engine.block_size, lambda: engines.workers, feed.gpu_blocks
+                kind,
+                profile,
+                settings.engine.block_size,
+                lambda: engines.workers,
+                feed.gpu_blocks,
+                measures.meter,
             )
-            kv = served_kv_bytes(settings.engine, kind, profile)
-            log.info("KV bytes per token: %d (%s)", kv.bytes_per_token, kv.how)
             wired = wire(
                 settings,
                 engines=_engines_view(settings, kind, engines),
@@ -136,13 +139,12 @@ async def _start(settings: Settings, data_dir: Path, control: Control, server: A
                 feed=feed,
                 clock=clock,
                 probe=probe,
-                profile=profile.for_kv_bytes(kv.bytes_per_token),
+                profile=served_profile,
                 keys=key_callers(key_file),
                 secret=_secret(data_dir),
+                events=events,
+                measures=measures,
             )
-            relay.target = partial(record_power_event, wired.events)
-            if isinstance(probe, SimulatedGpuProbe):  # its utilisation: the busy share metered
-                probe.meter = wired.desk.records.meter
             if control.live is not None:
                 _reloads(control.live, key_file, ledger, wired)
             _log_plan(kind, engines, log_dir)

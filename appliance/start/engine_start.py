@@ -41,7 +41,7 @@ from appliance.engines.supervision.power_control import PowerControl
 from appliance.engines.supervision.sim_launch import SIM_MAX_MODEL_LEN, sim_wake_seconds
 from appliance.engines.supervision.supervisor import Supervisor
 from appliance.gpu.nvml import NvmlProbe
-from appliance.gpu.simulated import SimulatedGpu, SimulatedGpuProbe, board_power
+from appliance.gpu.simulated import BusyMeter, SimulatedGpu, SimulatedGpuProbe, board_power
 from appliance.perf import kv_capacity
 from appliance.perf.profile import GpuProfile
 from appliance.policy.worker_power import ALL_STATES, CPU_VLLM_STATES, PowerState
@@ -83,19 +83,6 @@ class Engines:
         if self.kind in (EngineKind.VLLM, EngineKind.SIM):
             return "engine.kv_retention is false"
         return "external vLLM workers have no retention channel"
-
-
-class WorkerEventRelay:
-    """The supervised workers' events, passed on to `target` once it is set: the operator's
-    event feed is made by the wiring, which needs the engines started first (until then an
-    event goes to the log only)."""
-
-    def __init__(self) -> None:
-        self.target: Callable[[WorkerEvent], object] | None = None
-
-    def __call__(self, event: WorkerEvent) -> None:
-        if self.target is not None:
-            self.target(event)
 
 
 def resolve_kind(settings: Settings) -> EngineKind:
@@ -259,9 +246,11 @@ def gpu_probe(
     block_size: int,
     workers: Callable[[], Sequence[WorkerEndpoint]],
     gpu_blocks: Callable[[WorkerId], int] | None = None,
+    meter: BusyMeter | None = None,
 ) -> GpuProbe:
     """NVML; under the simulated engine, the model of the GPUs its workers stand for, their
-    KV what the KV index holds there (`gpu_blocks`, per worker id)."""
+    KV what the KV index holds there (`gpu_blocks`, per worker id), their utilisation the
+    busy share `meter` measures."""
     if kind == EngineKind.SIM:
         resident = (lambda w: gpu_blocks(w) * block_size) if gpu_blocks is not None else None
         return SimulatedGpuProbe(
@@ -269,5 +258,6 @@ def gpu_probe(
             workers,
             resident_tokens=resident,
             kv_bytes_per_token=profile.kv_bytes_per_token,
+            meter=meter,
         )
     return NvmlProbe()

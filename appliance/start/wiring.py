@@ -50,7 +50,6 @@ from appliance.services.tasks.admission import AdmissionService, WorkerEstimator
 from appliance.services.tasks.task_paces import TaskPaces
 from appliance.services.tasks.task_state import TaskState
 from appliance.services.tasks.tasks import TaskBook
-from appliance.services.turns.attempt_spans import AttemptSpans
 from appliance.services.turns.desk_aides import TurnDeskAides
 from appliance.services.turns.placement import Placer, RoutingRule
 from appliance.services.turns.queue_book import QueueBook
@@ -62,6 +61,7 @@ from appliance.services.workers.worker_reaper import PowerInputs, WorkerReaperLo
 from appliance.services.workers.worker_speed import WorkerSpeeds
 from appliance.start.class_paces import finished_runs
 from appliance.start.wiring_escalation import outside_escalation
+from appliance.start.wiring_measures import TurnMeasures, turn_measures
 from appliance.start.wiring_residency import live_residency_policy, sessions_kv
 from appliance.tokenization.tokenizer import load_tokenizer
 
@@ -120,13 +120,18 @@ def wire(
     profile: GpuProfile,
     keys: Mapping[str, Caller] | Callable[[], Mapping[str, Caller]],
     secret: bytes,
+    events: EventFeed | None = None,
+    measures: TurnMeasures | None = None,
 ) -> Wiring:
-    events, gpu = LoggedEventFeed(), GpuTick(probe, EnergyMeter(engines.workers))
-    speeds, queues = _measured_queues(cost := LatencyModel.from_profile(profile), clock)
+    """`events` and `measures`: built here unless built first (the daemon's workers report
+    power events from their start, and its simulated GPU probe reads the GPU meter)."""
+    events = events if events is not None else LoggedEventFeed()
+    gpu = GpuTick(probe, EnergyMeter(engines.workers))
+    m = measures if measures is not None else turn_measures(settings, profile, clock)
+    cost, speeds, queues, meter = m.cost, m.speeds, m.queues, m.meter
     task_states: dict[TaskId, TaskState] = {}  # the task book's; the idle reaper reads them
     reaper = _reaper_loop(settings, engines, ledger, feed, clock, queues, task_states, profile)
     sessions, tasks, paces = _books(settings, ledger, events, reaper, task_states, clock, feed)
-    meter = GpuMeter(clock, cost, queues.slowdown, settings.engine.gpus_per_worker)
     worker_reaper = _worker_reaper(settings, engines, ledger, clock, meter, reaper, profile)
     prompts = ApiTurnTokenizer(load_tokenizer(settings.engine.model), engines.max_model_len)
     aides = TurnDeskAides(worker_reaper=worker_reaper, paces=paces, tokenizer=prompts)
@@ -191,14 +196,6 @@ def _api_app(
             sessions_admin=admin,
         )
     )
-
-
-def _measured_queues(cost: LatencyModel, clock: Clock) -> tuple[WorkerSpeeds, QueueBook]:
-    """The worker speeds and the queue book over one record of the router's own attempts:
-    the book writes it, the speeds take a sample only where it shows one request at a time."""
-    spans = AttemptSpans(clock)
-    speeds = WorkerSpeeds(cost, spans)
-    return speeds, QueueBook(cost, clock, speeds.slowdown, spans)
 
 
 def _reaper_loop(

@@ -22,9 +22,10 @@ from appliance.engines.clients.workers import KvIndexFeed
 from appliance.engines.supervision.sim_launch import SIM_PROCESS_START_S
 from appliance.gpu.fake import FakeProbe
 from appliance.ledger import LedgerWriter
+from appliance.oplog import LoggedEventFeed
 from appliance.perf.profile import bundled_profile
-from appliance.services.workers.worker_watch import record_power_event
-from appliance.start.engine_start import WorkerEventRelay, runtime_identity, start_engines
+from appliance.services.workers.worker_watch import power_event_sink
+from appliance.start.engine_start import runtime_identity, start_engines
 from appliance.start.wiring import StartedEngines, wire
 from tests.fakes import ManualClock
 from tests.loop_thread import LoopThread
@@ -51,7 +52,7 @@ def _admin_events(
     settings: Settings,
     engines: StartedEngines,
     feed: KvIndexFeed,
-    relay: WorkerEventRelay,
+    events: LoggedEventFeed,
     ledger: LedgerWriter,
 ) -> TestClient:
     wired = wire(
@@ -64,15 +65,17 @@ def _admin_events(
         profile=bundled_profile(),
         keys={"ops": Caller(TenantId("ops"), True)},
         secret=b"s" * 32,
+        events=events,
     )
-    relay.target = lambda event: record_power_event(wired.events, event)
     return TestClient(wired.app)
 
 
 def test_a_sim_worker_is_stopped_woken_and_slept_by_engines_power(tmp_path: Path) -> None:
-    settings, feed, relay = _settings(tmp_path), KvIndexFeed(), WorkerEventRelay()
+    settings, feed, events = _settings(tmp_path), KvIndexFeed(), LoggedEventFeed()
     loop, ledger = LoopThread(), LedgerWriter.open(tmp_path / "ledger.db")
-    started = start_engines(settings, EngineKind.SIM, feed, tmp_path / "logs", relay)
+    started = start_engines(
+        settings, EngineKind.SIM, feed, tmp_path / "logs", power_event_sink(events)
+    )
     try:
         engines = loop.run(started.__aenter__())
         assert engines.power is not None
@@ -80,7 +83,7 @@ def test_a_sim_worker_is_stopped_woken_and_slept_by_engines_power(tmp_path: Path
         assert (w0.engine, w0.can_sleep, w0.state) == ("sim", True, WorkerState.HEALTHY)
         identity = runtime_identity(settings, EngineKind.SIM)
         view = StartedEngines(lambda: engines.workers, "sim", engines.max_model_len, identity)
-        http = _admin_events(settings, view, feed, relay, ledger)
+        http = _admin_events(settings, view, feed, events, ledger)
 
         stopped = loop.run(engines.power.stop(wid))
         assert stopped.before == WorkerState.HEALTHY

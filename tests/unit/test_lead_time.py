@@ -6,6 +6,7 @@ settles it used or unused. Over the reaper loop's fakes (tests/unit/test_reaper_
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -22,28 +23,29 @@ from appliance.policy.prefetch import (
 from appliance.policy.survival import Outlook, WaitKey
 from appliance.policy.wait_curves import EDGES
 from appliance.services.residency.lead_time import RESTORE_HOLD_S, LeadTime
+from appliance.services.residency.reaper_loop import ReaperLoop
 from tests.unit.test_reaper_loop import BLOCK, PROMPT, W0, Setup, build
 
 KEY = PrefetchKey("acme", "approval", PrefetchTrigger.TOOL_FINISHED)
 
 
+def lead_time(policy: PrefetchPolicy) -> Callable[[ReaperLoop], LeadTime]:
+    """The reaper loop's restore on lead time under `policy`, over the loop's own parts."""
+    return lambda loop: LeadTime(
+        policy, loop._inputs, loop.outbox, ledger=loop._ledger, waiting=loop.waiting_sessions
+    )
+
+
 def demoted(task: str = "acme/t1") -> tuple[Setup, LeadTime]:
     """A session of `task` demoted on w0: its prefix gone from HBM, whole on the host tier."""
-    s = build(usage=0.99)
+    s = build(usage=0.99, lead_time=lead_time(PrefetchPolicy(PrefetchTuning(prefill=False))))
     s.retention.host[W0] = HostTierSize(1000, 10, 250)
     s.turn(s.session("slow", task=task), tool="approval", wait_s=3600.0)
     assert s.sent() == [("demote", W0, "acme/slow")]
     s.index.evict(W0, 0)
     s.index.host[W0] = PROMPT // BLOCK
-    lead = LeadTime(
-        PrefetchPolicy(PrefetchTuning(prefill=False)),
-        s.loop._inputs,
-        s.loop.outbox,
-        ledger=s.rows,
-        waiting=s.loop.waiting_sessions,
-    )
-    s.loop.lead_time = lead
-    return s, lead
+    assert s.loop.lead_time is not None
+    return s, s.loop.lead_time
 
 
 def test_a_demoted_sessions_announced_return_restores_it_and_its_turn_uses_it() -> None:
@@ -88,19 +90,13 @@ def test_only_the_tasks_demoted_sessions_are_restored() -> None:
     s, lead = demoted()
     lead.tool_finished("acme/other", "approval", 1010.0)  # type: ignore[arg-type]
     assert s.sent() == []
-    held = build()
-    lead = LeadTime(
-        PrefetchPolicy(),
-        held.loop._inputs,
-        held.loop.outbox,
-        ledger=held.rows,
-        waiting=held.loop.waiting_sessions,
-    )
+    held = build(lead_time=lead_time(PrefetchPolicy()))
+    assert held.loop.lead_time is not None
+    lead = held.loop.lead_time
     held.turn(held.session("quick", task="acme/t1"), tool="api", wait_s=0.5)
     assert [c[0] for c in held.sent()] == ["hold"]
     lead.tool_finished("acme/t1", "api", 1000.5)  # type: ignore[arg-type]
     assert held.sent() == []  # held in HBM: nothing to restore
-    held.loop.lead_time = lead
     held.table.began(next(iter(held.table)), 1001.25)
     api = PrefetchKey("acme", "api", PrefetchTrigger.TOOL_FINISHED)
     assert lead.policy.lead_s(api) == 0.75  # its lead is measured all the same

@@ -200,6 +200,7 @@ def build(
     defer: Callable[..., None] | None = _at_once,
     policy: ResidencyPolicy | None = None,
     copy_in_s: Callable[[int], float] = lambda tokens: tokens * 1024 / 50e9,  # 50 GB/s
+    lead_time: Callable[[ReaperLoop], Any] | None = None,
 ) -> Setup:
     clock = ManualClock(1000.0)
     fake = FakeRetention()
@@ -224,6 +225,7 @@ def build(
         ledger=Rows(),
         clock=clock,  # type: ignore[arg-type]
         defer=defer,
+        lead_time=lead_time,
     )
     rows = loop._ledger  # the Rows given above
     table = SessionTable(BlockHasher(HashAlgo.SHA256_CBOR, BLOCK), subscribers=(loop,))
@@ -355,9 +357,9 @@ def test_a_tool_started_event_decides_the_tasks_waiting_session_again_on_its_too
     assert isinstance(survival, WaitSurvival) and WaitKey("acme", "api", 1) in survival
 
 
-def test_a_tool_finished_event_reaches_the_lead_time(s: Setup) -> None:
+def test_a_tool_finished_event_reaches_the_lead_time() -> None:
     heard: list[tuple[Any, ...]] = []
-    s.loop.lead_time = SimpleNamespace(tool_finished=lambda *a: heard.append(a))  # type: ignore[assignment]
+    s = build(lead_time=lambda loop: SimpleNamespace(tool_finished=lambda *a: heard.append(a)))
     reaper_hears(s.loop)(TaskId("acme/t1"), TaskEventType.TOOL_FINISHED, "grep", None, 5.0)
     reaper_hears(s.loop)(TaskId("acme/t1"), TaskEventType.SUCCEEDED, None, None, 6.0)
     assert heard == [(TaskId("acme/t1"), "grep", 5.0)]

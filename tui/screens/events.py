@@ -9,7 +9,7 @@ from textual.widgets import Static
 from appliance.api.admin.schemas import AdminStateView, EventView
 from tui import format as fmt
 from tui.screens.base import StateScreen
-from tui.widgets.grid import Column, Grid
+from tui.widgets.grid import Column, Grid, SortOrder
 
 NOT_REPORTED = "this appliance does not report events in its state yet"
 
@@ -41,8 +41,7 @@ class EventsScreen(StateScreen):
             EVENT_COLUMNS,
             row_key=_event_key,
             search_text=_event_text,
-            sort="time",
-            reverse=True,
+            sort=SortOrder("time", reverse=True),
             empty="no events yet",
             id="events",
         )

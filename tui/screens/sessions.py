@@ -16,7 +16,7 @@ from tui import format as fmt
 from tui.screens.base import StateScreen
 from tui.screens.release import confirm_release
 from tui.screens.session_detail import SessionDetailScreen
-from tui.widgets.grid import Column, Grid
+from tui.widgets.grid import Column, Grid, SortOrder
 
 
 def _search_text(s: SessionStateView) -> str:
@@ -154,8 +154,7 @@ class SessionsScreen(StateScreen):
             SESSION_COLUMNS,
             row_key=session_key,
             search_text=_search_text,
-            sort="gpu_tokens",
-            reverse=True,
+            sort=SortOrder("gpu_tokens", reverse=True),
             empty="no sessions",
             id="sessions",
         )

@@ -44,6 +44,14 @@ class Column(Generic[R]):
     """Takes the width the other columns leave."""
 
 
+@dataclass(frozen=True, slots=True)
+class SortOrder:
+    """The column a grid sorts by at first, and in which direction."""
+
+    column: str
+    reverse: bool = False
+
+
 def fit(text: str, width: int, align: str = "left") -> str:
     """`text` in exactly `width` cells: padded, or cut with an ellipsis."""
     if width <= 0:
@@ -113,8 +121,7 @@ class Grid(ScrollView, Generic[R], can_focus=True):
         *,
         row_key: Callable[[R], str],
         search_text: Callable[[R], str] | None = None,
-        sort: str | None = None,
-        reverse: bool = False,
+        sort: SortOrder | None = None,
         empty: str = "nothing to show",
         name: str | None = None,
         id: str | None = None,
@@ -124,8 +131,8 @@ class Grid(ScrollView, Generic[R], can_focus=True):
         self.columns = list(columns)
         self._row_key = row_key
         self._search_text = search_text
-        self.sort_column = sort
-        self.sort_reverse = reverse
+        self.sort_column = sort.column if sort is not None else None
+        self.sort_reverse = sort.reverse if sort is not None else False
         self.empty_text = empty
         self.filter_text = ""
         self._rows: Sequence[R] = ()

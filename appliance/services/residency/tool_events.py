@@ -51,7 +51,12 @@ def restore_on_lead(
     triggers = RESTORE_AHEAD_TRIGGERS if restore_ahead else DEFAULT_TRIGGERS
     prefetch = PrefetchPolicy(PrefetchTuning(prefill=False, triggers=triggers))
     waiting = loop.waiting_sessions
-    lead = LeadTime(prefetch, inputs, loop.outbox, ledger=ledger, waiting=waiting)
-    lead.survival = loop.driver.survival  # the policy's wait model, where it has one
-    lead.horizon_s = loop.max_idle_s  # its due times
-    return lead
+    return LeadTime(
+        prefetch,
+        inputs,
+        loop.outbox,
+        ledger=ledger,
+        waiting=waiting,
+        survival=loop.driver.survival,  # the policy's wait model, where it has one
+        horizon_s=loop.max_idle_s,  # its due times
+    )

@@ -85,3 +85,12 @@ def record_power_event(feed: EventFeed, event: WorkerEvent) -> Event | None:
         EventKind.WORKER_WAKE_FAILED: f"the wake from {came} failed: {event.detail}",
     }[kind]
     return feed.record(event.time, kind, event.worker, detail)
+
+
+def power_event_sink(feed: EventFeed) -> Callable[[WorkerEvent], None]:
+    """The supervisor's `on_event`: each worker event to `record_power_event` on `feed`."""
+
+    def sink(event: WorkerEvent) -> None:
+        record_power_event(feed, event)
+
+    return sink

@@ -122,6 +122,7 @@ from appliance.sim.kv.cache_request import CacheRequest
 from appliance.sim.kv.copy_channel import CopyChannel
 from appliance.sim.kv.host_tier import HostTier
 from appliance.sim.kv.pin_keeper import PinKeeper
+from appliance.sim.kv.pins import latest_expiry_first
 from appliance.sim.kv.prefetch_lane import PrefetchLane
 from appliance.sim.kv.prefix_cache import PrefixCache
 from appliance.sim.kv.residency_hook import ResidencyHook, RetentionHook
@@ -161,6 +162,7 @@ class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
             enable_caching=config.enable_prefix_caching,
             enable_events=config.enable_kv_events,
             host=host if config.enable_prefix_caching else None,
+            pin_priority=residency.pin_priority if residency is not None else latest_expiry_first,
         )
         self._residency = residency
         self._retention = retention

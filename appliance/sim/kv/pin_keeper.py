@@ -40,8 +40,6 @@ class PinKeeper:
         self._n = counters
         self._residency = residency
         self._revisit: Callable[[PinDue], AfterTurn] | None = getattr(residency, "revisit", None)
-        if residency is not None:
-            cache.pin_priority = residency.pin_priority
 
     def expire(self, now: float, waiting: Iterable[RequestState]) -> None:
         """Release the pins due by `now`, except those of sessions with a request waiting;
