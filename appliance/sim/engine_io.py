@@ -1,5 +1,5 @@
 """What goes into a simulated engine and what comes out of it: the request to run, the
-outputs of one step for one request, and the step's result (`engine.py` says how each is
+outputs of one step for one request, and the step's result (`sim/core/engine.py` says how each is
 made). Also the default choice of generated tokens."""
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ decode steps without scheduling.
 Public API (the server builds on these names; everything else is private):
 - `SimRequest`: what to run (`eos_after` stands in for an EOS when not `ignore_eos`;
   `arrival_s` is informational, the engine orders by the `now` given to `add_request`).
-  It, `RequestOutput` and `StepResult` live in `engine_io.py`, `EngineStats` in
-  `engine_stats.py`, the residency hook's types in `residency_hook.py`.
+  It, `RequestOutput` and `StepResult` live in `sim/engine_io.py`, `EngineStats` in
+  `engine_stats.py`, the residency hook's types in `sim/kv/residency_hook.py`.
 - `EngineConfig` (`engine_config.py`): vLLM's settings the engine honours.
 - `SimEngine(config, hasher=, latency=, residency=None, host=None, output_token_ids=None,
   retention=None)`:
@@ -53,7 +53,7 @@ Public API (the server builds on these names; everything else is private):
   their outputs held: `decode_run.py`),
   `reset_prefix_cache() -> bool`, `block_ids(request_id)`, `cache` (the `PrefixCache`, to
   peek at; never change it), `host` (the `HostTier` or None), `demote(session_id)` and
-  `evict(session_id)` (`residency_hook.py`), `restore(session_id, now, hold_s)` (with a
+  `evict(session_id)` (`sim/kv/residency_hook.py`), `restore(session_id, now, hold_s)` (with a
   retention: the session's newest finished prompt promoted from the host tier, a prefetch
   below).
   `output_token_ids(req, index)` chooses the `index`-th generated token (default:
@@ -77,9 +77,9 @@ OffloadingConnector): how a waiting request's hit that continues there is loaded
 `engine_batch.py`.
 
 Residency (`residency=`) and retention (`retention=`): when the engine calls each and what
-it does with the answers, `residency_hook.py`.
+it does with the answers, `sim/kv/residency_hook.py`.
 
-Prefetches (`prefetches`, a `PrefetchLane`: `prefetch_lane.py` says what it does): a
+Prefetches (`prefetches`, a `PrefetchLane`: `sim/kv/prefetch_lane.py` says what it does): a
 session's KV restored before its next turn, a promotion on the host -> GPU channel the host
 loads use, a prefill in what a step leaves when no request waits. A real allocation that
 would be short cancels prefetches in flight first; `release_branch(session, own)` ends a

@@ -1,5 +1,5 @@
 """What a simulated engine does for a session between its turns, mixed into `SimEngine`
-(`engine.py`): a held session's pinned blocks demoted or evicted (`pin_keeper.py`), its
+(`engine.py`): a held session's pinned blocks demoted or evicted (`sim/kv/pin_keeper.py`), its
 newest finished prompt kept and restored from the host tier (with a retention), a branch's
 blocks released on every tier.
 """

@@ -9,7 +9,7 @@ Read from vLLM's flags: --model (a directory: its tokenizer; else only a name),
 GPU profile's bytes per token), --kv-offloading-size (GiB of host tier, vLLM's native
 offloading, in the same blocks), --enable-auto-tool-choice, --kv-events-config (endpoint
 and topic), --kv-transfer-config (the retention connector's settings: the simulated worker
-speaks its control protocol, `retention.py`). From the
+speaks its control protocol, `sim/kv/retention.py`). From the
 environment: VLLM_SERVER_DEV_MODE=1 (the dev routes, sleep mode's among them) and
 PYTHONHASHSEED. Every other vLLM flag is accepted and ignored (--enable-sleep-mode
 included: the routes come with dev mode, as in vLLM). The simulator's own knobs follow

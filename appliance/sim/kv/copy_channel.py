@@ -1,5 +1,5 @@
 """The engine's one host -> GPU copy channel: copies run one after another, each starting
-when the one before it has ended (`engine.py`'s host loads and `prefetch_lane.py`'s
+when the one before it has ended (`sim/core/engine.py`'s host loads and `prefetch_lane.py`'s
 promotions queue on the same channel)."""
 
 from __future__ import annotations

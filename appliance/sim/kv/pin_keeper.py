@@ -1,7 +1,7 @@
 """The simulated engine's side of the residency hook (`residency_hook.py`): what becomes of
 a finished request's cached blocks as the hook answers ("release", "hold", "evict",
 "demote"), which pins lapse at the start of a step, what the hook says again of a pin as it
-comes due, and a held session's pin demoted or evicted between steps. `engine.py` says when
+comes due, and a held session's pin demoted or evicted between steps. `sim/core/engine.py` says when
 the engine calls it; without a hook a finished request's blocks are freed as vLLM frees
 them."""
 

@@ -3,7 +3,7 @@ a residency policy (the replay's), told when a request finishes or a pin comes d
 answer the engine carries out (`pin_keeper.py`); and the retention connector's twin
 (`retention.py`), called where vLLM's scheduler calls its KV connector.
 
-Residency (`residency=`, default none: vLLM as `engine.py` models it; `pin_keeper.py`
+Residency (`residency=`, default none: vLLM as `sim/core/engine.py` models it; `pin_keeper.py`
 carries it out): when a request finishes (not aborted),
 `residency.after_turn(TurnEnd(...))` says what becomes of its cached blocks (`AfterTurn`):
 "release" (vLLM's free), "hold" until a time (pinned, `PrefixCache.pin`, owner: its

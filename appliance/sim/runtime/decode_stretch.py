@@ -1,5 +1,5 @@
 """A run of plain decode steps that touch no block, on the virtual driver's heap as one
-event (`virtual.replay`'s fast path; the steps are `decode_run.py`'s quiet steps).
+event (`virtual.replay`'s fast path; the steps are `sim/core/decode_run.py`'s quiet steps).
 
 Model of the world: an engine with nothing to do but decode, and no request of its batch
 near a block edge or its end, runs the same step again and again; nothing it does is seen

@@ -25,7 +25,7 @@ same time, which may answer with more timers; after it every engine with work th
 stepping steps (one waiting for a host load goes on waiting).
 
 Plain decode steps (`fast_decode`, the default): a step in which an engine has nothing to
-do but decode its batch and nobody finishes (`decode_run.py` says exactly when) runs
+do but decode its batch and nobody finishes (`sim/core/decode_run.py` says exactly when) runs
 through `SimEngine.decode_step`: the same step at the same time, doing the same to the
 engine, its completion on the heap as any step's, so every event keeps its time and order
 (one whose completion would be the next event anyway ends at once, off the heap). Only its

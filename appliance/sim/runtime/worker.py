@@ -11,7 +11,7 @@ outputs are routed to per-request queues; closing a stream early aborts what is 
 Requests are timed on the worker's clock for the latency histograms of `/metrics`.
 Given `retention` (the retention connector's settings, with its control endpoint), the
 worker speaks the retention control protocol as a vLLM worker's connector does
-(`retention.py`).
+(`sim/kv/retention.py`).
 
 `serve_workers(n, base_port, ...)` (serving.py) runs n independent workers in one event
 loop, worker i on HTTP port base_port + i and KV-event and retention endpoints port + i
@@ -88,8 +88,8 @@ class WorkerConfig:
     data_parallel_rank: int = 0
     enable_auto_tool_choice: bool = False
     """As `--enable-auto-tool-choice --tool-call-parser hermes`: every tool_choice is accepted
-    and answered with tool calls (`tool_calls.py`); without it vLLM's 400 is returned for
-    any but "none"."""
+    and answered with tool calls (`sim/entrypoints/tool_calls.py`); without it vLLM's 400 is
+    returned for any but "none"."""
     dev_mode: bool = False
     """vLLM's VLLM_SERVER_DEV_MODE=1: adds /reset_prefix_cache and sleep mode's routes."""
     wake_s: tuple[float, float] = SIM_WAKE_S
