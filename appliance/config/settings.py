@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from appliance.config.settings_api import ApiSettings, ServerSettings
 from appliance.config.settings_escalation import EscalationSettings
 from appliance.config.settings_section import Section
+from appliance.perf.agent_batching import AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS
 
 __all__ = ["ApiSettings", "EngineKind", "Section", "ServerSettings", "Settings"]
 
@@ -91,6 +92,13 @@ class EngineSettings(Section):
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit (the API
     takes the limit each worker reports)."""
+    max_num_batched_tokens: int | None = Field(AGENT_BATCH_TOKENS, ge=1)
+    """vLLM --max-num-batched-tokens: the tokens one step computes (appliance/perf/
+    agent_batching.py says why 16384 for agent turns); None: vLLM's default (8192 on an H200)."""
+    long_prefill_token_threshold: int = Field(AGENT_PREFILL_CAP_TOKENS, ge=0)
+    """vLLM --long-prefill-token-threshold: the most tokens one prompt computes in a step while
+    other requests run or wait, cut to max_model_len (a model's own window under it: set it
+    lower); 0: no cap, vLLM's default."""
     tool_call_parser: str | None = "hermes"
     """vLLM --tool-call-parser: how a worker reads tool calls out of the model's text
     (hermes: Qwen 2.5/3, Hermes and most `<tool_call>` templates; llama3_json: Llama 3.1+;

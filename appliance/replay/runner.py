@@ -111,6 +111,7 @@ class ReplaySetup:
     gpu_profile: str
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
     token_seed: int = 0
     host_blocks_per_worker: int = 0
     """Blocks of pinned host memory per worker (0: no host tier)."""
@@ -211,6 +212,7 @@ def make_engines(
         max_model_len=setup.max_model_len,
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
+        long_prefill_token_threshold=setup.long_prefill_token_threshold,
     )
     kind = SleepyEngine if sleepy else SimEngine
     return [

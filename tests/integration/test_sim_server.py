@@ -30,7 +30,8 @@ from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.services.workers.worker_speed import measured_slowdown
 from appliance.sim.entrypoints.serving import ThreadedWorker, serve_workers
-from appliance.sim.runtime.worker import WorkerConfig, free_port
+from appliance.sim.runtime.endpoints import free_port
+from appliance.sim.runtime.worker import WorkerConfig
 from tests.ports import free_port_block
 
 BLOCK = 16

@@ -18,7 +18,8 @@ from appliance.domain import kv_events as ev
 from appliance.engines.clients.kv_events import KvEventSubscriber
 from appliance.engines.clients.metrics import parse
 from appliance.sim.entrypoints.serving import ThreadedWorker
-from appliance.sim.runtime.worker import WorkerConfig, free_port
+from appliance.sim.runtime.endpoints import free_port
+from appliance.sim.runtime.worker import WorkerConfig
 
 WAKE_S = (0.3, 0.6)
 

@@ -5,6 +5,7 @@ prompts' blocks hashed as the engines hash them, the window and the capacity sea
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import pytest
@@ -348,3 +349,23 @@ def test_the_ttft_floor_is_each_request_alone_with_its_previous_prompt_cached() 
     )
     alone = session_ttft_floor(SLICE, latency, 16384)
     assert alone["p50_s"] <= real["ttft_p50_s"]  # type: ignore[operator]
+
+
+def test_only_the_appliance_runs_its_workers_with_the_agent_batching_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The anchors run vLLM's scheduler defaults, as shipped; the appliance (and the bound,
+    which must stay above it) the budget it gives its own workers, which changes the TTFT
+    of turns that meet a long prefill on their worker."""
+    assert [n for n, s in STACKS.items() if s.agent_batching] == ["appliance", "appliance-restore"]
+    plain = dataclasses.replace(STACKS["appliance"], agent_batching=False)
+    monkeypatch.setitem(STACKS, "appliance-vllm-budget", plain)
+    setup, latency = make_setup(workers=1, hbm_gib=8, host_gib=16, block_size=64)
+    window = RunWindow(duration_s=600.0, warmup_s=0.0)
+    rows = {
+        name: replay_stack(SLICE, name, setup, latency, users=3, window=window)
+        for name in ("appliance", "appliance-vllm-budget", "bound")
+    }
+    assert [r["agent_batching"] for r in rows.values()] == [True, False, True]
+    tuned, untuned = rows["appliance"], rows["appliance-vllm-budget"]
+    assert tuned["ttft_p50_s"] < untuned["ttft_p50_s"]  # short turns pass long prefills

@@ -489,6 +489,20 @@ SCHED_WORKLOADS = [
         steps=60,
         n_requests=40,
     ),
+    # vLLM's long prefill threshold: a request computes at most 12 tokens a step while
+    # another runs or waits, its whole chunk when alone.
+    make_sched_workload(
+        4,
+        block_size=4,
+        num_blocks=40,
+        max_model_len=96,
+        max_num_seqs=6,
+        max_num_batched_tokens=40,
+        long_prefill_token_threshold=12,
+        policy="fcfs",
+        steps=50,
+        n_requests=25,
+    ),
     # Priority: the victim ("lo", admitted first) was already scheduled in the step in which
     # "hi" runs out of blocks, so its tokens go back to the budget.
     {
@@ -540,6 +554,7 @@ def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
         max_model_len=w["max_model_len"],
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=w["max_num_batched_tokens"],
+        long_prefill_token_threshold=w.get("long_prefill_token_threshold", 0),
         policy=w["policy"],
     )
     engine = SimEngine(
@@ -613,7 +628,8 @@ def run(model, w):
     mc = ModelConfig(model=model, max_model_len=mml, dtype="float32", skip_tokenizer_init=True)
     sc = SchedulerConfig(max_num_seqs=w["max_num_seqs"], max_model_len=mml,
                          max_num_batched_tokens=w["max_num_batched_tokens"],
-                         enable_chunked_prefill=True, is_encoder_decoder=False, policy=w["policy"])
+                         enable_chunked_prefill=True, is_encoder_decoder=False, policy=w["policy"],
+                         long_prefill_token_threshold=w.get("long_prefill_token_threshold", 0))
     cc = CacheConfig(block_size=bs, enable_prefix_caching=True)
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                     device_config=DeviceConfig("cpu"))
@@ -685,6 +701,14 @@ def test_sched_workloads_exercise_what_they_should() -> None:
     reasons = [o[2] for s in steps for o in s["out"]]
     assert reasons.count("stop") >= 3 and reasons.count("length") >= 20
     assert sum(1 for s in steps if len(s["sched"]) >= 3) >= 20
+    capped = run_sched_ours(
+        next(w for w in SCHED_WORKLOADS if w.get("long_prefill_token_threshold"))
+    )
+    # Cut to the threshold beside others, and a lone request's longer chunk.
+    assert (
+        sum(1 for s in capped if len(s["sched"]) > 1 and [12] in [[n] for _, n in s["sched"]]) >= 5
+    )
+    assert any(len(s["sched"]) == 1 and s["sched"][0][1] > 12 for s in capped)
 
 
 def _exact(step: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from appliance.engines.supervision.sim_launch import (
     sim_spec,
     sim_wake_seconds,
 )
+from appliance.perf.agent_batching import AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS
 from appliance.perf.profile import bundled_profile
 from appliance.sim.entrypoints.vllm_entry import retention_tuning, worker_config
 
@@ -58,6 +59,21 @@ def test_each_simulated_worker_reads_the_settings_from_vllms_command_line() -> N
     assert config.wake_s == (round(wake.asleep_1.seconds, 6), round(wake.asleep_2.seconds, 6))
     tuning = retention_tuning(w1.argv[1:])
     assert tuning is not None and tuning.control_endpoint == "tcp://127.0.0.1:9301"
+    # The scheduler budget the appliance gives its workers (perf/agent_batching.py).
+    budget = (config.max_num_batched_tokens, config.long_prefill_token_threshold)
+    assert budget == (AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS)
+
+
+def test_the_prefill_cap_stays_within_the_window_and_none_leaves_vllms_defaults() -> None:
+    small = sim_spec(_engine(max_model_len=2048).engine)
+    config = worker_config(plan_workers(small, {})[0].argv[1:], {})
+    assert (config.max_model_len, config.long_prefill_token_threshold) == (2048, 2048)
+    plain = sim_spec(_engine(max_num_batched_tokens=None, long_prefill_token_threshold=0).engine)
+    argv = plan_workers(plain, {})[0].argv
+    assert "--max-num-batched-tokens" not in argv
+    assert "--long-prefill-token-threshold" not in argv
+    config = worker_config(argv[1:], {})
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (8192, 0)
 
 
 def test_only_a_start_that_wakes_a_stopped_worker_models_its_load() -> None:

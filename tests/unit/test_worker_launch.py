@@ -13,15 +13,14 @@ import pytest
 from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
 from appliance.engines.retention.plugin import RetentionLaunch
+from appliance.engines.supervision.cpu_build import cpu_kv_cache_bytes, split_cpus
 from appliance.engines.supervision.launch import (
     Device,
     LaunchSpec,
     WorkerLaunch,
-    cpu_kv_cache_bytes,
     default_served_name,
     plan_workers,
     spec_from_settings,
-    split_cpus,
 )
 
 BASE_ENV = {
@@ -279,6 +278,22 @@ def test_spec_from_settings() -> None:
     assert uuids.gpu_ids is None
     with pytest.raises(ConfigError, match=r"engine\.model is not set"):
         spec_from_settings(EngineSettings(), python="/p", device=Device.CPU)
+
+
+def test_workers_get_the_agent_batching_budget_capped_at_the_window() -> None:
+    engine = EngineSettings(model="/m/Qwen3-8B")
+    argv = plan_workers(spec_from_settings(engine, python="/p", device=Device.CUDA), {})[0].argv
+    assert flag(argv, "--max-num-batched-tokens") == "16384"
+    assert flag(argv, "--long-prefill-token-threshold") == "4096"
+    short = engine.model_copy(update={"max_model_len": 2048})
+    argv = plan_workers(spec_from_settings(short, python="/p", device=Device.CPU), {})[0].argv
+    assert flag(argv, "--long-prefill-token-threshold") == "2048"
+    off = engine.model_copy(
+        update={"max_num_batched_tokens": None, "long_prefill_token_threshold": 0}
+    )
+    argv = plan_workers(spec_from_settings(off, python="/p", device=Device.CUDA), {})[0].argv
+    assert flag(argv, "--max-num-batched-tokens") is None
+    assert flag(argv, "--long-prefill-token-threshold") is None
 
 
 def test_engine_gpus_win_over_the_environment_and_each_worker_sees_its_own() -> None:

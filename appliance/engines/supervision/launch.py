@@ -14,7 +14,7 @@ model over them with tensor parallelism. CPU build: each worker gets its own sli
 cores (affinity set before exec, OMP_NUM_THREADS = slice size, one engine process:
 VLLM_ENABLE_V1_MULTIPROCESSING=0); two unpinned workers on the same cores run ten times
 slower. Its KV cache is sized by --kv-cache-memory-bytes: the configured size, or else
-`cpu_kv_cache_bytes` of the memory free when the workers start (vLLM's own default there,
+`cpu_build.cpu_kv_cache_bytes` of the memory free when the workers start (vLLM's own default there,
 0.9 of the memory node, refuses to start on any host that is doing something else).
 
 `exec_argv` wraps the command in a tiny Python trampoline that, before exec'ing vLLM, pins
@@ -37,6 +37,7 @@ from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.retention.plugin import RetentionLaunch
+from appliance.engines.supervision.cpu_build import cpu_kv_cache_bytes, split_cpus
 
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
 CPU_BLOCK_MULTIPLE = 32
@@ -86,6 +87,10 @@ class LaunchSpec:
     kv_cache_memory_bytes: int | None = None
     """Per worker; when set it wins over gpu_memory_utilization."""
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    """--max-num-batched-tokens; None: vLLM's default for the hardware."""
+    long_prefill_token_threshold: int = 0
+    """--long-prefill-token-threshold; 0: vLLM's default, no cap."""
     enforce_eager: bool = False
     """Skip torch.compile: faster starts; the default on the CPU build."""
     extra_args: tuple[str, ...] = ()
@@ -173,23 +178,6 @@ def worker_id(index: int) -> WorkerId:
     return WorkerId(f"w{index}")
 
 
-def split_cpus(cpu_ids: Sequence[int], workers: int) -> tuple[tuple[int, ...], ...]:
-    """Contiguous, near-equal slices, one per worker; with fewer cores than workers, workers
-    share cores round-robin (slow, but it starts)."""
-    cpus = tuple(sorted(set(cpu_ids)))
-    if not cpus:
-        return tuple(() for _ in range(workers))
-    if len(cpus) < workers:
-        return tuple((cpus[i % len(cpus)],) for i in range(workers))
-    size, extra = divmod(len(cpus), workers)
-    out, start = [], 0
-    for i in range(workers):
-        end = start + size + (1 if i < extra else 0)
-        out.append(cpus[start:end])
-        start = end
-    return tuple(out)
-
-
 def validate(spec: LaunchSpec) -> None:
     """Settings vLLM would only reject after a long start; one line naming the fix."""
     if spec.device == Device.CPU and spec.block_size % CPU_BLOCK_MULTIPLE:
@@ -241,6 +229,10 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         args += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.4g}"]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.long_prefill_token_threshold:
+        args += ["--long-prefill-token-threshold", str(spec.long_prefill_token_threshold)]
     if spec.device == Device.CUDA and spec.gpus_per_worker > 1:
         args += ["--tensor-parallel-size", str(spec.gpus_per_worker)]
     if spec.enforce_eager:
@@ -315,20 +307,6 @@ def plan_workers(spec: LaunchSpec, base_env: Mapping[str, str]) -> tuple[WorkerL
     return tuple(plans)
 
 
-CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
-"""The CPU build's KV cache per worker at most, unless configured (vLLM's former
-VLLM_CPU_KVCACHE_SPACE default)."""
-CPU_KV_CACHE_SHARE = 0.4
-"""Of the memory free at start, the part the CPU build's workers' KV caches take together:
-the rest is for their weights and activations, the appliance and the host."""
-
-
-def cpu_kv_cache_bytes(free_bytes: int, workers: int) -> int:
-    """A CPU-build worker's KV cache when none is configured, in whole MiB."""
-    share = min(CPU_KV_CACHE_MAX_BYTES, int(free_bytes * CPU_KV_CACHE_SHARE) // workers)
-    return max(share // 2**20, 1) * 2**20
-
-
 def spec_from_settings(
     engine: EngineSettings,
     *,
@@ -372,6 +350,8 @@ def spec_from_settings(
         gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         max_model_len=engine.max_model_len,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        long_prefill_token_threshold=_prefill_cap(engine),
         enforce_eager=device == Device.CPU,
         extra_args=tuple(engine.extra_args),
         gpu_ids=gpu_ids,
@@ -387,6 +367,12 @@ def spec_from_settings(
         structured_outputs=_structured_outputs(engine),
         sleep_mode=engine.sleep_mode,
     )
+
+
+def _prefill_cap(engine: EngineSettings) -> int:
+    """The long prefill threshold, at most the window (vLLM refuses a larger one)."""
+    cap, window = engine.long_prefill_token_threshold, engine.max_model_len
+    return cap if window is None else min(cap, window)
 
 
 def _structured_outputs(engine: EngineSettings) -> dict[str, object]:

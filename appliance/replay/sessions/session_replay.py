@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.perf.agent_batching import AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS
 from appliance.perf.latency import LatencyModel
 from appliance.policy.prefetch import RESTORE_AHEAD_TRIGGERS, PrefetchPolicy, PrefetchTuning
 from appliance.policy.residency_by_name import residency_plan
@@ -76,6 +77,9 @@ class Stack:
     """Whether it keeps KV in host memory (the replay's `--host-gib`)."""
     restore: bool = False
     """Whether a session's KV is restored from host memory ahead of its predicted return."""
+    agent_batching: bool = False
+    """Whether its workers run with the scheduler budget the appliance gives its own
+    (`perf/agent_batching.py`); else vLLM's defaults on an H200."""
 
 
 STACKS: dict[str, Stack] = {
@@ -86,12 +90,12 @@ STACKS: dict[str, Stack] = {
     "sglang": Stack("sglang-cache-aware", "lru", host=True),
     "cachettl": Stack("session-hash", "ttl-pin", host=False),
     "mori": Stack("session-hash", "mori", host=True),
-    "appliance": Stack("appliance", "reaper", host=True),
-    "appliance-restore": Stack("appliance", "reaper", host=True, restore=True),
+    "appliance": Stack("appliance", "reaper", host=True, agent_batching=True),
+    "appliance-restore": Stack("appliance", "reaper", host=True, restore=True, agent_batching=True),
 }
 BOUND = "bound"
 """The clairvoyant bound's row (`session_bound.py`), replayed like a stack."""
-_BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True)
+_BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True, agent_batching=True)
 
 
 DEFAULT_WINDOW = RunWindow()
@@ -112,6 +116,12 @@ def replay_stack(
     plan = _BOUND_STACK if bound else STACKS[stack]
     if not plan.host:
         setup = replace(setup, host_blocks_per_worker=0, host_gib_per_worker=0.0)
+    if plan.agent_batching:
+        setup = replace(
+            setup,
+            max_num_batched_tokens=AGENT_BATCH_TOKENS,
+            long_prefill_token_threshold=AGENT_PREFILL_CAP_TOKENS,
+        )
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)  # as `make_engines` hashes
     loop = SessionLoop(
         sessions,
@@ -208,7 +218,12 @@ _RESTORE_FIELDS = {
 
 
 def plan_fields(plan: Stack) -> dict[str, object]:
-    return {"routing": plan.routing, "residency": plan.residency, "host_tier": plan.host}
+    return {
+        "routing": plan.routing,
+        "residency": plan.residency,
+        "host_tier": plan.host,
+        "agent_batching": plan.agent_batching,
+    }
 
 
 def _in_window(result: ReplayResult, start_s: float, end_s: float) -> ReplayResult:

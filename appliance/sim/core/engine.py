@@ -5,18 +5,20 @@ Model of the world (vLLM `v1/core/sched/scheduler.py`, synchronous scheduling, o
 full-attention group, chunked prefill on, no speculative decoding, connectors or LoRA):
 every `step(now)` schedules a batch under a token budget (`max_num_batched_tokens`) and a
 cap on running requests (`max_num_seqs`). RUNNING requests go first, in order: each gets
-what it still needs (the rest of its prompt, else the one token it sampled last), cut to the
-budget; when the cache cannot hold it, the last running request (FCFS), or the one with the
-largest (priority, arrival) (policy "priority"), is preempted (blocks freed, computed
-tokens reset, put back at the head of the waiting queue) and the allocation retried, until
-it fits or the request preempted itself. Only if nobody was preempted, WAITING requests are
-admitted in queue order: look up the cached prefix, schedule the rest (a chunk if the budget
-is short) provided the whole sequence fits in the cache (`scheduler_reserve_full_isl`); the
-first that does not fit stops admission. A request whose computed tokens reach its length
-samples one token (a partial prefill chunk samples nothing); it stops on `eos_after` tokens
-("stop", when not `ignore_eos`), then on `max_tokens` or `max_model_len` ("length"), and
-its blocks are freed. A preempted request recomputes its prompt and output later, from
-whatever of it is still cached.
+what it still needs (the rest of its prompt, else the one token it sampled last), cut to
+`long_prefill_token_threshold` (when set and more than one request runs or waits at the
+step's start) and to the budget; when the cache cannot hold it, the last running request
+(FCFS), or the one with the largest (priority, arrival) (policy "priority"), is preempted
+(blocks freed, computed tokens reset, put back at the head of the waiting queue) and the
+allocation retried, until it fits or the request preempted itself. Only if nobody was
+preempted, WAITING requests are admitted in queue order: look up the cached prefix,
+schedule the rest (a chunk if the budget or that threshold is short) provided the whole
+sequence fits in the cache (`scheduler_reserve_full_isl`); the first that does not fit
+stops admission. A request whose computed tokens reach its length samples one token (a
+partial prefill chunk samples nothing); it stops on `eos_after` tokens ("stop", when not
+`ignore_eos`), then on `max_tokens` or `max_model_len` ("length"), and its blocks are freed.
+A preempted request recomputes its prompt and output later, from whatever of it is still
+cached.
 
 Time: the engine never reads a clock. `step(now)` does the work at once and returns
 `duration_s`, the time the modelled GPU needs for it; the caller makes the outputs visible
@@ -153,6 +155,8 @@ class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self._chunk = config.max_model_len  # this step's cap per request (`_chunk_cap`)
         self.policy: SchedulingPolicy = config.policy
         self.host = host
         self.cache = PrefixCache(

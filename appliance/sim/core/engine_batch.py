@@ -39,6 +39,8 @@ class EngineBatching:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    _chunk: int
     policy: SchedulingPolicy
     cache: PrefixCache
     prefetches: PrefetchLane
@@ -101,6 +103,7 @@ class EngineBatching:
         """Schedule running requests (preempting as needed); returns the budget left."""
         budget = self.max_num_batched_tokens
         running = self._running
+        self._chunk = self._chunk_cap()
         bs = self.block_size
         fast = self._fast_decode
         i = 0
@@ -108,7 +111,7 @@ class EngineBatching:
             entry = running[i]
             creq = entry.cache
             c = creq.num_computed_tokens
-            n = min(len(creq.all_token_ids) - c, budget, self.max_model_len - c - 1)
+            n = min(len(creq.all_token_ids) - c, self._chunk, budget, self.max_model_len - c - 1)
             if n <= 0:
                 i += 1
                 continue
@@ -143,6 +146,14 @@ class EngineBatching:
             i += 1
         return budget
 
+    def _chunk_cap(self) -> int:
+        """The most tokens one request computes this step: vLLM's long prefill threshold,
+        but only while another request runs, waits or loads (none to starve otherwise)."""
+        cap = self.long_prefill_token_threshold
+        if cap and len(self._running) + len(self._waiting) + len(self._loading) > 1:
+            return cap
+        return self.max_model_len
+
     def _victim(self) -> RequestState:
         if self.policy == "priority":
             return max(self._running, key=lambda e: (e.req.priority, e.arrival_s))
@@ -169,7 +180,8 @@ class EngineBatching:
                 if not self._start_load(entry, hit, now):
                     break
             else:
-                n = min(creq.num_tokens - creq.num_computed_tokens - hit.num_tokens, budget)
+                n = creq.num_tokens - creq.num_computed_tokens - hit.num_tokens
+                n = min(n, self._chunk, budget)
                 self._room(creq, n, hit, full=True)
                 if cache.allocate(creq, n, hit, full_sequence_must_fit=True) is None:
                     if self._unblock(entry):

@@ -9,8 +9,9 @@ from appliance.sim.core.waiting_queue import SchedulingPolicy
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """The engine's vLLM settings (ValueError unless max_model_len fits in the cache and
-    1 <= max_num_seqs <= max_num_batched_tokens)."""
+    """The engine's vLLM settings (ValueError unless max_model_len fits in the cache,
+    1 <= max_num_seqs <= max_num_batched_tokens and 0 <= long_prefill_token_threshold <=
+    max_model_len, as vLLM checks)."""
 
     num_blocks: int
     """KV blocks, the null block included (vLLM's `num_gpu_blocks`)."""
@@ -18,6 +19,8 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    """The most tokens one request computes in a step while others wait or run (0: no cap)."""
     enable_prefix_caching: bool = True
     policy: SchedulingPolicy = "fcfs"
     enable_kv_events: bool = True
@@ -34,4 +37,9 @@ class EngineConfig:
             raise ValueError(
                 f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}), as vLLM does"
+            )
+        if not 0 <= self.long_prefill_token_threshold <= self.max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be "
+                f"from 0 to max_model_len ({self.max_model_len}), as vLLM checks"
             )

@@ -17,7 +17,8 @@ import uvicorn
 from appliance import eventloop
 from appliance.engines.retention.plugin import RetentionTuning
 from appliance.sim.entrypoints.server import create_app, make_server
-from appliance.sim.runtime.worker import SimWorker, WorkerConfig, free_port, offset_endpoint
+from appliance.sim.runtime.endpoints import free_port, offset_endpoint
+from appliance.sim.runtime.worker import SimWorker, WorkerConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ sleep, stop and wake a simulated worker exactly as it does a vLLM one (`LaunchSp
 
 Read from vLLM's flags: --model (a directory: its tokenizer; else only a name),
 --served-model-name, --host, --port, --block-size, --prefix-caching-hash-algo,
---scheduling-policy, --max-model-len, --kv-cache-memory-bytes (the pool in blocks of the
+--scheduling-policy, --max-model-len, --max-num-batched-tokens (default vLLM's on an H200,
+8192), --long-prefill-token-threshold, --kv-cache-memory-bytes (the pool in blocks of the
 GPU profile's bytes per token), --kv-offloading-size (GiB of host tier, vLLM's native
 offloading, in the same blocks), --enable-auto-tool-choice, --kv-events-config (endpoint
 and topic), --kv-transfer-config (the retention connector's settings: the simulated worker
@@ -49,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching-hash-algo", default="sha256_cbor")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--kv-offloading-size", type=float, default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true")
@@ -78,6 +81,8 @@ def worker_config(argv: Sequence[str], env: dict[str, str]) -> WorkerConfig:
         hash_algo=args.prefix_caching_hash_algo,
         python_hash_seed=env.get("PYTHONHASHSEED"),
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
         kv_events_endpoint=events.get("endpoint") if events.get("enable_kv_cache_events") else None,
         kv_events_topic=events.get("topic", ""),

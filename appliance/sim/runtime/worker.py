@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import socket
 import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -45,6 +44,7 @@ from appliance.sim.kv.host_tier import HostTier
 from appliance.sim.kv.kv_publisher import KvEventPublisher
 from appliance.sim.kv.retention import SimRetention
 from appliance.sim.runtime.clock import run_engine_loop
+from appliance.sim.runtime.endpoints import resolve_endpoint
 from appliance.sim.runtime.sleep_mode import SIM_WAKE_S, SleepMode
 from appliance.tokenization.tokenizer import ModelTokenizer, load_tokenizer
 
@@ -80,6 +80,7 @@ class WorkerConfig:
     time_scale: float = 1.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     output_mode: Literal["lorem", "echo"] = "lorem"
     """Generated tokens: word-like tokens drawn per request, or the prompt repeated."""
@@ -172,7 +173,7 @@ class SimWorker:
                 gpu_memory_utilization=config.gpu_memory_utilization,
             ),
         )
-        self.kv_events_endpoint = _resolve_endpoint(config.kv_events_endpoint)
+        self.kv_events_endpoint = resolve_endpoint(config.kv_events_endpoint)
         self.publisher: KvEventPublisher | None = None
         digest = hashlib.sha256(repr(asdict(config)).encode()).hexdigest()[:8]
         self.system_fingerprint = f"vllm-{VLLM_VERSION}-{digest}"
@@ -369,31 +370,6 @@ def _engine_config(config: WorkerConfig, num_blocks: int) -> EngineConfig:
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         policy=config.scheduling_policy,
     )
-
-
-def _resolve_endpoint(endpoint: str | None) -> str | None:
-    """`tcp://*:0` binds a free port, reported as `tcp://*:<port>` (vLLM binds and reports
-    the node IP there; a subscriber connects to either)."""
-    if endpoint and endpoint.startswith("tcp://*:") and endpoint.endswith(":0"):
-        return f"tcp://*:{free_port()}"
-    return endpoint
-
-
-def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """vLLM's per-rank endpoint: port + rank (port 0 left to the OS; inproc gets a suffix)."""
-    if endpoint is None or rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    head, sep, port = endpoint.rpartition(":")
-    if sep and port.isdigit() and int(port) != 0:
-        return f"{head}:{int(port) + rank}"
-    return endpoint
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
