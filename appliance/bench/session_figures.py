@@ -25,18 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.bench.report import AgentStepResult
+from appliance.workload.session_columns import SESSION_COLUMNS
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}\n]*\})? (\S+)", re.MULTILINE)
 _SHOWN = (
-    "users",
-    "ttft_p50_s",
-    "ttft_p95_s",
-    "ttft_p99_s",
-    "hit_rate",
-    "step_p50_s",
-    "session_p50_s",
-    "requests",
-    "skipped_for_window",
+    *SESSION_COLUMNS,
     "router_cpu_ms_per_turn",
 )
 

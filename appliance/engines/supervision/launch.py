@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePath
+from typing import Any
 
 from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
@@ -340,18 +341,9 @@ def spec_from_settings(
         served_model_name=engine.served_model_name or default_served_name(engine.model),
         python=python,
         device=device,
-        workers=engine.workers,
-        gpus_per_worker=engine.gpus_per_worker,
-        base_port=engine.port_base("base_port"),
-        kv_events_base_port=engine.port_base("kv_events_base_port"),
-        block_size=engine.block_size,
-        hash_algo=engine.hash_algo,
-        python_hash_seed=engine.python_hash_seed,
+        **engine_launch_fields(engine, engine.max_model_len),
         gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
-        max_model_len=engine.max_model_len,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        long_prefill_token_threshold=_prefill_cap(engine),
         enforce_eager=device == Device.CPU,
         extra_args=tuple(engine.extra_args),
         gpu_ids=gpu_ids,
@@ -369,10 +361,23 @@ def spec_from_settings(
     )
 
 
-def _prefill_cap(engine: EngineSettings) -> int:
-    """The long prefill threshold, at most the window (vLLM refuses a larger one)."""
-    cap, window = engine.long_prefill_token_threshold, engine.max_model_len
-    return cap if window is None else min(cap, window)
+def engine_launch_fields(engine: EngineSettings, window: int | None) -> dict[str, Any]:
+    """The LaunchSpec fields every kind of worker takes from the engine settings: workers,
+    ports, block hashing, the window (`window`) and the step budget, its long prefill cap
+    cut to the window (vLLM refuses a larger one)."""
+    cap = engine.long_prefill_token_threshold
+    return {
+        "workers": engine.workers,
+        "gpus_per_worker": engine.gpus_per_worker,
+        "base_port": engine.port_base("base_port"),
+        "kv_events_base_port": engine.port_base("kv_events_base_port"),
+        "block_size": engine.block_size,
+        "hash_algo": engine.hash_algo,
+        "python_hash_seed": engine.python_hash_seed,
+        "max_model_len": window,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "long_prefill_token_threshold": cap if window is None else min(cap, window),
+    }
 
 
 def _structured_outputs(engine: EngineSettings) -> dict[str, object]:

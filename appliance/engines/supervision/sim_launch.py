@@ -25,7 +25,12 @@ import sys
 
 from appliance.config.settings import EngineSettings
 from appliance.engines.retention.plugin import RetentionLaunch
-from appliance.engines.supervision.launch import Device, LaunchSpec, default_served_name
+from appliance.engines.supervision.launch import (
+    Device,
+    LaunchSpec,
+    default_served_name,
+    engine_launch_fields,
+)
 from appliance.perf.profile import GpuProfile, bundled_profile, load_profile
 
 SIM_ENTRYPOINT = ("-m", "appliance.sim.entrypoints.vllm_entry")
@@ -96,17 +101,8 @@ def sim_spec(engine: EngineSettings) -> LaunchSpec:
         served_model_name=sim_served_name(engine),
         python=sys.executable,
         device=Device.SIM,
-        workers=engine.workers,
-        gpus_per_worker=engine.gpus_per_worker,
-        base_port=engine.port_base("base_port"),
-        kv_events_base_port=engine.port_base("kv_events_base_port"),
-        block_size=engine.block_size,
-        hash_algo=engine.hash_algo,
-        python_hash_seed=engine.python_hash_seed,
+        **engine_launch_fields(engine, engine.max_model_len or SIM_MAX_MODEL_LEN),
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
-        max_model_len=(window := engine.max_model_len or SIM_MAX_MODEL_LEN),
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        long_prefill_token_threshold=min(engine.long_prefill_token_threshold, window),
         extra_args=sim_args(engine, profile),
         gpu_ids=tuple(engine.gpus) if engine.gpus is not None else None,
         entrypoint=SIM_ENTRYPOINT,

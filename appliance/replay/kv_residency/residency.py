@@ -122,7 +122,6 @@ class PolicyResidency:
     ) -> None:
         policy = residency_policy(policy) if isinstance(policy, str) else policy
         self.driver = ResidencyDriver(policy, bound=bound)
-        self.policy = policy
         self.latency = latency
         self.block_size = block_size
         self.hints = hints
@@ -138,8 +137,12 @@ class PolicyResidency:
         self._ranks_at = -math.inf
 
     @property
+    def policy(self) -> ResidencyPolicy:
+        return self.driver.policy
+
+    @property
     def name(self) -> str:
-        return self.policy.name
+        return self.driver.policy.name
 
     @property
     def host_priority(self) -> HostPriority | None:

@@ -39,19 +39,12 @@ from appliance.workload.agent_traces import (
     read_agent_sessions,
     sessions_summary,
 )
+from appliance.workload.session_columns import SESSION_COLUMNS
 
 SESSION_BLOCK_SIZE = 64
 """The traces' own block: one hash id, one block (vLLM on CUDA takes any multiple of 16)."""
 _SHOWN = (
-    "users",
-    "ttft_p50_s",
-    "ttft_p95_s",
-    "ttft_p99_s",
-    "hit_rate",
-    "step_p50_s",
-    "session_p50_s",
-    "requests",
-    "skipped_for_window",
+    *SESSION_COLUMNS,
     "restores",
     "restored_unused_share",
     "wall_s",

@@ -77,10 +77,6 @@ class ResidencyDriver:
         self.by_tool: Counter[tuple[str, str]] = Counter()
         """(tool class, action) -> decisions, revisits included."""
 
-    @property
-    def name(self) -> str:
-        return self.policy.name
-
     def decide(self, idle: IdleSession, now: float) -> StandingDecision:
         """The policy's decision on `idle` (the bound's, where it overrules), now the
         session's standing one; asked again within the same idle period, the policy is
