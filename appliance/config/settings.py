@@ -93,8 +93,8 @@ class EngineSettings(Section):
     """Longest prompt + output in tokens; None lets vLLM use the model's own limit (the API
     takes the limit each worker reports)."""
     max_num_batched_tokens: int | None = Field(AGENT_BATCH_TOKENS, ge=1)
-    """vLLM --max-num-batched-tokens: the tokens one step computes (appliance/perf/
-    agent_batching.py says why 16384 for agent turns); None: vLLM's default (8192 on an H200)."""
+    """vLLM --max-num-batched-tokens on GPU and simulated workers (the CPU build keeps vLLM's):
+    the tokens a step computes (perf/agent_batching.py: why 16384); None: vLLM's (8192, H200)."""
     long_prefill_token_threshold: int = Field(AGENT_PREFILL_CAP_TOKENS, ge=0)
     """vLLM --long-prefill-token-threshold: the most tokens one prompt computes in a step while
     other requests run or wait, cut to max_model_len (a model's own window under it: set it

@@ -286,8 +286,11 @@ def test_workers_get_the_agent_batching_budget_capped_at_the_window() -> None:
     assert flag(argv, "--max-num-batched-tokens") == "16384"
     assert flag(argv, "--long-prefill-token-threshold") == "4096"
     short = engine.model_copy(update={"max_model_len": 2048})
-    argv = plan_workers(spec_from_settings(short, python="/p", device=Device.CPU), {})[0].argv
+    argv = plan_workers(spec_from_settings(short, python="/p", device=Device.CUDA), {})[0].argv
     assert flag(argv, "--long-prefill-token-threshold") == "2048"
+    argv = plan_workers(spec_from_settings(engine, python="/p", device=Device.CPU), {})[0].argv
+    assert flag(argv, "--max-num-batched-tokens") is None  # the CPU build keeps vLLM's own
+    assert flag(argv, "--long-prefill-token-threshold") is None
     off = engine.model_copy(
         update={"max_num_batched_tokens": None, "long_prefill_token_threshold": 0}
     )

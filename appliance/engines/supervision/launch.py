@@ -341,7 +341,7 @@ def spec_from_settings(
         served_model_name=engine.served_model_name or default_served_name(engine.model),
         python=python,
         device=device,
-        **engine_launch_fields(engine, engine.max_model_len),
+        **_step_budget(engine_launch_fields(engine, engine.max_model_len), device),
         gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         enforce_eager=device == Device.CPU,
@@ -378,6 +378,14 @@ def engine_launch_fields(engine: EngineSettings, window: int | None) -> dict[str
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "long_prefill_token_threshold": cap if window is None else min(cap, window),
     }
+
+
+def _step_budget(fields: dict[str, Any], device: Device) -> dict[str, Any]:
+    """The CPU build keeps vLLM's own step budget: its steps run on the cores, where a
+    larger one only makes every step longer."""
+    if device == Device.CPU:
+        return fields | {"max_num_batched_tokens": None, "long_prefill_token_threshold": 0}
+    return fields
 
 
 def _structured_outputs(engine: EngineSettings) -> dict[str, object]:
