@@ -8,12 +8,14 @@ its session has no request left, the user starts the next session of the list at
 By default every session of the list starts once (one pass: at every count of users the
 same sessions are replayed, so runs differ only in how many run at once), and the counted
 window ends as the last one starts (after that, fewer than `users` run); with a
-`duration_s` the list cycles until then, after which nothing new is sent and what is in
-flight finishes. User `u` starts at `u * warmup_s / users`, so the users ramp up over the
-warm-up. A sub-agent entry starts its sub-agents beside the session, each a session of its
-own; the session resumes when the last it waits for has ended (a background one it does
-not wait for), its next think time less what they took when recorded (the recording counts
-that think time from the answer that started them).
+`duration_s` the list cycles until then. Past the window's end nothing new is sent and what
+is in flight finishes: the rest of the sessions would count for nothing (at 160 users the
+tail of the longest sessions is a quarter of a pass's work). User `u` starts at
+`u * warmup_s / users`, so the users ramp up over the warm-up. A sub-agent entry starts its
+sub-agents beside the session, each a session of its own; the session resumes when the
+last it waits for has ended (a background one it does not wait for), its next think time
+less what they took when recorded (the recording counts that think time from the answer
+that started them).
 
 Prompts: a request's `hash_ids` name its 64-token blocks (equal ids, equal blocks; ids are
 scoped to a session and its sub-agents, so a run of a session shares nothing with another
@@ -147,6 +149,8 @@ class SessionLoop:
         self._runs: dict[str, tuple[_SessionRun, TraceRequest]] = {}  # request id -> its run
         self._session_of: dict[str, str] = {}
         self.counts = SessionCounts()
+        self.ended: set[str] = set()
+        """The runs (sessions and sub-agents) that ran to their end."""
 
     # --- driving the replay ---
 
@@ -231,8 +235,8 @@ class SessionLoop:
                 continue
             at_s = now + max(0.0, step.think_time_s - run.credit_s)
             run.credit_s = 0.0
-            if at_s > self.duration_s:
-                return []  # past the end: the user sends nothing more
+            if at_s > self.end_s:
+                return []  # past the window's end: the user sends nothing more
             return [Arrival(at_s, self._request(run, step, at_s))]
         return self._ended(run, now)
 
@@ -257,6 +261,7 @@ class SessionLoop:
         return out if run.children else out + self._advance(run, now)
 
     def _ended(self, run: _SessionRun, now: float) -> list[Arrival]:
+        self.ended.add(run.sid)
         parent = run.parent
         if parent is not None:
             parent.children -= 1

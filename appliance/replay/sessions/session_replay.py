@@ -156,7 +156,7 @@ def replay_stack(
     out["sessions_finished"] = loop.counts.sessions_finished
     out["subagents"] = loop.counts.subagents
     out |= restore_fields(ahead)
-    out |= usage.fields(window.warmup_s, loop.end_s)
+    out |= usage.fields(window.warmup_s, loop.end_s, loop.ended)
     return with_decision_counts(out, router, hold, wall_s)
 
 

@@ -3,10 +3,11 @@ GPU-seconds each session took, and the box's HBM and host memory over time.
 
 GPU-seconds: each engine step's modelled duration split over the requests it scheduled in
 proportion to their scheduled tokens (as `closed_loop.GpuSeconds`), summed per session (a
-request id is `session/step`: `session_loop.py`). A session's figure covers its whole run,
-ramp and drain included; the row gives the mean and p50 over the sessions that ran, their
-total, and the engines' busy time (steps that only wait for host loads schedule nothing and
-are charged to no session).
+request id is `session/step`: `session_loop.py`; a sub-agent is a session of its own). The
+row gives the total over every session, the mean and p50 over the sessions that ran to
+their end (one cut off at the run's end has spent only part of its cost), and the engines'
+busy time (steps that only wait for host loads schedule nothing and are charged to no
+session).
 
 Memory over time: every `every_s` of virtual time, the mean over workers of HBM held (the
 share of KV blocks requests or residency holds reference: vLLM's `kv_cache_usage_perc`),
@@ -19,7 +20,7 @@ window (`usage`) and their means and maxima.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import StepResult
@@ -61,12 +62,14 @@ class SessionUsage:
         n = max(len(self._engines), 1)
         return held / n, cached / n, (host / hosts if hosts else None)
 
-    def fields(self, start_s: float, end_s: float) -> dict[str, object]:
-        """The row's figures; memory from the samples in (`start_s`, `end_s`]."""
-        spent = list(self.gpu_s_by_session.values())
+    def fields(self, start_s: float, end_s: float, ended: Set[str]) -> dict[str, object]:
+        """The row's figures; memory from the samples in (`start_s`, `end_s`], cost per
+        session over the sessions in `ended` (those that ran to their end)."""
+        by_session = self.gpu_s_by_session
+        spent = [v for k, v in by_session.items() if k in ended]
         kept = [s for s in self.samples if start_s < s[0] <= end_s]
         out: dict[str, object] = {
-            "gpu_s": round(sum(spent), 3),
+            "gpu_s": round(sum(by_session.values()), 3),
             "gpu_busy_s": round(sum(e.stats.busy_s_total for e in self._engines), 3),
             "gpu_s_sessions": len(spent),
             "gpu_s_per_session": round(statistics.fmean(spent), 3) if spent else None,
