@@ -19,7 +19,8 @@ from appliance.replay.sessions.session_bound import (
     session_ttft_floor,
 )
 from appliance.replay.sessions.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
-from appliance.replay.sessions.session_replay import STACKS, capacity, replay_stack
+from appliance.replay.sessions.capacity_search import capacity, first_count
+from appliance.replay.sessions.session_replay import STACKS, replay_stack
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (
     AgentSessionTrace,
@@ -347,6 +348,39 @@ def test_the_capacity_is_the_largest_count_within_the_slo() -> None:
     noisy = lambda n: {"stack": "s", "ttft_p95_s": 3.0 if n == 8 else 1.0 + n / 50}  # noqa: E731
     assert capacity(noisy, 2.0, start=4, resolution=0.0)[0] == 50
     assert capacity(noisy, 2.0, start=4, resolution=0.0, confirm_misses=1)[0] == 7  # 8 ends it
+
+
+def test_a_capacity_search_from_a_count_that_misses_steps_down_to_one_that_meets() -> None:
+    asked: list[int] = []
+
+    def run(users: int) -> dict[str, object]:
+        asked.append(users)
+        return {"stack": "s", "ttft_p95_s": 1.0 if users <= 150 else 50.0}
+
+    found, _ = capacity(run, 2.0, start=293, factor=1.25, resolution=1 / 16)
+    assert asked[:4] == [293, 234, 187, 149]  # down by a quarter until one meets
+    assert 141 <= found <= 150 and len(asked) <= 6  # doubling from 32 took 11 runs
+    assert asked[4:] and all(149 < n < 187 for n in asked[4:])  # then within the bracket
+    assert capacity(lambda n: {"stack": "s", "ttft_p95_s": 9.0}, 2.0, start=5)[0] == 0
+    up: list[int] = []
+    capacity(lambda n: up.append(n) or {"stack": "s", "ttft_p95_s": 0.0}, 2.0, limit=100)
+    assert up == [32, 64]  # nothing past the limit
+
+
+def test_the_search_starts_where_the_sessions_median_prompt_fills_the_box() -> None:
+    setup, _ = make_setup(workers=2, hbm_gib=4, host_gib=8, block_size=64)
+    fits = [r.input_tokens for s in SLICE for r in s.own_requests()]
+    fits = sorted(n for n in fits if n < setup.max_model_len)
+    median = fits[len(fits) // 2]
+    hbm = 2 * setup.kv_blocks_per_worker * 64 // median
+    assert first_count(SLICE, setup, host=False) == max(1, hbm)
+    with_host = first_count(SLICE, setup, host=True)
+    assert with_host == max(
+        1, 2 * (setup.kv_blocks_per_worker + setup.host_blocks_per_worker) * 64 // median
+    )
+    assert with_host > first_count(SLICE, setup, host=False)
+    twice, _ = make_setup(workers=4, hbm_gib=4, host_gib=8, block_size=64)
+    assert first_count(SLICE, twice, host=True) in (2 * with_host, 2 * with_host + 1)
 
 
 def test_the_ttft_floor_is_each_request_alone_with_its_previous_prompt_cached() -> None:

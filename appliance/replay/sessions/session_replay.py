@@ -1,6 +1,6 @@
 """Recorded agent sessions (`agent_traces.py`) through one stack a self-hoster could run:
 a routing policy, a residency policy and a host tier, at `users` sessions at once
-(`session_loop.py`), and the capacity search over `users`.
+(`session_loop.py`); the capacity search over `users` is `capacity_search.py`.
 
 Model of the world: as `workload_replay.py` for the agent workload (the same simulated
 workers, router and residency adapter), the requests released by completions plus think
@@ -39,7 +39,6 @@ summary (`restore`: by trigger, signals skipped by kind, TTFT saved).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -101,6 +100,11 @@ _BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True, agent_batching=Tru
 DEFAULT_WINDOW = RunWindow()
 
 
+def stack_plan(stack: str) -> Stack:
+    """The stack's plan (the bound's too)."""
+    return _BOUND_STACK if stack == BOUND else STACKS[stack]
+
+
 def replay_stack(
     sessions: Sequence[AgentSessionTrace],
     stack: str,
@@ -113,7 +117,7 @@ def replay_stack(
     """One run of `stack` (or the clairvoyant `BOUND`) at `users` sessions at once: its
     figures (see the module)."""
     bound = stack == BOUND
-    plan = _BOUND_STACK if bound else STACKS[stack]
+    plan = stack_plan(stack)
     if not plan.host:
         setup = replace(setup, host_blocks_per_worker=0, host_gib_per_worker=0.0)
     if plan.agent_batching:
@@ -229,64 +233,3 @@ def plan_fields(plan: Stack) -> dict[str, object]:
 def _in_window(result: ReplayResult, start_s: float, end_s: float) -> ReplayResult:
     kept = [r for r in result.records if start_s < r.arrival_s <= end_s]
     return ReplayResult(kept, result.engine_stats, result.end_s, result.num_steps)
-
-
-def capacity(
-    run: Callable[[int], dict[str, object]],
-    slo_ttft_p95_s: float,
-    *,
-    start: int = 32,
-    limit: int = 4096,
-    resolution: float = 1 / 16,
-    confirm_misses: int = 2,
-    say: Callable[[str], None] = lambda line: None,
-) -> tuple[int, list[dict[str, object]]]:
-    """The largest `users` whose run (`run(users)`) keeps its TTFT p95 within the SLO, and
-    every run made: doubling from `start` until `confirm_misses` counts in a row above the
-    largest that met it miss it (in a run of fixed duration the p95 of a small count rests
-    on a few first turns, so one miss there says little; a pass over every session counts
-    them all at any count), then narrowing the gap between that largest and the first miss
-    above it until it is at most `resolution` of the count found (or 1): each next count
-    where the line between the two ends' p95 crosses the SLO, kept a quarter of the gap
-    from either end (so the gap shrinks at least by a quarter)."""
-    rows: list[dict[str, object]] = []
-    p95s: dict[int, float] = {}
-
-    def meets(users: int) -> bool:
-        row = run(users)
-        rows.append(row)
-        p95 = row["ttft_p95_s"]
-        ok = isinstance(p95, float | int) and p95 <= slo_ttft_p95_s
-        p95s[users] = float(p95) if isinstance(p95, float | int) else math.inf
-        say(f"{row['stack']}: {users} users: TTFT p95 {p95} s {'meets' if ok else 'misses'}")
-        return ok
-
-    good, misses = 0, []
-    users = start
-    while users <= limit and len(misses) < confirm_misses:
-        if meets(users):
-            good, misses = users, []
-        else:
-            misses.append(users)
-        users *= 2
-    if not misses:
-        return good, rows
-    bad = misses[0]
-    while bad - good > max(1, int(good * resolution)):
-        users = _next_count(good, bad, p95s.get(good, 0.0), p95s[bad], slo_ttft_p95_s)
-        if meets(users):
-            good = users
-        else:
-            bad = users
-    return good, rows
-
-
-def _next_count(good: int, bad: int, p95_good: float, p95_bad: float, slo: float) -> int:
-    """Where the line from (good, its p95) to (bad, its p95) meets the SLO, at least a
-    quarter of the gap from either end (the middle when the bad end's p95 is unknown)."""
-    gap = bad - good
-    at = good + gap / 2
-    if math.isfinite(p95_bad) and p95_bad > p95_good:
-        at = good + gap * (slo - p95_good) / (p95_bad - p95_good)
-    at = min(max(at, good + gap / 4), bad - gap / 4)
-    return min(max(round(at), good + 1), bad - 1)

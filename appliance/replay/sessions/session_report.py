@@ -27,12 +27,13 @@ from appliance.perf.latency import LatencyModel
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
 from appliance.replay.sessions.session_bound import session_ttft_floor
 from appliance.replay.sessions.session_loop import RunWindow
+from appliance.replay.sessions.capacity_search import SEARCH_FACTOR, capacity, first_count
 from appliance.replay.sessions.session_replay import (
     BOUND,
     DEFAULT_WINDOW,
     STACKS,
-    capacity,
     replay_stack,
+    stack_plan,
 )
 from appliance.workload.agent_traces import (
     AgentSessionTrace,
@@ -170,7 +171,10 @@ def _stack_row(
     assert slo is not None
     # One pass counts every session at any count: a single miss above the best says enough.
     confirm = 1 if window.duration_s == math.inf else 2
-    found, steps = capacity(run, slo, confirm_misses=confirm, say=say)
+    start = first_count(sessions, setup, host=stack_plan(stack).host)
+    found, steps = capacity(
+        run, slo, start=start, factor=SEARCH_FACTOR, confirm_misses=confirm, say=say
+    )
     at = [r for r in steps if r["users"] == found]
     row: dict[str, Any] = dict(at[0]) if at else {"stack": stack, "users": 0}
     row["capacity_sessions"] = found
