@@ -96,6 +96,23 @@ CASES = [
         "only eligible worker",
     ),
     (
+        # 20 tokens: a cold prefill of 20 ms. Scored on that, A's 2 ms more of queue
+        # (0.1) outweighed the affinity (0.05); on the floor's 500 ms it is worth 0.004.
+        "a short turn stays home for a few milliseconds of queue",
+        RouteRequest("m", 20, session_home=A),
+        [w(A, queue_s=0.002), w(B)],
+        A,
+        "least estimated time to first token",
+    ),
+    (
+        # 30 ms of queue on the floor's 500 ms: 0.06, more than the affinity.
+        "a short turn moves for more queue than its affinity is worth",
+        RouteRequest("m", 20, session_home=A),
+        [w(A, queue_s=0.03), w(B)],
+        B,
+        "moved from a: est. TTFT 20 ms here vs 50 ms there",
+    ),
+    (
         "affinity breaks a tie between equal workers",
         RouteRequest("m", 1000, session_home=B),
         [w(A), w(B)],
@@ -287,10 +304,19 @@ SCORES = [
         0.5,
     ),
     (
-        "a short turn's queue scores against its own short cold prefill",
+        "a short turn's queue scores against the scale's floor, not its short cold prefill",
         100,
         None,
         [w(A, queue_s=0.05)],
+        A,
+        "queue",
+        0.9,
+    ),
+    (
+        "a cold prefill just over the floor sets the scale",
+        600,
+        None,
+        [w(A, queue_s=0.3)],
         A,
         "queue",
         0.5,
