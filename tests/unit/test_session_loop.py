@@ -6,6 +6,7 @@ prompts' blocks hashed as the engines hash them, the window and the capacity sea
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 import pytest
@@ -13,13 +14,13 @@ import pytest
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
 from appliance.replay.runner import make_setup
+from appliance.replay.sessions.capacity_search import capacity, first_count
 from appliance.replay.sessions.session_bound import (
     ClairvoyantResidency,
     free_restores,
     session_ttft_floor,
 )
 from appliance.replay.sessions.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
-from appliance.replay.sessions.capacity_search import capacity, first_count
 from appliance.replay.sessions.session_replay import STACKS, replay_stack
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (
@@ -130,6 +131,25 @@ def test_one_pass_sends_nothing_past_the_last_start_and_knows_which_runs_ended()
     assert lp.on_finish(finish(c0, 4.0)) == [] and lp.passed
     assert lp.ended == {"u1.1:b", "u1.2:c"}
     assert (lp.counts.sessions_started, lp.counts.sessions_finished) == (3, 2)
+
+
+def test_a_capacity_step_ends_once_its_p95_is_sure_to_miss() -> None:
+    """40 one-turn sessions: a p95 over 40 turns or fewer is over 1 s once 2 are."""
+    hasher = BlockHasher(HashAlgo.SHA256, 64)
+    sessions = [trace(f"s{i}", req(200, [1, 2, 3])) for i in range(40)]
+    window = RunWindow(warmup_s=0.0, give_up_over_p95_s=1.0)
+    lp = SessionLoop(sessions, users=2, hasher=hasher, max_model_len=4096, window=window)
+    a, b = list(lp.arrivals())
+    [c] = lp.on_finish(finish(a, 0.5))  # within the SLO
+    [d] = lp.on_finish(finish(b, 3.0))  # over it, but sent at 0 s: not after the warm-up
+    [e] = lp.on_finish(finish(c, 4.0))  # over it: one
+    assert lp.gave_up_s == math.inf and lp.end_s == math.inf
+    assert lp.on_finish(finish(d, 5.0)) == [] and lp.gave_up_s == 5.0  # two: sure
+    assert lp.end_s == 5.0 and lp.on_finish(finish(e, 5.5)) == []  # nothing more starts
+    assert lp.counts.sessions_started == 5
+    going = SessionLoop(sessions, users=2, hasher=hasher, max_model_len=4096)
+    a, b = list(going.arrivals())
+    assert going.on_finish(finish(a, 3.0)) and going.on_finish(finish(b, 3.0))  # no SLO
 
 
 def test_users_ramp_up_over_the_warm_up() -> None:

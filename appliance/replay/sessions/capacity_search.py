@@ -66,7 +66,8 @@ def capacity(
         p95 = row["ttft_p95_s"]
         ok = isinstance(p95, float | int) and p95 <= slo_ttft_p95_s
         p95s[users] = float(p95) if isinstance(p95, float | int) else math.inf
-        say(f"{row['stack']}: {users} users: TTFT p95 {p95} s {'meets' if ok else 'misses'}")
+        cut = f" (sure at {row['gave_up_s']} s: ended there)" if row.get("gave_up_s") else ""
+        say(f"{row['stack']}: {users} users: TTFT p95 {p95} s {'meets' if ok else 'misses'}{cut}")
         return ok
 
     good, bad = _bracket(meets, start, factor, limit, confirm_misses)

@@ -63,6 +63,10 @@ class RunWindow:
     duration_s: float = math.inf
     """inf: until every recorded session has started once (one pass over the list)."""
     warmup_s: float = 600.0
+    give_up_over_p95_s: float | None = None
+    """A capacity step's SLO: in one pass, the window ends as soon as so many counted turns
+    took longer than this that the p95 is over it whatever follows (the pass can count no
+    more turns than the sessions hold). None: the run goes on."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.warmup_s < self.duration_s:
@@ -149,6 +153,10 @@ class SessionLoop:
         self._runs: dict[str, tuple[_SessionRun, TraceRequest]] = {}  # request id -> its run
         self._session_of: dict[str, str] = {}
         self.counts = SessionCounts()
+        self._slo_s = window.give_up_over_p95_s if self.one_pass else None
+        self._misses_left = _misses_over_p95(sessions, max_model_len)
+        self.gave_up_s = math.inf
+        """When the counted p95 was sure to miss `give_up_over_p95_s` (inf: never)."""
         self.ended: set[str] = set()
         """The runs (sessions and sub-agents) that ran to their end."""
 
@@ -163,7 +171,23 @@ class SessionLoop:
         run, _ = self._runs.pop(rec.request_id)
         now = rec.finish_s if rec.finish_s is not None else rec.arrival_s
         run.step += 1
+        if self._sure_to_miss(rec, now):
+            return []
         return self._advance(run, now)
+
+    def _sure_to_miss(self, rec: RequestRecord, now: float) -> bool:
+        """Counts the turn against `give_up_over_p95_s`; True when it makes the miss sure
+        (the window ends now)."""
+        ttft = rec.ttft_s
+        if self._slo_s is None or ttft is None or ttft <= self._slo_s:
+            return False
+        if not self.warmup_s < rec.arrival_s <= self.end_s:
+            return False
+        self._misses_left -= 1
+        if self._misses_left > 0:
+            return False
+        self.gave_up_s = min(self.gave_up_s, now)
+        return True
 
     @property
     def passed(self) -> bool:
@@ -172,8 +196,9 @@ class SessionLoop:
 
     @property
     def end_s(self) -> float:
-        """Where the counted window ends: the run's end, or the last session's start."""
-        return min(self.duration_s, self.last_start_s)
+        """Where the counted window ends: the run's end, the last session's start, or where
+        its p95 was sure to miss."""
+        return min(self.duration_s, self.last_start_s, self.gave_up_s)
 
     def hint(self, request_id: str) -> TurnHint | None:
         """What the turn's answer tells: whether it ended in a tool call (see the module).
@@ -207,7 +232,7 @@ class SessionLoop:
     # --- the loop ---
 
     def _start_user(self, user: int, at_s: float) -> list[Arrival]:
-        if at_s > self.duration_s or self.passed:
+        if at_s > self.end_s or self.passed:
             return []
         trace = self._sessions[self._next_session % len(self._sessions)]
         self._next_session += 1
@@ -318,6 +343,17 @@ class SessionLoop:
             out += hashes
         run.last = (ids, out, warm_chunks)
         return out[:n_full]
+
+
+def _misses_over_p95(sessions: Sequence[AgentSessionTrace], max_model_len: int) -> int:
+    """Turns over a p95 target that put the p95 over it at any count up to every turn the
+    sessions can send (the p95 of n is the value at rank int(0.95 n), `metrics.percentile`)."""
+    requests = [r for s in sessions for r in s.own_requests()]
+    requests += [
+        r for s in sessions for g in s.subagent_steps() for a in g.agents for r in a.requests
+    ]
+    n = sum(r.input_tokens + r.output_tokens <= max_model_len for r in requests)
+    return n - int(0.95 * n)
 
 
 def answer_hint(step: TraceRequest) -> TurnHint:

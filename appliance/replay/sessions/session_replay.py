@@ -39,8 +39,9 @@ summary (`restore`: by trigger, signals skipped by kind, TTFT saved).
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -155,6 +156,7 @@ def replay_stack(
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
     out["window_end_s"] = round(loop.end_s, 1)
+    out["gave_up_s"] = round(loop.gave_up_s, 1) if math.isfinite(loop.gave_up_s) else None
     out["skipped_for_window"] = loop.counts.skipped_for_window
     out["sessions_started"] = loop.counts.sessions_started
     out["sessions_finished"] = loop.counts.sessions_finished

@@ -19,15 +19,16 @@ import multiprocessing
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from appliance.perf.latency import LatencyModel
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
+from appliance.replay.sessions.capacity_search import SEARCH_FACTOR, capacity, first_count
 from appliance.replay.sessions.session_bound import session_ttft_floor
 from appliance.replay.sessions.session_loop import RunWindow
-from appliance.replay.sessions.capacity_search import SEARCH_FACTOR, capacity, first_count
 from appliance.replay.sessions.session_replay import (
     BOUND,
     DEFAULT_WINDOW,
@@ -163,6 +164,9 @@ def _stack_row(
     window: RunWindow,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
+    if slo is not None:
+        window = replace(window, give_up_over_p95_s=slo)  # a step that must miss ends there
+
     def run(n: int) -> dict[str, object]:
         return replay_stack(sessions, stack, setup, latency, users=n, window=window)
 
