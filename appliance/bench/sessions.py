@@ -128,7 +128,7 @@ class LiveSessions:
 
     def _fits(self, step: TraceRequest) -> bool:
         limit = self._plan.max_model_len
-        return limit is None or step.input_tokens + step.output_tokens <= limit
+        return limit is None or step.fits(limit)
 
     async def _subagents(self, agent: _Agent, k: int, step: TraceSubagents, scope: str) -> None:
         waited: list[asyncio.Task[bool]] = []

@@ -57,7 +57,12 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     s = sorted(values)
-    return s[min(int(q * len(s)), len(s) - 1)]
+    return s[min(percentile_rank(q, len(s)), len(s) - 1)]
+
+
+def percentile_rank(q: float, n: int) -> int:
+    """The rank (from 0, ascending) whose value is the `q` percentile of `n` values."""
+    return int(q * n)
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:

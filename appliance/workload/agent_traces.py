@@ -72,6 +72,10 @@ class TraceRequest:
     def ends_in_tool_call(self) -> bool:
         return self.stop == "tool_use"
 
+    def fits(self, max_model_len: int) -> bool:
+        """Whether its prompt and output fit a model's window (else a replay skips it)."""
+        return self.input_tokens + self.output_tokens <= max_model_len
+
 
 @dataclass(frozen=True, slots=True)
 class SubagentTrace:

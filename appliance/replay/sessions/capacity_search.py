@@ -28,12 +28,7 @@ def first_count(sessions: Sequence[AgentSessionTrace], setup: ReplaySetup, *, ho
     tier where the stack has one (prompts over the window, skipped by the replay, are left
     out of the median)."""
     window = setup.max_model_len
-    fits = sorted(
-        r.input_tokens
-        for s in sessions
-        for r in s.own_requests()
-        if r.input_tokens + r.output_tokens <= window
-    )
+    fits = sorted(r.input_tokens for s in sessions for r in s.own_requests() if r.fits(window))
     median = fits[len(fits) // 2] if fits else window
     blocks = setup.kv_blocks_per_worker + (setup.host_blocks_per_worker if host else 0)
     return max(1, setup.workers * blocks * setup.block_size // max(median, 1))

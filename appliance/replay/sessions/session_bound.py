@@ -80,7 +80,7 @@ def session_ttft_floor(
         for requests in runs:
             previous: tuple[int, ...] | None = None
             for r in requests:
-                if r.input_tokens + r.output_tokens > max_model_len:
+                if not r.fits(max_model_len):
                     continue
                 shared = shared_prefix(previous, r.hash_ids) if previous is not None else warm
                 cached = min(shared * TRACE_BLOCK_TOKENS, r.input_tokens - 1)

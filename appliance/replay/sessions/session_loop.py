@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys, shared_prefix
 from appliance.replay.kv_residency.residency import TurnHint
+from appliance.replay.metrics import percentile_rank
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
@@ -154,7 +155,9 @@ class SessionLoop:
         self._session_of: dict[str, str] = {}
         self.counts = SessionCounts()
         self._slo_s = window.give_up_over_p95_s if self.one_pass else None
-        self._misses_left = _misses_over_p95(sessions, max_model_len)
+        self._misses_left = (
+            _misses_over_p95(sessions, max_model_len) if self._slo_s is not None else 0
+        )
         self.gave_up_s = math.inf
         """When the counted p95 was sure to miss `give_up_over_p95_s` (inf: never)."""
         self.ended: set[str] = set()
@@ -221,7 +224,7 @@ class SessionLoop:
         for step in run.steps[run.step + 1 :]:
             if isinstance(step, TraceSubagents):
                 continue
-            if step.input_tokens + step.output_tokens <= self.max_model_len:
+            if step.fits(self.max_model_len):
                 return step.think_time_s
         return None
 
@@ -253,7 +256,7 @@ class SessionLoop:
             step = run.steps[run.step]
             if isinstance(step, TraceSubagents):
                 return self._spawn(run, step, now)
-            if step.input_tokens + step.output_tokens > self.max_model_len:
+            if not step.fits(self.max_model_len):
                 self.counts.skipped_for_window += 1
                 self.counts.skipped_tokens += step.input_tokens
                 run.step += 1
@@ -347,13 +350,14 @@ class SessionLoop:
 
 def _misses_over_p95(sessions: Sequence[AgentSessionTrace], max_model_len: int) -> int:
     """Turns over a p95 target that put the p95 over it at any count up to every turn the
-    sessions can send (the p95 of n is the value at rank int(0.95 n), `metrics.percentile`)."""
+    sessions can send (the p95 of n is the value at `percentile_rank(0.95, n)`, the rank
+    `metrics.percentile` takes)."""
     requests = [r for s in sessions for r in s.own_requests()]
     requests += [
         r for s in sessions for g in s.subagent_steps() for a in g.agents for r in a.requests
     ]
-    n = sum(r.input_tokens + r.output_tokens <= max_model_len for r in requests)
-    return n - int(0.95 * n)
+    n = sum(r.fits(max_model_len) for r in requests)
+    return n - percentile_rank(0.95, n)
 
 
 def answer_hint(step: TraceRequest) -> TurnHint:
