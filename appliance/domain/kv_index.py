@@ -18,9 +18,10 @@ it was made in, and one of an older generation than the worker's now is stale, w
 says. A new index (a restarted appliance, whose subscribers start a fresh event stream)
 continues from the generations its caller last recorded (`start_generations`).
 
-Per hash the index keeps its parent (the previous block of the chain that announced it) and
-the sessions whose requests stored it, while any worker holds it. Pure and single-threaded:
-callers that feed it from several threads hold one lock around it.
+Where a block is, is all it keeps: an event's parent and session (vLLM 0.32 sends both) are
+not, as nothing routes by them and each was a map more per block announced and dropped: a
+third of the index's time in a replay. Pure and single-threaded: callers that feed it from
+several threads hold one lock around it.
 """
 
 from __future__ import annotations
@@ -70,14 +71,7 @@ class KvIndex:
         self._where: dict[int, int] = {}
         self._refs: dict[int, int] = {}
         """`_ref_key(h, slot)` -> announcements not yet removed."""
-        self._parent: dict[int, int] = {}
-        self._session_of: dict[int, str] = {}
-        """The first session whose request stored a block; others in `_more_sessions`."""
-        self._more_sessions: dict[int, tuple[str, ...]] = {}
-        """Tuples, not sets: a tuple of strings leaves the collector's sight after one pass."""
         self._by_worker: dict[WorkerId, set[int]] = {}
-        self._by_session: dict[str, dict[int, None]] = {}
-        """A session's hashes as dict keys: unlike a set, the collector never walks them."""
         self._stored = 0
         self._removed = 0
         self._unknown_removals = 0
@@ -129,29 +123,13 @@ class KvIndex:
     def _store(self, worker: WorkerId, event: BlockStored) -> None:
         slot = self._slot(worker, event.medium or DEFAULT_MEDIUM)
         bit = 1 << slot
-        parent = event.parent_block_hash
-        session = event.session_id
-        held = self._by_worker.setdefault(worker, set())
-        where, refs, parents = self._where, self._refs, self._parent
+        where, refs = self._where, self._refs
         for h in event.block_hashes:
             where[h] = where.get(h, 0) | bit
             key = _ref_key(h, slot)
             refs[key] = refs.get(key, 0) + 1
-            if parent is not None and h not in parents:
-                parents[h] = parent
-            if session:
-                self._add_session(h, session)
-            held.add(h)
-            self._stored += 1
-            parent = h
-
-    def _add_session(self, h: int, session: str) -> None:
-        first = self._session_of.setdefault(h, session)
-        more = self._more_sessions.get(h, ())
-        if first != session and session not in more:
-            self._more_sessions[h] = (*more, session)
-        # Equivalent mutants on the next line: only the keys are ever read, not the value.
-        self._by_session.setdefault(session, {})[h] = None  # pragma: no mutate (equivalent)
+        self._by_worker.setdefault(worker, set()).update(event.block_hashes)
+        self._stored += len(event.block_hashes)
 
     def _remove(self, worker: WorkerId, slot: int, h: int) -> None:
         key = _ref_key(h, slot)
@@ -175,19 +153,7 @@ class KvIndex:
         if where:
             self._where[h] = where
         else:
-            self._drop(h)
-
-    def _drop(self, h: int) -> None:
-        del self._where[h]
-        self._parent.pop(h, None)
-        first = self._session_of.pop(h, None)
-        for session in (first, *self._more_sessions.pop(h, ())):
-            if session is None:
-                continue  # pragma: no mutate (equivalent: a None first has no others)
-            hashes = self._by_session[session]
-            hashes.pop(h, None)  # pragma: no mutate (equivalent: each of h's sessions holds h here)
-            if not hashes:
-                del self._by_session[session]
+            del self._where[h]
 
     def forget_worker(self, worker: WorkerId) -> int:
         """Drops every block the worker held, on every tier; returns how many hashes."""
@@ -202,7 +168,7 @@ class KvIndex:
             if where:
                 self._where[h] = where
             else:
-                self._drop(h)
+                del self._where[h]
         self._forgotten += 1
         self._generations[worker] = self._generations.get(worker, 0) + 1
         return len(held)
@@ -279,30 +245,12 @@ class KvIndex:
         slot = self._slot_of.get((worker, medium))
         return self._refs.get(_ref_key(h, slot), 0) if slot is not None else 0
 
-    def parent(self, h: int) -> int | None:
-        return self._parent.get(h)
-
-    def sessions(self, h: int) -> frozenset[str]:
-        first = self._session_of.get(h)
-        if first is None:
-            return frozenset()
-        return frozenset((first, *self._more_sessions.get(h, ())))
-
     def worker_blocks(self, worker: WorkerId, *, medium: str | None = None) -> int:
         held = self._by_worker.get(worker, set())
         if medium is None:
             return len(held)
         bit = 1 << self._slot(worker, medium)
         return sum(1 for h in held if self._where[h] & bit)
-
-    def session_blocks(self, session: str, *, medium: str | None = None) -> dict[WorkerId, int]:
-        """Per worker, how many resident blocks hold content a session's requests stored
-        (a hash names content, so another request's copy of it counts too)."""
-        out: dict[WorkerId, int] = {}
-        for h in self._by_session.get(session, ()):
-            for w in self._holders(self._where[h], medium):
-                out[w] = out.get(w, 0) + 1
-        return out
 
     def workers(self) -> frozenset[WorkerId]:
         return frozenset(w for w, held in self._by_worker.items() if held)

@@ -207,10 +207,9 @@ def test_cached_tokens_rise_and_the_index_predicts_them(workers: Workers, loop: 
     load = loop.run(w1.client.load()).since(before)
     assert load.prefix_cache_hits_tokens == sum(cached)
     assert load.prompt_tokens_by_source["local_cache_hit"] == sum(cached)
-    assert feed.read(lambda index: index.session_blocks("chat-1")).get(w1.id, 0) > 0
 
 
-def test_index_learns_a_session_and_forgets_it_on_eviction(
+def test_index_learns_a_prompt_and_forgets_it_on_eviction(
     workers: Workers, loop: LoopThread
 ) -> None:
     w0, feed = workers.w0, workers.feed
@@ -224,8 +223,6 @@ def test_index_learns_a_session_and_forgets_it_on_eviction(
     assert complete(ids, "agent-A")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     wait_until(lambda: feed.lookup(hashes) == {w0.id: len(hashes)})
     index = feed.index
-    assert feed.read(lambda i: i.session_blocks("agent-A")) == {w0.id: len(hashes)}
-    assert feed.read(lambda i: [i.parent(h) for h in hashes]) == [None, *hashes[:-1]]
     assert feed.read(lambda i: i.media(hashes[0])) == {w0.id: frozenset({"GPU"})}
 
     # 4 x 1500 new tokens through a 4096-token cache evict the oldest blocks first.
@@ -233,7 +230,6 @@ def test_index_learns_a_session_and_forgets_it_on_eviction(
     for seed in range(20, 24):
         complete(token_ids(seed, 1500), f"flood-{seed}")
     wait_until(lambda: feed.lookup(hashes).get(w0.id, 0) == 0)
-    assert feed.read(lambda i: i.session_blocks("agent-A")) == {}
     assert index.stats().removed > removed_before
     # The engine agrees: the session's prefix is really gone.
     assert complete(ids, "agent-A")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

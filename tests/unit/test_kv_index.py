@@ -145,7 +145,7 @@ def test_lookup(case: Case) -> None:
     assert index.lookup(case.chain, medium=case.medium) == case.expected
 
 
-def test_batch_parents_sessions_and_counts() -> None:
+def test_batch_and_counts() -> None:
     index = KvIndex()
     batch = KvEventBatch(
         seq=0,
@@ -154,20 +154,16 @@ def test_batch_parents_sessions_and_counts() -> None:
     )
     index.apply_batch(W0, batch)
     index.apply(W1, stored(10, session="s2"))
-    assert [index.parent(h) for h in (10, 11, 12)] == [None, 10, 11]
-    assert index.sessions(10) == {"s1", "s2"}
-    # A session's blocks count wherever their content is, whoever stored that copy.
-    assert index.session_blocks("s1") == {W0: 2, W1: 1}
-    assert index.session_blocks("s2") == {W0: 2, W1: 1}
+    assert index.lookup((10, 11, 12)) == {W0: 3, W1: 1}
+    assert index.stats().stored == 4
     assert index.worker_blocks(W0) == 3 and index.worker_blocks(W1) == 1
     assert index.media(10) == {W0: frozenset({"GPU"}), W1: frozenset({"GPU"})}
     assert index.workers() == {W0, W1}
     assert len(index) == 3 and 12 in index
 
     index.apply(W0, removed(10, 11))
-    assert index.session_blocks("s1") == {W1: 1}
-    assert index.sessions(11) == frozenset()  # gone everywhere: nothing kept
-    assert index.parent(10) is None and 10 in index  # still on W1
+    assert 11 not in index  # gone everywhere: nothing kept
+    assert 10 in index and index.lookup((10,)) == {W1: 1}  # still on W1
     assert index.stats().removed == 2
 
 
@@ -179,7 +175,6 @@ def test_forget_worker_drops_only_that_worker() -> None:
     assert index.forget_worker(W0) == 3
     assert index.hashes() == {1}
     assert index.lookup((1, 2)) == {W1: 1}
-    assert index.session_blocks("s") == {W1: 1}  # the content of block 1, held by W1
     assert index.forget_worker(W2) == 0  # unknown worker: nothing to do
     index.apply(W0, removed(1))  # stale removal after a forget is ignored
     assert index.stats().unknown_removals == 1
@@ -243,7 +238,7 @@ def test_blocks_add_nothing_for_the_cyclic_collector_to_walk() -> None:
     import gc
 
     index = KvIndex()
-    index.apply(W0, stored(1, session="warm"))  # the per-worker and per-session sets
+    index.apply(W0, stored(1, session="warm"))  # the per-worker sets
     index.apply(W1, stored(1, medium="CPU", session="warm"))
     gc.collect()
     before = len(gc.get_objects())
@@ -254,8 +249,6 @@ def test_blocks_add_nothing_for_the_cyclic_collector_to_walk() -> None:
     gc.collect()
     assert len(index) == 20_001
     assert len(gc.get_objects()) - before < 50
-    # Nor does a full collection walk a session's hashes item by item.
-    assert not any(map(gc.is_tracked, index._by_session.values()))
 
 
 # --- counters, reads and edge cases, one behaviour each ---
@@ -321,100 +314,6 @@ def test_removal_from_one_tier_keeps_the_block_on_the_worker_for_any_tier_reads(
     index.apply(W0, removed(1))  # the last tier: now gone from the worker
     assert index.hashes(W0) == {2}
     assert index.lookup((1, 2)) == {}
-
-
-def test_parent_is_the_first_announced_and_dropped_with_the_block() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(1, 2))
-    index.apply(W1, stored(2, parent=7))  # a later announcement does not rewrite it
-    assert index.parent(2) == 1
-    index.apply(W0, removed(2))
-    assert index.parent(2) == 1  # still on W1
-    index.apply(W1, removed(2))
-    assert index.parent(2) is None and 2 not in index
-    index.apply(W0, stored(2, parent=9))  # stored afresh: learns its new parent
-    assert index.parent(2) == 9
-
-
-def test_parent_learned_later_fills_a_block_first_announced_without_one() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(5))
-    assert index.parent(5) is None
-    index.apply(W1, stored(5, parent=4))
-    assert index.parent(5) == 4
-
-
-def test_sessions_of_a_block_stored_by_one_session() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(1, session="s"))
-    assert index.sessions(1) == {"s"}
-    assert index.sessions(2) == frozenset()  # unknown block
-    index.apply(W0, stored(2))  # no session
-    assert index.sessions(2) == frozenset()
-
-
-def test_sessions_keep_every_distinct_session_in_any_order_of_repeats() -> None:
-    index = KvIndex()
-    for session in ("s1", "s2", "s1", "s3", "s2"):
-        index.apply(W0, stored(1, session=session))
-    assert index.sessions(1) == {"s1", "s2", "s3"}
-    assert index.session_blocks("s3") == {W0: 1}
-
-
-def test_block_stored_twice_by_one_session_leaves_it_when_removed_twice() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(1, session="s"))
-    index.apply(W0, stored(1, session="s"))
-    index.apply(W0, removed(1))
-    assert index.session_blocks("s") == {W0: 1}
-    index.apply(W0, removed(1))
-    assert index.session_blocks("s") == {}
-    assert index.sessions(1) == frozenset()
-
-
-def test_a_dropped_block_leaves_every_session_that_stored_it() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(1, session="s1"))
-    index.apply(W0, stored(1, session="s2"))
-    index.apply(W0, stored(1, session="s3"))
-    index.apply(W0, stored(2, session="s2"))
-    index.apply(W0, removed(1, 1, 1))
-    assert index.session_blocks("s1") == {}
-    assert index.session_blocks("s2") == {W0: 1}
-    assert index.session_blocks("s3") == {}
-    index.apply(W1, stored(1, session="s4"))  # stored afresh: only its new session
-    assert index.sessions(1) == {"s4"}
-
-
-def test_forget_worker_drops_the_sessions_of_blocks_no_one_else_holds() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(1, 2, session="s1"))
-    index.apply(W0, stored(2, session="s2"))
-    index.apply(W1, stored(1, session="s3"))
-    index.forget_worker(W0)
-    assert index.sessions(1) == {"s1", "s3"}
-    assert index.sessions(2) == frozenset()
-    assert index.session_blocks("s1") == {W1: 1}
-    assert index.session_blocks("s2") == {}
-
-
-def test_session_blocks_of_an_unknown_session_is_empty() -> None:
-    index = KvIndex()
-    assert index.session_blocks("nobody") == {}
-    index.apply(W0, stored(1, session="s"))
-    assert index.session_blocks("nobody") == {}
-    assert index.session_blocks("nobody", medium="GPU") == {}
-
-
-def test_session_blocks_on_one_tier_count_only_that_tier() -> None:
-    index = KvIndex()
-    index.apply(W0, stored(1, 2, session="s"))
-    index.apply(W0, stored(2, medium="CPU"))
-    index.apply(W1, stored(1, medium="CPU"))
-    assert index.session_blocks("s") == {W0: 2, W1: 1}
-    assert index.session_blocks("s", medium="GPU") == {W0: 2}
-    assert index.session_blocks("s", medium="CPU") == {W0: 1, W1: 1}
-    assert index.session_blocks("s", medium="STORAGE") == {}
 
 
 def test_worker_blocks_per_tier() -> None:
