@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.bench.report import AgentStepResult
+from appliance.domain.percentile import nearest_rank
 from appliance.workload.session_columns import SESSION_COLUMNS
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}\n]*\})? (\S+)", re.MULTILINE)
@@ -60,14 +60,6 @@ class SessionRecorder:
 
     def error(self, message: str) -> None:
         self.errors[re.sub(r"\d+(\.\d+)?", "#", message)] += 1
-
-
-def nearest_rank(values: Sequence[float], q: float) -> float | None:
-    """The replay's percentile: the value at rank int(q * n) of the sorted values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 def _r(value: float | None, digits: int = 4) -> float | None:

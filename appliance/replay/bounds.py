@@ -43,8 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.domain.block_hash import cacheable_blocks
+from appliance.domain.percentile import nearest_rank
 from appliance.perf.latency import LatencyModel
-from appliance.replay.metrics import percentile
 from appliance.replay.traces import Trace
 from appliance.sim.runtime.trace import TRACE_BLOCK_TOKENS, BlockTokens
 
@@ -160,7 +160,7 @@ def ttft_floor(
     floors = [
         prefill_alone_s(latency, n, c, chunk_tokens) for n, c in zip(prompts, hits, strict=True)
     ]
-    return TtftFloor(*(percentile(floors, q) or 0.0 for q in (0.5, 0.95, 0.99)))
+    return TtftFloor(*(nearest_rank(floors, q) or 0.0 for q in (0.5, 0.95, 0.99)))
 
 
 def optimal(

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from appliance.domain.percentile import nearest_rank
 from appliance.domain.records import CostMode, Price, TaskStatus
 from appliance.policy.costs import AttemptRow, TaskRow, attempt_cost, cost_per_success
 from appliance.replay.closed_loop import TaskOutcome
@@ -51,18 +52,6 @@ TASK_KEYS = (
     "discarded_branches",
     "discarded_cost_share",
 )
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(percentile_rank(q, len(s)), len(s) - 1)]
-
-
-def percentile_rank(q: float, n: int) -> int:
-    """The rank (from 0, ascending) whose value is the `q` percentile of `n` values."""
-    return int(q * n)
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:
@@ -138,15 +127,15 @@ def _latency(
     ttft = [t for r in recs if (t := r.ttft_s) is not None]
     session_s = _session_spans(recs, sessions)
     return {
-        "ttft_p50_s": _r(percentile(ttft, 0.50)),
-        "ttft_p95_s": _r(percentile(ttft, 0.95)),
-        "ttft_p99_s": _r(percentile(ttft, 0.99)),
+        "ttft_p50_s": _r(nearest_rank(ttft, 0.50)),
+        "ttft_p95_s": _r(nearest_rank(ttft, 0.95)),
+        "ttft_p99_s": _r(nearest_rank(ttft, 0.99)),
         "ttft_mean_s": _r(sum(ttft) / len(ttft) if ttft else None),
-        "step_p50_s": _r(percentile(step, 0.50)),
-        "step_p95_s": _r(percentile(step, 0.95)),
-        "step_p99_s": _r(percentile(step, 0.99)),
-        "session_p50_s": _r(percentile(session_s, 0.50), 2),
-        "session_p95_s": _r(percentile(session_s, 0.95), 2),
+        "step_p50_s": _r(nearest_rank(step, 0.50)),
+        "step_p95_s": _r(nearest_rank(step, 0.95)),
+        "step_p99_s": _r(nearest_rank(step, 0.99)),
+        "session_p50_s": _r(nearest_rank(session_s, 0.50), 2),
+        "session_p95_s": _r(nearest_rank(session_s, 0.95), 2),
         "sessions": len(session_s),
     }
 

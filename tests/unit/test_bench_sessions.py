@@ -14,7 +14,6 @@ from appliance.bench.session_figures import (
     LiveTurn,
     SessionRecorder,
     metric_sums,
-    nearest_rank,
     router_figures,
     session_figures,
 )
@@ -107,7 +106,6 @@ def test_figures_count_the_window_as_the_replay_does() -> None:
     assert fig["hit_rate"] == 140 / 200
     assert fig["ttft_p50_s"] == 0.3 and fig["ttft_p95_s"] == 0.3
     assert fig["session_p50_s"] == round(20.0 + 0.6 - 11.0, 2)
-    assert nearest_rank([3.0, 1.0, 2.0], 0.5) == 2.0 and nearest_rank([], 0.5) is None
 
 
 def test_the_routers_cpu_per_turn_comes_from_its_metrics() -> None:

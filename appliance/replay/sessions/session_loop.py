@@ -43,8 +43,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys, shared_prefix
+from appliance.domain.percentile import percentile_rank
 from appliance.replay.kv_residency.residency import TurnHint
-from appliance.replay.metrics import percentile_rank
 from appliance.sim.engine_io import DEFAULT_VOCAB_SIZE, SimRequest
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import AgentSessionTrace, TraceRequest, TraceSubagents
@@ -351,7 +351,7 @@ class SessionLoop:
 def _misses_over_p95(sessions: Sequence[AgentSessionTrace], max_model_len: int) -> int:
     """Turns over a p95 target that put the p95 over it at any count up to every turn the
     sessions can send (the p95 of n is the value at `percentile_rank(0.95, n)`, the rank
-    `metrics.percentile` takes)."""
+    `nearest_rank` takes)."""
     requests = [r for s in sessions for r in s.own_requests()]
     requests += [
         r for s in sessions for g in s.subagent_steps() for a in g.agents for r in a.requests
