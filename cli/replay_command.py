@@ -67,6 +67,7 @@ def replay_command(
                 slo_ttft_p95_s=slo_ttft_p95,
                 duration_s=duration,
                 warmup_s=warmup,
+                seed=seed,
                 **machine,
             )
         )

@@ -22,7 +22,11 @@ WorkloadOpt = Annotated[
 ]
 TasksOpt = Annotated[int, typer.Option(help="Root tasks generated from --workload.")]
 SeedOpt = Annotated[
-    int | None, typer.Option(help="Seed of the --workload draw (default: the file's).")
+    int | None,
+    typer.Option(
+        help="Seed of the --workload draw (default: the file's); for recorded sessions, of the "
+        "order they start in (default: the files')."
+    ),
 ]
 PolicyOpt = Annotated[
     list[str] | None,

@@ -184,6 +184,15 @@ def test_recorded_agent_sessions_replay_through_each_stack_at_a_fixed_count(
     assert report["rows"][0]["host_tier"] is False and report["rows"][1]["host_tier"] is True
 
 
+def test_seed_draws_the_order_the_recorded_sessions_start_in(tmp_path: Path) -> None:
+    out = tmp_path / "sessions.json"
+    options = flags(stack="appliance", users=1, seed=3)
+    r = run("replay", str(KVCT), *options, *SMALL_BOX, "--report", str(out), data_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "3 sessions (337 requests) from" in r.stdout and "in the order of seed 3" in r.stdout
+    assert json.loads(out.read_text())["seed"] == 3
+
+
 def test_a_capacity_search_prints_each_step_and_reports_the_capacity(tmp_path: Path) -> None:
     out = tmp_path / "capacity.json"
     options = flags(stack="vllm", capacity=True, slo_ttft_p95=60)
