@@ -6,19 +6,20 @@ first generated token, text or tool call), its end-to-end time to the stream's e
 and its token counts are the appliance's own `usage` (cached tokens from
 `prompt_tokens_details`). A task's latency runs from its creation to its outcome, tool waits
 and children included. Only finished steps and tasks enter the latencies; the counts say
-how many were left unfinished when the run stopped. Percentiles interpolate linearly
-between order statistics (numpy's default).
+how many were left unfinished when the run stopped. Percentiles are the nearest rank, as
+the replay's and the session bench's (`appliance.domain.percentile`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from appliance.domain.percentile import percentile_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +70,14 @@ class Recorder:
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
-    """{"p50": ..., "p95": ..., "p99": ..., "mean": ...}; empty input gives {}."""
+    """{"p50": ..., "p95": ..., "p99": ..., "mean": ...}, each percentile the nearest rank
+    (`appliance.domain.percentile`, as the session reports read theirs); empty input gives
+    {}."""
     if not values:
         return {}
     ordered = sorted(values)
-    out = {}
-    for q in qs:
-        pos = (len(ordered) - 1) * q / 100
-        lo, hi = math.floor(pos), math.ceil(pos)
-        out[f"p{q:g}"] = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    last = len(ordered) - 1
+    out = {f"p{q:g}": ordered[min(percentile_rank(q / 100, len(ordered)), last)] for q in qs}
     out["mean"] = sum(ordered) / len(ordered)
     return out
 

@@ -20,14 +20,19 @@ from appliance.workload.text import words
     [
         ([], {}),
         ([2.0], {"p50": 2.0, "p95": 2.0, "p99": 2.0, "mean": 2.0}),
-        ([1.0, 2.0, 3.0, 4.0], {"p50": 2.5, "p95": 3.85, "p99": 3.97, "mean": 2.5}),
-        ([float(i) for i in range(101)], {"p50": 50.0, "p95": 95.0, "p99": 99.0, "mean": 50.0}),
+        ([4.0, 1.0, 3.0, 2.0], {"p50": 3.0, "p95": 4.0, "p99": 4.0, "mean": 2.5}),
+        ([float(i) for i in range(100)], {"p50": 50.0, "p95": 95.0, "p99": 99.0, "mean": 49.5}),
+        ([float(i) for i in range(20)], {"p50": 10.0, "p95": 19.0, "p99": 19.0, "mean": 9.5}),
     ],
 )
-def test_percentiles_interpolate_between_order_statistics(
+def test_percentiles_are_the_session_reports_nearest_rank(
     values: list[float], expected: dict[str, float]
 ) -> None:
     assert percentiles(values) == pytest.approx(expected)
+
+
+def test_the_hundredth_percentile_is_the_largest_value() -> None:
+    assert percentiles([3.0, 1.0, 2.0], qs=(0, 100)) == {"p0": 1.0, "p100": 3.0, "mean": 2.0}
 
 
 def make_recorder() -> Recorder:

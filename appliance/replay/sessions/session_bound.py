@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from appliance.domain.block_hash import shared_prefix
+from appliance.domain.percentile import nearest_rank
 from appliance.perf.latency import CopyCurve, LatencyModel
 from appliance.policy.residency import (
     HeldSession,
@@ -90,7 +91,8 @@ def session_ttft_floor(
     n = len(seconds)
 
     def at(p: float) -> float | None:
-        return round(seconds[min(n - 1, int(p * n))], 4) if n else None
+        value = nearest_rank(seconds, p)
+        return None if value is None else round(value, 4)
 
     over = sum(1 for s in seconds if s > 2.0) / n if n else None
     return {"p50_s": at(0.5), "p95_s": at(0.95), "p99_s": at(0.99), "over_2s_share": over}
