@@ -1,4 +1,4 @@
-"""The scheduler budget the appliance gives the vLLM workers it starts, for agent turns.
+"""The scheduler settings the appliance gives the vLLM workers it starts, for agent turns.
 
 An agent's turn appends a little to a long cached prefix, so most prefills are short, but a
 first turn or a miss computes 100k tokens or more. Under vLLM's defaults on an H200 (8192
@@ -13,7 +13,13 @@ Claude Code sessions (docs/benchmarks.md): TTFT p95 at 160 users on eight simula
 
 from __future__ import annotations
 
+from typing import Final
+
 AGENT_BATCH_TOKENS = 16384
 """vLLM's --max-num-batched-tokens (its default on an H200: 8192)."""
 AGENT_PREFILL_CAP_TOKENS = 4096
 """vLLM's --long-prefill-token-threshold (its default: 0, no cap)."""
+AGENT_SCHEDULING_POLICY: Final = "priority"
+"""vLLM's --scheduling-policy (its default: fcfs): each turn carries the priority admission
+grants it, its tenant's ceiling applied (`services/turns/worker_body.py`); turns of equal
+priority run in arrival order, as under fcfs."""

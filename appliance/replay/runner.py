@@ -49,6 +49,7 @@ from appliance.replay.progress import ProgressBar
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.traces import Trace
 from appliance.sim.core.engine import EngineConfig, SimEngine
+from appliance.sim.core.waiting_queue import SchedulingPolicy
 from appliance.sim.engine_io import StepResult
 from appliance.sim.kv.host_tier import HostTier
 from appliance.sim.runtime.trace import BlockTokens, trace_arrivals
@@ -112,6 +113,7 @@ class ReplaySetup:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0
+    scheduling_policy: SchedulingPolicy = "fcfs"
     token_seed: int = 0
     host_blocks_per_worker: int = 0
     """Blocks of pinned host memory per worker (0: no host tier)."""
@@ -213,6 +215,7 @@ def make_engines(
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         long_prefill_token_threshold=setup.long_prefill_token_threshold,
+        policy=setup.scheduling_policy,
     )
     kind = SleepyEngine if sleepy else SimEngine
     return [

@@ -427,14 +427,16 @@ def test_the_ttft_floor_is_each_request_alone_with_its_previous_prompt_cached() 
     assert alone["p50_s"] <= real["ttft_p50_s"]  # type: ignore[operator]
 
 
-def test_only_the_appliance_runs_its_workers_with_the_agent_batching_budget(
+def test_only_the_appliance_runs_its_workers_as_it_starts_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The anchors run vLLM's scheduler defaults, as shipped; the appliance (and the bound,
-    which must stay above it) the budget it gives its own workers, which changes the TTFT
-    of turns that meet a long prefill on their worker."""
-    assert [n for n, s in STACKS.items() if s.agent_batching] == ["appliance", "appliance-restore"]
-    plain = dataclasses.replace(STACKS["appliance"], agent_batching=False)
+    which must stay above it) the settings it starts its own workers with: the budget,
+    which changes the TTFT of turns that meet a long prefill on their worker, and vLLM's
+    priority scheduling."""
+    ours = [n for n, s in STACKS.items() if s.appliance_workers]
+    assert ours == ["appliance", "appliance-restore"]
+    plain = dataclasses.replace(STACKS["appliance"], appliance_workers=False)
     monkeypatch.setitem(STACKS, "appliance-vllm-budget", plain)
     setup, latency = make_setup(workers=1, hbm_gib=8, host_gib=16, block_size=64)
     window = RunWindow(duration_s=600.0, warmup_s=0.0)
@@ -442,6 +444,8 @@ def test_only_the_appliance_runs_its_workers_with_the_agent_batching_budget(
         name: replay_stack(SLICE, name, setup, latency, users=3, window=window)
         for name in ("appliance", "appliance-vllm-budget", "bound")
     }
-    assert [r["agent_batching"] for r in rows.values()] == [True, False, True]
+    assert [r["appliance_workers"] for r in rows.values()] == [True, False, True]
+    policies = [r["scheduling_policy"] for r in rows.values()]
+    assert policies == ["priority", "fcfs", "priority"]
     tuned, untuned = rows["appliance"], rows["appliance-vllm-budget"]
     assert tuned["ttft_p50_s"] < untuned["ttft_p50_s"]  # short turns pass long prefills

@@ -333,6 +333,26 @@ def test_an_arrival_cuts_short_a_wait_for_a_load() -> None:
     assert records["loaded"].ttft_s is not None and records["loaded"].ttft_s > load_s
 
 
+def test_a_loaded_request_gives_its_blocks_back_to_a_head_whose_load_does_not_fit() -> None:
+    """Priority scheduling: a request loaded from host waits again behind a higher-priority
+    one whose own host hit cannot fit beside it, and nothing runs: the loaded one gives its
+    blocks back (to load again later), rather than both waiting forever."""
+    a, b = tokens(0, 40), tokens(500, 40)  # 10 blocks each: not both in the 16 of the pool
+    e = engine(policy="priority")
+    now = warm_host_only(e, b, warm_host_only(e, a))
+    load_s = LAT.kv_copy_s(40, CopyDirection.H2D)
+    arrivals = [
+        Arrival(now, SimRequest("loaded", [*b, 1], 1)),
+        Arrival(now + load_s / 2, SimRequest("urgent", [*a, 1], 1, priority=-1)),
+    ]
+    records = {r.request_id: r for r in replay([e], arrivals).records}
+    urgent, loaded = records["urgent"].first_token_s, records["loaded"].first_token_s
+    assert urgent is not None and loaded is not None
+    assert urgent == pytest.approx(now + 2 * load_s + LAT.prefill_s(1, 40))
+    assert loaded > urgent  # loaded twice: before and after the urgent one
+    assert e.stats.num_preemptions_total == 1
+
+
 def test_with_room_for_everything_on_the_gpu_a_host_tier_changes_no_schedule() -> None:
     rng = random.Random(3)
     plain, hosted = engine(host_blocks=0, num_blocks=200), engine(num_blocks=200)

@@ -39,6 +39,7 @@ from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.retention.plugin import RetentionLaunch
 from appliance.engines.supervision.cpu_build import cpu_kv_cache_bytes, split_cpus
+from appliance.perf.agent_batching import AGENT_SCHEDULING_POLICY
 
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
 CPU_BLOCK_MULTIPLE = 32
@@ -220,7 +221,7 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         spec.hash_algo,
         "--enable-prompt-tokens-details",
         "--scheduling-policy",
-        "priority",  # each turn carries its tenant-clipped X-Priority (lowest value first)
+        AGENT_SCHEDULING_POLICY,  # each turn carries its tenant-clipped X-Priority
         "--kv-events-config",
         json.dumps(kv_events, separators=(",", ":")),
     ]

@@ -46,7 +46,11 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo
-from appliance.perf.agent_batching import AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS
+from appliance.perf.agent_batching import (
+    AGENT_BATCH_TOKENS,
+    AGENT_PREFILL_CAP_TOKENS,
+    AGENT_SCHEDULING_POLICY,
+)
 from appliance.perf.latency import LatencyModel
 from appliance.policy.prefetch import RESTORE_AHEAD_TRIGGERS, PrefetchPolicy, PrefetchTuning
 from appliance.policy.residency_by_name import residency_plan
@@ -77,9 +81,10 @@ class Stack:
     """Whether it keeps KV in host memory (the replay's `--host-gib`)."""
     restore: bool = False
     """Whether a session's KV is restored from host memory ahead of its predicted return."""
-    agent_batching: bool = False
-    """Whether its workers run with the scheduler budget the appliance gives its own
-    (`perf/agent_batching.py`); else vLLM's defaults on an H200."""
+    appliance_workers: bool = False
+    """Whether its workers run with the scheduler settings the appliance gives its own
+    (`perf/agent_batching.py`: step budget, prefill cap, priority scheduling); else vLLM's
+    defaults on an H200."""
 
 
 STACKS: dict[str, Stack] = {
@@ -90,12 +95,14 @@ STACKS: dict[str, Stack] = {
     "sglang": Stack("sglang-cache-aware", "lru", host=True),
     "cachettl": Stack("session-hash", "ttl-pin", host=False),
     "mori": Stack("session-hash", "mori", host=True),
-    "appliance": Stack("appliance", "reaper", host=True, agent_batching=True),
-    "appliance-restore": Stack("appliance", "reaper", host=True, restore=True, agent_batching=True),
+    "appliance": Stack("appliance", "reaper", host=True, appliance_workers=True),
+    "appliance-restore": Stack(
+        "appliance", "reaper", host=True, restore=True, appliance_workers=True
+    ),
 }
 BOUND = "bound"
 """The clairvoyant bound's row (`session_bound.py`), replayed like a stack."""
-_BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True, agent_batching=True)
+_BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True, appliance_workers=True)
 
 
 DEFAULT_WINDOW = RunWindow()
@@ -121,11 +128,12 @@ def replay_stack(
     plan = stack_plan(stack)
     if not plan.host:
         setup = replace(setup, host_blocks_per_worker=0, host_gib_per_worker=0.0)
-    if plan.agent_batching:
+    if plan.appliance_workers:
         setup = replace(
             setup,
             max_num_batched_tokens=AGENT_BATCH_TOKENS,
             long_prefill_token_threshold=AGENT_PREFILL_CAP_TOKENS,
+            scheduling_policy=AGENT_SCHEDULING_POLICY,
         )
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)  # as `make_engines` hashes
     loop = SessionLoop(
@@ -153,6 +161,7 @@ def replay_stack(
     wall_s = time.perf_counter() - t0
     counted = _in_window(result, window.warmup_s, loop.end_s)
     out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}
+    out["scheduling_policy"] = engines[0].policy  # as the workers ran
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
     out["window_end_s"] = round(loop.end_s, 1)
@@ -228,7 +237,7 @@ def plan_fields(plan: Stack) -> dict[str, object]:
         "routing": plan.routing,
         "residency": plan.residency,
         "host_tier": plan.host,
-        "agent_batching": plan.agent_batching,
+        "appliance_workers": plan.appliance_workers,
     }
 
 

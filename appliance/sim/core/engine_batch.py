@@ -178,6 +178,8 @@ class EngineBatching:
                 break  # holds were given back for a running request: its room first
             if hit.num_host_tokens:
                 if not self._start_load(entry, hit, now):
+                    if self._unblock(entry):
+                        continue
                     break
             else:
                 n = creq.num_tokens - creq.num_computed_tokens - hit.num_tokens
