@@ -20,7 +20,13 @@ from appliance.replay.sessions.session_bound import (
     free_restores,
     session_ttft_floor,
 )
-from appliance.replay.sessions.session_loop import PERSON, RunWindow, SessionLoop, block_tokens
+from appliance.replay.sessions.session_loop import (
+    PASS_STARTS_PER_USER,
+    PERSON,
+    RunWindow,
+    SessionLoop,
+    block_tokens,
+)
 from appliance.replay.sessions.session_replay import STACKS, replay_stack
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (
@@ -120,17 +126,52 @@ def test_one_pass_sends_nothing_past_the_last_start_and_knows_which_runs_ended()
     sent: what follows would count for nothing. A run cut off there has not ended."""
     hasher = BlockHasher(HashAlgo.SHA256, 64)
     turns = (req(200, [1, 2, 3]), req(300, [1, 2, 3, 4], think=1.0), req(400, range(7), think=1.0))
-    sessions = [trace("a", *turns), trace("b", req(100, [1])), trace("c", req(100, [1]))]
+    sessions = [trace("a", *turns), *(trace(n, req(100, [1])) for n in "bcd")]
     lp = SessionLoop(sessions, users=2, hasher=hasher, max_model_len=4096)
     a0, b0 = list(lp.arrivals())
     [a1] = lp.on_finish(finish(a0, 2.0))
     assert a1.time_s == 3.0
-    [c0] = lp.on_finish(finish(b0, 2.5))  # "b" ends, "c" starts: the last start
-    assert c0.request.session_id == "u1.2:c" and lp.end_s == 2.5
+    [c0] = lp.on_finish(finish(b0, 2.2))
+    [d0] = lp.on_finish(finish(c0, 2.5))  # "c" ends, "d" starts: the last start
+    assert d0.request.session_id == "u1.3:d" and lp.end_s == 2.5
     assert lp.on_finish(finish(a1, 3.5)) == []  # the third turn of "a" would come at 4.5
-    assert lp.on_finish(finish(c0, 4.0)) == [] and lp.passed
-    assert lp.ended == {"u1.1:b", "u1.2:c"}
-    assert (lp.counts.sessions_started, lp.counts.sessions_finished) == (3, 2)
+    assert lp.on_finish(finish(d0, 4.0)) == [] and lp.passed
+    assert lp.ended == {"u1.1:b", "u1.2:c", "u1.3:d"}
+    assert (lp.counts.sessions_started, lp.counts.sessions_finished) == (4, 3)
+
+
+def test_a_pass_over_a_short_list_cycles_it_to_two_starts_a_user() -> None:
+    """Two recordings, three users: one pass starts six sessions, the list cycled (each a
+    new run), and the window ends at the sixth start, not as it begins."""
+    assert PASS_STARTS_PER_USER == 2
+    hasher = BlockHasher(HashAlgo.SHA256, 64)
+    sessions = [trace("a", req(200, [1, 2, 3])), trace("b", req(100, [1]))]
+    window = RunWindow(warmup_s=0.0)
+    lp = SessionLoop(sessions, users=3, hasher=hasher, max_model_len=4096, window=window)
+    first = list(lp.arrivals())
+    assert [f.request.session_id for f in first] == ["u0.1:a", "u1.1:b", "u2.1:a"]
+    assert lp.end_s == math.inf
+    [fourth] = lp.on_finish(finish(first[0], 1.0))
+    [fifth] = lp.on_finish(finish(first[1], 2.0))
+    [sixth] = lp.on_finish(finish(first[2], 3.0))
+    assert [x.request.session_id for x in (fourth, fifth, sixth)] == ["u0.2:b", "u1.2:a", "u2.2:b"]
+    assert lp.end_s == 3.0 and lp.passed
+    assert lp.on_finish(finish(fourth, 4.0)) == []
+    assert lp.counts.sessions_started == 6
+
+
+def test_a_cycled_pass_gives_up_on_the_turns_of_every_start() -> None:
+    """Two one-turn recordings, 20 users: the pass holds 40 turns, so a p95 over 1 s is sure
+    at the second turn over it (of the list alone, 2 turns, at the first)."""
+    hasher = BlockHasher(HashAlgo.SHA256, 64)
+    sessions = [trace("a", req(200, [1, 2, 3])), trace("b", req(100, [1]))]
+    window = RunWindow(warmup_s=0.0, give_up_over_p95_s=1.0)
+    lp = SessionLoop(sessions, users=20, hasher=hasher, max_model_len=4096, window=window)
+    firsts = list(lp.arrivals())  # sent at 0 s: not after the warm-up, never counted
+    [x] = lp.on_finish(finish(firsts[0], 0.5))
+    [y] = lp.on_finish(finish(firsts[1], 0.5))
+    assert lp.on_finish(finish(x, 2.0)) and lp.gave_up_s == math.inf  # one over: not sure
+    assert lp.on_finish(finish(y, 2.0)) == [] and lp.gave_up_s == 2.0
 
 
 def test_a_capacity_step_ends_once_its_p95_is_sure_to_miss() -> None:

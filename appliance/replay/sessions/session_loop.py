@@ -8,7 +8,10 @@ its session has no request left, the user starts the next session of the list at
 By default every session of the list starts once (one pass: at every count of users the
 same sessions are replayed, so runs differ only in how many run at once), and the counted
 window ends as the last one starts (after that, fewer than `users` run); with a
-`duration_s` the list cycles until then. Past the window's end nothing new is sent and what
+`duration_s` the list cycles until then. A pass starts at least `PASS_STARTS_PER_USER`
+sessions per user, the list cycled where it is shorter: a list not much longer than the
+users would end the window as it begins (with as many sessions as users, every one starts
+within the warm-up and nothing counts). Past the window's end nothing new is sent and what
 is in flight finishes: the rest of the sessions would count for nothing (at 160 users the
 tail of the longest sessions is a quarter of a pass's work). User `u` starts at
 `u * warmup_s / users`, so the users ramp up over the warm-up. A sub-agent entry starts its
@@ -55,6 +58,11 @@ WARM_PREFIX_SHARE = 0.5
 _WARM = "warm"
 PERSON = "person"
 """The wait after an answer that called no tool: the person's reply (`answer_hint`)."""
+
+
+PASS_STARTS_PER_USER = 2
+"""The fewest session starts per user in one pass (see the module). 2 keeps the recorded
+sessions here (471) one pass of the list up to 235 users, past every capacity measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,13 +158,17 @@ class SessionLoop:
         self._next_session = 0
         self.one_pass = math.isinf(self.duration_s)
         """Every session starts once: the window ends as the last one starts."""
+        self.pass_starts = max(len(sessions), PASS_STARTS_PER_USER * users)
+        """Sessions one pass starts: the list, cycled up to `PASS_STARTS_PER_USER` a user."""
         self.last_start_s = math.inf
         self._runs: dict[str, tuple[_SessionRun, TraceRequest]] = {}  # request id -> its run
         self._session_of: dict[str, str] = {}
         self.counts = SessionCounts()
         self._slo_s = window.give_up_over_p95_s if self.one_pass else None
         self._misses_left = (
-            _misses_over_p95(sessions, max_model_len) if self._slo_s is not None else 0
+            _misses_over_p95(sessions, self.pass_starts, max_model_len)
+            if self._slo_s is not None
+            else 0
         )
         self.gave_up_s = math.inf
         """When the counted p95 was sure to miss `give_up_over_p95_s` (inf: never)."""
@@ -194,8 +206,8 @@ class SessionLoop:
 
     @property
     def passed(self) -> bool:
-        """One pass: every recorded session has started."""
-        return self.one_pass and self._next_session >= len(self._sessions)
+        """One pass: every session of the pass has started."""
+        return self.one_pass and self._next_session >= self.pass_starts
 
     @property
     def end_s(self) -> float:
@@ -239,7 +251,7 @@ class SessionLoop:
             return []
         trace = self._sessions[self._next_session % len(self._sessions)]
         self._next_session += 1
-        if self.one_pass and self._next_session == len(self._sessions):
+        if self.one_pass and self._next_session == self.pass_starts:
             self.last_start_s = at_s  # the last session starts: the counted window ends
         n = self.counts.by_user[user] = self.counts.by_user.get(user, 0) + 1
         sid = f"u{user}.{n}:{trace.session_id}"
@@ -348,16 +360,20 @@ class SessionLoop:
         return out[:n_full]
 
 
-def _misses_over_p95(sessions: Sequence[AgentSessionTrace], max_model_len: int) -> int:
+def _misses_over_p95(sessions: Sequence[AgentSessionTrace], starts: int, max_model_len: int) -> int:
     """Turns over a p95 target that put the p95 over it at any count up to every turn the
-    sessions can send (the p95 of n is the value at `percentile_rank(0.95, n)`, the rank
-    `nearest_rank` takes)."""
-    requests = [r for s in sessions for r in s.own_requests()]
-    requests += [
-        r for s in sessions for g in s.subagent_steps() for a in g.agents for r in a.requests
-    ]
-    n = sum(r.fits(max_model_len) for r in requests)
+    first `starts` sessions of the cycled list can send (the p95 of n is the value at
+    `percentile_rank(0.95, n)`, the rank `nearest_rank` takes)."""
+    per_session = [_turns_that_fit(s, max_model_len) for s in sessions]
+    n = sum(per_session[i % len(sessions)] for i in range(starts)) if sessions else 0
     return n - percentile_rank(0.95, n)
+
+
+def _turns_that_fit(session: AgentSessionTrace, max_model_len: int) -> int:
+    """The session's requests that fit the window, its sub-agents' included."""
+    requests = list(session.own_requests())
+    requests += [r for g in session.subagent_steps() for a in g.agents for r in a.requests]
+    return sum(r.fits(max_model_len) for r in requests)
 
 
 def answer_hint(step: TraceRequest) -> TurnHint:
