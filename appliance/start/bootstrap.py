@@ -134,7 +134,7 @@ def is_session_trace(path: Path) -> bool:
 
 def session_table(path: Path, *, duration_s: float | None, warmup_s: float, **options: Any) -> str:
     """`appliance replay DIR`: recorded agent sessions through each stack, closed loop."""
-    from appliance.replay.sessions.session_loop import RunWindow
+    from appliance.replay.sessions.run_window import RunWindow
     from appliance.replay.sessions.session_report import render_session_report, run_sessions
 
     if not path.exists():

@@ -15,18 +15,13 @@ from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
 from appliance.replay.runner import make_setup
 from appliance.replay.sessions.capacity_search import capacity, first_count
+from appliance.replay.sessions.run_window import PASS_STARTS_PER_USER, RunWindow
 from appliance.replay.sessions.session_bound import (
     ClairvoyantResidency,
     free_restores,
     session_ttft_floor,
 )
-from appliance.replay.sessions.session_loop import (
-    PASS_STARTS_PER_USER,
-    PERSON,
-    RunWindow,
-    SessionLoop,
-    block_tokens,
-)
+from appliance.replay.sessions.session_loop import PERSON, SessionLoop, block_tokens
 from appliance.replay.sessions.session_replay import STACKS, replay_stack
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (

@@ -17,7 +17,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.perf.profile import bundled_profile
 from appliance.replay.runner import make_setup
 from appliance.replay.sessions import session_replay
-from appliance.replay.sessions.session_loop import RunWindow
+from appliance.replay.sessions.run_window import RunWindow
 from appliance.replay.sessions.session_replay import BOUND, STACKS, replay_stack
 from appliance.sim.core.engine import SimEngine
 from appliance.sim.core.engine_config import EngineConfig

@@ -60,12 +60,13 @@ from appliance.replay.kv_residency.residency import PolicyResidency
 from appliance.replay.metrics import policy_metrics
 from appliance.replay.routers import PolicyRouter
 from appliance.replay.runner import ReplaySetup, make_engines, with_decision_counts
+from appliance.replay.sessions.run_window import RunWindow
 from appliance.replay.sessions.session_bound import (
     BOUND_ROUTING,
     ClairvoyantResidency,
     free_restores,
 )
-from appliance.replay.sessions.session_loop import RunWindow, SessionLoop
+from appliance.replay.sessions.session_loop import SessionLoop
 from appliance.replay.sessions.session_usage import SessionUsage
 from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import StepResult

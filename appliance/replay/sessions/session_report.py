@@ -28,8 +28,8 @@ from typing import Any
 from appliance.perf.latency import LatencyModel
 from appliance.replay.runner import DEFAULT_MAX_MODEL_LEN, ReplaySetup, make_setup
 from appliance.replay.sessions.capacity_search import SEARCH_FACTOR, capacity, first_count
+from appliance.replay.sessions.run_window import RunWindow
 from appliance.replay.sessions.session_bound import session_ttft_floor
-from appliance.replay.sessions.session_loop import RunWindow
 from appliance.replay.sessions.session_replay import (
     BOUND,
     DEFAULT_WINDOW,
