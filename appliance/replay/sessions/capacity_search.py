@@ -5,7 +5,7 @@ search makes as few as it can. It starts where the box's memory says the answer 
 (`first_count`), brackets the answer by steps of `factor` from there (up while runs meet
 the SLO, down while they miss), then narrows the bracket to `resolution` of the count
 found. On the recorded Claude Code sessions (8 H200s, 256 GiB host each) the first count is
-293 with a host tier (the answers: 160 to 195) and 89 without (83): the bracket takes two or
+293 with a host tier (the answers: 149 to 199) and 89 without (83): the bracket takes two or
 three runs where doubling from 32 took four. A run far above the answer costs little: in one
 pass it ends once its p95 is sure to miss (`RunWindow.give_up_over_p95_s`).
 """
