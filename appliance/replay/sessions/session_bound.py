@@ -87,7 +87,6 @@ def session_ttft_floor(
                 cached = min(shared * TRACE_BLOCK_TOKENS, r.input_tokens - 1)
                 seconds.append(latency.prefill_s(r.input_tokens - cached, cached))
                 previous = r.hash_ids
-    seconds.sort()
     n = len(seconds)
 
     def at(p: float) -> float | None:
