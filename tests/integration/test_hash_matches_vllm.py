@@ -10,7 +10,6 @@ the event form (`maybe_convert_block_hash`) and the event extra keys.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -26,6 +25,7 @@ from appliance.domain.block_hash import (
     event_block_hash,
     event_extra_keys,
 )
+from tests.vllm_server import run_in_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -76,16 +76,7 @@ json.dump(out, sys.stdout)
 def _run_vllm(python: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
-    r = subprocess.run(
-        [python, "-c", _PROBE],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert r.returncode == 0, f"vLLM probe failed:\n{r.stderr[-4000:]}"
-    result: list[dict[str, Any]] = json.loads(r.stdout)
+    result: list[dict[str, Any]] = run_in_vllm(python, _PROBE, cases, env=env)
     return result
 
 

@@ -7,13 +7,12 @@ same chunks at every offer and leave the same chunks held. No server: about 10 s
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 
 import pytest
 
 from appliance.sim.kv.host_tier import HostTier
+from tests.vllm_server import run_in_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -94,16 +93,7 @@ def _sim(size: int, ops: list[list[object]]) -> dict[str, object]:
 def test_the_sim_host_tier_evicts_what_vllms_offloading_manager_evicts(vllm_python: str) -> None:
     size = 12
     runs = [_run(seed, size) for seed in range(8)]
-    done = subprocess.run(
-        [vllm_python, "-c", SCRIPT],
-        input=json.dumps([size, runs]),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for seed, (ops, vllm) in enumerate(
-        zip(runs, json.loads(done.stdout.strip().splitlines()[-1]), strict=True)
-    ):
+    theirs = run_in_vllm(vllm_python, SCRIPT, [size, runs], timeout=300)
+    for seed, (ops, vllm) in enumerate(zip(runs, theirs, strict=True)):
         assert sum(1 for e in vllm["evicted"] if e) > 3, seed  # the run makes the tier evict
         assert _sim(size, ops) == vllm, seed

@@ -7,13 +7,13 @@ compared with vLLM's own functions on the same requests."""
 from __future__ import annotations
 
 import json
-import subprocess
 from typing import Any
 
 import pytest
 
 from appliance.domain.responses_input import ResponsesInputError, input_messages
 from appliance.domain.responses_tools import chat_tool_choice, chat_tools
+from tests.vllm_server import run_in_vllm
 
 USER = {"role": "user", "content": "Please call grep."}
 
@@ -320,15 +320,9 @@ def _as_vllm_parses(value: Any) -> Any:
 
 @pytest.mark.vllm
 def test_the_same_messages_and_tools_as_vllms(vllm_python: str) -> None:
-    r = subprocess.run(
-        [vllm_python, "-c", _VLLM_RESPONSES_RUNNER],
-        input=json.dumps([PARITY_INPUTS, PARITY_TOOLS]),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    messages, tools = run_in_vllm(
+        vllm_python, _VLLM_RESPONSES_RUNNER, [PARITY_INPUTS, PARITY_TOOLS], timeout=300
     )
-    assert r.returncode == 0, f"vLLM runner failed:\n{r.stderr[-4000:]}"
-    messages, tools = json.loads(r.stdout.strip().splitlines()[-1])
     for items, theirs in zip(PARITY_INPUTS, messages, strict=True):
         try:
             ours: Any = input_messages({"input": items, "instructions": "sys"})

@@ -5,9 +5,7 @@ same scripted workloads through vLLM 0.32's real Scheduler, step for step."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import subprocess
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from appliance.perf.profile import bundled_profile
 from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.runtime.clock import RealClock, VirtualClock, run_engine_loop
+from tests.vllm_server import run_in_vllm
 
 LAT = LatencyModel.from_profile(bundled_profile())
 BS = 4
@@ -717,15 +716,7 @@ def _exact(step: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.vllm
 def test_same_schedule_as_vllm_step_for_step(vllm_python: str, tiny_model_dir: Any) -> None:
-    r = subprocess.run(
-        [vllm_python, "-c", _VLLM_SCHED_RUNNER, str(tiny_model_dir)],
-        input=json.dumps(SCHED_WORKLOADS),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, f"vLLM runner failed:\n{r.stderr[-4000:]}"
-    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    theirs = run_in_vllm(vllm_python, _VLLM_SCHED_RUNNER, SCHED_WORKLOADS, str(tiny_model_dir))
     for w, want in zip(SCHED_WORKLOADS, theirs, strict=True):
         ours = run_sched_ours(w)
         for i, (a, b) in enumerate(zip(ours, want, strict=False)):

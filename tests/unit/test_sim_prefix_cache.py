@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 from collections import Counter
 from typing import Any
 
@@ -18,6 +16,7 @@ from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys, even
 from appliance.domain.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from appliance.sim.kv.cache_request import CacheRequest
 from appliance.sim.kv.prefix_cache import PrefixCache
+from tests.vllm_server import run_in_vllm
 
 BS = 4
 HASHER = BlockHasher(HashAlgo.SHA256, BS)
@@ -680,15 +679,7 @@ def test_workloads_exercise_what_they_should() -> None:
 
 @pytest.mark.vllm
 def test_same_workload_same_blocks_and_events_as_vllm(vllm_python: str) -> None:
-    r = subprocess.run(
-        [vllm_python, "-c", _VLLM_RUNNER],
-        input=json.dumps(WORKLOADS),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, f"vLLM runner failed:\n{r.stderr[-4000:]}"
-    theirs = json.loads(r.stdout)
+    theirs = run_in_vllm(vllm_python, _VLLM_RUNNER, WORKLOADS)
     for w, want in zip(WORKLOADS, theirs, strict=True):
         ours = run_ours(w)
         for i, (op, a, b) in enumerate(zip(w["ops"], ours["steps"], want["steps"], strict=True)):
