@@ -6,9 +6,10 @@ its default `policies/lru.py` LRUCachePolicy, and the OffloadingConnector's sche
 and touches: `cache_offload.py`): the host tier is a set of block hashes with room for
 `num_blocks` (`cpu_bytes_to_use // bytes per block`). A store offers hashes; those already
 held are skipped, and room for the rest is made by evicting from the least recently used
-end, all or nothing (when the new hashes alone exceed the tier, nothing is stored, as
-`prepare_store` returns None). `touch` makes hashes the most recently used, the first of
-them last (so a prefix outlives its tail). `lookup` counts the leading hashes held.
+end, never one of the hashes offered, all or nothing (when the rest of the tier cannot make
+room, nothing is stored, as `prepare_store` returns None). `touch` makes hashes the most
+recently used, the first of them last (so a prefix outlives its tail). `lookup` counts the
+leading hashes held.
 
 Events are vLLM's connector events: each stored hash one BlockStored with medium "CPU",
 no parent, no tokens and block size 0 (`offloading/events.py` `_placeholder_stored`);
