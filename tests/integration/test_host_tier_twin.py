@@ -46,7 +46,7 @@ print(json.dumps([run(size, ops) for ops in runs]))
 """
 
 
-def _run(seed: int, size: int) -> list[list[object]]:
+def _run(seed: int) -> list[list[object]]:
     """Sessions whose prompts grow turn by turn, up to three requests in flight, each offering
     its prompt's chunks in one to three pieces and ending later."""
     rng = random.Random(seed)
@@ -92,7 +92,7 @@ def _sim(size: int, ops: list[list[object]]) -> dict[str, object]:
 
 def test_the_sim_host_tier_evicts_what_vllms_offloading_manager_evicts(vllm_python: str) -> None:
     size = 12
-    runs = [_run(seed, size) for seed in range(8)]
+    runs = [_run(seed) for seed in range(8)]
     theirs = run_in_vllm(vllm_python, SCRIPT, [size, runs], timeout=300)
     for seed, (ops, vllm) in enumerate(zip(runs, theirs, strict=True)):
         assert sum(1 for e in vllm["evicted"] if e) > 3, seed  # the run makes the tier evict

@@ -41,8 +41,7 @@ class CacheOffload:
         """Copy a finished request's cached blocks to the host tier, then release them and
         forget those nobody else holds on the GPU; returns the blocks copied."""
         self._require_host()
-        self._host_request_ended(request)
-        return self._demote(self._drop_request(request), request.session_id)
+        return self._demote(self._end_request(request), request.session_id)
 
     def _require_host(self) -> None:
         if self.host is None:
@@ -84,7 +83,7 @@ class CacheOffload:
 
     def _host_request_ended(self, request: CacheRequest) -> None:
         """vLLM's `on_request_finished`: what the request offered or loaded, those the tier
-        still holds, becomes its most recently used (before `_drop_request` forgets it)."""
+        still holds, becomes its most recently used (`PrefixCache._end_request`)."""
         end = self._host_offered.get(request.request_id, 0)
         if self.host is not None and end:
             start = self._host_loaded_from.get(request.request_id, 0)

@@ -250,14 +250,12 @@ class PrefixCache(CachePins, CacheOffload):
 
     def free(self, request: CacheRequest) -> None:
         """Release a finished (or aborted) request's blocks, tail block first."""
-        self._host_request_ended(request)
-        self.pool.free_blocks(reversed(self._drop_request(request)))
+        self.pool.free_blocks(reversed(self._end_request(request)))
 
     def free_first(self, request: CacheRequest) -> int:
         """Release a finished request's blocks to the head of the free queue (tail block
         first), so they are evicted before any other; returns how many went there."""
-        self._host_request_ended(request)
-        blocks = self._drop_request(request)
+        blocks = self._end_request(request)
         before = self.num_free_blocks
         self.pool.free_blocks(reversed(blocks), first=True)
         return self.num_free_blocks - before
@@ -289,6 +287,12 @@ class PrefixCache(CachePins, CacheOffload):
         return events
 
     # --- internals ---
+
+    def _end_request(self, request: CacheRequest) -> list[Block]:
+        """A request ends (finished or aborted; a preempted one only drops): the host tier
+        takes its recency from it, then its blocks are forgotten as its own."""
+        self._host_request_ended(request)
+        return self._drop_request(request)
 
     def _drop_request(self, request: CacheRequest) -> list[Block]:
         self._num_cached_blocks.pop(request.request_id, None)
