@@ -21,5 +21,5 @@ AGENT_PREFILL_CAP_TOKENS = 4096
 """vLLM's --long-prefill-token-threshold (its default: 0, no cap)."""
 AGENT_SCHEDULING_POLICY: Final = "priority"
 """vLLM's --scheduling-policy (its default: fcfs): each turn carries the priority admission
-grants it, its tenant's ceiling applied (`services/turns/worker_body.py`); turns of equal
-priority run in arrival order, as under fcfs."""
+grants it, its tenant's ceiling applied, then the shortest estimated prefill
+(`policy/routing/turn_order.py`); turns of equal rank run in arrival order, as under fcfs."""

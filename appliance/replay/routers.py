@@ -38,6 +38,7 @@ from appliance.perf.latency import LatencyModel
 from appliance.policy.routing import RouteRequest, WorkerView, route
 from appliance.policy.routing.anchors import ANCHORS, AnchorRequest, AnchorWorker
 from appliance.policy.routing.core import default_profile
+from appliance.policy.routing.turn_order import turn_priority
 from appliance.services.turns.queue_book import QueueBook
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.runtime.clock import VirtualClock
@@ -115,7 +116,9 @@ class PolicyRouter:
         resident = self._resident(keys)
         n = len(req.prompt_token_ids)
         if self.name == APPLIANCE:
-            w, reason = self._appliance(req, views, resident)
+            w, reason, prefill_s = self._appliance(req, views, resident)
+            # What the live desk sends the worker; the replay grants every turn priority 0.
+            req.priority = turn_priority(0, prefill_s)
         else:
             w, reason = self._anchor(req, views, keys, resident)
         self.reasons[_NUMBERS.sub("N", reason)] += 1
@@ -124,7 +127,6 @@ class PolicyRouter:
         self.in_flight[w] += 1
         self.prefill_tokens[w] += fresh
         if self.name == APPLIANCE:
-            prefill_s = self.latency.prefill_s(fresh, cached)
             self.queues.sent(self.ids[w], TurnId(req.request_id), prefill_s, req.arrival_s)
         full = keys[: n // self.bs]
         if self.name == "dynamo-kv":
@@ -181,7 +183,8 @@ class PolicyRouter:
 
     def _appliance(
         self, req: SimRequest, views: Sequence[EngineView], resident: list[int]
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, float]:
+        """The worker the appliance's policy picks, why, and the prefill it estimated there."""
         n = len(req.prompt_token_ids)
         cap = cacheable_tokens(n, self.bs)
         self._tick(req.arrival_s)
@@ -206,7 +209,8 @@ class PolicyRouter:
         decision = route(request, workers, self.latency, self.profile)
         if decision.worker is None:
             raise RuntimeError(f"the appliance's policy placed nothing: {decision.reason}")
-        return self.ids.index(decision.worker), decision.kind
+        chosen = next(c for c in decision.candidates if c.worker == decision.worker)
+        return self.ids.index(decision.worker), decision.kind, chosen.prefill_s
 
     def _reading(self, v: EngineView, req: SimRequest) -> LoadSnapshot:
         """The engine's gauges at the arrival, as the book reads a worker's /metrics."""
@@ -228,7 +232,8 @@ class PolicyRouter:
         views: Sequence[EngineView],
         keys: tuple[int, ...],
         resident: list[int],
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, float]:
+        """The worker the appliance's policy picks, why, and the prefill it estimated there."""
         n = len(req.prompt_token_ids)
         blocks = keys
         if n % self.bs and self.name == "sglang-cache-aware":

@@ -1,6 +1,7 @@
 """A turn's priority reaches the worker as vLLM's priority scheduling reads it, on a real
 local port: the lowest value runs first, so the desk sends the admission-clipped
-X-Priority negated, and a priority the client wrote into the body never gets through."""
+X-Priority negated (times `PREFILL_RANKS`, the turn's prefill rank added), and a priority
+the client wrote into the body never gets through."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import orjson
 
 from appliance.domain.records import SessionId, TaskId, TenantId, WorkerId
 from appliance.engines.clients.vllm_client import VllmClient
+from appliance.policy.routing.turn_order import PREFILL_RANKS
 from appliance.services.turns.turn import TurnRequest
 from tests.fakes import RouterWorker, read_request_body, wired_desk
 
@@ -52,4 +54,29 @@ def test_the_worker_gets_the_clipped_priority_negated_and_never_the_clients_own(
         await server.wait_closed()
 
     asyncio.run(main())
-    assert [b["priority"] for b in bodies] == [-3, 0, 2]
+    assert [b["priority"] // PREFILL_RANKS for b in bodies] == [-3, 0, 2]
+
+
+def test_among_turns_of_one_priority_the_shorter_estimated_prefill_goes_first() -> None:
+    # The desk's cost model (`LinearCost`): 1 ms a fresh token, nothing resident, so 40
+    # tokens rank 0 and 450 tokens (0.45 s) rank 4 of 0.1 s; the client's field never counts.
+    bodies: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        server = await asyncio.start_server(capturing_worker(bodies), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        worker = RouterWorker(WorkerId("w0"), VllmClient(f"http://127.0.0.1:{port}"))
+        desk = wired_desk([worker]).desk
+        for i, n in enumerate((40, 450)):
+            body = {"model": "m", "prompt": "x", "priority": 7}
+            ids = list(range(1000 * i, 1000 * i + n))
+            turn = TurnRequest(
+                TenantId("a"), "/v1/completions", body, ids, TaskId(f"a/t{i}"), SessionId(f"s{i}")
+            )
+            await desk.handle(turn)
+        await worker.client.aclose()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert [b["priority"] for b in bodies] == [0, 4]

@@ -14,6 +14,7 @@ import pytest
 
 from appliance.domain.records import TurnId, WorkerId
 from appliance.policy.routing import RouteKind
+from appliance.policy.routing.turn_order import turn_priority
 from appliance.replay import POLICY_NAMES, render_table, run_replay
 from appliance.replay.bounds import (
     block_keys,
@@ -29,7 +30,7 @@ from appliance.replay.traces import load_trace
 from appliance.sim.engine_io import SimRequest
 from appliance.sim.runtime.engine_views import EngineView
 from appliance.sim.runtime.trace import BlockTokens, trace_arrivals
-from appliance.sim.runtime.virtual import replay
+from appliance.sim.runtime.virtual import Arrival, replay
 from tests.paths import MOONCAKE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,6 +204,22 @@ def test_the_appliance_router_estimates_queues_with_the_live_queue_book() -> Non
     assert router.queues.routed_s(w0, one * 3) == pytest.approx(one)  # at most its estimate
     router.queues.first_byte(w0, TurnId("a"))
     assert router.queues.routed_s(w0, 0.0) == 0.0
+
+
+def test_the_appliance_router_sends_each_turn_with_its_prefill_rank_as_the_live_desk() -> None:
+    # A turn whose prefix the worker holds prefills its appended tokens only: it goes with
+    # a lower vLLM priority (runs first) than a cold turn of the same length.
+    setup, latency = make_setup(workers=1, hbm_gib=1.0)
+    engines = make_engines(setup, latency)
+    router = PolicyRouter("appliance", workers=1, hasher=engines[0].hasher, latency=latency)
+    views = [EngineView(0, 0, 0, 0.0, engines[0])]
+    cold = SimRequest("a", list(range(4096)), 1, arrival_s=0.0, session_id="a")
+    replay(engines, [Arrival(0.0, cold)], router, on_step=router.on_step)  # routes it
+    assert cold.priority == turn_priority(0, latency.prefill_s(4096, 0)) > 0
+    warm = SimRequest("b", list(range(4096 + 64)), 1, arrival_s=100.0, session_id="a")
+    other = SimRequest("c", list(range(10**5, 10**5 + 4096 + 64)), 1, arrival_s=100.0)
+    assert router(warm, views) == router(other, views) == 0
+    assert warm.priority == turn_priority(0, latency.prefill_s(64, 4096)) < other.priority
 
 
 def test_the_appliance_router_reads_the_engines_waiting_requests_as_the_live_book_does() -> None:

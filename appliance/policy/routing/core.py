@@ -59,6 +59,8 @@ class Candidate:
     scores: Mapping[str, float]
     resident_tokens: int
     ttft_estimate_s: float
+    prefill_s: float
+    """Of `ttft_estimate_s`, the turn's own prefill there (the rest is the queue)."""
 
 
 class RouteKind(StrEnum):
@@ -232,8 +234,9 @@ def route(
     for w in eligible:
         scores = {name: scorer(ctx, w) for name, _, scorer in profile.scorers}
         total = sum(weight * scores[name] for name, weight, _ in profile.scorers)
-        ttft = w.queue_s + _prefill_s(ctx, w)
-        candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft))
+        prefill = _prefill_s(ctx, w)
+        ttft = w.queue_s + prefill
+        candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft, prefill))
     # Highest score first; ties go to the worker listed first (stable, deterministic).
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
     return RouteDecision(ranked[0].worker, *_reason(request, ranked), ranked, excluded)

@@ -47,6 +47,12 @@ class Placement:
     """The ids `chain` hashes; None when the turn was placed on its session's last chain."""
     salt: str
 
+    @property
+    def prefill_s(self) -> float:
+        """The router's estimate of the turn's prefill on the chosen worker (0: none)."""
+        chosen = self.decision.worker
+        return next((c.prefill_s for c in self.decision.candidates if c.worker == chosen), 0.0)
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingRule:

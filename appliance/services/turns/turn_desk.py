@@ -322,7 +322,7 @@ class TurnDesk:
             self.placer.commit(session, placement)
             worker = next(w for w in self._workers() if w.id == worker_id)
             attempt = self._begin(turn, session, placement, worker_id)
-            body = worker_body(turn, session, placement.salt)
+            body = worker_body(turn, session, placement.salt, placement.prefill_s)
             if turn.prompt_ids is None and tokenized is None:  # once the request is sent
                 salt = self.placer.salt(turn.tenant, turn.client_salt)
                 assert self._tokenizer is not None  # its estimate came from it
