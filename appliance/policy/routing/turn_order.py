@@ -12,9 +12,10 @@ order. When turns queue on a worker, running the short ones first saves each of 
 long prefill's wait and costs the long one only the short ones' time. Measured on the
 recorded Claude Code sessions (docs/benchmarks.md): near the box's capacity (193 users,
 8 simulated H200s) TTFT p95 2.03 -> 1.89 s, and the sessions served at p95 <= 2 s 187 ->
-199; at 149 users, where queues are short, 1.41 -> 1.39 s. vLLM moves a turn out of the waiting queue in this order and preempts the largest
-value first when KV runs out; a turn already running keeps its share of each step (the
-long prefill cap, `perf/agent_batching.py`), so no turn starves while its worker has room.
+199; at 149 users, where queues are short, 1.41 -> 1.39 s. vLLM moves a turn out of the
+waiting queue in this order and preempts the largest value first when KV runs out; a turn
+already running keeps its share of each step (the long prefill cap,
+`perf/agent_batching.py`), so no turn starves while its worker has room.
 """
 
 from __future__ import annotations
