@@ -221,7 +221,7 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         spec.hash_algo,
         "--enable-prompt-tokens-details",
         "--scheduling-policy",
-        AGENT_SCHEDULING_POLICY,  # each turn carries its tenant-clipped X-Priority
+        AGENT_SCHEDULING_POLICY,  # each turn: its clipped X-Priority, then its prefill rank
         "--kv-events-config",
         json.dumps(kv_events, separators=(",", ":")),
     ]
