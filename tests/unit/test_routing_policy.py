@@ -409,6 +409,7 @@ def test_estimated_ttft_is_queue_plus_prefill_over_the_resident_prefix() -> None
     )
     # 0.2 s queue + 400 fresh * 1 ms + 600 reused * 0.1 ms
     assert d.candidates[0].ttft_estimate_s == pytest.approx(0.2 + 0.4 + 0.06)
+    assert d.candidates[0].prefill_s == pytest.approx(0.4 + 0.06)  # the turn's own part
 
 
 def test_a_workers_slowdown_scales_its_prefill_in_the_estimate() -> None:
@@ -419,6 +420,7 @@ def test_a_workers_slowdown_scales_its_prefill_in_the_estimate() -> None:
         default_profile(),
     )
     assert d.candidates[0].ttft_estimate_s == pytest.approx(0.2 + 4 * (0.4 + 0.06))
+    assert d.candidates[0].prefill_s == pytest.approx(4 * (0.4 + 0.06))
 
 
 views = st.builds(

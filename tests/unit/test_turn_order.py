@@ -24,3 +24,9 @@ def test_granted_priorities_stay_as_admission_sent_them_before() -> None:
     for granted in (-2, 0, 3):
         for prefill_s in (-1.0, 0.0, 0.37, 99.0, 1e9):
             assert turn_priority(granted, prefill_s) // PREFILL_RANKS == -granted
+
+
+def test_the_value_is_the_negated_grant_times_the_ranks_plus_the_prefill_rank() -> None:
+    # What the worker receives, written out: granted 2, a 0.35 s prefill (rank 3 of 0.1 s).
+    assert turn_priority(2, 0.35) == -2 * 1000 + 3
+    assert turn_priority(0, 99.95) == 999 and turn_priority(-1, 0.0) == 1000
