@@ -232,8 +232,7 @@ class PolicyRouter:
         views: Sequence[EngineView],
         keys: tuple[int, ...],
         resident: list[int],
-    ) -> tuple[int, str, float]:
-        """The worker the appliance's policy picks, why, and the prefill it estimated there."""
+    ) -> tuple[int, str]:
         n = len(req.prompt_token_ids)
         blocks = keys
         if n % self.bs and self.name == "sglang-cache-aware":
