@@ -207,10 +207,10 @@ class PolicyRouter:
         ]
         request = RouteRequest(MODEL, n, self.ids[home] if home is not None else None)
         decision = route(request, workers, self.latency, self.profile)
-        if decision.worker is None:
+        chosen = decision.chosen
+        if chosen is None:
             raise RuntimeError(f"the appliance's policy placed nothing: {decision.reason}")
-        chosen = next(c for c in decision.candidates if c.worker == decision.worker)
-        return self.ids.index(decision.worker), decision.kind, chosen.prefill_s
+        return self.ids.index(chosen.worker), decision.kind, chosen.prefill_s
 
     def _reading(self, v: EngineView, req: SimRequest) -> LoadSnapshot:
         """The engine's gauges at the arrival, as the book reads a worker's /metrics."""

@@ -190,6 +190,7 @@ def test_decisions(
 ) -> None:
     decision = route(req, workers, LinearCost(), default_profile())
     assert decision.worker == expected, decision
+    assert decision.chosen is not None and decision.chosen.worker == expected
     assert decision.reason == reason
     assert decision.kind == KIND_OF_SENTENCE[reason.split(" (")[0].split(":")[0].split(" at ")[0]]
 
@@ -214,6 +215,7 @@ def test_no_eligible_worker_names_each_filter() -> None:
         default_profile(),
     )
     assert d.worker is None and d.reason == "no eligible worker"
+    assert d.chosen is None
     assert d.kind == RouteKind.NO_ELIGIBLE
     assert d.excluded == {"a": "healthy", "b": "not_draining", "c": "not_excluded"}
 

@@ -87,6 +87,11 @@ class RouteDecision:
     excluded: Mapping[str, str] = field(default_factory=dict)
     """Worker -> the filter that excluded it."""
 
+    @property
+    def chosen(self) -> Candidate | None:
+        """The picked worker's candidate, ranked first (None: no candidate was weighed)."""
+        return self.candidates[0] if self.candidates else None
+
 
 @dataclass(frozen=True, slots=True)
 class Context:

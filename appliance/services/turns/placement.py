@@ -50,8 +50,8 @@ class Placement:
     @property
     def prefill_s(self) -> float:
         """The router's estimate of the turn's prefill on the chosen worker (0: none)."""
-        chosen = self.decision.worker
-        return next((c.prefill_s for c in self.decision.candidates if c.worker == chosen), 0.0)
+        chosen = self.decision.chosen
+        return chosen.prefill_s if chosen is not None else 0.0
 
 
 @dataclass(frozen=True, slots=True)
