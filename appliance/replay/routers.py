@@ -202,6 +202,7 @@ class PolicyRouter:
                 queued_share=queues[v.index] / total if total else 0.0,
                 kv_usage=v.kv_cache_usage,
                 kv_held=_held_share(v),
+                kv_pool_tokens=_pool_tokens(v),
             )
             for v in views
         ]
@@ -299,6 +300,13 @@ class PolicyRouter:
                         del active[k]
                     else:
                         active[k] -= 1
+
+
+def _pool_tokens(v: EngineView) -> int:
+    """Tokens the engine's usable KV pool holds (the null block excluded), as live vLLM's
+    `cache_config_info` gives them."""
+    cache = v.engine.cache
+    return (cache.num_blocks - 1) * cache.block_size
 
 
 def _held_share(v: EngineView) -> float:

@@ -33,10 +33,16 @@ class Retention:
         return {f"k{i}": RetainedKv(f"k{i}", n, 0.0, 1.0) for i, n in enumerate(tokens)}
 
 
-def first_turn_goes_to(holds: Mapping[WorkerId, list[int]], pool: int | None = POOL) -> WorkerId:
-    """Where a new session's first turn goes, both pools 95 % in use, the busy worker
-    listed first (ties go to it); `holds`: the tokens of each hold its connector reports."""
-    workers = [RouterWorker(w, client=None, load=full(pool)) for w in (BUSY, HOLDING)]
+def first_turn_goes_to(
+    holds: Mapping[WorkerId, list[int]],
+    pool: int | None = POOL,
+    pools: Mapping[WorkerId, int | None] | None = None,
+) -> WorkerId:
+    """Where a new session's first turn (100 tokens) goes, both pools 95 % in use, the busy
+    worker listed first (ties go to it); `holds`: the tokens of each hold its connector
+    reports; `pools`: a pool size per worker, where not `pool`."""
+    sizes = pools or {}
+    workers = [RouterWorker(w, client=None, load=full(sizes.get(w, pool))) for w in (BUSY, HOLDING)]
     wired = wired_desk(workers, retention=Retention(holds))
     session = wired.desk.sessions.open(TenantId("a"), SessionId("s"), 0.0)
     turn = TurnRequest(
@@ -68,3 +74,10 @@ def test_a_hold_counts_only_while_its_worker_holds_it() -> None:
     """Two holds on one worker (6,000 tokens) weigh as much as one of 6,000."""
     assert first_turn_goes_to({HOLDING: [4_000, 2_000], BUSY: [500]}) == HOLDING
     assert first_turn_goes_to({HOLDING: [300, 200], BUSY: [500]}) == BUSY
+
+
+def test_a_pool_without_room_for_the_prompt_loses_the_turn() -> None:
+    """95 % in use: 50 tokens free of 1,000, no room for the 100-token prompt; 500 of 10,000."""
+    assert first_turn_goes_to({}, pools={BUSY: 1_000}) == HOLDING
+    assert first_turn_goes_to({}, pools={BUSY: 1_000, HOLDING: 1_000}) == BUSY  # both wait
+    assert first_turn_goes_to({BUSY: [100]}, pools={BUSY: 1_000}) == BUSY  # a hold is room

@@ -222,6 +222,22 @@ def test_the_appliance_router_sends_each_turn_with_its_prefill_rank_as_the_live_
     assert warm.priority == turn_priority(0, latency.prefill_s(64, 4096)) < other.priority
 
 
+def test_the_appliance_router_sends_a_turn_where_the_pool_has_room_for_it() -> None:
+    # The session's prefix lives on the first engine; with its pool 99 % in use by running
+    # requests the next turn would wait there for room, so it goes to the second instead.
+    setup, latency = make_setup(workers=2, hbm_gib=1.0)
+    engines = make_engines(setup, latency)
+    router = PolicyRouter("appliance", workers=2, hasher=engines[0].hasher, latency=latency)
+    first = SimRequest("a", list(range(4096)), 1, arrival_s=0.0, session_id="a")
+    replay(engines, [Arrival(0.0, first)], router, on_step=router.on_step)  # on engine 0
+    idle = [EngineView(i, 0, 0, 0.0, e) for i, e in enumerate(engines)]
+    again = SimRequest("b", list(range(4096 + 64)), 1, arrival_s=100.0, session_id="a")
+    assert router(again, idle) == 0  # its prefix
+    full = [EngineView(0, 1, 0, 0.99, engines[0]), EngineView(1, 0, 0, 0.0, engines[1])]
+    later = SimRequest("c", list(range(4096 + 128)), 1, arrival_s=200.0, session_id="a")
+    assert router(later, full) == 1
+
+
 def test_the_appliance_router_reads_the_engines_waiting_requests_as_the_live_book_does() -> None:
     # An engine whose KV cache is full holds the router's request back past its estimate:
     # the engine's waiting count says so, and the next turn goes where nothing waits.

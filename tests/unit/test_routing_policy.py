@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from appliance.config.settings import RoutingSettings
 from appliance.domain.records import WorkerId
 from appliance.policy.routing import RouteKind, RouteRequest, WorkerView, route
-from appliance.policy.routing.core import RoutingProfile, default_profile
+from appliance.policy.routing.core import MEMORY_WAIT_S, RoutingProfile, default_profile, wait_s
 from tests.fakes import LinearCost
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
@@ -425,6 +425,42 @@ def test_a_workers_slowdown_scales_its_prefill_in_the_estimate() -> None:
     assert d.candidates[0].prefill_s == pytest.approx(4 * (0.4 + 0.06))
 
 
+@pytest.mark.parametrize(
+    ("prompt", "usage", "held", "pool", "expected"),
+    [
+        (501, 0.75, 0.25, 0, 0.2),  # the pool's size not known yet: the queue alone
+        (500, 0.75, 0.25, 1000, 0.2),  # room for exactly the prompt (1000 * (1 - 0.5))
+        (501, 0.75, 0.25, 1000, 0.2 + MEMORY_WAIT_S),  # one token more than the room
+        (300, 0.75, 0.0, 1000, 0.2 + MEMORY_WAIT_S),  # 250 free, none of it held
+        (300, 0.75, 0.5, 1000, 0.2),  # 250 free and 500 held: holds are room
+        (1, 0.75, 0.25, 1, 0.2 + MEMORY_WAIT_S),  # the least pool known: room for half a token
+    ],
+)
+def test_a_turn_waits_where_the_pool_has_no_room_for_its_prompt(
+    prompt: int, usage: float, held: float, pool: int, expected: float
+) -> None:
+    worker = w(A, queue_s=0.2, kv_usage=usage, kv_held=held, kv_pool_tokens=pool)
+    assert wait_s(RouteRequest("m", prompt), worker) == pytest.approx(expected)
+
+
+def test_a_resident_prefix_without_room_for_the_turn_loses_to_a_worker_with_room() -> None:
+    # 1000 tokens: 1 s cold, 0.1 s over a resident prefix; A holds it but its pool is full of
+    # running turns, B is empty.
+    full = {"kv_usage": 0.95, "kv_pool_tokens": 10_000}
+    request = RouteRequest("m", 1000, session_home=A)
+    room_unknown = [w(A, resident_tokens=1000, kv_usage=0.95), w(B)]
+    assert route(request, room_unknown, LinearCost(), default_profile()).worker == A
+    no_room = [w(A, resident_tokens=1000, **full), w(B, kv_pool_tokens=10_000)]
+    d = route(request, no_room, LinearCost(), default_profile())
+    assert d.worker == B
+    by_worker = {c.worker: c for c in d.candidates}
+    assert by_worker[A].ttft_estimate_s == pytest.approx(3.1)  # 3 s for room, 0.1 s prefill
+    assert by_worker[A].prefill_s == pytest.approx(0.1)  # the wait is not the turn's prefill
+    assert by_worker[B].ttft_estimate_s == pytest.approx(1.0)
+    assert by_worker[A].scores["queue"] == 0.0  # the wait sets the scale: 3 s of 3 s
+    assert by_worker[A].scores["reuse"] == pytest.approx(0.3)  # 0.9 s saved of 3 s
+
+
 views = st.builds(
     WorkerView,
     worker=st.sampled_from([A, B, C]),
@@ -435,6 +471,8 @@ views = st.builds(
     queue_s=st.floats(0, 1e4),
     queued_share=st.floats(0, 1),
     kv_usage=st.floats(0, 1),
+    kv_held=st.floats(0, 1),
+    kv_pool_tokens=st.integers(0, 10**6),
     recent_failures=st.integers(0, 100),
     slowdown=st.floats(1e-3, 1e5),
 )

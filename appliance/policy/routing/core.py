@@ -46,6 +46,8 @@ class WorkerView:
     kv_held: float = 0.0
     """Of `kv_usage`, the share idle sessions' holds keep: the appliance gives it back as
     soon as a request needs the room, so it is not load."""
+    kv_pool_tokens: int = 0
+    """Tokens the worker's KV pool holds (vLLM's `cache_config_info`; 0: not known yet)."""
     recent_failures: int = 0
     slowdown: float = 1.0
     """This worker's measured prefill seconds per second of the cost model's (1: as fast
@@ -148,12 +150,29 @@ def _saved_s(ctx: Context, w: WorkerView) -> float:
     return ctx.worst_prefill_s - _prefill_s(ctx, w)
 
 
+MEMORY_WAIT_S = 3.0
+"""What a turn is taken to wait, beyond the queue, on a worker whose pool has no room for its
+whole prompt (idle holds counted as room): vLLM schedules it only as running turns end and
+give their KV back, and an agent turn decodes for seconds. Near capacity one worker's
+sessions outgrew its HBM and each returning turn waited there 10 to 30 s for a copy back
+from the host tier that takes a quarter of a second (docs/router.md)."""
+
+
+def wait_s(request: RouteRequest, w: WorkerView) -> float:
+    """The estimated wait before the turn's prefill starts on `w`: the worker's queue, and
+    `MEMORY_WAIT_S` more where its pool lacks room for the prompt (pool size known)."""
+    if w.kv_pool_tokens <= 0:
+        return w.queue_s
+    room = (1.0 - (w.kv_usage - w.kv_held)) * w.kv_pool_tokens
+    return w.queue_s + (MEMORY_WAIT_S if request.prompt_tokens > room else 0.0)
+
+
 def reuse(ctx: Context, w: WorkerView) -> float:
     return _clip(_saved_s(ctx, w) / ctx.scale_s)
 
 
 def queue(ctx: Context, w: WorkerView) -> float:
-    return _clip(1.0 - w.queue_s / ctx.scale_s)
+    return _clip(1.0 - wait_s(ctx.request, w) / ctx.scale_s)
 
 
 def kv_pressure(_: Context, w: WorkerView) -> float:
@@ -233,14 +252,14 @@ def route(
     if not eligible:
         return RouteDecision(None, RouteKind.NO_ELIGIBLE, "no eligible worker", (), excluded)
     worst = cost.prefill_s(request.prompt_tokens, 0) * max(w.slowdown for w in eligible)
-    scale = max(worst, *(w.queue_s for w in eligible), SCORE_SCALE_FLOOR_S)
+    scale = max(worst, *(wait_s(request, w) for w in eligible), SCORE_SCALE_FLOOR_S)
     ctx = Context(request, cost, worst, scale)
     candidates = []
     for w in eligible:
         scores = {name: scorer(ctx, w) for name, _, scorer in profile.scorers}
         total = sum(weight * scores[name] for name, weight, _ in profile.scorers)
         prefill = _prefill_s(ctx, w)
-        ttft = w.queue_s + prefill
+        ttft = wait_s(request, w) + prefill
         candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft, prefill))
     # Highest score first; ties go to the worker listed first (stable, deterministic).
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))

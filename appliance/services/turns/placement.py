@@ -121,6 +121,7 @@ class Placer:
                 queued_share=queues.get(w.id, 0.0) / total if total else 0.0,
                 kv_usage=w.load.kv_cache_usage_perc if w.load else 0.0,
                 kv_held=self._held_share(w),
+                kv_pool_tokens=(w.load.kv_capacity_tokens or 0) if w.load else 0,
                 recent_failures=self._queues.recent_failures(w.id),
                 slowdown=self._queues.slowdown(w.id),
             )
