@@ -302,14 +302,17 @@ class PolicyRouter:
                         active[k] -= 1
 
 
+def _usable_blocks(v: EngineView) -> int:
+    """Blocks of the engine's KV pool a request can use: all but vLLM's null block."""
+    return v.engine.cache.num_blocks - 1
+
+
 def _pool_tokens(v: EngineView) -> int:
-    """Tokens the engine's usable KV pool holds (the null block excluded), as live vLLM's
-    `cache_config_info` gives them."""
-    cache = v.engine.cache
-    return (cache.num_blocks - 1) * cache.block_size
+    """Tokens the engine's usable KV pool holds, as live vLLM's `cache_config_info` gives
+    them."""
+    return _usable_blocks(v) * v.engine.cache.block_size
 
 
 def _held_share(v: EngineView) -> float:
-    """The share of the engine's usable KV pool (the null block excluded) its pins hold."""
-    cache = v.engine.cache
-    return cache.num_pinned_blocks / max(cache.num_blocks - 1, 1)
+    """The share of the engine's usable KV pool its pins hold."""
+    return v.engine.cache.num_pinned_blocks / max(_usable_blocks(v), 1)

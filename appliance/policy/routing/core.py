@@ -106,6 +106,8 @@ class Context:
     scale_s: float
     """What the reuse and queue scores divide their seconds by: the worst case, at least
     `SCORE_SCALE_FLOOR_S`."""
+    waits_s: Mapping[WorkerId, float]
+    """Each eligible worker's `wait_s` for the turn, worked out once per decision."""
 
 
 SCORE_SCALE_FLOOR_S = 0.5
@@ -172,7 +174,7 @@ def reuse(ctx: Context, w: WorkerView) -> float:
 
 
 def queue(ctx: Context, w: WorkerView) -> float:
-    return _clip(1.0 - wait_s(ctx.request, w) / ctx.scale_s)
+    return _clip(1.0 - ctx.waits_s[w.worker] / ctx.scale_s)
 
 
 def kv_pressure(_: Context, w: WorkerView) -> float:
@@ -252,14 +254,15 @@ def route(
     if not eligible:
         return RouteDecision(None, RouteKind.NO_ELIGIBLE, "no eligible worker", (), excluded)
     worst = cost.prefill_s(request.prompt_tokens, 0) * max(w.slowdown for w in eligible)
-    scale = max(worst, *(wait_s(request, w) for w in eligible), SCORE_SCALE_FLOOR_S)
-    ctx = Context(request, cost, worst, scale)
+    waits = {w.worker: wait_s(request, w) for w in eligible}
+    scale = max(worst, *waits.values(), SCORE_SCALE_FLOOR_S)
+    ctx = Context(request, cost, worst, scale, waits)
     candidates = []
     for w in eligible:
         scores = {name: scorer(ctx, w) for name, _, scorer in profile.scorers}
         total = sum(weight * scores[name] for name, weight, _ in profile.scorers)
         prefill = _prefill_s(ctx, w)
-        ttft = wait_s(request, w) + prefill
+        ttft = waits[w.worker] + prefill
         candidates.append(Candidate(w.worker, total, scores, w.resident_tokens, ttft, prefill))
     # Highest score first; ties go to the worker listed first (stable, deterministic).
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
