@@ -454,11 +454,11 @@ def test_a_resident_prefix_without_room_for_the_turn_loses_to_a_worker_with_room
     d = route(request, no_room, LinearCost(), default_profile())
     assert d.worker == B
     by_worker = {c.worker: c for c in d.candidates}
-    assert by_worker[A].ttft_estimate_s == pytest.approx(3.1)  # 3 s for room, 0.1 s prefill
+    assert by_worker[A].ttft_estimate_s == pytest.approx(MEMORY_WAIT_S + 0.1)  # room, prefill
     assert by_worker[A].prefill_s == pytest.approx(0.1)  # the wait is not the turn's prefill
     assert by_worker[B].ttft_estimate_s == pytest.approx(1.0)
-    assert by_worker[A].scores["queue"] == 0.0  # the wait sets the scale: 3 s of 3 s
-    assert by_worker[A].scores["reuse"] == pytest.approx(0.3)  # 0.9 s saved of 3 s
+    assert by_worker[A].scores["queue"] == 0.0  # the wait for room sets the scale
+    assert by_worker[A].scores["reuse"] == pytest.approx(0.9 / MEMORY_WAIT_S)  # 0.9 s saved
 
 
 views = st.builds(

@@ -152,12 +152,13 @@ def _saved_s(ctx: Context, w: WorkerView) -> float:
     return ctx.worst_prefill_s - _prefill_s(ctx, w)
 
 
-MEMORY_WAIT_S = 3.0
+MEMORY_WAIT_S = 6.0
 """What a turn is taken to wait, beyond the queue, on a worker whose pool has no room for its
 whole prompt (idle holds counted as room): vLLM schedules it only as running turns end and
 give their KV back, and an agent turn decodes for seconds. Near capacity one worker's
 sessions outgrew its HBM and each returning turn waited there 10 to 30 s for a copy back
-from the host tier that takes a quarter of a second (docs/router.md)."""
+from the host tier that takes a quarter of a second. 6 s led a sweep of 1.5 to 20 s on the
+recorded sessions near capacity (docs/router.md)."""
 
 
 def wait_s(request: RouteRequest, w: WorkerView) -> float:
