@@ -193,3 +193,35 @@ def logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
         for (_, lx, top_x), (_, ly, top_y) in pairs
         for x, y in [(lx, ly), *((p, q) for (_, p), (_, q) in zip(top_x, top_y, strict=True))]
     )
+
+
+def test_a_closed_tasks_session_leaves_vllms_host_tier(hosted: Reaped) -> None:
+    """A session pushed off the GPU by a flood, its prompt in vLLM's host tier (which stores
+    every computed block), then its task succeeds: the reaper's `RetentionEvictFirst(
+    drop_host=True)` takes its copies out of the tier, so the same prompt in a new session
+    loads next to nothing from there (before, vLLM's LRU kept them until other copies
+    needed the room)."""
+    app, auth = hosted, {"Authorization": f"Bearer {hosted.key}"}
+    created = httpx.post(f"{app.url}/v1/tasks", json={"task_id": "done"}, headers=auth)
+    assert created.status_code == 201, created.text
+    prompt = [{"role": "user", "content": text(85, WORDS)}]
+    n = turn(app, "closing", prompt, {**TEST_RUN, "X-Task-ID": "done"})["prompt"]
+    assert set(flood(app, WORDS // 2, n // 2)) == {200}
+    tiers = eventually(lambda: session_tiers(app, "closing"), lambda t: t["host"] >= 0.9 * n)
+    assert tiers["gpu"] < 0.5 * n, tiers
+    r = httpx.post(f"{app.url}/v1/tasks/done/events", json={"type": "succeeded"}, headers=auth)
+    assert r.status_code == 200, r.text
+    ended = eventually(
+        lambda: app.rows(
+            "SELECT reason FROM residency_events WHERE session_id = ? AND reason LIKE ?",
+            "alice/closing",
+            "session_ended%",
+        ),
+        lambda rows: len(rows) == 1,
+    )
+    assert len(ended) == 1, ended
+    before = from_host(app)
+    probe = turn(app, "probe", prompt, API_WAIT)
+    served = from_host(app) - before
+    print(f"after its task: {probe['cached']} of {n} cached, {served} from the host tier")
+    assert served < 0.1 * n

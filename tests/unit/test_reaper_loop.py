@@ -599,6 +599,28 @@ def test_a_closed_tasks_session_is_evicted_and_ends(s: Setup) -> None:
     assert s.rows.last().reason.startswith("session_ended")
 
 
+@pytest.mark.parametrize("host", [True, False])
+def test_a_closed_tasks_session_gone_from_the_gpu_still_leaves_the_host_tier(
+    s: Setup, host: bool
+) -> None:
+    """Evicted from its worker's GPU while it waited: its task's end still drops its copies
+    in the worker's host tier; without one, nothing is left to send."""
+    session = s.session("a", task="acme/t1")
+    s.turn(session, tool="approval", wait_s=3600.0)
+    s.retention.usage[W0] = 0.99
+    s.loop.tick(1001.0)  # released at its revisit
+    s.index.evict(W0, 0)  # then evicted from the GPU
+    s.loop.tick(1003.0)
+    assert s.rows.last().action == "evicted"
+    s.sent()
+    if host:  # the worker's reports show a host tier
+        s.retention.host[W0] = HostTierSize(4096, 100, 512)
+    s.closed.add("acme/t1")
+    s.loop.tick(1004.0)
+    assert s.sent() == ([("evict_first", W0, "acme/a", 0, True)] if host else [])
+    assert s.rows.last().reason.startswith("session_ended: its task closed")
+
+
 def test_an_ended_session_keeps_its_stem_cached_and_evicts_the_rest_first(s: Setup) -> None:
     session = s.session("a", task="acme/t1")
     session.stem_tokens = 3 * BLOCK + 5  # its system prompt and tools: 3 full blocks

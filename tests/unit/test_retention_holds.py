@@ -224,7 +224,7 @@ def test_a_branchs_end_evicts_its_own_blocks_first_everywhere_and_leaves_the_inh
     own = [b for b, _ in entries[3:]]
     assert pool.queue[:4] == own[::-1]  # they go before any other
     assert all(pool.queue.index(b) >= 4 for b, _ in parent)  # not first: LRU
-    assert pool.dropped == own
+    assert pool.dropped == [h for _, h in entries[3:]]  # their copies, by hash
     assert book.take_given_back() == (GivenBack("t/kid", 7, GiveBackReason.EVICTED),)
 
 
@@ -241,6 +241,35 @@ def test_a_demotion_copies_to_the_host_tier_then_evicts_first(held: bool) -> Non
     assert book.take_given_back() == (GivenBack("t/a", 5, GiveBackReason.DEMOTED),)
     book.apply(RetentionDemote("t/b"), NOW)  # nothing finished under it: nothing to copy
     assert len(pool.host) == 1 and book.take_given_back() == ()
+
+
+def test_a_demoted_sessions_end_drops_its_host_copies_after_its_gpu_blocks_are_gone() -> None:
+    """Demoted, then its GPU blocks taken by other requests: its end (`drop_host`) still
+    drops its host copies past `keep_blocks`, by the hashes they had; nothing is given
+    back on the GPU, and a second end drops nothing more."""
+    pool, book = book_over(8)
+    entries = pool.run(5)
+    book.finished("t/a", [entries])
+    book.apply(RetentionDemote("t/a"), NOW)
+    book.take_given_back()
+    pool.allocate(8)  # a flood: every GPU block reused
+    book.apply(RetentionEvictFirst("t/a", keep_blocks=2, drop_host=True), NOW)
+    assert pool.dropped == [h for _, h in entries[2:]]
+    assert book.take_given_back() == ()
+    book.apply(RetentionEvictFirst("t/a", drop_host=True), NOW)
+    assert len(pool.dropped) == 3
+    book.apply(RetentionEvictFirst("t/b", drop_host=True), NOW)  # never finished, never demoted
+    assert len(pool.dropped) == 3
+
+
+def test_a_last_steps_eviction_leaves_the_host_copies_for_the_sessions_end() -> None:
+    pool, book = book_over(8)
+    entries = pool.run(5)
+    book.finished("t/a", [entries])
+    book.apply(RetentionEvictFirst("t/a"), NOW)  # a last step: the GPU's order only
+    assert pool.dropped == []
+    book.apply(RetentionEvictFirst("t/a", drop_host=True), NOW)  # then its task closes
+    assert pool.dropped == [h for _, h in entries]
 
 
 def test_holds_lapse_at_their_time() -> None:
@@ -393,3 +422,27 @@ def test_blocks_that_holds_share_count_once_under_the_cap() -> None:
     hold(book, "t/big", priority=0.5)  # below the others: its 14 new blocks cut to the 12 left
     assert {h.key: h.blocks for h in book.held()}["t/big"] == 22
     assert book.held_blocks == 30
+
+
+def test_the_hashes_kept_for_a_later_drop_are_at_most_what_the_host_tier_holds() -> None:
+    pool, book = book_over(100)  # its host tier holds 64 blocks
+    runs = {}
+    for key in ("t/a", "t/b", "t/c"):
+        runs[key] = pool.run(30)
+        book.finished(key, [runs[key]])
+        book.apply(RetentionEvictFirst(key), NOW)
+    book.apply(RetentionEvictFirst("t/a", drop_host=True), NOW)  # the oldest: forgotten
+    assert pool.dropped == []
+    book.apply(RetentionEvictFirst("t/c", drop_host=True), NOW)
+    assert pool.dropped == [h for _, h in runs["t/c"]]
+
+
+def test_a_finished_request_forgotten_for_room_still_has_its_host_copies_dropped() -> None:
+    pool, book = book_over(100, remember_blocks=40)
+    first = pool.run(30)
+    book.finished("t/a", [first])
+    book.finished("t/b", [pool.run(20)])  # 50 remembered: the oldest record goes
+    hold(book, "t/a")
+    assert book.take_given_back()[-1].reason == GiveBackReason.NOT_FOUND  # forgotten
+    book.apply(RetentionEvictFirst("t/a", drop_host=True), NOW)
+    assert pool.dropped == [h for _, h in first]

@@ -13,7 +13,12 @@ A demotion asks which of a session's leading blocks have a copy there (stored, o
 stored: vLLM fences a freed block's reuse until its store has landed, so the GPU block may go
 at once), makes those the host tier's most recently used, and remembers them under the
 session's key; a restore makes them the most recently used again, so they are there when
-the session's turn loads them.
+the session's turn loads them. A drop (a session's end: `RetentionEvictFirst(drop_host=True)`)
+takes chunks out of the tier at once, as the manager's own eviction in `prepare_store`
+does: out of its cache policy (LRU, or any other: `CachePolicy.remove`), the chunk's slot
+back on its free list, and a removal event (BlockRemoved, medium "CPU") for the router's
+index. A chunk being stored (`ref_cnt` -1) or loaded (above 0) stays, as its eviction
+would skip it.
 """
 
 from __future__ import annotations
@@ -22,9 +27,25 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    ReqContext,
+)
 
-_MANAGER_NEEDS = ("lookup", "touch", "_num_chunks", "_get_num_free_chunks")
+_MANAGER_NEEDS = (
+    "lookup",
+    "touch",
+    "_num_chunks",
+    "_get_num_free_chunks",
+    "_policy",
+    "_free_chunk",
+    "_num_evictable_cache_chunks",
+    "events",
+    "medium",
+)
 _REMEMBERED_KEYS = 4096
 
 
@@ -78,6 +99,26 @@ class OffloadedHostTier:
         if there:
             self._manager.touch(there, self._context)
         return len(there)
+
+    def drop(self, block_hashes: Sequence[object]) -> int:
+        """The blocks' copies (their hashes) leave the tier now, but any being stored or
+        loaded (see the module); how many left."""
+        manager = self._manager
+        gone: list[OffloadKey] = []
+        for block_hash in block_hashes:
+            if not isinstance(block_hash, bytes):
+                continue
+            chunk_key = OffloadKey(block_hash)
+            chunk = manager._policy.get(chunk_key)
+            if chunk is None or chunk.ref_cnt != 0:
+                continue
+            manager._policy.remove(chunk_key)
+            manager._num_evictable_cache_chunks -= 1
+            manager._free_chunk(chunk)
+            gone.append(chunk_key)
+        if gone and manager.events is not None:
+            manager.events.append(OffloadingEvent(keys=gone, medium=manager.medium, removed=True))
+        return len(gone)
 
     def forget(self, key: str) -> None:
         self._demoted.pop(key, None)

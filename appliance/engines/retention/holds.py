@@ -16,7 +16,10 @@ first (ties: the hold asked for longest ago), never the waiting request's own se
 sum of held blocks stays under a cap; a hold over it displaces holds of no higher priority,
 then is cut to a prefix. A demotion (`RetentionDemote`) ends a key's hold as an eviction
 does, after the pool has copied the key's blocks to its host tier (a pool without one
-copies nothing).
+copies nothing). An eviction or demotion without `drop_host`, or a finished request
+forgotten for room, keeps the key's hashes (at most as many in all as the host tier
+holds): a later `drop_host` (its session ended) drops those copies by hash, whatever
+became of the GPU blocks meanwhile.
 
 Single-threaded: the connector calls it on vLLM's scheduler thread only.
 """
@@ -84,8 +87,9 @@ class KvPool(Protocol):
         """The host tier's (capacity, blocks in use); (0, 0) without one."""
         ...
 
-    def drop_from_host(self, blocks: Sequence[object]) -> int:
-        """Drop the blocks' copies from the host tier at once; how many it held."""
+    def drop_from_host(self, block_hashes: Sequence[object]) -> int:
+        """Drop the copies of the blocks with these hashes from the host tier at once (as
+        `Entry` has them); how many it held."""
         ...
 
 
@@ -125,6 +129,11 @@ class HoldBook:
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         self._remembered = 0
         self._holds: dict[str, _Held] = {}
+        self._host_copies: OrderedDict[str, tuple[object, ...]] = OrderedDict()
+        """Per key evicted or demoted without `drop_host`, or its finished request forgotten
+        for room, its blocks' hashes: what a later `drop_host` drops from the host tier,
+        whatever became of the GPU blocks."""
+        self._host_copy_count = 0
         self._count = HeldBlockCount()
         self._given_back: list[GivenBack] = []
         self._counter = 0
@@ -171,8 +180,9 @@ class HoldBook:
         self._finished[key] = _Finished(tuple(tuple(g) for g in groups), self._next())
         self._remembered += size
         while self._remembered > self._remember and len(self._finished) > 1:
-            _, dropped = self._finished.popitem(last=False)
+            gone, dropped = self._finished.popitem(last=False)
             self._remembered -= sum(len(g) for g in dropped.groups)
+            self._keep_host_copies(gone, tuple(h for g in dropped.groups for _, h in g))
 
     # --- what the appliance asks ---
 
@@ -342,8 +352,15 @@ class HoldBook:
         as LRU); `drop_host`: their copies leave the host tier too."""
         reason = GiveBackReason.DEMOTED if demote else GiveBackReason.EVICTED
         done = self._finished.pop(key, None)
+        hashes = self._host_copies.pop(key, ())  # an earlier eviction's: GPU blocks gone
+        self._host_copy_count -= len(hashes)
         if done is not None:
             self._remembered -= sum(len(g) for g in done.groups)
+            hashes = tuple(h for g in done.groups for _, h in g) or hashes
+        if drop_host:
+            self._pool.drop_from_host(hashes[keep:])
+        else:  # its host copies stay: a later end of the session drops them
+            self._keep_host_copies(key, hashes)
         held = self._holds.pop(key, None)
         if held is not None:
             self._count.remove(held.blocks)
@@ -360,8 +377,18 @@ class HoldBook:
         else:
             return
         self._note(key, len(blocks), reason)
-        if drop_host:
-            self._pool.drop_from_host(blocks[keep:])
+
+    def _keep_host_copies(self, key: str, hashes: tuple[object, ...]) -> None:
+        """Remembers the key's hashes, at most as many in all as the host tier holds
+        (oldest keys first out; none without a host tier)."""
+        room = self._pool.host_blocks()[0]
+        if not hashes or len(hashes) > room:
+            return
+        self._host_copies[key] = hashes
+        self._host_copy_count += len(hashes)
+        while self._host_copy_count > room:
+            _, old = self._host_copies.popitem(last=False)
+            self._host_copy_count -= len(old)
 
     def _note(self, key: str, blocks: int, reason: GiveBackReason) -> None:
         self._given_back.append(GivenBack(key, blocks, reason))

@@ -9,7 +9,8 @@ The host tier, where the worker has one, is vLLM's own offloading connector's, w
 every computed prompt block there by itself: `HostTierReader` is what the pool asks of it
 (`appliance.engines.offload.host_view.OffloadedHostTier` answers, composed in by
 `appliance.engines.offload.connector`). A demotion's `copy_to_host` copies nothing, then:
-it keeps the leading blocks that have a copy there, as the tier's most recently used.
+it keeps the leading blocks that have a copy there, as the tier's most recently used; a
+session's end drops its blocks' copies there (`drop_from_host`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class HostTierReader(Protocol):
 
     def refresh(self, key: str) -> int:
         """`key`'s kept blocks still in the tier made its most recently used again."""
+        ...
+
+    def drop(self, block_hashes: Sequence[object]) -> int:
+        """The blocks' copies (their hashes) leave the tier now; how many left."""
         ...
 
 
@@ -98,8 +103,8 @@ class VllmKvPool:
     def host_blocks(self) -> tuple[int, int]:
         return self.host.size() if self.host is not None else (0, 0)
 
-    def drop_from_host(self, blocks: Sequence[Any]) -> int:
-        return 0  # vLLM's tier has no way to drop a chunk: its LRU takes them in time
+    def drop_from_host(self, block_hashes: Sequence[object]) -> int:
+        return self.host.drop(block_hashes) if self.host is not None else 0
 
     def cached_entries(
         self, block_ids: Sequence[Sequence[int]], num_tokens: int, block_sizes: Sequence[int]

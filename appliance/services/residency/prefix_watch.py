@@ -44,6 +44,11 @@ class WaitingSession:
     wait: TurnWait = UNKNOWN
     """What it waits on (the tools its last answer called, a person), as its turn ended."""
 
+    def kv_left(self, host_tier: bool) -> bool:
+        """Some of its KV may still be on its worker: not seen evicted from the GPU, or its
+        copies in the worker's `host_tier` (which outlive the GPU's)."""
+        return not self.evicted or host_tier
+
     @property
     def idle(self) -> IdleSession:
         """The policy's view at its last decision."""

@@ -297,7 +297,7 @@ class ReaperLoop:
 
     def _session_ended(self, key: str, w: WaitingSession, why: str, now: float) -> None:
         keep, inherited = self._kept(w)
-        if not w.evicted:  # its own blocks go on every tier; a parent's it shares stay
+        if w.kv_left(self.retention.host_tier(w.worker) is not None):  # its own: every tier
             self.outbox.evict_first(w.worker, key, keep_blocks=keep, drop_host=True)
         self._held.pop(key, None)
         w.decision = ResidencyDecision(ResidencyAction.EVICT, f"{why}: not coming back")

@@ -97,10 +97,10 @@ class SimKvPool:
             return 0, 0
         return self._host.host.num_blocks, len(self._host.host)
 
-    def drop_from_host(self, blocks: Sequence[Any]) -> int:
+    def drop_from_host(self, block_hashes: Sequence[object]) -> int:
         if self._host is None:
             return 0
-        return int(self._host.host.discard([b.block_hash for b in blocks if b.block_hash]))
+        return int(self._host.host.discard(block_hashes))
 
     def entries(self, block_ids: Sequence[int], num_tokens: int, block_size: int) -> list[Entry]:
         """A finished request's full blocks prefix caching can hit, with their hashes."""
