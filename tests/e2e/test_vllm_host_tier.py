@@ -196,12 +196,16 @@ def logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 
 def test_a_closed_tasks_session_leaves_vllms_host_tier(hosted: Reaped) -> None:
+    drop_at_task_end(hosted)
+
+
+def drop_at_task_end(app: Reaped) -> None:
     """A session pushed off the GPU by a flood, its prompt in vLLM's host tier (which stores
     every computed block), then its task succeeds: the reaper's `RetentionEvictFirst(
     drop_host=True)` takes its copies out of the tier, so the same prompt in a new session
     loads next to nothing from there (before, vLLM's LRU kept them until other copies
-    needed the room)."""
-    app, auth = hosted, {"Authorization": f"Bearer {hosted.key}"}
+    needed the room). On `app` (tests/gpu runs it on CUDA)."""
+    auth = {"Authorization": f"Bearer {app.key}"}
     created = httpx.post(f"{app.url}/v1/tasks", json={"task_id": "done"}, headers=auth)
     assert created.status_code == 201, created.text
     prompt = [{"role": "user", "content": text(85, WORDS)}]

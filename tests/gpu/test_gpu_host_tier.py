@@ -3,7 +3,8 @@
 (`CPUOffloadingSpec`, its CUDA copies) beside the retention connector: a session demoted
 while a flood fills the pool comes back from host memory with at least 90 % of its prefix,
 and the same answer and log-probabilities as with its prefix on the GPU; the ledger records
-the demotion and the restore. Run by scripts/gpu_check.sh; skipped without a GPU."""
+the demotion and the restore. A session whose task ends leaves vLLM's own tier at once.
+Run by scripts/gpu_check.sh; skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_reaper import Reaped
-from tests.e2e.test_vllm_host_tier import demote_and_restore, host_tier_up
+from tests.e2e.test_vllm_host_tier import demote_and_restore, drop_at_task_end, host_tier_up
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -29,3 +30,7 @@ def test_a_demoted_session_comes_back_from_vllms_native_cpu_offloading(
     cuda_hosted: Reaped,
 ) -> None:
     demote_and_restore(cuda_hosted)
+
+
+def test_a_closed_tasks_session_leaves_vllms_native_cpu_offloading(cuda_hosted: Reaped) -> None:
+    drop_at_task_end(cuda_hosted)
