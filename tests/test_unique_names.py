@@ -10,6 +10,8 @@ import functools
 from collections import defaultdict
 from pathlib import Path
 
+from tests.source_ast import parse_source
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("appliance", "tui", "cli")
 Named = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
@@ -26,7 +28,7 @@ def _top_level() -> list[tuple[str, ast.stmt]]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             module = path.relative_to(ROOT).as_posix()
-            out += [(module, node) for node in ast.parse(path.read_text(), module).body]
+            out += [(module, node) for node in parse_source(path.read_text(), module).body]
     return out
 
 
