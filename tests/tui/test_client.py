@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.api.admin.schemas import AdminStateView
+from tests.source_ast import parse_source
 from tests.tui.fakes import ADMIN_KEY, FakeAppliance, json_reply, make_state
 from tui.client import (
     Backoff,
@@ -268,7 +269,7 @@ def test_the_admin_key_follows_the_data_dir_env(
 
 def _imports(path: Path) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_source(path.read_text(), path.name)):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
