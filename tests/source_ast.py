@@ -1,4 +1,4 @@
-"""Python source parsed for the house-rule tests (sizes, unique names)."""
+"""Python source parsed for the tests that read it (sizes, unique names, the console's imports)."""
 
 from __future__ import annotations
 

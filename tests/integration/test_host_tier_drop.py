@@ -7,14 +7,13 @@ chunk being loaded, and other sessions' chunks, where they are. No server: ~10 s
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from appliance.engines.retention.plugin import plugin_path
+from tests.vllm_server import run_in_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -82,11 +81,7 @@ def test_a_sessions_end_drops_its_copies_from_vllms_host_tier(
     vllm_python: str, tmp_path: Path
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(plugin_path(tmp_path / "plugin"))}
-    done = subprocess.run(
-        [vllm_python, "-c", SCRIPT], capture_output=True, text=True, timeout=180, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_in_vllm(vllm_python, SCRIPT, None, env=env, timeout=180)
     assert out["free_before"] == 1  # 7 of 8 chunks stored
     # Its first block kept (keep_blocks), the next two dropped, the last one being loaded.
     assert out["a_there"] == [True, False, False, True]
