@@ -54,6 +54,9 @@ class SessionRecorder:
     subagents: int = 0
     skipped_for_window: int = 0
     skipped_tokens: int = 0
+    refused_for_window: int = 0
+    """Skipped requests sent as a harness sends them, whose prompt alone overflowed the window:
+    refused by the box (400), which drops the session's KV then."""
     abandoned: int = 0
     """Requests still streaming when the drain ran out (cancelled by the client)."""
     errors: Counter[str] = field(default_factory=Counter)

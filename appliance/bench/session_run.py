@@ -114,6 +114,7 @@ async def _run(
         "subagents": rec.subagents,
         "skipped_for_window": rec.skipped_for_window,
         "skipped_tokens": rec.skipped_tokens,
+        "refused_for_window": rec.refused_for_window,
         "abandoned": rec.abandoned,
         **router_figures(before, after),
         "client_cpu_s": round(time.process_time() - cpu0, 3),

@@ -8,7 +8,10 @@ users each run one recorded session after another, the list cycling; user `u` st
 the session, each its own session (`SID/saSTEP.I`), and the session waits for those it
 waited for when recorded, then goes on after its next think time less what they took when
 recorded (background ones run on, nobody waits). A request whose prompt and answer do not
-fit the model's window is skipped and counted, and its session goes on. Each request is one
+fit the model's window is skipped and counted, and its session goes on; of a run of them, the
+first whose prompt alone overflows the window is sent at once, as a harness sends it (the
+previous prompt and the words it adds), and the box refuses it (400, counted): the replay's
+`on_overflow`. Each request is one
 streamed chat completion with `X-Session-ID` and no other agent header
 (`workload/agent_sessions.py`: the prompts, answers and tool calls).
 
@@ -114,6 +117,7 @@ class LiveSessions:
         """Run one session or sub-agent; False when the run stopped it first."""
         fits = [s for s in steps if isinstance(s, TraceRequest) and self._fits(s)]
         agent = _Agent(sid, SessionPrompts(fits, scope, warm_ids))
+        overflowed = False  # this run of skipped requests has sent its overflowing one
         for k, step in enumerate(steps):  # skips are counted after the end too, as replayed
             if isinstance(step, TraceSubagents):
                 if self._stop.is_set():
@@ -122,13 +126,34 @@ class LiveSessions:
             elif not self._fits(step):
                 self._rec.skipped_for_window += 1
                 self._rec.skipped_tokens += step.input_tokens
+                if not overflowed and agent.sent and self._overflows(step):
+                    overflowed = True
+                    await self._overflow(agent, step)
             elif not await self._request(agent, step):
                 return False
+            else:
+                overflowed = False
         return not self._stop.is_set()
 
     def _fits(self, step: TraceRequest) -> bool:
         limit = self._plan.max_model_len
         return limit is None or step.fits(limit)
+
+    def _overflows(self, step: TraceRequest) -> bool:
+        limit = self._plan.max_model_len
+        return limit is not None and step.overflows(limit) and not self._stop.is_set()
+
+    async def _overflow(self, agent: _Agent, step: TraceRequest) -> None:
+        """Send the request the window refuses, as its harness would (its answer: a 400)."""
+        request = agent.prompts.overflowing(step)
+        headers = {"X-Session-ID": agent.sid}
+        result, _ = await self._client.step(
+            agent.sid, request.messages, headers=headers, options=request.body()
+        )
+        if result.ok or not (result.error or "").startswith("400"):
+            self._rec.error(f"a prompt over the window was not refused: {result.error}")
+        else:
+            self._rec.refused_for_window += 1
 
     async def _subagents(self, agent: _Agent, k: int, step: TraceSubagents, scope: str) -> None:
         waited: list[asyncio.Task[bool]] = []

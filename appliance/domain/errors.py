@@ -23,6 +23,12 @@ class ApplianceError(Exception):
             self.http_status = http_status
 
 
+class PromptOverflow(ApplianceError):
+    """A turn refused because its prompt alone leaves the model's window no room for an
+    answer: its harness must compact its context, so the session's KV past the system prompt
+    and tools will not be used again (the idle reaper drops it)."""
+
+
 class ConfigError(ApplianceError):
     """The configuration names an unknown key or a bad value; the message names the fix."""
 

@@ -142,6 +142,16 @@ class SessionPrompts:
             input_tokens=step.input_tokens,
         )
 
+    def overflowing(self, step: TraceRequest) -> LiveRequest:
+        """The request a harness sends for `step` where its prompt overflows the window (it
+        is not among `requests`): the previous prompt's messages and one more of the words
+        `step` adds to them, one token asked for."""
+        n = max(1, step.input_tokens - self._n_words)
+        words = block_words((self.scope, "overflow")) * (n // BLOCK_TOKENS + 1)
+        messages = [{"role": m.role, "content": m.content} for m in self._messages]
+        messages.append({"role": "user", "content": " ".join(words[:n])})
+        return LiveRequest(messages, 1, False, step.input_tokens)
+
     def _keys(self, step: TraceRequest) -> list[Key]:
         """The keys of the prompt's whole blocks (the warm rule: see the module)."""
         ids = step.hash_ids[: step.input_tokens // BLOCK_TOKENS]

@@ -39,8 +39,7 @@ from __future__ import annotations
 import gzip
 import math
 import zlib
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -75,6 +74,11 @@ class TraceRequest:
     def fits(self, max_model_len: int) -> bool:
         """Whether its prompt and output fit a model's window (else a replay skips it)."""
         return self.input_tokens + self.output_tokens <= max_model_len
+
+    def overflows(self, max_model_len: int) -> bool:
+        """Whether its prompt alone leaves a model's window no room for one output token
+        (a server refuses it; its harness must compact)."""
+        return self.input_tokens + 1 > max_model_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,34 +163,6 @@ def read_agent_sessions(path: str | Path) -> list[AgentSessionTrace]:
     name (other files, and statistics: `stats.json`, `*.stats.json`, ignored). Bad input
     raises ValueError naming the file and the fault."""
     return [_read_session(p) for p in _session_files(Path(path))]
-
-
-def sessions_summary(sessions: Sequence[AgentSessionTrace]) -> dict[str, object]:
-    """Counts, stop reasons and input percentiles. "requests", "stops" and the percentiles
-    are over the sessions' own requests, as the folder's stats.json counts them; sub-agents'
-    are counted apart. A percentile is a lower rank, as stats.json's: the value at index
-    floor(p * (n - 1)) of the sorted inputs."""
-    own = [r for s in sessions for r in s.own_requests()]
-    steps = [g for s in sessions for g in s.subagent_steps()]
-    agents = [a for g in steps for a in g.agents]
-    inputs = sorted(r.input_tokens for r in own)
-    return {
-        "sessions": len(sessions),
-        "requests": len(own),
-        "subagent_steps": len(steps),
-        "subagent_entries": len(agents),
-        "subagent_requests": sum(len(a.requests) for a in agents),
-        "sessions_with_subagents": sum(1 for s in sessions if s.subagent_steps()),
-        "tool_use_requests": sum(1 for r in own if r.ends_in_tool_call),
-        "stops": dict(Counter(r.stop or "none" for r in own)),
-        "input_tokens_p50": _lower_rank(inputs, 0.5),
-        "input_tokens_p90": _lower_rank(inputs, 0.9),
-        "max_input_tokens": max((s.max_input_tokens for s in sessions), default=0),
-    }
-
-
-def _lower_rank(ordered: Sequence[int], p: float) -> int:
-    return ordered[int(p * (len(ordered) - 1))] if ordered else 0
 
 
 def _session_files(path: Path) -> list[Path]:

@@ -324,3 +324,40 @@ def test_a_fan_outs_ended_branches_keep_nothing_of_their_own_and_the_parent_stil
         **API_WAIT,
     )
     assert cached(again) >= 0.9 * (n // 32 * 32), (cached(again), n)
+
+
+def test_a_prompt_over_the_window_ends_its_sessions_hold_at_once(ending: Ending) -> None:
+    """A harness whose next prompt overflows the window gets a 400 and compacts: the turn
+    before it left the session held for a short tool wait, and the refusal ends that hold
+    within a reaper tick, well before the maximum residency, for the reason it was."""
+    app = ending
+    messages = [{"role": "user", "content": text(71, WORDS)}]
+    first = app.turn("compacting", messages, **API_WAIT)
+    n = prompt_tokens(first)
+    assert app.held_for("compacting", n // 32 * 32) > 0
+    over = [*messages, first["choices"][0]["message"], {"role": "user", "content": text(72, 900)}]
+    refused_at = time.time()
+    r = httpx.post(
+        f"{app.url}/v1/chat/completions",
+        json={"model": app.model, "messages": over, "max_tokens": 8},
+        headers={"Authorization": f"Bearer {app.key}", "X-Session-ID": "compacting"},
+        timeout=300,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    rows = eventually(
+        lambda: app.rows(
+            "SELECT at, reason FROM residency_events WHERE session_id = ?"
+            " AND json_extract(figures, '$.kind') = 'session_ended'",
+            "alice/compacting",
+        ),
+        bool,
+    )
+    (at, reason), *_ = rows
+    assert "its next prompt overflowed the window" in reason, rows
+    assert refused_at <= at <= refused_at + TICK_S + 1.0 < refused_at + MAX_RESIDENCY_S
+
+    def stepped_held() -> int:
+        step(app)  # the worker applies the directive at its next step
+        return app.held("compacting")
+
+    assert eventually(stepped_held, lambda held: held == 0) == 0

@@ -15,12 +15,8 @@ from typing import Any
 import pytest
 
 from appliance.workload import agent_traces
-from appliance.workload.agent_traces import (
-    TraceRequest,
-    TraceSubagents,
-    read_agent_sessions,
-    sessions_summary,
-)
+from appliance.workload.agent_traces import TraceRequest, TraceSubagents, read_agent_sessions
+from appliance.workload.session_summary import sessions_summary
 from tests.paths import DATA, data_file
 
 KVCT = DATA / "kvct"

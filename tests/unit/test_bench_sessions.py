@@ -31,10 +31,13 @@ def req(n_in: int, ids: Iterable[int], *, out: int = 10) -> TraceRequest:
 
 
 class FakeClient:
-    """Answers every request at once; remembers who asked, and with how many words."""
+    """Answers every request at once, but refuses one of `limit` words or more as the
+    appliance refuses a prompt over the window (400); remembers who asked, with how many
+    words."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.sent: list[tuple[str, int]] = []
+        self.limit = limit
 
     async def step(
         self,
@@ -48,13 +51,15 @@ class FakeClient:
         words = sum(len(m["content"].split(" ")) for m in messages)
         self.sent.append((task_id, words))
         await asyncio.sleep(0)
+        if words >= self.limit:
+            return AgentStepResult(task_id, False, error="400 maximum context length"), ""
         return AgentStepResult(task_id, True, words, 0, 1, 0.01, 0.02), ""
 
 
 def run(
     sessions: list[AgentSessionTrace], *, users: int, limit: int
 ) -> tuple[FakeClient, SessionRecorder]:
-    client, rec = FakeClient(), SessionRecorder()
+    client, rec = FakeClient(limit), SessionRecorder()
     plan = SessionRunPlan("t", users, 0.2, 0.0, 1.0, 0.0, limit)
     asyncio.run(LiveSessions(client, sessions, plan, rec).run())  # type: ignore[arg-type]
     return client, rec
@@ -68,12 +73,19 @@ def test_subagents_run_beside_a_parent_that_waits_and_long_requests_are_skipped(
         "local",
         0,
         0,
-        (req(100, [1]), TraceSubagents((sub,)), req(999, []), req(200, [1, 2, 3])),
+        (req(100, [1]), TraceSubagents((sub,)), req(999, []), req(2000, []), req(200, [1, 2, 3])),
     )
     client, rec = run([session], users=1, limit=500)
-    first = [(sid.split("-", 1)[1], n) for sid, n in client.sent[:4]]
-    assert first == [("u0.1:s", 100), ("u0.1:s/sa2.0", 64), ("u0.1:s/sa2.0", 128), ("u0.1:s", 200)]
-    assert rec.skipped_for_window >= 1 and rec.subagents >= 1
+    first = [(sid.split("-", 1)[1], n) for sid, n in client.sent[:5]]
+    assert first == [
+        ("u0.1:s", 100),
+        ("u0.1:s/sa2.0", 64),
+        ("u0.1:s/sa2.0", 128),
+        ("u0.1:s", 999),  # sent as a harness sends it, refused; the next skip is not sent
+        ("u0.1:s", 200),
+    ]
+    assert rec.skipped_for_window >= 2 and rec.subagents >= 1
+    assert rec.refused_for_window >= 1 and not rec.errors
     assert rec.sessions_started >= 2  # the list recycles
     assert {t.session_id.split(":")[0].split("-", 1)[1] for t in rec.turns} >= {"u0.1", "u0.2"}
 

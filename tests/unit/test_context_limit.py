@@ -19,6 +19,7 @@ from appliance.api.errors import error_body
 from appliance.api.turns.context_limit import ContextTooLong, check_context
 from appliance.api.turns.requests import served_model
 from appliance.api.turns.turn_prompts import ApiTurnTokenizer
+from appliance.domain.errors import PromptOverflow
 from appliance.services.turns.turn import Reply, TurnRequest
 
 LIMIT = 64
@@ -207,3 +208,18 @@ def test_served_model_leaves_a_body_without_aliases_alone() -> None:
     body = {"model": 7}
     served_model(body, {"*": "served"})
     assert body == {"model": 7}  # a bad type stays for the check to refuse
+
+
+def test_only_a_prompt_that_leaves_no_room_for_one_token_is_an_overflow() -> None:
+    """The refusal the idle reaper acts on (the harness compacts next): a prompt alone over
+    the window, in either API's words, shifted or not; not an answer asked too long."""
+    refusals = []
+    for prompt, asked, answer_counts in [(64, None, False), (100, 4, True), (60, 8, True)]:
+        with pytest.raises(ContextTooLong) as refused:
+            check_context(prompt, asked, LIMIT, answer_counts=answer_counts)
+        refusals.append(refused.value)
+    overflow = [isinstance(r, PromptOverflow) for r in refusals]
+    assert overflow == [True, True, False]
+    assert [isinstance(r.in_anthropic_words(), PromptOverflow) for r in refusals] == overflow
+    assert [isinstance(r.shifted(3), PromptOverflow) for r in refusals] == overflow
+    assert all(r.in_anthropic_words().code == "context_length_exceeded" for r in refusals)

@@ -631,6 +631,25 @@ def test_an_ended_session_keeps_its_stem_cached_and_evicts_the_rest_first(s: Set
     assert s.sent() == [("evict_first", W0, "acme/a", 3, True)]
 
 
+def test_a_session_whose_next_prompt_overflowed_ends_keeping_its_stem(s: Setup) -> None:
+    """A turn refused for a prompt over the window (its harness compacts next): the session's
+    KV past its system prompt and tools goes on every tier, with no task event; a refusal
+    from before its last turn ended does not end it."""
+    session = s.session("a")
+    session.stem_tokens = 2 * BLOCK
+    s.turn(session, tool="api", wait_s=600.0)
+    s.sent()
+    session.overflowed_at = s.clock.t - 1.0  # refused before this turn: compacted since
+    s.loop.tick(s.clock.t + 1.0)
+    assert not [d for d in s.sent() if d[0] == "evict_first"]
+    session.overflowed_at = s.clock.t + 2.0
+    s.loop.tick(s.clock.t + 2.5)
+    assert s.sent() == [("evict_first", W0, "acme/a", 2, True)]
+    assert s.rows.last().reason.startswith("session_ended: its next prompt overflowed")
+    s.loop.tick(s.clock.t + 5000.0)  # ended: not ended again
+    assert not [d for d in s.sent() if d[0] == "evict_first"]
+
+
 def test_a_last_step_keeps_what_another_waiting_session_of_its_tenant_shares(s: Setup) -> None:
     other = s.session("b")
     s.table.hash_prompt(other, [*range(100, 100 + 4 * BLOCK), *range(9000, 9000 + BLOCK)], "salt")

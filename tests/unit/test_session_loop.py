@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pytest
 
-from appliance.domain.block_hash import BlockHasher, HashAlgo, RequestKeys
+from appliance.domain.block_hash import BlockHash, BlockHasher, HashAlgo, RequestKeys
 from appliance.perf.agent_batching import AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS
 from appliance.policy.residency import HeldSession, IdleSession, ResidencyAction
 from appliance.replay.runner import make_setup
@@ -24,6 +24,7 @@ from appliance.replay.sessions.session_bound import (
 )
 from appliance.replay.sessions.session_loop import PERSON, SessionLoop, block_tokens
 from appliance.replay.sessions.session_replay import STACKS, replay_stack
+from appliance.sim.core.engine import SimEngine
 from appliance.sim.runtime.virtual import Arrival, RequestRecord
 from appliance.workload.agent_traces import (
     AgentSessionTrace,
@@ -200,6 +201,26 @@ def test_a_prompt_that_does_not_fit_the_window_is_skipped_and_counted() -> None:
     [c] = lp.on_finish(finish(a, 1.0))
     assert len(c.request.prompt_token_ids) == 300
     assert (lp.counts.skipped_for_window, lp.counts.skipped_tokens) == (1, 5000)
+
+
+def test_the_first_prompt_over_the_window_in_a_run_of_skips_ends_the_sessions_own_kv() -> None:
+    """Of a run of skipped requests, the first whose prompt alone overflows the window is
+    heard, at the previous answer's end, with the previous prompt's blocks past the warm
+    prefix; one that only asks too long an answer, a second in the run, is not."""
+    heard: list[tuple[str, int, float]] = []
+    sent = [req(640, range(1, 11)), req(4090, range(1, 64), out=50), req(5000, range(1, 79))]
+    lp = loop(trace("a", *sent, req(6000, range(1, 94)), req(700, range(1, 12))), users=1)
+    lp.on_overflow = lambda sid, own, now: heard.append((sid, len(own), now))
+    [a] = list(lp.arrivals())
+    [b] = lp.on_finish(finish(a, 1.0))
+    assert heard == [("u0.1:a", 10, 1.0)]  # no warm prefix: every block its own
+    assert lp.counts.skipped_for_window == 3 and len(b.request.prompt_token_ids) == 700
+    warm = trace("w", req(640, range(1, 11)), req(5000, range(1, 79)), system=512)
+    lw = loop(warm)
+    lw.on_overflow = lambda sid, own, now: heard.append((sid, len(own), now))
+    [c] = list(lw.arrivals())
+    lw.on_finish(finish(c, 2.0))  # its last request: the user starts the next session
+    assert heard[1:] == [("u0.1:w", 6, 2.0)]  # 4 of its 10 blocks the warm prefix
 
 
 @pytest.mark.parametrize("bs", [16, 64, 128])
@@ -491,3 +512,35 @@ def test_only_the_appliance_runs_its_workers_as_it_starts_its_own(
     assert budgets == [ours_budget, (setup.max_num_batched_tokens, 0), ours_budget]
     tuned, untuned = rows["appliance"], rows["appliance-vllm-budget"]
     assert tuned["ttft_p50_s"] != untuned["ttft_p50_s"]  # the same sessions, run otherwise
+
+
+def test_only_the_appliances_stacks_end_a_session_whose_next_prompt_overflows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the appliance's reaper loop ends such a session live, its stacks (and the bound,
+    which must stay above them) drop its own blocks on every tier; the anchors keep them,
+    as vLLM does."""
+    dropped: list[tuple[str, int]] = []
+    release = SimEngine.release_session
+
+    def seen(engine: SimEngine, session_id: str, own: Sequence[BlockHash], now: float) -> None:
+        dropped.append((session_id, len(own)))
+        release(engine, session_id, own, now)
+
+    monkeypatch.setattr(SimEngine, "release_session", seen)
+    over = trace("a", req(640, range(1, 11)), req(200_000, range(1, 3126)), req(700, range(1, 12)))
+    setup, latency = make_setup(workers=1, hbm_gib=8, host_gib=16, block_size=64)
+    window = RunWindow(duration_s=50.0, warmup_s=0.0)
+    ended = {}
+    for name in ("appliance", "appliance-restore", "bound", "llm-d", "vllm-offload"):
+        dropped.clear()
+        replay_stack([over], name, setup, latency, users=1, window=window)
+        ended[name] = {(sid.split(":")[0] == "u0.1", n) for sid, n in dropped[:1]}
+    ours = {(True, 10)}  # its first run drops its 10 blocks of its own
+    assert ended == {
+        "appliance": ours,
+        "appliance-restore": ours,
+        "bound": ours,
+        "llm-d": set(),
+        "vllm-offload": set(),
+    }

@@ -176,7 +176,7 @@ def test_an_ended_branch_leaves_its_parents_blocks_and_nothing_of_its_own() -> N
     hashes = HASHER.hash_blocks(child)
     own = hashes[3:6]
     assert e.host is not None and all(h in e.host for h in own)
-    e.release_branch("P.1", own, now)
+    e.release_session("P.1", own, now)
     assert not e.cache.pins
     cached = set(e.cache.cached_blocks().values())
     assert all(h in cached for h in hashes[:3]) and not any(h in cached for h in own)

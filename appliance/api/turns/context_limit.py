@@ -10,12 +10,15 @@ output token. A prompt that fits while the answer it asks for does not is served
 vllm/entrypoints/serve/utils/api_utils.py; the worker shortens it): clients such as
 kv-cache-tester ask for long answers near the window. The Messages route counts the answer
 too and refuses, as Anthropic's API does (`in_anthropic_words`): Claude Code reads that
-message to lower its `max_tokens` and retry.
+message to lower its `max_tokens` and retry. A prompt that alone leaves no room for one
+output token is a `PromptOverflow` as well (`ContextOverflow`, `OverflowRefused`): its harness
+must compact, and the idle reaper drops the session's KV past its system prompt and tools.
 """
 
 from __future__ import annotations
 
 from appliance.api.errors import RequestRefused
+from appliance.domain.errors import PromptOverflow
 
 CODE = "context_length_exceeded"
 
@@ -32,17 +35,16 @@ class ContextTooLong(RequestRefused):
     def shifted(self, tokens: int) -> ContextTooLong:
         """The same refusal with `tokens` more in both the prompt and the limit: tokens a
         route puts before the prompt it had checked against the limit less them."""
-        return ContextTooLong(self.prompt_tokens + tokens, self.max_tokens, self.limit + tokens)
+        return too_long(self.prompt_tokens + tokens, self.max_tokens, self.limit + tokens)
 
     def in_anthropic_words(self) -> RequestRefused:
         """The refusal as Anthropic's Messages API words it (`invalid_request_error`)."""
         prompt, limit = self.prompt_tokens, self.limit
+        refused = OverflowRefused if isinstance(self, PromptOverflow) else RequestRefused
         if prompt > limit:
-            return RequestRefused(
-                400, f"prompt is too long: {prompt} tokens > {limit} maximum", CODE
-            )
+            return refused(400, f"prompt is too long: {prompt} tokens > {limit} maximum", CODE)
         asked = self.max_tokens or 1
-        return RequestRefused(
+        return refused(
             400,
             f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {limit}, "
             "decrease input length or `max_tokens` and try again",
@@ -58,7 +60,21 @@ def check_context(
     (Anthropic's)."""
     asked = max_tokens if answer_counts else None
     if prompt_tokens + (asked or 1) > limit:
-        raise ContextTooLong(prompt_tokens, asked, limit)
+        raise too_long(prompt_tokens, asked, limit)
+
+
+class ContextOverflow(ContextTooLong, PromptOverflow):
+    """A ContextTooLong whose prompt alone leaves no room for one output token."""
+
+
+class OverflowRefused(RequestRefused, PromptOverflow):
+    """A ContextOverflow in Anthropic's words."""
+
+
+def too_long(prompt_tokens: int, max_tokens: int | None, limit: int) -> ContextTooLong:
+    """The refusal: a ContextOverflow where the prompt alone does not fit with one token."""
+    cls = ContextOverflow if prompt_tokens + 1 > limit else ContextTooLong
+    return cls(prompt_tokens, max_tokens, limit)
 
 
 def _vllm_words(prompt: int, asked: int, limit: int) -> tuple[str, str | None]:

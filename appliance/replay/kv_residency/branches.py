@@ -7,7 +7,7 @@ whole conversation when the fan-out forks); its own blocks are those past them. 
 is the residency adapter's last word on a child's decision (the quota). When a child ends
 (`task_ended`, the closed loop's event: its last turn's end, or when its client gives up
 on a tool call that never answers) and `release` is on, every engine ends its pin and
-drops its own blocks on every tier (`SimEngine.release_branch`); its parent's blocks stay.
+drops its own blocks on every tier (`SimEngine.release_session`); its parent's blocks stay.
 
 Measured whether or not `release` is on, so a row without it shows what it leaves: the
 bytes of their own KV all ended branches still hold (pinned in HBM, or on a host tier),
@@ -79,7 +79,7 @@ class BranchKeeper:
         own = hasher.hash_blocks(view.context, keys=keys)[fork_blocks:]
         if self.release:
             for engine in self.engines:
-                engine.release_branch(task_id, own, now)
+                engine.release_session(task_id, own, now)
         self._ended[task_id] = _Ended(frozenset(own), fork_blocks)
         self.series.append((now, self.held_bytes(), "end"))
         return [Timer(now + TICK_S, self._tick)]

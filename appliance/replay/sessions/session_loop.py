@@ -29,7 +29,12 @@ costs its blocks, not its tokens. As upstream's `--warm-prefix-pct` (default 0.5
 first half of a session's system prompt and tool schemas is the same tokens in every
 session (Claude Code's, already cached across conversations). A request whose prompt and
 output do not fit `max_model_len` is skipped and counted, as upstream skips requests over
-`--max-context`; its session goes on with the next one.
+`--max-context`; its session goes on with the next one. Of a run of them, the first whose
+prompt alone overflows the window is sent, as a harness sends it, and refused (the live box
+refuses it: a harness then compacts, and the session's prefix is not used again), taking none
+of the session's time as a skip takes none: `on_overflow` hears of it with the blocks of the
+session's last prompt past its warm prefix (what the live box keeps of an ending session: its
+system prompt and tools).
 
 What a turn's end tells the residency policy is what the live box learns from the answer
 (no client hint is invented, `answer_hint`): a tool call (`stop: tool_use`; the trace names
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from appliance.domain.block_hash import BlockHash, BlockHasher, RequestKeys, shared_prefix
@@ -150,6 +155,8 @@ class SessionLoop:
         """When the counted p95 was sure to miss `give_up_over_p95_s` (inf: never)."""
         self.ended: set[str] = set()
         """The runs (sessions and sub-agents) that ran to their end."""
+        self.on_overflow: Callable[[str, Sequence[BlockHash], float], None] | None = None
+        """(session, its own blocks, now): its next prompt does not fit the window."""
 
     # --- driving the replay ---
 
@@ -240,6 +247,7 @@ class SessionLoop:
 
     def _advance(self, run: _SessionRun, now: float) -> list[Arrival]:
         """The run's next request (after its think time), its sub-agents, or its end."""
+        overflowed = False
         while run.step < len(run.steps):
             step = run.steps[run.step]
             if isinstance(step, TraceSubagents):
@@ -248,6 +256,9 @@ class SessionLoop:
                 self.counts.skipped_for_window += 1
                 self.counts.skipped_tokens += step.input_tokens
                 run.step += 1
+                if not overflowed and step.overflows(self.max_model_len):
+                    overflowed = True
+                    self._overflowed(run, now)
                 continue
             at_s = now + max(0.0, step.think_time_s - run.credit_s)
             run.credit_s = 0.0
@@ -275,6 +286,13 @@ class SessionLoop:
             self.counts.subagents += 1
             out += self._advance(child, now)
         return out if run.children else out + self._advance(run, now)
+
+    def _overflowed(self, run: _SessionRun, now: float) -> None:
+        _, hashes, warm_chunks = run.last
+        if self.on_overflow is not None and hashes:
+            bs = self._hasher.block_size
+            blocks_per_chunk = max(1, bs // TRACE_BLOCK_TOKENS) * TRACE_BLOCK_TOKENS // bs
+            self.on_overflow(run.sid, hashes[warm_chunks * blocks_per_chunk :], now)
 
     def _ended(self, run: _SessionRun, now: float) -> list[Arrival]:
         self.ended.add(run.sid)

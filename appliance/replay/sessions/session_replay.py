@@ -43,9 +43,10 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
-from appliance.domain.block_hash import BlockHasher, HashAlgo
+from appliance.domain.block_hash import BlockHash, BlockHasher, HashAlgo
 from appliance.perf.agent_batching import (
     AGENT_BATCH_TOKENS,
     AGENT_PREFILL_CAP_TOKENS,
@@ -86,6 +87,9 @@ class Stack:
     """Whether its workers run with the scheduler settings the appliance gives its own
     (`perf/agent_batching.py`: step budget, prefill cap, priority scheduling); else vLLM's
     defaults on an H200."""
+    ends_overflowed: bool = False
+    """Whether a session whose next prompt overflows the window ends there, its own KV
+    dropped on every tier, as the appliance's reaper loop ends it live (vLLM keeps it)."""
 
 
 STACKS: dict[str, Stack] = {
@@ -96,14 +100,23 @@ STACKS: dict[str, Stack] = {
     "sglang": Stack("sglang-cache-aware", "lru", host=True),
     "cachettl": Stack("session-hash", "ttl-pin", host=False),
     "mori": Stack("session-hash", "mori", host=True),
-    "appliance": Stack("appliance", "reaper", host=True, appliance_workers=True),
+    "appliance": Stack(
+        "appliance", "reaper", host=True, appliance_workers=True, ends_overflowed=True
+    ),
     "appliance-restore": Stack(
-        "appliance", "reaper", host=True, restore=True, appliance_workers=True
+        "appliance",
+        "reaper",
+        host=True,
+        restore=True,
+        appliance_workers=True,
+        ends_overflowed=True,
     ),
 }
 BOUND = "bound"
 """The clairvoyant bound's row (`session_bound.py`), replayed like a stack."""
-_BOUND_STACK = Stack(BOUND_ROUTING, "clairvoyant", host=True, appliance_workers=True)
+_BOUND_STACK = Stack(
+    BOUND_ROUTING, "clairvoyant", host=True, appliance_workers=True, ends_overflowed=True
+)
 
 
 DEFAULT_WINDOW = RunWindow()
@@ -153,6 +166,8 @@ def replay_stack(
         policy, latency=latency, block_size=setup.block_size, hints=loop.hint, watch=ahead
     )
     engines = make_engines(setup, latency, hold)
+    if plan.ends_overflowed:
+        loop.on_overflow = partial(end_overflowed, engines, hold)
     router = PolicyRouter(plan.routing, workers=setup.workers, hasher=hasher, latency=latency)
     usage = SessionUsage(engines)
     t0 = time.perf_counter()
@@ -165,15 +180,37 @@ def replay_stack(
     out |= worker_settings(engines[0])
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
-    out["window_end_s"] = round(loop.end_s, 1)
-    out["gave_up_s"] = round(loop.gave_up_s, 1) if math.isfinite(loop.gave_up_s) else None
-    out["skipped_for_window"] = loop.counts.skipped_for_window
-    out["sessions_started"] = loop.counts.sessions_started
-    out["sessions_finished"] = loop.counts.sessions_finished
-    out["subagents"] = loop.counts.subagents
+    out |= loop_fields(loop)
     out |= restore_fields(ahead)
     out |= usage.fields(window.warmup_s, loop.end_s, loop.ended)
     return with_decision_counts(out, router, hold, wall_s)
+
+
+def loop_fields(loop: SessionLoop) -> dict[str, object]:
+    """A row's figures of the sessions' loop: its window, what it skipped, started, ended."""
+    return {
+        "window_end_s": round(loop.end_s, 1),
+        "gave_up_s": round(loop.gave_up_s, 1) if math.isfinite(loop.gave_up_s) else None,
+        "skipped_for_window": loop.counts.skipped_for_window,
+        "sessions_started": loop.counts.sessions_started,
+        "sessions_finished": loop.counts.sessions_finished,
+        "subagents": loop.counts.subagents,
+    }
+
+
+def end_overflowed(
+    engines: Sequence[SimEngine],
+    hold: PolicyResidency,
+    session_id: str,
+    own: Sequence[BlockHash],
+    now: float,
+) -> None:
+    """A session whose next prompt overflows the window ends as the live reaper loop ends
+    it (`ReaperLoop.prompt_overflowed`): its own blocks go on every tier, and its idle
+    period ends unreturned."""
+    for engine in engines:
+        engine.release_session(session_id, own, now)
+    hold.driver.abandoned(session_id, now)
 
 
 def restore_driver(policy: object, latency: LatencyModel) -> PrefetchDriver:

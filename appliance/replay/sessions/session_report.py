@@ -37,12 +37,9 @@ from appliance.replay.sessions.session_replay import (
     replay_stack,
     stack_plan,
 )
-from appliance.workload.agent_traces import (
-    AgentSessionTrace,
-    read_agent_sessions,
-    sessions_summary,
-)
+from appliance.workload.agent_traces import AgentSessionTrace, read_agent_sessions
 from appliance.workload.session_columns import SESSION_COLUMNS
+from appliance.workload.session_summary import sessions_summary
 
 SESSION_BLOCK_SIZE = 64
 """The traces' own block: one hash id, one block (vLLM on CUDA takes any multiple of 16)."""

@@ -11,11 +11,12 @@ after its worker's `KvLookup.losses` count moved.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from appliance.domain.kv_events import Medium
-from appliance.domain.records import WorkerId
+from appliance.domain.records import TaskId, WorkerId
 from appliance.policy.residency import IdleSession, ResidencyAction, ResidencyDecision
 from appliance.ports import KvLookup
 from appliance.services.residency.residency_driver import StandingDecision
@@ -43,6 +44,18 @@ class WaitingSession:
     evicted: bool = False
     wait: TurnWait = UNKNOWN
     """What it waits on (the tools its last answer called, a person), as its turn ended."""
+
+    def ended_why(self, task_closed: Callable[[TaskId], bool]) -> str | None:
+        """Why it will not come back for its KV, if it will not: its task closed, or its
+        next prompt overflowed the window (its harness compacts). None: it may."""
+        task, overflowed_at = self.session.task_id, self.session.overflowed_at
+        if self.due_s == math.inf:  # no longer followed for its return
+            return None
+        if task is not None and task_closed(task):
+            return "its task closed"
+        if overflowed_at is not None and overflowed_at >= self.idle.finished_at_s:
+            return "its next prompt overflowed the window"
+        return None
 
     def kv_left(self, host_tier: bool) -> bool:
         """Some of its KV may still be on its worker: not seen evicted from the GPU, or its

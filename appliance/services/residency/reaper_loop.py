@@ -252,9 +252,8 @@ class ReaperLoop:
         """Closed tasks' sessions end, due holds are decided again, prefixes are watched
         (every `WATCH_S`) and priorities re-sent (every `ORDER_S`)."""
         for key, w in list(self._waiting.items()):
-            task = w.session.task_id
-            if w.due_s < math.inf and task is not None and self._inputs.task_closed(task):
-                self._session_ended(key, w, "its task closed", now)
+            if (why := w.ended_why(self._inputs.task_closed)) is not None:
+                self._session_ended(key, w, why, now)
             elif w.due_s <= now and (w.evicted or w.decision.action is ResidencyAction.EVICT):
                 self._expire(key, w, now)
             elif w.due_s <= now:

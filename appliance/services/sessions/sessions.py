@@ -66,6 +66,9 @@ class SessionState:
     (`ChatTokens.stem`): what its end leaves cached for its agent's next session."""
     task_done: bool = False
     """Its task closed while a turn of it ran: it goes when that turn ends."""
+    overflowed_at: float | None = None
+    """When a turn of it was last refused for a prompt that leaves the window no room: its
+    harness compacts, so the KV of its last prompt past the stem is not used again."""
     prompt_tip: bytes | None = None
     """Its last prompt's messages' chain hash, when its session was found by the prefix
     chain (services/sessions/session_finder.py); a turn that extends them may be its next."""

@@ -45,6 +45,7 @@ from appliance.domain.errors import (
     EngineTimedOut,
     EngineUnavailable,
     LedgerUnavailable,
+    PromptOverflow,
 )
 from appliance.domain.records import SessionId, TaskId, TenantId, TurnOutcome, WorkerId
 from appliance.ports import Clock, WorkerEndpoint
@@ -133,7 +134,12 @@ class TurnDesk:
         session = self.known_session(t.tenant, t.session_id, known.key if known else None)
         client_task = t.client_task_id or f"turn-{uuid.uuid4().hex[:16]}"
         t = replace(t, task_id=self._tasks.key(t.tenant, client_task))
-        turn = with_prompt(self._tokenizer, t, session)
+        try:
+            turn = with_prompt(self._tokenizer, t, session)
+        except PromptOverflow:
+            if session is not None:  # its harness compacts: its KV is not used again
+                session.overflowed_at = self._clock.now()
+            raise
         queues = self.queues.estimates(self._workers())  # one estimate: admission, placement
         side = self.escalation.side(turn, t.escalate, known.task_class if known else None)
         placed, priority, need_s = None, 0, 0.0

@@ -1,7 +1,7 @@
 """What a simulated engine does for a session between its turns, mixed into `SimEngine`
 (`engine.py`): a held session's pinned blocks demoted or evicted (`sim/kv/pin_keeper.py`), its
 newest finished prompt kept and restored from the host tier (with a retention), a branch's
-blocks released on every tier.
+blocks released on every tier when it ends.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ class EngineSessions:
                 if len(self._last_prompts) > LAST_PROMPTS:
                     self._last_prompts.popitem(last=False)
 
-    def release_branch(self, session_id: str, own: Sequence[BlockHash], now: float) -> None:
-        """A branch (a child task's session) ended: its prefetch stops, its pin ends, and
-        its own blocks (`own`; its parent's are not among them) go on every tier."""
+    def release_session(self, session_id: str, own: Sequence[BlockHash], now: float) -> None:
+        """A session ended (a child task's, or one whose next prompt overflows the window):
+        its prefetch stops, its pin ends, and its own blocks (`own`: not its parent's, nor
+        the prefix it shares with others) go on every tier."""
         self._queue_first(self.prefetches.cancel_one(now, session_id) or [])
         self.cache.end_pin(session_id, forget=own)
         if self.host is not None:
