@@ -155,7 +155,8 @@ def render_live_sessions(report: dict[str, Any]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)),
         f"sessions {fig['sessions_started']} started, {fig['sessions_finished']} finished, "
         f"{fig['subagents']} sub-agents; {fig['finished']} of {fig['requests']} counted "
-        f"requests answered, {fig['abandoned']} abandoned; tool calls asked "
+        f"requests answered, {fig['abandoned']} abandoned, {fig['refused_for_window']} "
+        "refused for the window (their sessions compact); tool calls asked "
         f"{fig['tool_calls_asked']}, answered {fig['tool_calls_answered']}",
         f"router: {_cell(fig['router_cpu_s'])} CPU s over {_cell(fig['router_turns'])} turns "
         f"({_cell(fig['router_cpu_ms_per_turn'])} ms a turn), forwarding "

@@ -82,6 +82,8 @@ def test_the_report_has_the_replays_figures_and_the_routers_cpu(
     assert fig["router_turns"] >= fig["finished"] and fig["router_cpu_ms_per_turn"] > 0
     for label in ("ttft_p95_s", "hit_rate", "skipped_for_window", "router_cpu_ms_per_turn"):
         assert label in table, label
+    refused = fig["refused_for_window"]
+    assert f"{refused} refused for the window" in table and refused <= fig["skipped_for_window"]
 
 
 def test_requests_that_ended_in_a_tool_call_do_and_answers_are_the_traces_length(
