@@ -206,8 +206,8 @@ def end_overflowed(
     now: float,
 ) -> None:
     """A session whose next prompt overflows the window ends as the live reaper loop ends
-    it (`ReaperLoop.prompt_overflowed`): its own blocks go on every tier, and its idle
-    period ends unreturned."""
+    it (`WaitingSession.ended_why`, then its `_session_ended`): its own blocks go on every
+    tier, and its idle period ends unreturned."""
     for engine in engines:
         engine.release_session(session_id, own, now)
     hold.driver.abandoned(session_id, now)

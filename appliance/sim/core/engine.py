@@ -84,8 +84,8 @@ it does with the answers, `sim/kv/residency_hook.py`.
 Prefetches (`prefetches`, a `PrefetchLane`: `sim/kv/prefetch_lane.py` says what it does): a
 session's KV restored before its next turn, a promotion on the host -> GPU channel the host
 loads use, a prefill in what a step leaves when no request waits. A real allocation that
-would be short cancels prefetches in flight first; `release_session(session, own)` ends an
-ended session's pin and drops its own blocks on every tier.
+would be short cancels prefetches in flight first; `release_session(session, own)` ends a
+session's pin when it ends and drops its own blocks on every tier.
 
 Cost: a prompt is hashed once, at `add_request`; a decode token that neither needs a new
 block nor fills one skips the cache call (it would only bump a counter), so a step costs
