@@ -180,6 +180,9 @@ def test_recorded_agent_sessions_replay_through_each_stack_at_a_fixed_count(
     for row in report["rows"]:
         assert row["users"] == 2 and 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
         assert 0 < row["hit_rate"] < 1
+        at_p95 = row["ttft_at_p95"]  # where its p95 went, a line of the text report
+        assert at_p95["requests"] >= 1 and at_p95["own_prefill_s"] > 0
+        assert f"{row['stack']} at 2 users: the {at_p95['requests']} requests within" in r.stdout
     assert "bound_sessions" in report
     assert report["rows"][0]["host_tier"] is False and report["rows"][1]["host_tier"] is True
 

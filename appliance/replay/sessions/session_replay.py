@@ -69,6 +69,7 @@ from appliance.replay.sessions.session_bound import (
 )
 from appliance.replay.sessions.session_loop import SessionLoop
 from appliance.replay.sessions.session_usage import SessionUsage
+from appliance.replay.sessions.ttft_at_p95 import ttft_at_p95
 from appliance.sim.core.engine import SimEngine
 from appliance.sim.engine_io import StepResult
 from appliance.sim.runtime.virtual import Arrival, ReplayResult, RequestRecord, Timer, replay
@@ -180,6 +181,9 @@ def replay_stack(
     out |= worker_settings(engines[0])
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
+    out["ttft_at_p95"] = ttft_at_p95(
+        counted.records, latency, engines[0].long_prefill_token_threshold
+    )
     out |= loop_fields(loop)
     out |= restore_fields(ahead)
     out |= usage.fields(window.warmup_s, loop.end_s, loop.ended)

@@ -37,6 +37,7 @@ from appliance.replay.sessions.session_replay import (
     replay_stack,
     stack_plan,
 )
+from appliance.replay.sessions.ttft_at_p95 import BAND, LONG_PREFILL_TOKENS
 from appliance.workload.agent_traces import AgentSessionTrace, read_agent_sessions
 from appliance.workload.session_columns import SESSION_COLUMNS
 from appliance.workload.session_summary import sessions_summary
@@ -223,12 +224,26 @@ def render_session_report(out: dict[str, Any]) -> str:
         f"TTFT floor (each request alone, its session's prefix cached): p50 "
         f"{floor['p50_s']} s, p95 {floor['p95_s']} s, p99 {floor['p99_s']} s"
     )
+    lines += [
+        _at_p95_line(row) for row in out["rows"] if row.get("ttft_at_p95", {}).get("requests")
+    ]
     if slo is not None:
         lines.append(
             f"capacity: the most users whose TTFT p95 is at most {slo:g} s; the "
             f"clairvoyant bound: {out['bound_sessions']}"
         )
     return "\n".join(lines)
+
+
+def _at_p95_line(row: dict[str, Any]) -> str:
+    """Where the stack's TTFT p95 went (`ttft_at_p95.py`)."""
+    t = row["ttft_at_p95"]
+    return (
+        f"{row['stack']} at {row['users']} users: the {t['requests']} requests within "
+        f"{BAND:.0%} of its TTFT p95, on average: own prefill {t['own_prefill_s']} s, chunking "
+        f"{t['chunking_s']} s, host copies {t['host_load_s']} s, waiting {t['waiting_s']} s; "
+        f"{t['long_prefill_share']:.0%} prefilled over {LONG_PREFILL_TOKENS:,} tokens"
+    )
 
 
 def _window_end(duration_s: float) -> str:
