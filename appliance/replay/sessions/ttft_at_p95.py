@@ -54,9 +54,7 @@ def ttft_at_p95(
     if p95 is None:
         return dict.fromkeys(_FIELDS)
     low, high = p95 * (1 - BAND), p95 * (1 + BAND)
-    band = [r for r in records if r.ttft_s is not None and low <= r.ttft_s <= high]
-    if not band:
-        return dict.fromkeys(_FIELDS)
+    band = [r for r in records if r.ttft_s is not None and low <= r.ttft_s <= high]  # never empty
     sums = dict.fromkeys(_PARTS, 0.0)
     long = 0
     for r in band:
