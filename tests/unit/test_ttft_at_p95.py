@@ -1,4 +1,4 @@
-"""Where a stack's TTFT p95 goes: the tail's time split by the latency model that timed it."""
+"""Where a stack's TTFT p95 goes: the requests that set it, their time split by cause."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ import pytest
 
 from appliance.perf.latency import CopyDirection, LatencyModel
 from appliance.perf.profile import bundled_profile
-from appliance.replay.sessions.ttft_at_p95 import (
-    LONG_PREFILL_TOKENS,
-    chunked_prefill_s,
-    ttft_at_p95,
-)
+from appliance.replay.bounds import prefill_alone_s
+from appliance.replay.sessions.ttft_at_p95 import LONG_PREFILL_TOKENS, ttft_at_p95
 from appliance.sim.runtime.virtual import RequestRecord
 
 LATENCY = LatencyModel.from_profile(bundled_profile())
@@ -28,18 +25,11 @@ def record(i: int, ttft: float, prompt: int, cached: int, host: int = 0) -> Requ
     )
 
 
-def test_a_prefill_within_the_cap_is_one_pass_and_chunks_read_the_context_again() -> None:
-    one = LATENCY.prefill_s(9000, 100_000)
-    assert chunked_prefill_s(LATENCY, 9000, 100_000, 0) == one
-    assert chunked_prefill_s(LATENCY, 9000, 100_000, 9000) == one
-    cut = chunked_prefill_s(LATENCY, 9000, 100_000, 4096)
-    parts = (
-        LATENCY.prefill_s(4096, 100_000)
-        + LATENCY.prefill_s(4096, 104_096)
-        + LATENCY.prefill_s(808, 108_192)
-    )
-    assert cut == pytest.approx(parts)
-    assert cut > one + 0.1  # two more reads of 100k cached tokens
+def test_with_no_cap_a_prefill_is_one_pass_and_nothing_is_chunking() -> None:
+    quick = [record(i, 0.2, 50_000, 49_000) for i in range(19)]
+    out = ttft_at_p95([*quick, record(19, 2.0, 109_000, 100_000)], LATENCY, 0)
+    assert out["requests"] == 1 and out["chunking_s"] == 0.0
+    assert out["own_prefill_s"] == pytest.approx(LATENCY.prefill_s(9000, 100_000), abs=1e-4)
 
 
 def test_the_requests_within_the_band_of_the_p95_split_into_their_causes() -> None:
@@ -51,8 +41,8 @@ def test_the_requests_within_the_band_of_the_p95_split_into_their_causes() -> No
     assert out["requests"] == 2  # the p95 of 40 (rank 38 from 0) is 3.0 s; 2.8 is within 10 %
     own = [LATENCY.prefill_s(10_000, 100_000), LATENCY.prefill_s(28_000, 2_000)]
     cut = [
-        chunked_prefill_s(LATENCY, 10_000, 100_000, 4096),
-        chunked_prefill_s(LATENCY, 28_000, 2_000, 4096),
+        prefill_alone_s(LATENCY, 110_000, 100_000, 4096),
+        prefill_alone_s(LATENCY, 30_000, 2_000, 4096),
     ]
     host = LATENCY.kv_copy_s(60_000, CopyDirection.H2D)
     assert out["own_prefill_s"] == pytest.approx(sum(own) / 2, abs=1e-4)

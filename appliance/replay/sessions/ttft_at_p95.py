@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from appliance.domain.percentile import nearest_rank
 from appliance.perf.latency import CopyDirection, LatencyModel
+from appliance.replay.bounds import prefill_alone_s
 from appliance.sim.runtime.virtual import RequestRecord
 
 BAND = 0.1
@@ -30,19 +31,6 @@ BAND = 0.1
 LONG_PREFILL_TOKENS = 16384
 """More uncached tokens than a turn appends to its session's last prompt: in the recorded
 Claude Code sessions the p95 of those is 8,035 and 2.6 % of turns exceed this."""
-
-
-def chunked_prefill_s(latency: LatencyModel, fresh: int, cached: int, cap: int) -> float:
-    """`fresh` tokens on `cached` ones, in chunks of at most `cap` (0: one pass)."""
-    if cap <= 0 or fresh <= cap:
-        return latency.prefill_s(fresh, cached)
-    total = 0.0
-    while fresh > 0:
-        chunk = min(cap, fresh)
-        total += latency.prefill_s(chunk, cached)
-        cached += chunk
-        fresh -= chunk
-    return total
 
 
 def ttft_at_p95(
@@ -60,7 +48,8 @@ def ttft_at_p95(
     for r in band:
         fresh = r.prompt_tokens - r.cached_tokens
         own = latency.prefill_s(fresh, r.cached_tokens)
-        chunked = chunked_prefill_s(latency, fresh, r.cached_tokens, prefill_cap)
+        chunk = prefill_cap if prefill_cap > 0 else r.prompt_tokens  # 0: vLLM cuts nothing
+        chunked = prefill_alone_s(latency, r.prompt_tokens, r.cached_tokens, chunk)
         host = latency.kv_copy_s(r.host_cached_tokens, CopyDirection.H2D)
         sums["own_prefill_s"] += own
         sums["chunking_s"] += chunked - own
