@@ -9,6 +9,7 @@ import random
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ from appliance.sim.core.engine import EngineConfig, SimEngine
 from appliance.sim.engine_io import SimRequest, StepResult
 from appliance.sim.runtime.clock import RealClock, VirtualClock, run_engine_loop
 from tests.vllm_server import run_in_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LAT = LatencyModel.from_profile(bundled_profile())
 BS = 4
@@ -502,6 +505,21 @@ SCHED_WORKLOADS = [
         steps=50,
         n_requests=25,
     ),
+    # The appliance's scheduler (`--scheduler-cls`): the threshold cuts a prompt only while
+    # another prompt runs, waits or loads; beside decodes alone it computes its whole chunk.
+    make_sched_workload(
+        5,
+        block_size=4,
+        num_blocks=40,
+        max_model_len=96,
+        max_num_seqs=6,
+        max_num_batched_tokens=40,
+        long_prefill_token_threshold=12,
+        cap_beside_prefill=True,
+        policy="fcfs",
+        steps=50,
+        n_requests=25,
+    ),
     # Priority: the victim ("lo", admitted first) was already scheduled in the step in which
     # "hi" runs out of blocks, so its tokens go back to the budget.
     {
@@ -554,6 +572,7 @@ def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=w["max_num_batched_tokens"],
         long_prefill_token_threshold=w.get("long_prefill_token_threshold", 0),
+        cap_beside_prefill=w.get("cap_beside_prefill", False),
         policy=w["policy"],
     )
     engine = SimEngine(
@@ -607,6 +626,7 @@ def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
 _VLLM_SCHED_RUNNER = r"""
 import json, os, sys, zlib
 os.environ.pop("PYTHONHASHSEED", None)
+sys.path.insert(0, sys.argv[2])  # the appliance's checkout: its scheduler
 import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -617,6 +637,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from appliance.engines.scheduling.prefill_cap import cap_beside_prefill
 
 STOP = 0
 def token(rid, i):
@@ -636,7 +657,8 @@ def run(model, w):
     kvc = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     cc.num_gpu_blocks = w["num_blocks"]
-    s = Scheduler(vllm_config=vc, kv_cache_config=kvc, log_stats=True, block_size=bs,
+    make = cap_beside_prefill if w.get("cap_beside_prefill") else Scheduler
+    s = make(vllm_config=vc, kv_cache_config=kvc, log_stats=True, block_size=bs,
                   structured_output_manager=StructuredOutputManager(vc))
     hash_fn = get_hash_fn_by_name("sha256")
     kcu.init_none_hash(hash_fn)
@@ -708,6 +730,11 @@ def test_sched_workloads_exercise_what_they_should() -> None:
         sum(1 for s in capped if len(s["sched"]) > 1 and [12] in [[n] for _, n in s["sched"]]) >= 5
     )
     assert any(len(s["sched"]) == 1 and s["sched"][0][1] > 12 for s in capped)
+    beside = run_sched_ours(next(w for w in SCHED_WORKLOADS if w.get("cap_beside_prefill")))
+    # The appliance's scheduler: a chunk over the threshold beside decodes, and cut to it
+    # beside another prompt.
+    assert any(len(s["sched"]) > 1 and max(n for _, n in s["sched"]) > 12 for s in beside)
+    assert any(sorted(n for _, n in s["sched"])[-2:] == [12, 12] for s in beside)
 
 
 def _exact(step: dict[str, Any]) -> dict[str, Any]:
@@ -716,7 +743,9 @@ def _exact(step: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.vllm
 def test_same_schedule_as_vllm_step_for_step(vllm_python: str, tiny_model_dir: Any) -> None:
-    theirs = run_in_vllm(vllm_python, _VLLM_SCHED_RUNNER, SCHED_WORKLOADS, str(tiny_model_dir))
+    theirs = run_in_vllm(
+        vllm_python, _VLLM_SCHED_RUNNER, SCHED_WORKLOADS, str(tiny_model_dir), str(ROOT)
+    )
     for w, want in zip(SCHED_WORKLOADS, theirs, strict=True):
         ours = run_sched_ours(w)
         for i, (a, b) in enumerate(zip(ours, want, strict=False)):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from appliance.config.settings import Settings
 from appliance.engines.supervision.launch import Device, plan_workers
 from appliance.engines.supervision.sim_launch import (
@@ -62,6 +64,7 @@ def test_each_simulated_worker_reads_the_settings_from_vllms_command_line() -> N
     # The scheduler budget the appliance gives its workers (perf/agent_batching.py).
     budget = (config.max_num_batched_tokens, config.long_prefill_token_threshold)
     assert budget == (AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS)
+    assert config.cap_beside_prefill, "the appliance's scheduler, as a real worker's"
 
 
 def test_the_prefill_cap_stays_within_the_window_and_none_leaves_vllms_defaults() -> None:
@@ -74,6 +77,13 @@ def test_the_prefill_cap_stays_within_the_window_and_none_leaves_vllms_defaults(
     assert "--long-prefill-token-threshold" not in argv
     config = worker_config(argv[1:], {})
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (8192, 0)
+    assert not config.cap_beside_prefill
+
+
+def test_a_simulated_worker_refuses_a_scheduler_it_does_not_model() -> None:
+    argv = [*plan_workers(sim_spec(_engine().engine), {})[0].argv[1:], "--scheduler-cls", "x.Y"]
+    with pytest.raises(SystemExit, match="--scheduler-cls"):
+        worker_config(argv, {})
 
 
 def test_only_a_start_that_wakes_a_stopped_worker_models_its_load() -> None:

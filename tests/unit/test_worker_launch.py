@@ -13,6 +13,7 @@ import pytest
 from appliance.config.settings import EngineSettings
 from appliance.domain.errors import ConfigError
 from appliance.engines.retention.plugin import RetentionLaunch
+from appliance.engines.scheduling import SCHEDULER_CLS
 from appliance.engines.supervision.cpu_build import cpu_kv_cache_bytes, split_cpus
 from appliance.engines.supervision.launch import (
     Device,
@@ -285,12 +286,19 @@ def test_workers_get_the_agent_batching_budget_capped_at_the_window() -> None:
     argv = plan_workers(spec_from_settings(engine, python="/p", device=Device.CUDA), {})[0].argv
     assert flag(argv, "--max-num-batched-tokens") == "16384"
     assert flag(argv, "--long-prefill-token-threshold") == "4096"
+    assert flag(argv, "--scheduler-cls") == SCHEDULER_CLS  # the cap only beside a prefill
+    # Without the retention plugin's directory the worker could not import it: vLLM's own.
+    bare = engine.model_copy(update={"kv_retention": False})
+    argv = plan_workers(spec_from_settings(bare, python="/p", device=Device.CUDA), {})[0].argv
+    assert flag(argv, "--long-prefill-token-threshold") == "4096"
+    assert flag(argv, "--scheduler-cls") is None
     short = engine.model_copy(update={"max_model_len": 2048})
     argv = plan_workers(spec_from_settings(short, python="/p", device=Device.CUDA), {})[0].argv
     assert flag(argv, "--long-prefill-token-threshold") == "2048"
     argv = plan_workers(spec_from_settings(engine, python="/p", device=Device.CPU), {})[0].argv
     assert flag(argv, "--max-num-batched-tokens") is None  # the CPU build keeps vLLM's own
     assert flag(argv, "--long-prefill-token-threshold") is None
+    assert flag(argv, "--scheduler-cls") is None
     off = engine.model_copy(
         update={"max_num_batched_tokens": None, "long_prefill_token_threshold": 0}
     )

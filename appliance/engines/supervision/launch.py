@@ -7,6 +7,9 @@ plain tcp endpoint), and loading the appliance's retention connector, whose cont
 connects to tcp://127.0.0.1:(retention base port + i), bound by the appliance too
 (appliance/engines/retention/plugin.py: what it adds to the command and the PYTHONPATH;
 with `engine.kv_host_bytes`, composed with vLLM's host tier: appliance/engines/offload/plan.py).
+With a long prefill threshold, the same plugin directory gives it the appliance's scheduler
+(`--scheduler-cls`, appliance/engines/scheduling/: the threshold cuts a prompt only beside
+another prompt).
 Every worker gets the same block size, hash algorithm and PYTHONHASHSEED as the router, so
 the router can recompute the hashes it sees in events. GPU build: worker i sees its own
 GPUs through CUDA_VISIBLE_DEVICES (PCI bus order, so the indices are NVML's) and shards the
@@ -38,6 +41,7 @@ from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.retention.plugin import RetentionLaunch
+from appliance.engines.scheduling import SCHEDULER_CLS
 from appliance.engines.supervision.cpu_build import cpu_kv_cache_bytes, split_cpus
 from appliance.perf.agent_batching import AGENT_SCHEDULING_POLICY
 
@@ -235,6 +239,8 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.long_prefill_token_threshold:
         args += ["--long-prefill-token-threshold", str(spec.long_prefill_token_threshold)]
+        if spec.retention is not None:  # its plugin directory puts the scheduler on the path
+            args += ["--scheduler-cls", SCHEDULER_CLS]
     if spec.device == Device.CUDA and spec.gpus_per_worker > 1:
         args += ["--tensor-parallel-size", str(spec.gpus_per_worker)]
     if spec.enforce_eager:

@@ -148,6 +148,7 @@ def replay_stack(
             setup,
             max_num_batched_tokens=AGENT_BATCH_TOKENS,
             long_prefill_token_threshold=AGENT_PREFILL_CAP_TOKENS,
+            cap_beside_prefill=True,
             scheduling_policy=AGENT_SCHEDULING_POLICY,
         )
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)  # as `make_engines` hashes
@@ -289,6 +290,7 @@ def worker_settings(engine: SimEngine) -> dict[str, object]:
         "scheduling_policy": engine.policy,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "long_prefill_token_threshold": engine.long_prefill_token_threshold,
+        "cap_beside_prefill": engine.cap_beside_prefill,
     }
 
 

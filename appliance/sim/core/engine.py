@@ -7,7 +7,8 @@ every `step(now)` schedules a batch under a token budget (`max_num_batched_token
 cap on running requests (`max_num_seqs`). RUNNING requests go first, in order: each gets
 what it still needs (the rest of its prompt, else the one token it sampled last), cut to
 `long_prefill_token_threshold` (when set and more than one request runs or waits at the
-step's start) and to the budget; when the cache cannot hold it, the last running request
+step's start; with `cap_beside_prefill`, the appliance's scheduler, more than one of those
+not yet past its prompt) and to the budget; when the cache cannot hold it, the last running request
 (FCFS), or the one with the largest (priority, arrival) (policy "priority"), is preempted
 (blocks freed, computed tokens reset, put back at the head of the waiting queue) and the
 allocation retried, until it fits or the request preempted itself. Only if nobody was
@@ -156,6 +157,7 @@ class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.cap_beside_prefill = config.cap_beside_prefill
         self._chunk = config.max_model_len  # this step's cap per request (`_chunk_cap`)
         self.policy: SchedulingPolicy = config.policy
         self.host = host

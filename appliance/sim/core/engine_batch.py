@@ -40,6 +40,7 @@ class EngineBatching:
     max_num_seqs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
+    cap_beside_prefill: bool
     _chunk: int
     policy: SchedulingPolicy
     cache: PrefixCache
@@ -148,11 +149,21 @@ class EngineBatching:
 
     def _chunk_cap(self) -> int:
         """The most tokens one request computes this step: vLLM's long prefill threshold,
-        but only while another request runs, waits or loads (none to starve otherwise)."""
+        but only while another request runs, waits or loads (none to starve otherwise);
+        with `cap_beside_prefill`, only while another of those is not past its prompt."""
         cap = self.long_prefill_token_threshold
-        if cap and len(self._running) + len(self._waiting) + len(self._loading) > 1:
-            return cap
-        return self.max_model_len
+        if not cap:
+            return self.max_model_len
+        count = len(self._waiting) + len(self._loading)
+        if not self.cap_beside_prefill:
+            count += len(self._running)
+        else:
+            for entry in self._running:
+                if count > 1:
+                    break
+                if entry.cache.num_computed_tokens < entry.cache.num_prompt_tokens:
+                    count += 1
+        return cap if count > 1 else self.max_model_len
 
     def _victim(self) -> RequestState:
         if self.policy == "priority":

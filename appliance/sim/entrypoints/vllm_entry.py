@@ -34,6 +34,7 @@ from typing import Any
 
 from appliance import eventloop
 from appliance.engines.retention.plugin import CONNECTOR_CLASS, RetentionTuning
+from appliance.engines.scheduling import SCHEDULER_CLS
 from appliance.perf.profile import bundled_profile, load_profile
 from appliance.sim.entrypoints.serving import serve_worker
 from appliance.sim.runtime.sleep_mode import SIM_WAKE_S
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--scheduler-cls", default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--kv-offloading-size", type=float, default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true")
@@ -70,6 +72,11 @@ def worker_config(argv: Sequence[str], env: dict[str, str]) -> WorkerConfig:
     wake = tuple(float(s) for s in args.sim_wake_s.split(","))
     if len(wake) != 2:
         raise SystemExit(f"--sim-wake-s takes two seconds, L1,L2; got {args.sim_wake_s!r}")
+    if args.scheduler_cls not in (None, SCHEDULER_CLS):
+        raise SystemExit(
+            f"--scheduler-cls: the simulated worker runs vLLM's scheduler or {SCHEDULER_CLS}; "
+            f"got {args.scheduler_cls!r}"
+        )
     events: dict[str, Any] = json.loads(args.kv_events_config or "{}")
     model_dir = args.model if args.model and Path(args.model).is_dir() else None
     config = WorkerConfig(
@@ -83,6 +90,7 @@ def worker_config(argv: Sequence[str], env: dict[str, str]) -> WorkerConfig:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        cap_beside_prefill=args.scheduler_cls == SCHEDULER_CLS,
         scheduling_policy=args.scheduling_policy,
         kv_events_endpoint=events.get("endpoint") if events.get("enable_kv_cache_events") else None,
         kv_events_topic=events.get("topic", ""),
