@@ -35,7 +35,8 @@ from appliance.engines.clients.vllm_client import VllmClient
 from appliance.engines.retention.client import RetentionClient, WorkerRetention
 from appliance.engines.retention.plugin import RetentionLaunch, RetentionTuning
 from appliance.engines.retention.protocol import GiveBackReason, GivenBack, RetentionReport
-from appliance.engines.supervision.launch import Device, LaunchSpec
+from appliance.engines.scheduling import SCHEDULER_CLS
+from appliance.engines.supervision.launch import Device, LaunchSpec, worker_id
 from appliance.engines.supervision.supervisor import Supervisor, SupervisorTimings
 from tests.loop_thread import LoopThread
 from tests.ports import free_port_block
@@ -299,6 +300,9 @@ def vllm_worker(
         block_size=BLOCK,
         kv_cache_memory_bytes=KV_BYTES,
         max_model_len=4096,
+        # A threshold: the worker also loads the appliance's scheduler (`--scheduler-cls`),
+        # from the same plugin directory as the connector, as a GPU worker does.
+        long_prefill_token_threshold=256,
         enforce_eager=True,
         cpu_ids=tuple(sorted(os.sched_getaffinity(0))),
         extra_env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -316,6 +320,8 @@ def vllm_worker(
     started = time.monotonic()
     loop.run(sup.start())
     print(f"worker with the retention connector up in {time.monotonic() - started:.1f}s")
+    log = sup.log_path(worker_id(0)).read_text(errors="replace")
+    assert f"Using custom scheduler class {SCHEDULER_CLS}" in log, "vLLM's own scheduler ran"
     handle = VllmWorker(loop, sup)
     recorder = handle.record()
     try:
