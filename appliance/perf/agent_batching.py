@@ -4,12 +4,13 @@ An agent's turn appends a little to a long cached prefix, so most prefills are s
 first turn or a miss computes 100k tokens or more. Under vLLM's defaults on an H200 (8192
 tokens a step, no cap per request) such a prefill takes the whole budget of every step it
 runs in, and each short turn that reaches its worker meanwhile waits for all of it. With
-these, a long prefill computes at most `AGENT_PREFILL_CAP_TOKENS` tokens a step while
-another prompt prefills, waits or loads (the workers' scheduler, engines/scheduling/), and
-the rest of a larger step goes to it. Measured on the recorded
-Claude Code sessions (docs/benchmarks.md): TTFT p95 at 160 users on eight simulated H200s
-1.72 -> 1.41 s. The cap is a quarter of the step, not the best of the caps tried (3584 to
-8192 tokens gave 1.36 to 1.51 s, in no order: the spread of one run's p95).
+these, vLLM cuts a long prefill to `AGENT_PREFILL_CAP_TOKENS` tokens a step while others
+run or wait, and the rest of a larger step goes to them. Measured on the recorded Claude
+Code sessions (docs/benchmarks.md): TTFT p95 at 160 users on eight simulated H200s 1.72 ->
+1.41 s. The cap is a quarter of the step, not the best of the caps tried (3584 to 8192
+tokens gave 1.36 to 1.51 s, in no order: the spread of one run's p95). Where the workers
+load the appliance's scheduler (engines/scheduling/: one prompt a step, the shortest first)
+the cap is never applied; it stands where they do not.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ class ReplaySetup:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0
-    cap_beside_prefill: bool = False
-    """The appliance's scheduler: the threshold cuts a prompt only beside another prompt."""
+    prompt_a_step: bool = False
+    """The appliance's scheduler: one prompt a step while two or more are in flight."""
     scheduling_policy: SchedulingPolicy = "fcfs"
     token_seed: int = 0
     host_blocks_per_worker: int = 0
@@ -217,7 +217,7 @@ def make_engines(
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         long_prefill_token_threshold=setup.long_prefill_token_threshold,
-        cap_beside_prefill=setup.cap_beside_prefill,
+        prompt_a_step=setup.prompt_a_step,
         policy=setup.scheduling_policy,
     )
     kind = SleepyEngine if sleepy else SimEngine

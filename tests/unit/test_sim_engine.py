@@ -505,8 +505,9 @@ SCHED_WORKLOADS = [
         steps=50,
         n_requests=25,
     ),
-    # The appliance's scheduler (`--scheduler-cls`): the threshold cuts a prompt only while
-    # another prompt runs, waits or loads; beside decodes alone it computes its whole chunk.
+    # The appliance's scheduler (`--scheduler-cls`): one prompt a step while two or more are
+    # in flight, the first in the queue's order; beside decodes alone it computes its whole
+    # chunk.
     make_sched_workload(
         5,
         block_size=4,
@@ -515,11 +516,65 @@ SCHED_WORKLOADS = [
         max_num_seqs=6,
         max_num_batched_tokens=40,
         long_prefill_token_threshold=12,
-        cap_beside_prefill=True,
+        prompt_a_step=True,
         policy="fcfs",
         steps=50,
         n_requests=25,
     ),
+    # The same under priority: a better-ranked prompt arriving pauses a running one.
+    make_sched_workload(
+        6,
+        block_size=4,
+        num_blocks=40,
+        max_model_len=96,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        prompt_a_step=True,
+        policy="priority",
+        steps=50,
+        n_requests=30,
+    ),
+    # One prompt a step: "short" (priority 0) arrives while "long" prefills beside a
+    # decoding "dec": "long" pauses until "short" has its prompt computed.
+    {
+        "block_size": 4,
+        "num_blocks": 60,
+        "max_model_len": 96,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,
+        "prompt_a_step": True,
+        "policy": "priority",
+        "steps": 4,
+        "requests": [
+            {
+                "id": "dec",
+                "step": 0,
+                "prompt": list(range(1, 4)),
+                "max_tokens": 30,
+                "eos_after": None,
+                "priority": 1,
+                "abort_step": None,
+            },
+            {
+                "id": "long",
+                "step": 1,
+                "prompt": list(range(100, 180)),
+                "max_tokens": 5,
+                "eos_after": None,
+                "priority": 2,
+                "abort_step": None,
+            },
+            {
+                "id": "short",
+                "step": 3,
+                "prompt": list(range(200, 230)),
+                "max_tokens": 5,
+                "eos_after": None,
+                "priority": 0,
+                "abort_step": None,
+            },
+        ],
+    },
     # Priority: the victim ("lo", admitted first) was already scheduled in the step in which
     # "hi" runs out of blocks, so its tokens go back to the budget.
     {
@@ -572,7 +627,7 @@ def run_sched_ours(w: dict[str, Any]) -> list[dict[str, Any]]:
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=w["max_num_batched_tokens"],
         long_prefill_token_threshold=w.get("long_prefill_token_threshold", 0),
-        cap_beside_prefill=w.get("cap_beside_prefill", False),
+        prompt_a_step=w.get("prompt_a_step", False),
         policy=w["policy"],
     )
     engine = SimEngine(
@@ -637,7 +692,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
-from appliance.engines.scheduling.prefill_cap import cap_beside_prefill
+from appliance.engines.scheduling.prompt_a_step import one_prompt_a_step
 
 STOP = 0
 def token(rid, i):
@@ -657,7 +712,7 @@ def run(model, w):
     kvc = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     cc.num_gpu_blocks = w["num_blocks"]
-    make = cap_beside_prefill if w.get("cap_beside_prefill") else Scheduler
+    make = one_prompt_a_step if w.get("prompt_a_step") else Scheduler
     s = make(vllm_config=vc, kv_cache_config=kvc, log_stats=True, block_size=bs,
                   structured_output_manager=StructuredOutputManager(vc))
     hash_fn = get_hash_fn_by_name("sha256")
@@ -730,11 +785,19 @@ def test_sched_workloads_exercise_what_they_should() -> None:
         sum(1 for s in capped if len(s["sched"]) > 1 and [12] in [[n] for _, n in s["sched"]]) >= 5
     )
     assert any(len(s["sched"]) == 1 and s["sched"][0][1] > 12 for s in capped)
-    beside = run_sched_ours(next(w for w in SCHED_WORKLOADS if w.get("cap_beside_prefill")))
-    # The appliance's scheduler: a chunk over the threshold beside decodes, and cut to it
-    # beside another prompt.
-    assert any(len(s["sched"]) > 1 and max(n for _, n in s["sched"]) > 12 for s in beside)
-    assert any(sorted(n for _, n in s["sched"])[-2:] == [12, 12] for s in beside)
+    one = run_sched_ours(next(w for w in SCHED_WORKLOADS if w.get("prompt_a_step")))
+
+    # The appliance's scheduler: one prompt a step, uncut, beside decodes (two only in a
+    # step after one whose first prompt did not fit); vLLM's computes two or more in many.
+    def prompts(step: dict[str, Any]) -> int:
+        return sum(1 for _, n in step["sched"] if n > 1)
+
+    assert any(len(s["sched"]) > 1 and max(n for _, n in s["sched"]) > 12 for s in one)
+    assert sum(prompts(s) > 1 for s in one) <= 2 and sum(prompts(s) > 1 for s in capped) >= 5
+    paused = run_sched_ours(next(w for w in SCHED_WORKLOADS if w.get("steps") == 4))
+    long_steps = [k for k, s in enumerate(paused) if any(r == "long" for r, _ in s["sched"])]
+    gap = set(range(long_steps[0], long_steps[-1])) - set(long_steps)
+    assert gap and all(any(r == "short" for r, _ in paused[k]["sched"]) for k in gap)
 
 
 def _exact(step: dict[str, Any]) -> dict[str, Any]:

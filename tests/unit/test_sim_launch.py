@@ -64,7 +64,7 @@ def test_each_simulated_worker_reads_the_settings_from_vllms_command_line() -> N
     # The scheduler budget the appliance gives its workers (perf/agent_batching.py).
     budget = (config.max_num_batched_tokens, config.long_prefill_token_threshold)
     assert budget == (AGENT_BATCH_TOKENS, AGENT_PREFILL_CAP_TOKENS)
-    assert config.cap_beside_prefill, "the appliance's scheduler, as a real worker's"
+    assert config.prompt_a_step, "the appliance's scheduler, as a real worker's"
 
 
 def test_the_prefill_cap_stays_within_the_window_and_none_leaves_vllms_defaults() -> None:
@@ -77,7 +77,7 @@ def test_the_prefill_cap_stays_within_the_window_and_none_leaves_vllms_defaults(
     assert "--long-prefill-token-threshold" not in argv
     config = worker_config(argv[1:], {})
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (8192, 0)
-    assert not config.cap_beside_prefill
+    assert not config.prompt_a_step
 
 
 def test_a_simulated_worker_refuses_a_scheduler_it_does_not_model() -> None:

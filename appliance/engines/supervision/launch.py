@@ -8,8 +8,8 @@ connects to tcp://127.0.0.1:(retention base port + i), bound by the appliance to
 (appliance/engines/retention/plugin.py: what it adds to the command and the PYTHONPATH;
 with `engine.kv_host_bytes`, composed with vLLM's host tier: appliance/engines/offload/plan.py).
 With a long prefill threshold, the same plugin directory gives it the appliance's scheduler
-(`--scheduler-cls`, appliance/engines/scheduling/: the threshold cuts a prompt only beside
-another prompt).
+(`--scheduler-cls`, appliance/engines/scheduling/: one prompt a step, the first in the
+queue's order, while two or more are in flight).
 Every worker gets the same block size, hash algorithm and PYTHONHASHSEED as the router, so
 the router can recompute the hashes it sees in events. GPU build: worker i sees its own
 GPUs through CUDA_VISIBLE_DEVICES (PCI bus order, so the indices are NVML's) and shards the

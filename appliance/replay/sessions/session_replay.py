@@ -148,7 +148,7 @@ def replay_stack(
             setup,
             max_num_batched_tokens=AGENT_BATCH_TOKENS,
             long_prefill_token_threshold=AGENT_PREFILL_CAP_TOKENS,
-            cap_beside_prefill=True,
+            prompt_a_step=True,
             scheduling_policy=AGENT_SCHEDULING_POLICY,
         )
     hasher = BlockHasher(HashAlgo.SHA256, setup.block_size)  # as `make_engines` hashes
@@ -182,9 +182,7 @@ def replay_stack(
     out |= worker_settings(engines[0])
     out |= policy_metrics(counted, loop.sessions(), workers=setup.workers)
     out["hit_rate"] = out["hit_ratio"]
-    out["ttft_at_p95"] = ttft_at_p95(
-        counted.records, latency, engines[0].long_prefill_token_threshold
-    )
+    out["ttft_at_p95"] = ttft_at_p95(counted.records, latency, prompt_chunk(engines[0]))
     out |= loop_fields(loop)
     out |= restore_fields(ahead)
     out |= usage.fields(window.warmup_s, loop.end_s, loop.ended)
@@ -284,13 +282,21 @@ def plan_fields(plan: Stack) -> dict[str, object]:
     }
 
 
+def prompt_chunk(engine: SimEngine) -> int:
+    """The most tokens of one prompt a worker computes in a step beside other work: the whole
+    step with one prompt a step, else vLLM's long prefill threshold (0: none)."""
+    if engine.prompt_a_step:
+        return engine.max_num_batched_tokens
+    return engine.long_prefill_token_threshold
+
+
 def worker_settings(engine: SimEngine) -> dict[str, object]:
     """The scheduler settings a stack's workers ran with."""
     return {
         "scheduling_policy": engine.policy,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "long_prefill_token_threshold": engine.long_prefill_token_threshold,
-        "cap_beside_prefill": engine.cap_beside_prefill,
+        "prompt_a_step": engine.prompt_a_step,
     }
 
 

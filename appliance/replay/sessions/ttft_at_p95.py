@@ -7,9 +7,9 @@ request's time to first token is read as the latency model's parts (the same
 - `own_prefill_s`: its uncached tokens on its cached ones in one pass, alone on the GPU (what
   the TTFT floor counts, here with the prefix this stack kept, not the best it could);
 - `chunking_s`: what cutting that prefill into the workers' chunks adds (each later chunk
-  reads the cached context again), cut as if always beside another request
-  (`long_prefill_token_threshold`; a request cut only beside another prompt, as the
-  appliance's workers cut, or alone, is not, so this is an upper bound);
+  reads the cached context again), cut as if always beside another request (vLLM's
+  `long_prefill_token_threshold`, the whole step where one prompt computes a step; a
+  request alone is not cut, so this is an upper bound);
 - `host_load_s`: copying its tokens found in the host tier back to HBM, one batched copy;
 - `waiting_s`: the rest: steps shared with other requests' prefills and decodes, queueing,
   waiting for room in the KV pool.

@@ -7,9 +7,11 @@ every `step(now)` schedules a batch under a token budget (`max_num_batched_token
 cap on running requests (`max_num_seqs`). RUNNING requests go first, in order: each gets
 what it still needs (the rest of its prompt, else the one token it sampled last), cut to
 `long_prefill_token_threshold` (when set and more than one request runs or waits at the
-step's start; with `cap_beside_prefill`, the appliance's scheduler, more than one of those
-not yet past its prompt) and to the budget; when the cache cannot hold it, the last running request
-(FCFS), or the one with the largest (priority, arrival) (policy "priority"), is preempted
+step's start; with `prompt_a_step`, the appliance's scheduler, never: there, while two or
+more prompts are in flight, only the first in the queue's order computes prompt tokens, the
+other running prompts pausing and no other request admitted, `engine_batch.py`) and to the
+budget; when the cache cannot hold it, the last running request (FCFS), or the one with the
+largest (priority, arrival) (policy "priority"), is preempted
 (blocks freed, computed tokens reset, put back at the head of the waiting queue) and the
 allocation retried, until it fits or the request preempted itself. Only if nobody was
 preempted, WAITING requests are admitted in queue order: look up the cached prefix,
@@ -157,8 +159,10 @@ class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
-        self.cap_beside_prefill = config.cap_beside_prefill
+        self.prompt_a_step = config.prompt_a_step
         self._chunk = config.max_model_len  # this step's cap per request (`_chunk_cap`)
+        self._first: RequestState | None = None  # this step's one prompt (`_first_prompt`)
+        self._first_stalled = False
         self.policy: SchedulingPolicy = config.policy
         self.host = host
         self.cache = PrefixCache(
@@ -299,6 +303,7 @@ class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
             budget = self._schedule_waiting(scheduled, budget, now)
+        self._note_first(scheduled)
         speculative = lane.schedule(0 if preempted or self._waiting else budget, now)
         outputs, self._pending = self._pending, []
         duration = self._duration(scheduled + speculative)

@@ -40,8 +40,10 @@ class EngineBatching:
     max_num_seqs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
-    cap_beside_prefill: bool
+    prompt_a_step: bool
     _chunk: int
+    _first: RequestState | None
+    _first_stalled: bool
     policy: SchedulingPolicy
     cache: PrefixCache
     prefetches: PrefetchLane
@@ -101,7 +103,41 @@ class EngineBatching:
     def _schedule_running(
         self, scheduled: list[tuple[RequestState, int, int]], preempted: list[str]
     ) -> int:
-        """Schedule running requests (preempting as needed); returns the budget left."""
+        """Schedule running requests (preempting as needed); returns the budget left. With
+        a first prompt (`_first_prompt`), the other running prompts sit this step out, as
+        if not running (the appliance's scheduler hides them from vLLM's)."""
+        self._first = self._first_prompt()
+        if self._first is None:
+            return self._schedule_visible(scheduled, preempted)
+        everyone = self._running
+        paused = [e for e in everyone if e is not self._first and _in_prompt(e)]
+        self._running = [e for e in everyone if e is self._first or not _in_prompt(e)]
+        try:
+            return self._schedule_visible(scheduled, preempted)
+        finally:
+            still = {id(e) for e in self._running} | {id(e) for e in paused}
+            self._running = [e for e in everyone if id(e) in still]
+
+    def _first_prompt(self) -> RequestState | None:
+        """`prompt_a_step`: while two or more prompts are in flight (running requests short
+        of their prompt, waiting and loading ones), the first of them in the queue's order,
+        which alone computes prompt tokens this step; None otherwise, and for one step after
+        the first was not scheduled (it did not fit beside the paused prompts' blocks: they
+        go on, or it would wait for them forever)."""
+        if not self.prompt_a_step or self._first_stalled:
+            return None
+        prompts = [e for e in self._running if _in_prompt(e)]
+        if len(prompts) + len(self._waiting) + len(self._loading) < 2:
+            return None
+        if self._waiting:
+            prompts.append(self._waiting.peek())
+        if not prompts:
+            return None
+        return min(prompts, key=self._waiting.order_key)
+
+    def _schedule_visible(
+        self, scheduled: list[tuple[RequestState, int, int]], preempted: list[str]
+    ) -> int:
         budget = self.max_num_batched_tokens
         running = self._running
         self._chunk = self._chunk_cap()
@@ -147,23 +183,20 @@ class EngineBatching:
             i += 1
         return budget
 
+    def _note_first(self, scheduled: list[tuple[RequestState, int, int]]) -> None:
+        """After the step's scheduling: whether the first prompt was left out."""
+        first = self._first
+        self._first_stalled = first is not None and all(e is not first for e, _, _ in scheduled)
+
     def _chunk_cap(self) -> int:
         """The most tokens one request computes this step: vLLM's long prefill threshold,
         but only while another request runs, waits or loads (none to starve otherwise);
-        with `cap_beside_prefill`, only while another of those is not past its prompt."""
+        none with `prompt_a_step` (one prompt computes a step)."""
         cap = self.long_prefill_token_threshold
-        if not cap:
-            return self.max_model_len
-        count = len(self._waiting) + len(self._loading)
-        if not self.cap_beside_prefill:
-            count += len(self._running)
-        else:
-            for entry in self._running:
-                if count > 1:
-                    break
-                if entry.cache.num_computed_tokens < entry.cache.num_prompt_tokens:
-                    count += 1
-        return cap if count > 1 else self.max_model_len
+        in_flight = len(self._running) + len(self._waiting) + len(self._loading)
+        if cap and not self.prompt_a_step and in_flight > 1:
+            return cap
+        return self.max_model_len
 
     def _victim(self) -> RequestState:
         if self.policy == "priority":
@@ -178,9 +211,15 @@ class EngineBatching:
     def _schedule_waiting(
         self, scheduled: list[tuple[RequestState, int, int]], budget: int, now: float
     ) -> int:
-        """Admit waiting requests in queue order; returns the budget left."""
+        """Admit waiting requests in queue order; returns the budget left. With a first
+        prompt, only it: none while it runs, one (at most) while it waits at the head."""
         waiting, cache = self._waiting, self.cache
-        while budget > 0 and waiting and len(self._running) < self.max_num_seqs:
+        limit = self.max_num_seqs
+        if self._first is not None:
+            if not waiting or waiting.peek() is not self._first:
+                return budget
+            limit = min(limit, len(self._running) + 1)
+        while budget > 0 and waiting and len(self._running) < limit:
             entry = waiting.peek()
             creq = entry.cache
             hit = cache.lookup(creq) if creq.num_computed_tokens == 0 else NO_HIT
@@ -238,3 +277,8 @@ class EngineBatching:
         if chunks > 1:
             prefill_s -= (chunks - 1) * latency.prefill.overhead_s
         return prefill_s + (latency.decode_step_s(batch, context) if batch else 0.0)
+
+
+def _in_prompt(entry: RequestState) -> bool:
+    """Not yet past its prompt (a preempted request recomputes its output after it)."""
+    return entry.cache.num_computed_tokens < entry.cache.num_prompt_tokens

@@ -21,9 +21,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0
     """The most tokens one request computes in a step while others wait or run (0: no cap)."""
-    cap_beside_prefill: bool = False
-    """The threshold cuts a prompt only while another prompt prefills, waits or loads (the
-    appliance's `--scheduler-cls`, `appliance/engines/scheduling/prefill_cap.py`)."""
+    prompt_a_step: bool = False
+    """One prompt computes a step while two or more are in flight, the first in the queue's
+    order (the appliance's `--scheduler-cls`, `appliance/engines/scheduling/`)."""
     enable_prefix_caching: bool = True
     policy: SchedulingPolicy = "fcfs"
     enable_kv_events: bool = True

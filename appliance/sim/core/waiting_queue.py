@@ -90,6 +90,12 @@ class WaitingQueue:
         else:
             self._fifo.appendleft(e)
 
+    def order_key(self, e: RequestState) -> tuple[object, ...]:
+        """Where `e` would stand in this queue: priority, then arrival (vLLM's
+        `Request.__lt__`); arrival alone under FCFS."""
+        key = e.priority_key()
+        return key if self.priority else key[1:]
+
     def peek(self) -> RequestState:
         return self._heap[0][1] if self.priority else self._fifo[0]
 

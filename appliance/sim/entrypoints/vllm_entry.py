@@ -90,7 +90,7 @@ def worker_config(argv: Sequence[str], env: dict[str, str]) -> WorkerConfig:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        cap_beside_prefill=args.scheduler_cls == SCHEDULER_CLS,
+        prompt_a_step=args.scheduler_cls == SCHEDULER_CLS,
         scheduling_policy=args.scheduling_policy,
         kv_events_endpoint=events.get("endpoint") if events.get("enable_kv_cache_events") else None,
         kv_events_topic=events.get("topic", ""),

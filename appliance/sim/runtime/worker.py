@@ -81,7 +81,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0
-    cap_beside_prefill: bool = False
+    prompt_a_step: bool = False
     """Started with the appliance's `--scheduler-cls` (`engines/scheduling/`)."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     output_mode: Literal["lorem", "echo"] = "lorem"
@@ -373,6 +373,6 @@ def _engine_config(config: WorkerConfig, num_blocks: int) -> EngineConfig:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
-        cap_beside_prefill=config.cap_beside_prefill,
+        prompt_a_step=config.prompt_a_step,
         policy=config.scheduling_policy,
     )
