@@ -41,8 +41,8 @@ from appliance.domain.records import WorkerId
 from appliance.domain.worker import WORKER_KEEPALIVE_S
 from appliance.engines.offload.plan import HostTierPlan, transfer_config
 from appliance.engines.retention.plugin import RetentionLaunch
-from appliance.engines.scheduling import SCHEDULER_CLS
 from appliance.engines.supervision.cpu_build import cpu_kv_cache_bytes, split_cpus
+from appliance.engines.supervision.step_budget import cpu_step_budget, scheduler_argv
 from appliance.perf.agent_batching import AGENT_SCHEDULING_POLICY
 
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
@@ -235,12 +235,11 @@ def _argv(spec: LaunchSpec, index: int) -> tuple[str, ...]:
         args += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.4g}"]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
-    if spec.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
-    if spec.long_prefill_token_threshold:
-        args += ["--long-prefill-token-threshold", str(spec.long_prefill_token_threshold)]
-        if spec.retention is not None:  # its plugin directory puts the scheduler on the path
-            args += ["--scheduler-cls", SCHEDULER_CLS]
+    args += scheduler_argv(
+        spec.max_num_batched_tokens,
+        spec.long_prefill_token_threshold,
+        plugins=spec.retention is not None,
+    )
     if spec.device == Device.CUDA and spec.gpus_per_worker > 1:
         args += ["--tensor-parallel-size", str(spec.gpus_per_worker)]
     if spec.enforce_eager:
@@ -343,12 +342,13 @@ def spec_from_settings(
         gpu_ids = tuple(engine.gpus)
     if device == Device.CPU and kv_cache_memory_bytes is None and free_memory_bytes is not None:
         kv_cache_memory_bytes = cpu_kv_cache_bytes(free_memory_bytes, engine.workers)
+    fields = engine_launch_fields(engine, engine.max_model_len)
     return LaunchSpec(
         model=engine.model,
         served_model_name=engine.served_model_name or default_served_name(engine.model),
         python=python,
         device=device,
-        **_step_budget(engine_launch_fields(engine, engine.max_model_len), device),
+        **(cpu_step_budget(fields) if device == Device.CPU else fields),
         gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         enforce_eager=device == Device.CPU,
@@ -385,14 +385,6 @@ def engine_launch_fields(engine: EngineSettings, window: int | None) -> dict[str
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "long_prefill_token_threshold": cap if window is None else min(cap, window),
     }
-
-
-def _step_budget(fields: dict[str, Any], device: Device) -> dict[str, Any]:
-    """The CPU build keeps vLLM's own step budget: its steps run on the cores, where a
-    larger one only makes every step longer."""
-    if device == Device.CPU:
-        return fields | {"max_num_batched_tokens": None, "long_prefill_token_threshold": 0}
-    return fields
 
 
 def _structured_outputs(engine: EngineSettings) -> dict[str, object]:

@@ -161,8 +161,6 @@ class SimEngine(EngineBatching, EngineSessions, EngineFastPath):
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.prompt_a_step = config.prompt_a_step
         self._chunk = config.max_model_len  # this step's cap per request (`_chunk_cap`)
-        self._first: RequestState | None = None  # this step's one prompt (`_first_prompt`)
-        self._first_stalled = False
         self.policy: SchedulingPolicy = config.policy
         self.host = host
         self.cache = PrefixCache(

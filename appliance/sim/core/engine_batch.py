@@ -42,8 +42,10 @@ class EngineBatching:
     long_prefill_token_threshold: int
     prompt_a_step: bool
     _chunk: int
-    _first: RequestState | None
-    _first_stalled: bool
+    _first: RequestState | None = None
+    """This step's one prompt (`_first_prompt`)."""
+    _first_stalled = False
+    """The first prompt of the step before was left out of it (`_note_first`)."""
     policy: SchedulingPolicy
     cache: PrefixCache
     prefetches: PrefetchLane
